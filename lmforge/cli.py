@@ -1,0 +1,115 @@
+"""`lmforge <verb>`: parses arguments and calls the library; nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from lmforge import __version__
+from lmforge.errors import UserError
+
+# The verbs of the CLI contract, in the order `--help` lists them. Those not in BUILT yet
+# say so in one line and exit 2.
+VERBS = {
+    "quickstart": "train a tiny model end to end on text already on this machine",
+    "preprocess": "tokenize JSONL/text into Megatron .bin/.idx files",
+    "tokenizer": "train a byte-level BPE tokenizer",
+    "pretrain": "pretrain or continue pretraining from a YAML recipe",
+    "finetune": "fine-tune (SFT, classification, MLM) from a YAML recipe",
+    "compile": "warm the torch.compile cache that a following run reuses",
+    "import-hf": "convert a Hugging Face model folder into an lmforge model folder",
+    "export-hf": "write an lmforge model folder as a Hugging Face folder",
+    "generate": "generate text from a model folder",
+    "serve": "serve a model over an OpenAI-compatible HTTP API with a chat page",
+    "compare": "plot and tabulate several runs side by side",
+    "bench": "benchmarks: train, preprocess, generate, scaling",
+}
+
+
+def _import_hf(args: argparse.Namespace) -> None:
+    from lmforge.models import build, num_parameters
+    from lmforge.models.hf import import_hf
+    from lmforge.models.io import parse_dtype
+
+    cfg = import_hf(args.hf_dir, args.out_dir, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    n = num_parameters(build(cfg, device="meta"))
+    print(f"imported {cfg.family} model ({n / 1e6:.1f}M parameters) from {args.hf_dir} to {args.out_dir}")
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    from lmforge.models.hf import export_hf
+    from lmforge.models.io import parse_dtype
+
+    hf = export_hf(args.checkpoint_dir, args.out_dir, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    print(f"exported {hf['architectures'][0]} to {args.out_dir}")
+
+
+def _add_import_hf(p: argparse.ArgumentParser) -> None:
+    p.add_argument("hf_dir", help="folder with config.json and safetensors / pytorch_model.bin weights")
+    p.add_argument("out_dir", help="lmforge model folder to create")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: keep)")
+    p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    p.set_defaults(func=_import_hf)
+
+
+def _add_export_hf(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint_dir", help="lmforge model folder (lmforge.json + safetensors)")
+    p.add_argument("out_dir", help="Hugging Face folder to create")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: keep)")
+    p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    p.set_defaults(func=_export_hf)
+
+
+BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "import-hf": _add_import_hf,
+    "export-hf": _add_export_hf,
+}
+
+
+def _planned(verb: str) -> Callable[[argparse.Namespace], None]:
+    def run(args: argparse.Namespace) -> None:
+        print(f"lmforge {verb}: not built yet in lmforge {__version__}", file=sys.stderr)
+        raise SystemExit(2)
+
+    return run
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmforge", description="From raw text to a trained, served language model.")
+    p.add_argument("--version", action="version", version=f"lmforge {__version__}")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+
+    for verb, text in VERBS.items():
+        if verb in BUILT:
+            BUILT[verb](sub.add_parser(verb, help=text, description=text))
+        else:
+            planned = sub.add_parser(verb, help=f"{text} (not built yet)", add_help=False)
+            planned.add_argument("rest", nargs=argparse.REMAINDER)
+            planned.set_defaults(func=_planned(verb))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.verb is None:
+        parser().print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

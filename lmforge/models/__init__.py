@@ -1,0 +1,13 @@
+"""Models: one decoder for GPT-NeoX/Pythia, Llama 2, GPT-2 and GPT-J, and BERT."""
+
+from lmforge.models.build import as_config, build, init_weights, num_parameters
+from lmforge.models.config import ModelConfig
+from lmforge.models.decoder import Decoder
+from lmforge.models.encoder import Bert
+from lmforge.models.io import load_pretrained
+from lmforge.models.presets import PRESETS, preset
+
+__all__ = [
+    "PRESETS", "Bert", "Decoder", "ModelConfig", "as_config", "build", "init_weights", "load_pretrained",
+    "num_parameters", "preset",
+]

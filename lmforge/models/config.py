@@ -1,0 +1,119 @@
+"""ModelConfig: every switch that separates GPT-NeoX/Pythia, Llama 2, GPT-2, GPT-J and BERT.
+
+One decoder (and one encoder for BERT) reads these switches; a family is a set of values,
+not a class. Names follow the words Megatron/NeMo and Hugging Face users already know.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmforge.config import closest
+from lmforge.errors import UserError
+
+FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
+POSITION_EMBEDDINGS = ("rotary", "learned")
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    vocab_size: int  # ids the model can see; rows past it are Megatron padding (see padded_vocab_size)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None  # grouped-query attention when < num_heads (Llama-2-70B: 8)
+    head_dim: int | None = None  # default hidden_size // num_heads
+    intermediate_size: int | None = None  # default 4 * hidden_size
+    max_position_embeddings: int = 2048
+
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_position: str = "pre"  # "post" for BERT: x = norm(x + f(x))
+    activation: str = "gelu"
+    gated_mlp: bool = False  # SwiGLU: down(act(gate(x)) * up(x))
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x))  (NeoX, GPT-J)
+    shared_norm: bool = False  # GPT-J: one norm feeds both attention and MLP
+
+    position_embedding: str = "rotary"
+    rotary_pct: float = 1.0  # fraction of each head that rotates (Pythia/NeoX 0.25, GPT-J 64/256)
+    rotary_base: float = 10000.0
+    rotary_interleaved: bool = False  # the HF checkpoint pairs dims (2i, 2i+1) (GPT-J), not (i, i+r/2)
+
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    lm_head_bias: bool = False
+    tie_embeddings: bool = False
+    causal: bool = True
+    type_vocab_size: int = 0  # BERT token-type (segment) embeddings
+    num_labels: int = 0  # > 0: sequence-classification head instead of the LM/MLM head
+    pooler: bool = False  # BERT pooler (dense + tanh over [CLS]); implied by num_labels > 0
+
+    make_vocab_size_divisible_by: int = 128
+    init_std: float = 0.02
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_choice("family", FAMILIES)
+        self._check_choice("norm", NORMS)
+        self._check_choice("norm_position", ("pre", "post"))
+        self._check_choice("activation", ACTIVATIONS)
+        self._check_choice("position_embedding", POSITION_EMBEDDINGS)
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise UserError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}: "
+                    "change one of them or set head_dim"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        if self.num_heads % self.num_kv_heads:
+            raise UserError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
+                "each key/value head must serve the same number of query heads"
+            )
+        if self.num_labels > 0:
+            self.pooler = self.pooler or self.family == "bert"
+        if self.position_embedding == "rotary":
+            if not 0.0 < self.rotary_pct <= 1.0:
+                raise UserError(f"rotary_pct must be in (0, 1], got {self.rotary_pct}")
+            if self.rotary_dim % 2 or (self.head_dim - self.rotary_dim) % 2:
+                raise UserError(
+                    f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} gives {self.rotary_dim} rotary "
+                    "dims: both the rotary and the pass-through part must be even"
+                )
+
+    def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            hint = closest(str(value), choices)
+            raise UserError(f"unknown {name} '{value}'{hint}: choose one of {', '.join(choices)}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that rotate; floor like GPT-NeoX's int(head_dim * rotary_pct)."""
+        return int(self.head_dim * self.rotary_pct + 1e-6) if self.position_embedding == "rotary" else 0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding rows: vocab_size rounded up to a multiple of make_vocab_size_divisible_by (Megatron).
+
+        The extra rows exist for GEMM shapes and (later) tensor-parallel divisibility; logits and
+        exports only ever cover the first vocab_size rows.
+        """
+        multiple = max(1, self.make_vocab_size_divisible_by)
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.family != "bert"

@@ -1,0 +1,67 @@
+"""One decoder for GPT-NeoX/Pythia, Llama 2, GPT-2 and GPT-J: embeddings, blocks, norm, head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.models.config import ModelConfig
+from lmforge.models.layers import Block, make_norm, padding_mask
+from lmforge.models.rope import RotaryEmbedding
+
+
+class Decoder(nn.Module):
+    # Parameters whose first dimension is the padded vocabulary (rows past vocab_size are padding).
+    vocab_parameters = ("embed.weight", "lm_head.weight", "lm_head.bias")
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        learned = cfg.position_embedding == "learned"
+        self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
+        self.rope = RotaryEmbedding(cfg) if cfg.position_embedding == "rotary" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = None
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=cfg.lm_head_bias)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states (batch, seq, hidden). attention_mask: 1 = token, 0 = padding."""
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(position_ids)
+        x = self.drop(x)
+        rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
+        mask = padding_mask(attention_mask, True) if attention_mask is not None else None
+        for layer in self.layers:
+            x = layer(x, rope, mask)
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the real vocabulary only: the padding rows are sliced off the head
+        (a contiguous view, no copy), so they never reach a loss, a softmax or a sample."""
+        v = self.config.vocab_size
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        bias = self.lm_head.bias if self.lm_head is not None else None
+        return F.linear(h, weight[:v], bias[:v] if bias is not None else None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, attention_mask, position_ids))
+

@@ -1,0 +1,128 @@
+"""Hugging Face checkpoints in and out, one small adapter per family."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from lmforge.config import closest
+from lmforge.errors import UserError
+from lmforge.fsutil import atomic_dir
+from lmforge.models.build import build
+from lmforge.models.config import ModelConfig
+from lmforge.models.hf.base import SIDE_FILES, HFAdapter, HFWeights, Source, export_tensors, import_tensors
+from lmforge.models.hf.bert import BertAdapter
+from lmforge.models.hf.gpt2 import GPT2Adapter
+from lmforge.models.hf.gpt_neox import GPTNeoXAdapter
+from lmforge.models.hf.gptj import GPTJAdapter
+from lmforge.models.hf.llama import LlamaAdapter
+from lmforge.models.io import (
+    copy_side_files,
+    is_model_dir,
+    read_config,
+    read_tensors,
+    write_config,
+    write_safetensors,
+)
+
+log = logging.getLogger(__name__)
+
+ADAPTERS: dict[str, HFAdapter] = {
+    a.model_type: a for a in (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter(), GPTJAdapter(), BertAdapter())
+}
+
+
+def adapter_for(model_type: str) -> HFAdapter:
+    if model_type not in ADAPTERS:
+        raise UserError(f"unsupported model_type '{model_type}'{closest(model_type, ADAPTERS)}: "
+                        f"lmforge converts {', '.join(ADAPTERS)}")
+    return ADAPTERS[model_type]
+
+
+def is_hf_dir(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def read_hf_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise UserError(f"model folder '{folder}' does not exist")
+    if not path.is_file():
+        raise UserError(f"no config.json in '{folder}': point at a Hugging Face model folder")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"'{path}' is not valid JSON ({e})") from None
+    if "model_type" not in hf:
+        raise UserError(f"'{path}' has no model_type: it is not a transformers model config")
+    return hf
+
+
+def hf_tensors(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The ModelConfig of an HF folder and a stream of its tensors in lmforge layout.
+
+    When the stream ends, every checkpoint tensor must have been used or be known-ignorable:
+    a leftover weight means the model has a part lmforge would silently drop.
+    """
+    hf = read_hf_config(folder)
+    adapter = adapter_for(hf["model_type"])
+    weights = HFWeights(folder)
+    try:
+        cfg = adapter.config_from_hf(hf, weights.keys())
+    except KeyError as e:
+        kind = hf["model_type"]
+        raise UserError(f"config.json in '{folder}' lacks the field {e} that a {kind} config needs") from None
+    model = build(cfg, device="meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    source = Source(weights, adapter.aliases)
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from import_tensors(adapter.mapping(cfg), cfg, shapes, model.vocab_parameters, source)
+        left = [k for k in weights.keys() if k not in source.used and not any(p in k for p in adapter.ignorable)]
+        if left:
+            raise UserError(f"checkpoint has {len(left)} tensor(s) a {cfg.family} model has no place for, first "
+                            f"'{left[0]}': this variant is not supported")
+        dropped = [k for k in weights.keys() if k not in source.used]
+        if dropped:
+            log.info("dropped %d unused checkpoint entries (e.g. %s)", len(dropped), dropped[0])
+
+    return cfg, stream()
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+              overwrite: bool = False) -> ModelConfig:
+    """Convert a Hugging Face folder into an lmforge model folder (written atomically)."""
+    hf_dir = Path(hf_dir)
+    cfg, tensors = hf_tensors(hf_dir)
+    with atomic_dir(out_dir, overwrite) as tmp:
+        write_safetensors(tensors, tmp, dtype)
+        copy_side_files(hf_dir, tmp, SIDE_FILES)
+        write_config(tmp, cfg, source={"hf_dir": str(hf_dir.resolve()), "model_type": cfg.family})
+    return cfg
+
+
+def export_hf(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+              overwrite: bool = False) -> dict:
+    """Write an lmforge model folder as a Hugging Face folder transformers loads directly."""
+    model_dir = Path(model_dir)
+    if not is_model_dir(model_dir):
+        raise UserError(f"'{model_dir}' is not an lmforge model folder (no lmforge.json)")
+    cfg = read_config(model_dir)
+    adapter = adapter_for(cfg.family)
+    hf = adapter.config_to_hf(cfg)
+    get = read_tensors(model_dir)
+    model = build(cfg, device="meta")
+    with atomic_dir(out_dir, overwrite) as tmp:
+        write_safetensors(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get), tmp, dtype)
+        if dtype is not None:
+            hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        copy_side_files(model_dir, tmp, SIDE_FILES)
+    return hf
+
+
+__all__ = ["ADAPTERS", "adapter_for", "export_hf", "hf_tensors", "import_hf", "is_hf_dir", "read_hf_config"]

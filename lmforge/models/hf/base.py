@@ -1,0 +1,294 @@
+"""Reading and writing Hugging Face checkpoints, and what every family adapter shares.
+
+An adapter (one small file per family) maps config.json <-> ModelConfig and streams tensors
+HF name <-> lmforge name, one layer at a time, so memory stays near one shard, not one model.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+from lmforge.models.rope import rotary_permutation
+
+# Files copied along with the weights (tokenizer and generation settings).
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "generation_config.json",
+)
+
+Tensors = Iterator[tuple[str, torch.Tensor]]
+# Kinds of mapping row: how an HF tensor becomes an lmforge one.
+PLAIN = "plain"  # same layout
+CONV1D = "conv1d"  # GPT-2 Conv1D: 2-D weights stored transposed
+QKV_GROUPED = "qkv_grouped"  # one fused tensor already in [heads, 3, head_dim] order (GPT-NeoX)
+QKV_STACKED = "qkv_stacked"  # one fused Conv1D tensor in [q; k; v] order (GPT-2)
+QKV_SEPARATE = "qkv_separate"  # three tensors q, k, v (Llama, GPT-J, BERT)
+Mapping = list[tuple[str, "str | tuple[str, str, str]", str]]
+
+
+class HFWeights:
+    """Lazy read access to the tensors of an HF folder: safetensors or weights-only pickles,
+    single files or sharded with an index."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._where: dict[str, Path] = {}
+        self._open: dict[Path, object] = {}
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = folder / index_name
+            if index.exists():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._where = {k: folder / v for k, v in weight_map.items()}
+                break
+        else:
+            for name in ("model.safetensors", "pytorch_model.bin"):
+                if (folder / name).exists():
+                    self._where = {k: folder / name for k in self._keys_of(folder / name)}
+                    break
+        if not self._where:
+            raise UserError(
+                f"no weights in '{folder}': expected model.safetensors, pytorch_model.bin or a sharded index"
+            )
+        missing = sorted({str(p.name) for p in self._where.values() if not p.exists()})
+        if missing:
+            raise UserError(f"weight shard(s) {', '.join(missing)} named by the index are missing in '{folder}'")
+
+    def _file(self, path: Path):
+        if path not in self._open:
+            if path.suffix == ".safetensors":
+                self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+            else:
+                self._open[path] = _load_weights_only(path)
+        return self._open[path]
+
+    def _keys_of(self, path: Path) -> list[str]:
+        return list(self._file(path).keys())
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self._file(self._where[name])
+        return f.get_tensor(name) if hasattr(f, "get_tensor") else f[name]
+
+
+def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"'{path}' is not a weights-only PyTorch file ({first}); lmforge never unpickles arbitrary "
+            "objects: convert it to safetensors with a tool you trust"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"'{path}' does not hold a flat name -> tensor state dict")
+    return state
+
+
+class Source:
+    """What an adapter reads from: shape-checked tensors by name, and which names it used."""
+
+    def __init__(self, weights: HFWeights, aliases: Callable[[str], list[str]] | None = None):
+        self.weights = weights
+        self.used: set[str] = set()
+        self._aliases = aliases or (lambda name: [])
+
+    def has(self, name: str) -> bool:
+        return any(n in self.weights for n in [name, *self._aliases(name)])
+
+    def __call__(self, name: str, *shape: int) -> torch.Tensor:
+        for candidate in [name, *self._aliases(name)]:
+            if candidate in self.weights:
+                t = self.weights.get(candidate)
+                if tuple(t.shape) != shape:
+                    raise UserError(
+                        f"tensor '{candidate}' has shape {tuple(t.shape)} in the checkpoint but config.json "
+                        f"implies {shape}: the weights do not belong to this config"
+                    )
+                self.used.add(candidate)
+                return t
+        raise UserError(f"tensor '{name}' is missing from the checkpoint in '{self.weights.folder}'")
+
+
+class HFAdapter:
+    """One per family: config.json <-> ModelConfig, and a table of lmforge <-> HF tensor names.
+
+    `mapping(cfg)` lists (lmforge name, HF name(s), kind) in checkpoint order, layer by layer;
+    the generic import_tensors/export_tensors below do the transposes, q/k/v fusing, rotary
+    permutation and vocabulary padding that the kind implies.
+    """
+
+    model_type: str
+    # Checkpoint entries that are not weights (old buffers, unused heads) and may be dropped.
+    ignorable: tuple[str, ...] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias",
+                                  "attention.bias", "attention.masked_bias", "position_ids")
+
+    def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
+        raise NotImplementedError
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict:
+        raise NotImplementedError
+
+    def mapping(self, cfg: ModelConfig) -> Mapping:
+        raise NotImplementedError
+
+    def aliases(self, name: str) -> list[str]:
+        """Other names the same tensor goes by in older checkpoints."""
+        return []
+
+
+# --- shared tensor surgery -------------------------------------------------------------------
+
+
+def pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Append zero rows up to padded_vocab_size (Megatron's make_vocab_size_divisible_by)."""
+    extra = cfg.padded_vocab_size - t.shape[0]
+    return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t
+
+
+def unpad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return t[: cfg.vocab_size]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Separate q/k/v rows -> lmforge's grouped [kv_heads, q_per_kv + 2, head_dim] rows."""
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(kv, -1, d, *rest)
+    return torch.cat([q, k.reshape(kv, 1, d, *rest), v.reshape(kv, 1, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    rest = qkv.shape[1:]
+    g = qkv.reshape(kv, -1, d, *rest)
+    return (g[:, :-2].reshape(-1, *rest), g[:, -2].reshape(-1, *rest), g[:, -1].reshape(-1, *rest))
+
+
+def permute_rotary(qkv: torch.Tensor, cfg: ModelConfig, inverse: bool = False) -> torch.Tensor:
+    """Reorder the q and k rows of each head into lmforge's full-head rotary pairing (rope.py)."""
+    if cfg.position_embedding != "rotary":
+        return qkv
+    perm = rotary_permutation(cfg.head_dim, cfg.rotary_dim, cfg.rotary_interleaved)
+    if torch.equal(perm, torch.arange(cfg.head_dim)):
+        return qkv
+    if inverse:
+        perm = torch.argsort(perm)
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    rest = qkv.shape[1:]
+    g = qkv.reshape(kv, -1, d, *rest).clone()
+    g[:, :-1] = g[:, :-1, perm]  # query heads and the key head; values keep their order
+    return g.reshape(-1, *rest)
+
+
+def conv1d(t: torch.Tensor) -> torch.Tensor:
+    """GPT-2 stores Linear weights transposed (its Conv1D is x @ W with W of shape (in, out))."""
+    return t.t().contiguous()
+
+
+def layer_norm(get: Source, prefix: str, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return get(f"{prefix}.weight", d), get(f"{prefix}.bias", d)
+
+
+# --- the generic converter: adapters describe, these two functions do -------------------------
+
+
+_ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
+                "swish": "silu", "relu": "relu"}
+_ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu", "relu": "relu"}
+
+
+def activation_from_hf(name: str) -> str:
+    if name not in _ACT_FROM_HF:
+        raise UserError(f"activation '{name}' in config.json is not supported: lmforge has {', '.join(_ACT_FROM_HF)}")
+    return _ACT_FROM_HF[name]
+
+
+def activation_to_hf(name: str) -> str:
+    return _ACT_TO_HF[name]
+
+
+def _qkv_rows(cfg: ModelConfig) -> tuple[int, int]:
+    return cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+
+def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                   vocab_params: tuple[str, ...], get: Source) -> Tensors:
+    """Yield lmforge (name, tensor) for each mapping row, checking every HF shape on the way."""
+    q_rows, kv_rows = _qkv_rows(cfg)
+    for ours, theirs, kind in mapping:
+        shape = shapes[ours]
+        rest = shape[1:]
+        if ours in vocab_params:
+            shape = (cfg.vocab_size, *rest)
+        if kind == PLAIN:
+            t = get(theirs, *shape)
+        elif kind == CONV1D:
+            t = get(theirs, *shape[::-1]).t() if len(shape) == 2 else get(theirs, *shape)
+        else:
+            if kind == QKV_GROUPED:
+                t = get(theirs, *shape)
+            elif kind == QKV_STACKED:  # GPT-2 c_attn: [q; k; v] columns of a Conv1D
+                t = get(theirs, *shape[::-1]).t() if len(shape) == 2 else get(theirs, *shape)
+                t = fuse_qkv(*t.split([q_rows, kv_rows, kv_rows]), cfg)
+            else:
+                qn, kn, vn = theirs
+                t = fuse_qkv(get(qn, q_rows, *rest), get(kn, kv_rows, *rest), get(vn, kv_rows, *rest), cfg)
+            t = permute_rotary(t, cfg)
+        if ours in vocab_params:
+            t = pad_vocab(t, cfg)
+        yield ours, t.contiguous()
+
+
+def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, ...],
+                   get: Callable[[str], torch.Tensor]) -> Tensors:
+    """Yield HF (name, tensor) for each mapping row: the exact inverse of import_tensors."""
+    for ours, theirs, kind in mapping:
+        t = get(ours)
+        if ours in vocab_params:
+            t = unpad_vocab(t, cfg)
+        if kind == PLAIN:
+            yield theirs, t.contiguous()
+        elif kind == CONV1D:
+            yield theirs, (t.t() if t.dim() == 2 else t).contiguous()
+        else:
+            t = permute_rotary(t, cfg, inverse=True)
+            if kind == QKV_GROUPED:
+                yield theirs, t.contiguous()
+            elif kind == QKV_STACKED:
+                t = torch.cat(split_qkv(t, cfg))
+                yield theirs, (t.t() if t.dim() == 2 else t).contiguous()
+            else:
+                for name, part in zip(theirs, split_qkv(t, cfg), strict=True):
+                    yield name, part.contiguous()
+
+
+def rope_scaling_check(hf: dict) -> None:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise UserError(f"rope scaling '{kind}' in config.json is not supported yet: lmforge implements plain RoPE")
+
+
+def module_rows(ours: str, theirs: str, bias: bool, kind: str = PLAIN) -> Mapping:
+    """Mapping rows for one module's weight (and bias)."""
+    params = ("weight", "bias") if bias else ("weight",)
+    return [(f"{ours}.{p}", f"{theirs}.{p}", kind) for p in params]
+
+
+def qkv_rows(ours: str, q: str, k: str, v: str, bias: bool) -> Mapping:
+    """Mapping rows fusing three separate q/k/v projections into lmforge's qkv."""
+    params = ("weight", "bias") if bias else ("weight",)
+    return [(f"{ours}.{p}", (f"{q}.{p}", f"{k}.{p}", f"{v}.{p}"), QKV_SEPARATE) for p in params]

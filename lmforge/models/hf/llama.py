@@ -1,0 +1,98 @@
+"""Llama 2 <-> Hugging Face LlamaForCausalLM (grouped-query attention included)."""
+
+from __future__ import annotations
+
+from lmforge.models.config import ModelConfig
+from lmforge.models.hf.base import (
+    PLAIN,
+    HFAdapter,
+    Mapping,
+    activation_from_hf,
+    activation_to_hf,
+    module_rows,
+    qkv_rows,
+    rope_scaling_check,
+)
+
+
+class LlamaAdapter(HFAdapter):
+    model_type = "llama"
+
+    def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
+        rope_scaling_check(hf)
+        rope = hf.get("rope_parameters") or {}
+        heads = hf["num_attention_heads"]
+        return ModelConfig(
+            family="llama",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf["intermediate_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            norm="rmsnorm",
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            activation=activation_from_hf(hf.get("hidden_act", "silu")),
+            gated_mlp=True,
+            rotary_pct=rope.get("partial_rotary_factor", 1.0),
+            rotary_base=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+            init_std=hf.get("initializer_range", 0.02),
+            attention_dropout=hf.get("attention_dropout", 0.0),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict:
+        rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+        if cfg.rotary_pct != 1.0:
+            rope["partial_rotary_factor"] = cfg.rotary_pct
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.intermediate_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.norm_eps,
+            "hidden_act": activation_to_hf(cfg.activation),
+            "rope_theta": cfg.rotary_base,  # read by transformers 4.x
+            "rope_parameters": rope,  # read by transformers 5.x
+            "attention_bias": cfg.attention_bias,
+            "mlp_bias": cfg.mlp_bias,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "initializer_range": cfg.init_std,
+            "attention_dropout": cfg.attention_dropout,
+            "bos_token_id": cfg.bos_token_id,
+            "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.pad_token_id,
+            "pretraining_tp": 1,
+            "use_cache": True,
+        }
+
+    def mapping(self, cfg: ModelConfig) -> Mapping:
+        rows: Mapping = [("embed.weight", "model.embed_tokens.weight", PLAIN)]
+        for i in range(cfg.num_layers):
+            hf, ours = f"model.layers.{i}", f"layers.{i}"
+            att = f"{hf}.self_attn"
+            rows += module_rows(f"{ours}.norm1", f"{hf}.input_layernorm", False)
+            rows += qkv_rows(f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj",
+                             cfg.attention_bias)
+            rows += module_rows(f"{ours}.attn.proj", f"{att}.o_proj", cfg.attention_bias)
+            rows += module_rows(f"{ours}.norm2", f"{hf}.post_attention_layernorm", False)
+            rows += module_rows(f"{ours}.mlp.gate", f"{hf}.mlp.gate_proj", cfg.mlp_bias)
+            rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.up_proj", cfg.mlp_bias)
+            rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.down_proj", cfg.mlp_bias)
+        rows += module_rows("norm", "model.norm", False)
+        if not cfg.tie_embeddings:
+            rows.append(("lm_head.weight", "lm_head.weight", PLAIN))
+        return rows

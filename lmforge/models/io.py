@@ -1,0 +1,172 @@
+"""lmforge model folders: lmforge.json (the ModelConfig) + safetensors shards + tokenizer files.
+
+    OUT_DIR/lmforge.json          {"format": "lmforge-model", "version": 1, "model": {...}}
+    OUT_DIR/model.safetensors     (or model-00001-of-0000N.safetensors + model.safetensors.index.json)
+    OUT_DIR/tokenizer.json ...    copied from the source
+
+Tensors are in lmforge's own layout (fused grouped qkv, rotary pairing, padded vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from lmforge.config import from_dict, to_dict
+from lmforge.errors import UserError
+from lmforge.models.build import build
+from lmforge.models.config import ModelConfig
+from lmforge.models.rope import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "lmforge.json"
+FORMAT = "lmforge-model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype '{name}': choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int = 4 << 30) -> None:
+    """Write tensors as model.safetensors, or as HF-style numbered shards with an index once they
+    pass max_shard_bytes, holding at most one shard in memory."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, total, files = 0, 0, []
+
+    def flush() -> None:
+        name = f"shard-{len(files):05d}.safetensors"
+        save_file(shards[-1], str(folder / name), metadata={"format": "pt"})
+        files.append((name, list(shards[-1])))
+        shards[-1] = {}
+
+    for name, t in tensors:
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(files) == 1:
+        (folder / files[0][0]).rename(folder / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (name, keys) in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        (folder / name).rename(folder / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> None:
+    for name in names:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def write_config(folder: Path, cfg: ModelConfig, **extra) -> None:
+    meta = {"format": FORMAT, "version": 1, "model": to_dict(cfg), **extra}
+    (folder / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / CONFIG_NAME).is_file()
+
+
+def read_config(folder: Path) -> ModelConfig:
+    try:
+        meta = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read '{folder / CONFIG_NAME}': {e}") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"'{folder / CONFIG_NAME}' is not an lmforge model config (format={meta.get('format')!r})")
+    return from_dict(ModelConfig, meta["model"], where="model.")
+
+
+def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
+    """name -> tensor over an lmforge folder's safetensors (single file or sharded)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        where = {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    elif (folder / "model.safetensors").exists():
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            where = dict.fromkeys(f.keys(), folder / "model.safetensors")
+    else:
+        raise UserError(f"no model.safetensors in '{folder}': is it an lmforge model folder?")
+    handles: dict[Path, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in where:
+            raise UserError(f"tensor '{name}' is missing from '{folder}': the folder is incomplete")
+        path = where[name]
+        if path not in handles:
+            handles[path] = safe_open(str(path), "pt")
+        return handles[path].get_tensor(name)
+
+    get.names = list(where)  # type: ignore[attr-defined]
+    return get
+
+
+def materialize(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+                device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """A model whose parameters are filled from `tensors`, allocated once (meta build + to_empty)."""
+    model = build(cfg, device="meta")
+    model.to_empty(device=device or "cpu")
+    if dtype is not None:
+        model.to(dtype)
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for name, t in tensors:
+            if name not in params:
+                raise UserError(f"checkpoint tensor '{name}' has no place in a {cfg.family} model")
+            if params[name].shape != t.shape:
+                raise UserError(f"tensor '{name}' has shape {tuple(t.shape)}, the model expects "
+                                f"{tuple(params[name].shape)}: the weights do not belong to this config")
+            params[name].copy_(t)
+            seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise UserError(f"checkpoint lacks {len(missing)} tensor(s), first '{missing[0]}': it is incomplete")
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()
+    return model.eval()
+
+
+def load_pretrained(path: str | Path, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """Load an lmforge model folder or a Hugging Face folder (converted on the fly) for inference."""
+    from lmforge.models.hf import hf_tensors, is_hf_dir  # noqa: PLC0415 (hf imports this module)
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(f"model folder '{folder}' does not exist")
+    if is_model_dir(folder):
+        cfg = read_config(folder)
+        get = read_tensors(folder)
+        return materialize(cfg, ((n, get(n)) for n in get.names), device, dtype)
+    if is_hf_dir(folder):
+        cfg, tensors = hf_tensors(folder)
+        return materialize(cfg, tensors, device, dtype)
+    raise UserError(f"'{folder}' is neither an lmforge model folder ({CONFIG_NAME}) nor a Hugging Face one "
+                    "(config.json)")

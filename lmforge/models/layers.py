@@ -1,0 +1,144 @@
+"""The building blocks every family shares: norm, attention, MLP and the transformer block.
+
+Families differ only by switches in ModelConfig (pre/post norm, parallel residual, shared
+norm, gating, biases, GQA). Nothing here knows about parallelism: plans are applied from outside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.models.config import ModelConfig
+from lmforge.models.rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the input dtype (as Llama does), then scale in the input dtype.
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention through scaled_dot_product_attention.
+
+    The fused `qkv` projection is laid out per key/value group as
+    [num_kv_heads, q_per_kv + 2, head_dim]: the group's query heads, then its key, then its
+    value. For plain multi-head attention that is GPT-NeoX's [heads, 3, head_dim] layout, and
+    a contiguous column split (tensor parallelism) hands each rank whole groups, as Megatron does.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_per_kv = cfg.num_heads // cfg.num_kv_heads
+        self.causal = cfg.causal
+        self.dropout = cfg.attention_dropout
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, -1, self.q_per_kv + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, -1, self.head_dim).transpose(1, 2)
+        k = qkv[:, :, :, -2].transpose(1, 2)
+        v = qkv[:, :, :, -1].transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, rope[0], rope[1]), apply_rotary(k, rope[0], rope[1])
+        if self.q_per_kv > 1:  # query head h reads key/value head h // q_per_kv
+            k = k.repeat_interleave(self.q_per_kv, dim=1)
+            v = v.repeat_interleave(self.q_per_kv, dim=1)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal and mask is None,
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.act = ACTIVATIONS[cfg.activation]
+        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if cfg.gated_mlp else None
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.post_norm = cfg.norm_position == "post"
+        self.parallel_residual = cfg.parallel_residual
+        self.norm1 = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.norm2 = None if cfg.shared_norm else make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.post_norm:  # BERT
+            x = self.norm1(x + self.drop(self.attn(x, rope, mask)))
+            return self.norm2(x + self.drop(self.mlp(x)))
+        h = self.norm1(x)
+        attn = self.drop(self.attn(h, rope, mask))
+        if self.parallel_residual:  # NeoX: two norms; GPT-J: one norm shared by both branches
+            mlp_in = h if self.norm2 is None else self.norm2(x)
+            return x + attn + self.drop(self.mlp(mlp_in))
+        x = x + attn
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+def padding_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Boolean SDPA mask (batch, 1, q, k) from a (batch, seq) 1 = token / 0 = padding mask.
+
+    Each query may always see itself, so a padding query (left padding) never has an empty row,
+    which would make softmax return NaN; its output is ignored anyway.
+    """
+    keep = attention_mask.bool()[:, None, None, :]
+    if not causal:
+        return keep
+    s = attention_mask.shape[1]
+    causal_mask = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
+    return (keep & causal_mask) | torch.eye(s, dtype=torch.bool, device=attention_mask.device)

@@ -1,0 +1,93 @@
+"""Published model shapes by name, plus tiny shapes for tests.
+
+Each preset is a ModelConfig; `build("pythia-160m", device="meta")` gives exactly the
+parameter count of the transformers model with the same config (vocabulary padding excluded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lmforge.config import closest
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+
+
+def _neox(hidden: int, layers: int, heads: int, vocab: int = 50304) -> ModelConfig:
+    # GPT-NeoX-20B tokenizer; eod/bos/eos are <|endoftext|> = 0 in the Pythia configs.
+    return ModelConfig(
+        family="gpt_neox", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        max_position_embeddings=2048, parallel_residual=True, rotary_pct=0.25,
+        bos_token_id=0, eos_token_id=0,
+    )
+
+
+def _llama(hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None) -> ModelConfig:
+    return ModelConfig(
+        family="llama", vocab_size=32000, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=4096, norm="rmsnorm",
+        activation="silu", gated_mlp=True, attention_bias=False, mlp_bias=False,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
+    return ModelConfig(
+        family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        max_position_embeddings=1024, activation="gelu_tanh", position_embedding="learned",
+        tie_embeddings=True, bos_token_id=50256, eos_token_id=50256,
+    )
+
+
+def _gptj(hidden: int, layers: int, heads: int, rotary_dim: int, vocab: int = 50400) -> ModelConfig:
+    return ModelConfig(
+        family="gptj", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        activation="gelu_tanh", parallel_residual=True, shared_norm=True,
+        rotary_pct=rotary_dim / (hidden // heads), rotary_interleaved=True, attention_bias=False,
+        lm_head_bias=True, bos_token_id=50256, eos_token_id=50256,
+    )
+
+
+def _bert(hidden: int, layers: int, heads: int) -> ModelConfig:
+    return ModelConfig(
+        family="bert", vocab_size=30522, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        max_position_embeddings=512, norm_eps=1e-12, norm_position="post", position_embedding="learned",
+        causal=False, type_vocab_size=2, tie_embeddings=True, pad_token_id=0,
+    )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "pythia-14m": _neox(128, 6, 4),
+    "pythia-70m": _neox(512, 6, 8),
+    "pythia-160m": _neox(768, 12, 12),
+    "pythia-410m": _neox(1024, 24, 16),
+    "pythia-1b": _neox(2048, 16, 8),
+    "pythia-1.4b": _neox(2048, 24, 16),
+    "pythia-2.8b": _neox(2560, 32, 32),
+    "pythia-6.9b": _neox(4096, 32, 32, vocab=50432),
+    "pythia-12b": _neox(5120, 36, 40, vocab=50688),
+    "gpt-neox-20b": _neox(6144, 44, 64, vocab=50432),
+    "llama-2-7b": _llama(4096, 32, 32, 11008),
+    "llama-2-13b": _llama(5120, 40, 40, 13824),
+    "llama-2-70b": _llama(8192, 80, 64, 28672, kv_heads=8),
+    "gpt2": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    "gpt-j-6b": _gptj(4096, 28, 16, rotary_dim=64),
+    "bert-base-uncased": _bert(768, 12, 12),
+    "bert-large-uncased": _bert(1024, 24, 16),
+    # Tiny shapes for tests and smoke runs: same switches as the family, minutes on a laptop CPU.
+    "tiny-neox": replace(_neox(64, 2, 4, vocab=1000), max_position_embeddings=256),
+    "tiny-llama": replace(_llama(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256),
+    "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
+    "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
+    "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A fresh copy of the named preset's config."""
+    if name not in PRESETS:
+        raise UserError(f"unknown model preset '{name}'{closest(name, PRESETS)}: see `lmforge.models.PRESETS`")
+    return replace(PRESETS[name])

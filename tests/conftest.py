@@ -1,0 +1,75 @@
+"""Shared fixtures: the real-asset folder and tiny random transformers models per family."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(os.environ.get("LMFORGE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real test assets not found at {SHARED_DATA} (set LMFORGE_SHARED_DATA)")
+    return SHARED_DATA
+
+
+def hf_tiny_configs() -> dict:
+    """Small transformers configs, one per family, with the switches that make each family."""
+    import transformers as tf
+
+    return {
+        # rotary_pct 0.25 with head_dim 16: 4 rotary dims, 12 pass-through (the partial-rotary trap).
+        "gpt_neox": (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            rotary_pct=0.25, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)),
+        "gpt_neox_serial": (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            rotary_pct=0.5, use_parallel_residual=False, max_position_embeddings=128, bos_token_id=0,
+            eos_token_id=0)),
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+            max_position_embeddings=128, rms_norm_eps=1e-5)),
+        # Grouped-query attention as in Llama-2-70B (64 query, 8 key/value heads): here 8 over 2.
+        "llama_gqa": (tf.LlamaForCausalLM, tf.LlamaConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+            intermediate_size=160, max_position_embeddings=128, rms_norm_eps=1e-5)),
+        "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(
+            vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
+        "gptj": (tf.GPTJForCausalLM, tf.GPTJConfig(
+            vocab_size=300, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=128, bos_token_id=0,
+            eos_token_id=0)),
+        "bert": (tf.BertForMaskedLM, tf.BertConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=128)),
+        "bert_cls": (tf.BertForSequenceClassification, tf.BertConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=128, num_labels=3)),
+    }
+
+
+def make_hf_model(name: str, seed: int = 0):
+    """A random transformers model whose every parameter (biases, norms too) is non-trivial."""
+    cls, cfg = hf_tiny_configs()[name]
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny family saved once as a Hugging Face folder (safetensors)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for name in hf_tiny_configs():
+        make_hf_model(name).save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs
