@@ -1,0 +1,251 @@
+"""One `Tokenizer` interface over the tokenizer files that checkpoints ship with.
+
+Three kinds of file are read:
+
+* a Hugging Face `tokenizer.json` (GPT-NeoX/Pythia's `20B_tokenizer.json`, GPT-2, ...), run by `tokenizers`;
+* OpenAI's GPT-2 `vocab.json` + `merges.txt` (byte-level BPE), also run by `tokenizers`;
+* a SentencePiece `.model` (Llama 2), run by `sentencepiece`, so ids are exactly Meta's.
+
+`encode` treats its input as plain text: a literal "<|endoftext|>" or "<s>" inside a document is
+tokenized as characters, never turned into a control id. Control ids are added by id (`add_bos`,
+Megatron's `append_eod`), so text scraped from the web cannot forge document boundaries. Hugging Face
+tokenizers parse such strings by default; `split_special_tokens=True` there gives our ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+import tokenizers as hf
+from tokenizers import decoders, models, pre_tokenizers
+
+from lmforge.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# Files Hugging Face keeps next to a tokenizer: they name bos/eos/pad and travel with it on export.
+CONFIG_FILES = ("special_tokens_map.json", "tokenizer_config.json")
+# GPT-NeoX's own HFTokenizer takes "<|padding|>" as pad; the other two are the BERT/T5-era names.
+PAD_TOKENS = ("<|padding|>", "<pad>", "[PAD]")
+ENDOFTEXT = "<|endoftext|>"
+KINDS_HINT = "give a tokenizer.json, vocab.json + merges.txt, a SentencePiece .model, or a folder holding one"
+
+
+class Tokenizer(ABC):
+    """Text <-> ids, plus the special ids that data pipelines and models need."""
+
+    vocab_size: int  # ids the tokenizer can produce, added/special tokens included
+    eod_id: int | None = None  # appended after each document (Megatron's append_eod)
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    files: list[Path]
+
+    @abstractmethod
+    def _encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    @abstractmethod
+    def id_to_token(self, i: int) -> str | None: ...
+
+    @abstractmethod
+    def token_to_id(self, tok: str) -> int | None: ...
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return [*self._bos(add_bos), *self._encode(text)]
+
+    def encode_batch(self, texts: list[str], add_bos: bool = False) -> list[list[int]]:
+        bos = self._bos(add_bos)
+        return [[*bos, *ids] for ids in self._encode_batch(list(texts))]
+
+    def _bos(self, add_bos: bool) -> list[int]:
+        if add_bos and self.bos_id is None:
+            raise UserError(f"tokenizer {self.files[0]} has no bos token: turn add_bos off for it")
+        return [self.bos_id] if add_bos else []
+
+    def save(self, out_dir: Path) -> None:
+        """Copy the source files (and HF's config files beside them) into `out_dir`, keeping names."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        extras = [f.parent / name for f in self.files for name in CONFIG_FILES]
+        for src in dict.fromkeys(self.files + [p for p in extras if p.is_file()]):
+            dst = out_dir / src.name
+            if not (dst.exists() and dst.samefile(src)):
+                shutil.copyfile(src, dst)
+        logger.info("saved tokenizer files %s to %s", [f.name for f in self.files], out_dir)
+
+    def _set_special_ids(self) -> None:
+        """Let HF config files beside the tokenizer override bos/eos/pad, then pick eod."""
+        for name in CONFIG_FILES:
+            cfg = self.files[0].parent / name
+            if not cfg.is_file():
+                continue
+            data = _read_json(cfg)
+            for key in ("bos", "eos", "pad"):
+                tok = data.get(f"{key}_token")
+                if isinstance(tok, dict):  # AddedToken serialised as {"content": ..., "lstrip": ...}
+                    tok = tok.get("content")
+                if isinstance(tok, str) and (i := self.token_to_id(tok)) is not None:
+                    setattr(self, f"{key}_id", i)
+        # GPT-2 and NeoX separate documents with <|endoftext|>; Llama with eos </s>.
+        endoftext = self.token_to_id(ENDOFTEXT)
+        self.eod_id = endoftext if endoftext is not None else self.eos_id
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.files[0].name}, vocab_size={self.vocab_size}, eod={self.eod_id}, "
+            f"bos={self.bos_id}, eos={self.eos_id}, pad={self.pad_id})"
+        )
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer`: from tokenizer.json, or GPT-2's vocab.json + merges.txt."""
+
+    def __init__(self, tok: hf.Tokenizer, files: list[Path]):
+        tok.encode_special_tokens = True  # plain text in, see the module docstring
+        self._tok = tok
+        self.files = files
+        # max id + 1 rather than a count: an embedding needs a row for every id, holes included.
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.eos_id = self._first_id(ENDOFTEXT, "</s>")
+        self.bos_id = self._first_id(ENDOFTEXT, "<s>")
+        self.pad_id = self._first_id(*PAD_TOKENS)
+        self._set_special_ids()
+
+    def _first_id(self, *names: str) -> int | None:
+        return next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # add_special_tokens=False: a post-processor template (e.g. Llama's "<s> $A") must not add bos.
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def token_to_id(self, tok: str) -> int | None:
+        return self._tok.token_to_id(tok)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece `.model` (Llama 2): ids are what Meta's `sp.encode(text)` gives."""
+
+    def __init__(self, sp: spm.SentencePieceProcessor, files: list[Path]):
+        self._sp = sp
+        self.files = files
+        self.vocab_size = sp.get_piece_size()
+        ids = (sp.bos_id(), sp.eos_id(), sp.pad_id())
+        self.bos_id, self.eos_id, self.pad_id = (i if i >= 0 else None for i in ids)  # -1 means none
+        self._set_special_ids()
+
+    def _encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)  # a list in is encoded on sentencepiece's thread pool
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = list(ids)
+        if skip_special_tokens:
+            return self._sp.decode(ids)  # sentencepiece drops control pieces (<s>, </s>) itself
+        # Otherwise show them as text, as Hugging Face does: decode the runs between control ids.
+        parts, run = [], []
+        for i in ids:
+            if self._sp.is_control(i):
+                parts += [self._sp.decode(run), self._sp.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self._sp.decode(run)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._sp.id_to_piece(i) if 0 <= i < self.vocab_size else None
+
+    def token_to_id(self, tok: str) -> int | None:
+        i = self._sp.piece_to_id(tok)  # unknown pieces come back as unk's id
+        return i if self._sp.id_to_piece(i) == tok else None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer from a file or a folder (see the module docstring for the kinds)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"tokenizer path {path} does not exist: {KINDS_HINT}")
+    file = _find_in_dir(path) if path.is_dir() else path
+    if file.name.endswith(("vocab.json", "merges.txt")):
+        # Pairs share a prefix: HF's vocab.json + merges.txt, Megatron's gpt2-vocab.json + gpt2-merges.txt
+        prefix = file.name.removesuffix("vocab.json").removesuffix("merges.txt")
+        vocab, merges = file.with_name(prefix + "vocab.json"), file.with_name(prefix + "merges.txt")
+        missing = merges if file == vocab else vocab
+        if not missing.is_file():
+            raise UserError(f"{file} needs {missing.name} beside it for GPT-2 BPE: copy it there")
+        tok = _load_gpt2_bpe(vocab, merges)
+    elif file.suffix == ".json":
+        tok = HFTokenizer(_wrap("a tokenizer.json", hf.Tokenizer.from_file, file), [file])
+    elif file.suffix == ".model":
+        tok = SentencePieceTokenizer(_wrap("a SentencePiece model", spm.SentencePieceProcessor, file), [file])
+    else:
+        raise UserError(f"unknown tokenizer file kind {file}: {KINDS_HINT}")
+    logger.info("loaded %r", tok)
+    return tok
+
+
+def _find_in_dir(d: Path) -> Path:
+    if (d / "tokenizer.json").is_file():
+        return d / "tokenizer.json"
+    if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        return d / "vocab.json"
+    if (d / "tokenizer.model").is_file():
+        return d / "tokenizer.model"
+    # Names like GPT-NeoX's 20B_tokenizer.json; a single match only, so the choice is never a guess.
+    for pattern in ("*tokenizer.json", "*vocab.json", "*.model"):
+        found = sorted(d.glob(pattern))
+        if len(found) == 1:
+            return found[0]
+    raise UserError(f"no single tokenizer file found in {d}: {KINDS_HINT}")
+
+
+def _load_gpt2_bpe(vocab: Path, merges: Path) -> HFTokenizer:
+    tok = hf.Tokenizer(_wrap("GPT-2 BPE", models.BPE.from_file, vocab, merges))
+    # OpenAI's encoder.py adds no prefix space: "Hello" at the start of a text stays one token without "Ġ".
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if tok.token_to_id(ENDOFTEXT) is not None:
+        tok.add_special_tokens([ENDOFTEXT])  # keeps its id 50256; marks it special for skip_special_tokens
+    return HFTokenizer(tok, [vocab, merges])
+
+
+def _wrap(what: str, load, *files: Path):
+    """Call a third-party loader, turning its failure on a bad file into a one-line UserError."""
+    try:
+        return load(*map(str, files))
+    except Exception as e:  # the libraries raise bare Exception/RuntimeError with their parser's message
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        names = " + ".join(map(str, files))
+        raise UserError(f"cannot read {names} as {what} ({reason}): check the file is intact") from e
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path} as JSON ({e}): fix or delete the file") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object: fix or delete the file")
+    return data
