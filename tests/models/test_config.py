@@ -1,0 +1,48 @@
+"""Config mistakes fail with one line that names the key and suggests the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmforge.errors import UserError
+from lmforge.models import ModelConfig, build, preset
+
+
+def test_unknown_preset_suggests_closest():
+    with pytest.raises(UserError, match=r"unknown model preset 'pythia-160'.*did you mean 'pythia-160m'"):
+        preset("pythia-160")
+
+
+def test_typo_in_config_key_names_key_and_suggests():
+    cfg = {"family": "llama", "vocab_size": 100, "hiden_size": 64, "num_layers": 2, "num_heads": 4}
+    with pytest.raises(UserError, match=r"unknown config key 'model.hiden_size' \(did you mean 'hidden_size'\?\)"):
+        build(cfg)
+
+
+def test_unknown_family_and_choice_values():
+    with pytest.raises(UserError, match=r"unknown family 'lama'.*did you mean 'llama'"):
+        ModelConfig(family="lama", vocab_size=10, hidden_size=8, num_layers=1, num_heads=2)
+    with pytest.raises(UserError, match=r"unknown norm 'rmsnrom'.*did you mean 'rmsnorm'"):
+        ModelConfig(family="llama", vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, norm="rmsnrom")
+
+
+def test_shape_errors_are_explained():
+    with pytest.raises(UserError, match="not divisible by num_heads"):
+        ModelConfig(family="llama", vocab_size=10, hidden_size=10, num_layers=1, num_heads=3)
+    with pytest.raises(UserError, match="not a multiple of num_kv_heads"):
+        ModelConfig(family="llama", vocab_size=10, hidden_size=12, num_layers=1, num_heads=6, num_kv_heads=4)
+    with pytest.raises(UserError, match="rotary"):
+        ModelConfig(family="gpt_neox", vocab_size=10, hidden_size=16, num_layers=1, num_heads=2, rotary_pct=0.375)
+
+
+def test_missing_required_field():
+    with pytest.raises(UserError, match="num_heads"):
+        build({"family": "llama", "vocab_size": 100, "hidden_size": 64, "num_layers": 2})
+
+
+def test_padded_vocab_size_follows_megatron():
+    cfg = preset("gpt2")
+    assert cfg.padded_vocab_size == 50304
+    cfg.make_vocab_size_divisible_by = 1
+    assert cfg.padded_vocab_size == 50257
+    assert preset("llama-2-7b").padded_vocab_size == 32000

@@ -1,0 +1,120 @@
+"""The CLI contract: verbs, one-line errors with exit != 0, and nothing half-written on disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lmforge.cli import VERBS, main
+
+tf = pytest.importorskip("transformers")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmforge.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_contract_verb():
+    out = _run("--help").stdout
+    for verb in ["quickstart", "preprocess", "tokenizer", "pretrain", "finetune", "compile", "import-hf",
+                 "export-hf", "generate", "serve", "compare", "bench"]:
+        assert verb in out and verb in VERBS
+
+
+def test_unbuilt_verb_says_so_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "somewhere"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not built yet" in err[0]
+
+
+def test_import_and_export_through_the_console_script(hf_dirs, tmp_path):
+    r = _run("import-hf", str(hf_dirs["gpt_neox"]), str(tmp_path / "lm"))
+    assert r.returncode == 0, r.stderr
+    assert "imported gpt_neox" in r.stdout
+    r = _run("export-hf", str(tmp_path / "lm"), str(tmp_path / "hf"), "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in exported.values())
+    original = load_file(hf_dirs["gpt_neox"] / "model.safetensors")
+    assert all(torch.equal(original[k].to(torch.bfloat16), exported[k]) for k in original)
+
+
+def _broken_copy(src, dst, edit_config=None, edit_weights=None):
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    weights = load_file(src / "model.safetensors")
+    if edit_weights:
+        edit_weights(weights)
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def _bad_inputs(hf_dirs, tmp):
+    neox = hf_dirs["gpt_neox"]
+    q = "gpt_neox.layers.0.attention.dense.weight"
+    yield "unsupported model_type 't5'", _broken_copy(neox, tmp / "t5", lambda c: c.update(model_type="t5"))
+    yield f"tensor '{q}' is missing", _broken_copy(neox, tmp / "missing", edit_weights=lambda w: w.pop(q))
+    yield (f"tensor '{q}' has shape (64, 32) in the checkpoint but config.json implies (64, 64)",
+           _broken_copy(neox, tmp / "shape", edit_weights=lambda w: w.update({q: torch.zeros(64, 32)})))
+    yield "tensor(s) a gpt_neox model has no place for, first 'extra.weight'", _broken_copy(
+        neox, tmp / "extra", edit_weights=lambda w: w.update({"extra.weight": torch.zeros(2)}))
+    yield "lacks the field 'hidden_size'", _broken_copy(neox, tmp / "field", lambda c: c.pop("hidden_size"))
+    pickled = tmp / "pickle"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((neox / "config.json").read_text())
+    torch.save({"w": torch.zeros(1), "x": Evil()}, pickled / "pytorch_model.bin")
+    yield "is not a weights-only PyTorch file", pickled
+    empty = tmp / "empty"
+    empty.mkdir()
+    yield "no config.json", empty
+    yield "does not exist", tmp / "nowhere"
+
+
+def test_bad_inputs_give_one_line_and_leave_nothing(hf_dirs, tmp_path, capsys):
+    for expected, src in _bad_inputs(hf_dirs, tmp_path):
+        out = tmp_path / "out"
+        code = main(["import-hf", str(src), str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1, expected
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert expected in err[0], (expected, err[0])
+        assert not out.exists()
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")], "temporary folder left behind"
+
+
+def test_existing_output_is_not_overwritten_without_flag(hf_dirs, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["import-hf", str(hf_dirs["gpt2"]), str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+    assert main(["import-hf", str(hf_dirs["gpt2"]), str(out), "--overwrite"]) == 0
+    assert (out / "lmforge.json").exists() and not (out / "keep.txt").exists()
+
+
+def test_export_of_a_non_lmforge_folder_is_refused(hf_dirs, tmp_path, capsys):
+    assert main(["export-hf", str(hf_dirs["gpt2"]), str(tmp_path / "out")]) == 1
+    assert "not an lmforge model folder" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from lmforge.errors import UserError
+
+    with pytest.raises(UserError):
+        main(["--debug", "import-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")])
