@@ -150,3 +150,88 @@ def test_large_export_is_written_in_shards(imported, tmp_path, monkeypatch):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ids = torch.randint(0, 300, (1, 11))
     assert torch.equal(_ref_logits(model.eval(), ids), _ref_logits(make_hf_model("gpt_neox"), ids))
+
+
+def _rewrite(src, dst, edit_weights, edit_config=None):
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    weights = load_file(src / "model.safetensors")
+    from safetensors.torch import save_file
+
+    save_file(edit_weights(weights), str(dst / "model.safetensors"))
+    return dst
+
+
+def _legacy_neox(w):
+    """Pythia checkpoints on the Hub carry causal-mask and rotary buffers next to the weights."""
+    for i in range(2):
+        w[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 128, 128, dtype=torch.bool).tril()
+        w[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+        w[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    return w
+
+
+def _v4_neox_config(c):
+    """transformers 4.x wrote rotary_pct / rotary_emb_base instead of rope_parameters."""
+    rope = c.pop("rope_parameters")
+    c["rotary_pct"], c["rotary_emb_base"] = rope["partial_rotary_factor"], rope["rope_theta"]
+
+
+def _openai_gpt2(w):
+    """The original GPT-2 conversion has no 'transformer.' prefix and keeps attn.bias buffers."""
+    w = {k.removeprefix("transformer."): v for k, v in w.items()}
+    w["h.0.attn.bias"] = torch.ones(1, 1, 128, 128).tril()
+    return w
+
+
+def _google_bert(w):
+    """Google's BERT conversion: LayerNorm gamma/beta, plus the next-sentence head and pooler."""
+    w = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+         for k, v in w.items()}
+    w["cls.seq_relationship.weight"] = torch.zeros(2, 64)
+    w["bert.pooler.dense.weight"] = torch.zeros(64, 64)
+    return w
+
+
+@pytest.mark.parametrize(("family", "edit_weights", "edit_config"), [
+    ("gpt_neox", _legacy_neox, _v4_neox_config),
+    ("gpt2", _openai_gpt2, None),
+    ("bert", _google_bert, None),
+])
+def test_older_checkpoint_layouts_import_to_the_same_model(family, edit_weights, edit_config, hf_dirs, imported,
+                                                           tmp_path):
+    legacy = _rewrite(hf_dirs[family], tmp_path / "legacy", edit_weights, edit_config)
+    cfg = import_hf(legacy, tmp_path / "lm")
+    assert cfg == imported[family][0]
+    first = load_file(imported[family][1] / "model.safetensors")
+    again = load_file(tmp_path / "lm" / "model.safetensors")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_tokenizer_files_travel_through_import_and_export(hf_dirs, shared_data, tmp_path):
+    src = tmp_path / "with_tok"
+    src.mkdir()
+    for f in hf_dirs["gpt2"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        (src / name).write_bytes((shared_data / "tokenizers" / "gpt2" / name).read_bytes())
+    import_hf(src, tmp_path / "lm")
+    export_hf(tmp_path / "lm", tmp_path / "hf")
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes()
+    tok = tf.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("The quick brown fox")["input_ids"] == [464, 2068, 7586, 21831]
+
+
+def test_bf16_load_runs_and_stays_close(imported):
+    ours32 = load_pretrained(imported["llama_gqa"][1])
+    ours16 = load_pretrained(imported["llama_gqa"][1], dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in ours16.parameters())
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a, b = ours32(ids), ours16(ids).float()
+    assert torch.isfinite(b).all()
+    assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
