@@ -40,6 +40,10 @@ def hf_tiny_configs() -> dict:
             intermediate_size=160, max_position_embeddings=128, rms_norm_eps=1e-5)),
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(
             vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
+        # Decoder sequence classification (GPT-2 on SST-2): a score head read at the last real token.
+        "gpt2_cls": (tf.GPT2ForSequenceClassification, tf.GPT2Config(
+            vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0, num_labels=2)),
         "gptj": (tf.GPTJForCausalLM, tf.GPTJConfig(
             vocab_size=300, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=128, bos_token_id=0,
             eos_token_id=0)),

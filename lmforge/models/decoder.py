@@ -26,8 +26,10 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = None
-        if not cfg.tie_embeddings:
+        if not cfg.tie_embeddings and not cfg.num_labels:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=cfg.lm_head_bias)
+        # Sequence classification (GPT-2 on SST-2 ...): a bias-free score head on the last real token.
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
 
     def hidden_states(
         self,
@@ -57,11 +59,26 @@ class Decoder(nn.Module):
         bias = self.lm_head.bias if self.lm_head is not None else None
         return F.linear(h, weight[:v], bias[:v] if bias is not None else None)
 
+    def classify(self, h: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Class logits (batch, num_labels) read at each row's last real token (right padding)."""
+        b, s = input_ids.shape
+        if attention_mask is None and self.config.pad_token_id is not None:
+            attention_mask = input_ids != self.config.pad_token_id
+        if attention_mask is None:
+            last = torch.full((b,), s - 1, device=h.device)
+        else:
+            last = (torch.arange(s, device=h.device) * attention_mask.to(torch.long)).argmax(-1)
+        return self.score(h[torch.arange(b, device=h.device), last])
+
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.logits(self.hidden_states(input_ids, attention_mask, position_ids))
+        """Logits (batch, seq, vocab_size), or (batch, num_labels) for a classification model."""
+        h = self.hidden_states(input_ids, attention_mask, position_ids)
+        if self.score is not None:
+            return self.classify(h, input_ids, attention_mask)
+        return self.logits(h)
 

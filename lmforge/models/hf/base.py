@@ -292,3 +292,28 @@ def qkv_rows(ours: str, q: str, k: str, v: str, bias: bool) -> Mapping:
     """Mapping rows fusing three separate q/k/v projections into lmforge's qkv."""
     params = ("weight", "bias") if bias else ("weight",)
     return [(f"{ours}.{p}", (f"{q}.{p}", f"{k}.{p}", f"{v}.{p}"), QKV_SEPARATE) for p in params]
+
+
+def decoder_num_labels(hf: dict, keys: list[str]) -> int:
+    """Labels of an *ForSequenceClassification decoder checkpoint (its `score` head), else 0."""
+    if "score.weight" not in keys:
+        return 0
+    return len(hf.get("id2label") or {}) or hf.get("num_labels", 2)
+
+
+def decoder_head(cfg: ModelConfig, lm_head: Mapping) -> Mapping:
+    """The rows for a decoder's head: `score` for classification, else the LM head (unless tied)."""
+    if cfg.num_labels:
+        return [("score.weight", "score.weight", PLAIN)]
+    return [] if cfg.tie_embeddings else lm_head
+
+
+def architecture(cfg: ModelConfig, prefix: str, lm_suffix: str = "ForCausalLM") -> dict:
+    """`architectures` (and labels) for config.json."""
+    if not cfg.num_labels:
+        return {"architectures": [prefix + lm_suffix]}
+    return {
+        "architectures": [prefix + "ForSequenceClassification"],
+        "id2label": {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(cfg.num_labels)},
+    }

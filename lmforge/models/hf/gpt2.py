@@ -12,6 +12,9 @@ from lmforge.models.hf.base import (
     Mapping,
     activation_from_hf,
     activation_to_hf,
+    architecture,
+    decoder_head,
+    decoder_num_labels,
     module_rows,
 )
 
@@ -41,11 +44,12 @@ class GPT2Adapter(HFAdapter):
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            num_labels=decoder_num_labels(hf, keys),
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         return {
-            "architectures": ["GPT2LMHeadModel"],
+            **architecture(cfg, "GPT2", "LMHeadModel"),
             "model_type": "gpt2",
             "vocab_size": cfg.vocab_size,
             "n_embd": cfg.hidden_size,
@@ -82,6 +86,4 @@ class GPT2Adapter(HFAdapter):
             rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.c_fc", True, CONV1D)
             rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.c_proj", True, CONV1D)
         rows += module_rows("norm", "transformer.ln_f", True)
-        if not cfg.tie_embeddings:
-            rows.append(("lm_head.weight", "lm_head.weight", PLAIN))
-        return rows
+        return rows + decoder_head(cfg, [("lm_head.weight", "lm_head.weight", PLAIN)])

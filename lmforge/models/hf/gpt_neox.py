@@ -11,6 +11,9 @@ from lmforge.models.hf.base import (
     Mapping,
     activation_from_hf,
     activation_to_hf,
+    architecture,
+    decoder_head,
+    decoder_num_labels,
     module_rows,
     rope_scaling_check,
 )
@@ -44,13 +47,14 @@ class GPTNeoXAdapter(HFAdapter):
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            num_labels=decoder_num_labels(hf, keys),
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         if not cfg.parallel_residual and cfg.shared_norm:
             raise UserError("GPT-NeoX has no shared-norm variant: export this model as gptj")
         return {
-            "architectures": ["GPTNeoXForCausalLM"],
+            **architecture(cfg, "GPTNeoX", "ForCausalLM"),
             "model_type": "gpt_neox",
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size,
@@ -89,6 +93,4 @@ class GPTNeoXAdapter(HFAdapter):
             rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.dense_h_to_4h", True)
             rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.dense_4h_to_h", True)
         rows += module_rows("norm", "gpt_neox.final_layer_norm", True)
-        if not cfg.tie_embeddings:
-            rows.append(("lm_head.weight", "embed_out.weight", PLAIN))
-        return rows
+        return rows + decoder_head(cfg, [("lm_head.weight", "embed_out.weight", PLAIN)])

@@ -10,6 +10,9 @@ from lmforge.models.hf.base import (
     Mapping,
     activation_from_hf,
     activation_to_hf,
+    architecture,
+    decoder_head,
+    decoder_num_labels,
     module_rows,
     qkv_rows,
 )
@@ -44,11 +47,12 @@ class GPTJAdapter(HFAdapter):
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            num_labels=decoder_num_labels(hf, keys),
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         return {
-            "architectures": ["GPTJForCausalLM"],
+            **architecture(cfg, "GPTJ", "ForCausalLM"),
             "model_type": "gptj",
             "vocab_size": cfg.vocab_size,
             "n_embd": cfg.hidden_size,
@@ -81,6 +85,4 @@ class GPTJAdapter(HFAdapter):
             rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.fc_in", True)
             rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.fc_out", True)
         rows += module_rows("norm", "transformer.ln_f", True)
-        if not cfg.tie_embeddings:
-            rows += module_rows("lm_head", "lm_head", True)
-        return rows
+        return rows + decoder_head(cfg, module_rows("lm_head", "lm_head", True))

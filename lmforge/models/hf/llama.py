@@ -9,6 +9,9 @@ from lmforge.models.hf.base import (
     Mapping,
     activation_from_hf,
     activation_to_hf,
+    architecture,
+    decoder_head,
+    decoder_num_labels,
     module_rows,
     qkv_rows,
     rope_scaling_check,
@@ -46,6 +49,7 @@ class LlamaAdapter(HFAdapter):
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            num_labels=decoder_num_labels(hf, keys),
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
@@ -53,7 +57,7 @@ class LlamaAdapter(HFAdapter):
         if cfg.rotary_pct != 1.0:
             rope["partial_rotary_factor"] = cfg.rotary_pct
         return {
-            "architectures": ["LlamaForCausalLM"],
+            **architecture(cfg, "Llama", "ForCausalLM"),
             "model_type": "llama",
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size,
@@ -93,6 +97,4 @@ class LlamaAdapter(HFAdapter):
             rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.up_proj", cfg.mlp_bias)
             rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.down_proj", cfg.mlp_bias)
         rows += module_rows("norm", "model.norm", False)
-        if not cfg.tie_embeddings:
-            rows.append(("lm_head.weight", "lm_head.weight", PLAIN))
-        return rows
+        return rows + decoder_head(cfg, [("lm_head.weight", "lm_head.weight", PLAIN)])
