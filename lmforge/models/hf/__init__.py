@@ -14,12 +14,13 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_dir
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf.base import SIDE_FILES, HFAdapter, HFWeights, Source, export_tensors, import_tensors
+from lmforge.models.hf.base import SIDE_FILES, HFAdapter, export_tensors, import_tensors
 from lmforge.models.hf.bert import BertAdapter
 from lmforge.models.hf.gpt2 import GPT2Adapter
 from lmforge.models.hf.gpt_neox import GPTNeoXAdapter
 from lmforge.models.hf.gptj import GPTJAdapter
 from lmforge.models.hf.llama import LlamaAdapter
+from lmforge.models.hf.weights import HFWeights, Source
 from lmforge.models.io import (
     copy_side_files,
     is_model_dir,

@@ -1,0 +1,101 @@
+"""Lazy, safe reading of the tensors in a Hugging Face folder."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lmforge.errors import UserError
+
+
+class HFWeights:
+    """Lazy read access to the tensors of an HF folder: safetensors or weights-only pickles,
+    single files or sharded with an index."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._where: dict[str, Path] = {}
+        self._open: dict[Path, object] = {}
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = folder / index_name
+            if index.exists():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._where = {k: folder / v for k, v in weight_map.items()}
+                break
+        else:
+            for name in ("model.safetensors", "pytorch_model.bin"):
+                if (folder / name).exists():
+                    self._where = {k: folder / name for k in self._keys_of(folder / name)}
+                    break
+        if not self._where:
+            raise UserError(
+                f"no weights in '{folder}': expected model.safetensors, pytorch_model.bin or a sharded index"
+            )
+        missing = sorted({str(p.name) for p in self._where.values() if not p.exists()})
+        if missing:
+            raise UserError(f"weight shard(s) {', '.join(missing)} named by the index are missing in '{folder}'")
+
+    def _file(self, path: Path):
+        if path not in self._open:
+            if path.suffix == ".safetensors":
+                self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+            else:
+                self._open[path] = _load_weights_only(path)
+        return self._open[path]
+
+    def _keys_of(self, path: Path) -> list[str]:
+        return list(self._file(path).keys())
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self._file(self._where[name])
+        return f.get_tensor(name) if hasattr(f, "get_tensor") else f[name]
+
+
+def _load_weights_only(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"'{path}' is not a weights-only PyTorch file ({first}); lmforge never unpickles arbitrary "
+            "objects: convert it to safetensors with a tool you trust"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"'{path}' does not hold a flat name -> tensor state dict")
+    return state
+
+
+class Source:
+    """What an adapter reads from: shape-checked tensors by name, and which names it used."""
+
+    def __init__(self, weights: HFWeights, aliases: Callable[[str], list[str]] | None = None):
+        self.weights = weights
+        self.used: set[str] = set()
+        self._aliases = aliases or (lambda name: [])
+
+    def has(self, name: str) -> bool:
+        return any(n in self.weights for n in [name, *self._aliases(name)])
+
+    def __call__(self, name: str, *shape: int) -> torch.Tensor:
+        for candidate in [name, *self._aliases(name)]:
+            if candidate in self.weights:
+                t = self.weights.get(candidate)
+                if tuple(t.shape) != shape:
+                    raise UserError(
+                        f"tensor '{candidate}' has shape {tuple(t.shape)} in the checkpoint but config.json "
+                        f"implies {shape}: the weights do not belong to this config"
+                    )
+                self.used.add(candidate)
+                return t
+        raise UserError(f"tensor '{name}' is missing from the checkpoint in '{self.weights.folder}'")
