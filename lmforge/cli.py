@@ -15,7 +15,7 @@ from lmforge.errors import UserError
 VERBS = {
     "quickstart": "train a tiny model end to end on text already on this machine",
     "preprocess": "tokenize JSONL/text into Megatron .bin/.idx files",
-    "tokenizer": "train a byte-level BPE tokenizer",
+    "tokenizer": "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE tokenizer",
     "pretrain": "pretrain or continue pretraining from a YAML recipe",
     "finetune": "fine-tune (SFT, classification, MLM) from a YAML recipe",
     "compile": "warm the torch.compile cache that a following run reuses",
@@ -46,6 +46,24 @@ def _export_hf(args: argparse.Namespace) -> None:
     print(f"exported {hf['architectures'][0]} to {args.out_dir}")
 
 
+def _pretrain(args: argparse.Namespace) -> None:
+    from lmforge.train.config import load_run_config
+    from lmforge.train.trainer import Trainer
+
+    cfg = load_run_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    last = trainer.fit()
+    if trainer.world.is_main:
+        shown = {k: round(v, 4) for k, v in last.items() if k in ("loss", "val_loss", "val_ppl", "tokens_per_second")}
+        print(f"finished at step {trainer.state['step']}: {shown}; run folder {cfg.run_dir}")
+
+
+def _add_pretrain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML recipe (see configs/)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100")
+    p.set_defaults(func=_pretrain)
+
+
 def _add_import_hf(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", help="folder with config.json and safetensors / pytorch_model.bin weights")
     p.add_argument("out_dir", help="lmforge model folder to create")
@@ -62,7 +80,23 @@ def _add_export_hf(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_export_hf)
 
 
+def _add_preprocess(p: argparse.ArgumentParser) -> None:
+    from lmforge.data.preprocess import add_arguments
+
+    add_arguments(p)
+
+
+def _add_tokenizer(p: argparse.ArgumentParser) -> None:
+    from lmforge.data.tokenizer_train import add_arguments
+
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    add_arguments(actions.add_parser("train", help="train a byte-level BPE tokenizer (tokenizer.json)"))
+
+
 BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "tokenizer": _add_tokenizer,
+    "preprocess": _add_preprocess,
+    "pretrain": _add_pretrain,
     "import-hf": _add_import_hf,
     "export-hf": _add_export_hf,
 }

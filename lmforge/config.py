@@ -16,15 +16,16 @@ from lmforge.errors import UserError
 T = TypeVar("T")
 
 
-def closest(word: str, choices: typing.Iterable[str]) -> str:
+def closest(word: str, choices: typing.Iterable[str], prefix: str = "") -> str:
     """' (did you mean X?)' for the nearest choice, or '' when nothing is close."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{match[0]}'?)" if match else ""
+    return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
 
 
 def unknown_key_error(key: str, known: typing.Iterable[str], where: str) -> UserError:
     known = sorted(known)
-    return UserError(f"unknown config key '{where}{key}'{closest(key, known)}: valid keys are {', '.join(known)}")
+    hint = closest(key, known, where)
+    return UserError(f"unknown config key '{where}{key}'{hint}: valid keys are {', '.join(known)}")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:

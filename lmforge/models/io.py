@@ -170,3 +170,21 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None,
         return materialize(cfg, tensors, device, dtype)
     raise UserError(f"'{folder}' is neither an lmforge model folder ({CONFIG_NAME}) nor a Hugging Face one "
                     "(config.json)")
+
+
+def save_model(model: nn.Module, out_dir: str | Path, tokenizer_from: str | Path | None = None,
+               overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Write an in-memory model (plain, DDP or FSDP2) as an lmforge model folder, atomically."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lmforge.fsutil import atomic_dir
+    from lmforge.tokenizers import load_tokenizer
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    cfg = getattr(model, "module", model).config
+    with atomic_dir(out_dir, overwrite) as tmp:
+        write_safetensors(((name, t.detach().cpu()) for name, t in state.items()), tmp, dtype)
+        write_config(tmp, cfg)
+        if tokenizer_from is not None:
+            load_tokenizer(tokenizer_from).save(tmp)
+    return Path(out_dir)

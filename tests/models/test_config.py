@@ -15,7 +15,8 @@ def test_unknown_preset_suggests_closest():
 
 def test_typo_in_config_key_names_key_and_suggests():
     cfg = {"family": "llama", "vocab_size": 100, "hiden_size": 64, "num_layers": 2, "num_heads": 4}
-    with pytest.raises(UserError, match=r"unknown config key 'model.hiden_size' \(did you mean 'hidden_size'\?\)"):
+    expected = r"unknown config key 'model.hiden_size' \(did you mean 'model.hidden_size'\?\)"
+    with pytest.raises(UserError, match=expected):
         build(cfg)
 
 

@@ -1,0 +1,149 @@
+"""`lmforge tokenizer train`: a byte-level BPE tokenizer (GPT-2's kind) trained with Hugging Face `tokenizers`.
+
+Byte-level: text is split by GPT-2's pre-tokenizer regex, each piece's UTF-8 bytes are mapped to 256
+printable characters, and merges are learned on those. Every string is encodable (no unknown token) and
+`decode(encode(text)) == text`. No prefix space is added, as in GPT-2. The 256 byte symbols and the special
+tokens count towards `vocab_size`; the special tokens take the first ids (`<|endoftext|>` is 0).
+
+Inputs are read as `preprocess` reads them (`.jsonl`/`.json`/`.ndjson` JSON lines with a text key, `.txt`,
+each optionally `.gz`, or folders of them) and streamed: a bounded batch of text is in memory at a time.
+
+Output, written to a temporary folder renamed into place: `tokenizer.json`, and `tokenizer_config.json`
+naming the first special token as bos, eos and unk (GPT-2's convention), so `lmforge.tokenizers` and
+transformers' `AutoTokenizer` both load the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from lmforge.data.preprocess import find_inputs
+from lmforge.errors import UserError
+from lmforge.fsutil import atomic_dir
+
+logger = logging.getLogger(__name__)
+
+BATCH_CHARS = 1 << 20  # text handed to the trainer per batch; memory stays bounded whatever the corpus size
+ENDOFTEXT = "<|endoftext|>"
+
+
+def iter_texts(inputs: Sequence[str | Path], json_key: str = "text") -> Iterator[str]:
+    """Texts from the inputs: each JSON line's text, and plain-text files in pieces of about BATCH_CHARS.
+
+    A plain-text piece is whole lines joined, so pre-tokenization sees the file as it is except at the few
+    piece boundaries.
+    """
+    for path, kind in find_inputs(inputs):
+        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        lines, size = [], 0
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if kind == "json":
+                        if text := _json_text(line, f"{path}:{lineno}", json_key):
+                            yield text
+                        continue
+                    lines.append(line)
+                    size += len(line)
+                    if size >= BATCH_CHARS:
+                        yield "".join(lines)
+                        lines, size = [], 0
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file") from None
+        except (OSError, EOFError) as e:
+            raise UserError(f"cannot read {path} ({e}): check the file is intact") from None
+        if lines:
+            yield "".join(lines)
+
+
+def _json_text(line: str, where: str, key: str) -> str:
+    if not line.strip():
+        return ""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rec, dict) or key not in rec:
+        keys = ", ".join(map(repr, rec)) if isinstance(rec, dict) else type(rec).__name__
+        raise UserError(f"{where}: no key {key!r} (got {keys}): pass --json-key")
+    if not isinstance(rec[key], str):
+        raise UserError(f"{where}: {key!r} must be a string, got {type(rec[key]).__name__}")
+    return rec[key]
+
+
+def train_tokenizer(
+    inputs: Sequence[str | Path],
+    vocab_size: int,
+    out_dir: str | Path,
+    special_tokens: Sequence[str] = (ENDOFTEXT,),
+    min_frequency: int = 2,
+    json_key: str = "text",
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Tokenizer:
+    """Train byte-level BPE on `inputs` and save it to `out_dir`; returns the trained `tokenizers.Tokenizer`."""
+    special_tokens = list(special_tokens)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(special_tokens):
+        raise UserError(f"vocab_size {vocab_size} is below the {len(alphabet)} byte symbols plus "
+                        f"{len(special_tokens)} special token(s): raise it")
+    if min_frequency < 1:
+        raise UserError(f"min_frequency must be at least 1, not {min_frequency}")
+    find_inputs(inputs)  # fail on a bad path now, not after a long read
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite and (out_dir.is_file() or any(out_dir.iterdir())):
+        raise UserError(f"output '{out_dir}' already exists and is not empty: choose another path or pass --overwrite")
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)  # GPT-2's tokenizer.json has the same
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special_tokens,
+                                  initial_alphabet=alphabet, show_progress=progress)
+    start = time.perf_counter()
+    tok.train_from_iterator(iter_texts(inputs, json_key), trainer=trainer)
+    if tok.get_vocab_size() < vocab_size:
+        logger.warning("the corpus yields only %d tokens (min_frequency %d), fewer than vocab_size %d",
+                       tok.get_vocab_size(), min_frequency, vocab_size)
+
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": False}
+    if special_tokens:
+        config |= {"bos_token": special_tokens[0], "eos_token": special_tokens[0], "unk_token": special_tokens[0]}
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    logger.info("trained a %d-token byte-level BPE in %.1f s, saved to %s", tok.get_vocab_size(),
+                time.perf_counter() - start, out_dir)
+    return tok
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `lmforge tokenizer train` arguments (the CLI contract)."""
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="JSONL (.jsonl/.json/.ndjson) or .txt files, optionally .gz, or folders of them")
+    parser.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                        help="tokens in the vocabulary, the 256 byte symbols and special tokens included")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder to write tokenizer.json into")
+    parser.add_argument("--special-tokens", nargs="*", default=[ENDOFTEXT], metavar="TOK",
+                        help=f"special tokens, given the first ids; the first is bos/eos (default: {ENDOFTEXT})")
+    parser.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default: 2)")
+    parser.add_argument("--json-key", default="text", help="key holding the text in JSON lines (default: text)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> Tokenizer:
+    tok = train_tokenizer(args.input, args.vocab_size, args.out, special_tokens=args.special_tokens,
+                          min_frequency=args.min_frequency, json_key=args.json_key, overwrite=args.overwrite,
+                          progress=sys.stdout.isatty())
+    print(f"trained a {tok.get_vocab_size()}-token byte-level BPE tokenizer: {Path(args.out) / 'tokenizer.json'}")
+    return tok

@@ -1,0 +1,86 @@
+"""Process groups and data parallelism (DDP or FSDP2), applied to a built model."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(timeout_minutes: float = 10.0) -> World:
+    """Join the torchrun/Slurm process group when launched that way; one process otherwise."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # A rank that dies or hangs must not stall the others forever: collectives time out.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return World(rank=rank, size=size, local_rank=local_rank, device=device)
+
+
+def wrap(model: nn.Module, strategy: str, world: World) -> nn.Module:
+    """DDP replicates and all-reduces gradients; FSDP2 shards parameters, gradients and optimizer
+    state per block (fully_shard on each block, then on the root)."""
+    if world.size == 1:
+        return model
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce/reduce-scatter on accumulation micro-batches but the last."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def all_reduce_mean(values: torch.Tensor, world: World) -> torch.Tensor:
+    if world.size > 1:
+        dist.all_reduce(values)  # SUM then scale: gloo has no AVG/PREMUL_SUM
+        values /= world.size
+    return values

@@ -1,0 +1,160 @@
+"""Classification rows checked against GLUE's official SST-2 counts and against independently read rows.
+
+The 67,349-row training file is tokenized with a byte tokenizer (ids = UTF-8 bytes), whose ids the test
+can compute itself and which is fast; dev and test use the real GPT-2 tokenizer.
+"""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.data.classification import ClassificationDataset
+from lmforge.errors import UserError
+from lmforge.tokenizers import Tokenizer, load_tokenizer
+
+
+class ByteTokenizer(Tokenizer):
+    vocab_size, eos_id, pad_id, files = 256, None, None, [Path("bytes")]
+
+    def _encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def _encode_batch(self, texts):
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8")
+
+    def id_to_token(self, i):
+        return chr(i)
+
+    def token_to_id(self, tok):
+        return ord(tok) if len(tok) == 1 else None
+
+
+@pytest.fixture(scope="module")
+def sst2(shared_data) -> Path:
+    return shared_data / "classification" / "sst-2"
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_data):
+    return load_tokenizer(shared_data / "tokenizers" / "gpt2")
+
+
+def plain_rows(path: Path) -> list[list[str]]:
+    """GLUE TSV rows, read without csv: one line, fields split at tabs."""
+    return [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()[1:]]
+
+
+def test_sst2_train_has_the_official_counts(sst2):
+    ds = ClassificationDataset(sst2 / "train.tsv", ByteTokenizer(), max_length=1024)
+    assert len(ds) == 67349
+    assert (ds.labels == 1).sum() == 37569 and (ds.labels == 0).sum() == 29780
+    assert ds.label_names == ["0", "1"] and ds.num_labels == 2 and ds.id2label == {0: "0", 1: "1"}
+    rows = plain_rows(sst2 / "train.tsv")
+    for i in range(0, 67349, 1013):
+        item = ds[i]
+        assert bytes(item["input_ids"].tolist()).decode() == rows[i][0].strip()
+        assert item["label"].item() == int(rows[i][1])
+    assert ds.num_cut == 0
+
+
+def test_sst2_dev_and_unlabelled_test(sst2, gpt2):
+    dev = ClassificationDataset(sst2 / "dev.tsv", gpt2, max_length=128, label_names=["0", "1"])
+    assert len(dev) == 872
+    assert (dev.labels == 1).sum() == 444 and (dev.labels == 0).sum() == 428
+    rows = plain_rows(sst2 / "dev.tsv")
+    assert rows[0][0] == "it 's a charming and often affecting journey . "  # GLUE's trailing space, stripped
+    for i in range(0, 872, 17):
+        item = dev[i]
+        assert item["input_ids"].tolist() == gpt2.encode(rows[i][0].strip())
+        assert item["label"].item() == int(rows[i][1])
+        assert item["attention_mask"].tolist() == [1] * len(item["input_ids"])
+
+    test = ClassificationDataset(sst2 / "test.tsv", gpt2, max_length=128)
+    assert len(test) == 1821 and not test.has_labels and test.labels is None
+    assert set(test[0]) == {"input_ids", "attention_mask"}
+    rows = plain_rows(sst2 / "test.tsv")
+    assert test.row_ids == [r[0] for r in rows] == [str(i) for i in range(1821)]
+    assert test[5]["input_ids"].tolist() == gpt2.encode(rows[5][1].strip())
+
+
+def test_collate_pads_right_and_stacks_labels(sst2, gpt2):
+    dev = ClassificationDataset(sst2 / "dev.tsv", gpt2, max_length=16)
+    items = [dev[i] for i in range(6)]
+    assert max(len(x["input_ids"]) for x in items) == 16  # some dev sentences are cut at 16
+    assert dev.num_cut > 0
+    batch = dev.collate(items)
+    longest = max(len(x["input_ids"]) for x in items)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (6, longest)
+    assert batch["label"].tolist() == [x["label"].item() for x in items] and batch["label"].dtype == torch.int64
+    for row, x in enumerate(items):
+        n = len(x["input_ids"])
+        assert torch.equal(batch["input_ids"][row, :n], x["input_ids"])
+        assert (batch["input_ids"][row, n:] == 50256).all()  # GPT-2 has no pad: eos pads
+        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (longest - n)
+
+
+def test_max_length_cuts_the_text_and_keeps_cls_sep(sst2, gpt2):
+    ds = ClassificationDataset(sst2 / "dev.tsv", gpt2, max_length=10, prefix_ids=[7], suffix_ids=[8])
+    rows = plain_rows(sst2 / "dev.tsv")
+    for i in range(50):
+        ids = ds[i]["input_ids"].tolist()
+        assert ids == [7] + gpt2.encode(rows[i][0].strip())[:8] + [8]
+
+
+def test_string_labels_jsonl_and_a_shared_mapping(tmp_path, gpt2):
+    train, dev = tmp_path / "train.jsonl", tmp_path / "dev.jsonl"
+    rows = [("good film", "positive"), ("dull", "negative"), ("fine", "neutral"), ("great", "positive")]
+    train.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows), encoding="utf-8")
+    dev.write_text(json.dumps({"text": "meh", "label": "neutral"}) + "\n", encoding="utf-8")
+    ds = ClassificationDataset(train, gpt2)
+    assert ds.label_names == ["negative", "neutral", "positive"]
+    assert ds.labels.tolist() == [2, 0, 1, 2]
+    assert ds[0]["input_ids"].tolist() == gpt2.encode("good film")
+    assert ClassificationDataset(dev, gpt2, label_names=ds.label_names).labels.tolist() == [1]
+    with pytest.raises(UserError, match=r"dev\.jsonl:1: label 'neutral' is not one of the classes"):
+        ClassificationDataset(dev, gpt2, label_names=["negative", "positive"])
+
+
+def test_csv_with_quotes_and_named_columns(tmp_path, gpt2):
+    path = tmp_path / "reviews.csv"
+    path.write_text('review,sentiment\n"good, really good",1\n"said ""no""",0\nplain,1\n', encoding="utf-8")
+    ds = ClassificationDataset(path, gpt2, text_key="review", label_key="sentiment")
+    assert len(ds) == 3 and ds.labels.tolist() == [1, 0, 1]
+    assert gpt2.decode(ds[0]["input_ids"].tolist()) == "good, really good"
+    assert gpt2.decode(ds[1]["input_ids"].tolist()) == 'said "no"'
+
+
+def test_gzip_and_byte_order_mark(tmp_path, gpt2):
+    tsv = tmp_path / "excel.tsv"
+    tsv.write_text("sentence\tlabel\nfine\t1\n", encoding="utf-8-sig")  # a BOM must not rename the column
+    assert ClassificationDataset(tsv, gpt2).labels.tolist() == [1]
+    gz = tmp_path / "rows.json.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        json.dump([{"text": "a", "label": 0}, {"text": "b", "label": 2}], f)  # a JSON list, gzipped
+    ds = ClassificationDataset(gz, gpt2)
+    assert ds.labels.tolist() == [0, 2] and ds.label_names == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("a.tsv", "sentence\tlabel\nok\t1\nbad row\t0\textra\n", r"a\.tsv:3: 3 columns where the header"),
+    ("a.tsv", "", r"a\.tsv is empty"),
+    ("a.tsv", "sentence\tlabel\n", r"holds no data rows"),
+    ("a.tsv", "review\tlabel\nok\t1\n", r"a\.tsv:2: no text column 'sentence' or 'text' among \['label', 'review'\]"),
+    ("a.tsv", "sentence\tlabel\nok\t-1\n", r"a\.tsv:2: label '-1' is negative"),
+    ("a.jsonl", '{"text": "a", "label": 1}\n{"text": "b"}\n', r"a\.jsonl:2: no label 'label' here"),
+    ("a.jsonl", '{"text": "a", "label": 1.5}\n', r"a\.jsonl:1: label 1\.5 must be a class id"),
+    ("a.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": 0\n', r"a\.jsonl:2: malformed JSON"),
+    ("a.txt", "x", r"unknown kind"),
+])
+def test_bad_files_are_one_line_user_errors(tmp_path, gpt2, name, content, match):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(UserError, match=match) as e:
+        ClassificationDataset(path, gpt2)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,252 @@
+"""SFT examples checked against tokenizing the prompt and response pieces independently, on Alpaca's real data.
+
+The Alpaca templates are spelled out again here from tatsu-lab/stanford_alpaca train.py (PROMPT_DICT), so a
+change to the library's copy shows up as a failure, not as a silently different prompt.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.data.collate import IGNORE_INDEX
+from lmforge.data.sft import SFTDataset, encode_chat_prompt, encode_prompt, pack_first_fit
+from lmforge.errors import UserError
+from lmforge.tokenizers import load_tokenizer
+
+ALPACA_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
+SEQ = 512
+
+
+@pytest.fixture(scope="module")
+def alpaca(shared_data) -> Path:
+    return shared_data / "instruct" / "alpaca" / "alpaca_subset_2k.json"
+
+
+@pytest.fixture(scope="module")
+def records(alpaca) -> list[dict]:
+    return json.loads(alpaca.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_data):
+    return load_tokenizer(shared_data / "tokenizers" / "gpt2")
+
+
+@pytest.fixture(scope="module")
+def expected(records, gpt2) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) per record, from tokenizing the prompt and the response each on its own."""
+    prompts = [(ALPACA_INPUT if r["input"] else ALPACA_NO_INPUT).format(**r) for r in records]
+    p_ids, r_ids = gpt2.encode_batch(prompts), gpt2.encode_batch([r["output"] for r in records])
+    eos = 50256
+    return [(p + r + [eos], [IGNORE_INDEX] * len(p) + r + [eos]) for p, r in zip(p_ids, r_ids)]
+
+
+@pytest.fixture(scope="module")
+def unpacked(alpaca, gpt2) -> SFTDataset:
+    return SFTDataset(alpaca, gpt2, SEQ)
+
+
+@pytest.fixture(scope="module")
+def packed(alpaca, gpt2) -> SFTDataset:
+    return SFTDataset(alpaca, gpt2, SEQ, packing=True)
+
+
+def test_alpaca_labels_are_ignored_exactly_on_the_prompt(records, expected, unpacked):
+    assert len(records) == 2000
+    kept = [e for e in expected if len(e[0]) <= SEQ]
+    assert unpacked.num_dropped == 2000 - len(kept) > 0  # a few Alpaca answers are longer than 512 tokens
+    assert len(unpacked) == len(kept)
+    for i, (ids, labels) in enumerate(kept):
+        item = unpacked[i]
+        assert item["input_ids"].dtype == item["labels"].dtype == torch.int64
+        assert item["input_ids"].tolist() == ids
+        assert item["labels"].tolist() == labels
+        assert item["attention_mask"].tolist() == [1] * len(ids)
+    # GPT-2 has no bos distinct from <|endoftext|>: none is added.
+    assert unpacked[0]["input_ids"][0].item() != 50256
+
+
+def test_llama_adds_bos_and_ends_responses_with_eos(shared_data, alpaca, records):
+    llama = load_tokenizer(shared_data / "tokenizers" / "llama2" / "tokenizer.model")
+    ds = SFTDataset(alpaca, llama, 4096)
+    assert len(ds) == 2000 and ds.pad_id == 2  # no pad in Llama's tokenizer: eos pads
+    for i in range(0, 2000, 97):
+        r = records[i]
+        prompt = llama.encode((ALPACA_INPUT if r["input"] else ALPACA_NO_INPUT).format(**r))
+        response = llama.encode(r["output"])
+        item = ds[i]
+        assert item["input_ids"].tolist() == [1, *prompt, *response, 2]
+        assert item["labels"].tolist() == [IGNORE_INDEX] * (1 + len(prompt)) + response + [2]
+    r = records[0]
+    prompt = (ALPACA_INPUT if r["input"] else ALPACA_NO_INPUT).format(**r)
+    assert encode_prompt([(prompt, "")], llama) == [1, *llama.encode(prompt)]
+
+
+def test_packing_keeps_every_example_whole_within_seq_length(unpacked, packed):
+    assert len(packed) < len(unpacked) / 3  # Alpaca examples average ~110 GPT-2 tokens
+    assert packed.packing_efficiency > 0.9
+    seen = []
+    for i in range(len(packed)):
+        item = packed[i]
+        assert all(v.shape == (SEQ,) and v.dtype == torch.int64 for v in item.values())
+        seg = item["segment_ids"]
+        assert item["attention_mask"].tolist() == (seg > 0).long().tolist()
+        members = packed.packs[i]
+        assert members == sorted(members)  # examples keep their order inside a sequence
+        start = 0
+        for s, e in enumerate(members, start=1):
+            ref = unpacked[e]
+            n = len(ref["input_ids"])
+            assert (seg[start : start + n] == s).all()
+            assert torch.equal(item["input_ids"][start : start + n], ref["input_ids"])
+            assert torch.equal(item["labels"][start : start + n], ref["labels"])
+            assert item["position_ids"][start : start + n].tolist() == list(range(n))
+            # A sequence's first token never predicts across an example boundary.
+            assert item["labels"][start] == IGNORE_INDEX
+            start += n
+        assert (seg[start:] == 0).all() and (item["labels"][start:] == IGNORE_INDEX).all()
+        assert (item["input_ids"][start:] == packed.pad_id).all()
+        seen += members
+    assert sorted(seen) == list(range(len(unpacked)))  # each example exactly once
+
+
+def reference_first_fit(lengths, capacity):
+    bins = []
+    for i, n in enumerate(lengths):
+        for b in bins:
+            if b[0] >= n:
+                b[0] -= n
+                b[1].append(i)
+                break
+        else:
+            bins.append([capacity - n, [i]])
+    return [b[1] for b in bins]
+
+
+def test_first_fit_matches_a_plain_reference():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, size=500).tolist()
+    assert pack_first_fit(lengths, 256) == reference_first_fit(lengths, 256)
+    assert pack_first_fit([256, 1, 255], 256) == [[0], [1, 2]]
+
+
+def test_unpacked_batches_pad_right_with_eos_and_ignored_labels(unpacked):
+    items = [unpacked[i] for i in range(8)]
+    batch = unpacked.collate(items)
+    longest = max(len(x["input_ids"]) for x in items)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (8, longest)
+    for row, x in enumerate(items):
+        n = len(x["input_ids"])
+        assert torch.equal(batch["input_ids"][row, :n], x["input_ids"])
+        assert torch.equal(batch["labels"][row, :n], x["labels"])
+        assert (batch["input_ids"][row, n:] == 50256).all()
+        assert (batch["labels"][row, n:] == IGNORE_INDEX).all()
+        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (longest - n)
+
+
+def test_truncate_cut_keeps_a_prefix_and_drops_examples_left_without_labels(tmp_path, records, gpt2, expected):
+    path = tmp_path / "first300.json"
+    path.write_text(json.dumps(records[:300]), encoding="utf-8")
+    ds = SFTDataset(path, gpt2, 96, truncate="cut")
+    expected = expected[:300]
+    kept = []
+    for ids, labels in expected:
+        if len(ids) > 96 and all(x == IGNORE_INDEX for x in labels[:96]):
+            continue
+        kept.append((ids[:96], labels[:96]))
+    assert ds.num_cut == sum(len(ids) > 96 for ids, _ in expected) - ds.num_dropped
+    assert ds.num_dropped == len(expected) - len(kept) > 0
+    assert [(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist()) for i in range(len(ds))] == kept
+
+
+def test_chat_trains_only_on_assistant_turns(tmp_path, gpt2):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+        {"role": "user", "content": "Thanks"},  # after the last answer: left out
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n", encoding="utf-8")
+    item = SFTDataset(path, gpt2, 256)[0]
+    pieces = [
+        ("<|system|>\nYou are terse.\n<|user|>\nCapital of France?\n<|assistant|>\n", False),
+        ("Paris.", True),
+        ("\n<|user|>\nAnd of Italy?\n<|assistant|>\n", False),
+        ("Rome.", True),
+    ]
+    ids, labels = [], []
+    for text, train in pieces:
+        piece = gpt2.encode(text) + ([50256] if train else [])
+        ids += piece
+        labels += piece if train else [IGNORE_INDEX] * len(piece)
+    assert item["input_ids"].tolist() == ids
+    assert item["labels"].tolist() == labels
+    trained = item["labels"][item["labels"] != IGNORE_INDEX].tolist()
+    assert gpt2.decode(trained) == "Paris.<|endoftext|>Rome.<|endoftext|>"
+    # Serving: the prompt for the second answer is the training ids up to that answer, token for token.
+    before_rome = len(ids) - len(gpt2.encode("Rome.")) - 1
+    assert encode_chat_prompt(messages[:4], gpt2) == ids[:before_rome]
+
+
+def test_seed_tasks_instances_are_examples(shared_data, gpt2):
+    path = shared_data / "instruct" / "alpaca" / "seed_tasks.jsonl"
+    first = json.loads(path.read_text(encoding="utf-8").splitlines()[0])
+    ds = SFTDataset(path, gpt2, 4096)
+    assert len(ds) == 175  # 175 seed tasks, one instance each
+    item = ds[0]
+    response = item["input_ids"][item["labels"] != IGNORE_INDEX].tolist()
+    assert gpt2.decode(response) == first["instances"][0]["output"] + "<|endoftext|>"
+
+
+def test_user_prompt_template(tmp_path, gpt2):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"instruction": "Add", "input": "2 and 3", "output": "5"}) + "\n", encoding="utf-8")
+    item = SFTDataset(path, gpt2, 64, prompt_template="Q: {instruction} {{{input}}}\nA:")[0]
+    prompt = gpt2.encode("Q: Add {2 and 3}\nA:")
+    assert item["input_ids"].tolist() == prompt + gpt2.encode("5") + [50256]
+    assert item["labels"].tolist() == [IGNORE_INDEX] * len(prompt) + gpt2.encode("5") + [50256]
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"\n', r"bad\.jsonl:2: malformed JSON"),
+    ('{"instruction": "a", "answer": "b"}\n', r"bad\.jsonl:1: unknown record kind with keys \['answer', 'instr"),
+    ('{"instruction": "a", "output": 3}\n', r"bad\.jsonl:1: .* must be strings"),
+    ("\n\n", r"holds no records"),
+    ('[{"instruction": "a", "output": "b"}, 3]', r"bad\.jsonl: record 2: a record must be a JSON object"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"bad\.jsonl:1: the chat has no assistant message"),
+    ('{"messages": [{"role": "bot", "content": "hi"}]}\n', r"bad\.jsonl:1: message 0 must be"),
+])
+def test_bad_files_are_one_line_user_errors(tmp_path, gpt2, content, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(UserError, match=match) as e:
+        SFTDataset(path, gpt2, 64)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"prompt_template": "{question}"}, "needs {instruction}"),
+    ({"prompt_template": "{instruction"}, "not a valid template"),
+    ({"chat_template": "<{role}>"}, "one {role} and one {content}"),
+    ({"truncate": "left"}, "truncate must be one of drop, cut"),
+    ({"seq_length": 4}, "no example fits seq_length 4"),
+])
+def test_bad_settings_are_user_errors(tmp_path, gpt2, kwargs, match):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"instruction": "Add 2 and 3", "output": "5"}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=match):
+        SFTDataset(path, gpt2, **{"seq_length": 64, **kwargs})

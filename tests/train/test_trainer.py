@@ -1,0 +1,127 @@
+"""The training loop on one process: learning, batch equivalence, precision, NaN handling, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lmforge.errors import UserError
+from lmforge.train.trainer import Trainer
+from tests.train.conftest import run_config
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_and_every_metric_is_logged(tiny_corpus, tmp_path):
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=24", "trainer.val_check_interval=8",
+                     "cost.usd_per_hour=2.0", "optim.lr=1e-2")
+    last = Trainer(cfg).fit()
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    for key in ("grad_norm", "lr", "tokens_per_second", "sequences_per_second", "step_time", "mfu", "memory_gb",
+                "tokens_per_dollar", "usd_per_million_tokens"):
+        assert key in rows[-1] and math.isfinite(rows[-1][key]), key
+    r = rows[-1]
+    assert r["tokens_per_second"] == pytest.approx(8 * 32 / r["step_time"])
+    assert r["tokens_per_dollar"] == pytest.approx(r["tokens_per_second"] * 3600 / 2.0)
+    assert last["val_ppl"] == pytest.approx(math.exp(last["val_loss"]))
+    assert list((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_corpus, tmp_path):
+    """global 8 as 2 micro-batches of 4 (accumulated) or 1 micro-batch of 8: the same training."""
+    losses = []
+    for micro in (4, 8):
+        cfg = run_config(tiny_corpus, tmp_path / f"m{micro}", f"trainer.micro_batch_size={micro}",
+                         "trainer.max_steps=4", "trainer.val_check_interval=0")
+        Trainer(cfg).fit()
+        losses.append([(r["loss"], r["grad_norm"]) for r in _rows(tmp_path / f"m{micro}")])
+    for (la, ga), (lb, gb) in zip(*losses):
+        assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-sr", "bf16"])
+def test_bf16_precisions_train(precision, tiny_corpus, tmp_path):
+    trainer = Trainer(run_config(tiny_corpus, tmp_path / precision, f"trainer.precision={precision}",
+                                 "trainer.max_steps=12", "trainer.val_check_interval=0"))
+    trainer.fit()
+    rows = _rows(tmp_path / precision)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    expected = torch.float32 if precision == "bf16-mixed" else torch.bfloat16
+    assert all(p.dtype == expected for p in trainer.model.parameters())
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_corpus, tmp_path, monkeypatch):
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=20", "trainer.max_consecutive_skips=3",
+                     "checkpoint.every_n_steps=2", "trainer.val_check_interval=0")
+    trainer = Trainer(cfg)
+    real = trainer._loss
+
+    def poisoned(batch):
+        loss, n = real(batch)
+        step = trainer.state["step"]
+        return (loss * float("nan"), n) if step == 3 or step >= 5 else (loss, n)
+
+    monkeypatch.setattr(trainer, "_loss", poisoned)
+    with pytest.raises(UserError, match="3 steps in a row had a non-finite loss"):
+        trainer.fit()
+    rows = _rows(tmp_path / "run")
+    assert [r["skipped"] for r in rows] == [0, 0, 0, 1, 0, 1, 1]
+    latest = trainer.checkpoints.latest()
+    assert latest.name == "step-00000006"  # written before the run stopped, and whole
+    state = json.loads((latest / "trainer.json").read_text())
+    assert state["skipped_steps"] == 2
+    assert all(torch.isfinite(p.detach()).all() for p in trainer.model.parameters())
+
+
+def test_top_k_and_last_checkpoints_are_kept(tiny_corpus, tmp_path):
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=10", "trainer.val_check_interval=2",
+                     "checkpoint.every_n_steps=2", "checkpoint.save_top_k=2")
+    trainer = Trainer(cfg)
+    trainer.fit()
+    kept = trainer.checkpoints.checkpoints()
+    val = {r["step"]: r["val_loss"] for r in _rows(tmp_path / "run") if "val_loss" in r}
+    best_two = sorted(val, key=val.get)[:2]
+    assert {s for s, _ in kept} == set(best_two) | {10}
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*"))  # no temporary folders left
+
+
+def test_convert_to_hf_writes_a_folder_transformers_loads(tiny_corpus, tmp_path):
+    tf = pytest.importorskip("transformers")
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=3", "checkpoint.convert_to_hf=true",
+                     "trainer.val_check_interval=0")
+    trainer = Trainer(cfg)
+    trainer.fit()
+    hf, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(hf.eval()(ids).logits, trainer.model.eval()(ids), atol=1e-5)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.global_batch_size=6"], "global_batch_size 6 is not divisible by micro_batch_size 4"),
+    (["data.seq_length=512"], "seq_length 512 exceeds the model's max_position_embeddings 256"),
+    (["data.paths=[/nonexistent/prefix]"], "data prefix '/nonexistent/prefix' has no"),
+    (["trainer.precision=bf17"], "trainer.precision='bf17' is not valid (did you mean 'bf16'?)"),
+    (["optim.lrr=1"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+    (["model.init_from=/nonexistent"], "does not exist"),
+])
+def test_bad_configs_fail_before_compute(overrides, message, tiny_corpus, tmp_path):
+    with pytest.raises(UserError) as e:
+        Trainer(run_config(tiny_corpus, tmp_path / "run", *overrides))
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused(tiny_corpus, tmp_path, shared_data):
+    with pytest.raises(UserError, match="has 50257 ids but the model only 1000"):
+        Trainer(run_config(tiny_corpus, tmp_path / "run", f"data.tokenizer={shared_data}/tokenizers/gpt2"))
