@@ -1,0 +1,50 @@
+"""Exact resume: kill -9 a run mid-flight, rerun the same command, get the same curve bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _command(corpus, run_dir, precision):
+    return [sys.executable, "-m", "lmforge.cli", "pretrain", os.devnull, "model.preset=tiny-neox",
+            f"data.paths=[{corpus}]", "data.seq_length=32", "trainer.max_steps=12", "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=4", "trainer.val_check_interval=4", "trainer.val_batches=1",
+            "checkpoint.every_n_steps=4", "checkpoint.save_top_k=-1", f"trainer.precision={precision}",
+            "optim.lr=3e-3", "optim.warmup_steps=2", "model.dropout=0.1", "trainer.progress_bar=false",
+            "cost.peak_flops=1e11", f"run_dir={run_dir}"]
+
+
+def _curve(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in rows]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
+def test_killed_run_resumes_bit_exactly(precision, tiny_corpus, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(_command(tiny_corpus, tmp_path / "whole", precision), check=True, env=env,
+                   capture_output=True, timeout=300)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_command(tiny_corpus, killed, precision), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(x)["step"] >= 6 for x in metrics.read_text().splitlines() if x):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps_at_kill = max(s for s, *_ in _curve(killed))
+    assert 6 <= steps_at_kill < 12
+    assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))][-1] == "step-00000004"
+    subprocess.run(_command(tiny_corpus, killed, precision), check=True, env=env, capture_output=True, timeout=300)
+    assert _curve(killed) == _curve(tmp_path / "whole")  # exact float equality, every step
