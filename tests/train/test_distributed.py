@@ -1,0 +1,50 @@
+"""Data parallelism under torchrun (gloo, 2 CPU processes): the same training as one process
+with the same global batch, for DDP and FSDP2, and a checkpoint that resumes on one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _args(corpus, run_dir, *extra):
+    return ["pretrain", os.devnull, "model.preset=tiny-neox", f"data.paths=[{corpus}]", "data.seq_length=32",
+            "trainer.max_steps=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+            "trainer.val_check_interval=2", "trainer.val_batches=1", "trainer.precision=fp32", "optim.lr=3e-3",
+            "trainer.progress_bar=false", "cost.peak_flops=1e11", f"run_dir={run_dir}", *extra]
+
+
+def _curve(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in rows]
+
+
+def _close(a, b):
+    for (la, ga, va), (lb, gb, vb) in zip(a, b, strict=True):
+        assert la == pytest.approx(lb, rel=2e-5) and ga == pytest.approx(gb, rel=2e-4)
+        assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, rel=2e-5))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_train_like_one(strategy, tiny_corpus, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, tmp_path / "one")], check=True,
+                   env=env, capture_output=True, timeout=300)
+    two = tmp_path / "two"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "lmforge.cli", *_args(tiny_corpus, two, f"trainer.data_parallel={strategy}")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _close(_curve(two), _curve(tmp_path / "one"))
+    before = _curve(two)
+    # The 2-process checkpoint (DCP) loads on one process and training continues from step 4.
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, two, "trainer.max_steps=6")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = _curve(two)
+    assert after[:4] == before and len(after) == 6
+    assert after[4][0] < before[0][0]  # the resumed steps continue training, not restart it
