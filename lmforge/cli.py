@@ -93,7 +93,15 @@ def _add_tokenizer(p: argparse.ArgumentParser) -> None:
     add_arguments(actions.add_parser("train", help="train a byte-level BPE tokenizer (tokenizer.json)"))
 
 
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    from lmforge.inference.generate import add_arguments, run
+
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "generate": _add_generate,
     "tokenizer": _add_tokenizer,
     "preprocess": _add_preprocess,
     "pretrain": _add_pretrain,

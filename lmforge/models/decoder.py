@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,9 @@ from torch import nn
 from lmforge.models.config import ModelConfig
 from lmforge.models.layers import Block, make_norm, padding_mask
 from lmforge.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:  # the cache lives with inference, which imports the models
+    from lmforge.inference.cache import KVCache
 
 
 class Decoder(nn.Module):
@@ -36,16 +41,31 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states (batch, seq, hidden). attention_mask: 1 = token, 0 = padding."""
+        """Final-norm hidden states (batch, seq, hidden). attention_mask: 1 = token, 0 = padding.
+
+        With a KV cache (lmforge.inference.KVCache) the tokens are written to the cache slots
+        `cache_position` (seq,) and attend to every real token cached before them; attention_mask then
+        covers only the new tokens, and position_ids default to the slots.
+        """
         b, s = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+            positions = torch.arange(s, device=input_ids.device) if cache_position is None else cache_position
+            position_ids = positions.expand(b, s)
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             x = x + self.pos_embed(position_ids)
         x = self.drop(x)
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
+        if cache is not None:
+            if cache_position is None:
+                raise ValueError("a KV cache needs cache_position: the slots the new tokens are written to")
+            mask = cache.attention_mask(attention_mask, cache_position)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, mask, cache.layer(i, cache_position))
+            return self.norm(x)
         mask = padding_mask(attention_mask, True) if attention_mask is not None else None
         for layer in self.layers:
             x = layer(x, rope, mask)
@@ -75,9 +95,11 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (batch, seq, vocab_size), or (batch, num_labels) for a classification model."""
-        h = self.hidden_states(input_ids, attention_mask, position_ids)
+        h = self.hidden_states(input_ids, attention_mask, position_ids, cache, cache_position)
         if self.score is not None:
             return self.classify(h, input_ids, attention_mask)
         return self.logits(h)

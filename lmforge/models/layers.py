@@ -6,6 +6,8 @@ norm, gating, biases, GQA). Nothing here knows about parallelism: plans are appl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,15 @@ ACTIVATIONS = {
 }
 
 
+class LayerCache(NamedTuple):
+    """One layer's view of a KV cache: key/value buffers (batch, kv_heads, max_len, head_dim) and the
+    slots (seq,) that the current tokens are written to (see lmforge.inference.cache)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    position: torch.Tensor
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention through scaled_dot_product_attention.
 
@@ -68,6 +79,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, -1, self.q_per_kv + 2, self.head_dim)
@@ -76,6 +88,14 @@ class Attention(nn.Module):
         v = qkv[:, :, :, -1].transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, rope[0], rope[1]), apply_rotary(k, rope[0], rope[1])
+        if cache is not None:
+            # Write this step's keys/values into their slots, then attend over the whole fixed-size
+            # buffer (the mask hides empty and padding slots): shapes never change from step to step.
+            # enable_gqa lets SDPA share each key/value head among its query heads without a copy.
+            cache.k.index_copy_(2, cache.position, k)
+            cache.v.index_copy_(2, cache.position, v)
+            y = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask, enable_gqa=self.q_per_kv > 1)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if self.q_per_kv > 1:  # query head h reads key/value head h // q_per_kv
             k = k.repeat_interleave(self.q_per_kv, dim=1)
             v = v.repeat_interleave(self.q_per_kv, dim=1)
@@ -116,13 +136,17 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         if self.post_norm:  # BERT
-            x = self.norm1(x + self.drop(self.attn(x, rope, mask)))
+            x = self.norm1(x + self.drop(self.attn(x, rope, mask, cache)))
             return self.norm2(x + self.drop(self.mlp(x)))
         h = self.norm1(x)
-        attn = self.drop(self.attn(h, rope, mask))
+        attn = self.drop(self.attn(h, rope, mask, cache))
         if self.parallel_residual:  # NeoX: two norms; GPT-J: one norm shared by both branches
             mlp_in = h if self.norm2 is None else self.norm2(x)
             return x + attn + self.drop(self.mlp(mlp_in))

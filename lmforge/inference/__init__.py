@@ -1,0 +1,17 @@
+"""Inference: a preallocated KV cache, sampling, and batched generation."""
+
+from lmforge.inference.cache import KVCache
+from lmforge.inference.generate import completion_text, generate, generate_text, left_pad
+from lmforge.inference.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    choose_next,
+    process_logits,
+    top_k_filter,
+    top_p_filter,
+)
+
+__all__ = [
+    "KVCache", "SamplingParams", "apply_repetition_penalty", "choose_next", "completion_text", "generate",
+    "generate_text", "left_pad", "process_logits", "top_k_filter", "top_p_filter",
+]

@@ -1,0 +1,69 @@
+"""A preallocated key/value cache: fixed-size buffers written in place, so shapes never change.
+
+Per layer, k and v buffers of shape (batch, num_kv_heads, max_len, head_dim), allocated once for
+prompt + new tokens. Each forward writes its tokens' keys/values to the slots `cache_position`
+(`index_copy_`, as transformers' StaticCache does) and attends over the whole buffer; a boolean
+`valid` (batch, max_len) marks the slots that hold a real token, so empty slots and left padding
+are masked out. With no shape depending on how far generation has got, a decode step can be
+captured by torch.compile (or CUDA graphs) once and replayed.
+
+Grouped-query attention keeps num_kv_heads heads in the cache (Llama-2-70B: 8 instead of 64);
+SDPA's enable_gqa shares them among the query heads without a copy per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.models.config import ModelConfig
+from lmforge.models.layers import LayerCache
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int) -> KVCache:
+        """A cache in the model's dtype and on its device."""
+        p = next(model.parameters())
+        return cls(model.config, batch_size, max_len, p.dtype, p.device)
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+    def attention_mask(self, attention_mask: torch.Tensor | None, position: torch.Tensor) -> torch.Tensor:
+        """Record which new tokens are real, then the SDPA mask (batch, 1, seq, max_len) for them.
+
+        attention_mask (batch, seq): 1 = token, 0 = padding, for the tokens going to slots `position`
+        (seq,); None means all are real. A query sees the real tokens in slots up to its own and,
+        like lmforge.models.layers.padding_mask, always itself, so a padding query never has an
+        empty row (softmax over nothing is NaN); its output is never read.
+        """
+        b, s = self.valid.shape[0], position.shape[0]
+        if attention_mask is None:
+            real = torch.ones(b, s, dtype=torch.bool, device=self.valid.device)
+        else:
+            real = attention_mask.to(device=self.valid.device, dtype=torch.bool)
+        self.valid.index_copy_(1, position, real)
+        slots = torch.arange(self.max_len, device=self.valid.device)
+        causal = slots <= position[:, None]
+        return (self.valid[:, None, None, :] & causal) | (slots == position[:, None])
+
+    def layer(self, i: int, position: torch.Tensor) -> LayerCache:
+        return LayerCache(self.k[i], self.v[i], position)
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffers are reused; stale keys are masked, never read)."""
+        self.valid.zero_()

@@ -1,0 +1,263 @@
+"""Autoregressive generation with a KV cache: prefill the prompts, then one token per step.
+
+Prompts of different lengths are left-padded into one batch, with an attention mask and
+position ids counted from each row's first real token (cumsum - 1), as transformers does, so a
+row generates the same tokens alone or in a batch. A row stops at a stop token (eos), which it
+keeps as its last token; generation ends when every row has stopped or after max_new_tokens.
+
+    ids = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=20, temperature=0)   # greedy
+    texts = generate_text(model, tokenizer, ["Once upon a time"], max_new_tokens=50, stop=["\\n\\n"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.inference.cache import KVCache
+from lmforge.inference.sampling import SamplingParams, choose_next
+
+log = logging.getLogger(__name__)
+
+Prompts = torch.Tensor | Sequence[Sequence[int]]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str | None = None):
+    """(input_ids, attention_mask), both (batch, longest), padding on the left."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, longest - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, longest - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _stop_ids(model: nn.Module, stop_token_ids: int | Iterable[int] | None) -> list[int]:
+    if stop_token_ids is None:  # the model's eos, if its config names one
+        stop_token_ids = model.config.eos_token_id
+    if stop_token_ids is None:
+        return []
+    return [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+
+
+def _check_model(model: nn.Module) -> None:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not cfg.is_decoder or getattr(model, "score", None) is not None:
+        kind = "a classification model" if cfg is not None and cfg.num_labels else f"a {getattr(cfg, 'family', '?')}"
+        raise UserError(f"cannot generate with {kind} model: generation needs a decoder language model")
+
+
+def _batch(model: nn.Module, prompts: Prompts, attention_mask: torch.Tensor | None, pad_id: int | None):
+    device = next(model.parameters()).device
+    if pad_id is None:
+        pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    if isinstance(prompts, torch.Tensor):
+        ids = prompts[None] if prompts.dim() == 1 else prompts
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask.reshape(ids.shape)
+        ids, mask = ids.to(device), mask.to(device=device, dtype=torch.long)
+        if not mask[:, -1].all():
+            raise UserError("attention_mask pads on the right: generation needs left padding (see left_pad)")
+    else:
+        if not len(prompts):
+            raise UserError("no prompts given: pass at least one")
+        ids, mask = left_pad(prompts, pad_id, device)
+    lengths = mask.sum(-1)
+    if (lengths == 0).any():
+        raise UserError(f"prompt {int((lengths == 0).nonzero()[0, 0])} is empty: give it at least one token")
+    vocab = model.config.vocab_size
+    real = ids[mask.bool()]
+    bad = real[(real < 0) | (real >= vocab)]
+    if bad.numel():
+        raise UserError(f"prompt token id {int(bad[0])} is outside this model's vocabulary [0, {vocab})")
+    return ids, mask, pad_id
+
+
+@torch.inference_mode()
+def generate(
+    model: nn.Module,
+    prompts: Prompts,
+    max_new_tokens: int = 32,
+    *,
+    temperature: float = 1.0,
+    do_sample: bool = True,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    stop_token_ids: int | Iterable[int] | None = None,
+    seed: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
+    should_stop: Callable[[int, list[int]], bool] | None = None,
+) -> list[list[int]]:
+    """The generated ids of each prompt (prompt not included), a stop token ending a row kept last.
+
+    prompts: a list of token id lists (left-padded here), or a (batch, seq) / (seq,) tensor, all
+    real tokens unless attention_mask (1 = token, 0 = padding, left padding) says otherwise.
+    temperature 0 or do_sample=False is greedy. stop_token_ids: None = the model config's eos;
+    [] = never stop early. seed makes sampling reproducible (a torch.Generator of its own; without
+    it the global RNG is used). should_stop(row, ids_so_far) is asked after each new token of a
+    running row (stop strings in generate_text).
+    """
+    _check_model(model)
+    params = SamplingParams(temperature, top_k, top_p, repetition_penalty, do_sample)
+    if max_new_tokens < 0:
+        raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    ids, mask, pad_id = _batch(model, prompts, attention_mask, pad_token_id)
+    b, s = ids.shape
+    cfg, device = model.config, ids.device
+    # The last token fed back sits at position s + max_new_tokens - 2 (the one after it is never fed).
+    if cfg.position_embedding == "learned" and s + max_new_tokens - 1 > cfg.max_position_embeddings:
+        raise UserError(f"prompt ({s} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                        f"{cfg.max_position_embeddings} positions: shorten one of them")
+    if max_new_tokens == 0:
+        return [[] for _ in range(b)]
+    stop = torch.tensor(_stop_ids(model, stop_token_ids), dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    seen = None
+    if params.repetition_penalty != 1.0:  # which tokens each row has seen, padding excluded
+        seen = torch.zeros(b, cfg.vocab_size, dtype=torch.long, device=device).scatter_add_(1, ids, mask) > 0
+
+    # The last generated token is never fed back, so the cache needs one slot less than the total.
+    cache = KVCache.for_model(model, b, s + max_new_tokens - 1)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    h = model.hidden_states(ids, mask, position_ids, cache, torch.arange(s, device=device))
+    logits = model.logits(h[:, -1])
+    next_position = position_ids[:, -1:] + 1
+
+    out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    host = [[] for _ in range(b)] if should_stop is not None else None
+    steps = 0
+    for step in range(max_new_tokens):
+        token = choose_next(logits, params, seen, generator)
+        token = torch.where(finished, pad_id, token)  # a finished row keeps padding
+        out[:, step] = token
+        steps = step + 1
+        running = ~finished
+        finished = finished | torch.isin(token, stop)
+        if seen is not None:
+            seen[torch.arange(b, device=device), token] = True
+        if host is not None:
+            was_running = running.tolist()
+            for row, t in enumerate(token.tolist()):
+                if was_running[row]:
+                    host[row].append(t)
+                    if not finished[row] and should_stop(row, host[row]):
+                        finished[row] = True
+        if bool(finished.all()) or steps == max_new_tokens:
+            break
+        logits = model.logits(model.hidden_states(
+            token[:, None], None, next_position, cache, torch.tensor([s + step], device=device))[:, -1])
+        next_position = next_position + 1
+    return _trim(out[:, :steps].tolist(), stop.tolist(), host)
+
+
+def _trim(rows: list[list[int]], stop: list[int], host: list[list[int]] | None) -> list[list[int]]:
+    """Each row up to and including its first stop token (or as far as should_stop let it run)."""
+    if host is not None:
+        return host
+    stops, result = set(stop), []
+    for row in rows:
+        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        result.append(row[:end])
+    return result
+
+
+def completion_text(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+    """The text that new_ids add after the prompt. Decoding prompt + new and removing the prompt's own
+    text keeps what depends on context (SentencePiece's leading space); the fallback decodes alone."""
+    full, head = tokenizer.decode([*prompt_ids, *new_ids]), tokenizer.decode(prompt_ids)
+    return full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids)
+
+
+def generate_text(
+    model: nn.Module,
+    tokenizer,
+    prompts: str | Sequence[str],
+    max_new_tokens: int = 64,
+    *,
+    stop: str | Sequence[str] | None = None,
+    add_bos: bool | None = None,
+    stop_token_ids: int | Iterable[int] | None = None,
+    **kwargs,
+) -> list[str]:
+    """Completions (prompt not included) of text prompts; keyword arguments as for generate.
+
+    Generation of a row stops at eos (the model's and the tokenizer's) or once its text contains a
+    stop string, and the text is cut before the first stop string (as OpenAI's API does).
+    add_bos None: add bos when the tokenizer has one distinct from eos (Llama's <s>; GPT-2 and NeoX
+    use <|endoftext|> for both and start without it), as their Hugging Face tokenizers do.
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    if add_bos is None:
+        add_bos = tokenizer.bos_id is not None and tokenizer.bos_id != tokenizer.eos_id
+    encoded = tokenizer.encode_batch(prompts, add_bos=add_bos)
+    if stop_token_ids is None:
+        stop_token_ids = {*_stop_ids(model, None), *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}
+    stop_ids = set(_stop_ids(model, stop_token_ids))
+
+    def has_stop(row: int, ids: list[int]) -> bool:
+        text = completion_text(tokenizer, encoded[row], ids)
+        return any(s in text for s in stops)
+
+    outputs = generate(model, encoded, max_new_tokens, stop_token_ids=sorted(stop_ids),
+                       should_stop=has_stop if stops else None, **kwargs)
+    texts = []
+    for prompt_ids, ids in zip(encoded, outputs):
+        if ids and ids[-1] in stop_ids:
+            ids = ids[:-1]
+        text = completion_text(tokenizer, prompt_ids, ids)
+        cut = min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))
+        texts.append(text[:cut])
+    return texts
+
+
+# ---------------------------------------------------------------- CLI: lmforge generate
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass >= p")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
+    p.add_argument("--stop", action="append", default=[], help="stop at this text (not printed); repeatable")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+
+
+def run(args: argparse.Namespace) -> None:
+    from lmforge.models import load_pretrained  # noqa: PLC0415 (keeps `lmforge --help` fast)
+    from lmforge.models.io import parse_dtype  # noqa: PLC0415
+    from lmforge.tokenizers import load_tokenizer  # noqa: PLC0415
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise UserError(f"unknown device '{args.device}' ({e}): use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: CUDA is not available in this torch build: use --device cpu")
+    tokenizer = load_tokenizer(args.model_dir)
+    model = load_pretrained(args.model_dir, device=device, dtype=parse_dtype(args.dtype))
+    start = time.perf_counter()
+    texts = generate_text(
+        model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+    )
+    log.info("generated %d completion(s) in %.2f s", len(texts), time.perf_counter() - start)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- completion {i + 1} of {len(texts)} ---")
+        print(text)

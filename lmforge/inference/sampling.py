@@ -1,0 +1,100 @@
+"""Choosing the next token: repetition penalty, temperature, top-k, top-p (nucleus), then sample or argmax.
+
+The steps and their order are those of transformers' `generate` (RepetitionPenaltyLogitsProcessor,
+then TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper), so a seeded run of ours and
+theirs filter the same tokens. Filtered logits become -inf, never a finite "small" number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmforge.errors import UserError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int | None = None  # None or 0 = off
+    top_p: float | None = None  # None or 1.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in prompt + output
+    do_sample: bool = True  # False = greedy, whatever the temperature
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise UserError(f"top_k must be >= 1 (or 0 for off), got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise UserError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL (Keskar et al. 2019), as transformers applies it: for tokens already seen, divide a positive
+    logit by the penalty and multiply a negative one, so the token always gets less likely (penalty > 1).
+
+    logits (batch, vocab); seen (batch, vocab) bool, True where the token is in the prompt or output.
+    """
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def top_k_filter(logits: torch.Tensor, k: int | None) -> torch.Tensor:
+    """Keep the k largest logits of each row (ties with the k-th kept too), -inf elsewhere."""
+    if not k or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float | None, min_keep: int = 1) -> torch.Tensor:
+    """Nucleus filtering (Holtzman et al. 2019): keep the smallest set of most likely tokens whose
+    probability reaches p, and never fewer than min_keep (the most likely token always survives).
+
+    Sorted ascending, a token goes when the probability mass at or below it is <= 1 - p: the same
+    sums as transformers' TopPLogitsWarper, so the kept sets agree to the last rounding.
+    """
+    if p is None or p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= 1 - p
+    remove_sorted[..., -min_keep:] = False
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Penalty, temperature, top-k, top-p on fp32 logits (batch, vocab); greedy applies only the penalty."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return logits
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    return top_p_filter(top_k_filter(logits, params.top_k), params.top_p)
+
+
+def choose_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seen: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (batch,) from the last position's logits (batch, vocab)."""
+    logits = process_logits(logits, params, seen)
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
