@@ -51,6 +51,10 @@ def _pretrain(args: argparse.Namespace) -> None:
     from lmforge.train.trainer import Trainer
 
     cfg = load_run_config(args.config, args.overrides)
+    finetune = args.verb == "finetune"
+    if finetune == (cfg.data.task == "pretrain"):
+        fix = "set data.task=sft|classification|mlm" if finetune else "use `lmforge finetune`"
+        raise UserError(f"`lmforge {args.verb}` got data.task={cfg.data.task}: {fix}")
     trainer = Trainer(cfg)
     last = trainer.fit()
     if trainer.world.is_main:
@@ -101,6 +105,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "finetune": _add_pretrain,
     "generate": _add_generate,
     "tokenizer": _add_tokenizer,
     "preprocess": _add_preprocess,

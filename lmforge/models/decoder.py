@@ -66,7 +66,9 @@ class Decoder(nn.Module):
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, mask, cache.layer(i, cache_position))
             return self.norm(x)
-        mask = padding_mask(attention_mask, True) if attention_mask is not None else None
+        mask = None
+        if attention_mask is not None:  # (batch, seq) padding mask, or a ready (batch, 1, q, k) bool mask
+            mask = attention_mask if attention_mask.dim() == 4 else padding_mask(attention_mask, True)
         for layer in self.layers:
             x = layer(x, rope, mask)
         return self.norm(x)

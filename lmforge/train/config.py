@@ -37,6 +37,8 @@ class DataConfig:
     train_file: str | None = None
     valid_file: str | None = None
     cache_dir: str | None = None  # sample-index cache; default beside the data
+    packing: bool = False  # sft: pack several examples per sequence (attention kept inside each)
+    prompt_template: str | None = None  # sft: default is the Stanford Alpaca template
     num_workers: int = 0
 
 

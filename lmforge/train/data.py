@@ -61,10 +61,10 @@ def pretrain_datasets(cfg: RunConfig) -> tuple[torch.utils.data.Dataset, torch.u
 
 
 def micro_batches(dataset, consumed: int, total: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  num_workers: int) -> Iterator[dict[str, torch.Tensor]]:
+                  num_workers: int, collate=None) -> Iterator[dict[str, torch.Tensor]]:
     sampler = PretrainingSampler(total, consumed, micro_batch_size, dp_rank, dp_size)
     # A private generator: creating a loader iterator draws a worker seed, and drawing it from the
     # global RNG would shift dropout noise between a resumed run and an uninterrupted one.
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
                         persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(0))
     return iter(loader)

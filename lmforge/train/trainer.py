@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.checkpoint import CheckpointManager, load_model_weights
@@ -26,16 +25,38 @@ from lmforge.models.config import ModelConfig
 from lmforge.models.io import is_model_dir, read_config
 from lmforge.parallel.data_parallel import World, all_reduce_mean, gradient_sync, init_world, unwrap, wrap
 from lmforge.train.config import RunConfig, model_config, to_yaml
-from lmforge.train.data import micro_batches, pretrain_datasets
+from lmforge.train.data import micro_batches
 from lmforge.train.metrics import MetricSink, flops_per_token, peak_flops, tokens_per_dollar
 from lmforge.train.optim import build_optimizer, lr_at
+from lmforge.train.tasks import build_task_data, count_items, count_tokens, task_loss
 
 log = logging.getLogger(__name__)
 
 
-def init_model(cfg: RunConfig) -> tuple[torch.nn.Module, Path | None]:
+def with_head(model: torch.nn.Module, num_labels: int, seed: int) -> torch.nn.Module:
+    """The same network with a classification head of num_labels (or back to its LM head): every
+    shared tensor is copied, the new head (and a BERT pooler, if new) starts from the usual init."""
+    if model.config.num_labels == num_labels:
+        return model
+    cfg = dataclasses.replace(model.config, num_labels=num_labels, pooler=model.config.pooler)
+    target = build(cfg, seed=seed)
+    source = model.state_dict()
+    own = target.state_dict()
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if name in source and source[name].shape == tensor.shape:
+                tensor.copy_(source[name])
+    return target
+
+
+def init_model(cfg: RunConfig, num_labels: int = 0) -> tuple[torch.nn.Module, Path | None]:
     """Fresh from a preset/config, or weights from model.init_from (HF folder, lmforge folder or a
     training checkpoint). Returns the model and the folder its tokenizer may come from."""
+    model, source = _init_model(cfg)
+    return with_head(model, num_labels, cfg.trainer.seed), source
+
+
+def _init_model(cfg: RunConfig) -> tuple[torch.nn.Module, Path | None]:
     mcfg, init_from = model_config(cfg.model)
     if init_from is None:
         return build(mcfg, seed=cfg.trainer.seed), None
@@ -74,15 +95,21 @@ def _check_fit(cfg: RunConfig, mcfg: ModelConfig, world: World) -> int:
     return t.global_batch_size // per_step
 
 
-def _check_tokenizer(cfg: RunConfig, mcfg: ModelConfig, source: Path | None) -> None:
+def load_run_tokenizer(cfg: RunConfig, source: Path | None):
+    """data.tokenizer, else the tokenizer beside model.init_from; fine-tuning needs one."""
     from lmforge.tokenizers import load_tokenizer
 
     path = cfg.data.tokenizer or source
     if path is None:
-        return
-    tok = load_tokenizer(path)
-    if tok.vocab_size > mcfg.vocab_size:
-        raise UserError(f"the tokenizer at '{path}' has {tok.vocab_size} ids but the model only "
+        if cfg.data.task != "pretrain":
+            raise UserError(f"data.task={cfg.data.task} needs a tokenizer: set data.tokenizer or model.init_from")
+        return None
+    return load_tokenizer(path)
+
+
+def _check_tokenizer(tok, mcfg: ModelConfig) -> None:
+    if tok is not None and tok.vocab_size > mcfg.vocab_size:
+        raise UserError(f"the tokenizer at '{tok.files[0].parent}' has {tok.vocab_size} ids but the model only "
                         f"{mcfg.vocab_size}: use the model's tokenizer or a model with a larger vocab_size")
 
 
@@ -104,12 +131,15 @@ class Trainer:
         self.cfg = cfg
         self.world = init_world()
         self.run_dir = Path(cfg.run_dir)
-        model, source = init_model(cfg)
+        self.task = cfg.data.task
+        _, init_from = model_config(cfg.model)
+        source = Path(init_from) if init_from else None
+        self.tokenizer = load_run_tokenizer(cfg, source)
+        self.data = build_task_data(cfg, self.tokenizer)
+        model, self.source = init_model(cfg, self.data.num_labels)
         self.mcfg: ModelConfig = model.config
         self.grad_accum = _check_fit(cfg, self.mcfg, self.world)
-        _check_tokenizer(cfg, self.mcfg, source)
-        self.source = source
-        self.train_set, self.valid_set = pretrain_datasets(cfg)
+        _check_tokenizer(self.tokenizer, self.mcfg)
         precision = cfg.trainer.precision
         self.autocast_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
         model.to(self.world.device, torch.bfloat16 if precision in ("bf16-sr", "bf16") else torch.float32)
@@ -135,32 +165,31 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        tokens = batch["tokens"].to(self.world.device)
-        labels = batch["labels"].to(self.world.device)
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+        batch = {k: v.to(self.world.device) for k, v in batch.items()}
         ctx = torch.autocast(self.world.device.type, self.autocast_dtype) if self.autocast_dtype else (
             contextlib.nullcontext())
         with ctx:
-            logits = self.model(tokens)
-        # Sum over tokens; the caller divides by the global token count so that accumulation and
-        # data parallelism give the same gradient as one big batch.
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        return loss, int((labels != -100).sum())
+            return task_loss(self.task, self.model, batch)
 
     def train_step(self, batches) -> dict[str, float]:
         t = self.cfg.trainer
-        tokens_per_step = t.global_batch_size * self.cfg.data.seq_length
+        micro = [next(batches) for _ in range(self.grad_accum)]
+        # Normalise by the step's global count of labelled items (tokens, or examples), known before
+        # any backward: accumulation and data parallelism then give one big batch's gradient.
+        counts = torch.tensor([sum(count_items(self.task, b) for b in micro),
+                               sum(count_tokens(b) for b in micro)], dtype=torch.float64)
+        counts = all_reduce_mean(counts, self.world) * self.world.size
         total_loss = torch.zeros((), dtype=torch.float64)
-        for i in range(self.grad_accum):
-            batch = next(batches)
+        for i, batch in enumerate(micro):
             with gradient_sync(self.model, i == self.grad_accum - 1):
-                loss, _ = self._loss(batch)
-                (loss / tokens_per_step * self.world.size).backward()
+                loss, _, _ = self._loss(batch)
+                (loss / counts[0].item() * self.world.size).backward()
             total_loss += loss.detach().double().cpu()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).float().item()
-        loss = all_reduce_mean(total_loss.float().reshape(1), self.world).item() * self.world.size / tokens_per_step
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm)).float().item()
+        loss = all_reduce_mean(total_loss.reshape(1), self.world).item() * self.world.size / counts[0].item()
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -171,22 +200,35 @@ class Trainer:
             log.warning("step %d: non-finite loss %s / grad norm %s: update skipped", self.state["step"], loss,
                         grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0}
+        return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0, "_tokens": counts[1].item()}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         t = self.cfg.trainer
-        total = t.val_batches * t.global_batch_size
-        batches = micro_batches(self.valid_set, 0, total, t.micro_batch_size, self.world.rank, self.world.size, 0)
+        valid = self.data.valid
+        if self.task == "pretrain":  # the same fixed samples every time, so the curve is comparable
+            total = t.val_batches * t.global_batch_size
+        else:  # the whole validation file, split across ranks
+            total = len(valid) // (t.micro_batch_size * self.world.size) * t.micro_batch_size * self.world.size
+            if total == 0:
+                raise UserError(f"the validation file has {len(valid)} examples, fewer than one micro-batch per "
+                                "process: give a larger one or lower trainer.micro_batch_size")
+        batches = micro_batches(valid, 0, total, t.micro_batch_size, self.world.rank, self.world.size, 0,
+                                self.data.collate)
         self.model.eval()
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64)
         for batch in batches:
-            loss, count = self._loss(batch)
-            sums += torch.tensor([loss.item(), count], dtype=torch.float64)
+            loss, count, correct = self._loss(batch)
+            sums += torch.tensor([loss.item(), count, correct], dtype=torch.float64)
         self.model.train()
         sums = all_reduce_mean(sums, self.world)
         val_loss = (sums[0] / sums[1]).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        out = {"val_loss": val_loss}
+        if self.task == "classification":
+            out["val_accuracy"] = (sums[2] / sums[1]).item()
+        else:
+            out["val_ppl"] = math.exp(min(val_loss, 50.0))
+        return out
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -201,8 +243,8 @@ class Trainer:
         if world.is_main:
             log.info("peak %.1f TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,
                      self.peak_source, self.flops_per_token)
-        batches = micro_batches(self.train_set, self.state["consumed_samples"], t.max_steps * t.global_batch_size,
-                                t.micro_batch_size, world.rank, world.size, cfg.data.num_workers)
+        batches = micro_batches(self.data.train, self.state["consumed_samples"], t.max_steps * t.global_batch_size,
+                                t.micro_batch_size, world.rank, world.size, cfg.data.num_workers, self.data.collate)
         bar = None
         if world.is_main and t.progress_bar:
             from tqdm import tqdm
@@ -227,11 +269,11 @@ class Trainer:
                 raise UserError(f"{t.max_consecutive_skips} steps in a row had a non-finite loss or gradient "
                                 f"(step {step}): lower optim.lr or check the data; the last good checkpoint is "
                                 f"{self.checkpoints.latest()}")
-            last = {**out, "lr": lr, **self._throughput(step_time)}
-            if t.val_check_interval and (step + 1) % t.val_check_interval == 0 or step + 1 == t.max_steps and (
-                    t.val_check_interval):
+            last = {**out, "lr": lr, **self._throughput(step_time, out.pop("_tokens"))}
+            if self.data.valid is not None and t.val_check_interval and (
+                    (step + 1) % t.val_check_interval == 0 or step + 1 == t.max_steps):
                 last.update(self.validate())
-                self.state["metrics"] = {k: last[k] for k in ("val_loss", "val_ppl")}
+                self.state["metrics"] = {k: v for k, v in last.items() if k.startswith("val_")}
             if world.is_main and ((step + 1) % t.log_every_n_steps == 0 or "val_loss" in last):
                 sink.log(step + 1, last)
             if bar is not None:
@@ -250,9 +292,8 @@ class Trainer:
             self.export_hf(self.run_dir / "hf")
         return last
 
-    def _throughput(self, step_time: float) -> dict[str, float]:
+    def _throughput(self, step_time: float, tokens: float) -> dict[str, float]:
         t = self.cfg.trainer
-        tokens = t.global_batch_size * self.cfg.data.seq_length
         tps = tokens / step_time
         per_dollar = tokens_per_dollar(tps, self.cfg.cost.usd_per_hour, nodes=1)
         return {
@@ -273,10 +314,15 @@ class Trainer:
         from lmforge.models.io import save_model
 
         model_dir = self.run_dir / "model"
-        tokenizer = self.cfg.data.tokenizer or self.source
+        tokenizer = self.tokenizer.files[0] if self.tokenizer is not None else None
         save_model(unwrap(self.model), model_dir, tokenizer_from=tokenizer, overwrite=True)
         export_hf(model_dir, out, overwrite=True)
         log.info("wrote Hugging Face folder %s", out)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2 grad norm) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

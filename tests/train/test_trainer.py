@@ -66,9 +66,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_corpus, tmp_path, m
     real = trainer._loss
 
     def poisoned(batch):
-        loss, n = real(batch)
+        loss, n, correct = real(batch)
         step = trainer.state["step"]
-        return (loss * float("nan"), n) if step == 3 or step >= 5 else (loss, n)
+        return (loss * float("nan") if step == 3 or step >= 5 else loss), n, correct
 
     monkeypatch.setattr(trainer, "_loss", poisoned)
     with pytest.raises(UserError, match="3 steps in a row had a non-finite loss"):

@@ -1,0 +1,91 @@
+"""Fine-tuning through the same loop: SFT on Alpaca, SST-2 classification, BERT MLM."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.data.preprocess import preprocess
+from lmforge.data.tokenizer_train import train_tokenizer
+from lmforge.models import build
+from lmforge.models.io import save_model
+from lmforge.train.config import load_run_config
+from lmforge.train.trainer import Trainer
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(shared_data, tmp_path_factory):
+    """A small GPT-2-shaped lmforge model with the real GPT-2 tokenizer beside it."""
+    out = tmp_path_factory.mktemp("gpt2") / "model"
+    model = build({**build("tiny-gpt2", device="meta").config.__dict__, "vocab_size": 50257,
+                   "max_position_embeddings": 128}, seed=0)
+    save_model(model, out, tokenizer_from=shared_data / "tokenizers" / "gpt2" / "tokenizer.json")
+    return out
+
+
+def _base(run_dir, *extra):
+    return [f"run_dir={run_dir}", "trainer.progress_bar=false", "trainer.precision=fp32", "cost.peak_flops=1e11",
+            "optim.lr=2e-3", "optim.warmup_steps=2", *extra]
+
+
+def test_sft_on_alpaca_with_packing(tiny_gpt2, shared_data, tmp_path):
+    alpaca = shared_data / "instruct" / "alpaca" / "alpaca_subset_2k.json"
+    cfg = load_run_config(None, _base(tmp_path / "sft", f"model.init_from={tiny_gpt2}", "data.task=sft",
+                                      f"data.train_file={alpaca}", f"data.valid_file={alpaca}", "data.packing=true",
+                                      "data.seq_length=128", "trainer.max_steps=12", "trainer.global_batch_size=8",
+                                      "trainer.micro_batch_size=4", "trainer.val_check_interval=12",
+                                      "trainer.val_batches=1"))
+    trainer = Trainer(cfg)
+    trainer.data.valid = torch.utils.data.Subset(trainer.data.valid, range(16))  # keep validation quick
+    trainer.fit()
+    rows = _rows(tmp_path / "sft")
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5 and "val_loss" in rows[-1]
+    assert rows[-1]["tokens_per_second"] > 0
+
+
+def test_classification_on_sst2_exports_a_sequence_classifier(tiny_gpt2, shared_data, tmp_path):
+    tf = pytest.importorskip("transformers")
+    sst = shared_data / "classification" / "sst-2"
+    run = tmp_path / "cls"
+    code = main(["finetune", "/dev/null", *_base(run, f"model.init_from={tiny_gpt2}", "data.task=classification",
+                                                 f"data.train_file={sst}/train.tsv", f"data.valid_file={sst}/dev.tsv",
+                                                 "data.seq_length=64", "trainer.max_steps=6",
+                                                 "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
+                                                 "trainer.val_check_interval=6", "checkpoint.convert_to_hf=true")])
+    assert code == 0
+    last = _rows(run)[-1]
+    assert 0.0 <= last["val_accuracy"] <= 1.0 and last["val_loss"] > 0
+    hf, info = tf.AutoModelForSequenceClassification.from_pretrained(run / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf.config.num_labels == 2
+
+
+def test_mlm_pretraining_of_a_tiny_bert(shared_data, tmp_path):
+    text = shared_data / "corpora" / "tinyshakespeare" / "input.txt"
+    tok_dir = tmp_path / "tok"
+    train_tokenizer([text], 1000, tok_dir, special_tokens=("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]"))
+    prefix = tmp_path / "shakespeare"
+    preprocess([text], prefix, tok_dir, progress=False)
+    run = tmp_path / "mlm"
+    cfg = load_run_config(None, _base(run, "model.preset=tiny-bert", "data.task=mlm", f"data.tokenizer={tok_dir}",
+                                      f"data.paths=[{prefix}_text_document]",
+                                      f"data.valid_file={prefix}_text_document", "data.seq_length=64",
+                                      "trainer.max_steps=10", "trainer.global_batch_size=8",
+                                      "trainer.micro_batch_size=8", "trainer.val_check_interval=10"))
+    trainer = Trainer(cfg)
+    trainer.data.valid = torch.utils.data.Subset(trainer.data.valid, range(16))
+    trainer.fit()
+    rows = _rows(run)
+    assert rows[-1]["loss"] < rows[0]["loss"] and "val_loss" in rows[-1]
+
+
+def test_finetune_refuses_a_pretraining_config(tiny_corpus, tmp_path, capsys):
+    assert main(["finetune", "/dev/null", "model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]"]) == 1
+    assert "got data.task=pretrain: set data.task=sft|classification|mlm" in capsys.readouterr().err
