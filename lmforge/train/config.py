@@ -54,6 +54,7 @@ class TrainerConfig:
     log_every_n_steps: int = 1
     seed: int = 1234
     compile: bool = False  # torch.compile each block
+    compile_cache_dir: str | None = None  # persistent compile cache; default RUN_DIR/compile_cache
     activation_checkpointing: bool = False
     max_consecutive_skips: int = 5  # NaN/Inf steps in a row before the run stops
     data_parallel: str = "ddp"  # ddp | fsdp, when launched with torchrun

@@ -113,6 +113,17 @@ def _check_tokenizer(tok, mcfg: ModelConfig) -> None:
                         f"{mcfg.vocab_size}: use the model's tokenizer or a model with a larger vocab_size")
 
 
+def use_compile_cache(path: Path) -> None:
+    """Point Inductor's on-disk caches at `path`: `lmforge compile` fills it, the run that follows
+    (same config, same path) loads compiled graphs instead of compiling them again."""
+    import os
+
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+
+
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each block in the backward pass instead of keeping its activations."""
     for block in model.layers:
@@ -128,6 +139,7 @@ def memory_gb(device: torch.device) -> float:
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
+        self.started = time.perf_counter()
         self.cfg = cfg
         self.world = init_world()
         self.run_dir = Path(cfg.run_dir)
@@ -146,6 +158,7 @@ class Trainer:
         if cfg.trainer.activation_checkpointing:
             apply_activation_checkpointing(model)
         if cfg.trainer.compile:
+            use_compile_cache(Path(cfg.trainer.compile_cache_dir or self.run_dir / "compile_cache"))
             for block in model.layers:
                 block.compile()
         self.model = wrap(model, cfg.trainer.data_parallel, self.world)
@@ -270,6 +283,8 @@ class Trainer:
                                 f"(step {step}): lower optim.lr or check the data; the last good checkpoint is "
                                 f"{self.checkpoints.latest()}")
             last = {**out, "lr": lr, **self._throughput(step_time, out.pop("_tokens"))}
+            if step == start:  # start-up cost: setup, data, compilation, the first step
+                last["time_to_first_step"] = time.perf_counter() - self.started
             if self.data.valid is not None and t.val_check_interval and (
                     (step + 1) % t.val_check_interval == 0 or step + 1 == t.max_steps):
                 last.update(self.validate())
