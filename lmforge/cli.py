@@ -142,7 +142,20 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def _add_quickstart(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="quickstart", help="folder for everything it makes (default: quickstart)")
+    p.add_argument("--minutes", type=float, default=3.0, help="training time budget (default: 3)")
+
+    def run(args: argparse.Namespace) -> None:
+        from lmforge.quickstart import run as quickstart
+
+        quickstart(args.out, args.minutes, say=print)
+
+    p.set_defaults(func=run)
+
+
 BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "quickstart": _add_quickstart,
     "compile": _add_compile,
     "finetune": _add_pretrain,
     "generate": _add_generate,

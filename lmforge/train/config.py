@@ -45,6 +45,7 @@ class DataConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 1000
+    max_minutes: float | None = None  # stop (validate, save) once training has run this long
     global_batch_size: int = 8
     micro_batch_size: int = 1
     precision: str = "bf16-mixed"

@@ -262,9 +262,10 @@ class Trainer:
         if world.is_main and t.progress_bar:
             from tqdm import tqdm
 
-            bar = tqdm(total=t.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=t.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
         self.model.train()
         last: dict[str, float] = {}
+        fit_started = time.perf_counter()
         for step in range(start, t.max_steps):
             lr = lr_at(step, cfg.optim, t.max_steps)
             for group in self.optimizer.param_groups:
@@ -298,6 +299,14 @@ class Trainer:
             every = cfg.checkpoint.every_n_steps
             if every and (step + 1) % every == 0 and step + 1 != t.max_steps:
                 self.save()
+            if t.max_minutes and time.perf_counter() - fit_started > 60 * t.max_minutes and step + 1 < t.max_steps:
+                log.info("trainer.max_minutes=%s reached at step %d: stopping", t.max_minutes, step + 1)
+                if self.data.valid is not None and t.val_check_interval and "val_loss" not in last:
+                    last.update(self.validate())
+                    self.state["metrics"] = {k: v for k, v in last.items() if k.startswith("val_")}
+                    if world.is_main:
+                        sink.log(step + 1, last)
+                break
         if bar is not None:
             bar.close()
         if self.state["step"] > start or self.checkpoints.latest() is None:

@@ -1,0 +1,28 @@
+"""The README's first command, end to end: offline corpus -> tokenizer -> data -> training -> export."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def test_quickstart_trains_and_exports_a_model_transformers_loads(tmp_path):
+    tf = pytest.importorskip("transformers")
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "quickstart", "--out", str(tmp_path), "--minutes",
+                        "0.3"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for step in range(1, 7):
+        assert f"[{step}/6]" in r.stdout
+    vals = [float(v) for v in re.findall(r"step \d+: (\d+\.\d+)", r.stdout)]
+    assert len(vals) >= 2 and vals[-1] < vals[0]  # validation loss falls
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["val_loss"] == pytest.approx(vals[-1], abs=0.01)
+    model, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tok = tf.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok("Return a new list", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5
