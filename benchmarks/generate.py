@@ -21,12 +21,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from report import BENCHMARKS_MD, write_section  # benchmarks/report.py
 
 from lmforge.inference import generate, left_pad
 from lmforge.models import load_pretrained
 
 SECTION = "## Generation: greedy decode vs transformers"
-BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 PYTHIA_70M = dict(vocab_size=50304, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                   intermediate_size=2048, rotary_pct=0.25, max_position_embeddings=2048)
 QUICK = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -104,19 +104,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_section(body: str) -> None:
-    """Replace our ## section of BENCHMARKS.md (or append it); leave everything else alone."""
-    header = "# Benchmarks\n\nMeasured by the scripts in `benchmarks/`, each comparison side by side in one run.\n"
-    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else header
-    start = text.find(SECTION)
-    if start < 0:
-        text, start = text.rstrip("\n") + "\n\n", len(text.rstrip("\n")) + 2
-    end = text.find("\n## ", start + len(SECTION))
-    end = len(text) if end < 0 else end + 1
-    rest = text[end:].lstrip("\n")
-    BENCHMARKS_MD.write_text(text[:start] + f"{SECTION}\n\n{body.strip()}\n" + (f"\n{rest}" if rest else ""))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -155,7 +142,7 @@ def main() -> None:
     )
     print(body)
     if args.write:
-        write_section(body)
+        write_section(SECTION, f"{SECTION}\n\n{body}")
         print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
 
 

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch
+from report import BENCHMARKS_MD, read_section, write_section  # benchmarks/report.py
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.rope import RotaryEmbedding, apply_rotary, rotary_permutation
 
 SECTION = "## Partial rotary: full-head rotation vs slicing"
-BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 HEAD_DIMS = {64: "Pythia-70m…410m", 128: "Pythia-1.4b/6.9b/12b"}
 ROTARY_PCT = 0.25
 INTRO = f"""\
@@ -141,20 +141,13 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def write_section(device_label: str, body: str) -> None:
-    """Replace this device's ### block in our ## section of BENCHMARKS.md; leave everything else alone."""
-    header = "# Benchmarks\n\nMeasured by the scripts in `benchmarks/`, each comparison side by side in one run.\n"
-    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else header
-    start = text.find(SECTION)
-    if start < 0:
-        text, start = text.rstrip("\n") + "\n\n", len(text.rstrip("\n")) + 2
-    end = text.find("\n## ", start + len(SECTION))
-    end = len(text) if end < 0 else end + 1
-    parts = re.split(r"^### (.+)\n", text[start:end], flags=re.M)
+def write_blocks(device_label: str, body: str) -> None:
+    """Replace this run's ### block in our section of BENCHMARKS.md; keep the other blocks."""
+    parts = re.split(r"^### (.+)\n", read_section(SECTION), flags=re.M)
     blocks = dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
     blocks[device_label] = body.strip()
-    section = f"{SECTION}\n\n{INTRO}\n" + "".join(f"### {k}\n\n{v}\n\n" for k, v in sorted(blocks.items()))
-    BENCHMARKS_MD.write_text(text[:start] + section + text[end:].lstrip("\n"))
+    body = "".join(f"### {k}\n\n{v}\n\n" for k, v in sorted(blocks.items()))
+    write_section(SECTION, f"{SECTION}\n\n{INTRO}\n{body}")
 
 
 def main() -> None:
@@ -190,7 +183,7 @@ def main() -> None:
             f"{table(rows)}\n\n{summary(rows)}\n")
     print(body)
     if args.write:
-        write_section(label, body)
+        write_blocks(label, body)
         print(f"wrote '{SECTION}' ({label}) to {BENCHMARKS_MD}")
 
 

@@ -77,3 +77,25 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         make_hf_model(name).save_pretrained(root / name)
         dirs[name] = root / name
     return dirs
+
+
+def edited_copy(src: Path, dst: Path, edit_config=None, edit_weights=None) -> Path:
+    """A copy of HF folder `src` at `dst` with config.json and/or the weights edited.
+
+    `edit_weights` may change the dict in place or return a new one.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    weights = load_file(src / "model.safetensors")
+    if edit_weights:
+        result = edit_weights(weights)
+        weights = result if isinstance(result, dict) else weights
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst

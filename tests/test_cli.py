@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from lmforge.cli import VERBS, main
+from tests.conftest import edited_copy
 
 tf = pytest.importorskip("transformers")
 
@@ -46,19 +46,6 @@ def test_import_and_export_through_the_console_script(hf_dirs, tmp_path):
     assert all(torch.equal(original[k].to(torch.bfloat16), exported[k]) for k in original)
 
 
-def _broken_copy(src, dst, edit_config=None, edit_weights=None):
-    dst.mkdir()
-    config = json.loads((src / "config.json").read_text())
-    if edit_config:
-        edit_config(config)
-    (dst / "config.json").write_text(json.dumps(config))
-    weights = load_file(src / "model.safetensors")
-    if edit_weights:
-        edit_weights(weights)
-    save_file(weights, str(dst / "model.safetensors"))
-    return dst
-
-
 class Evil:
     def __reduce__(self):
         return (print, ("this must never run",))
@@ -67,13 +54,13 @@ class Evil:
 def _bad_inputs(hf_dirs, tmp):
     neox = hf_dirs["gpt_neox"]
     q = "gpt_neox.layers.0.attention.dense.weight"
-    yield "unsupported model_type 't5'", _broken_copy(neox, tmp / "t5", lambda c: c.update(model_type="t5"))
-    yield f"tensor '{q}' is missing", _broken_copy(neox, tmp / "missing", edit_weights=lambda w: w.pop(q))
+    yield "unsupported model_type 't5'", edited_copy(neox, tmp / "t5", lambda c: c.update(model_type="t5"))
+    yield f"tensor '{q}' is missing", edited_copy(neox, tmp / "missing", edit_weights=lambda w: w.pop(q))
     yield (f"tensor '{q}' has shape (64, 32) in the checkpoint but config.json implies (64, 64)",
-           _broken_copy(neox, tmp / "shape", edit_weights=lambda w: w.update({q: torch.zeros(64, 32)})))
-    yield "tensor(s) a gpt_neox model has no place for, first 'extra.weight'", _broken_copy(
+           edited_copy(neox, tmp / "shape", edit_weights=lambda w: w.update({q: torch.zeros(64, 32)})))
+    yield "tensor(s) a gpt_neox model has no place for, first 'extra.weight'", edited_copy(
         neox, tmp / "extra", edit_weights=lambda w: w.update({"extra.weight": torch.zeros(2)}))
-    yield "lacks the field 'hidden_size'", _broken_copy(neox, tmp / "field", lambda c: c.pop("hidden_size"))
+    yield "lacks the field 'hidden_size'", edited_copy(neox, tmp / "field", lambda c: c.pop("hidden_size"))
     pickled = tmp / "pickle"
     pickled.mkdir()
     (pickled / "config.json").write_text((neox / "config.json").read_text())

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from lmforge.models import load_pretrained
 from lmforge.models.hf import export_hf, import_hf
-from tests.conftest import hf_tiny_configs, make_hf_model
+from tests.conftest import edited_copy, hf_tiny_configs, make_hf_model
 
 tf = pytest.importorskip("transformers")
 
@@ -154,19 +154,6 @@ def test_large_export_is_written_in_shards(imported, tmp_path, monkeypatch):
     assert torch.equal(_ref_logits(model.eval(), ids), _ref_logits(make_hf_model("gpt_neox"), ids))
 
 
-def _rewrite(src, dst, edit_weights, edit_config=None):
-    dst.mkdir()
-    config = json.loads((src / "config.json").read_text())
-    if edit_config:
-        edit_config(config)
-    (dst / "config.json").write_text(json.dumps(config))
-    weights = load_file(src / "model.safetensors")
-    from safetensors.torch import save_file
-
-    save_file(edit_weights(weights), str(dst / "model.safetensors"))
-    return dst
-
-
 def _legacy_neox(w):
     """Pythia checkpoints on the Hub carry causal-mask and rotary buffers next to the weights."""
     for i in range(2):
@@ -205,7 +192,7 @@ def _google_bert(w):
 ])
 def test_older_checkpoint_layouts_import_to_the_same_model(family, edit_weights, edit_config, hf_dirs, imported,
                                                            tmp_path):
-    legacy = _rewrite(hf_dirs[family], tmp_path / "legacy", edit_weights, edit_config)
+    legacy = edited_copy(hf_dirs[family], tmp_path / "legacy", edit_config, edit_weights)
     cfg = import_hf(legacy, tmp_path / "lm")
     assert cfg == imported[family][0]
     first = load_file(imported[family][1] / "model.safetensors")

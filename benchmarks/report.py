@@ -1,0 +1,35 @@
+"""BENCHMARKS.md sections: each benchmark owns one `## ` section and rewrites only that."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+HEADER = "# Benchmarks\n\nMeasured by the scripts in `benchmarks/`, each comparison side by side in one run.\n"
+
+
+def _locate(text: str, heading: str) -> tuple[int, int]:
+    """[start, end) of the section headed `heading`, or (-1, -1)."""
+    start = text.find(heading)
+    if start < 0:
+        return -1, -1
+    end = text.find("\n## ", start + len(heading))
+    return start, len(text) if end < 0 else end + 1
+
+
+def read_section(heading: str) -> str:
+    """The section's text (heading included), or '' when BENCHMARKS.md has none yet."""
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else ""
+    start, end = _locate(text, heading)
+    return text[start:end] if start >= 0 else ""
+
+
+def write_section(heading: str, section: str) -> None:
+    """Replace the section headed `heading` by `section` (or append it); leave the rest alone."""
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else HEADER
+    start, end = _locate(text, heading)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n"
+        start = end = len(text)
+    rest = text[end:].lstrip("\n")
+    BENCHMARKS_MD.write_text(text[:start] + section.strip() + "\n" + (f"\n{rest}" if rest else ""))
