@@ -38,7 +38,7 @@ def with_head(model: torch.nn.Module, num_labels: int, seed: int) -> torch.nn.Mo
     shared tensor is copied, the new head (and a BERT pooler, if new) starts from the usual init."""
     if model.config.num_labels == num_labels:
         return model
-    cfg = dataclasses.replace(model.config, num_labels=num_labels, pooler=model.config.pooler)
+    cfg = dataclasses.replace(model.config, num_labels=num_labels)
     target = build(cfg, seed=seed)
     source = model.state_dict()
     own = target.state_dict()
