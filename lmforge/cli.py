@@ -154,7 +154,14 @@ def _add_quickstart(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from lmforge.bench import add_arguments
+
+    add_arguments(p)
+
+
 BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "bench": _add_bench,
     "quickstart": _add_quickstart,
     "compile": _add_compile,
     "finetune": _add_pretrain,
