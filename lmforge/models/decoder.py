@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.config import ModelConfig
-from lmforge.models.layers import Block, make_norm, padding_mask
+from lmforge.models.layers import Block, VocabProjection, make_norm, padding_mask
 from lmforge.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:  # the cache lives with inference, which imports the models
@@ -33,6 +32,7 @@ class Decoder(nn.Module):
         self.lm_head = None
         if not cfg.tie_embeddings and not cfg.num_labels:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=cfg.lm_head_bias)
+        self.vocab_projection = VocabProjection(cfg.vocab_size)
         # Sequence classification (GPT-2 on SST-2 ...): a bias-free score head on the last real token.
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
 
@@ -74,12 +74,10 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the real vocabulary only: the padding rows are sliced off the head
-        (a contiguous view, no copy), so they never reach a loss, a softmax or a sample."""
-        v = self.config.vocab_size
+        """Logits over the real vocabulary only (see VocabProjection)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         bias = self.lm_head.bias if self.lm_head is not None else None
-        return F.linear(h, weight[:v], bias[:v] if bias is not None else None)
+        return self.vocab_projection(h, weight, bias)
 
     def classify(self, h: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Class logits (batch, num_labels) read at each row's last real token (right padding)."""

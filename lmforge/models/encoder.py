@@ -4,11 +4,10 @@ and a sequence-classification head."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.config import ModelConfig
-from lmforge.models.layers import ACTIVATIONS, Block, make_norm, padding_mask
+from lmforge.models.layers import ACTIVATIONS, Block, VocabProjection, make_norm, padding_mask
 
 
 class BertEmbeddings(nn.Module):
@@ -36,13 +35,13 @@ class MLMHead(nn.Module):
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.norm = make_norm(cfg)
         self.bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size))
+        self.vocab_projection = VocabProjection(cfg.vocab_size)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.bias)
 
-    def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        h = self.norm(self.act(self.dense(h)))
-        return F.linear(h, word_embeddings[:vocab_size], self.bias[:vocab_size])
+    def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        return self.vocab_projection(self.norm(self.act(self.dense(h))), word_embeddings, self.bias)
 
 
 class Bert(nn.Module):
@@ -92,4 +91,4 @@ class Bert(nn.Module):
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
         if self.classifier is not None:
             return self.classifier(self.drop(self.pooled(h)))
-        return self.mlm_head(h, self.embeddings.word.weight, self.config.vocab_size)
+        return self.mlm_head(h, self.embeddings.word.weight)

@@ -54,6 +54,19 @@ class LayerCache(NamedTuple):
     v: torch.Tensor
     position: torch.Tensor
 
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's keys/values (batch, kv_heads, seq, head_dim) at their slots: `position` (seq,)
+        is shared by all rows; (batch, seq) gives each row its own slots (continuous batching, where
+        requests that joined at different times sit at different lengths)."""
+        if self.position.dim() == 1:
+            self.k.index_copy_(2, self.position, k)
+            self.v.index_copy_(2, self.position, v)
+            return
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        # Indices split by a slice put their (batch, seq) dims first: (batch, seq, kv_heads, head_dim).
+        self.k[rows, :, self.position] = k.transpose(1, 2)
+        self.v[rows, :, self.position] = v.transpose(1, 2)
+
 
 class Attention(nn.Module):
     """Multi-head / grouped-query attention through scaled_dot_product_attention.
@@ -92,8 +105,7 @@ class Attention(nn.Module):
             # Write this step's keys/values into their slots, then attend over the whole fixed-size
             # buffer (the mask hides empty and padding slots): shapes never change from step to step.
             # enable_gqa lets SDPA share each key/value head among its query heads without a copy.
-            cache.k.index_copy_(2, cache.position, k)
-            cache.v.index_copy_(2, cache.position, v)
+            cache.write(k, v)
             y = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask, enable_gqa=self.q_per_kv > 1)
             return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if self.q_per_kv > 1:  # query head h reads key/value head h // q_per_kv
@@ -152,6 +164,24 @@ class Block(nn.Module):
             return x + attn + self.drop(self.mlp(mlp_in))
         x = x + attn
         return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class VocabProjection(nn.Module):
+    """Logits over the real vocabulary: h @ weight[:vocab_size].T (+ bias[:vocab_size]).
+
+    `weight` is the LM head or the tied input embedding, padded to padded_vocab_size rows; the
+    padding rows are sliced off (a contiguous view, no copy) so they never reach a loss, a softmax or
+    a sample. It has no parameters: it is a module only so that tensor parallelism can swap in a
+    vocabulary-parallel projection (lmforge.parallel) without touching the model.
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        v = self.vocab_size
+        return F.linear(h, weight[:v], bias[:v] if bias is not None else None)
 
 
 def padding_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:

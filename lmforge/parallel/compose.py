@@ -1,0 +1,158 @@
+"""One entry point: apply pipeline, tensor/sequence and fully-sharded data parallelism to a built model.
+
+Order, as in torchtitan: split into pipeline stages first (each rank keeps its stages' modules),
+then tensor-parallel plans on each stage, then FSDP2 over the data-shard dim (HSDP when
+data_replicate > 1), whose all-gathers then carry tensor-parallel DTensors (2-D sharding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.parallel.mesh import ParallelConfig, check_model
+from lmforge.parallel.pipeline import build_schedule, split_model, stage_ids
+from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ParallelModel:
+    """This rank's share of the model: `parts` is [model] without pipeline parallelism, else this rank's
+    stage modules (one per virtual stage), whose parameter names are the model's."""
+
+    parts: list[nn.Module]
+    config: ParallelConfig
+    mesh: Any = None
+    schedule: Any = None
+    stage_indices: list[int] = field(default_factory=list)
+    num_stages: int = 1
+    tied_group: Any = None
+    loss_fn: Callable | None = None  # set per step by pipeline_step; the schedule calls it
+    eval_schedule: Any = None  # forward-only, built by pipeline_eval on first use
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def size(self, dim: str) -> int:
+        return self.mesh[dim].size() if self.mesh is not None else 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def has_first_stage(self) -> bool:
+        return not self.pipelined or 0 in self.stage_indices
+
+    @property
+    def has_last_stage(self) -> bool:
+        return not self.pipelined or self.num_stages - 1 in self.stage_indices
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.size("dp_replicate") * self.size("dp_shard")
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        seen: set[int] = set()
+        for part in self.parts:
+            for p in part.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        for part in self.parts:
+            part.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        """Forward of the whole model (no pipeline parallelism): logits, a vocabulary-sharded DTensor under
+        tensor + loss parallelism (compute the loss and backward inside loss_context())."""
+        if self.pipelined:
+            raise RuntimeError("a pipelined model runs through pipeline_step(), not a plain forward")
+        return self.parts[0](*args, **kwargs)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """loss_parallel() when the logits are vocabulary-sharded: wrap the loss *and* its backward."""
+        if self.size("tp") > 1 and self.config.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+
+def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_policy=None) -> None:
+    """FSDP2 per block, then the rest (embeddings, final norm, head) as the root unit; a tied embedding
+    stays in the root unit with the head that reuses it."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in blocks(part):
+        fully_shard(block, **kwargs)
+    fully_shard(part, **kwargs)
+
+
+def _tied_group(mesh):
+    """The process group of the first and last pipeline rank that share this rank's (dp, tp) coordinate."""
+    pp = mesh["pp"].size()
+    if pp == 2:
+        return mesh["pp"].get_group()
+    grid = mesh.mesh.reshape(pp, -1)
+    mine = None
+    for column in range(grid.shape[1]):  # every rank creates every group, in the same order
+        ranks = [int(grid[0, column]), int(grid[-1, column])]
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None) -> ParallelModel:
+    """Apply `cfg` over `mesh` (lmforge.parallel.build_mesh) to `model`, a Decoder or Bert built
+    identically on every rank. Afterwards use only the returned ParallelModel's parts: without
+    pipeline parallelism parts == [model]; with it, drop `model` so unused layers can be freed.
+    """
+    if mesh is None:
+        return ParallelModel([model], cfg)
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    cfg = cfg.resolved(mesh.size())
+    check_model(cfg, model.config)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else (
+        torch.device("cpu"))
+    pm = ParallelModel([model], cfg, mesh, device=device)
+    if pp > 1:
+        pm.stage_indices = stage_ids(mesh["pp"].get_local_rank(), pp, cfg.virtual_stages)
+        pm.num_stages = pp * cfg.virtual_stages
+        pm.parts = split_model(model, mesh["pp"].get_local_rank(), pp, cfg.virtual_stages)
+    for part in pm.parts:
+        if tp > 1:
+            apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
+        if pm.data_parallel_size > 1:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.data_replicate > 1 else mesh["dp_shard"]
+            # Under a pipeline each microbatch would all-gather again: keep parameters gathered
+            # through the step instead (the pipeline schedule reshards after the last backward).
+            apply_fsdp(part, dp_mesh, reshard_after_forward=pp == 1, mp_policy=mp_policy)
+    if pp > 1:
+        if model.config.tie_embeddings:
+            pm.tied_group = _tied_group(mesh)
+
+        def loss_fn(output, target):
+            return pm.loss_fn(output, target)
+
+        _, pm.schedule = build_schedule(pm.parts, pm.stage_indices, pm.num_stages, cfg.pipeline_schedule,
+                                        cfg.num_microbatches, loss_fn, mesh["pp"].get_group(), device)
+    log.info("parallelized: pp=%d (stages %s of %d) dp=%dx%d tp=%d sp=%s", pp, pm.stage_indices or [0],
+             pm.num_stages, pm.size("dp_replicate"), pm.size("dp_shard"), tp, cfg.sequence_parallel and tp > 1)
+    return pm

@@ -1,0 +1,177 @@
+"""The parallel layout: a ParallelConfig and the DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp") it makes.
+
+Dimension order follows Megatron/torchtitan: tensor parallelism innermost (neighbouring ranks,
+the same node, the fastest links), then the data dims, pipeline outermost (its point-to-point
+traffic is the smallest and tolerates the slowest links).
+
+Every check a user can fail runs before any collective, on every rank alike, so a bad layout
+ends all ranks with the same one-line UserError instead of a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lmforge.config import closest
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class ParallelConfig:
+    """`parallel.*` in a run config. data_shard=-1 takes whatever the other dims leave of the world."""
+
+    pipeline: int = 1
+    data_replicate: int = 1  # DDP-like replicas (HSDP's replicate dim when data_shard > 1)
+    data_shard: int = -1  # FSDP2 shards parameters, gradients and optimizer state over this dim
+    tensor: int = 1
+    sequence_parallel: bool = True  # with tensor > 1: norms/dropout on sequence shards (Megatron SP)
+    loss_parallel: bool = True  # with tensor > 1: cross-entropy on vocabulary shards, no full logits
+    pipeline_schedule: str = "1f1b"
+    microbatches: int = 0  # per pipeline step; 0: pipeline x virtual_stages
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b needs >= 2)
+
+    def __post_init__(self) -> None:
+        if self.pipeline_schedule not in SCHEDULES:
+            hint = closest(self.pipeline_schedule, SCHEDULES)
+            raise UserError(f"unknown parallel.pipeline_schedule '{self.pipeline_schedule}'{hint}: "
+                            f"choose one of {', '.join(SCHEDULES)}")
+        for name in ("pipeline", "data_replicate", "tensor", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.data_shard == 0 or self.data_shard < -1:
+            raise UserError(f"parallel.data_shard must be >= 1 or -1 (the rest of the world), got {self.data_shard}")
+        if self.pipeline_schedule == "interleaved_1f1b" and self.pipeline > 1 and self.virtual_stages < 2:
+            raise UserError("parallel.pipeline_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2: "
+                            "set it, or use 1f1b")
+        if self.pipeline_schedule != "interleaved_1f1b" and self.virtual_stages > 1:
+            raise UserError(f"parallel.virtual_stages={self.virtual_stages} needs "
+                            "parallel.pipeline_schedule=interleaved_1f1b")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or self.pipeline * self.virtual_stages
+
+    def resolved(self, world_size: int) -> ParallelConfig:
+        """A copy with data_shard filled in; UserError when the layout does not divide the world."""
+        fixed = self.pipeline * self.data_replicate * self.tensor
+        shard = self.data_shard
+        if shard == -1:
+            if world_size % fixed:
+                raise UserError(f"parallel.pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
+                                f"tensor={self.tensor} = {fixed} does not divide the world size {world_size}: "
+                                "change the layout or the number of processes")
+            shard = world_size // fixed
+        if fixed * shard != world_size:
+            raise UserError(f"parallel layout pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
+                            f"data_shard={shard} x tensor={self.tensor} = {fixed * shard} processes, but the world "
+                            f"has {world_size}: make the product equal the number of processes (data_shard=-1 "
+                            "fills in the rest)")
+        return ParallelConfig(**{**self.__dict__, "data_shard": shard})
+
+    @property
+    def data_parallel(self) -> int:
+        return self.data_replicate * max(self.data_shard, 1)
+
+
+def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
+    """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before any collective)."""
+    tp, pp = cfg.tensor, cfg.pipeline
+    if tp > 1:
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(model, name) % tp:
+                raise UserError(f"model.{name}={getattr(model, name)} is not divisible by parallel.tensor={tp}: "
+                                f"tensor parallelism splits {name.replace('num_', '')} evenly; pick a tensor degree "
+                                "that divides it")
+        multiple = max(1, model.make_vocab_size_divisible_by)
+        if model.padded_vocab_size % (multiple * tp):
+            raise UserError(f"the padded vocabulary ({model.padded_vocab_size} rows: vocab_size {model.vocab_size} "
+                            f"rounded up to make_vocab_size_divisible_by={multiple}) is not a multiple of {multiple} x "
+                            f"parallel.tensor {tp} = {multiple * tp}: set model.make_vocab_size_divisible_by="
+                            f"{multiple * tp} (Megatron pads to a multiple of 128 x TP the same way)")
+        if cfg.sequence_parallel and model.num_labels:
+            raise UserError("parallel.sequence_parallel needs an LM/MLM head, the model has a classification head: "
+                            "set parallel.sequence_parallel=false")
+    if pp > 1:
+        chunks = pp * cfg.virtual_stages
+        if model.num_layers % chunks:
+            raise UserError(f"model.num_layers={model.num_layers} is not divisible by parallel.pipeline={pp} x "
+                            f"virtual_stages={cfg.virtual_stages} = {chunks}: each pipeline stage holds the same "
+                            "number of layers; change the pipeline degree or virtual_stages")
+        if model.num_labels:
+            raise UserError("pipeline parallelism supports the LM/MLM heads only, the model has a classification "
+                            "head: set parallel.pipeline=1")
+
+
+def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size: int | None = None,
+               device_type: str | None = None):
+    """The DeviceMesh for `cfg` (dims MESH_DIMS, size-1 dims included) after checking the layout.
+
+    The default process group must exist already (lmforge.parallel.init_world): DeviceMesh would
+    otherwise create one itself, without our timeout. None for one process without a process group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = cfg.resolved(world_size)
+    if model is not None:
+        check_model(cfg, model)
+    if world_size > 1 and not dist.is_initialized():
+        raise RuntimeError("build_mesh needs the default process group: call lmforge.parallel.init_world() first")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = (cfg.pipeline, cfg.data_replicate, cfg.data_shard, cfg.tensor)
+    if world_size == 1 and not dist.is_initialized():
+        return None
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    _inherit_timeout(mesh, device_type)
+    log.info("device mesh %s over %d processes", dict(zip(MESH_DIMS, shape)), world_size)
+    return mesh
+
+
+def _inherit_timeout(mesh, device_type: str) -> None:
+    """Give the mesh's sub-groups the default group's collective timeout (init_world's): torch creates
+    them with its own default (30 min on gloo, 10 on NCCL), so a hung rank would stall the others
+    for that long in a tensor- or pipeline-parallel collective."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:  # private torch API (2.6 ... 2.13): guarded, the groups keep torch's default without it
+        timeout = c10d._get_default_group()._get_backend(torch.device(device_type)).options._timeout
+        for name in MESH_DIMS:
+            group = mesh[name].get_group()
+            if group is not c10d._get_default_group():
+                c10d._set_pg_timeout(timeout, group)
+    except (AttributeError, RuntimeError, ValueError) as e:
+        log.warning("could not set the device mesh's collective timeouts (%s): torch's default applies", e)
+
+
+def data_parallel_rank(mesh) -> tuple[int, int]:
+    """(rank, size) among the data-parallel replicas: which slice of the global batch this rank reads.
+
+    Ranks that differ only in their pipeline or tensor coordinate read the same samples.
+    """
+    if mesh is None:
+        return 0, 1
+    r, s = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")
+    shard = mesh["dp_shard"].size()
+    return r * shard + s, mesh["dp_replicate"].size() * shard
+
+
+def all_reduce_data_parallel(values: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum `values` over the data-parallel ranks in place (both data dims)."""
+    if mesh is None:
+        return values
+    for name in ("dp_replicate", "dp_shard"):
+        if mesh[name].size() > 1:
+            dist.all_reduce(values, group=mesh[name].get_group())
+    return values

@@ -1,0 +1,85 @@
+"""What the trainer needs around a ParallelModel: the global gradient norm (clipping) and model
+state dicts under the model's own parameter names, for DCP checkpoints that reshard."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _grads(pm) -> list[torch.Tensor]:
+    """Each parameter's gradient once: a tied embedding's last-stage copy is left out (its gradient
+    equals the first stage's after sync_tied_gradients)."""
+    out, seen = [], set()
+    for part in pm.parts:
+        skip = set(getattr(part, "tied_parameters", ()))
+        for name, p in part.named_parameters():
+            if name in skip or id(p) in seen or p.grad is None:
+                continue
+            seen.add(id(p))
+            out.append(p.grad)
+    return out
+
+
+def grad_norm(pm) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (float64 scalar, equal on every rank).
+
+    DTensor gradients (FSDP, TP) are grouped by mesh and placements; each group's norm is reduced
+    over its mesh once. Plain gradients are replicated wherever they exist. Pipeline stages hold
+    disjoint parameters: squares are summed over the pipeline group.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    total = torch.zeros((), dtype=torch.float64)
+    for g in _grads(pm):
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, g.placements), []).append(g)
+        else:
+            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double().cpu() ** 2
+    for group in groups.values():
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in group])
+        norm = torch.linalg.vector_norm(norms)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total += norm.double().cpu() ** 2
+    if pm.mesh is not None and pm.size("pp") > 1:
+        dist.all_reduce(total, group=pm.mesh["pp"].get_group())
+    return total.sqrt()
+
+
+def clip_grad_norm_(pm, max_norm: float) -> float:
+    """Scale all gradients so that their global norm is at most max_norm; returns the norm before.
+    A non-finite norm leaves the gradients alone (the trainer then skips the step)."""
+    norm = grad_norm(pm).item()
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for part in pm.parts:
+            for p in part.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+    return norm
+
+
+def model_state_dict(pm) -> dict[str, torch.Tensor]:
+    """This rank's parameters and buffers under the model's names (DTensors where sharded), for
+    dcp.save / dcp.load: any pipeline/tensor/data layout reads a checkpoint written by any other."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    out: dict[str, torch.Tensor] = {}
+    for part in pm.parts:
+        out.update(get_model_state_dict(part))
+    return out
+
+
+def load_model_state_dict(pm, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy `state_dict` (e.g. filled in place by dcp.load) into this rank's parts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    for part in pm.parts:
+        names = set(part.state_dict().keys())
+        missing = names - state_dict.keys()
+        if missing:
+            raise KeyError(f"state dict lacks {sorted(missing)[:5]}")
+        set_model_state_dict(part, {k: state_dict[k] for k in names}, options=StateDictOptions(strict=True))
+

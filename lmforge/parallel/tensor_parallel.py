@@ -1,0 +1,220 @@
+"""Megatron-style tensor and sequence parallelism, as DTensor plans applied to a built model.
+
+Per block (every decoder family and BERT):
+
+    attn.qkv   column-parallel: the fused rows are laid out per key/value group
+               ([kv_heads, q_per_kv + 2, head_dim], see layers.Attention), so a contiguous split
+               hands each rank whole groups: its query heads with their key and value
+    attn.proj  row-parallel: partial sums reduced (all-reduce, or reduce-scatter with SP)
+    mlp.up/gate column-parallel; mlp.down row-parallel
+
+Embeddings are vocabulary-parallel (each rank holds padded_vocab / TP rows); the LM head, or the
+tied embedding, produces logits sharded over the vocabulary, and `loss_parallel` computes the
+cross-entropy on those shards without ever gathering (batch, seq, vocab) logits.
+
+With sequence parallelism (Korthikanti et al. 2022) the residual stream between the TP regions
+is split along the sequence: norms and dropout run on 1/TP of the tokens, and each all-reduce
+becomes a reduce-scatter + all-gather pair (the same bytes, 1/TP of the activation memory).
+Between modules every activation stays a plain local tensor; DTensors live inside the plans.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+
+
+class VocabParallelProjection(nn.Module):
+    """Stands in for models.layers.VocabProjection under tensor parallelism.
+
+    `weight` (and `bias`) arrive as DTensors sharded by vocabulary row (Shard(0)), so the logits
+    come out sharded over the vocabulary (Shard(-1)). The rows past vocab_size (Megatron padding,
+    which the single-process model slices off) get -inf logits, so softmax and loss over the padded
+    vocabulary equal those over the real one. With loss_parallel the sharded DTensor is returned
+    (use it under `torch.distributed.tensor.parallel.loss_parallel()`); otherwise the logits are
+    gathered and sliced to vocab_size, exactly the single-process output.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, tp_mesh, input_layout, loss_parallel: bool):
+        super().__init__()
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
+        self.tp_mesh, self.input_layout, self.loss_parallel = tp_mesh, input_layout, loss_parallel
+
+    def _padding(self, dtype: torch.dtype, device: torch.device) -> DTensor:
+        n = self.padded_vocab_size // self.tp_mesh.size()
+        first = self.tp_mesh.get_local_rank() * n
+        rows = torch.arange(first, first + n, device=device)
+        local = torch.zeros(n, dtype=dtype, device=device).masked_fill(rows >= self.vocab_size, float("-inf"))
+        return DTensor.from_local(local, self.tp_mesh, [Shard(0)], run_check=False)
+
+    def forward(self, h: torch.Tensor, weight: DTensor, bias: DTensor | None = None):
+        if not isinstance(h, DTensor):
+            h = DTensor.from_local(h, self.tp_mesh, [self.input_layout], run_check=False)
+        h = h.redistribute(self.tp_mesh, [Replicate()])
+        logits = F.linear(h, weight, bias)
+        if not self.loss_parallel:
+            return logits.redistribute(self.tp_mesh, [Replicate()]).to_local()[..., : self.vocab_size]
+        if self.padded_vocab_size > self.vocab_size:
+            logits = logits + self._padding(logits.dtype, logits.device)
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, padded={self.padded_vocab_size}, loss_parallel={self.loss_parallel}"
+
+
+def _block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    plan = {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=seq),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=seq),
+    }
+    if cfg.gated_mlp:
+        plan["mlp.gate"] = ColwiseParallel()
+    if sequence_parallel:
+        # Attention and MLP need every token: gather the sequence shards on the way in.
+        # Attention.forward(x, rope, mask, cache): only x is laid out.
+        plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                          desired_input_layouts=(Replicate(), None, None, None), use_local_output=True)
+        plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                         use_local_output=True)
+        plan["norm1"] = SequenceParallel(use_local_output=True)
+        if not cfg.shared_norm:
+            plan["norm2"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def _to_sequence_shards() -> PrepareModuleOutput:
+    """For a replicated embedding (positions, token types) added to a sequence-sharded stream: keep
+    this rank's slice of the output. Its backward all-gathers, so the table's gradient is whole."""
+    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+
+
+def _top_plan(model: nn.Module, cfg: ModelConfig, sequence_parallel: bool) -> dict:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)  # vocab-parallel: rows split
+    plan: dict = {}
+    if cfg.family == "bert":
+        plan["embeddings.word"] = embed
+        if sequence_parallel:
+            plan["embeddings.position"] = _to_sequence_shards()
+            plan["embeddings.token_type"] = _to_sequence_shards()
+            plan["embeddings.norm"] = SequenceParallel(use_local_output=True)
+            # MLMHead.forward(h, word_embeddings): its dense + norm run on whole sequences.
+            plan["mlm_head"] = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
+                                                  use_local_output=True)
+    else:
+        plan["embed"] = embed
+        if sequence_parallel:
+            plan["pos_embed"] = _to_sequence_shards()
+            plan["norm"] = SequenceParallel(use_local_output=True)
+        # Its forward never runs (VocabParallelProjection reads the weight); the style shards rows.
+        plan["lm_head"] = ColwiseParallel()
+    return {k: v for k, v in plan.items() if _has(model, k)}  # a pipeline stage holds only some
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    obj = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return False
+    return isinstance(obj, nn.Module)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a model or of a pipeline stage (whose layers keep their model indices)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True,
+                          loss_parallel: bool = True) -> None:
+    """Shard `model` (a Decoder, a Bert, or a pipeline stage of one) over the 1-D `tp_mesh`, in place.
+
+    Shapes must divide (lmforge.parallel.mesh.check_model). With loss_parallel, the model's LM/MLM
+    logits are a DTensor sharded over the padded vocabulary (padding columns at -inf): compute the
+    loss, and its backward, under `loss_parallel()` (ParallelModel.loss_context()).
+    """
+    cfg: ModelConfig = model.config
+    seq = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, tp_mesh, _top_plan(model, cfg, sequence_parallel))
+    for block in blocks(model):
+        parallelize_module(block, tp_mesh, _block_plan(cfg, sequence_parallel))
+    if cfg.family == "bert":
+        head = getattr(model, "mlm_head", None)
+        if head is not None:
+            bias = head.bias
+            head.bias = nn.Parameter(DTensor.from_local(bias.detach().chunk(tp_mesh.size())[tp_mesh.get_local_rank()]
+                                                        .clone(), tp_mesh, [Shard(0)], run_check=False))
+            # The head gathered the sequence (plan above) before its dense layer.
+            head.vocab_projection = VocabParallelProjection(cfg.vocab_size, cfg.padded_vocab_size, tp_mesh,
+                                                            Replicate(), loss_parallel)
+    elif getattr(model, "vocab_projection", None) is not None:
+        model.vocab_projection = VocabParallelProjection(cfg.vocab_size, cfg.padded_vocab_size, tp_mesh, seq,
+                                                         loss_parallel)
+    replicate_remaining(model, tp_mesh)
+    if sequence_parallel:
+        first = getattr(model, "embeddings", None) or getattr(model, "embed", None)
+        if first is not None:  # a last stage's tied copy holds one too, but never calls it
+            first.register_forward_pre_hook(_SequenceCheck(tp_mesh.size()), prepend=True)
+
+
+class _SequenceCheck:
+    """Sequence parallelism splits every sequence evenly over the TP ranks: say so before any collective
+    (an uneven split would make the ranks' messages differ in size, which gloo/NCCL cannot recover from)."""
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def __call__(self, module, inputs):
+        length = inputs[0].shape[1]
+        if length % self.tp:
+            raise UserError(f"sequence length {length} is not divisible by parallel.tensor={self.tp}: sequence "
+                            f"parallelism splits each sequence evenly; pad batches to a multiple of {self.tp} "
+                            "(data.seq_length) or set parallel.sequence_parallel=false")
+
+
+def _to_replicate(module, inputs, mesh):
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _to_local(module, output, mesh):
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def replicate_remaining(model: nn.Module, tp_mesh) -> None:
+    """Make every parameter the plans left alone (norms without SP, position and token-type tables, BERT's
+    MLM transform and pooler, classification heads) a replicated DTensor, computing on local inputs.
+
+    Their computation was already identical on every TP rank; as DTensors, every parameter of the
+    model lives on the TP mesh, so optimizers (foreach kernels), gradient clipping and DCP see one
+    kind of tensor instead of a mix of plain tensors and DTensors.
+    """
+    from torch.distributed.tensor import distribute_module
+
+    def partition(name, module, mesh):
+        for key, param in list(module._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                local = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
+                module.register_parameter(key, nn.Parameter(local, requires_grad=param.requires_grad))
+
+    for module in list(model.modules()):
+        own = [p for p in module._parameters.values() if p is not None]
+        if own and not all(isinstance(p, DTensor) for p in own):
+            distribute_module(module, tp_mesh, partition, input_fn=_to_replicate, output_fn=_to_local)

@@ -1,0 +1,98 @@
+"""Layout checks and the pipeline split, in one process (no process group needed)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lmforge.errors import UserError
+from lmforge.models import build, preset
+from lmforge.parallel import ParallelConfig, check_model
+from lmforge.parallel.pipeline import split_model, stage_ids
+
+
+def test_data_shard_fills_the_world():
+    assert ParallelConfig(pipeline=2, tensor=2).resolved(8).data_shard == 2
+    assert ParallelConfig(pipeline=2, tensor=2).resolved(8).data_parallel == 2
+
+
+@pytest.mark.parametrize(("cfg", "world", "message"), [
+    (ParallelConfig(tensor=3), 4, "tensor=3 = 3 does not divide the world size 4"),
+    (ParallelConfig(tensor=2, data_shard=3), 4, "= 6 processes, but the world has 4"),
+])
+def test_layout_that_does_not_fit_the_world(cfg, world, message):
+    with pytest.raises(UserError, match=message):
+        cfg.resolved(world)
+
+
+def test_bad_schedule_settings():
+    with pytest.raises(UserError, match="unknown parallel.pipeline_schedule 'interleaved'"):
+        ParallelConfig(pipeline_schedule="interleaved")
+    with pytest.raises(UserError, match="needs parallel.virtual_stages >= 2"):
+        ParallelConfig(pipeline=2, pipeline_schedule="interleaved_1f1b")
+
+
+@pytest.mark.parametrize(("model", "cfg", "message"), [
+    (preset("tiny-llama"), ParallelConfig(tensor=4), "num_kv_heads=2 is not divisible by parallel.tensor=4"),
+    (preset("tiny-neox"), ParallelConfig(pipeline=4), "num_layers=2 is not divisible by parallel.pipeline=4"),
+    (preset("tiny-neox"), ParallelConfig(pipeline=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
+     r"x virtual_stages=2 = 4"),
+    # GPT-2's 50257 ids pad to 50304 = 128 x 393: not splittable over 2 ranks in 128-row pieces.
+    (replace(preset("gpt2")), ParallelConfig(tensor=2), "set model.make_vocab_size_divisible_by=256"),
+])
+def test_model_that_does_not_split(model, cfg, message):
+    with pytest.raises(UserError, match=message):
+        check_model(cfg.resolved(cfg.tensor * cfg.pipeline), model)
+
+
+def test_interleaved_stage_assignment_is_looped():
+    assert [stage_ids(r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("name", ["tiny-neox", "tiny-llama", "tiny-gpt2", "tiny-gptj", "tiny-bert"])
+def test_stages_chained_equal_the_model(name):
+    """The stages of every rank, run one after another, give the model's logits; every parameter
+    keeps its model name (so DCP checkpoints move between pipeline layouts)."""
+    cfg = replace(preset(name), num_layers=4)
+    model = build(cfg, seed=0).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    stages = sorted((s for r in range(2) for s in zip(stage_ids(r, 2, 2), split_model(model, r, 2, 2))),
+                    key=lambda t: t[0])
+    x = ids
+    positions = torch.arange(12).expand(2, 12)
+    for _, stage in stages:
+        x = stage(x, attention_mask=mask, position_ids=positions)
+    torch.testing.assert_close(x, model(ids, attention_mask=mask), rtol=0, atol=0)
+    names = {n for _, s in stages for n, _ in s.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
+@pytest.fixture
+def fake_two_ranks():
+    """A 2-rank process group inside this process ("fake" backend): enough for checks that fire
+    before any communication."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-bert"])
+def test_sequence_parallel_rejects_an_uneven_sequence(fake_two_ranks, name):
+    """An odd length would give the ranks different message sizes (gloo aborts the process): a
+    UserError must come first, on every rank alike (the shape is the same everywhere)."""
+    from lmforge.parallel.tensor_parallel import apply_tensor_parallel
+
+    model = build(name, seed=0)
+    apply_tensor_parallel(model, fake_two_ranks)
+    with pytest.raises(UserError, match="sequence length 15 is not divisible by parallel.tensor=2"):
+        model(torch.zeros(2, 15, dtype=torch.long))

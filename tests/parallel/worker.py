@@ -1,0 +1,255 @@
+"""One rank of the parallelism tests (started by launch.run_ranks). Not a test module itself.
+
+    worker.py cases CASES.json OUT.json   run each case; rank 0 writes the comparisons to OUT.json
+    worker.py error CASE.json             build the mesh/model of one bad layout, exit like the CLI
+
+For each case every rank also runs the *single-process* model on the whole global batch (the
+reference) and compares loss, every gradient (gathered with full_tensor) and the gradient norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from lmforge.errors import UserError
+from lmforge.models import build, preset
+from lmforge.parallel import (
+    ParallelConfig,
+    all_reduce_data_parallel,
+    build_mesh,
+    data_parallel_rank,
+    grad_norm,
+    init_world,
+    load_model_state_dict,
+    model_state_dict,
+    parallelize,
+    pipeline_eval,
+    pipeline_step,
+)
+
+BATCH, SEQ = 8, 16
+
+
+def model_config(case: dict):
+    return replace(preset(case["model"]), **case.get("model_overrides", {}))
+
+
+def make_batch(cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    kwargs = {}
+    if cfg.num_labels:  # sequence classification: one label per row
+        labels = torch.randint(0, cfg.num_labels, (BATCH,), generator=g)
+    elif cfg.family == "bert":  # MLM: ~1/4 of the tokens labelled, right padding, two segments
+        labels[torch.rand(BATCH, SEQ, generator=g) > 0.25] = -100
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
+        mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+        labels[mask == 0] = -100
+        kwargs = {"attention_mask": mask, "token_type_ids": (torch.arange(SEQ)[None] >= lengths[:, None] // 2).long()}
+    else:
+        labels[:, :2] = -100  # some ignored positions, as after a prompt
+    return ids, labels, kwargs
+
+
+def ce_sum(logits, labels):
+    if logits.dim() == 2:
+        return F.cross_entropy(logits.float(), labels, reduction="sum")
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reference(cfg, batch, seed: int = 0):
+    ids, labels, kwargs = batch
+    ref = build(cfg, seed=seed)
+    count = (labels != -100).sum()
+    loss = ce_sum(ref(ids, **kwargs), labels) / count
+    loss.backward()
+    return ref, loss.item()
+
+
+def parallel_step(pm, mesh, batch) -> float:
+    """One forward/backward of the global batch split over the data-parallel ranks; the global loss."""
+    ids, labels, kwargs = batch
+    count = (labels != -100).sum()
+    rank, size = data_parallel_rank(mesh)
+    rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    # Normalised by the global count; x dp size because FSDP averages gradients over the dp ranks.
+    loss = pipeline_step(pm, ids[rows], labels[rows], lambda out, y: ce_sum(out, y) / count * size,
+                         **{k: v[rows] for k, v in kwargs.items()})
+    return all_reduce_data_parallel(loss.reshape(1), mesh).item() / size
+
+
+def parallel_eval(pm, mesh, batch) -> float:
+    ids, labels, kwargs = batch
+    count = (labels != -100).sum()
+    rank, size = data_parallel_rank(mesh)
+    rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    loss = pipeline_eval(pm, ids[rows], labels[rows], lambda out, y: ce_sum(out, y) / count,
+                         **{k: v[rows] for k, v in kwargs.items()})
+    return all_reduce_data_parallel(loss.reshape(1), mesh).item()
+
+
+def compare_grads(pm, ref) -> tuple[float, list[str]]:
+    """max over parameters of max|grad - ref grad| / max|ref grad|, and the names compared here."""
+    ref_params = dict(ref.named_parameters())
+    worst, names = 0.0, []
+    for part in pm.parts:
+        for name, p in part.named_parameters():
+            g, r = full(p.grad), ref_params[name].grad
+            worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+            names.append(name)
+    return worst, names
+
+
+def adam_step_error(pm, ref) -> float:
+    """One AdamW step (foreach kernels, as the trainer's) on both models: max |p - p_ref| / max |dp_ref|.
+    A large eps keeps Adam's update smooth in tiny gradients, so it compares like the gradients do."""
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    for params in (list(pm.parameters()), list(ref.parameters())):
+        torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1, foreach=True).step()
+    ref_params, worst = dict(ref.named_parameters()), 0.0
+    for part in pm.parts:
+        for name, p in part.named_parameters():
+            r = ref_params[name].detach()
+            step = (r - before[name]).abs().max().clamp_min(1e-12)
+            worst = max(worst, ((full(p.detach()) - r).abs().max() / step).item())
+    return worst
+
+
+def sgd_(params, lr: float = 0.5) -> None:
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+                p.grad = None
+
+
+def run_case(case: dict, world: int) -> dict:
+    cfg = model_config(case)
+    pcfg = ParallelConfig(**case["parallel"])
+    mesh = build_mesh(pcfg, cfg)
+    batch = make_batch(cfg, seed=1)
+    ref, ref_loss = reference(cfg, batch)
+    pm = parallelize(build(cfg, seed=0), pcfg, mesh)
+    loss = parallel_step(pm, mesh, batch)
+    worst, names = compare_grads(pm, ref)
+    eval_loss = parallel_eval(pm, mesh, batch)
+    all_names: list = [None] * world
+    dist.all_gather_object(all_names, names)
+    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
+    held = {n for ns in all_names for n in ns}
+    result = {"loss": loss, "ref_loss": ref_loss, "eval_loss": eval_loss, "grad_err": worst,
+              "grad_norm": grad_norm(pm).item(), "ref_grad_norm": ref_norm,
+              "missing": sorted({n for n, _ in ref.named_parameters()} - held)}
+    worst_all = torch.tensor([worst, adam_step_error(pm, ref)])
+    dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
+    result["grad_err"], result["adam_err"] = worst_all.tolist()
+    if "reshard" in case:
+        result.update(reshard(case, cfg, pcfg, pm, ref, batch, world))
+    return result
+
+
+def _ref_loss(ref, batch, backward: bool = False) -> float:
+    ids, labels, kwargs = batch
+    loss = ce_sum(ref(ids, **kwargs), labels) / (labels != -100).sum()
+    if backward:
+        loss.backward()
+    return loss.item()
+
+
+def reshard(case, cfg, pcfg, pm, ref, batch, world) -> dict:
+    """Update the weights, save (DCP) under this layout, load under another and on one process:
+    the loss on the batch must equal the single-process model's after the same update. Then the
+    same the other way round."""
+    import torch.distributed.checkpoint as dcp
+
+    path = case["reshard"]["dir"]
+    sgd_(pm.parameters())
+    sgd_(ref.parameters())
+    expected = _ref_loss(ref, batch, backward=True)
+    dcp.save(model_state_dict(pm), checkpoint_id=f"{path}/a")
+    other = ParallelConfig(**case["reshard"]["parallel"])
+    mesh2 = build_mesh(other, cfg)
+    pm2 = parallelize(build(cfg, seed=123), other, mesh2)
+    state = model_state_dict(pm2)
+    dcp.load(state, checkpoint_id=f"{path}/a")
+    load_model_state_dict(pm2, state)
+    loaded = parallel_step(pm2, mesh2, batch)
+    single = None
+    dist.barrier()
+    if dist.get_rank() == 0:  # the same checkpoint on one process, no process group involved
+        one = build(cfg, seed=7)
+        sd = one.state_dict()
+        dcp.load(sd, checkpoint_id=f"{path}/a", no_dist=True)
+        one.load_state_dict(sd)
+        with torch.no_grad():
+            single = _ref_loss(one, batch)
+    dist.barrier()
+    sgd_(pm2.parameters())  # pm2's gradients are those of the loaded weights
+    sgd_(ref.parameters())
+    expected_back = _ref_loss(ref, batch)
+    dcp.save(model_state_dict(pm2), checkpoint_id=f"{path}/b")
+    pm3 = parallelize(build(cfg, seed=99), pcfg, pm.mesh)
+    state = model_state_dict(pm3)
+    dcp.load(state, checkpoint_id=f"{path}/b")
+    load_model_state_dict(pm3, state)
+    back = parallel_step(pm3, pm.mesh, batch)
+    return {"reshard_expected": expected, "reshard_loaded": loaded, "reshard_single": single,
+            "reshard_back_expected": expected_back, "reshard_back_loaded": back}
+
+
+def finish(code: int) -> None:
+    # Ending with a barrier and os._exit avoids a rare gloo abort at interpreter exit (TORCH-CPU-NOTES).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    mode, spec = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    world = init_world(timeout_minutes=float(os.environ.get("LMFORGE_TEST_TIMEOUT_MIN", "2")))
+    if mode == "error":
+        try:
+            cfg = model_config(spec)
+            pcfg = ParallelConfig(**spec["parallel"])
+            mesh = build_mesh(pcfg, cfg)
+            pm = parallelize(build(cfg, seed=0), pcfg, mesh)
+            if spec.get("stall_on_rank") == world.rank:  # a hung rank: the others must time out, not wait
+                time.sleep(spec["stall_seconds"])
+            parallel_step(pm, mesh, make_batch(cfg, seed=1))  # tensor-parallel collectives (sub-groups)
+            dist.barrier()
+        except UserError as e:
+            if world.rank == 0:
+                print(f"error: {e}", file=sys.stderr)
+            finish(1)
+        except Exception as e:  # noqa: BLE001 - a crash of this rank or a peer
+            print(f"rank {world.rank}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+            finish(2)
+        finish(0)
+    results = {}
+    for name, case in spec.items():
+        results[name] = run_case(case, world.size)
+    dist.barrier()
+    if world.rank == 0:
+        with open(sys.argv[3], "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()
