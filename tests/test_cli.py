@@ -27,8 +27,13 @@ def test_help_lists_every_contract_verb():
 
 
 def test_unbuilt_verb_says_so_and_exits_2(capsys):
+    from lmforge.cli import BUILT
+
+    unbuilt = [v for v in VERBS if v not in BUILT]
+    if not unbuilt:
+        pytest.skip("every verb is built")
     with pytest.raises(SystemExit) as e:
-        main(["serve", "somewhere"])
+        main([unbuilt[0], "somewhere"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not built yet" in err[0]

@@ -1,0 +1,331 @@
+"""Continuous batching: one engine thread decodes every running request together, one token per step.
+
+Requests wait in a FIFO queue. Between two decode steps each free slot (a row of one preallocated
+KVCache) takes the next waiting request and prefills its prompt alone into that row; the decode step
+then feeds every running row its last token at the row's own position (rows hold different lengths,
+so the cache writes per-row slots). A request that arrives while others decode therefore joins at the
+next step instead of waiting for the batch to drain (iteration-level scheduling, Yu et al., Orca,
+OSDI 2022), and a finished or cancelled request frees its row at once.
+
+Every row starts at cache slot 0, so its slot is also its position id: a request decodes exactly the
+computation `generate` does on its prompt alone, and greedy output is the same token for token.
+The engine never waits for a consumer: it hands each request's events to a callback (the server puts
+them on that request's asyncio queue), so a slow reader only lets its own queue grow.
+
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=8)).start()
+    req = engine.submit(prompt_ids, RequestParams(max_tokens=64), on_event=print)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.inference.cache import KVCache
+from lmforge.inference.generate import _check_model, _stop_ids
+from lmforge.inference.sampling import SamplingParams, choose_next
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens decoded in front of the completion, so that text depending on its left context
+# (SentencePiece's leading space, a multi-byte character split over tokens) comes out right.
+CONTEXT_TOKENS = 4
+
+
+class EngineBusy(Exception):
+    """The waiting queue is full: the caller should answer 'try again later' (HTTP 503)."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8  # requests decoded together (rows of the KV cache)
+    max_context: int | None = None  # cache slots per row; default the model's max_position_embeddings
+    max_queue: int = 1024  # waiting requests before submit raises EngineBusy
+
+
+@dataclass
+class RequestParams:
+    max_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()  # stop strings: generation ends at the first, which the text leaves out
+    seed: int | None = None  # reproducible sampling (a generator of the request's own)
+
+
+@dataclass
+class Event:
+    text: str  # text added since the previous event
+    completion_tokens: int  # tokens generated so far (a stop token included)
+    finish_reason: str | None = None  # "stop" (eos or stop string), "length", "error", or None while running
+    error: str | None = None
+
+
+class TextStream:
+    """A completion's text as its tokens arrive: the part safe to show now, and where a stop string ends it.
+
+    Held back until the next token: a trailing incomplete UTF-8 character (decoders show U+FFFD) and a
+    tail that may be the start of a stop string, so that streamed text never shows what the final text
+    leaves out.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.context = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.head = tokenizer.decode(self.context)
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already handed out
+
+    def text(self) -> str:
+        full = self.tokenizer.decode(self.context + self.ids)
+        return full[len(self.head) :] if full.startswith(self.head) else self.tokenizer.decode(self.ids)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """(text to show now, whether a stop string has ended the completion)."""
+        self.ids.append(token)
+        text = self.text()
+        longest = max((len(s) for s in self.stop), default=0)
+        start = max(0, self.sent - longest + 1)
+        cut = min((i for s in self.stop if (i := text.find(s, start)) >= 0), default=-1)
+        if cut >= 0:
+            return self._take(text, cut), True
+        safe = len(text.rstrip("\ufffd"))
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
+        return self._take(text, safe - hold), False
+
+    def flush(self) -> str:
+        """The rest of the text, once no token follows."""
+        return self._take(self.text(), None) if self.ids else ""
+
+    def _take(self, text: str, end: int | None) -> str:
+        end = len(text) if end is None else end
+        delta = text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+
+class EngineRequest:
+    def __init__(self, prompt_ids: Sequence[int], params: RequestParams, on_event: Callable[[Event], None],
+                 tokenizer, vocab_size: int, device: torch.device):
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.on_event = on_event
+        self.output_ids: list[int] = []
+        self.text = TextStream(tokenizer, self.prompt_ids, params.stop)
+        self.cancelled = False  # set from the server's thread; read by the engine between steps
+        self.finish_reason: str | None = None
+        self.slot: int | None = None
+        self.length = 0  # tokens of this request in the cache
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.seen = None
+        if params.sampling.repetition_penalty != 1.0:  # as generate: prompt tokens count as seen
+            self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
+            self.seen[0, torch.tensor(self.prompt_ids, device=device)] = True
+
+
+class Engine:
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None):
+        _check_model(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or EngineConfig()
+        if config.max_batch < 1:
+            raise UserError(f"max_batch must be >= 1, got {config.max_batch}")
+        limit = model.config.max_position_embeddings
+        self.context = min(config.max_context or limit, limit)
+        p = next(model.parameters())
+        self.device = p.device
+        self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device)
+        eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        self.stop_ids = {*_stop_ids(model, None), *eos}
+        self.slots: list[EngineRequest | None] = [None] * config.max_batch
+        self.waiting: deque[EngineRequest] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.steps = 0  # decode steps run
+        self.rows_decoded = 0  # sum of running requests over those steps (mean batch = rows / steps)
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running (and so requests will be answered)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise UserError unless a prompt of prompt_len tokens and max_tokens new ones fit in a row."""
+        if prompt_len < 1:
+            raise UserError("the prompt is empty: give it at least one token")
+        if max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {max_tokens}")
+        if prompt_len + max_tokens > self.context:
+            raise UserError(f"this model's context is {self.context} tokens, but {prompt_len + max_tokens} were "
+                            f"asked for ({prompt_len} in the prompt, {max_tokens} to generate): shorten the prompt "
+                            "or lower max_tokens")
+
+    def submit(self, prompt_ids: Sequence[int], params: RequestParams,
+               on_event: Callable[[Event], None]) -> EngineRequest:
+        """Queue a request (thread-safe). on_event is called from the engine thread and must not block."""
+        self.check(len(prompt_ids), params.max_tokens)
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise UserError(f"prompt token id {bad[0]} is outside this model's vocabulary "
+                            f"[0, {self.model.config.vocab_size})")
+        req = EngineRequest(prompt_ids, params, on_event, self.tokenizer, self.model.config.vocab_size, self.device)
+        with self._cond:
+            if len(self.waiting) >= self.config.max_queue:
+                raise EngineBusy(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(req)
+            self._cond.notify()
+        return req
+
+    def cancel(self, req: EngineRequest) -> None:
+        """Stop a request (its client went away); its row is freed before the next step. Thread-safe."""
+        req.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def start(self) -> Engine:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="lmforge-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for req in [*self.waiting, *(r for r in self.slots if r is not None)]:
+            self._finish(req, Event("", len(req.output_ids), "error", "the server is shutting down"))
+        self.waiting.clear()
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while self._running:
+                try:
+                    worked = self.step()
+                except Exception as e:  # a bug or out of memory: fail the running requests, keep serving
+                    log.exception("engine step failed")
+                    for req in [r for r in self.slots if r is not None]:
+                        self._finish(req, Event("", len(req.output_ids), "error", f"{type(e).__name__}: {e}"))
+                    worked = True
+                if not worked:
+                    with self._cond:
+                        while self._running and not self.waiting and not self.running:
+                            self._cond.wait()
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Admit waiting requests into free rows (prefill), then one decode step; False when idle."""
+        for req in self.slots:
+            if req is not None and req.cancelled:
+                self._release(req, "cancelled")
+        self._admit()
+        running = [r for r in self.slots if r is not None]
+        if not running:
+            return bool(self.waiting)
+        self._decode(running)
+        return True
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                free = next((i for i, r in enumerate(self.slots) if r is None), None)
+                if free is None or not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            if req.cancelled:
+                req.finish_reason = "cancelled"
+                continue
+            req.slot, self.slots[free] = free, req
+            n = len(req.prompt_ids)
+            self.cache.valid[free].zero_()  # what the row's previous request left is never attended
+            view = self.cache.view(slice(free, free + 1), n)
+            ids = torch.tensor([req.prompt_ids], device=self.device)
+            h = self.model.hidden_states(ids, None, None, view, torch.arange(n, device=self.device))
+            req.length = n
+            self._accept([req], self.model.logits(h[:, -1]))
+
+    def _decode(self, running: list[EngineRequest]) -> None:
+        rows = max(r.slot for r in running) + 1  # free rows below it decode a throwaway token at slot 0
+        tokens, positions = [0] * rows, [0] * rows
+        for r in running:
+            tokens[r.slot], positions[r.slot] = r.output_ids[-1], r.length
+            r.length += 1
+        tokens = torch.tensor(tokens, device=self.device)[:, None]
+        positions = torch.tensor(positions, device=self.device)[:, None]
+        view = self.cache.view(slice(0, rows), max(r.length for r in running))
+        logits = self.model.logits(self.model.hidden_states(tokens, None, positions, view, positions)[:, -1])
+        self.steps += 1
+        self.rows_decoded += len(running)
+        self._accept(running, logits[torch.tensor([r.slot for r in running], device=self.device)])
+
+    def _accept(self, reqs: list[EngineRequest], logits: torch.Tensor) -> None:
+        """Choose each request's next token from its row of logits (len(reqs), vocab); tell the consumers.
+
+        Rows with the same settings and no state of their own (a seeded generator, a repetition-penalty
+        history) share one choose_next call; the others get one each, so that a seeded request draws
+        exactly the random numbers `generate` would for it alone.
+        """
+        groups: dict[tuple, list[int]] = {}
+        for k, r in enumerate(reqs):
+            s = r.params.sampling
+            shared = r.generator is None and r.seen is None
+            key = ("greedy",) if shared and s.greedy else (s.temperature, s.top_k, s.top_p) if shared else (k,)
+            groups.setdefault(key, []).append(k)
+        chosen = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        for ks in groups.values():
+            r = reqs[ks[0]]
+            index = torch.tensor(ks, device=logits.device) if len(ks) < len(reqs) else slice(None)
+            chosen[index] = choose_next(logits[index], r.params.sampling, r.seen, r.generator)
+        for req, token in zip(reqs, chosen.tolist()):  # one device sync for the whole batch
+            self._take(req, token)
+
+    def _take(self, req: EngineRequest, token: int) -> None:
+        req.output_ids.append(token)
+        if req.seen is not None:
+            req.seen[0, token] = True
+        n = len(req.output_ids)
+        if token in self.stop_ids:  # eos: counted as generated, never shown
+            return self._finish(req, Event(req.text.flush(), n, "stop"))
+        text, stopped = req.text.push(token)
+        if stopped:
+            return self._finish(req, Event(text, n, "stop"))
+        if n >= req.params.max_tokens:
+            return self._finish(req, Event(text + req.text.flush(), n, "length"))
+        self._emit(req, Event(text, n))
+
+    def _emit(self, req: EngineRequest, event: Event) -> None:
+        try:
+            req.on_event(event)
+        except Exception:  # the consumer is gone (its event loop closed): stop generating for it
+            log.debug("dropping a request whose consumer failed", exc_info=True)
+            req.cancelled = True
+
+    def _finish(self, req: EngineRequest, event: Event) -> None:
+        self._emit(req, event)
+        self._release(req, event.finish_reason)
+
+    def _release(self, req: EngineRequest, reason: str | None) -> None:
+        req.finish_reason = req.finish_reason or reason
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None

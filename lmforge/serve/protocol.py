@@ -1,0 +1,155 @@
+"""The OpenAI request bodies the server accepts, and its error object.
+
+Bodies are validated strictly (a string where a number belongs is a 400, not a silent conversion);
+fields OpenAI defines that change nothing here (`user`, `logprobs: null` ...) are accepted, and
+those that would change the answer but are not implemented (`logprobs`, `echo`, penalties, `suffix`)
+are refused by name rather than ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
+Extensions beyond OpenAI's schema: `top_k` and `repetition_penalty` (as in vLLM and TGI).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # 0 or None = off
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return [s for s in stops if s]
+
+    def unsupported(self) -> list[str]:
+        """Fields set to something this server does not do."""
+        bad = [name for name in ("frequency_penalty", "presence_penalty") if getattr(self, name)]
+        return bad + (["logit_bias"] if self.logit_bias else [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported() + [name for name in ("echo", "logprobs", "suffix") if getattr(self, name)]
+        return bad + (["best_of"] if self.best_of not in (None, self.n) else [])
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        return super().unsupported() + [name for name in ("logprobs", "top_logprobs", "tools") if getattr(self, name)]
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validate a JSON value as `model`, or raise a 400 APIError naming the first bad field."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "int")))
+        message = f"'{param}' is required" if err["type"] == "missing" else f"invalid value for '{param}': {err['msg']}"
+        raise APIError(400, message, param=param or None) from None
+    bad = body.unsupported() if isinstance(body, _Body) else []
+    if bad:
+        raise APIError(400, f"'{bad[0]}' is not supported by this server: leave it out", param=bad[0],
+                       code="unsupported_parameter")
+    return body
+
+
+class TGIParameters(BaseModel):
+    """`parameters` of Hugging Face's text-generation container (TGI), which SageMaker's LLM images run."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    max_new_tokens: int | None = Field(None, ge=1)
+    do_sample: bool = False  # as TGI and transformers: greedy unless asked, temperature etc. apply only then
+    temperature: float | None = Field(None, gt=0.0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    seed: int | None = None
+    return_full_text: bool = False
+    details: bool = False
+
+
+class TGIRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    inputs: str | list[str]
+    parameters: TGIParameters = Field(default_factory=TGIParameters)

@@ -1,0 +1,158 @@
+"""The continuous-batching engine, driven step by step: requests that join a running batch decode
+exactly what `generate` gives for their prompt alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.errors import UserError
+from lmforge.inference import generate
+from lmforge.inference.engine import Engine, EngineBusy, EngineConfig, RequestParams, TextStream
+from lmforge.inference.sampling import SamplingParams
+from lmforge.models import load_pretrained
+from tests.conftest import make_hf_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+class IdTokenizer:
+    """Decodes ids as 't<id>' words; no eos, so only max_tokens ends a request."""
+
+    eos_id = None
+
+    def decode(self, ids):
+        return " ".join(f"t{i}" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def models_(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    out = {}
+    # NeoX: partial rotary; Llama GQA: per-row writes into shared key/value heads; GPT-2: learned positions.
+    for family in ("gpt_neox", "llama_gqa", "gpt2"):
+        make_hf_model(family).save_pretrained(root / family)
+        model = load_pretrained(root / family)
+        model.config.eos_token_id = None  # rows end by max_tokens only, so their lengths are known
+        out[family] = model
+    return out
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 300, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa", "gpt2"])
+def test_requests_joining_a_running_batch_decode_what_generate_gives_alone(family, models_):
+    model = models_[family]
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=3, max_context=64))
+    prompts = _prompts(7)
+    requests, joined_mid_decode = [], 0
+    for i, prompt in enumerate(prompts):
+        before = [(r, len(r.output_ids)) for r in requests if r.finish_reason is None and r.output_ids]
+        requests.append(engine.submit(prompt, RequestParams(max_tokens=6 + 3 * i, sampling=GREEDY), lambda e: None))
+        for _ in range(1 + i % 3):
+            engine.step()
+        new = requests[-1]
+        # It got a row while the running requests kept decoding: both advanced in the same steps.
+        if new.slot is not None and any(len(r.output_ids) > n and r.slot is not None for r, n in before):
+            joined_mid_decode += 1
+    while engine.step():
+        pass
+    assert joined_mid_decode >= 3
+    assert engine.rows_decoded > engine.steps  # batches of more than one row
+    for prompt, req in zip(prompts, requests):
+        assert req.finish_reason == "length"
+        assert req.output_ids == generate(model, [prompt], req.params.max_tokens, do_sample=False,
+                                          stop_token_ids=[])[0]
+    assert engine.running == 0 and engine.queued == 0
+
+
+def test_seeded_sampling_in_a_batch_equals_generate_alone(models_):
+    """Each request samples with its own generator and its own settings, whatever shares the batch."""
+    model = models_["llama_gqa"]
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=4, max_context=64))
+    settings = [dict(temperature=0.8, top_k=20), dict(temperature=1.2, top_p=0.9), dict(temperature=0),
+                dict(temperature=0.7, top_k=50, top_p=0.8, repetition_penalty=1.3)]
+    prompts = _prompts(4, seed=1)
+    reqs = []
+    for i, (prompt, kw) in enumerate(zip(prompts, settings)):
+        sampling = SamplingParams(kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p"),
+                                  kw.get("repetition_penalty", 1.0))
+        reqs.append(engine.submit(prompt, RequestParams(12, sampling, seed=100 + i), lambda e: None))
+        engine.step()
+    while engine.step():
+        pass
+    for i, (prompt, kw, req) in enumerate(zip(prompts, settings, reqs)):
+        assert req.output_ids == generate(model, [prompt], 12, seed=100 + i, stop_token_ids=[], **kw)[0]
+
+
+def test_eos_stop_strings_and_events(models_):
+    model = models_["gpt_neox"]
+    prompt = _prompts(1, seed=2)[0]
+    greedy = generate(model, [prompt], 12, do_sample=False, stop_token_ids=[])[0]
+    k = next(i for i in range(2, 12) if greedy[i] not in greedy[:i])
+    model.config.eos_token_id = greedy[k]
+    try:
+        engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=2, max_context=64))
+    finally:
+        model.config.eos_token_id = None
+    events = []
+    req = engine.submit(prompt, RequestParams(12, GREEDY), events.append)
+    while engine.step():
+        pass
+    assert req.output_ids == greedy[: k + 1] and req.finish_reason == "stop"
+    assert "".join(e.text for e in events) == " " + IdTokenizer().decode(greedy[:k])  # eos counted, not shown
+    assert [e.completion_tokens for e in events] == list(range(1, k + 2))
+    assert [e.finish_reason for e in events] == [None] * k + ["stop"]
+    # A stop string spanning two tokens: the text ends before it and nothing of it was ever streamed.
+    stop = f"t{greedy[3]} t{greedy[4]}"
+    events.clear()
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=2, max_context=64))  # eos off again
+    req = engine.submit(prompt, RequestParams(12, GREEDY, stop=[stop]), events.append)
+    while engine.step():
+        pass
+    text = " " + IdTokenizer().decode(greedy)
+    assert "".join(e.text for e in events) == text[: text.find(stop)]
+    assert req.finish_reason == "stop" and len(req.output_ids) == 5
+
+
+def test_cancel_frees_the_row_and_queue_limits(models_):
+    engine = Engine(models_["gpt_neox"], IdTokenizer(), EngineConfig(max_batch=1, max_context=64, max_queue=2))
+    a = engine.submit([5, 6, 7], RequestParams(40, GREEDY), lambda e: None)
+    b = engine.submit([8, 9], RequestParams(5, GREEDY), lambda e: None)
+    with pytest.raises(EngineBusy):
+        engine.submit([1], RequestParams(5, GREEDY), lambda e: None)
+    engine.step()
+    engine.step()
+    assert a.slot == 0 and b.slot is None and len(a.output_ids) == 3  # prefill + decode, then decode
+    engine.cancel(a)
+    engine.step()  # a's row goes to b at once
+    assert a.finish_reason == "cancelled" and len(a.output_ids) == 3
+    assert engine.slots[0] is b and len(b.output_ids) == 2
+    with pytest.raises(UserError, match="context is 64 tokens"):
+        engine.submit(list(range(1, 61)), RequestParams(5, GREEDY), lambda e: None)
+    with pytest.raises(UserError, match="vocabulary"):
+        engine.submit([1, 300], RequestParams(5, GREEDY), lambda e: None)
+
+
+def test_text_stream_holds_back_split_characters(shared_data):
+    """Byte-level BPE splits an emoji over tokens: no delta shows half a character, and the deltas add
+    up to the decoded text."""
+    from lmforge.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(shared_data / "tokenizers" / "gpt2" / "tokenizer.json")
+    prompt = tok.encode("Weather today:")
+    completion = tok.encode(" sunny 🌞🌈 and 21°C, «très beau» END more")
+    assert len(completion) > len(" sunny 🌞🌈 and 21°C, «très beau» END more".split()) + 4  # characters span tokens
+    stream = TextStream(tok, prompt, stop=["END"])
+    deltas = []
+    for t in completion:
+        delta, stopped = stream.push(t)
+        assert "\ufffd" not in delta
+        deltas.append(delta)
+        if stopped:
+            break
+    assert stopped
+    assert "".join(deltas) == " sunny 🌞🌈 and 21°C, «très beau» "
