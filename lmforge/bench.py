@@ -21,6 +21,7 @@ BENCHMARKS = {
     "generate": "greedy decode tokens/s vs transformers' generate",
     "scaling": "throughput and tokens per dollar across process counts and parallel layouts",
     "rotary": "partial rotary: full-head rotation vs slicing",
+    "serve_load": "200 concurrent streams against lmforge serve: errors, latency p50/p99, tokens/s",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -142,6 +143,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    from lmforge.serve.cli import add_arguments
+
+    add_arguments(p)
+
+
 def _add_quickstart(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="quickstart", help="folder for everything it makes (default: quickstart)")
     p.add_argument("--minutes", type=float, default=3.0, help="training time budget (default: 3)")
@@ -154,6 +161,12 @@ def _add_quickstart(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def _add_compare(p: argparse.ArgumentParser) -> None:
+    from lmforge.report.compare import add_arguments
+
+    add_arguments(p)
+
+
 def _add_bench(p: argparse.ArgumentParser) -> None:
     from lmforge.bench import add_arguments
 
@@ -162,10 +175,12 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "bench": _add_bench,
+    "compare": _add_compare,
     "quickstart": _add_quickstart,
     "compile": _add_compile,
     "finetune": _add_pretrain,
     "generate": _add_generate,
+    "serve": _add_serve,
     "tokenizer": _add_tokenizer,
     "preprocess": _add_preprocess,
     "pretrain": _add_pretrain,
@@ -182,7 +197,9 @@ def _planned(verb: str) -> Callable[[argparse.Namespace], None]:
     return run
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `lmforge` parser. With `only`, only that verb's arguments are built: each builder imports its
+    module (generate's imports torch, ~1.5 s), which a verb like `preprocess` should not wait for."""
     p = argparse.ArgumentParser(prog="lmforge", description="From raw text to a trained, served language model.")
     p.add_argument("--version", action="version", version=f"lmforge {__version__}")
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
@@ -190,7 +207,9 @@ def parser() -> argparse.ArgumentParser:
 
     for verb, text in VERBS.items():
         if verb in BUILT:
-            BUILT[verb](sub.add_parser(verb, help=text, description=text))
+            verb_parser = sub.add_parser(verb, help=text, description=text)
+            if only in (None, verb):
+                BUILT[verb](verb_parser)
         else:
             planned = sub.add_parser(verb, help=f"{text} (not built yet)", add_help=False)
             planned.add_argument("rest", nargs=argparse.REMAINDER)
@@ -199,7 +218,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    verb = next((a for a in argv if not a.startswith("-")), None)  # top-level options take no value
+    args = parser(verb if verb in BUILT else None).parse_args(argv)
     if args.verb is None:
         parser().print_help()
         return 2
@@ -209,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -131,7 +131,10 @@ class HFTokenizer(Tokenizer):
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         # add_special_tokens=False: a post-processor template (e.g. Llama's "<s> $A") must not add bos.
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (newer tokenizers) gives the same ids without tracking character offsets, which
+        # we never read: about a quarter less CPU time on GPT-2 BPE. Older releases lack it: encode_batch.
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

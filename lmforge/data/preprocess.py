@@ -15,6 +15,11 @@ still a document, with no sequence: `document_indices` repeats a value, and ever
 document per input line, so documents line up across keys. The dtype follows Megatron's rule (uint16 below
 65,500 ids, else int32). Documents are written in input order whatever the number of workers.
 Megatron's tool finalizes only the last `--json-keys` key's index; we finalize every key's.
+
+Parallelism: with one worker, chunks of documents are tokenized in this process by the tokenizer's batch
+call, which runs on its own thread pool (Hugging Face `tokenizers` uses every core unless
+TOKENIZERS_PARALLELISM=false); with N > 1, N worker processes tokenize one chunk each, single-threaded.
+Tokenizing is most of the CPU time (see BENCHMARKS.md); the rest is JSON parsing and writing, in Python.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -49,12 +55,19 @@ TEXT_SUFFIXES = (".txt",)
 KINDS_HINT = "give .jsonl/.json/.ndjson or .txt files (optionally .gz), or folders holding them"
 CHUNK_DOCS = 64  # documents per task: enough to amortise IPC and let encode_batch batch
 CHUNK_BYTES = 1 << 18  # ... but at most about this much raw text per task, so memory stays bounded
+THREADS_IN_FLIGHT = 2  # with --workers 1: batch calls in flight on the tokenizer's thread pool
+# Worker processes: fork on Linux, so no importable __main__ is needed (notebooks, `python -`) and the children,
+# which only run the tokenizer single-threaded, inherit it loaded. Elsewhere fork is unsafe (macOS) or absent
+# (Windows): spawn.
+START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 MAX_LOGGED_SKIPS = 10
 
 # A task: (where, kind, raw bytes); where is "file:line" for JSON lines, the file for plain text.
 Record = tuple[str, str, bytes]
-# A result per record: an error message, or per key (ids, sequence lengths).
-Encoded = str | list[tuple[np.ndarray, list[int]]]
+# A chunk's result: per key, the ids of its good documents end to end; and per record, an error message or per
+# key (token count, sequence lengths). One array per key and chunk rather than one per document: cheaper to
+# build, and to send back from a worker process, when documents are short.
+Encoded = tuple[list[np.ndarray], list[str | list[tuple[int, list[int]]]]]
 
 
 @dataclass
@@ -175,68 +188,83 @@ class _Encoder:
             out.append(sentences)
         return out
 
-    def encode_chunk(self, chunk: list[Record]) -> list[Encoded]:
+    def encode_chunk(self, chunk: list[Record]) -> Encoded:
         parsed = [self.texts(*rec) for rec in chunk]
-        good = [p for p in parsed if not isinstance(p, str)]
         # One encode_batch over every text of the chunk: the tokenizer's batch path is its fast path.
-        flat = [s for p in good for sentences in p for s in sentences]
+        flat = [s for p in parsed if not isinstance(p, str) for sentences in p for s in sentences]
         ids = iter(self.tokenizer.encode_batch(flat) if flat else [])
-        out: list[Encoded] = []
+        eod = [self.tokenizer.eod_id]
+        parts: list[list[list[int]]] = [[] for _ in self.json_keys]
+        records: list[str | list[tuple[int, list[int]]]] = []
         for p in parsed:
             if isinstance(p, str):
-                out.append(p)
+                records.append(p)
                 continue
-            docs = []
-            for sentences in p:
-                doc, lengths = [], []
+            doc = []
+            for key_parts, sentences in zip(parts, p):
+                lengths = []
                 for _ in sentences:
                     sentence_ids = next(ids)
                     if sentence_ids:  # Megatron drops empty sentences from the sequence lengths
-                        doc += sentence_ids
+                        key_parts.append(sentence_ids)
                         lengths.append(len(sentence_ids))
-                if doc and self.append_eod:
-                    doc.append(self.tokenizer.eod_id)
+                if lengths and self.append_eod:
+                    key_parts.append(eod)
                     lengths[-1] += 1
-                docs.append((np.array(doc, dtype=np.int64), lengths))
-            out.append(docs)
-        return out
+                doc.append((sum(lengths), lengths))
+            records.append(doc)
+        arrays = [np.fromiter(chain.from_iterable(p), np.int64, count=sum(map(len, p))) for p in parts]
+        return arrays, records
 
 
-def _init_worker(tokenizer_file: str, json_keys: list[str], append_eod: bool) -> None:
+def _init_worker(encoder: _Encoder | None, tokenizer_file: str, json_keys: list[str], append_eod: bool) -> None:
     # encode_batch would otherwise start a thread per core in every worker; the workers are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    logging.getLogger("lmforge.tokenizers").setLevel(logging.WARNING)
-    _Encoder.current = _Encoder(load_tokenizer(tokenizer_file), json_keys, append_eod)
+    if encoder is None:  # spawned: load our own copy (forked workers get the parent's, loaded once)
+        logging.getLogger("lmforge.tokenizers").setLevel(logging.WARNING)
+        encoder = _Encoder(load_tokenizer(tokenizer_file), json_keys, append_eod)
+    _Encoder.current = encoder
 
 
-def _encode_in_worker(chunk: list[Record]) -> list[Encoded]:
+def _encode_in_worker(chunk: list[Record]) -> Encoded:
     return _Encoder.current.encode_chunk(chunk)
 
 
-def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: int) -> Iterator[list[Encoded]]:
-    """Encoded chunks in input order; with workers, at most 4 chunks per worker are in flight."""
+def _in_order(pool: Executor, fn, chunks: Iterator[list[Record]], window: int) -> Iterator[Encoded]:
+    """fn(chunk) for each chunk on `pool`, yielded in input order, at most `window` chunks in flight."""
+    pending: deque[Future] = deque()
+    try:
+        for chunk in chunks:
+            pending.append(pool.submit(fn, chunk))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: int) -> Iterator[Encoded]:
+    """Encoded chunks in input order; memory stays bounded by the window of chunks in flight."""
     if workers == 1:
-        yield from map(encoder.encode_chunk, chunks)
+        # The batch call releases the GIL and tokenizes on the tokenizer's own thread pool (every core, unless
+        # TOKENIZERS_PARALLELISM=false). Two calls in flight keep that pool fed while Python parses and writes,
+        # and while one call waits on its longest document; one call at a time leaves cores idle then.
+        pool = ThreadPoolExecutor(THREADS_IN_FLIGHT, thread_name_prefix="preprocess")
+        yield from _in_order(pool, encoder.encode_chunk, chunks, window=THREADS_IN_FLIGHT + 1)
         return
-    # fork on Linux: no importable __main__ needed (notebooks, `python -`), and the children only run the
-    # tokenizer, single-threaded. Elsewhere fork is unsafe (macOS) or absent (Windows): spawn.
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    init_args = (str(encoder.tokenizer.files[0]), encoder.json_keys, encoder.append_eod)
+    ctx = multiprocessing.get_context(START_METHOD)
+    # A forked worker inherits the loaded tokenizer as it is (initargs are not pickled under fork): loading
+    # it again costs each worker ~0.3 s of CPU before its first chunk.
+    inherited = encoder if ctx.get_start_method() == "fork" else None
+    init_args = (inherited, str(encoder.tokenizer.files[0]), encoder.json_keys, encoder.append_eod)
     # Not Pool.imap, as Megatron does: it reads the whole input ahead into its task queue, and a Pool whose
     # worker dies respawns it and waits forever. A window of futures bounds memory; a dead worker raises.
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args)
     try:
-        pending: deque[Future] = deque()
-        for chunk in chunks:
-            pending.append(pool.submit(_encode_in_worker, chunk))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        yield from _in_order(pool, _encode_in_worker, chunks, window=4 * workers)
     except BrokenProcessPool as e:
         raise RuntimeError(f"a preprocess worker process died ({e}): out of memory? try fewer --workers") from e
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def preprocess(
@@ -281,8 +309,9 @@ def preprocess(
     try:
         for key, prefix in stats.outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, dtype)
-        for results in encoded:
-            for res in results:
+        for arrays, records in encoded:
+            offsets = [0] * len(json_keys)
+            for res in records:
                 if isinstance(res, str):
                     if on_error == "fail":
                         raise UserError(f"{res} (or pass --on-error skip)")
@@ -290,11 +319,12 @@ def preprocess(
                     if stats.skipped <= MAX_LOGGED_SKIPS:
                         logger.warning("skipped %s", res)
                     continue
-                for key, (ids, lengths) in zip(json_keys, res, strict=True):
-                    writers[key].add_document(ids, lengths)
-                    stats.tokens += len(ids)
+                for k, (n, lengths) in enumerate(res):
+                    writers[json_keys[k]].add_document(arrays[k][offsets[k] : offsets[k] + n], lengths)
+                    offsets[k] += n
+                    stats.tokens += n
                 stats.documents += 1
-            bar.update(len(results))
+            bar.update(len(records))
             bar.set_postfix_str(f"{stats.tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
         for key, writer in writers.items():
             writer.finalize()
@@ -328,7 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="JSON keys to tokenize, one output per key (default: text)")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="tokenizer processes (default: 1, which tokenizes on the tokenizer's own threads)")
     parser.add_argument("--on-error", choices=["fail", "skip"], default="fail",
                         help="on a bad line: stop (default) or skip it and count it")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

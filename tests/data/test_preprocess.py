@@ -11,7 +11,9 @@ import inspect
 import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -246,3 +248,49 @@ def test_a_dead_worker_raises_instead_of_hanging(tmp_path, small_jsonl, gpt2, mo
     with pytest.raises(RuntimeError, match="worker process died"):
         preprocess(small_jsonl, tmp_path / "out" / "p", gpt2, workers=2, progress=False)
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_chunks_finishing_out_of_order_are_written_in_input_order(mcore, tmp_path, small_jsonl, articles, gpt2,
+                                                                   monkeypatch):
+    """Chunks run concurrently (tokenizer threads with 1 worker, processes with 2); the first one is made the
+    slowest, so the others finish before it, and the files must still be Megatron's byte for byte."""
+    import lmforge.data.preprocess as pp
+
+    encode_chunk = pp._Encoder.encode_chunk
+
+    def first_chunk_last(self, chunk):
+        if chunk[0][0].endswith(":1"):
+            time.sleep(0.5)
+        return encode_chunk(self, chunk)
+
+    monkeypatch.setattr(pp, "CHUNK_DOCS", 2)
+    monkeypatch.setattr(pp._Encoder, "encode_chunk", first_chunk_last)  # forked workers inherit it
+    megatron_preprocess(mcore, articles, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True)
+    for workers in (1, 2):
+        stats = preprocess(small_jsonl, tmp_path / f"w{workers}", gpt2, append_eod=True, workers=workers,
+                           progress=False)
+        same_files(stats.outputs["text"], str(tmp_path / "ref_text_document"))
+
+
+def test_cli_preprocess_does_not_import_torch(tmp_path, small_jsonl, gpt2):
+    """`lmforge preprocess` needs no torch; importing it would add seconds to every run's start-up."""
+    argv = ["preprocess", "--input", str(small_jsonl), "--output-prefix", str(tmp_path / "cli"), "--tokenizer",
+            str(gpt2), "--append-eod"]
+    code = f"import sys; from lmforge.cli import main; rc = main({argv!r}); print(rc, 'torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines()[-1] == "0 False", r.stdout + r.stderr
+    ref = preprocess(small_jsonl, tmp_path / "api", gpt2, append_eod=True, progress=False)
+    same_files(str(tmp_path / "cli_text_document"), ref.outputs["text"])
+
+
+def test_spawned_workers_load_their_own_tokenizer(tmp_path, small_jsonl, articles, gpt2, monkeypatch):
+    """macOS and Windows start workers by spawn: they load the tokenizer from its file, same bytes as fork."""
+    import lmforge.data.preprocess as pp
+
+    small_jsonl.write_text("".join(articles[:6]), encoding="utf-8")
+    monkeypatch.setattr(pp, "START_METHOD", "spawn")
+    monkeypatch.setattr(pp, "CHUNK_DOCS", 2)
+    spawned = preprocess(small_jsonl, tmp_path / "spawn", gpt2 / "vocab.json", append_eod=True, workers=2,
+                         progress=False)
+    ref = preprocess(small_jsonl, tmp_path / "one", gpt2 / "vocab.json", append_eod=True, progress=False)
+    same_files(spawned.outputs["text"], ref.outputs["text"])

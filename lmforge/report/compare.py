@@ -1,0 +1,185 @@
+"""`lmforge compare RUN_DIR... --out DIR`: PNG plots, one self-contained HTML page and a table.
+
+    loss.png        train (and validation) loss per step, overlaid; the second half enlarged
+    grad_norm.png   gradient norm per step
+    accuracy.png    validation accuracy per step (only when a run has it)
+    throughput.png  tokens/s per step; steady-state tokens/s and sequences/s
+    time.png        start-up + training time
+    cost.png        total $ and tokens per $ (from cost.usd_per_hour)
+    index.html      all of the above, the images embedded as base64, plus the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmforge.errors import UserError
+from lmforge.report.runs import Run, derive_labels, load_run, summarize
+
+log = logging.getLogger(__name__)
+
+# (summary key, column title, format); a None value prints as "-".
+COLUMNS = (
+    ("steps", "steps", "{:,d}"),
+    ("tokens", "tokens", "{:,.0f}"),
+    ("final_loss", "final loss", "{:.4f}"),
+    ("min_loss", "min loss", "{:.4f}"),
+    ("val_loss", "val loss", "{:.4f}"),
+    ("val_ppl", "val ppl", "{:,.2f}"),
+    ("val_accuracy", "val acc", "{:.2%}"),
+    ("tokens_per_second", "tokens/s", "{:,.0f}"),
+    ("sequences_per_second", "seq/s", "{:,.2f}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("time_s", "time (s)", "{:,.1f}"),
+    ("cost_usd", "cost ($)", "{:.4f}"),
+    ("tokens_per_dollar", "tokens/$", "{:,.0f}"),
+)
+
+
+@dataclass
+class Report:
+    runs: list[Run]
+    files: dict[str, Path]  # plot name -> PNG written
+    html: Path
+
+
+def compare(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Report:
+    if not run_dirs:
+        raise UserError("no run folders given: pass one or more RUN_DIRs")
+    if labels is not None and len(labels) != len(run_dirs):
+        raise UserError(f"--labels has {len(labels)} names for {len(run_dirs)} runs: give one label per run")
+    runs = [load_run(d) for d in run_dirs]
+    for run, label in zip(runs, labels or derive_labels(runs)):
+        run.label = label
+        run.summary = summarize(run)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out '{out}' is a file: give a folder for the report")
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, image in figures(runs).items():
+        files[name] = out / f"{name}.png"
+        _write_atomic(files[name], image)
+    page = out / "index.html"
+    _write_atomic(page, render_html(runs, {n: p.read_bytes() for n, p in files.items()}).encode())
+    log.debug("wrote %d plots and %s", len(files), page)
+    return Report(runs, files, page)
+
+
+def figures(runs: list[Run]) -> dict[str, bytes]:
+    from lmforge.report import plots
+
+    makers = {"loss": plots.loss_figure, "grad_norm": plots.grad_norm_figure}
+    if any(r.series("val_accuracy")[0] for r in runs):
+        makers["accuracy"] = plots.val_accuracy_figure
+    makers.update(throughput=plots.throughput_figure, time=plots.time_figure, cost=plots.cost_figure)
+    return {name: plots.png_bytes(make(runs)) for name, make in makers.items()}
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value)
+
+
+def table_rows(runs: list[Run]) -> list[list[str]]:
+    """Header row, then one row per run, every number formatted as the table shows it."""
+    rows = [["run", *(title for _, title, _ in COLUMNS)]]
+    for run in runs:
+        cells = [_cell(run.summary.get(key), fmt) for key, _, fmt in COLUMNS]
+        if run.summary.get("estimated"):  # logged every N steps: totals scaled up from the logged ones
+            cells = [("~" + c if key in ("tokens", "time_s", "cost_usd") and c != "-" else c)
+                     for (key, _, _), c in zip(COLUMNS, cells)]
+        rows.append([run.label, *cells])
+    return rows
+
+
+def text_table(runs: list[Run]) -> str:
+    rows = table_rows(runs)
+    keep = [j for j in range(len(rows[0])) if j == 0 or any(r[j] != "-" for r in rows[1:])]
+    rows = [[r[j] for j in keep] for r in rows]
+    widths = [max(len(r[j]) for r in rows) for j in range(len(keep))]
+    lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if not any(r.summary.get("usd_per_hour") for r in runs):
+        lines.append("cost: no price configured (set cost.usd_per_hour)")
+    return "\n".join(lines)
+
+
+TITLES = {
+    "loss": "Loss", "grad_norm": "Gradient norm", "accuracy": "Validation accuracy",
+    "throughput": "Throughput", "time": "Total training time", "cost": "Cost",
+}
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1250px;color:#222}
+table{border-collapse:collapse;font-size:14px;margin:1em 0}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child,th:first-child{text-align:left}
+th{background:#f2f2f2}img{max-width:100%;border:1px solid #eee;margin:.5em 0}
+code{background:#f5f5f5;padding:1px 4px}.note{color:#555;font-size:13px}"""
+
+
+def render_html(runs: list[Run], images: dict[str, bytes]) -> str:
+    esc = html.escape
+    rows = table_rows(runs)
+    head = "".join(f"<th>{esc(c)}</th>" for c in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+    listing = "".join(f"<li><b>{esc(r.label)}</b>: <code>{esc(str(r.path))}</code>{_config_line(r)}</li>" for r in runs)
+    figs = "".join(
+        f'<h2>{esc(TITLES.get(name, name))}</h2>\n<img alt="{esc(name)}" '
+        f'src="data:image/png;base64,{base64.b64encode(data).decode()}">\n' for name, data in images.items())
+    no_price = "" if any(r.summary.get("usd_per_hour") for r in runs) else (
+        "<p class=note>Cost: no price configured (set <code>cost.usd_per_hour</code> in the run's config).</p>")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>lmforge compare: {esc(", ".join(r.label for r in runs))}</title>
+<style>{CSS}</style></head><body>
+<h1>Run comparison</h1>
+<ul>{listing}</ul>
+<h2>Final numbers</h2>
+<table><tr>{head}</tr>{body}</table>{no_price}
+<p class=note>Final/min loss: the train loss of the last step and the lowest over the run; val numbers: the last
+validation. tokens/s, seq/s and MFU: steady state (each start's first step, where compilation and warm-up land,
+left out; MFU = model FLOPs done / (peak x time)). Time: start-up to the first step plus every step's time
+(validation and checkpoint writes are not timed). Cost: <code>cost.usd_per_hour</code> x time; tokens/$ = tokens / cost.
+A leading ~ marks totals scaled up from rows logged every N steps.</p>
+{figs}</body></html>
+"""
+
+
+def _config_line(run: Run) -> str:
+    c = run.config
+    if c is None:
+        return " (no config.yaml)"
+    t, o, d = c.get("trainer") or {}, c.get("optim") or {}, c.get("data") or {}
+    bits = [f"task {d.get('task')}", f"precision {t.get('precision')}", "compiled" if t.get("compile") else "eager",
+            f"global batch {t.get('global_batch_size')} (micro {t.get('micro_batch_size')})",
+            f"seq {d.get('seq_length')}", f"lr {o.get('lr')}"]
+    resumes = run.summary.get("resumes")
+    if resumes:
+        bits.append(f"resumed {resumes}x")
+    return " &middot; " + html.escape(", ".join(bits))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (each holds metrics.jsonl)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs and index.html")
+    p.add_argument("--labels", nargs="+", metavar="LABEL", help="one name per run (default: from each config)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    report = compare(args.run_dirs, args.out, args.labels)
+    print(text_table(report.runs))
+    print(f"wrote {len(report.files)} plots and {report.html}")
