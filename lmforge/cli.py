@@ -152,11 +152,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 def _add_quickstart(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="quickstart", help="folder for everything it makes (default: quickstart)")
     p.add_argument("--minutes", type=float, default=3.0, help="training time budget (default: 3)")
+    p.add_argument("--max-steps", type=int, default=600, help="training steps at most (default: 600)")
 
     def run(args: argparse.Namespace) -> None:
         from lmforge.quickstart import run as quickstart
 
-        quickstart(args.out, args.minutes, say=print)
+        quickstart(args.out, args.minutes, say=print, max_steps=args.max_steps)
 
     p.set_defaults(func=run)
 

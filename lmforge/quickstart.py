@@ -51,8 +51,10 @@ def gather_corpus(out: Path, max_chars: int = 3_000_000) -> tuple[int, int]:
     return docs, chars
 
 
-def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[[str], None] = log.info) -> dict:
-    """The whole walk-through; `say` reports each step (the CLI passes print)."""
+def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[[str], None] = log.info,
+        max_steps: int = 600) -> dict:
+    """The whole walk-through; `say` reports each step (the CLI passes print). Training stops at
+    `max_steps` or after `minutes`, whichever comes first."""
     from lmforge.data.preprocess import preprocess
     from lmforge.data.tokenizer_train import train_tokenizer
     from lmforge.inference import generate_text
@@ -84,9 +86,10 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
     run_dir = out / "run"
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
         f"data.paths=[{prefix}_text_document]", f"data.tokenizer={tok_dir}", "data.split=95,5,0",
-        "data.seq_length=128", "trainer.max_steps=600", f"trainer.max_minutes={minutes}",
+        "data.seq_length=128", f"trainer.max_steps={max_steps}", f"trainer.max_minutes={minutes}",
         "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "trainer.precision=fp32",
-        "trainer.val_check_interval=50", "trainer.val_batches=4", "optim.lr=3e-3", "optim.min_lr=3e-4",
+        f"trainer.val_check_interval={min(50, max(1, max_steps // 2))}", "trainer.val_batches=4",
+        "optim.lr=3e-3", "optim.min_lr=3e-4",
         "optim.warmup_steps=30", "optim.weight_decay=0.01", "checkpoint.save_top_k=1", f"run_dir={run_dir}",
     ]
     cfg = load_run_config(None, overrides)

@@ -13,7 +13,7 @@ import pytest
 def test_quickstart_trains_and_exports_a_model_transformers_loads(tmp_path):
     tf = pytest.importorskip("transformers")
     r = subprocess.run([sys.executable, "-m", "lmforge.cli", "quickstart", "--out", str(tmp_path), "--minutes",
-                        "0.3"], capture_output=True, text=True, timeout=600)
+                        "30", "--max-steps", "40"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     for step in range(1, 7):
         assert f"[{step}/6]" in r.stdout
