@@ -1,6 +1,7 @@
 """`lmforge compare RUN_DIR... --out DIR`: PNG plots, one self-contained HTML page and a table.
 
     loss.png        train (and validation) loss per step, overlaid; the second half enlarged
+    loss_difference.png  each run's loss minus the first run's, step by step (two runs or more)
     grad_norm.png   gradient norm per step
     accuracy.png    validation accuracy per step (only when a run has it)
     throughput.png  tokens/s per step; steady-state tokens/s and sequences/s
@@ -37,6 +38,7 @@ COLUMNS = (
     ("tokens_per_second", "tokens/s", "{:,.0f}"),
     ("sequences_per_second", "seq/s", "{:,.2f}"),
     ("mfu", "MFU", "{:.1%}"),
+    ("startup_s", "start-up (s)", "{:,.1f}"),
     ("time_s", "time (s)", "{:,.1f}"),
     ("cost_usd", "cost ($)", "{:.4f}"),
     ("tokens_per_dollar", "tokens/$", "{:,.0f}"),
@@ -76,7 +78,10 @@ def compare(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[st
 def figures(runs: list[Run]) -> dict[str, bytes]:
     from lmforge.report import plots
 
-    makers = {"loss": plots.loss_figure, "grad_norm": plots.grad_norm_figure}
+    makers = {"loss": plots.loss_figure}
+    if len(runs) > 1:
+        makers["loss_difference"] = plots.loss_difference_figure
+    makers["grad_norm"] = plots.grad_norm_figure
     if any(r.series("val_accuracy")[0] for r in runs):
         makers["accuracy"] = plots.val_accuracy_figure
     makers.update(throughput=plots.throughput_figure, time=plots.time_figure, cost=plots.cost_figure)
@@ -120,8 +125,8 @@ def text_table(runs: list[Run]) -> str:
 
 
 TITLES = {
-    "loss": "Loss", "grad_norm": "Gradient norm", "accuracy": "Validation accuracy",
-    "throughput": "Throughput", "time": "Total training time", "cost": "Cost",
+    "loss": "Loss", "loss_difference": "Loss difference to the first run", "grad_norm": "Gradient norm",
+    "accuracy": "Validation accuracy", "throughput": "Throughput", "time": "Total training time", "cost": "Cost",
 }
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1250px;color:#222}
@@ -151,9 +156,10 @@ def render_html(runs: list[Run], images: dict[str, bytes]) -> str:
 <table><tr>{head}</tr>{body}</table>{no_price}
 <p class=note>Final/min loss: the train loss of the last step and the lowest over the run; val numbers: the last
 validation. tokens/s, seq/s and MFU: steady state (each start's first step, where compilation and warm-up land,
-left out; MFU = model FLOPs done / (peak x time)). Time: start-up to the first step plus every step's time
-(validation and checkpoint writes are not timed). Cost: <code>cost.usd_per_hour</code> x time; tokens/$ = tokens / cost.
-A leading ~ marks totals scaled up from rows logged every N steps.</p>
+left out; MFU = model FLOPs done / (peak x time)). Start-up: trainer setup (model, data, peak) before the first
+step. Time: start-up plus every step's time, the first step's compilation included (validation and checkpoint
+writes are not timed). Cost: <code>cost.usd_per_hour</code> x time; tokens/$ = tokens / cost. A leading ~ marks
+totals scaled up from rows logged every N steps.</p>
 {figs}</body></html>
 """
 

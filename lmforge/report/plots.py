@@ -31,17 +31,9 @@ def _figure(width: float = 9.0, height: float = 4.8, panels: int = 1):
 
 
 def png_bytes(fig) -> bytes:
-    """The figure as an 8-bit palette PNG: a few flat colours and anti-aliased lines fit in 256
-    colours with no visible change, at a third of the size of RGBA (the HTML page embeds them all)."""
-    from PIL import Image
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    buf.seek(0)
-    image = Image.open(buf).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
-    out = io.BytesIO()
-    image.save(out, format="png", optimize=True)
-    return out.getvalue()
+    return buf.getvalue()
 
 
 def color(i: int) -> str:
@@ -61,14 +53,20 @@ def _span(n: int) -> int:
     return max(5, n // 40)
 
 
-def _curve(ax, steps, values, c, label=None):
-    """Raw values, and when there are many, a thick EMA over them; returns the legend's line."""
+def _width(i: int) -> float:
+    """Later runs are drawn thinner on top of earlier ones: runs that agree (the point of comparing
+    precisions) still show every colour, as a coloured edge along the curve on top."""
+    return max(2.6 - 0.5 * i, 1.0)
+
+
+def _curve(ax, steps, values, i: int):
+    """Raw values, and when there are many, a thick EMA over them."""
+    c = color(i)
     if len(values) > SMOOTH_FROM:
         ax.plot(steps, values, color=c, lw=0.7, alpha=0.3)
-        (line,) = ax.plot(steps, ema(values, _span(len(values))), color=c, lw=1.8, label=label)
+        ax.plot(steps, ema(values, _span(len(values))), color=c, lw=_width(i))
     else:
-        (line,) = ax.plot(steps, values, color=c, lw=1.5, marker="." if len(values) < 20 else None, label=label)
-    return line
+        ax.plot(steps, values, color=c, lw=_width(i) * 0.8, marker="." if len(values) < 20 else None)
 
 
 def _legend(fig, runs: list[Run], extra=()):
@@ -100,7 +98,7 @@ def loss_figure(runs: list[Run]):
         steps, loss = run.series("loss")
         vs, vl = run.series("val_loss")
         for ax in (full, tail):
-            _curve(ax, steps, loss, color(i))
+            _curve(ax, steps, loss, i)
             if vs:
                 ax.plot(vs, vl, color=color(i), lw=1.2, ls="--", marker="o", ms=4)
         shown += [v for s, v in zip(steps + vs, loss + vl) if s >= last / 2]
@@ -120,13 +118,32 @@ def loss_figure(runs: list[Run]):
     return fig
 
 
+def loss_difference_figure(runs: list[Run]):
+    """Each run's train loss minus the first run's at the same step. With the same data order (same
+    seed and batches) a step's batch noise cancels, leaving what the runs change (precision, compile):
+    the drift the overlaid curves are too noisy to show."""
+    fig, (ax,) = _figure()
+    ref = dict(zip(*runs[0].series("loss")))
+    ax.axhline(0.0, color=color(0), lw=_width(0))
+    for i, run in enumerate(runs[1:], start=1):
+        pts = [(s, v - ref[s]) for s, v in zip(*run.series("loss")) if s in ref]
+        if pts:
+            _curve(ax, [s for s, _ in pts], [d for _, d in pts], i)
+    ax.set_title(f"train loss minus {runs[0].label}'s at the same step" + _smoothing_note(runs, "loss"),
+                 fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss difference (nats)")
+    _legend(fig, runs)
+    return fig
+
+
 def grad_norm_figure(runs: list[Run]):
     fig, (ax,) = _figure()
     values = []
     for i, run in enumerate(runs):
         steps, norms = run.series("grad_norm")
         if steps:
-            _curve(ax, steps, norms, color(i))
+            _curve(ax, steps, norms, i)
             values += norms
     positive = [v for v in values if v > 0]
     if positive and max(positive) / min(positive) > 20:  # spans orders of magnitude (early spikes)
@@ -190,7 +207,7 @@ def throughput_figure(runs: list[Run]):
     for i, run in enumerate(runs):
         steps, tps = run.series("tokens_per_second")
         if steps:
-            _curve(per_step, steps, tps, color(i))
+            _curve(per_step, steps, tps, i)
     per_step.set_ylim(bottom=0)
     per_step.set_xlabel("optimizer step")
     per_step.set_ylabel("tokens / s")

@@ -104,7 +104,7 @@ def test_real_runs_of_different_lengths_give_one_decodable_png_per_plot(tiny_cor
     assert main(["compare", str(tmp_path / "short"), str(tmp_path / "long"), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     pngs = sorted(p.stem for p in out.glob("*.png"))
-    assert pngs == ["cost", "grad_norm", "loss", "throughput", "time"]
+    assert pngs == ["cost", "grad_norm", "loss", "loss_difference", "throughput", "time"]
 
     parser = _Images()
     parser.feed((out / "index.html").read_text())
@@ -218,3 +218,21 @@ def test_a_step_logged_twice_is_merged(tmp_path):
     run = load_run(_write_run(tmp_path / "a", rows, _config()))
     assert [r["step"] for r in run.rows] == [1, 2] and run.rows[-1]["val_loss"] == 3.0
     assert summarize(run)["tokens"] == pytest.approx(200)
+
+
+def test_loss_difference_is_each_run_minus_the_first_at_the_same_step(tmp_path):
+    from lmforge.report import plots
+
+    ref_rows, other_rows = _rows([1.0] * 6), _rows([1.0] * 4)
+    for i, row in enumerate(other_rows):
+        row["loss"] = ref_rows[i]["loss"] + 0.01 * i
+    runs = [load_run(_write_run(tmp_path / n, r, _config(precision=p)))
+            for n, r, p in (("ref", ref_rows, "bf16-mixed"), ("other", other_rows, "bf16"))]
+    for run, label in zip(runs, derive_labels(runs)):
+        run.label = label
+    ax = plots.loss_difference_figure(runs).axes[0]
+    zero, diff = ax.lines
+    assert list(zero.get_ydata()) == [0.0, 0.0]
+    assert list(diff.get_xdata()) == [1, 2, 3, 4]
+    assert list(diff.get_ydata()) == pytest.approx([0.0, 0.01, 0.02, 0.03])
+    assert "bf16-mixed" in ax.get_title()
