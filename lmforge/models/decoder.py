@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,11 +74,14 @@ class Decoder(nn.Module):
             x = layer(x, rope, mask)
         return self.norm(x)
 
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output head's weight and bias (LM head or tied embedding), padded_vocab_size rows."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return weight, self.lm_head.bias if self.lm_head is not None else None
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary only (see VocabProjection)."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        bias = self.lm_head.bias if self.lm_head is not None else None
-        return self.vocab_projection(h, weight, bias)
+        return self.vocab_projection(h, *self.head())
 
     def classify(self, h: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Class logits (batch, num_labels) read at each row's last real token (right padding)."""
@@ -97,10 +101,17 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_position: torch.Tensor | None = None,
+        head_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits (batch, seq, vocab_size), or (batch, num_labels) for a classification model."""
+        """Logits (batch, seq, vocab_size), or (batch, num_labels) for a classification model.
+
+        head_fn(hidden, head weight, head bias), if given, is returned instead of the logits: a
+        loss that never materialises them (lmforge.train.loss), run inside forward for DDP/FSDP.
+        """
         h = self.hidden_states(input_ids, attention_mask, position_ids, cache, cache_position)
         if self.score is not None:
             return self.classify(h, input_ids, attention_mask)
+        if head_fn is not None:
+            return head_fn(h, *self.head())
         return self.logits(h)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -20,7 +21,11 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from lmforge.errors import UserError
+from lmforge.models.decoder import Decoder
+from lmforge.models.layers import VocabProjection
+from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
+from lmforge.train.loss import IGNORE_INDEX, linear_cross_entropy
 
 
 @dataclass
@@ -113,27 +118,42 @@ def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return ((same & causal & (segment_ids[:, None, :] != 0)) | eye)[:, None]
 
 
-def task_loss(task: str, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
-    """(summed loss, items counted, correct predictions) for one micro-batch on the model's device."""
-    if task == "pretrain":
-        logits = model(batch["tokens"])
-        labels = batch["labels"]
-    elif task == "sft":
-        if "segment_ids" in batch:
-            logits = model(batch["input_ids"], attention_mask=segment_mask(batch["segment_ids"]),
-                           position_ids=batch["position_ids"])
-        else:
-            logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-        logits, labels = logits[:, :-1], batch["labels"][:, 1:]  # labels are aligned with inputs (HF)
-    elif task == "classification":
+def task_loss(task: str, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+              fused_loss: bool = True) -> tuple[torch.Tensor, int, int]:
+    """(summed loss, items counted, correct predictions) for one micro-batch on the model's device.
+
+    fused_loss: a decoder's LM loss goes through lmforge.train.loss (no full logits tensor);
+    False computes the logits and F.cross_entropy, the reference it is tested against.
+    """
+    if task == "classification":
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).float()
         loss = F.cross_entropy(logits, batch["label"], reduction="sum")
         return loss, len(batch["label"]), int((logits.argmax(-1) == batch["label"]).sum())
+    if task == "pretrain":
+        inputs, labels = {"input_ids": batch["tokens"]}, batch["labels"]
+    elif task == "sft":
+        if "segment_ids" in batch:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": segment_mask(batch["segment_ids"]),
+                      "position_ids": batch["position_ids"]}
+        else:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        labels = batch["labels"]  # aligned with the inputs (HF): position t is scored on label t + 1
+        labels = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), IGNORE_INDEX)], 1)
     else:  # mlm
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-        labels = batch["labels"]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return loss, int((labels != -100).sum()), 0
+        inputs, labels = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, batch["labels"]
+    return lm_loss(model, inputs, labels, fused_loss), int((labels != IGNORE_INDEX).sum()), 0
+
+
+def lm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+            fused: bool = True) -> torch.Tensor:
+    """Summed cross-entropy of the model's logits for `inputs` against `labels` (-100: not scored)."""
+    inner = unwrap(model)
+    # Under tensor parallelism the projection is vocabulary-sharded (lmforge.parallel): plain path.
+    if fused and isinstance(inner, Decoder) and type(inner.vocab_projection) is VocabProjection:
+        head_fn = partial(linear_cross_entropy, labels=labels, vocab_size=inner.config.vocab_size)
+        return model(**inputs, head_fn=head_fn)
+    logits = model(**inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def count_items(task: str, batch: dict[str, torch.Tensor]) -> int:

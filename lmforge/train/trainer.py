@@ -171,6 +171,7 @@ class Trainer:
         if latest is not None:
             self.state = self.checkpoints.load(latest, self.model, self.optimizer)
             log.info("resumed from %s at step %d", latest, self.state["step"])
+        self.fused_loss = True  # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
         compute_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         self.peak, self.peak_source = (cfg.cost.peak_flops, "config") if cfg.cost.peak_flops else peak_flops(
             self.world.device, compute_dtype)
@@ -183,7 +184,7 @@ class Trainer:
         ctx = torch.autocast(self.world.device.type, self.autocast_dtype) if self.autocast_dtype else (
             contextlib.nullcontext())
         with ctx:
-            return task_loss(self.task, self.model, batch)
+            return task_loss(self.task, self.model, batch, self.fused_loss)
 
     def train_step(self, batches) -> dict[str, float]:
         t = self.cfg.trainer
