@@ -11,8 +11,7 @@ from collections.abc import Callable
 from lmforge import __version__
 from lmforge.errors import UserError
 
-# The verbs of the CLI contract, in the order `--help` lists them. Those not in BUILT yet
-# say so in one line and exit 2.
+# The verbs of the CLI contract, in the order `--help` lists them; BUILT maps each to its arguments.
 VERBS = {
     "quickstart": "train a tiny model end to end on text already on this machine",
     "preprocess": "tokenize JSONL/text into Megatron .bin/.idx files",
@@ -190,14 +189,6 @@ BUILT: dict[str, Callable[[argparse.ArgumentParser], None]] = {
 }
 
 
-def _planned(verb: str) -> Callable[[argparse.Namespace], None]:
-    def run(args: argparse.Namespace) -> None:
-        print(f"lmforge {verb}: not built yet in lmforge {__version__}", file=sys.stderr)
-        raise SystemExit(2)
-
-    return run
-
-
 def parser(only: str | None = None) -> argparse.ArgumentParser:
     """The `lmforge` parser. With `only`, only that verb's arguments are built: each builder imports its
     module (generate's imports torch, ~1.5 s), which a verb like `preprocess` should not wait for."""
@@ -207,14 +198,9 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="VERB")
 
     for verb, text in VERBS.items():
-        if verb in BUILT:
-            verb_parser = sub.add_parser(verb, help=text, description=text)
-            if only in (None, verb):
-                BUILT[verb](verb_parser)
-        else:
-            planned = sub.add_parser(verb, help=f"{text} (not built yet)", add_help=False)
-            planned.add_argument("rest", nargs=argparse.REMAINDER)
-            planned.set_defaults(func=_planned(verb))
+        verb_parser = sub.add_parser(verb, help=text, description=text)
+        if only in (None, verb):
+            BUILT[verb](verb_parser)
     return p
 
 
