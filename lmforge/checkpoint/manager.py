@@ -91,7 +91,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = self.state_dicts(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         (tmp / f"rng-rank{_rank()}.json").write_text(json.dumps(rng_state()))
         _barrier()
@@ -108,8 +108,7 @@ class CheckpointManager:
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
         """Restore model (+ optimizer, RNG) in place; return the trainer state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (
-            get_state_dict(model, [])[0], None)
+        model_sd, optim_sd = self.state_dicts(model, optimizer, path)
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
@@ -117,14 +116,27 @@ class CheckpointManager:
             first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
             raise UserError(f"checkpoint '{path}' does not fit this model/optimizer ({first}): resume with the "
                             "config it was written with") from None
-        if optim_sd is None:
-            set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.load_state_dicts(model, optimizer, state["model"], state.get("optim"), path)
         rng = path / f"rng-rank{_rank()}.json"
         if rng.exists():
             set_rng_state(json.loads(rng.read_text()))
         return json.loads((path / "trainer.json").read_text())
+
+    def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    path: Path | None = None) -> tuple[dict, dict | None]:
+        """(model, optimizer) state dicts to save, or to load a checkpoint (`path`) into in place. A subclass
+        changes how they are laid out (the trainer's, for tensor- and pipeline-parallel models)."""
+        if optimizer is None:
+            return get_state_dict(model, [])[0], None
+        return get_state_dict(model, optimizer)
+
+    def load_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict,
+                         optim_sd: dict | None, path: Path | None = None) -> None:
+        """Copy state dicts filled by dcp.load into the model and optimizer."""
+        if optim_sd is None:
+            set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
+        else:
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def _apply_retention(self) -> None:
         found = self.checkpoints()

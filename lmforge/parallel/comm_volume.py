@@ -14,7 +14,10 @@ reduce-scatter (n-1)/n x the full (gathered) tensor. With those:
   The vocab-parallel embedding and the head's input add one such exchange each.
 - pipeline parallel: each micro batch crosses each stage boundary forward (activations) and
   backward (their gradients); with v virtual stages per rank it crosses v times as many
-  (Narayanan et al. 2021: interleaving multiplies the point-to-point volume by v).
+  (Narayanan et al. 2021: interleaving multiplies the point-to-point volume by v). A middle rank
+  sends both ways at each of its v stages (2v sends per micro batch); with 2 pipeline ranks every
+  rank holds an end of the pipeline, whose first stage sends no gradient and last no activation
+  (2v - 1).
 
 Counts are per step of `global_batch_size` sequences, for the busiest rank (the first pipeline
 stage carries the embedding). Payloads without the ring factor are given too (`payload_*`): they
@@ -68,7 +71,8 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
     and the payloads handed to the collectives ("payload_data", ...).
 
     reduce_scatter_as_all_reduce: gloo (CPU) runs a reduce-scatter as a full all-reduce, twice NCCL's
-    bytes (measured: tests/parallel/test_comm_volume.py); set it to predict CPU runs."""
+    bytes (measured: tests/parallel/test_comm_volume.py), FSDP's gradient reduce-scatter and sequence
+    parallelism's alike; set it to predict CPU runs."""
     t, p, n, v = layout.tensor, layout.pipeline, layout.data, layout.virtual_stages
     if global_batch_size % (micro_batch_size * n):
         raise ValueError(f"global batch {global_batch_size} is not a multiple of micro {micro_batch_size} x data {n}")
@@ -94,11 +98,15 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
     # outputs) and 2 backward (their inputs' gradients), the embedding's output, the head's input gradient.
     exchanges = 4 * layers + 2
     payload_tensor = micro_batches * exchanges * act if t > 1 else 0.0
-    tensor = 2 * (t - 1) / t * payload_tensor
+    if layout.sequence_parallel:  # each all-reduce is an all-gather plus a reduce-scatter
+        tensor = (t - 1) / t * payload_tensor * (1 + (2 if reduce_scatter_as_all_reduce else 1))
+    else:
+        tensor = 2 * (t - 1) / t * payload_tensor
     # Activations forward and gradients backward, across v boundaries per rank; sequence parallel
     # sends the rank's sequence shard only.
     boundary = act / t if layout.sequence_parallel and t > 1 else act
-    pipeline = micro_batches * 2 * v * boundary if p > 1 else 0.0
+    sends = 2 * v if p > 2 else 2 * v - 1
+    pipeline = micro_batches * sends * boundary if p > 1 else 0.0
     out = {"data": data, "tensor": tensor, "pipeline": pipeline}
     out["total"] = sum(out.values())
     out.update(payload_data=payload_data, payload_tensor=payload_tensor, payload_pipeline=pipeline,

@@ -92,12 +92,17 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
                 raise UserError(f"model.{name}={getattr(model, name)} is not divisible by parallel.tensor={tp}: "
                                 f"tensor parallelism splits {name.replace('num_', '')} evenly; pick a tensor degree "
                                 "that divides it")
+        # Each rank's vocabulary shard must be a whole number of `unit` rows (Megatron: 128). The config pads
+        # to make_vocab_size_divisible_by alone, so that multiple must already include TP (128 x TP), as
+        # Megatron's padding to make_vocab_size_divisible_by x TP does; a multiple below 128 (a toy
+        # vocabulary) asks for shards of that many rows only.
         multiple = max(1, model.make_vocab_size_divisible_by)
-        if model.padded_vocab_size % (multiple * tp):
+        unit = min(multiple, 128)
+        if model.padded_vocab_size % (unit * tp):
             raise UserError(f"the padded vocabulary ({model.padded_vocab_size} rows: vocab_size {model.vocab_size} "
-                            f"rounded up to make_vocab_size_divisible_by={multiple}) is not a multiple of {multiple} x "
-                            f"parallel.tensor {tp} = {multiple * tp}: set model.make_vocab_size_divisible_by="
-                            f"{multiple * tp} (Megatron pads to a multiple of 128 x TP the same way)")
+                            f"rounded up to make_vocab_size_divisible_by={multiple}) is not a multiple of {unit} x "
+                            f"parallel.tensor {tp} = {unit * tp}: set model.make_vocab_size_divisible_by="
+                            f"{unit * tp} (Megatron pads to a multiple of 128 x TP the same way)")
         if cfg.sequence_parallel and model.num_labels:
             raise UserError("parallel.sequence_parallel needs an LM/MLM head, the model has a classification head: "
                             "set parallel.sequence_parallel=false")

@@ -60,7 +60,7 @@ def compare(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[st
     runs = [load_run(d) for d in run_dirs]
     for run, label in zip(runs, labels or derive_labels(runs)):
         run.label = label
-        run.summary = summarize(run)
+        run.summary = wall_clock(run, summarize(run))
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out '{out}' is a file: give a folder for the report")
@@ -73,6 +73,20 @@ def compare(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[st
     _write_atomic(page, render_html(runs, {n: p.read_bytes() for n, p in files.items()}).encode())
     log.debug("wrote %d plots and %s", len(files), page)
     return Report(runs, files, page)
+
+
+def wall_clock(run: Run, summary: dict) -> dict:
+    """Prefer the trainer's wall clock (`elapsed` on each row: set-up, steps, validation and checkpoint writes;
+    a resumed run's clock goes on from its checkpoint) over the sum of step times, when the run logs it."""
+    elapsed = run.rows[-1].get("elapsed")
+    if not isinstance(elapsed, int | float) or summary.get("time_s") is None:
+        return summary
+    out = dict(summary, time_s=elapsed, train_s=max(elapsed - (summary.get("startup_s") or 0.0), 0.0),
+               wall_clock=True)
+    usd = summary.get("usd_per_hour")
+    out["cost_usd"] = usd * elapsed / 3600 if usd else None
+    out["tokens_per_dollar"] = summary["tokens"] / out["cost_usd"] if out["cost_usd"] and summary["tokens"] else None
+    return out
 
 
 def figures(runs: list[Run]) -> dict[str, bytes]:
@@ -106,8 +120,8 @@ def table_rows(runs: list[Run]) -> list[list[str]]:
     for run in runs:
         cells = [_cell(run.summary.get(key), fmt) for key, _, fmt in COLUMNS]
         if run.summary.get("estimated"):  # logged every N steps: totals scaled up from the logged ones
-            cells = [("~" + c if key in ("tokens", "time_s", "cost_usd") and c != "-" else c)
-                     for (key, _, _), c in zip(COLUMNS, cells)]
+            scaled = ("tokens",) if run.summary.get("wall_clock") else ("tokens", "time_s", "cost_usd")
+            cells = [("~" + c if key in scaled and c != "-" else c) for (key, _, _), c in zip(COLUMNS, cells)]
         rows.append([run.label, *cells])
     return rows
 
@@ -157,9 +171,10 @@ def render_html(runs: list[Run], images: dict[str, bytes]) -> str:
 <p class=note>Final/min loss: the train loss of the last step and the lowest over the run; val numbers: the last
 validation. tokens/s, seq/s and MFU: steady state (each start's first step, where compilation and warm-up land,
 left out; MFU = model FLOPs done / (peak x time)). Start-up: trainer setup (model, data, peak) before the first
-step. Time: start-up plus every step's time, the first step's compilation included (validation and checkpoint
-writes are not timed). Cost: <code>cost.usd_per_hour</code> x time; tokens/$ = tokens / cost. A leading ~ marks
-totals scaled up from rows logged every N steps.</p>
+step. Time: the trainer's wall clock (<code>elapsed</code>: start-up, steps, validation and checkpoint writes) where
+the run logs it; for older runs, start-up plus every step's time (validation and checkpoint writes not timed).
+Cost: <code>cost.usd_per_hour</code> x time; tokens/$ = tokens / cost. A leading ~ marks totals scaled up from rows
+logged every N steps.</p>
 {figs}</body></html>
 """
 

@@ -3,7 +3,8 @@
 A recipe has the sections below; every key is checked, and a typo fails before any compute
 with the dotted key and the closest valid one. The `model` section takes a preset name and
 any ModelConfig field to override it, or `init_from` (an HF or lmforge folder) for continued
-pretraining and fine-tuning.
+pretraining and fine-tuning. The `parallel` section is lmforge.parallel's ParallelConfig (tensor,
+pipeline and data layout, see `parallel_layout`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lmforge.config import closest, from_dict, unknown_key_error
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
+from lmforge.parallel.mesh import ParallelConfig
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-sr", "bf16")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -58,7 +60,7 @@ class TrainerConfig:
     compile_cache_dir: str | None = None  # persistent compile cache; default RUN_DIR/compile_cache
     activation_checkpointing: bool = False
     max_consecutive_skips: int = 5  # NaN/Inf steps in a row before the run stops
-    data_parallel: str = "ddp"  # ddp | fsdp, when launched with torchrun
+    data_parallel: str = "ddp"  # ddp | fsdp: what the data-parallel ranks do (see parallel_layout)
     progress_bar: bool = True
 
 
@@ -98,6 +100,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
@@ -110,6 +113,41 @@ class RunConfig:
         for name in ("max_steps", "global_batch_size", "micro_batch_size"):
             if getattr(t, name) < 1:
                 raise UserError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+
+
+def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
+    """The run's layout over `world_size` processes: `parallel.*`, with the data dimensions filled in.
+
+    `trainer.data_parallel` says what the data-parallel ranks do when `parallel` leaves the data
+    dimensions open (data_shard=-1, data_replicate=1, the defaults): `ddp` replicates the model on
+    them (data_replicate takes the processes that tensor x pipeline leave), `fsdp` shards it
+    (data_shard takes them). One switch thus keeps meaning the same thing with or without tensor and
+    pipeline parallelism, and every recipe written before the `parallel` section trains as it did.
+    Setting parallel.data_shard or parallel.data_replicate states the layout outright, and
+    trainer.data_parallel is then not consulted (HSDP: both > 1).
+
+    With tensor = pipeline = 1 and one data dimension the trainer wraps the model in DDP or FSDP2
+    directly (`uses_mesh` is False), exactly as before the `parallel` section existed; any other
+    layout goes through a DeviceMesh and lmforge.parallel.parallelize, where replicated data ranks are
+    FSDP2's replicate dimension (gradients all-reduced, parameters whole).
+    """
+    p = cfg.parallel
+    if p.data_shard == -1 and p.data_replicate == 1:
+        fixed = p.tensor * p.pipeline
+        if world_size % fixed:
+            raise UserError(f"parallel.tensor={p.tensor} x pipeline={p.pipeline} = {fixed} does not divide the "
+                            f"world size {world_size}: change the layout or the number of processes")
+        rest = world_size // fixed
+        if cfg.trainer.data_parallel == "ddp":
+            p = dataclasses.replace(p, data_replicate=rest, data_shard=1)
+        else:
+            p = dataclasses.replace(p, data_shard=rest)
+    return p.resolved(world_size)
+
+
+def uses_mesh(layout: ParallelConfig) -> bool:
+    """Whether a resolved layout needs lmforge.parallel (a DeviceMesh) rather than plain DDP/FSDP2."""
+    return layout.tensor > 1 or layout.pipeline > 1 or (layout.data_replicate > 1 and layout.data_shard > 1)
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

@@ -51,6 +51,29 @@ def measure_cpu_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> flo
     return 2 * n**3 / best
 
 
+def bounded_cpu_peak(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3,
+                     time_limit: float = 3.0) -> tuple[float, int]:
+    """(FLOP/s, largest n timed): GEMMs from n = 256 up to max_n, doubling while the next size's
+    timings fit in `time_limit` seconds. A CPU without bf16 matrix instructions runs bf16 GEMMs at
+    ~1 GFLOP/s, where four 2048^3 GEMMs would take a minute of start-up; a fast one still reaches 2048."""
+    start = time.perf_counter()
+    best, n, size = 0.0, 256, 0
+    while n <= max_n:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        fastest = float("inf")
+        for i in range(repeats + 1):  # the first one warms the kernels up, and times them too
+            t0 = time.perf_counter()
+            a @ b
+            fastest = min(fastest, time.perf_counter() - t0)
+            if i and time.perf_counter() - start > time_limit:
+                break
+        best, size = max(best, 2 * n**3 / fastest), n
+        if time.perf_counter() - start + 8 * fastest * (repeats + 1) > time_limit:  # the next n costs 8x
+            break
+        n *= 2
+    return best, size
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s of one process, where the figure comes from)."""
     if device.type == "cuda":
@@ -66,10 +89,27 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             a @ a
         torch.cuda.synchronize()
         return 5 * 2 * 8192**3 / (time.perf_counter() - t0), "measured GEMM 8192^3"
-    return measure_cpu_peak(dtype), f"measured GEMM 2048^3, {torch.get_num_threads()} threads"
+    peak, n = bounded_cpu_peak(dtype)
+    if dtype == torch.bfloat16:
+        fp32, _ = bounded_cpu_peak(torch.float32)
+        if peak < fp32:
+            log.warning("bf16 GEMM peak %.1f GFLOP/s is below fp32's %.1f GFLOP/s: this CPU has no bf16 matrix "
+                        "instructions: bf16 training will be slow (trainer.precision=fp32 is faster here)",
+                        peak / 1e9, fp32 / 1e9)
+    return peak, f"measured GEMM {n}^3, {torch.get_num_threads()} threads"
+
+
+def nodes_from_env() -> int:
+    """Machines in a torchrun/Slurm launch: WORLD_SIZE / LOCAL_WORLD_SIZE (processes per node); 1 when unset."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return max(1, world // max(1, local))
 
 
 def tokens_per_dollar(tokens_per_second: float, usd_per_hour: float, nodes: int = 1) -> float | None:
+    """Tokens bought per US$ when each of `nodes` machines costs usd_per_hour."""
     return tokens_per_second * 3600 / (usd_per_hour * nodes) if usd_per_hour > 0 else None
 
 

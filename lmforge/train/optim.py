@@ -25,7 +25,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # A pipeline stage may hold no parameter of a kind; torch's state-dict helpers cannot name an empty group.
+    return [g for g in groups if g["params"]]
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None,
@@ -94,9 +96,14 @@ class AdamWSR(torch.optim.Optimizer):
                 t = int(state["step"].item())
                 if gen is None:  # one stream per step, consumed in parameter order
                     gen = torch.Generator(device=p.device).manual_seed(self.seed * 1_000_003 + t)
-                # FSDP2 shards are DTensors: update each rank's local shard in place.
+                # FSDP2 and tensor-parallel parameters are DTensors: update each rank's local shard in place.
+                # A tensor-parallel gradient may be laid out unlike its parameter (a sequence-parallel norm's
+                # is a partial sum, a vocabulary-parallel embedding's replicated): lay it out the same first.
+                grad = p.grad
+                if hasattr(grad, "placements") and grad.placements != p.placements:
+                    grad = grad.redistribute(p.device_mesh, p.placements)
                 w, g, m, v = (x.to_local() if hasattr(x, "to_local") else x
-                              for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+                              for x in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
                 # Blocks are flat views of w, m, v themselves: a non-contiguous one is updated as a copy.
                 flat = [x if x.is_contiguous() else x.contiguous() for x in (w, m, v)]
                 self._update(flat[0], g, flat[1], flat[2], group, t, gen)

@@ -118,6 +118,32 @@ def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return ((same & causal & (segment_ids[:, None, :] != 0)) | eye)[:, None]
 
 
+def task_batch(task: str, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input_ids, labels, keyword inputs) of a collated micro-batch: what the model is called with and
+    what its output is scored against (logits_loss)."""
+    if task == "classification":
+        return batch["input_ids"], batch["label"], {"attention_mask": batch["attention_mask"]}
+    if task == "pretrain":
+        return batch["tokens"], batch["labels"], {}
+    if task == "sft":
+        if "segment_ids" in batch:
+            inputs = {"attention_mask": segment_mask(batch["segment_ids"]), "position_ids": batch["position_ids"]}
+        else:
+            inputs = {"attention_mask": batch["attention_mask"]}
+        labels = batch["labels"]  # aligned with the inputs (HF): position t is scored on label t + 1
+        labels = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), IGNORE_INDEX)], 1)
+        return batch["input_ids"], labels, inputs
+    return batch["input_ids"], batch["labels"], {"attention_mask": batch["attention_mask"]}  # mlm
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy in fp32: (batch, classes) logits for classification, (batch, seq, vocab) for the
+    LM/MLM tasks (-100: not scored). Vocabulary-sharded DTensor logits work inside loss_parallel()."""
+    if logits.dim() == 2:
+        return F.cross_entropy(logits.float(), labels, reduction="sum")
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def task_loss(task: str, model: torch.nn.Module, batch: dict[str, torch.Tensor],
               fused_loss: bool = True) -> tuple[torch.Tensor, int, int]:
     """(summed loss, items counted, correct predictions) for one micro-batch on the model's device.
@@ -125,23 +151,12 @@ def task_loss(task: str, model: torch.nn.Module, batch: dict[str, torch.Tensor],
     fused_loss: a decoder's LM loss goes through lmforge.train.loss (no full logits tensor);
     False computes the logits and F.cross_entropy, the reference it is tested against.
     """
+    input_ids, labels, inputs = task_batch(task, batch)
     if task == "classification":
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).float()
-        loss = F.cross_entropy(logits, batch["label"], reduction="sum")
-        return loss, len(batch["label"]), int((logits.argmax(-1) == batch["label"]).sum())
-    if task == "pretrain":
-        inputs, labels = {"input_ids": batch["tokens"]}, batch["labels"]
-    elif task == "sft":
-        if "segment_ids" in batch:
-            inputs = {"input_ids": batch["input_ids"], "attention_mask": segment_mask(batch["segment_ids"]),
-                      "position_ids": batch["position_ids"]}
-        else:
-            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        labels = batch["labels"]  # aligned with the inputs (HF): position t is scored on label t + 1
-        labels = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), IGNORE_INDEX)], 1)
-    else:  # mlm
-        inputs, labels = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, batch["labels"]
-    return lm_loss(model, inputs, labels, fused_loss), int((labels != IGNORE_INDEX).sum()), 0
+        logits = model(input_ids, **inputs).float()
+        return logits_loss(logits, labels), len(labels), int((logits.argmax(-1) == labels).sum())
+    loss = lm_loss(model, {"input_ids": input_ids, **inputs}, labels, fused_loss)
+    return loss, int((labels != IGNORE_INDEX).sum()), 0
 
 
 def lm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
@@ -152,8 +167,7 @@ def lm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: tor
     if fused and isinstance(inner, Decoder) and type(inner.vocab_projection) is VocabProjection:
         head_fn = partial(linear_cross_entropy, labels=labels, vocab_size=inner.config.vocab_size)
         return model(**inputs, head_fn=head_fn)
-    logits = model(**inputs)
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return logits_loss(model(**inputs), labels)
 
 
 def count_items(task: str, batch: dict[str, torch.Tensor]) -> int:

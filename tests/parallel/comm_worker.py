@@ -1,5 +1,10 @@
-"""Worker for test_comm_volume: one training step under DDP or FSDP2, the bytes this rank sent
-through gloo measured from /proc/self/io, next to the analytic count. Run with torchrun."""
+"""Worker for test_comm_volume: one training step under DDP or FSDP2, or under tensor (and sequence) or
+pipeline parallelism, the bytes this rank sent through gloo measured from /proc/self/io, next to the
+analytic count. Run with torchrun:
+
+    comm_worker.py ddp|fsdp MICRO_BATCHES OUT.json
+    comm_worker.py mesh LAYOUTS.json OUT.json     each layout: tensor, pipeline, sequence_parallel, micro_batches
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,61 @@ import torch.distributed as dist
 from lmforge.models import build
 from lmforge.parallel.comm_volume import Layout, bytes_sent, step_bytes
 from lmforge.parallel.data_parallel import gradient_sync, init_world, wrap
+
+
+def _write(world, results, out: str) -> None:
+    gathered = [None] * world.size
+    dist.all_gather_object(gathered, results)
+    if world.rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def mesh_layout(spec: dict, world) -> dict:
+    """One step of `spec`'s layout on a tiny NeoX (fp32, untied head): bytes sent vs the analytic count of
+    the layout's own dimension (tensor or pipeline); the data dimension is 1."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from lmforge.models import preset
+    from lmforge.parallel import ParallelConfig, build_mesh, parallelize, pipeline_step
+
+    # Activations of 2 x 64 x 256 fp32: large beside gloo's few hundred bytes of framing per collective.
+    model = build(replace(preset("tiny-neox"), num_layers=4, hidden_size=256, intermediate_size=512), seed=0)
+    cfg = model.config
+    schedule = {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2} if spec.get("virtual_stages") else {}
+    pcfg = ParallelConfig(tensor=spec["tensor"], pipeline=spec["pipeline"], data_shard=1,
+                          sequence_parallel=spec["sequence_parallel"], microbatches=spec["micro_batches"], **schedule)
+    pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
+    seq, micro, n = 64, 2, spec["micro_batches"]
+    x = torch.randint(0, cfg.vocab_size, (n * micro, seq))
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def step() -> None:
+        if pm.pipelined:  # all micro batches in one pipeline step
+            pipeline_step(pm, x, x, loss_fn)
+        else:
+            for i in range(n):
+                pipeline_step(pm, x[i * micro:(i + 1) * micro], x[i * micro:(i + 1) * micro], loss_fn)
+
+    step()  # the first step infers the pipeline's shapes
+    dist.barrier()
+    before = bytes_sent()
+    step()
+    dist.barrier()
+    sent = bytes_sent() - before
+    layout = Layout(tensor=spec["tensor"], pipeline=spec["pipeline"], sequence_parallel=spec["sequence_parallel"],
+                    virtual_stages=spec.get("virtual_stages", 1))
+    v = step_bytes(cfg, layout, seq, micro * n, micro, param_bytes=4, grad_bytes=4, activation_bytes=4,
+                   reduce_scatter_as_all_reduce=True)
+    return {"rank": world.rank, "layout": spec, "sent": sent, "expected": v["total"], "by_dim": v}
 
 
 def main(strategy: str, micro_batches: int, out: str) -> None:
@@ -39,17 +99,12 @@ def main(strategy: str, micro_batches: int, out: str) -> None:
     layout = Layout(data=world.size, data_parallel=strategy)
     expected = step_bytes(cfg, layout, seq, micro * micro_batches * world.size, micro, param_bytes=4, grad_bytes=4,
                            reduce_scatter_as_all_reduce=True)
-    result = {"rank": world.rank, "sent": sent, "expected": expected["data"]}
-    gathered = [None] * world.size
-    dist.all_gather_object(gathered, result)
-    if world.rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    _write(world, {"rank": world.rank, "sent": sent, "expected": expected["data"]}, out)
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "mesh":
+        torch.set_num_threads(1)
+        w = init_world()
+        _write(w, [mesh_layout(spec, w) for spec in json.loads(open(sys.argv[2]).read())], sys.argv[3])
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -47,6 +47,15 @@ def test_model_that_does_not_split(model, cfg, message):
         check_model(cfg.resolved(cfg.tensor * cfg.pipeline), model)
 
 
+@pytest.mark.parametrize(("name", "tp", "pp"), [("gpt2", 2, 1), ("pythia-6.9b", 8, 1), ("gpt-neox-20b", 8, 4),
+                                               ("llama-2-7b", 8, 1)])
+def test_the_advised_vocabulary_padding_splits(name, tp, pp):
+    """The error above says to pad to 128 x TP rows; a model padded that way splits (each rank: a multiple of 128)."""
+    model = replace(preset(name), make_vocab_size_divisible_by=128 * tp)
+    check_model(ParallelConfig(tensor=tp, pipeline=pp).resolved(tp * pp), model)
+    assert model.padded_vocab_size % (128 * tp) == 0
+
+
 def test_interleaved_stage_assignment_is_looped():
     assert [stage_ids(r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
 

@@ -82,6 +82,7 @@ def _check(r: dict) -> None:
     assert r["grad_err"] < 1e-5, r  # max |g - g_ref| / max |g_ref|, over every parameter
     assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
     assert r["adam_err"] < 1e-4, r  # one AdamW (foreach) step on the sharded parameters moves them like the reference
+    assert r["adamwsr_err"] < 1e-4, r  # and so does lmforge's AdamWSR, shard by shard
     assert r["missing"] == []  # every parameter of the model is held (and compared) by some rank
 
 

@@ -35,6 +35,7 @@ from lmforge.parallel import (
     pipeline_eval,
     pipeline_step,
 )
+from lmforge.train.optim import AdamWSR
 
 BATCH, SEQ = 8, 16
 
@@ -114,12 +115,16 @@ def compare_grads(pm, ref) -> tuple[float, list[str]]:
     return worst, names
 
 
-def adam_step_error(pm, ref) -> float:
+def adam_step_error(pm, ref, optimizer=None) -> float:
     """One AdamW step (foreach kernels, as the trainer's) on both models: max |p - p_ref| / max |dp_ref|.
-    A large eps keeps Adam's update smooth in tiny gradients, so it compares like the gradients do."""
+    A large eps keeps Adam's update smooth in tiny gradients, so it compares like the gradients do.
+    `optimizer(params)`: another optimizer to step with (lmforge's AdamWSR)."""
     before = {n: p.detach().clone() for n, p in ref.named_parameters()}
     for params in (list(pm.parameters()), list(ref.parameters())):
-        torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1, foreach=True).step()
+        if optimizer is None:
+            torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1, foreach=True).step()
+        else:
+            optimizer(params).step()
     ref_params, worst = dict(ref.named_parameters()), 0.0
     for part in pm.parts:
         for name, p in part.named_parameters():
@@ -154,9 +159,15 @@ def run_case(case: dict, world: int) -> dict:
     result = {"loss": loss, "ref_loss": ref_loss, "eval_loss": eval_loss, "grad_err": worst,
               "grad_norm": grad_norm(pm).item(), "ref_grad_norm": ref_norm,
               "missing": sorted({n for n, _ in ref.named_parameters()} - held)}
-    worst_all = torch.tensor([worst, adam_step_error(pm, ref)])
+    # One AdamW step, then one of lmforge's AdamWSR (the bf16-sr optimizer; on fp32 weights its update is
+    # AdamW's), which updates each rank's local shard: a gradient laid out unlike its parameter (a
+    # sequence-parallel norm's partial sum, a vocabulary-parallel embedding's replicated gradient) must be
+    # laid out like it first.
+    adam = adam_step_error(pm, ref)
+    adamwsr = adam_step_error(pm, ref, lambda ps: AdamWSR(ps, lr=1e-2, eps=1e-3, weight_decay=0.1))
+    worst_all = torch.tensor([worst, adam, adamwsr])
     dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
-    result["grad_err"], result["adam_err"] = worst_all.tolist()
+    result["grad_err"], result["adam_err"], result["adamwsr_err"] = worst_all.tolist()
     if "reshard" in case:
         result.update(reshard(case, cfg, pcfg, pm, ref, batch, world))
     return result

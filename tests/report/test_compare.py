@@ -16,7 +16,7 @@ from PIL import Image
 from lmforge.cli import main
 from lmforge.errors import UserError
 from lmforge.report import compare, derive_labels, load_run, summarize, text_table
-from lmforge.report.compare import table_rows
+from lmforge.report.compare import table_rows, wall_clock
 from lmforge.train.config import to_yaml
 from lmforge.train.trainer import Trainer
 from tests.train.conftest import run_config
@@ -209,6 +209,27 @@ def test_a_resumed_run_reads_as_one_history(tiny_corpus, tmp_path):
     by_hand = sum(r["time_to_first_step"] - r["step_time"] for r in run.rows if "time_to_first_step" in r)
     assert s["startup_s"] == pytest.approx(by_hand)
     assert s["time_s"] == pytest.approx(by_hand + sum(r["step_time"] for r in run.rows))
+    # The trainer's wall clock goes on from the checkpoint after the resume, and covers more than the
+    # timed steps (validation, checkpoint writes); compare prefers it.
+    elapsed = [r["elapsed"] for r in run.rows]
+    assert all(a < b for a, b in zip(elapsed, elapsed[1:]))
+    wall = wall_clock(run, s)
+    assert wall["time_s"] == elapsed[-1] >= s["time_s"] and wall["train_s"] == pytest.approx(elapsed[-1] - by_hand)
+
+
+def test_wall_clock_time_and_cost_are_preferred_when_logged(tmp_path):
+    rows = _rows([1.0, 2.0, 2.0], first_wait=3.0)
+    for row, elapsed in zip(rows, (4.0, 9.0, 12.0)):  # 12 s of wall clock: 4 s more than start-up + steps
+        row["elapsed"] = elapsed
+    cfg = _config()
+    cfg["cost"]["usd_per_hour"] = 3.6
+    run = load_run(_write_run(tmp_path / "a", rows, cfg))
+    run.label = "a"
+    run.summary = wall_clock(run, summarize(run))
+    assert run.summary["time_s"] == 12.0 and run.summary["train_s"] == 9.0
+    assert run.summary["cost_usd"] == pytest.approx(0.012)  # $3.6/h = $0.001/s
+    assert run.summary["tokens_per_dollar"] == pytest.approx(300 / 0.012)
+    assert dict(zip(table_rows([run])[0], table_rows([run])[1]))["time (s)"] == "12.0"
 
 
 def test_a_step_logged_twice_is_merged(tmp_path):

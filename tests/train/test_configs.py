@@ -1,15 +1,19 @@
-"""Every shipped recipe parses, validates and describes a model that builds."""
+"""Every shipped recipe parses, validates and describes a model that builds, and splits as its `parallel` says."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from lmforge.models import build, num_parameters
+from lmforge.models import build, num_parameters, preset
+from lmforge.parallel import check_model
 from lmforge.train.config import load_run_config, model_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+# Recipes whose model comes from model.init_from, and the published model each is written for.
+INIT_FROM_MODELS = {"llama2-7b-continued": "llama-2-7b", "gpt-j-6b": "gpt-j-6b"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -23,8 +27,26 @@ def test_recipe_is_valid(path, tmp_path):
         assert num_parameters(build(mcfg, device="meta")) > 0
     else:
         assert init_from == str(tmp_path)
+        overrides = {k: v for k, v in cfg.model.items() if k not in ("preset", "init_from", "dropout",
+                                                                     "attention_dropout")}
+        mcfg = dataclasses.replace(preset(INIT_FROM_MODELS[path.stem]), **overrides)
+    p = cfg.parallel
+    # Heads, layers and the padded vocabulary split as the layout asks (one model replica's processes).
+    check_model(p.resolved(p.tensor * p.pipeline), mcfg)
+    if p.tensor > 1:
+        assert mcfg.padded_vocab_size % (128 * p.tensor) == 0
+        assert p.sequence_parallel is False or cfg.data.seq_length % p.tensor == 0
 
 
 def test_there_are_recipes_for_every_reference_model():
     names = {p.stem for p in CONFIGS}
     assert {"pythia-160m", "pythia-6.9b", "neox-20b", "llama2-7b-continued", "gpt2", "gpt-j-6b"} <= names
+
+
+@pytest.mark.parametrize(("name", "tensor", "pipeline"), [("pythia-6.9b", 8, 1), ("neox-20b", 8, 4),
+                                                          ("llama2-7b-continued", 8, 1)])
+def test_reference_layouts(name, tensor, pipeline, tmp_path):
+    """The layouts of the reference write-ups: Pythia 6.9B TP 8; GPT-NeoX-20B TP 8 x PP 4; Llama 2 7B TP 8."""
+    path = next(p for p in CONFIGS if p.stem == name)
+    cfg = load_run_config(path, [f"model.init_from={tmp_path}"] if name in INIT_FROM_MODELS else [])
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline) == (tensor, pipeline)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.train.trainer import Trainer
+from lmforge.train.trainer import Trainer, _truncate_metrics
 from tests.train.conftest import run_config
 
 
@@ -17,9 +17,10 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_loss_falls_and_every_metric_is_logged(tiny_corpus, tmp_path):
+def test_loss_falls_and_every_metric_is_logged(tiny_corpus, tmp_path, monkeypatch):
     cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=24", "trainer.val_check_interval=8",
                      "cost.usd_per_hour=2.0", "optim.lr=1e-2")
+    monkeypatch.setattr("lmforge.train.trainer.nodes_from_env", lambda: 3)  # as under a 3-node torchrun
     last = Trainer(cfg).fit()
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 25))
@@ -31,7 +32,13 @@ def test_loss_falls_and_every_metric_is_logged(tiny_corpus, tmp_path):
         assert key in rows[-1] and math.isfinite(rows[-1][key]), key
     r = rows[-1]
     assert r["tokens_per_second"] == pytest.approx(8 * 32 / r["step_time"])
-    assert r["tokens_per_dollar"] == pytest.approx(r["tokens_per_second"] * 3600 / 2.0)
+    assert r["tokens_per_dollar"] == pytest.approx(r["tokens_per_second"] * 3600 / (3 * 2.0))  # every node paid
+    assert all(set(row) <= set(rows[-1]) | {"time_to_first_step"} for row in rows)
+    assert not any(key.startswith("_") for row in rows for key in row)  # no internal counts leak into the metrics
+    # Wall clock since the start, validation included: more than start-up plus the timed steps.
+    elapsed = [row["elapsed"] for row in rows]
+    assert all(a < b for a, b in zip(elapsed, elapsed[1:]))
+    assert elapsed[-1] > rows[0]["time_to_first_step"] + sum(row["step_time"] for row in rows[1:])
     assert last["val_ppl"] == pytest.approx(math.exp(last["val_loss"]))
     assert list((tmp_path / "run" / "tensorboard").iterdir())
 
@@ -125,3 +132,32 @@ def test_bad_configs_fail_before_compute(overrides, message, tiny_corpus, tmp_pa
 def test_tokenizer_larger_than_model_vocab_is_refused(tiny_corpus, tmp_path, shared_data):
     with pytest.raises(UserError, match="has 50257 ids but the model only 1000"):
         Trainer(run_config(tiny_corpus, tmp_path / "run", f"data.tokenizer={shared_data}/tokenizers/gpt2"))
+
+
+def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path):
+    """A run killed while writing metrics.jsonl leaves half a row; resuming drops it with the rows past the
+    checkpoint."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    path.write_text("\n".join(rows) + '\n{"step": 4, "lo')
+    _truncate_metrics(path, 2)
+    assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
+
+
+def test_continued_pretraining_can_repad_the_vocabulary(tmp_path):
+    """model.make_vocab_size_divisible_by on top of model.init_from (128 x TP for tensor parallelism): the
+    embedding and head gain zero rows past the vocabulary and the model computes the same logits."""
+    from lmforge.models import build
+    from lmforge.models.io import save_model
+    from lmforge.train.config import load_run_config
+    from lmforge.train.setup import init_model
+
+    source = build("tiny-llama", seed=0)
+    save_model(source, tmp_path / "src")
+    cfg = load_run_config(None, [f"model.init_from={tmp_path / 'src'}", "model.make_vocab_size_divisible_by=2048"])
+    model, _ = init_model(cfg)
+    assert model.config.padded_vocab_size == 2048 and source.config.padded_vocab_size == 1024
+    assert model.embed.weight.shape[0] == 2048 and not model.embed.weight[1000:].any()
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), source.eval()(ids))

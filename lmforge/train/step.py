@@ -1,0 +1,254 @@
+"""Training under tensor, sequence and pipeline parallelism: the trainer's side of lmforge.parallel.
+
+When a run's layout needs a DeviceMesh (lmforge.train.config.uses_mesh), the Trainer hands its built
+model to MeshTraining, which applies the plans (build_mesh + parallelize) and then gives the trainer:
+
+- a step: this data-parallel rank's micro-batches through pipeline_step (with a pipeline, all of them
+  in one call, one pipeline microbatch each), the loss normalised by the step's global label count,
+  the gradients clipped by their global norm;
+- validation through pipeline_eval (forward only);
+- checkpoint state: the model under its own parameter names (model_state_dict) and one optimizer per
+  pipeline part, flattened per parameter name, so that DCP reshards both between any two layouts;
+- the whole model gathered on rank 0 for the Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+from lmforge.parallel import (
+    ParallelConfig,
+    all_reduce_data_parallel,
+    build_mesh,
+    clip_grad_norm_,
+    data_parallel_rank,
+    load_model_state_dict,
+    model_state_dict,
+    parallelize,
+    pipeline_eval,
+    pipeline_step,
+)
+from lmforge.parallel.data_parallel import gradient_sync
+from lmforge.train.config import OptimConfig
+from lmforge.train.loss import IGNORE_INDEX
+from lmforge.train.optim import build_optimizer
+from lmforge.train.tasks import count_items, logits_loss, task_batch
+
+log = logging.getLogger(__name__)
+
+# Optimizer state keyed by parameter name ("state.layers.0.mlp.up.weight.exp_avg", "param_groups.<name>.lr"):
+# the nested form lists each group's parameters once per rank, which cannot be merged across pipeline stages.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def check_pipeline_batch(layout: ParallelConfig, grad_accum: int, micro_batch_size: int, global_batch_size: int,
+                         data_parallel: int) -> ParallelConfig:
+    """The layout with parallel.microbatches = the step's micro-batches per data-parallel rank.
+
+    A pipeline step runs the whole local batch, one pipeline microbatch per micro-batch, so the
+    gradient accumulation *is* the microbatch count: global = micro x microbatches x data-parallel.
+    """
+    import dataclasses
+
+    if layout.pipeline == 1:
+        return layout
+    if layout.microbatches and layout.microbatches != grad_accum:
+        product = micro_batch_size * layout.microbatches * data_parallel
+        raise UserError(f"trainer.global_batch_size {global_batch_size} must equal micro_batch_size "
+                        f"{micro_batch_size} x parallel.microbatches {layout.microbatches} x {data_parallel} "
+                        f"data-parallel = {product}: set trainer.global_batch_size={product}, or "
+                        f"parallel.microbatches={grad_accum} (0 derives it)")
+    pp, n = layout.pipeline, grad_accum
+    if layout.pipeline_schedule != "gpipe" and n < pp:
+        raise UserError(f"parallel.pipeline_schedule={layout.pipeline_schedule} needs at least parallel.pipeline={pp} "
+                        f"microbatches per step, the batch gives {n} (global {global_batch_size} / (micro "
+                        f"{micro_batch_size} x {data_parallel} data-parallel)): raise trainer.global_batch_size or "
+                        "lower trainer.micro_batch_size")
+    if layout.pipeline_schedule == "interleaved_1f1b" and n % pp:
+        raise UserError(f"parallel.pipeline_schedule=interleaved_1f1b needs the microbatches per step ({n}) to be a "
+                        f"multiple of parallel.pipeline={pp}: change trainer.global_batch_size or micro_batch_size")
+    return dataclasses.replace(layout, microbatches=n)
+
+
+def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Right-pad every (rows, positions) tensor of a collated batch to `length` positions: labels with -100
+    (not scored), everything else with 0 (masked out, or a padding segment)."""
+    out = {}
+    for key, t in batch.items():
+        extra = length - t.shape[1] if t.dim() == 2 else 0
+        if extra > 0:
+            fill = IGNORE_INDEX if key == "labels" else 0
+            t = torch.cat([t, t.new_full((t.shape[0], extra), fill)], 1)
+        out[key] = t
+    return out
+
+
+class PartOptimizers:
+    """One optimizer per pipeline part, driven as one: torch's state-dict helpers name an optimizer's
+    parameters through one module, and a rank with virtual stages holds several."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+class MeshTraining:
+    """A model laid out over a DeviceMesh (tensor, pipeline and data dims) and how the trainer drives it."""
+
+    def __init__(self, model: torch.nn.Module, layout: ParallelConfig, task: str, optim: OptimConfig,
+                 precision: str, seed: int, seq_length: int, autocast_dtype: torch.dtype | None):
+        mcfg: ModelConfig = model.config
+        self.mesh = build_mesh(layout, mcfg)
+        if layout.tensor > 1 and layout.sequence_parallel and task == "pretrain" and seq_length % layout.tensor:
+            raise UserError(f"data.seq_length {seq_length} is not divisible by parallel.tensor={layout.tensor}: "
+                            "sequence parallelism splits each sequence evenly; change one, or set "
+                            "parallel.sequence_parallel=false")
+        if layout.tensor > 1 and (mcfg.dropout or mcfg.attention_dropout):
+            log.warning("dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
+                        "(the presets train without dropout)")
+        self.pm = parallelize(model, layout, self.mesh)
+        self.layout, self.task, self.seq_length = layout, task, seq_length
+        self.autocast_dtype = autocast_dtype
+        self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
+        # AdamWSR draws its rounding noise from (seed, step): a stage offset keeps two stages' noise apart.
+        stages = self.pm.stage_indices or [0]
+        self.optimizer = PartOptimizers([build_optimizer(part, optim, precision, seed + 7919 * stage)
+                                         for part, stage in zip(self.pm.parts, stages, strict=True)])
+
+    @property
+    def model(self):
+        return self.pm
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.pm.device.type, self.autocast_dtype)
+
+    def _inputs(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Micro-batches as one batch on the device. A pipeline's stages keep the shapes of their first
+        step, so its batches are padded to data.seq_length; sequence parallelism needs a multiple of TP."""
+        if self.pm.pipelined:
+            length = self.seq_length
+        else:
+            longest = max((t.shape[1] for b in batches for t in b.values() if t.dim() == 2), default=0)
+            multiple = self.layout.tensor if self.layout.tensor > 1 and self.layout.sequence_parallel else 1
+            length = -(-longest // multiple) * multiple
+        batches = [pad_batch(b, length) for b in batches]
+        batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]} if len(batches) > 1 else batches[0]
+        return {k: v.to(self.pm.device) for k, v in batch.items()}
+
+    def step(self, micro: list[dict[str, torch.Tensor]], count: float, max_norm: float) -> tuple[float, float]:
+        """Forward and backward of this rank's micro-batches; (global mean loss, gradient norm before clipping).
+
+        Each microbatch's summed cross-entropy is divided by the step's global label count `count`, and
+        multiplied by the data-parallel size because FSDP2 averages gradients over the data ranks (not
+        over tensor or pipeline ranks): the gradient is then the global batch's mean-loss gradient.
+        """
+        dp = self.dp_size
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return logits_loss(logits, labels) / count * dp
+
+        total = torch.zeros((), dtype=torch.float64)
+        groups = [micro] if self.pm.pipelined else [[b] for b in micro]
+        for i, group in enumerate(groups):
+            ids, labels, kwargs = task_batch(self.task, self._inputs(group))
+            with gradient_sync(self.pm.parts[0], i == len(groups) - 1), self._autocast():
+                total += pipeline_step(self.pm, ids, labels, loss_fn, **kwargs).cpu()
+        loss = all_reduce_data_parallel(total.reshape(1), self.mesh).item() / dp
+        return loss, clip_grad_norm_(self.pm, max_norm)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """[summed loss, items scored, correct predictions] over the data-parallel ranks' batches."""
+        per_call = self.layout.num_microbatches if self.pm.pipelined else 1
+        sums = torch.zeros(3, dtype=torch.float64)
+        pending: list[dict[str, torch.Tensor]] = []
+        self.pm.eval()
+        for batch in batches:
+            pending.append(batch)
+            if len(pending) < per_call:
+                continue
+            batch, pending = self._inputs(pending), []
+            ids, labels, kwargs = task_batch(self.task, batch)
+            correct: list[int] = []
+
+            def loss_fn(logits: torch.Tensor, y: torch.Tensor, _correct=correct) -> torch.Tensor:
+                if self.task == "classification":
+                    _correct.append(int((logits.argmax(-1) == y).sum()))
+                return logits_loss(logits, y)
+
+            with self._autocast():
+                loss = pipeline_eval(self.pm, ids, labels, loss_fn, **kwargs)
+            sums += torch.tensor([loss.item(), count_items(self.task, batch), sum(correct)], dtype=torch.float64)
+        self.pm.train()
+        return all_reduce_data_parallel(sums, self.mesh)
+
+    # -- checkpoints and export -------------------------------------------------------------
+
+    def state_dicts(self) -> tuple[dict, dict]:
+        """This rank's model and optimizer state under the model's parameter names (DTensors where sharded)."""
+        optim: dict = {}
+        for part, opt in zip(self.pm.parts, self.optimizer.optimizers, strict=True):
+            optim.update(get_optimizer_state_dict(part, opt, options=FLAT))
+        return model_state_dict(self.pm), optim
+
+    def load_state_dicts(self, model_sd: dict, optim_sd: dict | None) -> None:
+        load_model_state_dict(self.pm, model_sd)
+        if optim_sd is not None:
+            for part, opt in zip(self.pm.parts, self.optimizer.optimizers, strict=True):
+                set_optimizer_state_dict(part, opt, optim_sd, options=FLAT)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's tensors on global rank 0, None elsewhere (every rank must call this).
+
+        Each pipeline stage gathers its sharded tensors (full_tensor, within the stage's ranks); then
+        the first rank of every later stage sends rank 0 the tensors no earlier stage holds.
+        """
+        local = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+                 for name, t in model_state_dict(self.pm).items()}
+        pp = self.pm.size("pp")
+        if pp == 1:
+            return local if dist.get_rank() == 0 else None
+        grid = self.mesh.mesh.reshape(pp, -1)
+        leaders = [int(grid[k, 0]) for k in range(pp)]
+        listing = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sorted(local.items())]
+        listings: list = [None] * dist.get_world_size()
+        dist.all_gather_object(listings, listing)
+        rank, seen = dist.get_rank(), {n for n, _, _ in listings[leaders[0]]}
+        full = dict(local) if rank == 0 else None
+        for leader in leaders[1:]:
+            for name, shape, dtype in listings[leader]:
+                if name in seen:  # a tied embedding's last-stage copy
+                    continue
+                seen.add(name)
+                if rank == leader:
+                    dist.send(local[name].contiguous(), dst=0)
+                elif rank == 0:
+                    full[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                    dist.recv(full[name], src=leader)
+        return full

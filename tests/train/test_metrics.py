@@ -1,0 +1,41 @@
+"""The machine's peak for MFU (bounded on CPUs without bf16 matrix instructions) and the price of a launch."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lmforge.train import metrics
+from lmforge.train.metrics import bounded_cpu_peak, nodes_from_env, peak_flops, tokens_per_dollar
+
+
+def test_the_peak_measurement_stops_growing_at_its_time_limit():
+    # With no time to spare it times the smallest GEMM only (a bf16 2048^3 GEMM takes ~12 s on an AVX2 CPU).
+    peak, n = bounded_cpu_peak(torch.float32, time_limit=0.0)
+    assert n == 256 and peak > 0
+    assert bounded_cpu_peak(torch.float32, max_n=512, time_limit=60.0)[1] == 512
+
+
+def test_bf16_slower_than_fp32_is_a_warning(monkeypatch, caplog):
+    fake = {torch.bfloat16: (1.4e9, 512), torch.float32: (5e10, 2048)}
+    monkeypatch.setattr(metrics, "bounded_cpu_peak", lambda dtype, **kw: fake[dtype])
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.metrics"):
+        peak, source = peak_flops(torch.device("cpu"), torch.bfloat16)
+    assert peak == 1.4e9 and "512^3" in source
+    assert "this CPU has no bf16 matrix instructions: bf16 training will be slow" in caplog.text
+    caplog.clear()
+    fake[torch.bfloat16] = (8e11, 2048)
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.metrics"):
+        peak_flops(torch.device("cpu"), torch.bfloat16)
+    assert "bf16" not in caplog.text
+
+
+def test_nodes_come_from_torchrun_environment(monkeypatch):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert nodes_from_env() == 1
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert nodes_from_env() == 4
+    assert tokens_per_dollar(1000.0, 2.0, nodes=4) == 1000.0 * 3600 / 8.0
