@@ -1,10 +1,14 @@
-"""Greedy decoding: lmforge's KV-cache `generate` vs transformers' `generate`, side by side.
+"""Greedy decoding: lmforge's KV-cache `generate` (eager and compiled) vs transformers' `generate`, side by side.
 
 One random Pythia-70m-shaped model (GPT-NeoX config built in transformers), saved once and loaded
 by both; the same left-padded prompts; eos off so every row decodes exactly --new-tokens tokens.
-The two take turns within every repeat, so load on the machine hits both alike. Before timing, the
-script checks that both produce the same tokens (fp32); the table also reports agreement in bf16,
-where kernels may round differently. `--help` lists the options.
+Sides: transformers with its default dynamic cache; transformers with a static cache and
+torch.compile (its own compiled decoding, forced on for CPU); lmforge eager; lmforge compile=True.
+Within every repeat the sides take turns in rotated order, together with two probes of the floor:
+the memory bandwidth (a large copy) and the decode step's matrix products alone. Batch-1 decoding
+reads every weight once per token, so bandwidth / bytes read per token bounds tokens/s for any
+implementation. Before timing, every lmforge side must produce transformers' tokens (fp32); bf16
+rows run only on CPUs with bf16 matrix instructions (or with --force-bf16). `--help` lists the options.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import statistics
 import sys
 import tempfile
 import time
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from report import BENCHMARKS_MD, write_section  # benchmarks/report.py
 
 from lmforge.inference import generate, left_pad
@@ -31,6 +37,47 @@ PYTHIA_70M = dict(vocab_size=50304, hidden_size=512, num_hidden_layers=6, num_at
                   intermediate_size=2048, rotary_pct=0.25, max_position_embeddings=2048)
 QUICK = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
              rotary_pct=0.25, max_position_embeddings=256)
+BANDWIDTH_MB = 512  # copied per bandwidth probe: far past the last-level cache
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Side:
+    name: str
+    run: Callable[[], list[list[int]]]
+    warmup_s: float = 0.0  # the first call: compilation for the compiled sides
+    tokens: list[list[int]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+    def tokens_per_second(self, tokens: int) -> float:
+        return tokens / statistics.median(self.times)
+
+
+def machine() -> tuple[str, list[str]]:
+    """(CPU name, its bf16 matrix instruction flags)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
+    flags = set(flags.group(1).split()) if flags else set()
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    return f"{name.group(1) if name else 'unknown CPU'} ({isa})", sorted(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def bf16_slowdown(n: int = 256) -> float:
+    """How many times slower an n x 512 x 2048 bf16 matmul runs than fp32 here (one of the decode's shapes)."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(n, 512, dtype=dtype), torch.randn(2048, 512, dtype=dtype)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            F.linear(x, w)
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    return best[torch.bfloat16] / best[torch.float32]
 
 
 def hf_model(shape: dict, folder: Path):
@@ -50,57 +97,137 @@ def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def run_ours(model, prompts, new_tokens):
-    return generate(model, prompts, new_tokens, do_sample=False, stop_token_ids=[])
+def run_ours(model, prompts, new_tokens, compile=False):
+    return generate(model, prompts, new_tokens, do_sample=False, stop_token_ids=[], compile=compile)
 
 
-def run_hf(model, prompts, new_tokens):
+def run_hf(model, prompts, new_tokens, compile=False):
+    kwargs = {}
+    if compile:  # transformers compiles its static-cache decoding by itself only on GPUs: ask for it on CPU too
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        config._compile_all_devices = True
+        kwargs = dict(cache_implementation="static", compile_config=config)
     ids, mask = left_pad(prompts, 0)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+                             min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, **kwargs)
     return out[:, ids.shape[1]:].tolist()
 
 
-def median_seconds(calls: list, repeats: int) -> list[float]:
-    times = [[] for _ in calls]
-    for _ in range(repeats):
-        for fn, t in zip(calls, times, strict=True):
+class Floor:
+    """Probes of what no implementation can beat: memory bandwidth, and the decode step's matmuls alone."""
+
+    def __init__(self, model, batch: int):
+        n = BANDWIDTH_MB * 2**20 // 4
+        self.src, self.dst = torch.ones(n), torch.empty(n)
+        dtype = next(model.parameters()).dtype
+        head = model.lm_head.weight[: model.config.vocab_size]
+        self.matrices = [(m.weight, m.bias) for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+        self.matrices.append((head, None))
+        self.inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w, _ in self.matrices}
+        self.bandwidth, self.matmuls = [], []
+
+    def probe(self) -> None:
+        best = float("inf")
+        for _ in range(3):
             start = time.perf_counter()
-            fn()
-            t.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+            self.dst.copy_(self.src)
+            best = min(best, time.perf_counter() - start)
+        self.bandwidth.append(2 * self.src.numel() * 4 / best)  # bytes read + written
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for w, b in self.matrices:
+                F.linear(self.inputs[w.shape[1]], w, b)
+        self.matmuls.append(time.perf_counter() - start)
 
 
-def measure(args, shape: dict, folder: Path) -> list[dict]:
+def bytes_per_step(model, batch: int, mean_context: float) -> float:
+    """Bytes one decode step must read: every weight but the embedding tables (a row each), the head's
+    real-vocabulary rows, and the keys/values of the context so far."""
+    cfg = model.config
+    size = next(model.parameters()).element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("embed.", "pos_embed.")))
+    if model.lm_head is not None:
+        weights -= (cfg.padded_vocab_size - cfg.vocab_size) * cfg.hidden_size
+    kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * mean_context
+    return (weights + kv) * size
+
+
+def measure_group(args, ours, ref, dtype: torch.dtype, batch: int, vocab: int) -> dict:
+    prompts = prompts_for(batch, args.prompt_len, vocab)
+    n = args.new_tokens
+    sides = [Side("transformers", lambda: run_hf(ref, prompts, n)),
+             Side("lmforge eager", lambda: run_ours(ours, prompts, n))]
+    if not args.no_compile:
+        sides.insert(1, Side("transformers compile", lambda: run_hf(ref, prompts, n, compile=True)))
+        sides.append(Side("lmforge compile", lambda: run_ours(ours, prompts, n, compile=True)))
+    for side in sides:  # warm-up, compilation included, and the tokens to compare
+        start = time.perf_counter()
+        side.tokens = side.run()
+        side.warmup_s = time.perf_counter() - start
+        assert all(len(r) == n for r in side.tokens), f"{side.name}: a row stopped early"
+        log(f"  {side.name}: first call {side.warmup_s:.1f} s")
+    same = {s.name: sum(x == y for ra, rb in zip(s.tokens, sides[0].tokens) for x, y in zip(ra, rb)) / (batch * n)
+            for s in sides}
+    if dtype == torch.float32 and any(v < 1.0 for k, v in same.items() if k.startswith("lmforge")):
+        raise SystemExit(f"fp32 greedy tokens differ from transformers (batch {batch}: {same}): not benchmarking")
+    floor = Floor(ours, batch)
+    for r in range(args.repeats):  # rotate the order so that no side always runs right after another
+        for side in sides[r % len(sides):] + sides[: r % len(sides)]:
+            start = time.perf_counter()
+            side.run()
+            side.times.append(time.perf_counter() - start)
+        floor.probe()
+    tokens = batch * n
+    bandwidth = statistics.median(floor.bandwidth)
+    step_bytes = bytes_per_step(ours, batch, args.prompt_len + n / 2)
+    row = dict(dtype=str(dtype).removeprefix("torch."), batch=batch, same=same, bandwidth=bandwidth,
+               step_mb=step_bytes / 1e6, bound=batch * bandwidth / step_bytes,
+               matmuls=batch / statistics.median(floor.matmuls), load=os.getloadavg()[0],
+               tok_s={s.name: s.tokens_per_second(tokens) for s in sides},
+               warmup={s.name: s.warmup_s for s in sides})
+    log(f"  {row['dtype']} batch {batch}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["tok_s"].items())
+        + f" tok/s; matmuls alone {row['matmuls']:.1f}, bandwidth bound {row['bound']:.1f} tok/s")
+    return row
+
+
+def measure(args, shape: dict, folder: Path, dtypes: list[torch.dtype]) -> list[dict]:
     ref32 = hf_model(shape, folder)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         ours = load_pretrained(folder, dtype=dtype)
         ref = ref32 if dtype == torch.float32 else hf_model(shape, folder).to(dtype)
         for batch in args.batch:
-            prompts = prompts_for(batch, args.prompt_len, shape["vocab_size"])
-            a, b = run_ours(ours, prompts, args.new_tokens), run_hf(ref, prompts, args.new_tokens)  # warm-up
-            assert all(len(r) == args.new_tokens for r in a + b), "a row stopped early"
-            same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / (batch * args.new_tokens)
-            if dtype == torch.float32 and same < 1.0:
-                raise SystemExit(f"fp32 greedy tokens differ from transformers (batch {batch}): not benchmarking")
-            calls = [partial(run_ours, ours, prompts, args.new_tokens), partial(run_hf, ref, prompts, args.new_tokens)]
-            t_ours, t_hf = median_seconds(calls, args.repeats)
-            tokens = batch * args.new_tokens
-            rows.append(dict(dtype=str(dtype).removeprefix("torch."), batch=batch, ours=tokens / t_ours,
-                             hf=tokens / t_hf, ratio=t_hf / t_ours, same=same))
-            print(f"  {rows[-1]['dtype']} batch {batch}: ours {rows[-1]['ours']:.1f} tok/s, "
-                  f"transformers {rows[-1]['hf']:.1f} tok/s", file=sys.stderr)
+            rows.append(measure_group(args, ours, ref, dtype, batch, shape["vocab_size"]))
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| dtype | batch | lmforge tok/s | transformers tok/s | lmforge / transformers | same tokens |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    names = list(rows[0]["tok_s"])
+    head = " | ".join(f"{n} tok/s" for n in names)
+    ratios = [n for n in names if n.startswith("lmforge")]
+    lines = [f"| dtype | batch | {head} | " + " | ".join(f"{n} / transformers" for n in ratios)
+             + " | matmuls alone tok/s | bandwidth bound tok/s | best / bound | same tokens | load |",
+             "| --- | ---: |" + " ---: |" * (len(names) + len(ratios) + 5)]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['batch']} | {r['ours']:.1f} | {r['hf']:.1f} | **{r['ratio']:.2f}** | "
-                     f"{100 * r['same']:.0f}% |")
+        t = r["tok_s"]
+        best = max(t[n] for n in ratios)
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | " + " | ".join(f"{t[n]:.1f}" for n in names) + " | "
+            + " | ".join(f"**{t[n] / t['transformers']:.2f}**" for n in ratios)
+            + f" | {r['matmuls']:.1f} | {r['bound']:.1f} | {100 * best / r['bound']:.0f}% | "
+            + ", ".join(f"{100 * r['same'][n]:.0f}%" for n in names[1:]) + f" | {r['load']:.1f} |")
+    return "\n".join(lines)
+
+
+def details(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        warm = ", ".join(f"{k} {v:.1f} s" for k, v in r["warmup"].items())
+        lines.append(f"- {r['dtype']} batch {r['batch']}: bandwidth {r['bandwidth'] / 1e9:.1f} GB/s, "
+                     f"{r['step_mb']:.0f} MB read per decode step; first call (compilation) {warm}.")
     return "\n".join(lines)
 
 
@@ -109,7 +236,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each side (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each side (median)")
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--force-bf16", action="store_true", help="run bf16 rows even on a CPU without bf16 matmuls")
+    p.add_argument("--no-compile", action="store_true", help="leave out the compiled sides (no compilation)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quick", action="store_true", help="a tiny model and few tokens: checks the script runs")
     p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
@@ -121,24 +251,40 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = QUICK if args.quick else PYTHIA_70M
-    cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-    machine = f"{cpu.group(1) if cpu else 'unknown CPU'}, {torch.get_num_threads()} threads"
+    cpu, bf16_flags = machine()
+    dtypes = [getattr(torch, d) for d in args.dtype]
+    skipped = ""
+    if torch.bfloat16 in dtypes and not bf16_flags and not args.force_bf16:
+        dtypes.remove(torch.bfloat16)
+        skipped = (f"bfloat16 rows skipped: this CPU has no bf16 matrix instructions (neither avx512_bf16 nor "
+                   f"amx_bf16 in /proc/cpuinfo); a 256x512x2048 bf16 matmul measured {bf16_slowdown():.0f}x "
+                   "slower than fp32 here, so bf16 would time the fallback kernels. --force-bf16 runs them.")
+        log(skipped)
     import transformers
 
-    t0 = time.perf_counter()
+    load_start, t0 = os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = measure(args, shape, Path(tmp) / "model")
+        rows = measure(args, shape, Path(tmp) / "model", dtypes) if dtypes else []
     command = "python benchmarks/generate.py" + "".join(f" {a}" for a in sys.argv[1:])
     what = "tiny GPT-NeoX (--quick)" if args.quick else "Pythia-70m shape (d 512, 6 layers, vocab 50304), random"
     body = (
-        f"Command: `{command}`. {what}; greedy, batch of left-padded prompts of {args.prompt_len} down "
-        f"to {args.prompt_len - args.prompt_len // 4} tokens, {args.new_tokens} new tokens per row (eos off). "
-        "tok/s = new tokens / wall time of the whole `generate` call (prefill included), median of "
-        f"{args.repeats} interleaved runs; transformers uses its default dynamic cache and SDPA. "
-        "*same tokens*: share of generated tokens equal to transformers' (fp32 must be 100%).\n\n"
-        f"{machine}, torch {torch.__version__}, transformers {transformers.__version__}, {datetime.date.today()}; "
-        f"{time.perf_counter() - t0:.0f} s in all, load average {os.getloadavg()[0]:.1f} at the end.\n\n"
-        f"{table(rows)}\n"
+        f"Command: `{command}` (or `lmforge bench generate`). {what}; greedy, batch of left-padded prompts of "
+        f"{args.prompt_len} down to {args.prompt_len - args.prompt_len // 4} tokens, {args.new_tokens} new tokens "
+        "per row (eos off). tok/s = new tokens / wall time of the whole `generate` call (prefill included), median "
+        f"of {args.repeats} runs, the sides taking turns in rotated order. *transformers*: its default dynamic cache "
+        "and SDPA; *transformers compile*: `cache_implementation=\"static\"` with its compiled decoding forced on "
+        "for CPU; *lmforge compile*: `generate(..., compile=True)` (the decode step through torch.compile over the "
+        "preallocated cache). *matmuls alone*: the decode step's matrix products and nothing else, timed in the "
+        "same turns; *bandwidth bound*: copy bandwidth (512 MB, read + write) / bytes one decode step reads "
+        "(weights but the embedding table, plus the keys/values of the mean context): no implementation reading "
+        "fp32 weights once per step exceeds it. *best / bound*: the faster lmforge side against that bound. "
+        "*same tokens*: share of generated tokens equal to transformers' (fp32 lmforge must be 100%). "
+        "*load*: 1-minute load average after the row (the machine is shared).\n\n"
+        f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, {datetime.date.today()}; {time.perf_counter() - t0:.0f} s in all, load "
+        f"average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.\n\n"
+        + (f"{table(rows)}\n\n{details(rows)}\n" if rows else "")
+        + (f"\n{skipped}\n" if skipped else "")
     )
     print(body)
     if args.write:

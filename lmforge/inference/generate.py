@@ -26,6 +26,8 @@ from lmforge.inference.sampling import SamplingParams, choose_next
 log = logging.getLogger(__name__)
 
 Prompts = torch.Tensor | Sequence[Sequence[int]]
+MIN_COMPILED_SLOTS = 128  # the smallest cache under compile=True (see _cache_slots)
+SYNC_EVERY = 8  # off CPU, decode steps between two checks of "have all rows stopped?" (a host sync)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str | None = None):
@@ -96,6 +98,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     pad_token_id: int | None = None,
     should_stop: Callable[[int, list[int]], bool] | None = None,
+    compile: bool = False,
 ) -> list[list[int]]:
     """The generated ids of each prompt (prompt not included), a stop token ending a row kept last.
 
@@ -104,7 +107,9 @@ def generate(
     temperature 0 or do_sample=False is greedy. stop_token_ids: None = the model config's eos;
     [] = never stop early. seed makes sampling reproducible (a torch.Generator of its own; without
     it the global RNG is used). should_stop(row, ids_so_far) is asked after each new token of a
-    running row (stop strings in generate_text).
+    running row (stop strings in generate_text). compile=True runs each decode step through
+    torch.compile (see _decode_step): the first call compiles (seconds to a minute), later calls with the
+    same model, batch size and cache size (a power of two) reuse the graph; greedy tokens are those of eager.
     """
     _check_model(model)
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, do_sample)
@@ -126,25 +131,34 @@ def generate(
         seen = torch.zeros(b, cfg.vocab_size, dtype=torch.long, device=device).scatter_add_(1, ids, mask) > 0
 
     # The last generated token is never fed back, so the cache needs one slot less than the total.
-    cache = KVCache.for_model(model, b, s + max_new_tokens - 1)
+    cache = KVCache.for_model(model, b, _cache_slots(s + max_new_tokens - 1, compile))
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    h = model.hidden_states(ids, mask, position_ids, cache, torch.arange(s, device=device))
+    prefill = cache.view(slice(None), s)  # attend over the prompt's slots only, not the whole buffer
+    h = model.hidden_states(ids, mask, position_ids, prefill, torch.arange(s, device=device))
     logits = model.logits(h[:, -1])
-    next_position = position_ids[:, -1:] + 1
+    next_position, cache_position = position_ids[:, -1:] + 1, torch.tensor([s], device=device)
+    decode_step = _compiled_decode_step() if compile else _decode_step
 
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     host = [[] for _ in range(b)] if should_stop is not None else None
+    # Without stop tokens or strings every row runs to max_new_tokens: no stop bookkeeping at all. Asking
+    # whether all rows have stopped waits for the device; on CPU that costs nothing (ops run in order, at
+    # once), elsewhere it is asked every SYNC_EVERY steps (a few extra steps, trimmed away, at most).
+    watch = bool(stop.numel()) or host is not None
+    check_every = 1 if device.type == "cpu" or host is not None else SYNC_EVERY
     steps = 0
     for step in range(max_new_tokens):
         token = choose_next(logits, params, seen, generator)
-        token = torch.where(finished, pad_id, token)  # a finished row keeps padding
+        if watch:
+            token = torch.where(finished, pad_id, token)  # a finished row keeps padding
         out[:, step] = token
         steps = step + 1
-        running = ~finished
-        finished = finished | torch.isin(token, stop)
         if seen is not None:
             seen[torch.arange(b, device=device), token] = True
+        if watch:
+            running = ~finished
+            finished = finished | torch.isin(token, stop)
         if host is not None:
             was_running = running.tolist()
             for row, t in enumerate(token.tolist()):
@@ -152,12 +166,59 @@ def generate(
                     host[row].append(t)
                     if not finished[row] and should_stop(row, host[row]):
                         finished[row] = True
-        if bool(finished.all()) or steps == max_new_tokens:
+        if steps == max_new_tokens or (watch and steps % check_every == 0 and bool(finished.all())):
             break
-        logits = model.logits(model.hidden_states(
-            token[:, None], None, next_position, cache, torch.tensor([s + step], device=device))[:, -1])
-        next_position = next_position + 1
+        # Attend over the filled slots only: at long contexts reading the keys/values costs as much as the weights.
+        view = cache.view(slice(None), s + steps)
+        start = time.perf_counter()
+        logits = decode_step(model, _length_dynamic(view) if compile else view, token[:, None], next_position,
+                             cache_position)
+        if compile and step == 0:
+            log.info("first decode step (compiles it unless cached) took %.1f s", time.perf_counter() - start)
+        next_position, cache_position = next_position + 1, cache_position + 1
     return _trim(out[:, :steps].tolist(), stop.tolist(), host)
+
+
+COMPILED_GRAPHS = 64  # per process: models x batch sizes x cache sizes (torch's default limit is 8)
+
+
+def _compiled_decode_step():
+    """_decode_step under torch.compile. Dynamo keeps the graphs of one function together and, past its recompile
+    limit, fails under fullgraph=True: one process serving or testing several models and batch sizes needs more
+    than the default 8, so the limit is raised (once) to COMPILED_GRAPHS."""
+    config = torch._dynamo.config
+    if config.recompile_limit < COMPILED_GRAPHS:
+        config.recompile_limit = COMPILED_GRAPHS
+    return torch.compile(_decode_step, dynamic=False, fullgraph=True)
+
+
+def _cache_slots(needed: int, compile: bool) -> int:
+    """Cache length: exact in eager; under compile a power of two (at least MIN_COMPILED_SLOTS), because the
+    buffer's length is in the strides of every view of it, which the compiled graph is specialised to: calls
+    of different lengths share a graph, and a model/batch size needs at most a few."""
+    return max(MIN_COMPILED_SLOTS, 1 << (needed - 1).bit_length()) if compile else needed
+
+
+def _length_dynamic(view: KVCache) -> KVCache:
+    """Mark the number of filled slots (grows by one per step) as a symbolic size for torch.compile, so one
+    graph serves every step; everything else in the decode step has a fixed shape."""
+    for t in (*view.k, *view.v):
+        torch._dynamo.mark_dynamic(t, 2)
+    torch._dynamo.mark_dynamic(view.valid, 1)
+    return view
+
+
+def _decode_step(model: nn.Module, cache: KVCache, token: torch.Tensor, position_ids: torch.Tensor,
+                 cache_position: torch.Tensor) -> torch.Tensor:
+    """Logits (batch, vocab) after feeding one token per row: the function compile=True hands to torch.compile.
+
+    What changes from step to step (token, position ids, cache slot) is a tensor of fixed shape; the cache
+    view's length is the one symbolic size (_length_dynamic), so one graph serves every step and nothing
+    recompiles per step. Norms, rotary, the attention mask and residuals fuse into a few kernels between the
+    matmuls, where eager spends its per-op overhead.
+    """
+    h = model.hidden_states(token, None, position_ids, cache, cache_position)
+    return model.logits(h[:, -1])
 
 
 def _trim(rows: list[list[int]], stop: list[int], host: list[list[int]] | None) -> list[list[int]]:
@@ -236,6 +297,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step: faster per token after a one-off compile (needs a C++ "
+                        "compiler on CPU); worth it for long generations")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -255,6 +319,7 @@ def run(args: argparse.Namespace) -> None:
     texts = generate_text(
         model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        compile=args.compile,
     )
     log.info("generated %d completion(s) in %.2f s", len(texts), time.perf_counter() - start)
     for i, text in enumerate(texts):

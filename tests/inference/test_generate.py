@@ -152,6 +152,30 @@ def test_eos_stops_a_row_and_all_rows_end_generation(models_):
     assert len(calls) == k + 1  # prefill (gives the first token) + one decode step per further token
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa"])  # partial rotary + parallel residual; GQA + RMSNorm
+def test_compiled_decode_gives_transformers_tokens_without_recompiling_per_call(family, models_):
+    """compile=True: the same greedy tokens as transformers, with and without padding, with stop tokens; one graph
+    serves every step of a call and calls of other lengths within the same cache size (power of two)."""
+    from torch._dynamo.utils import counters
+
+    ours, ref = models_[family]
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]  # a process-wide count
+    ids, mask = left_pad(PROMPTS, 0)
+    expected = ref.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0,
+                            eos_token_id=None)[:, ids.shape[1]:].tolist()
+    assert generate(ours, PROMPTS, 20, do_sample=False, stop_token_ids=[], compile=True) == expected
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs - before == 1
+    # 30 new tokens: the cache still fits in the same 128 slots, so the graph is reused (the number of filled
+    # slots is the one symbolic size); a stop token ends rows early as in eager.
+    eager = generate(ours, PROMPTS, 30, do_sample=False, stop_token_ids=[expected[1][3]])
+    assert generate(ours, PROMPTS, 30, do_sample=False, stop_token_ids=[expected[1][3]], compile=True) == eager
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert generate(ours, PROMPTS[:1], 20, do_sample=False, stop_token_ids=[], compile=True) == expected[:1]
+
+
 def test_default_stop_is_the_config_eos(models_):
     ours, _ = models_["gpt_neox"]
     greedy = generate(ours, PROMPTS, 12, do_sample=False, stop_token_ids=[])
