@@ -80,12 +80,14 @@ class PadCollator:
 
     `input_ids` is padded with `pad_id`, `labels` with IGNORE_INDEX, every other 1-D tensor
     (`attention_mask`, `position_ids`, `segment_ids`) with 0; 0-D tensors (a class `label`) are stacked.
-    `pad_to_multiple_of` rounds the padded length up, so torch.compile sees few distinct shapes. A dataclass,
-    not a closure, so DataLoader workers can pickle it.
+    `pad_to_multiple_of` rounds the padded length up, so torch.compile sees few distinct shapes, but never past
+    `max_length` (the run's seq_length) when the longest item fits in it. A dataclass, not a closure, so
+    DataLoader workers can pickle it.
     """
 
     pad_id: int
     pad_to_multiple_of: int = 1
+    max_length: int | None = None
 
     def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         batch = {}
@@ -94,8 +96,10 @@ class PadCollator:
             if values[0].dim() == 0:
                 batch[key] = torch.stack(values)
                 continue
-            length = max(v.numel() for v in values)
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+            longest = max(v.numel() for v in values)
+            length = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+            if self.max_length is not None and longest <= self.max_length:
+                length = min(length, self.max_length)
             fill = self.pad_id if key == "input_ids" else IGNORE_INDEX if key == "labels" else 0
             out = torch.full((len(values), length), fill, dtype=values[0].dtype)
             for row, v in zip(out, values):

@@ -42,6 +42,10 @@ class DataConfig:
     packing: bool = False  # sft: pack several examples per sequence (attention kept inside each)
     prompt_template: str | None = None  # sft: default is the Stanford Alpaca template
     num_workers: int = 0
+    # Fine-tuning batches are padded to their longest example rounded up to this multiple (capped at
+    # seq_length). None: 64 with trainer.compile (a few static shapes instead of one graph per length,
+    # or dynamic-shape kernels), else 8.
+    pad_to_multiple_of: int | None = None
 
 
 @dataclass

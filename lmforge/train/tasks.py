@@ -11,6 +11,7 @@ global count of a step: accumulation and data parallelism then give one big batc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -61,7 +62,25 @@ def _require(path: str | None, key: str) -> str:
     return path
 
 
+def pad_multiple(cfg: RunConfig) -> int:
+    """data.pad_to_multiple_of, or its default: 64 under trainer.compile, 8 otherwise."""
+    multiple = cfg.data.pad_to_multiple_of
+    if multiple is None:
+        return 64 if cfg.trainer.compile else 8
+    if multiple < 1:
+        raise UserError(f"data.pad_to_multiple_of must be >= 1, got {multiple}")
+    return multiple
+
+
 def build_task_data(cfg: RunConfig, tokenizer) -> TaskData:
+    data = _build_task_data(cfg, tokenizer)
+    if data.collate is not None:  # variable-length tasks: few distinct batch shapes
+        data.collate = dataclasses.replace(data.collate, pad_to_multiple_of=pad_multiple(cfg),
+                                           max_length=cfg.data.seq_length)
+    return data
+
+
+def _build_task_data(cfg: RunConfig, tokenizer) -> TaskData:
     d = cfg.data
     total = cfg.trainer.max_steps * cfg.trainer.global_batch_size
     if d.task == "sft":

@@ -89,3 +89,34 @@ def test_mlm_pretraining_of_a_tiny_bert(shared_data, tmp_path):
 def test_finetune_refuses_a_pretraining_config(tiny_corpus, tmp_path, capsys):
     assert main(["finetune", "/dev/null", "model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]"]) == 1
     assert "got data.task=pretrain: set data.task=sft|classification|mlm" in capsys.readouterr().err
+
+
+def test_fine_tuning_batches_are_padded_to_a_few_shapes(tiny_gpt2, shared_data, tmp_path):
+    """Classification batches: the longest example rounded up to data.pad_to_multiple_of (64 under
+    trainer.compile, so a compiled block sees two shapes here instead of one per length), never past seq_length;
+    the padding is masked out, so the loss of a batch does not depend on it."""
+    from lmforge.tokenizers import load_tokenizer
+    from lmforge.train.tasks import build_task_data, task_loss
+
+    sst = shared_data / "classification" / "sst-2"
+    tok = load_tokenizer(tiny_gpt2)
+
+    def cfg(*extra):
+        return load_run_config(None, _base(tmp_path, f"model.init_from={tiny_gpt2}", "data.task=classification",
+                                           f"data.train_file={sst / 'train.tsv'}",
+                                           "data.seq_length=100", *extra))
+
+    compiled = build_task_data(cfg("trainer.compile=true"), tok)
+    items = [compiled.train[i] for i in range(64)]
+    lengths = {compiled.collate(items[i : i + 4])["input_ids"].shape[1] for i in range(0, 64, 4)}
+    longest = {max(len(x["input_ids"]) for x in items[i : i + 4]) for i in range(0, 64, 4)}
+    assert lengths <= {64, 100} and len(longest) > len(lengths)  # 100 = seq_length: the cap, not 128
+    assert build_task_data(cfg("data.pad_to_multiple_of=1"), tok).collate(items[:4])["input_ids"].shape[1] == max(
+        len(x["input_ids"]) for x in items[:4])
+    model = build({**build("tiny-gpt2", device="meta").config.__dict__, "vocab_size": 50257,
+                   "max_position_embeddings": 128, "num_labels": 2}, seed=0).eval()
+    exact = build_task_data(cfg("data.pad_to_multiple_of=1"), tok).collate(items[:4])
+    with torch.no_grad():
+        a, _, _ = task_loss("classification", model, exact)
+        b, _, _ = task_loss("classification", model, compiled.collate(items[:4]))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
