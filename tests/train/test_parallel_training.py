@@ -108,6 +108,17 @@ def test_tensor_x_pipeline_then_resume_on_other_layouts(neox, tmp_path):
 
 
 @pytest.mark.slow
+def test_one_process_checkpoint_resumes_under_tensor_x_pipeline(neox, tmp_path):
+    """The reverse direction: 4 steps on one process, then the same run resumed at tp=2 x pp=2 (interleaved, 4
+    processes) goes on to step 6 like the uninterrupted one-process run (DCP reshards model and Adam moments)."""
+    args, ref = neox
+    run = tmp_path / "run"
+    _one(*args, f"run_dir={run}")
+    _torchrun(4, "pretrain", *args, "trainer.max_steps=6", "parallel.tensor=2", *INTERLEAVED, f"run_dir={run}")
+    _close(_curve(run), _curve(ref))
+
+
+@pytest.mark.slow
 def test_bf16_stochastic_rounding_under_tensor_parallelism(tiny_corpus, tmp_path):
     """AdamWSR updates each rank's shard of the DTensor parameters: the bf16-sr curve follows one process's
     (to bf16 noise only: the rounding noise is drawn per shard). Eight steps that learn, so that a wrong
