@@ -33,10 +33,15 @@ from lmforge.inference import generate, left_pad
 from lmforge.models import load_pretrained
 
 SECTION = "## Generation: greedy decode vs transformers"
+# The two smallest Pythia models' shapes (EleutherAI/pythia-14m and -70m configs): the first is dominated by
+# per-token overhead (its weights are 31 MB in fp32, mostly the head), the second by reading 180 MB per token.
+PYTHIA_14M = dict(vocab_size=50304, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+                  intermediate_size=512, rotary_pct=0.25, max_position_embeddings=2048)
 PYTHIA_70M = dict(vocab_size=50304, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                   intermediate_size=2048, rotary_pct=0.25, max_position_embeddings=2048)
 QUICK = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
              rotary_pct=0.25, max_position_embeddings=256)
+SHAPES = {"pythia-14m": PYTHIA_14M, "pythia-70m": PYTHIA_70M}
 BANDWIDTH_MB = 512  # copied per bandwidth probe: far past the last-level cache
 
 
@@ -193,14 +198,15 @@ def measure_group(args, ours, ref, dtype: torch.dtype, batch: int, vocab: int) -
     return row
 
 
-def measure(args, shape: dict, folder: Path, dtypes: list[torch.dtype]) -> list[dict]:
+def measure(args, name: str, shape: dict, folder: Path, dtypes: list[torch.dtype]) -> list[dict]:
     ref32 = hf_model(shape, folder)
     rows = []
     for dtype in dtypes:
         ours = load_pretrained(folder, dtype=dtype)
         ref = ref32 if dtype == torch.float32 else hf_model(shape, folder).to(dtype)
         for batch in args.batch:
-            rows.append(measure_group(args, ours, ref, dtype, batch, shape["vocab_size"]))
+            log(f"{name} {dtype} batch {batch}")
+            rows.append({"shape": name, **measure_group(args, ours, ref, dtype, batch, shape["vocab_size"])})
     return rows
 
 
@@ -208,14 +214,14 @@ def table(rows: list[dict]) -> str:
     names = list(rows[0]["tok_s"])
     head = " | ".join(f"{n} tok/s" for n in names)
     ratios = [n for n in names if n.startswith("lmforge")]
-    lines = [f"| dtype | batch | {head} | " + " | ".join(f"{n} / transformers" for n in ratios)
+    lines = [f"| shape | dtype | batch | {head} | " + " | ".join(f"{n} / transformers" for n in ratios)
              + " | matmuls alone tok/s | bandwidth bound tok/s | best / bound | same tokens | load |",
-             "| --- | ---: |" + " ---: |" * (len(names) + len(ratios) + 5)]
+             "| --- | --- | ---: |" + " ---: |" * (len(names) + len(ratios) + 5)]
     for r in rows:
         t = r["tok_s"]
         best = max(t[n] for n in ratios)
         lines.append(
-            f"| {r['dtype']} | {r['batch']} | " + " | ".join(f"{t[n]:.1f}" for n in names) + " | "
+            f"| {r['shape']} | {r['dtype']} | {r['batch']} | " + " | ".join(f"{t[n]:.1f}" for n in names) + " | "
             + " | ".join(f"**{t[n] / t['transformers']:.2f}**" for n in ratios)
             + f" | {r['matmuls']:.1f} | {r['bound']:.1f} | {100 * best / r['bound']:.0f}% | "
             + ", ".join(f"{100 * r['same'][n]:.0f}%" for n in names[1:]) + f" | {r['load']:.1f} |")
@@ -226,13 +232,14 @@ def details(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         warm = ", ".join(f"{k} {v:.1f} s" for k, v in r["warmup"].items())
-        lines.append(f"- {r['dtype']} batch {r['batch']}: bandwidth {r['bandwidth'] / 1e9:.1f} GB/s, "
+        lines.append(f"- {r['shape']} {r['dtype']} batch {r['batch']}: bandwidth {r['bandwidth'] / 1e9:.1f} GB/s, "
                      f"{r['step_mb']:.0f} MB read per decode step; first call (compilation) {warm}.")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="Pythia shapes to run")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -250,7 +257,7 @@ def main() -> None:
         args.batch, args.prompt_len, args.new_tokens, args.repeats = [1, 2], 8, 8, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = QUICK if args.quick else PYTHIA_70M
+    shapes = {"tiny": QUICK} if args.quick else {name: SHAPES[name] for name in args.shape}
     cpu, bf16_flags = machine()
     dtypes = [getattr(torch, d) for d in args.dtype]
     skipped = ""
@@ -264,9 +271,12 @@ def main() -> None:
 
     load_start, t0 = os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = measure(args, shape, Path(tmp) / "model", dtypes) if dtypes else []
+        rows = [row for name, shape in shapes.items() if dtypes
+                for row in measure(args, name, shape, Path(tmp) / name, dtypes)]
     command = "python benchmarks/generate.py" + "".join(f" {a}" for a in sys.argv[1:])
-    what = "tiny GPT-NeoX (--quick)" if args.quick else "Pythia-70m shape (d 512, 6 layers, vocab 50304), random"
+    what = "tiny GPT-NeoX (--quick)" if args.quick else (
+        "Pythia shapes, random weights: pythia-14m (d 128, 6 layers, 4 heads) and pythia-70m (d 512, 6 layers, "
+        "8 heads), both with the 50304-row vocabulary and 25% rotary")
     body = (
         f"Command: `{command}` (or `lmforge bench generate`). {what}; greedy, batch of left-padded prompts of "
         f"{args.prompt_len} down to {args.prompt_len - args.prompt_len // 4} tokens, {args.new_tokens} new tokens "
