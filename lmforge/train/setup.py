@@ -16,6 +16,7 @@ from lmforge.errors import UserError
 from lmforge.models import build, load_pretrained
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import is_model_dir, read_config
+from lmforge.parallel.load import meta_model
 from lmforge.train.config import RunConfig, model_config
 
 # Model fields a run may change on top of model.init_from's own config.
@@ -38,14 +39,21 @@ def with_head(model: torch.nn.Module, num_labels: int, seed: int) -> torch.nn.Mo
     return target
 
 
-def init_model(cfg: RunConfig, num_labels: int = 0) -> tuple[torch.nn.Module, Path | None]:
+def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False) -> tuple[torch.nn.Module, Path | None]:
     """Fresh from a preset/config, or weights from model.init_from (HF folder, lmforge folder or a
-    training checkpoint). Returns the model and the folder its tokenizer may come from."""
-    model, source = _init_model(cfg)
+    training checkpoint). Returns the model and the folder its tokenizer may come from.
+
+    meta=True (a run over a DeviceMesh): with init_from, the model comes on the meta device, its weights
+    left for each rank to read its own shards of after parallelize (lmforge.parallel.load.load_sharded
+    from the returned folder). A new head or a checkpoint re-padded to another vocabulary multiple
+    needs the whole model first: those are built whole as without meta."""
+    model, source = _init_model(cfg, meta)
+    if next(model.parameters()).is_meta and model.config.num_labels != num_labels:
+        model, source = _init_model(cfg, False)
     return with_head(model, num_labels, cfg.trainer.seed), source
 
 
-def _init_model(cfg: RunConfig) -> tuple[torch.nn.Module, Path | None]:
+def _init_model(cfg: RunConfig, meta: bool = False) -> tuple[torch.nn.Module, Path | None]:
     mcfg, init_from = model_config(cfg.model)
     if init_from is None:
         return build(mcfg, seed=cfg.trainer.seed), None
@@ -53,11 +61,14 @@ def _init_model(cfg: RunConfig) -> tuple[torch.nn.Module, Path | None]:
     if not source.is_dir():
         raise UserError(f"model.init_from '{source}' does not exist")
     if (source / "trainer.json").is_file():  # a training checkpoint: weights only, fresh optimizer
-        model = build(mcfg or read_config(source), seed=cfg.trainer.seed)
-        load_model_weights(source, model)
+        model = build(mcfg or read_config(source), seed=cfg.trainer.seed, device="meta" if meta else None)
         multiple = cfg.model.get("make_vocab_size_divisible_by", model.config.make_vocab_size_divisible_by)
+        if meta and multiple != model.config.make_vocab_size_divisible_by:
+            return _init_model(cfg, False)
+        if not meta:
+            load_model_weights(source, model)
         return with_vocab_multiple(model, multiple), source
-    model = load_pretrained(source)
+    model = meta_model(source) if meta else load_pretrained(source)
     if mcfg is not None and mcfg != model.config:
         raise UserError(f"model.preset/fields describe a different model than model.init_from '{source}': "
                         "drop the preset (the source folder defines the model)")
@@ -84,6 +95,8 @@ def with_vocab_multiple(model: torch.nn.Module, multiple: int) -> torch.nn.Modul
     if multiple == model.config.make_vocab_size_divisible_by:
         return model
     cfg = dataclasses.replace(model.config, make_vocab_size_divisible_by=multiple)
+    if next(model.parameters()).is_meta:  # the sharded load pads each rank's rows itself
+        return build(cfg, device="meta").train(model.training)
     vocab = set(model.vocab_parameters)
 
     def tensors():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from lmforge.parallel import (
     pipeline_step,
 )
 from lmforge.parallel.data_parallel import gradient_sync
+from lmforge.parallel.load import load_sharded
 from lmforge.train.config import OptimConfig
 from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.optim import build_optimizer
@@ -120,7 +122,10 @@ class MeshTraining:
     """A model laid out over a DeviceMesh (tensor, pipeline and data dims) and how the trainer drives it."""
 
     def __init__(self, model: torch.nn.Module, layout: ParallelConfig, task: str, optim: OptimConfig,
-                 precision: str, seed: int, seq_length: int, autocast_dtype: torch.dtype | None):
+                 precision: str, seed: int, seq_length: int, autocast_dtype: torch.dtype | None,
+                 weights_from: Path | None = None):
+        """`weights_from`: the folder to fill a meta-device `model` from once it is laid out, each rank
+        reading only its own shards (lmforge.parallel.load)."""
         mcfg: ModelConfig = model.config
         self.mesh = build_mesh(layout, mcfg)
         if layout.tensor > 1 and layout.sequence_parallel and task == "pretrain" and seq_length % layout.tensor:
@@ -131,6 +136,8 @@ class MeshTraining:
             log.warning("dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
                         "(the presets train without dropout)")
         self.pm = parallelize(model, layout, self.mesh)
+        if weights_from is not None:
+            load_sharded(self.pm, weights_from)
         self.layout, self.task, self.seq_length = layout, task, seq_length
         self.autocast_dtype = autocast_dtype
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)

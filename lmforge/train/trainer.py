@@ -51,7 +51,9 @@ class Trainer:
         source = Path(init_from) if init_from else None
         self.tokenizer = load_run_tokenizer(cfg, source)
         self.data = build_task_data(cfg, self.tokenizer)
-        model, self.source = init_model(cfg, self.data.num_labels)
+        # Over a DeviceMesh an init_from model comes on the meta device: each rank reads only its shards.
+        model, self.source = init_model(cfg, self.data.num_labels, meta=uses_mesh(layout))
+        sharded = next(model.parameters()).is_meta
         self.mcfg: ModelConfig = model.config
         t, precision = cfg.trainer, cfg.trainer.precision
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
@@ -59,7 +61,8 @@ class Trainer:
                                       layout.data_parallel)
         check_tokenizer(self.tokenizer, self.mcfg)
         self.autocast_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
-        model.to(self.world.device, torch.bfloat16 if precision in ("bf16-sr", "bf16") else torch.float32)
+        model.to(None if sharded else self.world.device, torch.bfloat16 if precision in ("bf16-sr", "bf16") else
+                 torch.float32)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
         if t.compile:
@@ -73,7 +76,7 @@ class Trainer:
         self.parallel: MeshTraining | None = None
         if uses_mesh(layout):
             self.parallel = MeshTraining(model, layout, self.task, cfg.optim, precision, t.seed, cfg.data.seq_length,
-                                         self.autocast_dtype)
+                                         self.autocast_dtype, weights_from=self.source if sharded else None)
             self.model, self.optimizer = self.parallel.pm, self.parallel.optimizer
             self.dp_rank, self.dp_size = self.parallel.dp_rank, self.parallel.dp_size
         else:

@@ -1,0 +1,191 @@
+"""Hugging Face / lmforge folders imported straight into a sharded layout (gloo, CPU, 2 and 4 processes).
+
+Every rank builds the model on the meta device, parallelizes it, and reads only its shards
+(lmforge.parallel.load). Checked against the whole-model import that every rank used to do
+(load_pretrained, then parallelize):
+
+- every tensor a rank holds, gathered with full_tensor, equals the whole-model import bit for bit
+  (buffers included), and together the ranks hold every parameter;
+- one training step on the same layout gives the same loss and the same gradients, bit for bit, and
+  the loss of one process with the whole model to fp32 tolerance;
+- memory: an AllocationMeter (a TorchDispatchMode weighing every tensor storage that torch ops hand
+  out, safetensors' mapped tensors included) shows each rank's peak during the load at most its own
+  shards plus two full tensors (the one read and its converted copy), a bound set below the whole
+  model's bytes, while the same meter over load_pretrained shows at least the whole model: the check
+  fails if a rank materialises the model. A pipeline rank never allocates the other stage's layers,
+  and slices read from an lmforge folder amount to no more than the rank's own shards.
+- the Trainer (4 processes, tp=2 x pp=2, from an HF folder, load_pretrained forbidden) trains like the
+  same run forced onto the whole-model path (bit for bit) and like one process (fp32 tolerance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import hf_tiny_configs
+from tests.parallel.launch import free_port
+
+WORKER = Path(__file__).with_name("sharded_import_worker.py")
+MULTIPLE = 256  # vocabulary 300 padded to a multiple of 128 x TP: the loader re-pads the source's 384 rows
+
+
+def _hf_model(name: str, layers: int):
+    cls, cfg = hf_tiny_configs()[name]
+    cfg.num_hidden_layers = layers  # GPT-2's n_layer too (transformers' attribute map)
+    # No dropout: the steps compared draw no random masks.
+    if name == "gpt2":
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    if name == "bert":
+        cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.0
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # every parameter non-trivial (biases and norms too)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    """HF folders (safetensors) of GPT-NeoX and Llama with GQA (4 layers: 2 per pipeline stage), GPT-2 (tied
+    embeddings) and BERT, lmforge folders of the first two, a word-level tokenizer and a corpus for the trainer."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from lmforge.data.indexed import IndexedDatasetWriter
+    from lmforge.models.hf import import_hf
+
+    root = tmp_path_factory.mktemp("sharded")
+    for name, layers in (("gpt_neox", 4), ("llama_gqa", 4), ("gpt2", 2), ("bert", 4)):
+        _hf_model(name, layers).save_pretrained(root / name)
+    for name in ("gpt_neox", "llama_gqa"):
+        import_hf(root / name, root / f"{name}_lmforge")
+    Tokenizer(WordLevel({f"t{i}": i for i in range(300)}, unk_token="t0")).save(
+        str(root / "llama_gqa" / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(root / "corpus_text_document", np.uint16) as writer:
+        for _ in range(200):
+            n, start, step = rng.integers(5, 100), rng.integers(0, 300), rng.integers(1, 5)
+            writer.add_document((start + step * np.arange(n)) % 300)
+    return root
+
+
+def _launch(world: int, spec: dict, tmp: Path) -> list[dict]:
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    port, procs = free_port(), []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp / "spec.json"), str(tmp / "out.json")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errors = [p.communicate(timeout=400)[1] for p in procs]
+    finally:
+        for p in procs:  # a hang is a failure; never leave ranks behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errors)
+    return json.loads((tmp / "out.json").read_text())
+
+
+def _case(source: Path, parallel: dict, **extra) -> dict:
+    return {"source": str(source), "parallel": parallel, "multiple": MULTIPLE, **extra}
+
+
+def _check(name: str, r: dict, pp: int, from_slices: bool) -> None:
+    """One rank's result of one case."""
+    assert r["mismatched"] == [], (name, r["mismatched"])
+    assert r["all_held"] == r["expected_names"], name  # the ranks together hold the whole model
+    assert r["allocated_elsewhere"] == [], (name, r["allocated_elsewhere"])  # other stages' layers stay meta
+    assert r["loss"] == r["ref_loss"] and r["grads_differ"] == [], (name, r["loss"], r["ref_loss"], r["grads_differ"])
+    assert r["loss"] == pytest.approx(r["single_loss"], rel=1e-5), name
+    # Memory. The bound must be below the whole model for the check to mean anything; the meter must see
+    # the whole model when load_pretrained builds it.
+    bound = r["local_bytes"] + 2 * r["largest_bytes"]
+    assert bound < r["whole_bytes"] <= r["whole_load_peak"], (name, bound, r["whole_bytes"], r["whole_load_peak"])
+    assert r["peak_bytes"] <= bound, (name, r["peak_bytes"], bound)
+    # About 1/TP of a stage's tensors, plus the replicated norms (and a tied embedding's second copy).
+    assert r["local_bytes"] == r["local_bytes_measured"] < r["whole_bytes"] * (0.6 if pp == 1 else 0.4), name
+    if from_slices:  # get_slice: only this rank's rows/columns (fewer where vocabulary padding is zeroed)
+        assert r["read_bytes"] <= r["local_bytes"], (name, r["read_bytes"], r["local_bytes"])
+    elif "_hf_" in name:  # the HF tensors read (recorded in HFWeights.get) belong to this rank's layers only
+        def layers(names, pattern=r"^layers\.(\d+)\."):
+            return {int(m) for n in names for m in re.findall(pattern, n)}
+
+        read = layers(r["hf_read"], r"\.(?:layers|h|layer)\.(\d+)\.")
+        held, every = layers(r["held"]), layers(r["expected_names"])
+        assert read == held and (held == every) == (pp == 1), (name, read, held)
+
+
+@pytest.mark.slow
+def test_import_into_tensor_parallel(sources, tmp_path):
+    cases = {
+        "neox_hf_tp2": _case(sources / "gpt_neox", {"tensor": 2}),
+        "llama_gqa_hf_tp2": _case(sources / "llama_gqa", {"tensor": 2}),
+        "neox_lmforge_tp2": _case(sources / "gpt_neox_lmforge", {"tensor": 2}),
+        "bert_hf_tp2": _case(sources / "bert", {"tensor": 2}),  # MLM head bias, position and token-type tables
+    }
+    ranks = _launch(2, {"cases": cases}, tmp_path)
+    for results in ranks:
+        for name, r in results.items():
+            _check(name, r, pp=1, from_slices="lmforge" in name)
+
+
+@pytest.mark.slow
+def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
+    """tp=2 x pp=2 from HF and lmforge folders (GPT-2: the tied embedding on both end stages); a training
+    checkpoint of the imported weights loaded into FSDP x TP; then the Trainer on tp=2 x pp=2."""
+    tp_pp = {"tensor": 2, "pipeline": 2}
+    ckpt = tmp_path / "ckpt"
+    cases = {
+        "neox_hf_tp2pp2": _case(sources / "gpt_neox", tp_pp, save_checkpoint=str(ckpt)),
+        "llama_gqa_hf_tp2pp2": _case(sources / "llama_gqa", tp_pp),
+        "llama_gqa_lmforge_tp2pp2": _case(sources / "llama_gqa_lmforge", tp_pp),
+        "gpt2_tied_hf_tp2pp2": _case(sources / "gpt2", tp_pp),
+        "neox_checkpoint_fsdp2_tp2": _case(ckpt, {"tensor": 2, "data_shard": 2}, reference=str(sources / "gpt_neox")),
+    }
+    args = [f"model.init_from={sources / 'llama_gqa'}", f"model.make_vocab_size_divisible_by={MULTIPLE}",
+            f"data.paths=[{sources / 'corpus_text_document'}]", "data.seq_length=32", "trainer.max_steps=2",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.val_check_interval=0",
+            "trainer.precision=fp32", "optim.lr=3e-3", "trainer.progress_bar=false", "cost.peak_flops=1e11"]
+    spec = {"cases": cases, "trainer": {"args": [*args, "parallel.tensor=2", "parallel.pipeline=2"],
+                                        "dir": str(tmp_path / "runs")}}
+    ranks = _launch(4, spec, tmp_path)
+    for results in ranks:
+        for name, r in results.items():
+            _check(name, r, pp=2 if "pp2" in name else 1, from_slices="lmforge" in name)
+    held = [set(results["gpt2_tied_hf_tp2pp2"]["held"]) for results in ranks]
+    assert all("embed.weight" in names for names in held)  # first stage's and last stage's copy, both checked
+
+    sharded, whole = _curve(tmp_path / "runs" / "sharded"), _curve(tmp_path / "runs" / "whole")
+    assert sharded == whole  # the same layout from the same weights: bit for bit
+    from lmforge.train.config import load_run_config
+    from lmforge.train.trainer import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(load_run_config(None, [*args, f"run_dir={tmp_path / 'one'}"])).fit()
+    finally:
+        torch.set_num_threads(threads)
+    one = _curve(tmp_path / "one")
+    assert len(one) == len(sharded) == 2
+    for (loss, norm), (loss1, norm1) in zip(sharded, one, strict=True):
+        assert loss == pytest.approx(loss1, rel=2e-5) and norm == pytest.approx(norm1, rel=2e-4), (sharded, one)
+
+
+def _curve(run_dir: Path) -> list[tuple[float, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in rows]
