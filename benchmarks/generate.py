@@ -228,6 +228,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ceiling(rows: list[dict]) -> str:
+    """What the floor probes say about a speed-up over transformers: the decode step's matrix products alone, with
+    nothing else, against transformers' whole generate. No implementation using these matmul kernels exceeds it."""
+    parts = []
+    for r in rows:
+        hf = r["tok_s"]["transformers"]
+        best = max(v for k, v in r["tok_s"].items() if k.startswith("lmforge"))
+        parts.append(f"{r['shape']} {r['dtype']} batch {r['batch']}: matmuls alone {r['matmuls'] / hf:.2f}x "
+                     f"transformers, the faster lmforge side {best / hf:.2f}x")
+    return ("Ceiling on the speed-up (the decode step's matrix products alone, nothing else, against transformers' "
+            "whole `generate`; no implementation calling these matmul kernels can beat it): " + "; ".join(parts) + ".")
+
+
 def details(rows: list[dict]) -> str:
     lines = []
     for r in rows:
@@ -293,7 +306,7 @@ def main() -> None:
         f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, {datetime.date.today()}; {time.perf_counter() - t0:.0f} s in all, load "
         f"average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.\n\n"
-        + (f"{table(rows)}\n\n{details(rows)}\n" if rows else "")
+        + (f"{table(rows)}\n\n{details(rows)}\n\n{ceiling(rows)}\n" if rows else "")
         + (f"\n{skipped}\n" if skipped else "")
     )
     print(body)
