@@ -81,6 +81,15 @@ def run(prefix: Path, processes: int, overrides: list[str], args, run_dir: Path)
             "tok_s": statistics.median(r["tokens_per_second"] for r in steady)}
 
 
+LAYOUT_CAVEAT = (
+    "The tensor- and pipeline-parallel rows also do more work per step than the others: their last stage computes "
+    "the loss from whole logits (F.cross_entropy over the vocabulary, vocabulary-parallel under TP), where one "
+    "process and DDP/FSDP use the chunked loss of lmforge.train.loss; and pythia-14m's 50304 x 128 head is 12.9 of "
+    "the 15.3 MFLOP its weight matrices cost per token (forward), all of it on the last pipeline stage, so a "
+    "pipeline over this model is mostly its last stage. Compare their communication columns, not their seq/s, "
+    "with the data-parallel rows.")
+
+
 def measured_table(results: list[dict], args) -> str:
     cfg = dataclasses.replace(PRESETS[args.model], make_vocab_size_divisible_by=256)
     act = 4 if args.precision == "fp32" else 2
@@ -164,7 +173,7 @@ def main() -> None:
             f"${args.usd_per_hour}/hour per process.\n\n{measured_table(results, args)}\n\n"
             "Analytic bytes for gloo (a reduce-scatter runs as an all-reduce; fp32 parameters, gradients and "
             "activations in an fp32 run). On 2 cores every layout shares the same two cores: the rows show what "
-            "splitting a step costs, not what more hardware gains.\n\n"
+            "splitting a step costs, not what more hardware gains. " + LAYOUT_CAVEAT + "\n\n"
             "The write-up's GPT-NeoX-20B layouts through the same communication model (bf16 parameters and "
             f"activations, fp32 gradients, NCCL's reduce-scatter), beside its published figures:\n\n{neox_table()}\n")
     print(body)
