@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lmforge.errors import UserError
@@ -112,7 +113,9 @@ class CheckpointManager:
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        except Exception as e:  # DCP reports a shape/key mismatch as a generic CheckpointException
+        # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
+        # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
+        except (Exception, CheckpointException) as e:
             first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
             raise UserError(f"checkpoint '{path}' does not fit this model/optimizer ({first}): resume with the "
                             "config it was written with") from None
