@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import BENCHMARKS_MD, write_section  # benchmarks/report.py
+from report import publish  # benchmarks/report.py
 
 from lmforge.inference import generate, left_pad
 from lmforge.models import load_pretrained
@@ -309,10 +309,7 @@ def main() -> None:
         + (f"{table(rows)}\n\n{details(rows)}\n\n{ceiling(rows)}\n" if rows else "")
         + (f"\n{skipped}\n" if skipped else "")
     )
-    print(body)
-    if args.write:
-        write_section(SECTION, f"{SECTION}\n\n{body}")
-        print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
+    publish(SECTION, body, args.write)
 
 
 if __name__ == "__main__":

@@ -32,4 +32,14 @@ def write_section(heading: str, section: str) -> None:
         text = text.rstrip("\n") + "\n\n"
         start = end = len(text)
     rest = text[end:].lstrip("\n")
-    BENCHMARKS_MD.write_text(text[:start] + section.strip() + "\n" + (f"\n{rest}" if rest else ""))
+    tmp = BENCHMARKS_MD.with_suffix(".md.tmp")  # a killed run never leaves a torn BENCHMARKS.md
+    tmp.write_text(text[:start] + section.strip() + "\n" + (f"\n{rest}" if rest else ""))
+    tmp.replace(BENCHMARKS_MD)
+
+
+def publish(heading: str, body: str, write: bool) -> None:
+    """Print a benchmark's section body; with --write also put it in BENCHMARKS.md under `heading`."""
+    print(body)
+    if write:
+        write_section(heading, f"{heading}\n\n{body}")
+        print(f"wrote '{heading}' to {BENCHMARKS_MD}")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from report import BENCHMARKS_MD, write_section  # benchmarks/report.py
+from report import publish  # benchmarks/report.py
 
 from lmforge.data.indexed import IndexedDatasetWriter
 from lmforge.models.presets import PRESETS
@@ -176,10 +176,7 @@ def main() -> None:
             "splitting a step costs, not what more hardware gains. " + LAYOUT_CAVEAT + "\n\n"
             "The write-up's GPT-NeoX-20B layouts through the same communication model (bf16 parameters and "
             f"activations, fp32 gradients, NCCL's reduce-scatter), beside its published figures:\n\n{neox_table()}\n")
-    print(body)
-    if args.write:
-        write_section(SECTION, f"{SECTION}\n\n{body}")
-        print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
+    publish(SECTION, body, args.write)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from report import BENCHMARKS_MD, write_section  # benchmarks/report.py
+from report import publish  # benchmarks/report.py
 
 SECTION = "## Serving: concurrent streaming requests (lmforge serve)"
 SHARED = Path(os.environ.get("LMFORGE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -214,10 +214,7 @@ def main() -> None:
         f"{machine}, torch {torch.__version__}, {datetime.date.today()}; {time.perf_counter() - t0:.0f} s in all, "
         f"load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n"
     )
-    print(body)
-    if args.write:
-        write_section(SECTION, f"{SECTION}\n\n{body}")
-        print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
+    publish(SECTION, body, args.write)
 
 
 if __name__ == "__main__":
