@@ -19,7 +19,14 @@ class BertEmbeddings(nn.Module):
         self.norm = make_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids, token_type_ids, position_ids):
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Summed word, position and token-type embeddings; positions default to 0..s-1, token types to 0."""
+        if position_ids is None:
+            b, s = input_ids.shape
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
         x = self.word(input_ids) + self.position(position_ids)
         if self.token_type is not None:
             x = x + self.token_type(token_type_ids)
@@ -66,11 +73,6 @@ class Bert(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        b, s = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         mask = padding_mask(attention_mask, False) if attention_mask is not None else None
         for layer in self.layers:

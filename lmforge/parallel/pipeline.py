@@ -82,11 +82,6 @@ class BertStage(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
-            b, s = x.shape
-            if position_ids is None:
-                position_ids = torch.arange(s, device=x.device).expand(b, s)
-            if token_type_ids is None:
-                token_type_ids = torch.zeros_like(x)
             x = self.embeddings(x, token_type_ids, position_ids)
         mask = padding_mask(attention_mask, False) if attention_mask is not None else None
         for layer in self.layers.values():
