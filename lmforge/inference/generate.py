@@ -304,15 +304,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from lmforge.models import load_pretrained  # noqa: PLC0415 (keeps `lmforge --help` fast)
-    from lmforge.models.io import parse_dtype  # noqa: PLC0415
+    from lmforge.models.io import parse_device, parse_dtype  # noqa: PLC0415
     from lmforge.tokenizers import load_tokenizer  # noqa: PLC0415
 
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise UserError(f"unknown device '{args.device}' ({e}): use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: CUDA is not available in this torch build: use --device cpu")
+    device = parse_device(args.device)
     tokenizer = load_tokenizer(args.model_dir)
     model = load_pretrained(args.model_dir, device=device, dtype=parse_dtype(args.dtype))
     start = time.perf_counter()

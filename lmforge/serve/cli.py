@@ -75,12 +75,11 @@ def _is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> None:
-    import torch  # noqa: PLC0415 (keeps `lmforge --help` fast)
-    import uvicorn  # noqa: PLC0415
+    import uvicorn  # noqa: PLC0415 (keeps `lmforge --help` fast)
 
     from lmforge.inference.engine import Engine, EngineConfig  # noqa: PLC0415
     from lmforge.models import load_pretrained  # noqa: PLC0415
-    from lmforge.models.io import parse_dtype  # noqa: PLC0415
+    from lmforge.models.io import parse_device, parse_dtype  # noqa: PLC0415
     from lmforge.serve.app import ServeConfig, create_app  # noqa: PLC0415
     from lmforge.serve.chat import ChatFormat  # noqa: PLC0415
     from lmforge.tokenizers import load_tokenizer  # noqa: PLC0415
@@ -91,12 +90,7 @@ def run(args: argparse.Namespace) -> None:
     for name in ("max_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise UserError(f"unknown device '{args.device}' ({e}): use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: CUDA is not available in this torch build: use --device cpu")
+    device = parse_device(args.device)
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY") or None
     host, port = listen_address(args.host, args.port)
     sock = bind(host, port)
