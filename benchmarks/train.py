@@ -33,7 +33,7 @@ from lmforge.data.indexed import IndexedDatasetWriter
 from lmforge.models import load_pretrained, preset
 from lmforge.models.hf import import_hf
 from lmforge.train.config import load_run_config
-from lmforge.train.metrics import flops_per_token, measure_cpu_peak
+from lmforge.train.metrics import bounded_cpu_peak, flops_per_token
 from lmforge.train.optim import param_groups
 from lmforge.train.profile import profile_step, profile_table
 from lmforge.train.trainer import Trainer
@@ -143,7 +143,7 @@ def run_group(sides: list[Side], repeats: int, peaks: dict, rtol: float) -> None
                              f"({ref:.6f}) by more than {rtol:g} (relative): not benchmarking")
     for r in range(repeats):
         for dtype in peaks:
-            peaks[dtype] = max(peaks[dtype], measure_cpu_peak(dtype))
+            peaks[dtype] = max(peaks[dtype], bounded_cpu_peak(dtype, time_limit=float("inf"))[0])
         for side in sides[r % len(sides):] + sides[: r % len(sides)]:
             t0 = time.perf_counter()
             side.step()
@@ -193,11 +193,11 @@ def measure(args, tmp: Path, bf16_ok: bool) -> tuple[list[list[Side]], dict, dic
     ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=gen)
     # transformers scores positions 0..seq-2 (labels shifted inside); lmforge gets the same targets.
     batch = {"tokens": ids, "labels": torch.cat([ids[:, 1:], torch.full((args.batch, 1), -100)], 1)}
-    peaks = {torch.float32: measure_cpu_peak(torch.float32)}
+    peaks = {torch.float32: bounded_cpu_peak(torch.float32, time_limit=float("inf"))[0]}
     groups, profiles = [], {}
     for precision in args.precisions:
         if precision == "bf16" and not bf16_ok:
-            peaks[torch.bfloat16] = measure_cpu_peak(torch.bfloat16, n=256)
+            peaks[torch.bfloat16] = bounded_cpu_peak(torch.bfloat16, max_n=256)[0]
             log(f"bf16 skipped: this CPU has no bf16 matrix instructions, its bf16 GEMMs run a reference loop at "
                 f"{peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s; --force-bf16 runs it anyway")
             continue
@@ -205,7 +205,7 @@ def measure(args, tmp: Path, bf16_ok: bool) -> tuple[list[list[Side]], dict, dic
         autocast = precision == "bf16"
         dtype = torch.bfloat16 if autocast else torch.float32
         if dtype not in peaks:
-            peaks[dtype] = measure_cpu_peak(dtype)
+            peaks[dtype] = bounded_cpu_peak(dtype, time_limit=float("inf"))[0]
         sides = [hf_side("transformers" + (" (bf16 autocast)" if autocast else ""), hf_dir, ids, autocast)]
         recipes = [("bf16-mixed", False), ("bf16-mixed", True), ("bf16-sr", False)] if autocast else [
             ("fp32", False), ("fp32", True)]

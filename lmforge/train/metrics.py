@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -37,18 +38,6 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     head = d * (cfg.num_labels or cfg.vocab_size)
     matmul_params = cfg.num_layers * (attn + mlp) + head
     return 6.0 * matmul_params + 12.0 * cfg.num_layers * seq_length * h * hd
-
-
-def measure_cpu_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of the best of a few n^3 GEMMs, in this process with its thread count."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm up the kernels
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def bounded_cpu_peak(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3,
@@ -101,8 +90,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 
 def nodes_from_env() -> int:
     """Machines in a torchrun/Slurm launch: WORLD_SIZE / LOCAL_WORLD_SIZE (processes per node); 1 when unset."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return max(1, world // max(1, local))

@@ -15,6 +15,7 @@ model to MeshTraining, which applies the plans (build_mesh + parallelize) and th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,8 +64,6 @@ def check_pipeline_batch(layout: ParallelConfig, grad_accum: int, micro_batch_si
     A pipeline step runs the whole local batch, one pipeline microbatch per micro-batch, so the
     gradient accumulation *is* the microbatch count: global = micro x microbatches x data-parallel.
     """
-    import dataclasses
-
     if layout.pipeline == 1:
         return layout
     if layout.microbatches and layout.microbatches != grad_accum:
