@@ -11,6 +11,19 @@ from pathlib import Path
 from lmforge.errors import UserError
 
 
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write `data` to `path` through a temporary sibling renamed over it: a reader (or a crash) sees the
+    old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it is renamed to `final`.

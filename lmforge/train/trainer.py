@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.errors import UserError
+from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.data_parallel import all_reduce_mean, gradient_sync, init_world, unwrap, wrap
 from lmforge.train.checkpointing import TrainCheckpoints
@@ -325,6 +326,4 @@ def _truncate_metrics(path: Path, step: int) -> None:
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
             rows.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    tmp.replace(path)
+    atomic_write(path, "".join(r + "\n" for r in rows))
