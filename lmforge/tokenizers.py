@@ -46,6 +46,28 @@ class Tokenizer(ABC):
     eos_id: int | None = None
     pad_id: int | None = None
     files: list[Path]
+    # What the files themselves say about bos (tokenizer_config.json's add_bos_token, a tokenizer.json
+    # template that prepends it); None when they say nothing. Read by add_bos_token.
+    _declared_add_bos: bool | None = None
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether the texts this tokenizer's models read start with bos: prompts (generate, serve, the chat
+        fallback) and fine-tuning examples get one exactly when this is True. transformers' name and rule:
+
+        * the files decide when they say: tokenizer_config.json's "add_bos_token" (Llama 2's published
+          folders say true), else a tokenizer.json whose template prepends bos (Llama 3's "<|begin_of_text|> $A");
+        * files that say nothing (a bare SentencePiece .model, GPT-2's vocab.json + merges.txt, most
+          tokenizer.json): bos is added when it is a control token of its own, distinct from the end-of-document
+          token. Llama 2's <s> is; GPT-2 and GPT-NeoX/Pythia have only <|endoftext|> for bos, eos and eod, and
+          their prompts start without it, as with AutoTokenizer. Comparing with eod, not eos, matters where the
+          two differ: Qwen's chat tokenizers name <|im_end|> eos, and their <|endoftext|> is no bos to prepend.
+        """
+        if self.bos_id is None:
+            return False
+        if self._declared_add_bos is not None:
+            return self._declared_add_bos
+        return self.bos_id != self.eod_id
 
     @abstractmethod
     def _encode(self, text: str) -> list[int]: ...
@@ -92,6 +114,8 @@ class Tokenizer(ABC):
             if not cfg.is_file():
                 continue
             data = _read_json(cfg)
+            if isinstance(data.get("add_bos_token"), bool):
+                self._declared_add_bos = data["add_bos_token"]
             for key in ("bos", "eos", "pad"):
                 tok = data.get(f"{key}_token")
                 if isinstance(tok, dict):  # AddedToken serialised as {"content": ..., "lstrip": ...}
@@ -122,6 +146,10 @@ class HFTokenizer(Tokenizer):
         self.bos_id = self._first_id(ENDOFTEXT, "<s>")
         self.pad_id = self._first_id(*PAD_TOKENS)
         self._set_special_ids()
+        if self._declared_add_bos is None and self.bos_id is not None:
+            # A post-processor template that prepends bos (Llama 3) shows in the encoding of an empty text.
+            if tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]:
+                self._declared_add_bos = True
 
     def _first_id(self, *names: str) -> int | None:
         return next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)

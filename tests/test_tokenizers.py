@@ -239,6 +239,39 @@ def test_tokenizer_config_overrides_and_travels(tmp_path):
     assert load_tokenizer(tmp_path / "out").pad_id == 0
 
 
+def test_add_bos_token_follows_the_files_then_the_eod_rule(gpt2_bpe, gpt2_json, neox, llama, hf_neox, tmp_path):
+    # GPT-2 and NeoX: bos, eos and eod are all <|endoftext|>; transformers starts their texts without it.
+    assert not any(t.add_bos_token for t in (gpt2_bpe, gpt2_json, neox))
+    assert hf_neox("Hello world")["input_ids"] == neox.encode("Hello world", add_bos=neox.add_bos_token)
+    # Llama 2: a bare tokenizer.model (Meta's format; its generate prepends bos) and its Hugging Face folder,
+    # whose tokenizer_config.json says add_bos_token: true; a config that says false is obeyed.
+    assert llama.add_bos_token and llama.encode("Hello world", add_bos=llama.add_bos_token) == [1, 15043, 3186]
+    for declared in (True, False):
+        folder = tmp_path / f"llama-{declared}"
+        folder.mkdir()
+        shutil.copyfile(shared(LLAMA), folder / "tokenizer.model")
+        (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": declared, "bos_token": "<s>"}))
+        assert load_tokenizer(folder).add_bos_token is declared
+    # A tokenizer.json whose template prepends bos (as Llama 3's does) declares it, even where bos is eod.
+    import tokenizers as hf
+
+    inner = hf.Tokenizer.from_file(str(shared(GPT2 / "tokenizer.json")))
+    eot = inner.token_to_id("<|endoftext|>")
+    inner.post_processor = hf.processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                            special_tokens=[("<|endoftext|>", eot)])
+    (tmp_path / "template").mkdir()
+    inner.save(str(tmp_path / "template" / "tokenizer.json"))
+    assert load_tokenizer(tmp_path / "template").add_bos_token
+    # Qwen's chat kind: eos <|im_end|>, no bos named; <|endoftext|> is eod, not a bos to prepend.
+    inner.post_processor = None
+    inner.add_special_tokens(["<|im_end|>"])
+    (tmp_path / "chat").mkdir()
+    inner.save(str(tmp_path / "chat" / "tokenizer.json"))
+    (tmp_path / "chat" / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>"}))
+    chat = load_tokenizer(tmp_path / "chat")
+    assert chat.eos_id == inner.token_to_id("<|im_end|>") and not chat.add_bos_token
+
+
 # --- errors a user can cause ---------------------------------------------------------------------------------
 
 

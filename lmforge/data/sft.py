@@ -25,8 +25,9 @@ merge with the prompt's end, and for SentencePiece, which starts each piece with
 `input_ids`, the Hugging Face convention, where the loss shifts them by one. The first token of an example
 never has a label, so in a packed sequence no token is trained to predict the next example.
 
-bos: by default added when the tokenizer has a bos distinct from its eod (Llama's <s>), not for GPT-2 and
-NeoX, whose only control token is <|endoftext|>. eos: the tokenizer's eos (else its eod).
+bos: by default the tokenizer's rule, `Tokenizer.add_bos_token` (Llama's <s> yes; GPT-2 and NeoX, whose only
+control token is <|endoftext|>, no), the same rule prompts follow at generation. eos: the tokenizer's eos
+(else its eod).
 
 Serving a fine-tuned model: `encode_prompt` / `encode_chat_prompt` give the ids of a prompt laid out
 exactly as in training (eos after earlier answers included), ending where the model must answer.
@@ -183,18 +184,13 @@ def tokenize_turns(
     return out
 
 
-def default_add_bos(tokenizer: Tokenizer) -> bool:
-    """Add bos when the tokenizer has one distinct from its eod (Llama's <s>), not for GPT-2/NeoX."""
-    return tokenizer.bos_id is not None and tokenizer.bos_id != tokenizer.eod_id
-
-
 def encode_prompt(turns: Turns, tokenizer: Tokenizer, add_bos: bool | None = None) -> list[int]:
     """Generation-time ids: `turns` as in training, up to where the model must write the last response.
 
     The last turn's response is ignored (give ""); a served model thus sees exactly the token layout it was
     fine-tuned on, eos after earlier answers included.
     """
-    add_bos = default_add_bos(tokenizer) if add_bos is None else add_bos
+    add_bos = tokenizer.add_bos_token if add_bos is None else add_bos
     *history, (last_prompt, _) = turns
     ids, _ = tokenize_turns([[*history, (last_prompt, "")]], tokenizer, add_bos)[0]
     return ids[:-1].tolist()  # the eos that ended the empty response
@@ -245,7 +241,7 @@ class SFTDataset(Dataset):
             raise UserError(f"seq_length must be at least 2, not {seq_length}")
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         if add_bos is None:
-            add_bos = default_add_bos(tok)
+            add_bos = tok.add_bos_token
         self.path, self.seq_length, self.packing = Path(path), seq_length, packing
         self.pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id if tok.eos_id is not None else tok.eod_id
         self.collate = PadCollator(self.pad_id)

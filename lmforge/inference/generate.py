@@ -254,14 +254,11 @@ def generate_text(
 
     Generation of a row stops at eos (the model's and the tokenizer's) or once its text contains a
     stop string, and the text is cut before the first stop string (as OpenAI's API does).
-    add_bos None: add bos when the tokenizer has one distinct from eos (Llama's <s>; GPT-2 and NeoX
-    use <|endoftext|> for both and start without it), as their Hugging Face tokenizers do.
+    add_bos None: the tokenizer's rule (Tokenizer.add_bos_token: Llama's <s> yes, GPT-2 and NeoX no).
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-    if add_bos is None:
-        add_bos = tokenizer.bos_id is not None and tokenizer.bos_id != tokenizer.eos_id
-    encoded = tokenizer.encode_batch(prompts, add_bos=add_bos)
+    encoded = tokenizer.encode_batch(prompts, add_bos=tokenizer.add_bos_token if add_bos is None else add_bos)
     if stop_token_ids is None:
         stop_token_ids = {*_stop_ids(model, None), *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}
     stop_ids = set(_stop_ids(model, stop_token_ids))

@@ -151,8 +151,7 @@ class Server:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        tok = self.tokenizer
-        ids = tok.encode(prompt, add_bos=tok.bos_id is not None and tok.bos_id != tok.eos_id)  # as generate_text
+        ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
         if not ids:
             raise APIError(400, "the prompt is empty: give it some text", param="prompt")
         return ids

@@ -137,8 +137,7 @@ class ChatFormat:
 
     def _fallback(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         text = "".join(f"{ROLE_NAMES[role]}: {content.strip()}\n" for role, content in messages) + "Assistant:"
-        tok = self.tokenizer
-        return tok.encode(text, add_bos=tok.bos_id is not None and tok.bos_id != tok.eos_id)
+        return self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos_token)
 
 
 def _raise(message: str):
