@@ -29,15 +29,11 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
-from lmforge.inference.generate import _check_model, _stop_ids
+from lmforge.inference.generate import check_can_generate
 from lmforge.inference.sampling import SamplingParams, choose_next
+from lmforge.inference.text import TextStream, eos_token_ids
 
 log = logging.getLogger(__name__)
-
-# Prompt tokens decoded in front of the completion, so that text depending on its left context
-# (SentencePiece's leading space, a multi-byte character split over tokens) comes out right.
-CONTEXT_TOKENS = 4
-
 
 class EngineBusy(Exception):
     """The waiting queue is full: the caller should answer 'try again later' (HTTP 503)."""
@@ -66,50 +62,6 @@ class Event:
     error: str | None = None
 
 
-class TextStream:
-    """A completion's text as its tokens arrive: the part safe to show now, and where a stop string ends it.
-
-    Held back until the next token: a trailing incomplete UTF-8 character (decoders show U+FFFD) and a
-    tail that may be the start of a stop string, so that streamed text never shows what the final text
-    leaves out.
-    """
-
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str]):
-        self.tokenizer = tokenizer
-        self.context = list(prompt_ids[-CONTEXT_TOKENS:])
-        self.head = tokenizer.decode(self.context)
-        self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the text already handed out
-
-    def text(self) -> str:
-        full = self.tokenizer.decode(self.context + self.ids)
-        return full[len(self.head) :] if full.startswith(self.head) else self.tokenizer.decode(self.ids)
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """(text to show now, whether a stop string has ended the completion)."""
-        self.ids.append(token)
-        text = self.text()
-        longest = max((len(s) for s in self.stop), default=0)
-        start = max(0, self.sent - longest + 1)
-        cut = min((i for s in self.stop if (i := text.find(s, start)) >= 0), default=-1)
-        if cut >= 0:
-            return self._take(text, cut), True
-        safe = len(text.rstrip("\ufffd"))
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
-        return self._take(text, safe - hold), False
-
-    def flush(self) -> str:
-        """The rest of the text, once no token follows."""
-        return self._take(self.text(), None) if self.ids else ""
-
-    def _take(self, text: str, end: int | None) -> str:
-        end = len(text) if end is None else end
-        delta = text[self.sent : end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return delta
-
-
 class EngineRequest:
     def __init__(self, prompt_ids: Sequence[int], params: RequestParams, on_event: Callable[[Event], None],
                  tokenizer, vocab_size: int, device: torch.device):
@@ -133,7 +85,7 @@ class EngineRequest:
 
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None):
-        _check_model(model)
+        check_can_generate(model)
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         if config.max_batch < 1:
@@ -143,8 +95,7 @@ class Engine:
         p = next(model.parameters())
         self.device = p.device
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device)
-        eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-        self.stop_ids = {*_stop_ids(model, None), *eos}
+        self.stop_ids = eos_token_ids(model, tokenizer)
         self.slots: list[EngineRequest | None] = [None] * config.max_batch
         self.waiting: deque[EngineRequest] = deque()
         self._cond = threading.Condition()

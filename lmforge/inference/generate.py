@@ -22,6 +22,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.sampling import SamplingParams, choose_next
+from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return ids.to(device), mask.to(device)
 
 
-def _stop_ids(model: nn.Module, stop_token_ids: int | Iterable[int] | None) -> list[int]:
-    if stop_token_ids is None:  # the model's eos, if its config names one
-        stop_token_ids = model.config.eos_token_id
-    if stop_token_ids is None:
-        return []
-    return [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
-
-
-def _check_model(model: nn.Module) -> None:
+def check_can_generate(model: nn.Module) -> None:
+    """Raise UserError unless the model is a decoder language model."""
     cfg = getattr(model, "config", None)
     if cfg is None or not cfg.is_decoder or getattr(model, "score", None) is not None:
         kind = "a classification model" if cfg is not None and cfg.num_labels else f"a {getattr(cfg, 'family', '?')}"
@@ -111,7 +105,7 @@ def generate(
     torch.compile (see _decode_step): the first call compiles (seconds to a minute), later calls with the
     same model, batch size and cache size (a power of two) reuse the graph; greedy tokens are those of eager.
     """
-    _check_model(model)
+    check_can_generate(model)
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, do_sample)
     if max_new_tokens < 0:
         raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -124,7 +118,8 @@ def generate(
                         f"{cfg.max_position_embeddings} positions: shorten one of them")
     if max_new_tokens == 0:
         return [[] for _ in range(b)]
-    stop = torch.tensor(_stop_ids(model, stop_token_ids), dtype=torch.long, device=device)
+    stop_ids = eos_token_ids(model) if stop_token_ids is None else token_ids(stop_token_ids)
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     seen = None
     if params.repetition_penalty != 1.0:  # which tokens each row has seen, padding excluded
@@ -232,13 +227,6 @@ def _trim(rows: list[list[int]], stop: list[int], host: list[list[int]] | None) 
     return result
 
 
-def completion_text(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
-    """The text that new_ids add after the prompt. Decoding prompt + new and removing the prompt's own
-    text keeps what depends on context (SentencePiece's leading space); the fallback decodes alone."""
-    full, head = tokenizer.decode([*prompt_ids, *new_ids]), tokenizer.decode(prompt_ids)
-    return full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids)
-
-
 def generate_text(
     model: nn.Module,
     tokenizer,
@@ -259,13 +247,14 @@ def generate_text(
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     encoded = tokenizer.encode_batch(prompts, add_bos=tokenizer.add_bos_token if add_bos is None else add_bos)
-    if stop_token_ids is None:
-        stop_token_ids = {*_stop_ids(model, None), *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])}
-    stop_ids = set(_stop_ids(model, stop_token_ids))
+    stop_ids = eos_token_ids(model, tokenizer) if stop_token_ids is None else token_ids(stop_token_ids)
+    streams = [TextStream(tokenizer, ids, stops) for ids in encoded]
 
     def has_stop(row: int, ids: list[int]) -> bool:
-        text = completion_text(tokenizer, encoded[row], ids)
-        return any(s in text for s in stops)
+        stream, stopped = streams[row], False
+        for token in ids[len(stream.ids) :]:
+            stopped = stream.push(token)[1] or stopped
+        return stopped
 
     outputs = generate(model, encoded, max_new_tokens, stop_token_ids=sorted(stop_ids),
                        should_stop=has_stop if stops else None, **kwargs)

@@ -8,8 +8,9 @@ import torch
 
 from lmforge.errors import UserError
 from lmforge.inference import generate
-from lmforge.inference.engine import Engine, EngineBusy, EngineConfig, RequestParams, TextStream
+from lmforge.inference.engine import Engine, EngineBusy, EngineConfig, RequestParams
 from lmforge.inference.sampling import SamplingParams
+from lmforge.inference.text import TextStream
 from lmforge.models import load_pretrained
 from tests.conftest import make_hf_model
 

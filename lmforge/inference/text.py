@@ -1,0 +1,84 @@
+"""The text rules of generation, one copy for `generate_text` and the serving engine: which token ids end a
+completion, and how its new tokens become text, all at once (`completion_text`) or as they arrive
+(`TextStream`). Both decode the new tokens behind the same few prompt tokens, so a streamed completion
+adds up to the text a whole one gives. Whether a prompt starts with bos is the tokenizer's rule
+(`Tokenizer.add_bos_token`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+# Prompt tokens decoded in front of the completion, so that text depending on its left context
+# (SentencePiece's leading space, a multi-byte character split over tokens) comes out right.
+CONTEXT_TOKENS = 4
+
+
+def token_ids(ids: int | Iterable[int] | None) -> set[int]:
+    """An id, a list of ids (Hugging Face configs give either for eos) or None, as a set."""
+    if ids is None:
+        return set()
+    return {ids} if isinstance(ids, int) else set(ids)
+
+
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """The ids that end a completion by default: the model config's eos and the tokenizer's."""
+    eos = token_ids(model.config.eos_token_id)
+    if tokenizer is not None and tokenizer.eos_id is not None:
+        eos.add(tokenizer.eos_id)
+    return eos
+
+
+def _decode_after(tokenizer, context: list[int], head: str, ids: Sequence[int]) -> str:
+    """The text `ids` add after `context` (whose own text is `head`); decoded alone if that is not a prefix."""
+    full = tokenizer.decode([*context, *ids])
+    return full[len(head) :] if full.startswith(head) else tokenizer.decode(list(ids))
+
+
+def completion_text(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+    """The text that new_ids add after the prompt."""
+    context = list(prompt_ids[-CONTEXT_TOKENS:])
+    return _decode_after(tokenizer, context, tokenizer.decode(context), new_ids)
+
+
+class TextStream:
+    """A completion's text as its tokens arrive: the part safe to show now, and where a stop string ends it.
+
+    Held back until the next token: a trailing incomplete UTF-8 character (decoders show U+FFFD) and a
+    tail that may be the start of a stop string, so that streamed text never shows what the final text
+    leaves out.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.context = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.head = tokenizer.decode(self.context)
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already handed out
+
+    def text(self) -> str:
+        return _decode_after(self.tokenizer, self.context, self.head, self.ids)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """(text to show now, whether a stop string has ended the completion)."""
+        self.ids.append(token)
+        text = self.text()
+        longest = max((len(s) for s in self.stop), default=0)
+        start = max(0, self.sent - longest + 1)
+        cut = min((i for s in self.stop if (i := text.find(s, start)) >= 0), default=-1)
+        if cut >= 0:
+            return self._take(text, cut), True
+        safe = len(text.rstrip("\ufffd"))
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
+        return self._take(text, safe - hold), False
+
+    def flush(self) -> str:
+        """The rest of the text, once no token follows."""
+        return self._take(self.text(), None) if self.ids else ""
+
+    def _take(self, text: str, end: int | None) -> str:
+        end = len(text) if end is None else end
+        delta = text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
