@@ -11,6 +11,9 @@ at different times).
 
 Grouped-query attention keeps num_kv_heads heads in the cache (Llama-2-70B: 8 instead of 64);
 SDPA's enable_gqa shares them among the query heads without a copy per step.
+
+The models see it through lmforge.models.kv_cache.KVCache (attention_mask and layer), so they need not
+import inference.
 """
 
 from __future__ import annotations

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lmforge.models.config import ModelConfig
+from lmforge.models.kv_cache import KVCache
 from lmforge.models.layers import Block, VocabProjection, make_norm, padding_mask
 from lmforge.models.rope import RotaryEmbedding
-
-if TYPE_CHECKING:  # the cache lives with inference, which imports the models
-    from lmforge.inference.cache import KVCache
 
 
 class Decoder(nn.Module):
