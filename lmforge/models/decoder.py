@@ -16,6 +16,11 @@ from lmforge.models.rope import RotaryEmbedding
 class Decoder(nn.Module):
     # Parameters whose first dimension is the padded vocabulary (rows past vocab_size are padding).
     vocab_parameters = ("embed.weight", "lm_head.weight", "lm_head.bias")
+    # A pipeline stage (lmforge.parallel.pipeline) is a Decoder without the modules it does not hold: one
+    # that is not the first takes the previous stage's hidden states in place of input_ids, one that is not
+    # the last returns its blocks' output. Flags, not the modules' presence, say which: a tied model's last
+    # stage holds `embed` for its head but must not embed its input. A whole model is both.
+    is_first = is_last = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -48,14 +53,19 @@ class Decoder(nn.Module):
         `cache_position` (seq,) and attend to every real token cached before them; attention_mask then
         covers only the new tokens, and position_ids default to the slots.
         """
-        b, s = input_ids.shape
-        if position_ids is None:
-            positions = torch.arange(s, device=input_ids.device) if cache_position is None else cache_position
-            position_ids = positions.expand(b, s)
-        x = self.embed(input_ids)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(position_ids)
-        x = self.drop(x)
+        if self.is_first:
+            b, s = input_ids.shape
+            if position_ids is None:
+                positions = torch.arange(s, device=input_ids.device) if cache_position is None else cache_position
+                position_ids = positions.expand(b, s)
+            x = self.embed(input_ids)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(position_ids)
+            x = self.drop(x)
+        else:
+            x = input_ids  # (batch, seq, hidden) from the previous pipeline stage
+            if position_ids is None and self.rope is not None:  # under SP x holds 1/TP of the sequence
+                raise ValueError("pipeline stages after the first need position_ids (pipeline_step passes them)")
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
         if cache is not None:
             if cache_position is None:
@@ -69,7 +79,7 @@ class Decoder(nn.Module):
             mask = attention_mask if attention_mask.dim() == 4 else padding_mask(attention_mask, True)
         for layer in self.layers:
             x = layer(x, rope, mask)
-        return self.norm(x)
+        return self.norm(x) if self.is_last else x
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head's weight and bias (LM head or tied embedding), padded_vocab_size rows."""
@@ -104,8 +114,11 @@ class Decoder(nn.Module):
 
         head_fn(hidden, head weight, head bias), if given, is returned instead of the logits: a
         loss that never materialises them (lmforge.train.loss), run inside forward for DDP/FSDP.
+        A pipeline stage that is not the last returns its hidden states (batch, seq, hidden).
         """
         h = self.hidden_states(input_ids, attention_mask, position_ids, cache, cache_position)
+        if not self.is_last:
+            return h
         if self.score is not None:
             return self.classify(h, input_ids, attention_mask)
         if head_fn is not None:

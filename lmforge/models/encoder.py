@@ -55,6 +55,9 @@ class Bert(nn.Module):
     """Encoder + MLM head (num_labels == 0) or pooler + classifier (num_labels > 0)."""
 
     vocab_parameters = ("embeddings.word.weight", "mlm_head.bias")
+    # A pipeline stage is a Bert without the modules it does not hold (see Decoder.is_first): the last
+    # stage holds the word embedding for the MLM head but must not embed its input.
+    is_first = is_last = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -73,7 +76,7 @@ class Bert(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        x = self.embeddings(input_ids, token_type_ids, position_ids) if self.is_first else input_ids
         mask = padding_mask(attention_mask, False) if attention_mask is not None else None
         for layer in self.layers:
             x = layer(x, None, mask)
@@ -89,8 +92,11 @@ class Bert(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """MLM logits (batch, seq, vocab_size), or classification logits (batch, num_labels)."""
+        """MLM logits (batch, seq, vocab_size), or classification logits (batch, num_labels); a pipeline
+        stage that is not the last returns its hidden states."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
+        if not self.is_last:
+            return h
         if self.classifier is not None:
             return self.classifier(self.drop(self.pooled(h)))
         return self.mlm_head(h, self.embeddings.word.weight)
