@@ -1,94 +1,90 @@
 """Pipeline parallelism: a Decoder or Bert split by layer into stages for torch.distributed.pipelining.
 
-The split is manual, not traced: a stage is a small module that *references* the model's own
-submodules (the embedding on the first stage, a run of blocks, the final norm and head on the
-last), so every parameter keeps its model name ("layers.7.attn.qkv.weight") and a DCP checkpoint
-written under any pipeline layout loads under any other. With virtual stages (interleaved 1F1B)
-pipeline rank r holds stages r, r + P, r + 2P, ... (Megatron's interleaved assignment).
+A stage is the model itself with the modules it does not hold removed (torchtitan's
+pipeline_module_split): the same class and the same forward, which skips what is absent and takes
+hidden states on a stage after the first / returns them on a stage before the last (the models'
+is_first / is_last). Nothing is allocated or copied: a stage is a shallow copy of the model object
+with registries of its own, holding the model's own submodules, so every parameter keeps its model
+name ("layers.7.attn.qkv.weight") and a DCP checkpoint written under any pipeline layout loads under
+any other. With virtual stages (interleaved 1F1B) pipeline rank r holds stages r, r + P, r + 2P, ...
+(Megatron's interleaved assignment).
 
-Tied embeddings (GPT-2, BERT): the last stage keeps its own copy of the word embedding for the
-output projection, and after each backward the copies' gradients are summed between the first and
-the last stage (Megatron's embedding group), so both stay equal to the single-model weight.
+Tied embeddings (GPT-2, BERT): the last stage also holds the word embedding for the output
+projection (its own copy once the ranks are separate processes), and after each backward the copies'
+gradients are summed between the first and the last stage (Megatron's embedding group), so both stay
+equal to the single-model weight.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from lmforge.models.layers import padding_mask
+# Which stages hold each of a model's submodules besides `layers` (split by index). The last stage of a
+# tied model also holds the word embedding, which its head reads. A submodule not named here is an error
+# (a stage would silently miss it, or every stage would hold its parameters).
+_FIRST = {"decoder": {"embed", "pos_embed", "drop"}, "bert": {"embeddings"}}
+_LAST = {"decoder": {"norm", "lm_head", "vocab_projection", "score"},
+         "bert": {"mlm_head", "pooler", "classifier", "drop"}}
+_EVERY = {"decoder": {"rope"}, "bert": set()}
 
 
-class DecoderStage(nn.Module):
-    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool):
+class StageLayers(nn.Module):
+    """A stage's run of blocks under their model indices (so "layers.7.attn.qkv.weight" keeps its name),
+    iterated like the model's ModuleList: `for layer in self.layers` in the model's forward, FSDP and
+    tensor-parallel plans per block, activation checkpointing."""
+
+    def __init__(self, layers: nn.ModuleList, layer_ids: list[int]):
         super().__init__()
-        self.config = model.config
-        self.is_first, self.is_last = is_first, is_last
-        tied = model.lm_head is None
-        self.embed = model.embed if is_first or (is_last and tied) else None
-        self.pos_embed = model.pos_embed if is_first else None
-        self.drop = model.drop
-        self.rope = model.rope
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm = model.norm if is_last else None
-        self.lm_head = model.lm_head if is_last else None
-        self.vocab_projection = model.vocab_projection if is_last else None
-        self.tied_parameters = ("embed.weight",) if tied and is_last and not is_first else ()
+        for i in layer_ids:
+            self.add_module(str(i), layers[i])
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.is_first:
-            if position_ids is None:
-                b, s = x.shape
-                position_ids = torch.arange(s, device=x.device).expand(b, s)
-            h = self.embed(x)
-            if self.pos_embed is not None:
-                h = h + self.pos_embed(position_ids)
-            x = self.drop(h)
-        rope = None
-        if self.rope is not None:
-            if position_ids is None:  # a later stage cannot know the sequence length under SP
-                raise ValueError("pipeline stages after the first need position_ids (pipeline_step passes them)")
-            rope = self.rope(position_ids, x.dtype)
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask if attention_mask.dim() == 4 else padding_mask(attention_mask, True)
-        for layer in self.layers.values():
-            x = layer(x, rope, mask)
-        if not self.is_last:
-            return x
-        h = self.norm(x)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        bias = self.lm_head.bias if self.lm_head is not None else None
-        return self.vocab_projection(h, weight, bias)
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
-class BertStage(nn.Module):
-    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool):
-        super().__init__()
-        self.config = model.config
-        self.is_first, self.is_last = is_first, is_last
-        if is_first:
-            self.embeddings = model.embeddings
-        elif is_last:  # only the tied word embedding, under its model name
-            self.embeddings = nn.Module()
-            self.embeddings.word = model.embeddings.word
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.mlm_head = model.mlm_head if is_last else None
-        self.tied_parameters = ("embeddings.word.weight",) if is_last and not is_first else ()
+def _pruned(module: nn.Module, keep: set[str]) -> nn.Module:
+    """`module` holding only the submodules named in `keep` (the others None, which its forward skips).
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.is_first:
-            x = self.embeddings(x, token_type_ids, position_ids)
-        mask = padding_mask(attention_mask, False) if attention_mask is not None else None
-        for layer in self.layers.values():
-            x = layer(x, None, mask)
-        if not self.is_last:
-            return x
-        return self.mlm_head(x, self.embeddings.word.weight)
+    A shallow copy: the same class and attributes, the model's own submodule and parameter objects
+    (nothing allocated, a meta model stays on meta), but its own registries (_modules, _parameters,
+    hooks), so pruning it, wrapping it in FSDP or hooking it leaves the model alone.
+    """
+    stage = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            vars(stage)[key] = copy.copy(value)
+    for name in module._modules:
+        if name not in keep:
+            stage._modules[name] = None
+    return stage
+
+
+def _stage(model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool) -> nn.Module:
+    family = "bert" if model.config.family == "bert" else "decoder"
+    first, last, every = _FIRST[family], _LAST[family], _EVERY[family]
+    unknown = set(model._modules) - first - last - every - {"layers"}
+    if unknown:
+        raise RuntimeError(f"split_model does not know which pipeline stage holds {sorted(unknown)}")
+    stage = _pruned(model, every | (first if is_first else set()) | (last if is_last else set()))
+    stage.layers = StageLayers(model.layers, layer_ids)
+    stage.is_first, stage.is_last = is_first, is_last
+    stage.tied_parameters = ()
+    if is_last and not is_first:
+        if family == "bert" and model.mlm_head is not None:  # only the word embedding, under its model name
+            stage.embeddings = _pruned(model.embeddings, {"word"})
+            stage.tied_parameters = ("embeddings.word.weight",)
+        elif family == "decoder" and model.lm_head is None and model.score is None:
+            stage.embed = model.embed
+            stage.tied_parameters = ("embed.weight",)
+    return stage
 
 
 def stage_ids(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
@@ -97,14 +93,14 @@ def stage_ids(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
 
 
 def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: int = 1) -> list[nn.Module]:
-    """This rank's stage modules, each with num_layers / (pp_size * virtual_stages) consecutive blocks."""
+    """This rank's stages, each the model (same class, same forward) holding num_layers / (pp_size *
+    virtual_stages) consecutive blocks and, on the first and last stage, the embeddings and the head."""
     num_stages = pp_size * virtual_stages
     per_stage = len(model.layers) // num_stages
-    cls = BertStage if model.config.family == "bert" else DecoderStage
     parts = []
     for stage in stage_ids(pp_rank, pp_size, virtual_stages):
         layers = list(range(stage * per_stage, (stage + 1) * per_stage))
-        parts.append(cls(model, layers, stage == 0, stage == num_stages - 1))
+        parts.append(_stage(model, layers, stage == 0, stage == num_stages - 1))
     return parts
 
 

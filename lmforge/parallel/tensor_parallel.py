@@ -137,9 +137,8 @@ def _has(model: nn.Module, path: str) -> bool:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a model or of a pipeline stage (whose layers keep their model indices)."""
-    layers = model.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    """The transformer blocks of a model or of a pipeline stage (whose layers iterate like the model's)."""
+    return list(model.layers)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True,
