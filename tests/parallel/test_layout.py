@@ -80,6 +80,45 @@ def test_stages_chained_equal_the_model(name):
     assert names == {n for n, _ in model.named_parameters()}
 
 
+@pytest.mark.parametrize("name", ["tiny-neox", "tiny-llama", "tiny-gpt2", "tiny-bert"])
+def test_a_stage_is_the_model_without_what_it_does_not_hold(name):
+    """A stage is the model's class, so it runs the model's own forward; it holds the model's own
+    parameter objects under their names (nothing copied); a tied last stage keeps the word embedding
+    for its head but never runs it on its input; splitting leaves the whole model as it was."""
+    cfg = replace(preset(name), num_layers=4)
+    model = build(cfg, seed=0).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    before = model(ids)
+    params = dict(model.named_parameters())
+    word = model.embeddings.word if cfg.family == "bert" else model.embed
+    stages = [s for r in range(2) for s in split_model(model, r, 2)]
+    assert all(type(s) is type(model) for s in stages)
+    for s in stages:
+        assert all(p is params[n] for n, p in s.named_parameters())
+    assert [[n for n, _ in s.layers.named_children()] for s in stages] == [["0", "1"], ["2", "3"]]
+    assert [(s.is_first, s.is_last) for s in stages] == [(True, False), (False, True)]
+    tied = {"tiny-gpt2": ("embed.weight",), "tiny-bert": ("embeddings.word.weight",)}.get(name, ())
+    assert [s.tied_parameters for s in stages] == [(), tied]
+    calls = []
+    word.register_forward_hook(lambda *_: calls.append(1))
+    stages[1].register_forward_hook(lambda *_: calls.append("stage"))  # the stage's own hooks, not the model's
+    positions = torch.arange(12).expand(2, 12)
+    torch.testing.assert_close(stages[1](stages[0](ids), position_ids=positions), before, rtol=0, atol=0)
+    assert calls == [1, "stage"]
+    calls.clear()
+    torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
+    assert calls == [1]
+    assert dict(model.named_parameters()).keys() == params.keys()
+
+
+def test_a_rotary_stage_after_the_first_needs_position_ids():
+    """Under sequence parallelism a later stage sees 1/TP of the sequence: it cannot count positions."""
+    model = build(replace(preset("tiny-llama"), num_layers=2), seed=0)
+    later = split_model(model, 1, 2)[0]
+    with pytest.raises(ValueError, match="need position_ids"):
+        later(torch.zeros(1, 4, model.config.hidden_size))
+
+
 @pytest.fixture
 def fake_two_ranks():
     """A 2-rank process group inside this process ("fake" backend): enough for checks that fire
