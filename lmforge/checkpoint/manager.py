@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import write_config
+from lmforge.models.source import dcp_error_line, load_checkpoint_model
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +117,8 @@ class CheckpointManager:
         # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
         # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
         except (Exception, CheckpointException) as e:
-            first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-            raise UserError(f"checkpoint '{path}' does not fit this model/optimizer ({first}): resume with the "
-                            "config it was written with") from None
+            raise UserError(f"checkpoint '{path}' does not fit this model/optimizer ({dcp_error_line(e)}): resume "
+                            "with the config it was written with") from None
         self.load_state_dicts(model, optimizer, state["model"], state.get("optim"), path)
         rng = path / f"rng-rank{_rank()}.json"
         if rng.exists():
@@ -164,5 +164,5 @@ class CheckpointManager:
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model part of a training checkpoint (fine-tuning / continued pretraining)."""
     sd = get_state_dict(model, [], options=StateDictOptions())[0]
-    dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    load_checkpoint_model(sd, path)
     set_state_dict(model, [], model_state_dict=sd, optim_state_dict={})

@@ -4,8 +4,8 @@ from lmforge.models.build import as_config, build, init_weights, num_parameters
 from lmforge.models.config import ModelConfig
 from lmforge.models.decoder import Decoder
 from lmforge.models.encoder import Bert
-from lmforge.models.io import load_pretrained
 from lmforge.models.presets import PRESETS, preset
+from lmforge.models.source import load_pretrained
 
 __all__ = [
     "PRESETS", "Bert", "Decoder", "ModelConfig", "as_config", "build", "init_weights", "load_pretrained",

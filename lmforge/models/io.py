@@ -4,7 +4,8 @@
     OUT_DIR/model.safetensors     (or model-00001-of-0000N.safetensors + model.safetensors.index.json)
     OUT_DIR/tokenizer.json ...    copied from the source
 
-Tensors are in lmforge's own layout (fused grouped qkv, rotary pairing, padded vocabulary).
+Tensors are in lmforge's own layout (fused grouped qkv, rotary pairing, padded vocabulary). Reading a
+model back, whatever folder it is in: lmforge.models.source.
 """
 
 from __future__ import annotations
@@ -113,16 +114,21 @@ def read_config(folder: Path) -> ModelConfig:
     return from_dict(ModelConfig, meta["model"], where="model.")
 
 
-def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
-    """name -> tensor over an lmforge folder's safetensors (single file or sharded)."""
+def safetensors_index(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (one model.safetensors, or shards and their index)."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
-        where = {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    elif (folder / "model.safetensors").exists():
-        with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            where = dict.fromkeys(f.keys(), folder / "model.safetensors")
-    else:
+    if index.is_file():
+        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
         raise UserError(f"no model.safetensors in '{folder}': is it an lmforge model folder?")
+    with safe_open(str(single), "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
+    """name -> tensor over an lmforge folder's safetensors (single file or sharded); `.names` lists them."""
+    where = safetensors_index(folder)
     handles: dict[Path, object] = {}
 
     def get(name: str) -> torch.Tensor:
@@ -162,25 +168,6 @@ def materialize(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
         if isinstance(module, RotaryEmbedding):
             module.reset_parameters()
     return model.eval()
-
-
-def load_pretrained(path: str | Path, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> nn.Module:
-    """Load an lmforge model folder or a Hugging Face folder (converted on the fly) for inference."""
-    from lmforge.models.hf import hf_tensors, is_hf_dir  # noqa: PLC0415 (hf imports this module)
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise UserError(f"model folder '{folder}' does not exist")
-    if is_model_dir(folder):
-        cfg = read_config(folder)
-        get = read_tensors(folder)
-        return materialize(cfg, ((n, get(n)) for n in get.names), device, dtype)
-    if is_hf_dir(folder):
-        cfg, tensors = hf_tensors(folder)
-        return materialize(cfg, tensors, device, dtype)
-    raise UserError(f"'{folder}' is neither an lmforge model folder ({CONFIG_NAME}) nor a Hugging Face one "
-                    "(config.json)")
 
 
 def save_model(model: nn.Module, out_dir: str | Path, tokenizer_from: str | Path | None = None,

@@ -38,13 +38,11 @@ from torch.distributed.tensor import DTensor
 from lmforge.errors import UserError
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
-from lmforge.models.io import is_model_dir, read_config
+from lmforge.models.io import is_model_dir, read_config, safetensors_index
+from lmforge.models.source import RUN_OVERRIDES, is_checkpoint, load_checkpoint_model, source_config
 
 log = logging.getLogger(__name__)
 
-# What a run may change on top of its source's config (lmforge.train.setup.INIT_FROM_OVERRIDES):
-# the vocabulary padding is redone here, dropout has no weights.
-_MAY_DIFFER = ("dropout", "attention_dropout", "make_vocab_size_divisible_by")
 MiB = 1 << 20
 
 
@@ -57,25 +55,6 @@ class LoadStats:
     local_bytes: int
     read_bytes: int | None
     source_bytes: int
-
-
-def source_config(folder: str | Path) -> ModelConfig:
-    """The ModelConfig of an lmforge model folder or a Hugging Face folder, reading no weights."""
-    from lmforge.models.hf import adapter_for, is_hf_dir, read_hf_config
-    from lmforge.models.hf.weights import HFWeights
-
-    folder = Path(folder)
-    if is_model_dir(folder):
-        return read_config(folder)
-    if not is_hf_dir(folder):
-        raise UserError(f"'{folder}' is neither an lmforge model folder (lmforge.json) nor a Hugging Face one "
-                        "(config.json)")
-    hf = read_hf_config(folder)
-    try:
-        return adapter_for(hf["model_type"]).config_from_hf(hf, HFWeights(folder).keys())
-    except KeyError as e:
-        raise UserError(f"config.json in '{folder}' lacks the field {e} that a {hf['model_type']} config "
-                        "needs") from None
 
 
 def meta_model(folder: str | Path) -> nn.Module:
@@ -92,7 +71,7 @@ def load_sharded(pm, source: str | Path) -> LoadStats:
         part.to_empty(device=pm.device)
     targets = local_tensors(pm)
     with torch.no_grad():
-        if (source / "trainer.json").is_file():
+        if is_checkpoint(source):
             read, total = _from_checkpoint(pm, source), _files_bytes(source, "*.distcp")
         elif is_model_dir(source):
             read, total = _from_lmforge(source, cfg, targets)
@@ -141,7 +120,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_config(source: ModelConfig, target: ModelConfig, where: Path) -> None:
-    same = dataclasses.replace(source, **{k: getattr(target, k) for k in _MAY_DIFFER})
+    same = dataclasses.replace(source, **{k: getattr(target, k) for k in RUN_OVERRIDES})
     if same != target:
         diff = [f.name for f in dataclasses.fields(target) if getattr(same, f.name) != getattr(target, f.name)]
         raise UserError(f"the model being loaded differs from '{where}' in {', '.join(diff)}: build it from the "
@@ -162,21 +141,10 @@ def _missing(targets: dict[str, torch.Tensor], filled: set[str], where: Path) ->
 # --- lmforge model folders: slices straight from safetensors ---------------------------------------
 
 
-def _safetensors_index(folder: Path) -> dict[str, Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise UserError(f"no model.safetensors in '{folder}': is it an lmforge model folder?")
-    with safe_open(str(single), "pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
 def _from_lmforge(folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tensor]) -> tuple[int, int]:
     src_cfg = read_config(folder)
     _check_config(src_cfg, cfg, folder)
-    where = _safetensors_index(folder)
+    where = safetensors_index(folder)
     known = build(cfg, device="meta")
     extra = sorted(set(where) - set(known.state_dict()))
     if extra:
@@ -286,17 +254,10 @@ def _check_unused(weights, mapping, adapter, cfg: ModelConfig) -> None:
 
 
 def _from_checkpoint(pm, folder: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
     from lmforge.parallel.state import load_model_state_dict, model_state_dict
 
     state = model_state_dict(pm)
-    try:
-        dcp.load({"model": state}, checkpoint_id=str(folder))
-    except Exception as e:  # DCP reports a shape/key mismatch as a generic CheckpointException
-        first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint '{folder}' does not fit this model ({first}): use the config it was written "
-                        "with") from None
+    load_checkpoint_model(state, folder)
     load_model_state_dict(pm, state)
 
 

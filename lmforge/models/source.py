@@ -1,0 +1,114 @@
+"""Where a model's weights come from: one reader for the three kinds of folder a user names.
+
+    lmforge model folder   lmforge.json + model.safetensors (or shards + index)     `lmforge import-hf`
+    Hugging Face folder    config.json + safetensors / pytorch_model.bin             converted on the fly
+    training checkpoint    trainer.json + lmforge.json + DCP shards                  RUN_DIR/checkpoints/step-N
+
+    source_config(folder)      the ModelConfig, reading no weights
+    load_pretrained(folder)    the whole model (inference, a new head, a re-padded vocabulary)
+
+The sharded reader, which fills only one rank's slices of a model laid out over a DeviceMesh, is
+lmforge.parallel.load.load_sharded; it uses the same config, index and checkpoint functions here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.models.build import build
+from lmforge.models.config import ModelConfig
+from lmforge.models.hf import adapter_for, hf_tensors, is_hf_dir, read_hf_config
+from lmforge.models.hf.weights import HFWeights
+from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, read_config, read_tensors
+
+# Model fields a run may change on top of its source's config: no weights depend on them (the vocabulary
+# rows are re-padded on load).
+RUN_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by")
+
+
+def is_checkpoint(folder: Path) -> bool:
+    return (Path(folder) / "trainer.json").is_file()
+
+
+def source_kind(folder: str | Path) -> str:
+    """'checkpoint', 'lmforge' or 'hf'; a UserError for anything else."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"model folder '{folder}' does not exist")
+    if is_checkpoint(folder):
+        return "checkpoint"
+    if is_model_dir(folder):
+        return "lmforge"
+    if is_hf_dir(folder):
+        return "hf"
+    raise UserError(f"'{folder}' is neither an lmforge model folder ({CONFIG_NAME}), a Hugging Face one "
+                    "(config.json) nor a training checkpoint (trainer.json)")
+
+
+def source_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of an lmforge folder, a Hugging Face folder or a training checkpoint, reading no weights."""
+    folder = Path(folder)
+    if source_kind(folder) != "hf":
+        return read_config(folder)  # a checkpoint records its model config beside the shards
+    hf = read_hf_config(folder)
+    try:
+        return adapter_for(hf["model_type"]).config_from_hf(hf, HFWeights(folder).keys())
+    except KeyError as e:
+        raise UserError(f"config.json in '{folder}' lacks the field {e} that a {hf['model_type']} config "
+                        "needs") from None
+
+
+def tokenizer_folder(folder: str | Path) -> Path | None:
+    """The folder a run's tokenizer comes from by default: an lmforge or HF source, not a checkpoint."""
+    return None if source_kind(folder) == "checkpoint" else Path(folder)
+
+
+def load_checkpoint_model(state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Fill `state` (a model state dict, DTensors where sharded) in place from a training checkpoint's model
+    part: only the chunks overlapping each tensor are read. A checkpoint that does not fit is one UserError."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
+    # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"checkpoint '{folder}' does not fit this model ({dcp_error_line(e)}): use the config it "
+                        "was written with") from None
+
+
+def dcp_error_line(e: BaseException) -> str:
+    """The line of a DCP failure worth showing (its last, cut to 300 characters)."""
+    text = str(e).strip()
+    return text.splitlines()[-1][:300] if text else type(e).__name__
+
+
+def load_pretrained(path: str | Path, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """The whole model of an lmforge folder, a Hugging Face folder (converted on the fly) or a training
+    checkpoint's weights, in eval mode."""
+    folder = Path(path)
+    kind = source_kind(folder)
+    if kind == "lmforge":
+        get = read_tensors(folder)
+        return materialize(read_config(folder), ((n, get(n)) for n in get.names), device, dtype)
+    if kind == "hf":
+        cfg, tensors = hf_tensors(folder)
+        return materialize(cfg, tensors, device, dtype)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = build(read_config(folder), device="meta")
+    model.to_empty(device=device or "cpu")
+    state = get_model_state_dict(model)
+    load_checkpoint_model(state, folder)
+    set_model_state_dict(model, state)
+    for module in model.modules():  # non-persistent buffers (rotary frequencies) are not in the checkpoint
+        if module._non_persistent_buffers_set and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return (model.to(dtype) if dtype is not None else model).eval()
