@@ -234,10 +234,10 @@ def profile_group(hf: Side, trainer: Trainer, batch: dict) -> dict[str, dict[str
     if isinstance(fused_optimizer, torch.optim.AdamW):
         groups = param_groups(trainer.model, WEIGHT_DECAY)
         trainer.optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, foreach=True)
-    trainer.fused_loss = False
+    trainer.training.fused_loss = False
     trainer.train_step(batches)  # the new optimizer's state is created outside the profile
     out["lmforge before"] = profile_step(lambda: trainer.train_step(batches))
-    trainer.fused_loss, trainer.optimizer = True, fused_optimizer
+    trainer.training.fused_loss, trainer.optimizer = True, fused_optimizer
     return out
 
 

@@ -1,6 +1,8 @@
-"""Dataclass configs built from plain dicts (YAML, JSON, CLI overrides) with strict keys.
+"""Dataclass configs built from plain dicts (YAML, JSON, CLI overrides) with strict keys and types.
 
-A typo in a key is the most common config mistake; it must fail loudly and say what was meant.
+A typo in a key is the most common config mistake; it must fail loudly and say what was meant. A
+value of the wrong type (`trainer.max_steps=abc`) fails the same way, naming the key and what it
+expected, before it can surface later as a comparison between a str and an int.
 """
 
 from __future__ import annotations
@@ -42,11 +44,69 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         if key not in fields:
             raise unknown_key_error(key, fields, where)
         sub = _dataclass_in(hints[key])
-        kwargs[key] = from_dict(sub, value, f"{where}{key}.") if sub and isinstance(value, dict) else value
+        if sub and isinstance(value, dict):
+            kwargs[key] = from_dict(sub, value, f"{where}{key}.")
+        else:
+            kwargs[key] = checked(value, hints[key], f"{where}{key}")
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
         raise UserError(f"config '{where.rstrip('.') or cls.__name__}': {e}") from None
+
+
+def check_types(cls: type, data: dict[str, Any], where: str = "") -> None:
+    """UserError for the first value in `data` whose type does not fit the field of `cls` it names."""
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if key in hints:
+            checked(value, hints[key], f"{where}{key}")
+
+
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+          dict: "a mapping"}
+
+
+def checked(value: Any, hint: Any, key: str) -> Any:
+    """`value` if it fits the type hint `hint` (an int where a float is expected becomes a float),
+    else a UserError `key: expected ..., got ...`. Any, and types this does not know, pass unchecked."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        for option in options:
+            try:
+                return checked(value, option, key)
+            except UserError:
+                continue
+        raise _type_error(key, options[0] if len(options) == 1 else hint, value)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(key, list, value)
+        return [checked(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise _type_error(key, dict, value)
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _type_error(key, bool, value)
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(key, int, value)
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(key, float, value)
+        return float(value)
+    elif hint is str:
+        if not isinstance(value, str):
+            raise _type_error(key, str, value)
+    return value
+
+
+def _type_error(key: str, hint: Any, value: Any) -> UserError:
+    expected = _NAMES.get(hint) or _NAMES.get(typing.get_origin(hint)) or str(hint).replace("typing.", "")
+    return UserError(f"{key}: expected {expected}, got {value!r}")
 
 
 def _dataclass_in(hint: Any) -> type | None:

@@ -1,8 +1,10 @@
-"""One entry point: apply pipeline, tensor/sequence and fully-sharded data parallelism to a built model.
+"""One entry point: apply pipeline, tensor/sequence and data parallelism to a built model, any layout.
 
 Order, as in torchtitan: split into pipeline stages first (each rank keeps its stages' modules),
-then tensor-parallel plans on each stage, then FSDP2 over the data-shard dim (HSDP when
-data_replicate > 1), whose all-gathers then carry tensor-parallel DTensors (2-D sharding).
+then tensor-parallel plans on each stage, then data parallelism: FSDP2 over the data-shard dim (HSDP
+when data_replicate > 1), whose all-gathers then carry tensor-parallel DTensors (2-D sharding); a
+layout that only replicates whole models (no tensor, pipeline or shard dim) is DDP. One process
+(no mesh) gets the model as it is.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_
     fully_shard(part, **kwargs)
 
 
+def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
+    """DDP over the replicate dim: one whole model per rank, gradients all-reduced in buckets during the backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def _tied_group(mesh):
     """The process group of the first and last pipeline rank that share this rank's (dp, tp) coordinate."""
     pp = mesh["pp"].size()
@@ -119,19 +129,26 @@ def _tied_group(mesh):
     return mine
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None) -> ParallelModel:
-    """Apply `cfg` over `mesh` (lmforge.parallel.build_mesh) to `model`, a Decoder or Bert built
-    identically on every rank. Afterwards use only the returned ParallelModel's parts: without
-    pipeline parallelism parts == [model]; with it, drop `model` so unused layers can be freed.
+def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
+                device: torch.device | None = None) -> ParallelModel:
+    """Apply `cfg` over `mesh` (lmforge.parallel.build_mesh; None for one process) to `model`, a Decoder or
+    Bert built identically on every rank. Afterwards use only the returned ParallelModel's parts:
+    without pipeline parallelism parts == [model] (DDP-wrapped under replication alone); with it, drop
+    `model` so unused layers can be freed. `device`: where the model computes (default: the mesh's).
     """
+    if device is None:
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if (
+            mesh is not None and mesh.device_type == "cuda") else torch.device("cpu")
     if mesh is None:
-        return ParallelModel([model], cfg)
+        return ParallelModel([model], cfg, device=device)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     cfg = cfg.resolved(mesh.size())
     check_model(cfg, model.config)
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else (
-        torch.device("cpu"))
     pm = ParallelModel([model], cfg, mesh, device=device)
+    if pp == 1 and tp == 1 and cfg.data_shard == 1 and cfg.data_replicate > 1:
+        pm.parts = [apply_ddp(model, mesh["dp_replicate"], device)]
+        log.info("parallelized: DDP over %d replicas", cfg.data_replicate)
+        return pm
     if pp > 1:
         pm.stage_indices = stage_ids(mesh["pp"].get_local_rank(), pp, cfg.virtual_stages)
         pm.num_stages = pp * cfg.virtual_stages

@@ -1,4 +1,5 @@
-"""Process groups and data parallelism (DDP or FSDP2), applied to a built model."""
+"""The process group a run joins, and what the trainer needs of a DDP- or FSDP2-wrapped model: its inner
+module, and gradient sync skipped on accumulation micro-batches (the plans are in lmforge.parallel.compose)."""
 
 from __future__ import annotations
 
@@ -40,23 +41,6 @@ def init_world(timeout_minutes: float = 10.0) -> World:
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
 
 
-def wrap(model: nn.Module, strategy: str, world: World) -> nn.Module:
-    """DDP replicates and all-reduces gradients; FSDP2 shards parameters, gradients and optimizer
-    state per block (fully_shard on each block, then on the root)."""
-    if world.size == 1:
-        return model
-    if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None)
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
 
@@ -77,10 +61,3 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:
         yield
-
-
-def all_reduce_mean(values: torch.Tensor, world: World) -> torch.Tensor:
-    if world.size > 1:
-        dist.all_reduce(values)  # SUM then scale: gloo has no AVG/PREMUL_SUM
-        values /= world.size
-    return values

@@ -79,6 +79,11 @@ class ParallelConfig:
         return ParallelConfig(**{**self.__dict__, "data_shard": shard})
 
     @property
+    def shards_model(self) -> bool:
+        """Whether a rank holds only part of the model (tensor, pipeline or FSDP shards), not a whole replica."""
+        return self.tensor > 1 or self.pipeline > 1 or self.data_shard > 1
+
+    @property
     def data_parallel(self) -> int:
         return self.data_replicate * max(self.data_shard, 1)
 

@@ -74,10 +74,10 @@ def model_state_dict(pm) -> dict[str, torch.Tensor]:
 
 def load_model_state_dict(pm, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy `state_dict` (e.g. filled in place by dcp.load) into this rank's parts."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     for part in pm.parts:
-        names = set(part.state_dict().keys())
+        names = set(get_model_state_dict(part).keys())  # the model's names, also through a DDP wrapper
         missing = names - state_dict.keys()
         if missing:
             raise KeyError(f"state dict lacks {sorted(missing)[:5]}")

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 from lmforge.checkpoint import CheckpointManager
-from lmforge.train.step import FLAT, MeshTraining
+from lmforge.train.step import ParallelTraining
 
 
 def _nested_optimizer_state(path: Path | None) -> bool:
@@ -33,24 +29,18 @@ def _nested_optimizer_state(path: Path | None) -> bool:
 
 
 class TrainCheckpoints(CheckpointManager):
-    def __init__(self, *args, mesh: MeshTraining | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.mesh = mesh
+    """Checkpoints of a ParallelTraining: `model` is the ParallelTraining, `optimizer` its optimizer (or None:
+    the model alone)."""
 
-    def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    path: Path | None = None) -> tuple[dict, dict | None]:
-        if self.mesh is not None:
-            model_sd, optim_sd = self.mesh.state_dicts()
-            return model_sd, optim_sd if optimizer is not None else None
-        if optimizer is None or _nested_optimizer_state(path):
-            return super().state_dicts(model, optimizer, path)
-        return get_state_dict(model, optimizer, options=FLAT)
+    def state_dicts(self, model: ParallelTraining, optimizer, path: Path | None = None) -> tuple[dict, dict | None]:
+        if optimizer is not None and _nested_optimizer_state(path):  # one part: the layouts of that time
+            return super().state_dicts(model.pm.parts[0], model.optimizer.optimizers[0], path)
+        model_sd, optim_sd = model.state_dicts()
+        return model_sd, optim_sd if optimizer is not None else None
 
-    def load_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict,
-                         optim_sd: dict | None, path: Path | None = None) -> None:
-        if self.mesh is not None:
-            self.mesh.load_state_dicts(model_sd, optim_sd)
-        elif optim_sd is None or _nested_optimizer_state(path):
-            super().load_state_dicts(model, optimizer, model_sd, optim_sd, path)
+    def load_state_dicts(self, model: ParallelTraining, optimizer, model_sd: dict, optim_sd: dict | None,
+                         path: Path | None = None) -> None:
+        if optim_sd is not None and _nested_optimizer_state(path):
+            super().load_state_dicts(model.pm.parts[0], model.optimizer.optimizers[0], model_sd, optim_sd, path)
         else:
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)
+            model.load_state_dicts(model_sd, optim_sd)

@@ -1,10 +1,12 @@
 """The run config: YAML recipe + NeMo-style `key=value` overrides -> validated dataclasses.
 
-A recipe has the sections below; every key is checked, and a typo fails before any compute
-with the dotted key and the closest valid one. The `model` section takes a preset name and
-any ModelConfig field to override it, or `init_from` (an HF or lmforge folder) for continued
-pretraining and fine-tuning. The `parallel` section is lmforge.parallel's ParallelConfig (tensor,
-pipeline and data layout, see `parallel_layout`).
+A recipe has the sections below; every key and every value's type is checked, and a mistake fails
+before any compute with the dotted key (and, for a typo, the closest valid one). The `model` section
+takes a preset name and any ModelConfig field to override it, or `init_from` (an HF or lmforge
+folder, or a training checkpoint) for continued pretraining and fine-tuning: it becomes a
+ModelSection. `trainer.precision` is resolved into one Precision (RunConfig.precision). The
+`parallel` section is lmforge.parallel's ParallelConfig (tensor, pipeline and data layout, see
+`parallel_layout`).
 """
 
 from __future__ import annotations
@@ -14,17 +16,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lmforge.config import closest, from_dict, unknown_key_error
+from lmforge.config import check_types, closest, from_dict, unknown_key_error
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
+from lmforge.models.source import RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
 
-PRECISIONS = ("fp32", "bf16-mixed", "bf16-sr", "bf16")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = ("pretrain", "sft", "classification", "mlm")
+TASKS = ("pretrain", "sft", "classification", "mlm")  # lmforge.train.tasks.TASKS holds one Task object each
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What trainer.precision means for every part of a run."""
+
+    name: str
+    param_dtype: torch.dtype  # weights, gradients and optimizer moments
+    autocast_dtype: torch.dtype | None = None  # bf16-mixed: fp32 weights, matmuls under bf16 autocast
+    stochastic_rounding: bool = False  # bf16-sr: bf16 updates rounded stochastically (AdamWSR)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the matmuls run in (what the peak FLOP/s is measured for)."""
+        return self.autocast_dtype or self.param_dtype
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", torch.float32),
+    "bf16-mixed": Precision("bf16-mixed", torch.float32, autocast_dtype=torch.bfloat16),
+    "bf16-sr": Precision("bf16-sr", torch.bfloat16, stochastic_rounding=True),
+    "bf16": Precision("bf16", torch.bfloat16),  # round to nearest
+}
 
 
 @dataclass
@@ -96,9 +122,72 @@ class CostConfig:
     peak_flops: float | None = None  # per process; default: measured (CPU) or datasheet (GPU)
 
 
+INIT_FROM_OVERRIDES = RUN_OVERRIDES  # the fields a run may change on top of model.init_from's config
+
+
+@dataclass
+class ModelSection:
+    """The `model:` section: `preset` and ModelConfig fields, or `init_from` (HF folder, lmforge folder or
+    training checkpoint) with the few fields a run may change on top of it (INIT_FROM_OVERRIDES).
+
+    `config` is the run's ModelConfig when the section defines it (a preset, or every field); with
+    init_from and no preset it is None until `resolve()` reads the source's config (no weights)."""
+
+    preset: str | None = None
+    init_from: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # the ModelConfig fields as written
+    config: ModelConfig | None = None
+
+    @classmethod
+    def parse(cls, section: dict[str, Any]) -> ModelSection:
+        from lmforge.models.presets import preset
+
+        if not isinstance(section, dict):
+            raise UserError(f"config section 'model' must be a mapping, got {section!r}")
+        known = {f.name for f in dataclasses.fields(ModelConfig)} | {"preset", "init_from"}
+        for key in section:
+            if key not in known:
+                raise unknown_key_error(key, known, "model.")
+        name, init_from = section.get("preset"), section.get("init_from")
+        for key in ("preset", "init_from"):
+            if section.get(key) is not None and not isinstance(section[key], str):
+                raise UserError(f"model.{key}: expected a string, got {section[key]!r}")
+        overrides = {k: v for k, v in section.items() if k not in ("preset", "init_from")}
+        if name:
+            config = from_dict(ModelConfig, {**dataclasses.asdict(preset(name)), **overrides}, where="model.")
+        elif init_from:
+            config = None
+            check_types(ModelConfig, overrides, "model.")
+            if set(overrides) - set(INIT_FROM_OVERRIDES):
+                raise UserError(f"with model.init_from only {sorted(INIT_FROM_OVERRIDES)} may be overridden, got "
+                                f"{sorted(overrides)}: the source folder defines the model")
+        else:
+            config = from_dict(ModelConfig, overrides, where="model.")
+        return cls(preset=name, init_from=init_from, overrides=overrides, config=config)
+
+    def resolve(self) -> ModelConfig:
+        """The run's ModelConfig: the section's own, or model.init_from's with the allowed overrides."""
+        if self.init_from is None:
+            return self.config
+        from lmforge.models.source import source_config  # reads the folder's config.json / lmforge.json
+
+        source = source_config(self.init_from)
+        if self.config is not None:
+            if self.config != source:
+                raise UserError(f"model.preset/fields describe a different model than model.init_from "
+                                f"'{self.init_from}': drop the preset (the source folder defines the model)")
+            return self.config
+        return dataclasses.replace(source, **{k: v for k, v in self.overrides.items() if k in INIT_FROM_OVERRIDES})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as written (what config.yaml records)."""
+        head = {k: v for k, v in (("preset", self.preset), ("init_from", self.init_from)) if v is not None}
+        return {**head, **self.overrides}
+
+
 @dataclass
 class RunConfig:
-    model: dict[str, Any]
+    model: ModelSection = field(default_factory=ModelSection)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -109,7 +198,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         t = self.trainer
-        _choice("trainer.precision", t.precision, PRECISIONS)
+        if isinstance(self.model, dict):
+            self.model = ModelSection.parse(self.model)
+        _choice("trainer.precision", t.precision, tuple(PRECISIONS))
         _choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _choice("data.task", self.data.task, TASKS)
         _choice("checkpoint.mode", self.checkpoint.mode, ("min", "max"))
@@ -117,6 +208,10 @@ class RunConfig:
         for name in ("max_steps", "global_batch_size", "micro_batch_size"):
             if getattr(t, name) < 1:
                 raise UserError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+
+    @property
+    def precision(self) -> Precision:
+        return PRECISIONS[self.trainer.precision]
 
 
 def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
@@ -130,10 +225,8 @@ def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
     Setting parallel.data_shard or parallel.data_replicate states the layout outright, and
     trainer.data_parallel is then not consulted (HSDP: both > 1).
 
-    With tensor = pipeline = 1 and one data dimension the trainer wraps the model in DDP or FSDP2
-    directly (`uses_mesh` is False), exactly as before the `parallel` section existed; any other
-    layout goes through a DeviceMesh and lmforge.parallel.parallelize, where replicated data ranks are
-    FSDP2's replicate dimension (gradients all-reduced, parameters whole).
+    Every layout, one process included, goes through lmforge.parallel.parallelize: replicated data
+    ranks alone are DDP, sharded ones FSDP2 (HSDP with both), under tensor and pipeline parallelism too.
     """
     p = cfg.parallel
     if p.data_shard == -1 and p.data_replicate == 1:
@@ -149,37 +242,10 @@ def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
     return p.resolved(world_size)
 
 
-def uses_mesh(layout: ParallelConfig) -> bool:
-    """Whether a resolved layout needs lmforge.parallel (a DeviceMesh) rather than plain DDP/FSDP2."""
-    return layout.tensor > 1 or layout.pipeline > 1 or (layout.data_replicate > 1 and layout.data_shard > 1)
-
-
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         hint = closest(str(value), choices)
         raise UserError(f"{key}='{value}' is not valid{hint}: choose one of {', '.join(choices)}")
-
-
-MODEL_EXTRA_KEYS = ("preset", "init_from")
-
-
-def model_config(section: dict[str, Any]) -> tuple[ModelConfig | None, str | None]:
-    """(ModelConfig from preset + overrides, init_from). With init_from and no preset, the
-    config comes from the source folder later; overrides then apply on top of it."""
-    from lmforge.models.presets import preset
-
-    known = {f.name for f in dataclasses.fields(ModelConfig)} | set(MODEL_EXTRA_KEYS)
-    for key in section:
-        if key not in known:
-            raise unknown_key_error(key, known, "model.")
-    fields = {k: v for k, v in section.items() if k not in MODEL_EXTRA_KEYS}
-    init_from = section.get("init_from")
-    if section.get("preset"):
-        base = dataclasses.asdict(preset(section["preset"]))
-        return from_dict(ModelConfig, {**base, **fields}, where="model."), init_from
-    if init_from:
-        return None, init_from
-    return from_dict(ModelConfig, fields, where="model."), None
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -197,10 +263,10 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
         raise UserError(f"cannot read config: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or "model" not in data:
         raise UserError("the config has no `model` section: give model.preset=NAME or model.init_from=DIR")
-    cfg = from_dict(RunConfig, data)
-    model_config(cfg.model)  # validate model keys now, before any compute
-    return cfg
+    section = ModelSection.parse(data.pop("model"))
+    return dataclasses.replace(from_dict(RunConfig, data), model=section)
 
 
 def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))
+    data = dataclasses.asdict(dataclasses.replace(cfg, model=ModelSection()))
+    return OmegaConf.to_yaml(OmegaConf.create({**data, "model": cfg.model.to_dict()}))

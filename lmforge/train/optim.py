@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from lmforge.train.config import OptimConfig
+from lmforge.train.config import OptimConfig, Precision
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -132,11 +132,11 @@ class AdamWSR(torch.optim.Optimizer):
                     dst.copy_(value)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, precision: str, seed: int) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, precision: Precision, seed: int) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
-    if precision in ("bf16-sr", "bf16"):
-        return AdamWSR(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, stochastic_rounding=precision == "bf16-sr",
-                       seed=seed)
+    if precision.param_dtype == torch.bfloat16:  # bf16 weights and moments: AdamWSR keeps the update in fp32
+        return AdamWSR(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                       stochastic_rounding=precision.stochastic_rounding, seed=seed)
     # fused=True: one pass over each tensor (CPU and GPU kernels). foreach falls back to a chain of
     # per-tensor ops on CPU: ~7x slower for Pythia-70m (BENCHMARKS.md, training section).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)

@@ -11,16 +11,11 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lmforge.checkpoint import load_model_weights
 from lmforge.errors import UserError
-from lmforge.models import build, load_pretrained
+from lmforge.models import build
 from lmforge.models.config import ModelConfig
-from lmforge.models.io import is_model_dir, read_config
-from lmforge.parallel.load import meta_model
-from lmforge.train.config import RunConfig, model_config
-
-# Model fields a run may change on top of model.init_from's own config.
-INIT_FROM_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by")
+from lmforge.models.source import is_checkpoint, load_pretrained, source_config, tokenizer_folder
+from lmforge.train.config import RunConfig
 
 
 def with_head(model: torch.nn.Module, num_labels: int, seed: int) -> torch.nn.Module:
@@ -40,63 +35,32 @@ def with_head(model: torch.nn.Module, num_labels: int, seed: int) -> torch.nn.Mo
 
 
 def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False) -> tuple[torch.nn.Module, Path | None]:
-    """Fresh from a preset/config, or weights from model.init_from (HF folder, lmforge folder or a
-    training checkpoint). Returns the model and the folder its tokenizer may come from.
+    """The run's model: fresh from its config, or with the weights of model.init_from (an HF folder, an lmforge
+    folder or a training checkpoint, at the run's config: dropout and vocabulary padding as the run says).
 
-    meta=True (a run over a DeviceMesh): with init_from, the model comes on the meta device, its weights
-    left for each rank to read its own shards of after parallelize (lmforge.parallel.load.load_sharded
-    from the returned folder). A new head or a checkpoint re-padded to another vocabulary multiple
-    needs the whole model first: those are built whole as without meta."""
-    model, source = _init_model(cfg, meta)
-    if next(model.parameters()).is_meta and model.config.num_labels != num_labels:
-        model, source = _init_model(cfg, False)
-    return with_head(model, num_labels, cfg.trainer.seed), source
-
-
-def _init_model(cfg: RunConfig, meta: bool = False) -> tuple[torch.nn.Module, Path | None]:
-    mcfg, init_from = model_config(cfg.model)
-    if init_from is None:
-        return build(mcfg, seed=cfg.trainer.seed), None
-    source = Path(init_from)
-    if not source.is_dir():
-        raise UserError(f"model.init_from '{source}' does not exist")
-    if (source / "trainer.json").is_file():  # a training checkpoint: weights only, fresh optimizer
-        model = build(mcfg or read_config(source), seed=cfg.trainer.seed, device="meta" if meta else None)
-        multiple = cfg.model.get("make_vocab_size_divisible_by", model.config.make_vocab_size_divisible_by)
-        if meta and multiple != model.config.make_vocab_size_divisible_by:
-            return _init_model(cfg, False)
-        if not meta:
-            load_model_weights(source, model)
-        return with_vocab_multiple(model, multiple), source
-    model = meta_model(source) if meta else load_pretrained(source)
-    if mcfg is not None and mcfg != model.config:
-        raise UserError(f"model.preset/fields describe a different model than model.init_from '{source}': "
-                        "drop the preset (the source folder defines the model)")
-    overrides = {k: v for k, v in cfg.model.items() if k not in ("preset", "init_from")}
-    if overrides:
-        if set(overrides) - set(INIT_FROM_OVERRIDES):
-            raise UserError(f"with model.init_from only {sorted(INIT_FROM_OVERRIDES)} may be overridden, got "
-                            f"{sorted(overrides)}")
-        for block in model.modules():  # dropout modules read their p at call time
-            if isinstance(block, torch.nn.Dropout):
-                block.p = overrides.get("dropout", block.p)
-        multiple = overrides.pop("make_vocab_size_divisible_by", model.config.make_vocab_size_divisible_by)
-        model.config = dataclasses.replace(model.config, **overrides)
-        model = with_vocab_multiple(model, multiple)
-    return model.train(), source if (is_model_dir(source) or (source / "config.json").is_file()) else None
+    Returns (model, weights_from). meta=True (a layout that shards the model): with init_from, the model comes
+    on the meta device and weights_from names the source for each rank to read its own shards of after
+    parallelize (lmforge.parallel.load.load_sharded). A new head, or a checkpoint re-padded to another
+    vocabulary multiple, needs the whole model first: those are built whole as without meta."""
+    mcfg, section, seed = cfg.model.resolve(), cfg.model, cfg.trainer.seed
+    if section.init_from is None:
+        return with_head(build(mcfg, seed=seed), num_labels, seed), None
+    source = Path(section.init_from)
+    repadded = mcfg.make_vocab_size_divisible_by != source_config(source).make_vocab_size_divisible_by
+    if meta and mcfg.num_labels == num_labels and not (is_checkpoint(source) and repadded):
+        return build(mcfg, device="meta").train(), source
+    model = with_config(load_pretrained(source), mcfg).train()
+    return with_head(model, num_labels, seed), None
 
 
-def with_vocab_multiple(model: torch.nn.Module, multiple: int) -> torch.nn.Module:
-    """The same model with its vocabulary rows padded to a multiple of `multiple` (Megatron's
-    make_vocab_size_divisible_by, 128 x the tensor-parallel degree): rows past vocab_size are zeros,
-    never scored, and dropped again by the Hugging Face export."""
+def with_config(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+    """The same weights under `cfg`, which may differ from the model's config only in RUN_OVERRIDES: dropout,
+    and the vocabulary rows padded to another multiple (Megatron's make_vocab_size_divisible_by, 128 x the
+    tensor-parallel degree): rows past vocab_size are zeros, never scored, dropped again by the HF export."""
     from lmforge.models.io import materialize
 
-    if multiple == model.config.make_vocab_size_divisible_by:
+    if cfg == model.config:
         return model
-    cfg = dataclasses.replace(model.config, make_vocab_size_divisible_by=multiple)
-    if next(model.parameters()).is_meta:  # the sharded load pads each rank's rows itself
-        return build(cfg, device="meta").train(model.training)
     vocab = set(model.vocab_parameters)
 
     def tensors():
@@ -108,6 +72,11 @@ def with_vocab_multiple(model: torch.nn.Module, multiple: int) -> torch.nn.Modul
 
     p = next(model.parameters())
     return materialize(cfg, tensors(), device=p.device, dtype=p.dtype).train(model.training)
+
+
+def with_vocab_multiple(model: torch.nn.Module, multiple: int) -> torch.nn.Module:
+    """The same model with its vocabulary rows padded to a multiple of `multiple` (see with_config)."""
+    return with_config(model, dataclasses.replace(model.config, make_vocab_size_divisible_by=multiple))
 
 
 def check_fit(cfg: RunConfig, mcfg: ModelConfig, data_parallel: int) -> int:
@@ -123,13 +92,15 @@ def check_fit(cfg: RunConfig, mcfg: ModelConfig, data_parallel: int) -> int:
     return t.global_batch_size // per_step
 
 
-def load_run_tokenizer(cfg: RunConfig, source: Path | None):
-    """data.tokenizer, else the tokenizer beside model.init_from; fine-tuning needs one."""
+def load_run_tokenizer(cfg: RunConfig, needed: bool):
+    """data.tokenizer, else the tokenizer beside model.init_from (an HF or lmforge folder); `needed` (fine-tuning
+    tasks) makes a missing one an error."""
     from lmforge.tokenizers import load_tokenizer
 
-    path = cfg.data.tokenizer or source
+    init_from = cfg.model.init_from
+    path = cfg.data.tokenizer or (tokenizer_folder(init_from) if init_from else None)
     if path is None:
-        if cfg.data.task != "pretrain":
+        if needed:
             raise UserError(f"data.task={cfg.data.task} needs a tokenizer: set data.tokenizer or model.init_from")
         return None
     return load_tokenizer(path)

@@ -1,12 +1,13 @@
-"""Training under tensor, sequence and pipeline parallelism: the trainer's side of lmforge.parallel.
+"""The model laid out for training, and one step on it: the trainer's side of lmforge.parallel.
 
-When a run's layout needs a DeviceMesh (lmforge.train.config.uses_mesh), the Trainer hands its built
-model to MeshTraining, which applies the plans (build_mesh + parallelize) and then gives the trainer:
+Every run goes through here, one process included: the Trainer hands its built model to
+ParallelTraining, which applies the layout (build_mesh + parallelize: DDP, FSDP2/HSDP, tensor,
+sequence and pipeline parallelism, or nothing for one process) and then gives the trainer:
 
-- a step: this data-parallel rank's micro-batches through pipeline_step (with a pipeline, all of them
-  in one call, one pipeline microbatch each), the loss normalised by the step's global label count,
-  the gradients clipped by their global norm;
-- validation through pipeline_eval (forward only);
+- a step: this data-parallel rank's micro-batches, each forward through the task's loss (with a
+  pipeline, all of them in one pipeline_step call, one pipeline microbatch each), the loss
+  normalised by the step's global label count, the gradients clipped by their global norm;
+- validation (forward only, pipeline_eval under a pipeline);
 - checkpoint state: the model under its own parameter names (model_state_dict) and one optimizer per
   pipeline part, flattened per parameter name, so that DCP reshards both between any two layouts;
 - the whole model gathered on rank 0 for the Hugging Face export.
@@ -43,12 +44,12 @@ from lmforge.parallel import (
     pipeline_eval,
     pipeline_step,
 )
-from lmforge.parallel.data_parallel import gradient_sync
+from lmforge.parallel.data_parallel import gradient_sync, unwrap
 from lmforge.parallel.load import load_sharded
-from lmforge.train.config import OptimConfig
+from lmforge.train.config import OptimConfig, Precision
 from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.optim import build_optimizer
-from lmforge.train.tasks import count_items, logits_loss, task_batch
+from lmforge.train.tasks import Task, logits_loss
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,11 @@ def check_pipeline_batch(layout: ParallelConfig, grad_accum: int, micro_batch_si
     return dataclasses.replace(layout, microbatches=n)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss that loss_parallel returned as a replicated DTensor, as a plain tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
     """Right-pad every (rows, positions) tensor of a collated batch to `length` positions: labels with -100
     (not scored), everything else with 0 (masked out, or a padding segment)."""
@@ -117,28 +123,29 @@ class PartOptimizers:
             o.zero_grad(set_to_none=set_to_none)
 
 
-class MeshTraining:
-    """A model laid out over a DeviceMesh (tensor, pipeline and data dims) and how the trainer drives it."""
+class ParallelTraining:
+    """A model laid out over the run's DeviceMesh (none for one process) and how the trainer drives it."""
 
-    def __init__(self, model: torch.nn.Module, layout: ParallelConfig, task: str, optim: OptimConfig,
-                 precision: str, seed: int, seq_length: int, autocast_dtype: torch.dtype | None,
+    def __init__(self, model: torch.nn.Module, layout: ParallelConfig, task: Task, optim: OptimConfig,
+                 precision: Precision, seed: int, seq_length: int, device: torch.device,
                  weights_from: Path | None = None):
         """`weights_from`: the folder to fill a meta-device `model` from once it is laid out, each rank
         reading only its own shards (lmforge.parallel.load)."""
         mcfg: ModelConfig = model.config
-        self.mesh = build_mesh(layout, mcfg)
-        if layout.tensor > 1 and layout.sequence_parallel and task == "pretrain" and seq_length % layout.tensor:
+        self.mesh = build_mesh(layout, mcfg, device_type=device.type)
+        if layout.tensor > 1 and layout.sequence_parallel and task.pretraining and seq_length % layout.tensor:
             raise UserError(f"data.seq_length {seq_length} is not divisible by parallel.tensor={layout.tensor}: "
                             "sequence parallelism splits each sequence evenly; change one, or set "
                             "parallel.sequence_parallel=false")
         if layout.tensor > 1 and (mcfg.dropout or mcfg.attention_dropout):
             log.warning("dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
                         "(the presets train without dropout)")
-        self.pm = parallelize(model, layout, self.mesh)
+        self.pm = parallelize(model, layout, self.mesh, device=device)
         if weights_from is not None:
             load_sharded(self.pm, weights_from)
         self.layout, self.task, self.seq_length = layout, task, seq_length
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype = precision.autocast_dtype
+        self.fused_loss = True  # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
         # AdamWSR draws its rounding noise from (seed, step): a stage offset keeps two stages' noise apart.
         stages = self.pm.stage_indices or [0]
@@ -146,8 +153,9 @@ class MeshTraining:
                                          for part, stage in zip(self.pm.parts, stages, strict=True)])
 
     @property
-    def model(self):
-        return self.pm
+    def model(self) -> torch.nn.Module:
+        """The model itself without a pipeline (DDP's wrapped module), else the ParallelModel of the stages."""
+        return self.pm if self.pm.pipelined else unwrap(self.pm.parts[0])
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -165,34 +173,44 @@ class MeshTraining:
             length = -(-longest // multiple) * multiple
         batches = [pad_batch(b, length) for b in batches]
         batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]} if len(batches) > 1 else batches[0]
-        return {k: v.to(self.pm.device) for k, v in batch.items()}
+        return {k: v.to(self.pm.device, non_blocking=True) for k, v in batch.items()}
+
+    def micro_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+        """(summed loss, items, correct) of one micro-batch on the device, through the whole model (no pipeline)."""
+        with self._autocast():
+            return self.task.loss(self.pm.parts[0], batch, self.fused_loss)
 
     def step(self, micro: list[dict[str, torch.Tensor]], count: float, max_norm: float) -> tuple[float, float]:
         """Forward and backward of this rank's micro-batches; (global mean loss, gradient norm before clipping).
 
-        Each microbatch's summed cross-entropy is divided by the step's global label count `count`, and
-        multiplied by the data-parallel size because FSDP2 averages gradients over the data ranks (not
-        over tensor or pipeline ranks): the gradient is then the global batch's mean-loss gradient.
+        Each micro-batch's summed loss is divided by the step's global label count `count`, and
+        multiplied by the data-parallel size because DDP and FSDP2 average gradients over the data ranks
+        (not over tensor or pipeline ranks): the gradient is then the global batch's mean-loss gradient.
         """
-        dp = self.dp_size
+        dp, pm = self.dp_size, self.pm
+        total = torch.zeros((), dtype=torch.float64, device=pm.device)
+        if pm.pipelined:
+            def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                return logits_loss(logits, labels) / count * dp
 
-        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return logits_loss(logits, labels) / count * dp
-
-        total = torch.zeros((), dtype=torch.float64)
-        groups = [micro] if self.pm.pipelined else [[b] for b in micro]
-        for i, group in enumerate(groups):
-            ids, labels, kwargs = task_batch(self.task, self._inputs(group))
-            with gradient_sync(self.pm.parts[0], i == len(groups) - 1), self._autocast():
-                total += pipeline_step(self.pm, ids, labels, loss_fn, **kwargs).cpu()
+            ids, labels, kwargs = self.task.inputs(self._inputs(micro))
+            with self._autocast():
+                total += pipeline_step(pm, ids, labels, loss_fn, **kwargs)
+        else:
+            for i, batch in enumerate(micro):
+                with gradient_sync(pm.parts[0], i == len(micro) - 1), pm.loss_context():
+                    loss, _, _ = self.micro_loss(self._inputs([batch]))
+                    loss = loss / count * dp
+                    loss.backward()
+                total += _local(loss).detach().double()
         loss = all_reduce_data_parallel(total.reshape(1), self.mesh).item() / dp
-        return loss, clip_grad_norm_(self.pm, max_norm)
+        return loss, clip_grad_norm_(pm, max_norm)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
         """[summed loss, items scored, correct predictions] over the data-parallel ranks' batches."""
         per_call = self.layout.num_microbatches if self.pm.pipelined else 1
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.pm.device)
         pending: list[dict[str, torch.Tensor]] = []
         self.pm.eval()
         for batch in batches:
@@ -200,20 +218,26 @@ class MeshTraining:
             if len(pending) < per_call:
                 continue
             batch, pending = self._inputs(pending), []
-            ids, labels, kwargs = task_batch(self.task, batch)
-            correct: list[int] = []
-
-            def loss_fn(logits: torch.Tensor, y: torch.Tensor, _correct=correct) -> torch.Tensor:
-                if self.task == "classification":
-                    _correct.append(int((logits.argmax(-1) == y).sum()))
-                return logits_loss(logits, y)
-
-            with self._autocast():
-                loss = pipeline_eval(self.pm, ids, labels, loss_fn, **kwargs)
-            sums += torch.tensor([loss.item(), count_items(self.task, batch), sum(correct)], dtype=torch.float64)
+            if self.pm.pipelined:
+                loss, count, correct = self._pipeline_eval(batch)
+            else:
+                with self.pm.loss_context():
+                    loss, count, correct = self.micro_loss(batch)
+            sums += torch.tensor([_local(loss).item(), count, correct], dtype=torch.float64, device=sums.device)
         self.pm.train()
         return all_reduce_data_parallel(sums, self.mesh)
 
+    def _pipeline_eval(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+        ids, labels, kwargs = self.task.inputs(batch)
+        correct: list[int] = []
+
+        def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            correct.append(self.task.correct(logits, y))
+            return logits_loss(logits, y)
+
+        with self._autocast():
+            loss = pipeline_eval(self.pm, ids, labels, loss_fn, **kwargs)
+        return loss, self.task.count(batch), sum(correct)
     # -- checkpoints and export -------------------------------------------------------------
 
     def state_dicts(self) -> tuple[dict, dict]:
@@ -239,7 +263,7 @@ class MeshTraining:
                  for name, t in model_state_dict(self.pm).items()}
         pp = self.pm.size("pp")
         if pp == 1:
-            return local if dist.get_rank() == 0 else None
+            return local if not dist.is_initialized() or dist.get_rank() == 0 else None
         grid = self.mesh.mesh.reshape(pp, -1)
         leaders = [int(grid[k, 0]) for k in range(pp)]
         listing = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sorted(local.items())]

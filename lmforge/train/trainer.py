@@ -6,7 +6,6 @@ and where the weights come from (config.model.init_from).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -19,12 +18,13 @@ import torch.distributed as dist
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
-from lmforge.parallel.data_parallel import all_reduce_mean, gradient_sync, init_world, unwrap, wrap
+from lmforge.parallel.data_parallel import init_world
+from lmforge.parallel.mesh import all_reduce_data_parallel
 from lmforge.train.checkpointing import TrainCheckpoints
-from lmforge.train.config import RunConfig, model_config, parallel_layout, to_yaml, uses_mesh
+from lmforge.train.config import RunConfig, parallel_layout, to_yaml
 from lmforge.train.data import micro_batches
 from lmforge.train.metrics import MetricSink, flops_per_token, nodes_from_env, peak_flops, tokens_per_dollar
-from lmforge.train.optim import build_optimizer, lr_at
+from lmforge.train.optim import lr_at
 from lmforge.train.setup import (
     apply_activation_checkpointing,
     check_fit,
@@ -34,8 +34,8 @@ from lmforge.train.setup import (
     memory_gb,
     use_compile_cache,
 )
-from lmforge.train.step import MeshTraining, check_pipeline_batch
-from lmforge.train.tasks import build_task_data, count_items, count_tokens, task_loss
+from lmforge.train.step import ParallelTraining, check_pipeline_batch
+from lmforge.train.tasks import count_tokens, get_task
 
 log = logging.getLogger(__name__)
 
@@ -44,26 +44,21 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.started = time.perf_counter()
         self.cfg = cfg
+        self.task = get_task(cfg.data.task)
         self.world = init_world()
         self.run_dir = Path(cfg.run_dir)
-        self.task = cfg.data.task
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
-        _, init_from = model_config(cfg.model)
-        source = Path(init_from) if init_from else None
-        self.tokenizer = load_run_tokenizer(cfg, source)
-        self.data = build_task_data(cfg, self.tokenizer)
-        # Over a DeviceMesh an init_from model comes on the meta device: each rank reads only its shards.
-        model, self.source = init_model(cfg, self.data.num_labels, meta=uses_mesh(layout))
-        sharded = next(model.parameters()).is_meta
+        self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining)
+        self.data = self.task.build_data(cfg, self.tokenizer)
+        # A layout that shards the model gets an init_from model on the meta device: each rank reads only its shards.
+        model, weights_from = init_model(cfg, self.data.num_labels, meta=layout.shards_model)
         self.mcfg: ModelConfig = model.config
-        t, precision = cfg.trainer, cfg.trainer.precision
+        t, precision = cfg.trainer, cfg.precision
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
         layout = check_pipeline_batch(layout, self.grad_accum, t.micro_batch_size, t.global_batch_size,
                                       layout.data_parallel)
         check_tokenizer(self.tokenizer, self.mcfg)
-        self.autocast_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
-        model.to(None if sharded else self.world.device, torch.bfloat16 if precision in ("bf16-sr", "bf16") else
-                 torch.float32)
+        model.to(None if weights_from else self.world.device, precision.param_dtype)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
         if t.compile:
@@ -74,65 +69,44 @@ class Trainer:
             for block in model.layers:
                 block.compile()
         self.layout = layout
-        self.parallel: MeshTraining | None = None
-        if uses_mesh(layout):
-            self.parallel = MeshTraining(model, layout, self.task, cfg.optim, precision, t.seed, cfg.data.seq_length,
-                                         self.autocast_dtype, weights_from=self.source if sharded else None)
-            self.model, self.optimizer = self.parallel.pm, self.parallel.optimizer
-            self.dp_rank, self.dp_size = self.parallel.dp_rank, self.parallel.dp_size
-        else:
-            self.model = wrap(model, "fsdp" if layout.data_shard > 1 else "ddp", self.world)
-            self.optimizer = build_optimizer(unwrap(self.model), cfg.optim, precision, t.seed)
-            self.dp_rank, self.dp_size = self.world.rank, self.world.size
+        self.training = ParallelTraining(model, layout, self.task, cfg.optim, precision, t.seed, cfg.data.seq_length,
+                                         self.world.device, weights_from=weights_from)
+        self.optimizer = self.training.optimizer
+        self.dp_rank, self.dp_size = self.training.dp_rank, self.training.dp_size
         c = cfg.checkpoint
-        self.checkpoints = TrainCheckpoints(self.run_dir / "checkpoints", c.save_top_k, c.monitor, c.mode,
-                                            c.save_last, mesh=self.parallel)
+        self.checkpoints = TrainCheckpoints(self.run_dir / "checkpoints", c.save_top_k, c.monitor, c.mode, c.save_last)
         self.state = {"step": 0, "consumed_samples": 0, "skipped_steps": 0, "consecutive_skips": 0, "metrics": {},
                       "elapsed": 0.0}
         latest = self.checkpoints.latest()
         if latest is not None:
-            self.state = {"elapsed": 0.0, **self.checkpoints.load(latest, self.model, self.optimizer)}
+            self.state = {"elapsed": 0.0, **self.checkpoints.load(latest, self.training, self.optimizer)}
             log.info("resumed from %s at step %d", latest, self.state["step"])
         # The wall clock of the run goes on from the checkpoint's: a resumed run's `elapsed` continues its curve.
         self.clock_zero = self.started - self.state["elapsed"]
-        self.fused_loss = True  # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
-        compute_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         self.peak, self.peak_source = (cfg.cost.peak_flops, "config") if cfg.cost.peak_flops else peak_flops(
-            self.world.device, compute_dtype)
+            self.world.device, precision.compute_dtype)
         self.flops_per_token = flops_per_token(self.mcfg, cfg.data.seq_length)
         self.nodes = nodes_from_env()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained (the pipeline stages' ParallelModel under a pipeline)."""
+        return self.training.model
 
     def elapsed(self) -> float:
         """Seconds of wall clock since the run started: set-up, steps, validation and checkpoint writes."""
         return time.perf_counter() - self.clock_zero
 
-    def _dp_sum(self, values: torch.Tensor) -> torch.Tensor:
-        if self.parallel is not None:
-            from lmforge.parallel import all_reduce_data_parallel
-
-            return all_reduce_data_parallel(values, self.parallel.mesh)
-        return all_reduce_mean(values, self.world) * self.world.size
-
     # -- one step ---------------------------------------------------------------------------
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
-        batch = {k: v.to(self.world.device) for k, v in batch.items()}
-        ctx = torch.autocast(self.world.device.type, self.autocast_dtype) if self.autocast_dtype else (
-            contextlib.nullcontext())
-        with ctx:
-            return task_loss(self.task, self.model, batch, self.fused_loss)
-
     def train_step(self, batches) -> dict[str, float]:
-        t = self.cfg.trainer
         micro = [next(batches) for _ in range(self.grad_accum)]
         # Normalise by the step's global count of labelled items (tokens, or examples), known before
         # any backward: accumulation and data parallelism then give one big batch's gradient.
-        counts = self._dp_sum(torch.tensor([sum(count_items(self.task, b) for b in micro),
-                                            sum(count_tokens(b) for b in micro)], dtype=torch.float64))
-        if self.parallel is not None:
-            loss, grad_norm = self.parallel.step(micro, counts[0].item(), t.grad_clip)
-        else:
-            loss, grad_norm = self._data_parallel_step(micro, counts[0].item())
+        counts = torch.tensor([sum(self.task.count(b) for b in micro), sum(count_tokens(b) for b in micro)],
+                              dtype=torch.float64, device=self.world.device)
+        counts = all_reduce_data_parallel(counts, self.training.mesh).tolist()
+        loss, grad_norm = self.training.step(micro, counts[0], self.cfg.trainer.grad_clip)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -143,20 +117,7 @@ class Trainer:
             log.warning("step %d: non-finite loss %s / grad norm %s: update skipped", self.state["step"], loss,
                         grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0, "_tokens": counts[1].item()}
-
-    def _data_parallel_step(self, micro: list[dict[str, torch.Tensor]], count: float) -> tuple[float, float]:
-        """Forward/backward of the micro-batches under DDP/FSDP2 (or one process); (mean loss, grad norm)."""
-        total_loss = torch.zeros((), dtype=torch.float64)
-        for i, batch in enumerate(micro):
-            with gradient_sync(self.model, i == self.grad_accum - 1):
-                loss, _, _ = self._loss(batch)
-                (loss / count * self.world.size).backward()
-            total_loss += loss.detach().double().cpu()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.trainer.grad_clip if self.cfg.trainer.grad_clip > 0 else float("inf")
-        grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm)).float().item()
-        return all_reduce_mean(total_loss.reshape(1), self.world).item() * self.world.size / count, grad_norm
+        return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0, "_tokens": counts[1]}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -164,33 +125,11 @@ class Trainer:
         valid = self.data.valid
         # Whole steps of the validation stream: micro x data-parallel rows (x microbatches under a pipeline).
         unit = t.micro_batch_size * self.dp_size * (self.layout.num_microbatches if self.layout.pipeline > 1 else 1)
-        if self.task == "pretrain":  # the same fixed samples every time, so the curve is comparable
-            total = t.val_batches * t.global_batch_size
-        else:  # the whole validation file, split across ranks
-            total = len(valid) // unit * unit
-            if total == 0:
-                raise UserError(f"the validation file has {len(valid)} examples, fewer than one batch of {unit} "
-                                "(micro-batch x data-parallel processes): give a larger one or lower "
-                                "trainer.micro_batch_size")
+        total = self.task.validation_samples(self.cfg, valid, unit)
         batches = micro_batches(valid, 0, total, t.micro_batch_size, self.dp_rank, self.dp_size, 0,
                                 self.data.collate)
-        if self.parallel is not None:
-            sums = self.parallel.evaluate(batches)
-        else:
-            self.model.eval()
-            sums = torch.zeros(3, dtype=torch.float64)
-            for batch in batches:
-                loss, count, correct = self._loss(batch)
-                sums += torch.tensor([loss.item(), count, correct], dtype=torch.float64)
-            self.model.train()
-            sums = all_reduce_mean(sums, self.world)
-        val_loss = (sums[0] / sums[1]).item()
-        out = {"val_loss": val_loss}
-        if self.task == "classification":
-            out["val_accuracy"] = (sums[2] / sums[1]).item()
-        else:
-            out["val_ppl"] = math.exp(min(val_loss, 50.0))
-        return out
+        loss_sum, count, correct = self.training.evaluate(batches).tolist()
+        return self.task.metrics(loss_sum, count, correct)
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -283,7 +222,7 @@ class Trainer:
 
     def save(self) -> Path:
         self.state["elapsed"] = self.elapsed()
-        return self.checkpoints.save(self.state["step"], self.model, self.optimizer, dict(self.state), self.mcfg)
+        return self.checkpoints.save(self.state["step"], self.training, self.optimizer, dict(self.state), self.mcfg)
 
     def export_hf(self, out: Path) -> None:
         """Write the final weights as an lmforge model folder and a Hugging Face folder beside it. Every rank
@@ -291,12 +230,7 @@ class Trainer:
         from lmforge.models.hf import export_hf
         from lmforge.models.io import materialize, save_model
 
-        if self.parallel is not None:
-            full = self.parallel.full_state_dict()
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = self.training.full_state_dict()
         if self.world.is_main:
             model = materialize(self.mcfg, full.items(), dtype=next(iter(full.values())).dtype)
             model_dir = self.run_dir / "model"
@@ -306,11 +240,6 @@ class Trainer:
             log.info("wrote Hugging Face folder %s", out)
         if dist.is_initialized():
             dist.barrier()
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP2 grad norm) as a plain tensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from lmforge.models import build
 from lmforge.parallel.mesh import check_model
 from lmforge.parallel.pipeline import split_model
-from lmforge.train.config import load_run_config, model_config, parallel_layout, uses_mesh
+from lmforge.train.config import load_run_config, parallel_layout
 from lmforge.train.setup import check_fit
 from lmforge.train.step import check_pipeline_batch
 
@@ -32,7 +32,7 @@ def _one_process_overrides() -> list[str]:
 
 def test_recipe_on_four_processes_is_the_write_ups_layout():
     cfg = load_run_config(RECIPE)
-    mcfg, _ = model_config(cfg.model)
+    mcfg = cfg.model.config
     layout = parallel_layout(cfg, 4)
     assert (layout.pipeline, layout.data_replicate, layout.data_shard, layout.tensor) == (2, 2, 1, 1)
     assert (layout.pipeline_schedule, layout.virtual_stages) == ("interleaved_1f1b", 2)
@@ -56,8 +56,8 @@ def test_the_scripts_one_process_run_is_the_same_step_without_pipeline():
     overrides = _one_process_overrides()
     assert "trainer.micro_batch_size=24" in overrides and "parallel.pipeline=1" in overrides
     base, one = load_run_config(RECIPE), load_run_config(RECIPE, overrides)
-    mcfg, _ = model_config(one.model)
-    assert not uses_mesh(parallel_layout(one, 1))
+    mcfg = one.model.config
+    assert not parallel_layout(one, 1).shards_model
     assert check_fit(one, mcfg, data_parallel=1) == 1  # the global batch of 24 as one micro-batch
     # Nothing else changes: model, data, seed, optimizer, schedule, global batch.
     same = dataclasses.replace(one, parallel=base.parallel,

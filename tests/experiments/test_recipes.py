@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.models import build, num_parameters
-from lmforge.train.config import load_run_config, model_config
+from lmforge.train.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs" / "experiments").glob("*.yaml"))
@@ -32,7 +32,7 @@ def test_experiment_recipe_is_valid(path, tmp_path, monkeypatch, shared_data):
     for key in ("tokenizer", "train_file", "valid_file"):
         value = getattr(cfg.data, key)
         assert value is None or _available(value), (key, value)
-    mcfg, _ = model_config(cfg.model)
+    mcfg = cfg.model.config
     if mcfg is not None:
         assert cfg.data.seq_length <= mcfg.max_position_embeddings
         assert num_parameters(build(mcfg, device="meta")) > 0

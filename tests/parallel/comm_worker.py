@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from lmforge.models import build
 from lmforge.parallel.comm_volume import Layout, bytes_sent, step_bytes
-from lmforge.parallel.data_parallel import gradient_sync, init_world, wrap
+from lmforge.parallel.data_parallel import gradient_sync, init_world
 
 
 def _write(world, results, out: str) -> None:
@@ -81,7 +81,11 @@ def main(strategy: str, micro_batches: int, out: str) -> None:
     torch.manual_seed(0)
     model = build("tiny-neox")
     cfg = model.config
-    model = wrap(model, strategy, world)
+    from lmforge.parallel import ParallelConfig, build_mesh, parallelize
+
+    # The trainer's data-parallel plans: DDP over replicas, or FSDP2 over shards.
+    layout = ParallelConfig(data_replicate=world.size, data_shard=1) if strategy == "ddp" else ParallelConfig()
+    model = parallelize(model, layout, build_mesh(layout, cfg)).parts[0]
     seq, micro = 16, 2
     x = torch.randint(0, cfg.vocab_size, (micro_batches, micro, seq))
 

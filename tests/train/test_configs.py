@@ -9,7 +9,7 @@ import pytest
 
 from lmforge.models import build, num_parameters, preset
 from lmforge.parallel import check_model
-from lmforge.train.config import load_run_config, model_config
+from lmforge.train.config import load_run_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 # Recipes whose model comes from model.init_from, and the published model each is written for.
@@ -21,14 +21,13 @@ def test_recipe_is_valid(path, tmp_path):
     cfg = load_run_config(path, [f"model.init_from={tmp_path}"] if "init_from" in path.read_text() else [])
     t = cfg.trainer
     assert t.global_batch_size % t.micro_batch_size == 0
-    mcfg, init_from = model_config(cfg.model)
+    mcfg, init_from = cfg.model.config, cfg.model.init_from
     if mcfg is not None:
         assert cfg.data.seq_length <= mcfg.max_position_embeddings
         assert num_parameters(build(mcfg, device="meta")) > 0
     else:
         assert init_from == str(tmp_path)
-        overrides = {k: v for k, v in cfg.model.items() if k not in ("preset", "init_from", "dropout",
-                                                                     "attention_dropout")}
+        overrides = {k: v for k, v in cfg.model.overrides.items() if k not in ("dropout", "attention_dropout")}
         mcfg = dataclasses.replace(preset(INIT_FROM_MODELS[path.stem]), **overrides)
     p = cfg.parallel
     # Heads, layers and the padded vocabulary split as the layout asks (one model replica's processes).

@@ -96,7 +96,9 @@ def test_fine_tuning_batches_are_padded_to_a_few_shapes(tiny_gpt2, shared_data, 
     trainer.compile, so a compiled block sees two shapes here instead of one per length), never past seq_length;
     the padding is masked out, so the loss of a batch does not depend on it."""
     from lmforge.tokenizers import load_tokenizer
-    from lmforge.train.tasks import build_task_data, task_loss
+    from lmforge.train.tasks import get_task
+
+    task = get_task("classification")
 
     sst = shared_data / "classification" / "sst-2"
     tok = load_tokenizer(tiny_gpt2)
@@ -106,17 +108,17 @@ def test_fine_tuning_batches_are_padded_to_a_few_shapes(tiny_gpt2, shared_data, 
                                            f"data.train_file={sst / 'train.tsv'}",
                                            "data.seq_length=100", *extra))
 
-    compiled = build_task_data(cfg("trainer.compile=true"), tok)
+    compiled = task.build_data(cfg("trainer.compile=true"), tok)
     items = [compiled.train[i] for i in range(64)]
     lengths = {compiled.collate(items[i : i + 4])["input_ids"].shape[1] for i in range(0, 64, 4)}
     longest = {max(len(x["input_ids"]) for x in items[i : i + 4]) for i in range(0, 64, 4)}
     assert lengths <= {64, 100} and len(longest) > len(lengths)  # 100 = seq_length: the cap, not 128
-    assert build_task_data(cfg("data.pad_to_multiple_of=1"), tok).collate(items[:4])["input_ids"].shape[1] == max(
+    assert task.build_data(cfg("data.pad_to_multiple_of=1"), tok).collate(items[:4])["input_ids"].shape[1] == max(
         len(x["input_ids"]) for x in items[:4])
     model = build({**build("tiny-gpt2", device="meta").config.__dict__, "vocab_size": 50257,
                    "max_position_embeddings": 128, "num_labels": 2}, seed=0).eval()
-    exact = build_task_data(cfg("data.pad_to_multiple_of=1"), tok).collate(items[:4])
+    exact = task.build_data(cfg("data.pad_to_multiple_of=1"), tok).collate(items[:4])
     with torch.no_grad():
-        a, _, _ = task_loss("classification", model, exact)
-        b, _, _ = task_loss("classification", model, compiled.collate(items[:4]))
+        a, _, _ = task.loss(model, exact)
+        b, _, _ = task.loss(model, compiled.collate(items[:4]))
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import lmforge.train.loss as loss_mod
 from lmforge.models import build
 from lmforge.train.loss import linear_cross_entropy
-from lmforge.train.tasks import task_loss
+from lmforge.train.tasks import get_task
 
 
 def _inputs(n=37, d=16, rows=1000, dtype=torch.float32, bias=False, seed=0):
@@ -135,7 +135,7 @@ def test_task_loss_through_the_model_equals_the_plain_path(preset, task):
     results = []
     for fused in (False, True):
         model.zero_grad(set_to_none=True)
-        loss, count, _ = task_loss(task, model, batch, fused_loss=fused)
+        loss, count, _ = get_task(task).loss(model, batch, fused=fused)
         (loss / count).backward()
         results.append((loss.item(), count, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (lp, cp, gp), (lf, cf, gf) = results

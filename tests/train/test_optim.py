@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.models import build
-from lmforge.train.config import OptimConfig
+from lmforge.train.config import PRECISIONS, OptimConfig
 from lmforge.train.optim import AdamWSR, build_optimizer, lr_at, param_groups, stochastic_round_
 
 
@@ -80,7 +80,7 @@ def test_fp32_optimizer_is_fused_adamw_with_the_reference_trajectory():
     torch.manual_seed(0)
     model, ref = build("tiny-neox", seed=0), build("tiny-neox", seed=0)
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
-    opt = build_optimizer(model, cfg, "fp32", seed=0)
+    opt = build_optimizer(model, cfg, PRECISIONS["fp32"], seed=0)
     assert opt.defaults["fused"]
     opt_ref = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=cfg.eps, foreach=False)
     x = torch.randint(0, 1000, (2, 16))

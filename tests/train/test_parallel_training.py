@@ -20,7 +20,7 @@ import torch
 
 from lmforge.checkpoint import load_model_weights
 from lmforge.models import build
-from lmforge.train.config import load_run_config, model_config
+from lmforge.train.config import load_run_config
 from lmforge.train.trainer import Trainer
 
 # 4 layers: two pipeline ranks x two virtual stages. decay_steps fixes the schedule, so a 4-step run
@@ -93,7 +93,7 @@ def test_tensor_x_pipeline_then_resume_on_other_layouts(neox, tmp_path):
     _torchrun(4, "pretrain", *args, "parallel.tensor=2", "parallel.pipeline=2", "checkpoint.convert_to_hf=true",
               f"run_dir={run}")
     _close(_curve(run), _curve(ref)[:4])
-    model = build(model_config(load_run_config(None, args).model)[0], seed=1)
+    model = build(load_run_config(None, args).model.config, seed=1)
     load_model_weights(run / "checkpoints" / "step-00000004", model)
     hf = tf.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,7 @@ import torch
 
 from lmforge.models import build
 from lmforge.train.profile import OP_CATEGORIES, categorize, profile_step, profile_table
-from lmforge.train.tasks import task_loss
+from lmforge.train.tasks import get_task
 
 
 def test_a_step_is_split_into_categories_that_add_up():
@@ -17,7 +17,7 @@ def test_a_step_is_split_into_categories_that_add_up():
     batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1)}
 
     def step():
-        loss, count, _ = task_loss("pretrain", model, batch)
+        loss, count, _ = get_task("pretrain").loss(model, batch)
         (loss / count).backward()
         opt.step()
         opt.zero_grad()

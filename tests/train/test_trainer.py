@@ -70,14 +70,14 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_corpus, tmp_path, m
     cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=20", "trainer.max_consecutive_skips=3",
                      "checkpoint.every_n_steps=2", "trainer.val_check_interval=0")
     trainer = Trainer(cfg)
-    real = trainer._loss
+    real = trainer.training.micro_loss
 
     def poisoned(batch):
         loss, n, correct = real(batch)
         step = trainer.state["step"]
         return (loss * float("nan") if step == 3 or step >= 5 else loss), n, correct
 
-    monkeypatch.setattr(trainer, "_loss", poisoned)
+    monkeypatch.setattr(trainer.training, "micro_loss", poisoned)
     with pytest.raises(UserError, match="3 steps in a row had a non-finite loss"):
         trainer.fit()
     rows = _rows(tmp_path / "run")

@@ -1,9 +1,4 @@
-"""What differs between pretraining and fine-tuning: the data and the loss.
-
-    pretrain        Megatron GPT samples (tokens, labels already shifted)
-    sft             instruction/chat examples (labels -100 on prompts), optionally packed
-    classification  text + label rows, a score/classifier head on the model
-    mlm             BERT masked-LM samples from a .bin/.idx prefix
+"""The Task protocol, and what the tasks share: the epoch sampler, the LM and classification losses.
 
 Each loss returns (sum over counted items, number counted) so the trainer can normalise by the
 global count of a step: accumulation and data parallelism then give one big batch's gradient.
@@ -12,9 +7,11 @@ global count of a step: accumulation and data parallelism then give one big batc
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,6 +25,8 @@ from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX, linear_cross_entropy
 
+Batch = dict[str, torch.Tensor]
+
 
 @dataclass
 class TaskData:
@@ -36,6 +35,57 @@ class TaskData:
     collate: Callable | None = None
     num_labels: int = 0
     label_names: list[str] | None = None
+
+
+class Task:
+    """One kind of run. The defaults are a language-model task (pretrain, sft, mlm): summed token
+    cross-entropy over labels != -100, validation loss and perplexity."""
+
+    name: ClassVar[str]
+    # Fixed-length Megatron samples: no tokenizer needed, validation on a fixed number of samples
+    # (the same ones every time), `lmforge pretrain` rather than `lmforge finetune`.
+    pretraining: ClassVar[bool] = False
+
+    def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
+        raise NotImplementedError
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(input_ids, labels, keyword inputs) of a collated micro-batch: what the model is called with
+        and what its output is scored against (logits_loss)."""
+        return batch["input_ids"], batch["labels"], {"attention_mask": batch["attention_mask"]}
+
+    def count(self, batch: Batch) -> int:
+        """What a step's loss is normalised by: the labelled tokens."""
+        return int((self.inputs(batch)[1] != IGNORE_INDEX).sum())
+
+    def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, int, int]:
+        """(summed loss, items counted, correct predictions) for one micro-batch on the model's device.
+
+        fused: a decoder's LM loss goes through lmforge.train.loss (no full logits tensor); False
+        computes the logits and F.cross_entropy, the reference it is tested against.
+        """
+        input_ids, labels, inputs = self.inputs(batch)
+        loss = lm_loss(model, {"input_ids": input_ids, **inputs}, labels, fused)
+        return loss, int((labels != IGNORE_INDEX).sum()), 0
+
+    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
+        """Correct predictions among `logits` (pipeline validation scores the last stage's logits)."""
+        return 0
+
+    def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
+        """Validation metrics from the summed loss, items scored and correct predictions."""
+        val_loss = loss_sum / count
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    def validation_samples(self, cfg: RunConfig, valid: Dataset, unit: int) -> int:
+        """How many validation samples one validation reads, in whole steps of `unit` rows (micro-batch x
+        data-parallel ranks, x microbatches under a pipeline): the whole validation file."""
+        total = len(valid) // unit * unit
+        if total == 0:
+            raise UserError(f"the validation file has {len(valid)} examples, fewer than one batch of {unit} "
+                            "(micro-batch x data-parallel processes): give a larger one or lower "
+                            "trainer.micro_batch_size")
+        return total
 
 
 class Epochs(Dataset):
@@ -56,10 +106,14 @@ class Epochs(Dataset):
         return self.dataset[int(self._perm[i])]
 
 
-def _require(path: str | None, key: str) -> str:
+def require(path: str | None, key: str) -> str:
     if not path:
         raise UserError(f"{key} is not set: give the file to fine-tune on")
     return path
+
+
+def total_samples(cfg: RunConfig) -> int:
+    return cfg.trainer.max_steps * cfg.trainer.global_batch_size
 
 
 def pad_multiple(cfg: RunConfig) -> int:
@@ -72,87 +126,11 @@ def pad_multiple(cfg: RunConfig) -> int:
     return multiple
 
 
-def build_task_data(cfg: RunConfig, tokenizer) -> TaskData:
-    data = _build_task_data(cfg, tokenizer)
-    if data.collate is not None:  # variable-length tasks: few distinct batch shapes
-        data.collate = dataclasses.replace(data.collate, pad_to_multiple_of=pad_multiple(cfg),
-                                           max_length=cfg.data.seq_length)
+def with_padding(data: TaskData, cfg: RunConfig) -> TaskData:
+    """Variable-length tasks: batches padded to a few distinct lengths (data.pad_to_multiple_of)."""
+    data.collate = dataclasses.replace(data.collate, pad_to_multiple_of=pad_multiple(cfg),
+                                       max_length=cfg.data.seq_length)
     return data
-
-
-def _build_task_data(cfg: RunConfig, tokenizer) -> TaskData:
-    d = cfg.data
-    total = cfg.trainer.max_steps * cfg.trainer.global_batch_size
-    if d.task == "sft":
-        from lmforge.data.sft import SFTDataset
-
-        def make(path):
-            return SFTDataset(path, tokenizer, d.seq_length, packing=d.packing, truncate="cut",
-                              prompt_template=d.prompt_template)
-
-        train = make(_require(d.train_file, "data.train_file"))
-        valid = make(d.valid_file) if d.valid_file else None
-        return TaskData(Epochs(train, total, cfg.trainer.seed), valid, train.collate)
-    if d.task == "classification":
-        from lmforge.data.classification import ClassificationDataset
-
-        special = [tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
-        prefix, suffix = ([special[0]], [special[1]]) if None not in special else ([], [])
-        train = ClassificationDataset(_require(d.train_file, "data.train_file"), tokenizer, d.seq_length,
-                                      prefix_ids=prefix, suffix_ids=suffix)
-        valid = ClassificationDataset(d.valid_file, tokenizer, d.seq_length, label_names=train.label_names,
-                                      prefix_ids=prefix, suffix_ids=suffix) if d.valid_file else None
-        return TaskData(Epochs(train, total, cfg.trainer.seed), valid, train.collate, train.num_labels,
-                        train.label_names)
-    if d.task == "mlm":
-        from lmforge.data.mlm import MLMDataset
-        from lmforge.train.data import open_prefixes
-
-        ids = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]")}
-        if None in ids.values():
-            raise UserError("MLM needs a BERT-style tokenizer with [CLS], [SEP], [MASK] and [PAD] tokens")
-        indexed, _ = open_prefixes(d.paths[:1])
-
-        def make(data, seed, epochs=1):
-            return MLMDataset(data, d.seq_length, tokenizer.vocab_size, ids["[CLS]"], ids["[SEP]"], ids["[MASK]"],
-                              ids["[PAD]"], seed=seed, num_epochs=epochs)
-
-        train = make(indexed[0], cfg.trainer.seed)
-        if len(train) < total:  # each further epoch masks the same text differently
-            train = make(indexed[0], cfg.trainer.seed, -(-total // len(train)))
-        valid = make(open_prefixes([d.valid_file])[0][0], cfg.trainer.seed + 1) if d.valid_file else None
-        return TaskData(Epochs(train, total, cfg.trainer.seed), valid, train.collate)
-    from lmforge.train.data import pretrain_datasets
-
-    train, valid = pretrain_datasets(cfg)
-    return TaskData(train, valid)
-
-
-def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Causal attention kept inside each packed example: (batch, 1, seq, seq) bool."""
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    s = segment_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
-    eye = torch.eye(s, dtype=torch.bool, device=segment_ids.device)  # padding rows see themselves
-    return ((same & causal & (segment_ids[:, None, :] != 0)) | eye)[:, None]
-
-
-def task_batch(task: str, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(input_ids, labels, keyword inputs) of a collated micro-batch: what the model is called with and
-    what its output is scored against (logits_loss)."""
-    if task == "classification":
-        return batch["input_ids"], batch["label"], {"attention_mask": batch["attention_mask"]}
-    if task == "pretrain":
-        return batch["tokens"], batch["labels"], {}
-    if task == "sft":
-        if "segment_ids" in batch:
-            inputs = {"attention_mask": segment_mask(batch["segment_ids"]), "position_ids": batch["position_ids"]}
-        else:
-            inputs = {"attention_mask": batch["attention_mask"]}
-        labels = batch["labels"]  # aligned with the inputs (HF): position t is scored on label t + 1
-        labels = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), IGNORE_INDEX)], 1)
-        return batch["input_ids"], labels, inputs
-    return batch["input_ids"], batch["labels"], {"attention_mask": batch["attention_mask"]}  # mlm
 
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -163,23 +141,7 @@ def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def task_loss(task: str, model: torch.nn.Module, batch: dict[str, torch.Tensor],
-              fused_loss: bool = True) -> tuple[torch.Tensor, int, int]:
-    """(summed loss, items counted, correct predictions) for one micro-batch on the model's device.
-
-    fused_loss: a decoder's LM loss goes through lmforge.train.loss (no full logits tensor);
-    False computes the logits and F.cross_entropy, the reference it is tested against.
-    """
-    input_ids, labels, inputs = task_batch(task, batch)
-    if task == "classification":
-        logits = model(input_ids, **inputs).float()
-        return logits_loss(logits, labels), len(labels), int((logits.argmax(-1) == labels).sum())
-    loss = lm_loss(model, {"input_ids": input_ids, **inputs}, labels, fused_loss)
-    return loss, int((labels != IGNORE_INDEX).sum()), 0
-
-
-def lm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
-            fused: bool = True) -> torch.Tensor:
+def lm_loss(model: torch.nn.Module, inputs: Batch, labels: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """Summed cross-entropy of the model's logits for `inputs` against `labels` (-100: not scored)."""
     inner = unwrap(model)
     # Under tensor parallelism the projection is vocabulary-sharded (lmforge.parallel): plain path.
@@ -189,15 +151,7 @@ def lm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: tor
     return logits_loss(model(**inputs), labels)
 
 
-def count_items(task: str, batch: dict[str, torch.Tensor]) -> int:
-    """What a step's loss is normalised by: label tokens, or examples for classification."""
-    if task == "classification":
-        return len(batch["label"])
-    labels = batch["labels"][:, 1:] if task == "sft" else batch["labels"]
-    return int((labels != -100).sum())
-
-
-def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+def count_tokens(batch: Batch) -> int:
     """Real (non-padding) input tokens, for throughput."""
     if "tokens" in batch:
         return batch["tokens"].numel()

@@ -1,0 +1,29 @@
+"""What differs between pretraining and fine-tuning, one Task object per kind of run:
+
+    pretrain        Megatron GPT samples (tokens, labels already shifted)         tasks/pretrain.py
+    sft             instruction/chat examples (labels -100 on prompts), packed    tasks/sft.py
+    classification  text + label rows, a score/classifier head on the model      tasks/classification.py
+    mlm             BERT masked-LM samples from a .bin/.idx prefix                tasks/mlm.py
+
+A Task says how its data is built, what the model is called with, what its loss is normalised by
+and which validation metrics it reports (lmforge.train.tasks.base.Task). Adding a task is one file
+here and one line in TASKS.
+"""
+
+from __future__ import annotations
+
+from lmforge.train.tasks.base import Task, TaskData, count_tokens, logits_loss
+from lmforge.train.tasks.classification import Classification
+from lmforge.train.tasks.mlm import MaskedLM
+from lmforge.train.tasks.pretrain import Pretrain
+from lmforge.train.tasks.sft import SFT
+
+TASKS: dict[str, Task] = {task.name: task for task in (Pretrain(), SFT(), Classification(), MaskedLM())}
+
+
+def get_task(name: str) -> Task:
+    """The Task called `name` (data.task); the config has checked it is one of TASKS."""
+    return TASKS[name]
+
+
+__all__ = ["TASKS", "Task", "TaskData", "count_tokens", "get_task", "logits_loss"]

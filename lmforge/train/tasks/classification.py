@@ -1,0 +1,43 @@
+"""Sequence classification: text + label rows, a score/classifier head on the model."""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.train.config import RunConfig
+from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, logits_loss, require, total_samples, with_padding
+
+
+class Classification(Task):
+    name = "classification"
+
+    def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
+        from lmforge.data.classification import ClassificationDataset
+
+        d = cfg.data
+        special = [tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
+        prefix, suffix = ([special[0]], [special[1]]) if None not in special else ([], [])
+        train = ClassificationDataset(require(d.train_file, "data.train_file"), tokenizer, d.seq_length,
+                                      prefix_ids=prefix, suffix_ids=suffix)
+        valid = ClassificationDataset(d.valid_file, tokenizer, d.seq_length, label_names=train.label_names,
+                                      prefix_ids=prefix, suffix_ids=suffix) if d.valid_file else None
+        data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate, train.num_labels,
+                        train.label_names)
+        return with_padding(data, cfg)
+
+    def inputs(self, batch: Batch):
+        return batch["input_ids"], batch["label"], {"attention_mask": batch["attention_mask"]}
+
+    def count(self, batch: Batch) -> int:
+        return len(batch["label"])  # examples, not tokens
+
+    def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, int, int]:
+        input_ids, labels, inputs = self.inputs(batch)
+        logits = model(input_ids, **inputs).float()
+        return logits_loss(logits, labels), len(labels), self.correct(logits, labels)
+
+    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
+        return int((logits.argmax(-1) == labels).sum())
+
+    def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
+        return {"val_loss": loss_sum / count, "val_accuracy": correct / count}

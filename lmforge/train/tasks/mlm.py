@@ -1,0 +1,31 @@
+"""BERT masked-LM samples from a .bin/.idx prefix, masked anew in every epoch."""
+
+from __future__ import annotations
+
+from lmforge.errors import UserError
+from lmforge.train.config import RunConfig
+from lmforge.train.data import open_prefixes
+from lmforge.train.tasks.base import Epochs, Task, TaskData, total_samples, with_padding
+
+
+class MaskedLM(Task):
+    name = "mlm"
+
+    def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
+        from lmforge.data.mlm import MLMDataset
+
+        d, total = cfg.data, total_samples(cfg)
+        ids = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]")}
+        if None in ids.values():
+            raise UserError("MLM needs a BERT-style tokenizer with [CLS], [SEP], [MASK] and [PAD] tokens")
+        indexed, _ = open_prefixes(d.paths[:1])
+
+        def make(data, seed, epochs=1):
+            return MLMDataset(data, d.seq_length, tokenizer.vocab_size, ids["[CLS]"], ids["[SEP]"], ids["[MASK]"],
+                              ids["[PAD]"], seed=seed, num_epochs=epochs)
+
+        train = make(indexed[0], cfg.trainer.seed)
+        if len(train) < total:  # each further epoch masks the same text differently
+            train = make(indexed[0], cfg.trainer.seed, -(-total // len(train)))
+        valid = make(open_prefixes([d.valid_file])[0][0], cfg.trainer.seed + 1) if d.valid_file else None
+        return with_padding(TaskData(Epochs(train, total, cfg.trainer.seed), valid, train.collate), cfg)

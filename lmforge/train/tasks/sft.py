@@ -1,0 +1,44 @@
+"""Supervised fine-tuning on instruction/chat examples: labels -100 on prompts, optionally packed."""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.train.config import RunConfig
+from lmforge.train.loss import IGNORE_INDEX
+from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, require, total_samples, with_padding
+
+
+def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Causal attention kept inside each packed example: (batch, 1, seq, seq) bool."""
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    s = segment_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    eye = torch.eye(s, dtype=torch.bool, device=segment_ids.device)  # padding rows see themselves
+    return ((same & causal & (segment_ids[:, None, :] != 0)) | eye)[:, None]
+
+
+class SFT(Task):
+    name = "sft"
+
+    def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
+        from lmforge.data.sft import SFTDataset
+
+        d = cfg.data
+
+        def make(path):
+            return SFTDataset(path, tokenizer, d.seq_length, packing=d.packing, truncate="cut",
+                              prompt_template=d.prompt_template)
+
+        train = make(require(d.train_file, "data.train_file"))
+        valid = make(d.valid_file) if d.valid_file else None
+        return with_padding(TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate), cfg)
+
+    def inputs(self, batch: Batch):
+        if "segment_ids" in batch:
+            inputs = {"attention_mask": segment_mask(batch["segment_ids"]), "position_ids": batch["position_ids"]}
+        else:
+            inputs = {"attention_mask": batch["attention_mask"]}
+        labels = batch["labels"]  # aligned with the inputs (HF): position t is scored on label t + 1
+        labels = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), IGNORE_INDEX)], 1)
+        return batch["input_ids"], labels, inputs
