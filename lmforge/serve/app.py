@@ -1,38 +1,25 @@
-"""The HTTP server: OpenAI's completions, chat completions and models routes, SageMaker's /ping and
-/invocations, /health, /metrics, and the chat page at /.
-
-Each HTTP request turns into one engine request per prompt and choice (`n`); their events come back
-on one asyncio queue. A stream is written as server-sent events, `data: {chunk}` ... `data: [DONE]`,
-in OpenAI's chunk format. When the client goes away (mid-stream or while waiting for a whole
-answer), its engine requests are cancelled and their batch rows freed before the next decode step.
-"""
+"""The ASGI app: OpenAI's completions, chat completions and models routes, SageMaker's /ping and
+/invocations, /health, /metrics, and the chat page at /, over one `Server` (lmforge.serve.server)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
-from functools import partial
+from contextlib import asynccontextmanager
 from html import escape
 from pathlib import Path
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
-from lmforge.errors import UserError
-from lmforge.inference.engine import Engine, EngineBusy, Event, RequestParams
-from lmforge.inference.sampling import SamplingParams
+from lmforge.inference.engine import Engine
 from lmforge.serve.chat import ChatFormat
-from lmforge.serve.metrics import Metrics, MetricsMiddleware
+from lmforge.serve.metrics import MetricsMiddleware
 from lmforge.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from lmforge.serve.sagemaker import invocations
+from lmforge.serve.server import ServeConfig, Server, error_response
 
 log = logging.getLogger(__name__)
 
@@ -40,257 +27,8 @@ ROUTES = {"/", "/health", "/ping", "/metrics", "/invocations", "/v1/models", "/v
           "/v1/chat/completions"}
 
 
-@dataclass
-class ServeConfig:
-    model_name: str = "lmforge"  # the id clients pass as `model`
-    max_tokens_limit: int = 4096  # the most tokens one request may ask to generate
-    default_max_tokens: int = 256  # when a request names no max_tokens (capped by the context left)
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-
-
-class Generation:
-    """The engine requests behind one HTTP request, read as one stream of (choice index, Event)."""
-
-    def __init__(self, engine: Engine, jobs: list[tuple[list[int], RequestParams]]):
-        loop = asyncio.get_running_loop()
-        self.engine, self.queue, self.requests = engine, asyncio.Queue(), []
-        self.prompt_tokens = sum(len(ids) for ids, _ in jobs)
-        self.completion_tokens: dict[int, int] = {}
-        try:
-            for i, (ids, params) in enumerate(jobs):
-                self.requests.append(engine.submit(ids, params, partial(self._put, loop, i)))
-        except UserError as e:
-            self.close()
-            raise APIError(400, str(e), param="prompt") from None
-        except EngineBusy as e:
-            self.close()
-            raise APIError(503, f"the server is busy ({e}): retry later", type="server_error",
-                           code="overloaded") from None
-
-    def _put(self, loop: asyncio.AbstractEventLoop, i: int, event: Event) -> None:
-        loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))  # called from the engine thread
-
-    async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        left = len(self.requests)
-        while left:
-            i, event = await self.queue.get()
-            self.completion_tokens[i] = event.completion_tokens
-            left -= event.finish_reason is not None
-            yield i, event
-
-    def close(self) -> None:
-        for req in self.requests:
-            if req.finish_reason is None:
-                self.engine.cancel(req)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events that stop, and release the engine rows, as soon as the client disconnects:
-    it listens for the disconnect while waiting for tokens too, not only when a write fails."""
-
-    def __init__(self, chunks: AsyncIterator[str]):
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-    async def __call__(self, scope, receive, send):
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream():
-                    with suppress(OSError):  # the client went away during a write
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-class Server:
-    """What the routes share: the engine, the tokenizer, the chat format, the settings and the metrics."""
-
-    def __init__(self, engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig):
-        self.engine, self.tokenizer, self.chat, self.config = engine, tokenizer, chat, config
-        self.metrics = Metrics()
-
-    async def read_json(self, request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})") from None
-
-    def check_model(self, name: str) -> None:
-        if name != self.config.model_name:
-            raise APIError(404, f"the model '{name}' does not exist: this server serves '{self.config.model_name}'",
-                           param="model", code="model_not_found")
-
-    def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
-        """The tokens to generate for a prompt: as requested if it fits, else a 400 naming the limit."""
-        limit, context = self.config.max_tokens_limit, self.engine.context
-        if requested is not None and requested > limit:
-            raise APIError(400, f"{param} is {requested}, over this server's limit of {limit}", param=param)
-        room = context - prompt_len
-        if room < 1 or (requested is not None and requested > room):
-            asked = f" and {requested} to generate" if requested is not None else ""
-            raise APIError(400, f"this model's context is {context} tokens, but the prompt has {prompt_len}{asked}: "
-                                f"shorten the prompt or lower {param}", param=param, code="context_length_exceeded")
-        return requested if requested is not None else min(self.config.default_max_tokens, limit, room)
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
-        if not ids:
-            raise APIError(400, "the prompt is empty: give it some text", param="prompt")
-        return ids
-
-    def start(self, prompts: list[list[int]], requested: int | None, sampling: SamplingParams, n: int,
-              stop: list[str], seed: int | None, param: str = "max_tokens") -> Generation:
-        jobs = []
-        for ids in prompts:
-            limit = self.max_tokens(requested, len(ids), param)
-            for j in range(n):  # the choices of one seeded request differ from each other
-                jobs.append((ids, RequestParams(limit, sampling, stop, None if seed is None else seed + j)))
-        return Generation(self.engine, jobs)
-
-    async def collect(self, request: Request, gen: Generation, route: str, start: float) -> dict[int, dict]:
-        """Each choice's text and finish reason once all are done; cancelled if the client disconnects."""
-        out: dict[int, dict] = {}
-
-        async def consume():
-            async for i, ev in gen.events():
-                if not out:
-                    self.metrics.first_token(route, time.perf_counter() - start)
-                choice = out.setdefault(i, {"text": "", "finish_reason": None})
-                choice["text"] += ev.text
-                choice["finish_reason"] = ev.finish_reason
-                if ev.error:
-                    raise APIError(500, f"generation failed: {ev.error}", type="server_error")
-
-        async def disconnected():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gen.close()
-            gone.cancel()
-            self.metrics.tokens(gen.prompt_tokens, sum(gen.completion_tokens.values()))
-        if not work.done():
-            work.cancel()
-            raise APIError(499, "the client closed the connection")
-        work.result()  # raises what consume raised
-        return out
-
-    async def chunks(self, gen: Generation, include_usage: bool, make_chunk, route: str, start: float,
-                     role_chunk=None) -> AsyncIterator[str]:
-        """A generation as server-sent events; make_chunk(index, event) -> chunk, (None, None) -> the head."""
-        started: set[int] = set()
-        try:
-            async for i, ev in gen.events():
-                if not started:
-                    self.metrics.first_token(route, time.perf_counter() - start)
-                if role_chunk is not None and i not in started:
-                    yield _sse(role_chunk(i))
-                started.add(i)
-                if ev.error:
-                    yield _sse(APIError(500, f"generation failed: {ev.error}", type="server_error").body())
-                    return
-                if ev.text or ev.finish_reason:
-                    yield _sse(make_chunk(i, ev))
-            if include_usage:
-                yield _sse({**make_chunk(None, None), "choices": [], "usage": usage(gen)})
-            yield "data: [DONE]\n\n"
-        finally:
-            gen.close()
-            self.metrics.tokens(gen.prompt_tokens, sum(gen.completion_tokens.values()))
-
-    # ------------------------------------------------------------------ OpenAI routes
-
-    async def completions(self, request: Request, body: CompletionRequest):
-        start, route = time.perf_counter(), "/v1/completions"
-        self.check_model(body.model)
-        prompts = [self.encode_prompt(p) for p in body.prompts()]
-        if not prompts:
-            raise APIError(400, "no prompt given", param="prompt")
-        gen = self.start(prompts, body.max_tokens, sampling_of(body), body.n, body.stop, body.seed)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.config.model_name}
-        if body.stream:
-            def chunk(i, ev):
-                if i is None:
-                    return dict(head)
-                return {**head, "choices": [{"index": i, "text": ev.text, "logprobs": None,
-                                             "finish_reason": ev.finish_reason}]}
-
-            return EventStream(self.chunks(gen, body.include_usage, chunk, route, start))
-        out = await self.collect(request, gen, route, start)
-        choices = [{"index": i, "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
-                   for i, c in sorted(out.items())]
-        return {**head, "choices": choices, "usage": usage(gen)}
-
-    async def chat_completions(self, request: Request, body: ChatRequest):
-        start, route = time.perf_counter(), "/v1/chat/completions"
-        self.check_model(body.model)
-        ids = self.chat.encode([(m.role, m.text()) for m in body.messages])
-        requested, param = body.max_tokens, "max_tokens"
-        if body.max_completion_tokens is not None:
-            requested, param = body.max_completion_tokens, "max_completion_tokens"
-        gen = self.start([ids], requested, sampling_of(body), body.n, [*body.stop, *self.chat.stop], body.seed,
-                         param)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
-        if body.stream:
-            head["object"] = "chat.completion.chunk"
-
-            def chunk(i, ev):
-                if i is None:
-                    return dict(head)
-                delta = {"content": ev.text} if ev.text else {}
-                return {**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
-                                             "finish_reason": ev.finish_reason}]}
-
-            def role(i):
-                return {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]}
-
-            return EventStream(self.chunks(gen, body.include_usage, chunk, route, start, role))
-        out = await self.collect(request, gen, route, start)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c["text"]}, "logprobs": None,
-                    "finish_reason": c["finish_reason"]} for i, c in sorted(out.items())]
-        return {**head, "object": "chat.completion", "choices": choices, "usage": usage(gen)}
-
-    def model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "lmforge"}
-
-
-def sampling_of(body) -> SamplingParams:
-    return SamplingParams(body.temperature, body.top_k, body.top_p, body.repetition_penalty)
-
-
-def usage(gen: Generation) -> dict:
-    completion = sum(gen.completion_tokens.values())
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": gen.prompt_tokens + completion}
-
-
 def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig | None = None) -> FastAPI:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it."""
-    from lmforge.serve.sagemaker import invocations  # noqa: PLC0415 (it imports this module)
-
     server = Server(engine, tokenizer, chat, config or ServeConfig())
     config, metrics = server.config, server.metrics
     page = Path(__file__).with_name("chat.html").read_text(encoding="utf-8")
@@ -309,17 +47,17 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
-        return _error_response(err)
+        return error_response(err)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                         code="not_found" if exc.status_code == 404 else None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return _error_response(APIError(500, f"internal error ({type(exc).__name__}): see the server log",
+        return error_response(APIError(500, f"internal error ({type(exc).__name__}): see the server log",
                                         type="server_error"))
 
     @app.post("/v1/completions")

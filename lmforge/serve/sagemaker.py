@@ -20,8 +20,8 @@ import time
 from fastapi import Request
 
 from lmforge.inference.sampling import SamplingParams
-from lmforge.serve.app import Server
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, TGIRequest, parse
+from lmforge.serve.server import Server
 
 
 async def invocations(server: Server, request: Request, data):
