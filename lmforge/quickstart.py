@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lmforge.fsutil import atomic_write
+
 log = logging.getLogger(__name__)
 
 # A Pythia-shaped model (parallel residual, rotary on 25% of each head) that learns visibly in
@@ -28,27 +30,25 @@ MODEL = {"family": "gpt_neox", "vocab_size": 4096, "hidden_size": 128, "num_laye
 def gather_corpus(out: Path, max_chars: int = 3_000_000) -> tuple[int, int]:
     """One JSONL document per standard-library module: its module, class and function docstrings."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs = chars = 0
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for path in sorted(root.rglob("*.py")):
-            if {"site-packages", "test", "tests", "idle_test"} & set(path.parts):
-                continue
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, OSError):
-                continue
-            texts = [d for node in ast.walk(tree)
-                     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                     and (d := ast.get_docstring(node)) and len(d) > 40]
-            if texts:
-                text = "\n\n".join(texts)
-                f.write(json.dumps({"title": path.stem, "text": text}) + "\n")
-                docs, chars = docs + 1, chars + len(text)
-            if chars >= max_chars:
-                break
-    tmp.replace(out)
-    return docs, chars
+    lines, chars = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if {"site-packages", "test", "tests", "idle_test"} & set(path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        texts = [d for node in ast.walk(tree)
+                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                 and (d := ast.get_docstring(node)) and len(d) > 40]
+        if texts:
+            text = "\n\n".join(texts)
+            lines.append(json.dumps({"title": path.stem, "text": text}) + "\n")
+            chars += len(text)
+        if chars >= max_chars:
+            break
+    atomic_write(out, "".join(lines))  # a few MB
+    return len(lines), chars
 
 
 def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[[str], None] = log.info,
@@ -110,12 +110,9 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
     save_model(model, model_dir, tokenizer_from=tok_dir / "tokenizer.json", overwrite=True)
     export_hf(model_dir, hf_dir, overwrite=True)
     say(f"[6/6] exported: lmforge model {model_dir}, Hugging Face folder {hf_dir}")
-    from lmforge.cli import BUILT
-
-    serve = "" if "serve" in BUILT else "   (serving is not built yet in this version)"
     say(f"done in {time.perf_counter() - t0:.0f} s. Next:\n"
         f"  tensorboard --logdir {run_dir}/tensorboard\n"
         f"  lmforge generate {hf_dir} --prompt \"{prompt}\"\n"
-        f"  lmforge serve {hf_dir}{serve}\n"
+        f"  lmforge serve {hf_dir}\n"
         f"  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('{hf_dir}')\"")
     return {"val": val, "sample": sample, "hf_dir": str(hf_dir)}

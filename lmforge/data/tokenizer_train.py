@@ -15,11 +15,9 @@ transformers' `AutoTokenizer` both load the folder.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import logging
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -123,27 +121,4 @@ def train_tokenizer(
         (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     logger.info("trained a %d-token byte-level BPE in %.1f s, saved to %s", tok.get_vocab_size(),
                 time.perf_counter() - start, out_dir)
-    return tok
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `lmforge tokenizer train` arguments (the CLI contract)."""
-    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                        help="JSONL (.jsonl/.json/.ndjson) or .txt files, optionally .gz, or folders of them")
-    parser.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                        help="tokens in the vocabulary, the 256 byte symbols and special tokens included")
-    parser.add_argument("--out", required=True, metavar="DIR", help="folder to write tokenizer.json into")
-    parser.add_argument("--special-tokens", nargs="*", default=[ENDOFTEXT], metavar="TOK",
-                        help=f"special tokens, given the first ids; the first is bos/eos (default: {ENDOFTEXT})")
-    parser.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default: 2)")
-    parser.add_argument("--json-key", default="text", help="key holding the text in JSON lines (default: text)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> Tokenizer:
-    tok = train_tokenizer(args.input, args.vocab_size, args.out, special_tokens=args.special_tokens,
-                          min_frequency=args.min_frequency, json_key=args.json_key, overwrite=args.overwrite,
-                          progress=sys.stdout.isatty())
-    print(f"trained a {tok.get_vocab_size()}-token byte-level BPE tokenizer: {Path(args.out) / 'tokenizer.json'}")
     return tok

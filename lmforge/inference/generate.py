@@ -11,7 +11,6 @@ keeps as its last token; generation ends when every row has stopped or after max
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -266,44 +265,3 @@ def generate_text(
         cut = min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))
         texts.append(text[:cut])
     return texts
-
-
-# ---------------------------------------------------------------- CLI: lmforge generate
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass >= p")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
-    p.add_argument("--stop", action="append", default=[], help="stop at this text (not printed); repeatable")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step: faster per token after a one-off compile (needs a C++ "
-                        "compiler on CPU); worth it for long generations")
-
-
-def run(args: argparse.Namespace) -> None:
-    from lmforge.models import load_pretrained  # noqa: PLC0415 (keeps `lmforge --help` fast)
-    from lmforge.models.io import parse_device, parse_dtype  # noqa: PLC0415
-    from lmforge.tokenizers import load_tokenizer  # noqa: PLC0415
-
-    device = parse_device(args.device)
-    tokenizer = load_tokenizer(args.model_dir)
-    model = load_pretrained(args.model_dir, device=device, dtype=parse_dtype(args.dtype))
-    start = time.perf_counter()
-    texts = generate_text(
-        model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-        compile=args.compile,
-    )
-    log.info("generated %d completion(s) in %.2f s", len(texts), time.perf_counter() - start)
-    for i, text in enumerate(texts):
-        if len(texts) > 1:
-            print(f"--- completion {i + 1} of {len(texts)} ---")
-        print(text)

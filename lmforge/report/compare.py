@@ -12,16 +12,15 @@
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.errors import UserError
+from lmforge.fsutil import atomic_write
 from lmforge.report.runs import Run, derive_labels, load_run, summarize
 
 log = logging.getLogger(__name__)
@@ -68,9 +67,9 @@ def compare(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[st
     files = {}
     for name, image in figures(runs).items():
         files[name] = out / f"{name}.png"
-        _write_atomic(files[name], image)
+        atomic_write(files[name], image)
     page = out / "index.html"
-    _write_atomic(page, render_html(runs, {n: p.read_bytes() for n, p in files.items()}).encode())
+    atomic_write(page, render_html(runs, {n: p.read_bytes() for n, p in files.items()}))
     log.debug("wrote %d plots and %s", len(files), page)
     return Report(runs, files, page)
 
@@ -100,12 +99,6 @@ def figures(runs: list[Run]) -> dict[str, bytes]:
         makers["accuracy"] = plots.val_accuracy_figure
     makers.update(throughput=plots.throughput_figure, time=plots.time_figure, cost=plots.cost_figure)
     return {name: plots.png_bytes(make(runs)) for name, make in makers.items()}
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def _cell(value, fmt: str) -> str:
@@ -191,16 +184,3 @@ def _config_line(run: Run) -> str:
     if resumes:
         bits.append(f"resumed {resumes}x")
     return " &middot; " + html.escape(", ".join(bits))
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (each holds metrics.jsonl)")
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs and index.html")
-    p.add_argument("--labels", nargs="+", metavar="LABEL", help="one name per run (default: from each config)")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> None:
-    report = compare(args.run_dirs, args.out, args.labels)
-    print(text_table(report.runs))
-    print(f"wrote {len(report.files)} plots and {report.html}")

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lmforge.cli.preprocess import add_arguments, run
 from lmforge.data import IndexedDataset
-from lmforge.data.preprocess import add_arguments, preprocess, run
+from lmforge.data.preprocess import preprocess
 from lmforge.errors import UserError
 from lmforge.tokenizers import load_tokenizer
 

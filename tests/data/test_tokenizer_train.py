@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.cli.tokenizer import add_train_arguments, run
 from lmforge.data import tokenizer_train
-from lmforge.data.tokenizer_train import add_arguments, iter_texts, run, train_tokenizer
+from lmforge.data.tokenizer_train import iter_texts, train_tokenizer
 from lmforge.errors import UserError
 from lmforge.tokenizers import load_tokenizer
 
@@ -68,7 +69,7 @@ def test_cli_arguments_take_jsonl_folders(tmp_path):
     (folder / "sub" / "b.txt").write_text("the dog sat on the log\n" * 50, encoding="utf-8")
     assert len(list(iter_texts([folder]))) == 201
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_train_arguments(parser)
     out = tmp_path / "tok"
     args = parser.parse_args(["--input", str(folder), "--vocab-size", "280", "--out", str(out)])
     assert args.func is run

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from lmforge.cli.generate import add_arguments, run
 from lmforge.errors import UserError
 from lmforge.inference import KVCache, generate, generate_text, left_pad
-from lmforge.inference.generate import add_arguments, run
 from lmforge.models import load_pretrained
 from tests.conftest import hf_tiny_configs, make_hf_model
 

@@ -49,7 +49,7 @@ class LiveServer:
     def __init__(self, app, engine):
         import uvicorn
 
-        from lmforge.serve.cli import bind
+        from lmforge.serve.listen import bind
 
         sock = bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
@@ -73,8 +73,9 @@ class LiveServer:
 def serve(model_dir: Path, api_key: str | None = None, max_batch: int = 4, **config):
     from lmforge.inference.engine import Engine, EngineConfig
     from lmforge.models import load_pretrained
-    from lmforge.serve.app import ServeConfig, create_app
+    from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
+    from lmforge.serve.server import ServeConfig
     from lmforge.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)

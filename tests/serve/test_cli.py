@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from lmforge.cli import main
-from lmforge.serve.cli import listen_address
+from lmforge.serve.listen import listen_address
 
 
 def _free_port() -> int:

@@ -1,0 +1,81 @@
+"""`lmforge <verb>`: one module per verb in this package, each with `add_arguments(p)` and `run(args)`.
+
+A verb's module parses its arguments, calls the library and prints what the library returns: library code
+logs, only the CLI prints. A verb's module imports the library inside `run`, and `main` builds only the
+parser of the verb it was given, so `lmforge preprocess` never waits for torch to import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import NamedTuple
+
+from lmforge import __version__
+from lmforge.errors import UserError
+
+
+class Verb(NamedTuple):
+    module: str  # lmforge.cli.<module> holds its add_arguments and run
+    help: str
+
+
+# The verbs of the CLI contract, in the order `--help` lists them.
+VERBS = {
+    "quickstart": Verb("quickstart", "train a tiny model end to end on text already on this machine"),
+    "preprocess": Verb("preprocess", "tokenize JSONL/text into Megatron .bin/.idx files"),
+    "tokenizer": Verb("tokenizer", "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE tokenizer"),
+    "pretrain": Verb("pretrain", "pretrain or continue pretraining from a YAML recipe"),
+    "finetune": Verb("pretrain", "fine-tune (SFT, classification, MLM) from a YAML recipe"),
+    "compile": Verb("compile", "warm the torch.compile cache that a following run reuses"),
+    "import-hf": Verb("import_hf", "convert a Hugging Face model folder into an lmforge model folder"),
+    "export-hf": Verb("export_hf", "write an lmforge model folder as a Hugging Face folder"),
+    "generate": Verb("generate", "generate text from a model folder"),
+    "serve": Verb("serve", "serve a model over an OpenAI-compatible HTTP API with a chat page"),
+    "compare": Verb("compare", "plot and tabulate several runs side by side"),
+    "bench": Verb("bench", "benchmarks: train, preprocess, generate, scaling"),
+}
+
+
+def verb_module(verb: str) -> ModuleType:
+    """The module behind a verb (imported on first use)."""
+    return importlib.import_module(f"{__name__}.{VERBS[verb].module}")
+
+
+def parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `lmforge` parser. With `only`, only that verb's arguments are built (its module imported)."""
+    p = argparse.ArgumentParser(prog="lmforge", description="From raw text to a trained, served language model.")
+    p.add_argument("--version", action="version", version=f"lmforge {__version__}")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+    for verb, (_, text) in VERBS.items():
+        verb_parser = sub.add_parser(verb, help=text, description=text)
+        if only in (None, verb):
+            verb_module(verb).add_arguments(verb_parser)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    verb = next((a for a in argv if not a.startswith("-")), None)  # top-level options take no value
+    args = parser(verb if verb in VERBS else None).parse_args(argv)
+    if args.verb is None:
+        parser().print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,57 @@
+"""`lmforge bench NAME [options]`: runs benchmarks/NAME.py from the source checkout.
+
+The benchmarks compare lmforge with other tools (transformers, Megatron-LM) side by side and write
+their tables into BENCHMARKS.md beside them, so they live with the source, not in the installed
+package; this verb finds them from an editable install (`pip install -e .`) or LMFORGE_BENCHMARKS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from lmforge.errors import UserError
+
+BENCHMARKS = {
+    "train": "training step tokens/s and MFU vs transformers, fp32 and bf16, with the measured GEMM peak",
+    "preprocess": "preprocessing tokens/s vs Megatron-LM's tools/preprocess_data.py",
+    "generate": "greedy decode tokens/s vs transformers' generate",
+    "scaling": "throughput and tokens per dollar across process counts and parallel layouts",
+    "rotary": "partial rotary: full-head rotation vs slicing",
+    "serve_load": "200 concurrent streams against lmforge serve: errors, latency p50/p99, tokens/s",
+}
+
+
+def benchmarks_dir() -> Path:
+    env = os.environ.get("LMFORGE_BENCHMARKS")
+    folder = Path(env) if env else Path(__file__).resolve().parents[2] / "benchmarks"  # lmforge/cli/ -> checkout
+    if not (folder / "report.py").is_file():
+        raise UserError(f"no benchmarks folder at {folder}: the benchmarks ship with the source; clone the "
+                        "repository and `pip install -e .`, or set LMFORGE_BENCHMARKS to its benchmarks/ folder")
+    return folder
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=sorted(BENCHMARKS), metavar="NAME",
+                   help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    p.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark (see NAME --help)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    script = benchmarks_dir() / f"{args.name}.py"
+    if not script.is_file():
+        raise UserError(f"benchmark '{args.name}' is not in {script.parent} yet: see BENCHMARKS.md for those built")
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *args.options]
+    sys.path.insert(0, str(script.parent))  # the scripts import their sibling report.py
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:  # argparse --help / errors inside the benchmark
+        if e.code not in (0, None):
+            raise
+    finally:
+        sys.argv, sys.path[:] = argv, path

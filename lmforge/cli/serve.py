@@ -1,0 +1,85 @@
+"""`lmforge serve MODEL_DIR`: load the model and its tokenizer, start the engine, listen with uvicorn.
+
+The socket is bound first (lmforge.serve.listen), so a port in use fails before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from lmforge.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0 in SageMaker)")
+    p.add_argument("--port", type=int, default=None, help="port (default $SAGEMAKER_BIND_TO_PORT, else 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping and the page "
+                        "(default $LMFORGE_API_KEY; the variable keeps the key out of `ps`)")
+    p.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the folder name)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens per request, prompt + completion (default: the model's positions); "
+                        "the KV cache holds max-batch x max-context tokens")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="most tokens one request may ask for")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request names no max_tokens")
+    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before answering 503")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from lmforge.inference.engine import Engine, EngineConfig
+    from lmforge.models import load_pretrained
+    from lmforge.models.io import parse_device, parse_dtype
+    from lmforge.serve.app import create_app
+    from lmforge.serve.chat import ChatFormat
+    from lmforge.serve.listen import bind, is_loopback, listen_address
+    from lmforge.serve.server import ServeConfig
+    from lmforge.tokenizers import load_tokenizer
+
+    folder = Path(args.model_dir)
+    if not folder.is_dir():
+        raise UserError(f"model folder '{folder}' does not exist")
+    for name in ("max_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    device = parse_device(args.device)
+    api_key = args.api_key or os.environ.get("LMFORGE_API_KEY") or None
+    host, port = listen_address(args.host, args.port)
+    sock = bind(host, port)
+    try:
+        tokenizer = load_tokenizer(folder)
+        model = load_pretrained(folder, device=device, dtype=parse_dtype(args.dtype))
+        engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue))
+        chat = ChatFormat(tokenizer, folder)
+        name = args.model_name or folder.resolve().name
+        config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes)
+        app = create_app(engine, tokenizer, chat, config)
+    except BaseException:
+        sock.close()
+        raise
+    if not api_key and not is_loopback(host):
+        log.warning("listening on %s without --api-key: anyone who can reach this address can use the model", host)
+    kv = sum(t.numel() * t.element_size() for t in engine.cache.k + engine.cache.v)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving '{name}' at http://{shown}:{port} (chat page at /, OpenAI API under /v1); batch "
+          f"{args.max_batch} x {engine.context} tokens, KV cache {kv / 2**20:.0f} MiB"
+          f"{'; API key required' if api_key else ''}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, ws="none",
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl+C after its graceful shutdown: that is a normal stop
+        pass
+    print("server stopped", flush=True)
