@@ -1,0 +1,153 @@
+"""The package's shape, read from its source with `ast` (nothing is imported): only the CLI prints, the
+import graph between lmforge modules has no cycles, and the models do not depend on what uses them."""
+
+from __future__ import annotations
+
+import ast
+from collections import deque
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lmforge"
+
+
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file; a package is its __init__.py."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The lmforge modules `name` imports, at module level or inside functions (TYPE_CHECKING blocks too).
+
+    `from lmforge.x import y` imports lmforge.x.y when that is a module, else lmforge.x (its __init__ when
+    a package); `import lmforge.x.y` imports lmforge.x.y.
+    """
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names if alias.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x, from ..y import z
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    out.add(f"{base}.{alias.name}")
+                elif base in known:
+                    out.add(base)
+    out.discard(name)
+    return out
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    found = modules(root)
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles as chains [a, b, ..., a]: for each strongly connected component (Tarjan), the shortest
+    cycle through each of its modules, each cycle once."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def connect(v: str) -> None:  # recursion depth is bounded by the number of modules (~100)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    found, seen = [], set()
+    for component in components:
+        for start in sorted(component):
+            chain = _shortest_cycle(graph, component, start)
+            key = frozenset(zip(chain, chain[1:]))
+            if key not in seen:
+                seen.add(key)
+                found.append(chain)
+    return found
+
+
+def _shortest_cycle(graph: dict[str, set[str]], within: set[str], start: str) -> list[str]:
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        for w in sorted(graph[v] & within):
+            if w == start:
+                chain = [v]
+                while chain[-1] != start:
+                    chain.append(parent[chain[-1]])
+                return [*reversed(chain), start]
+            if w not in parent:
+                parent[w] = v
+                queue.append(w)
+    raise AssertionError(f"{start} is in a strongly connected component but on no cycle")
+
+
+def print_calls(root: Path = PACKAGE) -> list[str]:
+    """file:line of every print(...) call outside lmforge/cli/."""
+    calls = []
+    for path in sorted(root.rglob("*.py")):
+        if (root / "cli") in path.parents:
+            continue
+        lines = sorted(node.lineno for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+                       if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print")
+        calls += [f"{path.relative_to(root.parent)}:{line}" for line in lines]
+    return calls
+
+
+def test_only_the_cli_prints():
+    calls = print_calls()
+    assert not calls, ("library code logs, only lmforge/cli/ prints (return what the CLI should show): "
+                       + ", ".join(calls))
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "import cycles between lmforge modules:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_models_do_not_import_their_users():
+    graph = import_graph()
+    users = ("lmforge.inference", "lmforge.serve", "lmforge.cli", "lmforge.train")
+    wrong = sorted(f"{m} -> {i}" for m, deps in graph.items() if m.startswith("lmforge.models")
+                   for i in deps if i.startswith(users))
+    assert not wrong, "lmforge.models must not import what builds on it: " + ", ".join(wrong)
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path):
+    """A print and a cycle planted in a copy of a small package are found, and reported as chains."""
+    pkg = tmp_path / "lmforge"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli" / "__init__.py").write_text("print('the CLI may print')\n")
+    (pkg / "a.py").write_text("from lmforge import b\n")
+    (pkg / "b.py").write_text("def f():\n    from lmforge.c import g\n    print(g)\n")
+    (pkg / "c.py").write_text("import lmforge.a\n\ndef g():\n    pass\n")
+    assert print_calls(pkg) == ["lmforge/b.py:3"]
+    assert cycles(import_graph(pkg)) == [["lmforge.a", "lmforge.b", "lmforge.c", "lmforge.a"]]
+    (pkg / "c.py").write_text("from lmforge import cli\n")
+    assert cycles(import_graph(pkg)) == []
