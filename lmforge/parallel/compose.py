@@ -98,12 +98,14 @@ def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_
     stays in the root unit with the head that reuses it."""
     from torch.distributed.fsdp import fully_shard
 
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": dp_mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in blocks(part):
-        fully_shard(block, **kwargs)
-    fully_shard(part, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root unit keeps torch's default unless told not to reshard: its parameters stay gathered from the
+    # forward to the backward that needs them at once (an explicit True would all-gather them again).
+    fully_shard(part, **kwargs, **({} if reshard_after_forward else {"reshard_after_forward": False}))
 
 
 def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
