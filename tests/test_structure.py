@@ -119,6 +119,17 @@ def print_calls(root: Path = PACKAGE) -> list[str]:
     return calls
 
 
+def private_imports(root: Path = PACKAGE) -> list[str]:
+    """`from lmforge.x import _name` anywhere in the package: a name another module needs is public."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(root.name)):
+                found += [f"{path.relative_to(root.parent)}:{node.lineno} imports {alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
 def test_only_the_cli_prints():
     calls = print_calls()
     assert not calls, ("library code logs, only lmforge/cli/ prints (return what the CLI should show): "
@@ -130,6 +141,11 @@ def test_no_import_cycles():
     assert not found, "import cycles between lmforge modules:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+def test_no_private_names_cross_modules():
+    found = private_imports()
+    assert not found, "private names imported from another module: " + ", ".join(found)
+
+
 def test_models_do_not_import_their_users():
     graph = import_graph()
     users = ("lmforge.inference", "lmforge.serve", "lmforge.cli", "lmforge.train")
@@ -139,15 +155,16 @@ def test_models_do_not_import_their_users():
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
-    """A print and a cycle planted in a copy of a small package are found, and reported as chains."""
+    """A print, a cycle and a private import planted in a scratch package are found; cycles come as chains."""
     pkg = tmp_path / "lmforge"
     (pkg / "cli").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "cli" / "__init__.py").write_text("print('the CLI may print')\n")
     (pkg / "a.py").write_text("from lmforge import b\n")
     (pkg / "b.py").write_text("def f():\n    from lmforge.c import g\n    print(g)\n")
-    (pkg / "c.py").write_text("import lmforge.a\n\ndef g():\n    pass\n")
+    (pkg / "c.py").write_text("import lmforge.a\nfrom lmforge.cli import _helper\n\ndef g():\n    pass\n")
     assert print_calls(pkg) == ["lmforge/b.py:3"]
+    assert private_imports(pkg) == ["lmforge/c.py:2 imports _helper"]
     assert cycles(import_graph(pkg)) == [["lmforge.a", "lmforge.b", "lmforge.c", "lmforge.a"]]
     (pkg / "c.py").write_text("from lmforge import cli\n")
     assert cycles(import_graph(pkg)) == []
