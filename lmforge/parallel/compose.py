@@ -84,6 +84,17 @@ class ParallelModel:
             raise RuntimeError("a pipelined model runs through pipeline_step(), not a plain forward")
         return self.parts[0](*args, **kwargs)
 
+    def reshard(self) -> None:
+        """Free FSDP's gathered parameters after a forward without backward: the root unit keeps its
+        parameters gathered after a forward, and until resharded its named parameters are the gathered
+        tensors, not the sharded ones the optimizer and checkpoints hold."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         """loss_parallel() when the logits are vocabulary-sharded: wrap the loss *and* its backward."""
         if self.size("tp") > 1 and self.config.loss_parallel:

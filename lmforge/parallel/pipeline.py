@@ -186,7 +186,7 @@ def pipeline_eval(pm, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn, **
     try:
         return _eval(pm, input_ids, labels, loss_fn, kwargs)
     finally:
-        _reshard(pm)
+        pm.reshard()  # also puts the sharded parameters, holding the gradients, back in place
         for p, g in grads:
             p.grad = g
 
@@ -205,17 +205,6 @@ def _eval(pm, input_ids, labels, loss_fn, kwargs) -> torch.Tensor:
         logits = pm.eval_schedule.step(*args, **kwargs)
         losses = [loss_fn(logits, labels)] if pm.has_last_stage else []
     return _sum_over_pipeline(pm, losses, input_ids.device)
-
-
-def _reshard(pm) -> None:
-    """Free FSDP's gathered parameters after a forward without backward (nothing else reshards them
-    under a pipeline), which also puts the sharded parameters, holding the gradients, back in place."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for part in pm.parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
 
 
 def sync_tied_gradients(pm) -> None:

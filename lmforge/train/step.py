@@ -224,6 +224,7 @@ class ParallelTraining:
                 with self.pm.loss_context():
                     loss, count, correct = self.micro_loss(batch)
             sums += torch.tensor([_local(loss).item(), count, correct], dtype=torch.float64, device=sums.device)
+        self.pm.reshard()
         self.pm.train()
         return all_reduce_data_parallel(sums, self.mesh)
 
