@@ -154,6 +154,27 @@ def test_models_do_not_import_their_users():
     assert not wrong, "lmforge.models must not import what builds on it: " + ", ".join(wrong)
 
 
+def task_dispatch(root: Path = PACKAGE) -> list[str]:
+    """Places that compare a task's name with a string literal (`task == "sft"`, `cfg.data.task != "mlm"`):
+    what differs between tasks belongs to their Task objects (lmforge.train.tasks)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            named = any(getattr(x, "id", None) == "task" or getattr(x, "attr", None) == "task" for x in sides)
+            literal = any(isinstance(x, ast.Constant) and isinstance(x.value, str) for x in sides)
+            if named and literal:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_no_task_name_dispatch():
+    found = task_dispatch()
+    assert not found, "task names compared with strings (give the Task object the behaviour): " + ", ".join(found)
+
+
 def test_the_checks_catch_what_they_look_for(tmp_path):
     """A print, a cycle and a private import planted in a scratch package are found; cycles come as chains."""
     pkg = tmp_path / "lmforge"
@@ -166,5 +187,7 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     assert print_calls(pkg) == ["lmforge/b.py:3"]
     assert private_imports(pkg) == ["lmforge/c.py:2 imports _helper"]
     assert cycles(import_graph(pkg)) == [["lmforge.a", "lmforge.b", "lmforge.c", "lmforge.a"]]
+    (pkg / "a.py").write_text("def f(cfg):\n    return cfg.data.task == 'sft' or 'mlm' != cfg.task\n")
+    assert task_dispatch(pkg) == ["lmforge/a.py:2", "lmforge/a.py:2"]
     (pkg / "c.py").write_text("from lmforge import cli\n")
     assert cycles(import_graph(pkg)) == []

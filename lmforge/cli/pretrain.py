@@ -15,11 +15,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from lmforge.train.config import load_run_config
+    from lmforge.train.tasks import get_task
     from lmforge.train.trainer import Trainer
 
     cfg = load_run_config(args.config, args.overrides)
     finetune = args.verb == "finetune"
-    if finetune == (cfg.data.task == "pretrain"):
+    if finetune == get_task(cfg.data.task).pretraining:
         fix = "set data.task=sft|classification|mlm" if finetune else "use `lmforge finetune`"
         raise UserError(f"`lmforge {args.verb}` got data.task={cfg.data.task}: {fix}")
     trainer = Trainer(cfg)

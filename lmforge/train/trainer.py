@@ -139,7 +139,7 @@ class Trainer:
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-            _truncate_metrics(self.run_dir / "metrics.jsonl", start)
+            truncate_metrics(self.run_dir / "metrics.jsonl", start)
         sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start)
         if world.is_main:
             log.info("peak %.1f TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,
@@ -242,7 +242,7 @@ class Trainer:
             dist.barrier()
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int) -> None:
     """On resume, drop metric rows past the checkpoint (a killed run may have logged beyond it) and any
     line that is not a whole row (one cut off when the run was killed while writing it)."""
     if not path.exists():

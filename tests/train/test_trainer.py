@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.train.trainer import Trainer, _truncate_metrics
+from lmforge.train.trainer import Trainer, truncate_metrics
 from tests.train.conftest import run_config
 
 
@@ -140,7 +140,7 @@ def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
     path.write_text("\n".join(rows) + '\n{"step": 4, "lo')
-    _truncate_metrics(path, 2)
+    truncate_metrics(path, 2)
     assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
 
 
