@@ -27,7 +27,6 @@ from lmforge.models.source import RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
 
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = ("pretrain", "sft", "classification", "mlm")  # lmforge.train.tasks.TASKS holds one Task object each
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class DataConfig:
     split: str = "969,30,1"
     seq_length: int = 2048
     tokenizer: str | None = None  # default: the tokenizer beside model.init_from
-    task: str = "pretrain"
+    task: str = "pretrain"  # a name in lmforge.train.tasks.TASKS
     # Fine-tuning files (SFT JSON/JSONL, classification TSV/CSV/JSONL).
     train_file: str | None = None
     valid_file: str | None = None
@@ -202,7 +201,6 @@ class RunConfig:
             self.model = ModelSection.parse(self.model)
         _choice("trainer.precision", t.precision, tuple(PRECISIONS))
         _choice("optim.schedule", self.optim.schedule, SCHEDULES)
-        _choice("data.task", self.data.task, TASKS)
         _choice("checkpoint.mode", self.checkpoint.mode, ("min", "max"))
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))
         for name in ("max_steps", "global_batch_size", "micro_batch_size"):

@@ -49,3 +49,36 @@ def test_reference_layouts(name, tensor, pipeline, tmp_path):
     path = next(p for p in CONFIGS if p.stem == name)
     cfg = load_run_config(path, [f"model.init_from={tmp_path}"] if name in INIT_FROM_MODELS else [])
     assert (cfg.parallel.tensor, cfg.parallel.pipeline) == (tensor, pipeline)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.max_steps=abc", "trainer.max_steps: expected an integer, got 'abc'"),
+    ("trainer.max_steps=1.5", "trainer.max_steps: expected an integer, got 1.5"),
+    ("trainer.compile=3", "trainer.compile: expected true or false, got 3"),
+    ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
+    ("optim.betas=[0.9,x]", "optim.betas[1]: expected a number, got 'x'"),
+    ("model.hidden_size=wide", "model.hidden_size: expected an integer, got 'wide'"),
+    ("data.tokenizer=[a]", "data.tokenizer: expected a string, got ['a']"),
+])
+def test_a_value_of_the_wrong_type_names_its_key(override, message):
+    """Every value is checked against its field's type when the config is read, before it can fail later as a
+    comparison between a str and an int."""
+    from lmforge.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        load_run_config(None, ["model.preset=tiny-neox", override])
+    assert str(e.value) == message
+
+
+def test_typed_values_keep_their_meaning():
+    cfg = load_run_config(None, ["model.preset=tiny-neox", "optim.lr=3", "model.rotary_pct=1", "data.tokenizer=null"])
+    assert cfg.optim.lr == 3.0 and isinstance(cfg.optim.lr, float) and cfg.model.config.rotary_pct == 1.0
+    assert cfg.data.tokenizer is None and cfg.precision.autocast_dtype is not None  # bf16-mixed by default
+
+
+def test_an_unknown_task_is_one_line_with_the_closest_name():
+    from lmforge.errors import UserError
+    from lmforge.train.tasks import get_task
+
+    with pytest.raises(UserError, match=r"data.task='sfft' is not valid \(did you mean 'sft'\?\)"):
+        get_task("sfft")

@@ -12,6 +12,8 @@ here and one line in TASKS.
 
 from __future__ import annotations
 
+from lmforge.config import closest
+from lmforge.errors import UserError
 from lmforge.train.tasks.base import Task, TaskData, count_tokens, logits_loss
 from lmforge.train.tasks.classification import Classification
 from lmforge.train.tasks.mlm import MaskedLM
@@ -22,7 +24,9 @@ TASKS: dict[str, Task] = {task.name: task for task in (Pretrain(), SFT(), Classi
 
 
 def get_task(name: str) -> Task:
-    """The Task called `name` (data.task); the config has checked it is one of TASKS."""
+    """The Task called `name` (data.task); a UserError naming the choices for anything else."""
+    if name not in TASKS:
+        raise UserError(f"data.task='{name}' is not valid{closest(str(name), TASKS)}: choose one of {', '.join(TASKS)}")
     return TASKS[name]
 
 
