@@ -65,8 +65,16 @@ class RotaryEmbedding(nn.Module):
         """Recompute the buffer after a meta-device build (`to_empty` leaves it uninitialised)."""
         self.inv_freq.copy_(rotary_inv_freq(self._cfg).to(self.inv_freq.device))
 
+    def _apply(self, fn, recurse: bool = True):
+        """`model.to(torch.bfloat16)` would cast the frequencies too: at position 4095 a bf16 inv_freq is off by
+        up to 5 rad. Keep them fp32 (as transformers does), recomputed exactly rather than cast back."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = rotary_inv_freq(self._cfg).to(self.inv_freq.device)
+        return self
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (batch, 1, seq, head_dim) for position_ids of shape (batch, seq)."""
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)

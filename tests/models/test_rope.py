@@ -84,3 +84,21 @@ def test_permutation_is_a_bijection_and_trivial_for_full_neox_rotary():
         perm = rotary_permutation(head_dim, r, inter)
         assert sorted(perm.tolist()) == list(range(head_dim))
     assert torch.equal(rotary_permutation(64, 64, False), torch.arange(64))
+
+
+def test_a_bf16_model_keeps_fp32_frequencies():
+    """model.to(bf16) must not round the rotary frequencies: transformers keeps them fp32, and bf16 ones put
+    the angle at position 4095 radians off."""
+    from lmforge.models import build
+    from lmforge.models.rope import rotary_inv_freq
+
+    model = build("tiny-llama", seed=0).to(torch.bfloat16)
+    assert model.rope.inv_freq.dtype == torch.float32
+    assert torch.equal(model.rope.inv_freq, rotary_inv_freq(model.config))
+    positions = torch.tensor([[0, 2047, 4095]])
+    cos, sin = model.rope(positions, torch.bfloat16)
+    freqs = positions[..., None].float() * rotary_inv_freq(model.config)
+    emb = torch.cat((freqs, freqs), -1)[:, None]
+    assert torch.equal(cos, emb.cos().bfloat16()) and torch.equal(sin, emb.sin().bfloat16())
+    model.to(torch.float32).to(torch.bfloat16)  # a round trip changes nothing either
+    assert torch.equal(model.rope.inv_freq, rotary_inv_freq(model.config))
