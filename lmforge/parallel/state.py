@@ -32,17 +32,18 @@ def grad_norm(pm) -> torch.Tensor:
     disjoint parameters: squares are summed over the pipeline group.
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
-    total = torch.zeros((), dtype=torch.float64)
+    # The sum lives on the model's device: a pipeline group on NCCL has no backend for CPU tensors.
+    total = torch.zeros((), dtype=torch.float64, device=pm.device)
     for g in _grads(pm):
         if isinstance(g, DTensor):
             groups.setdefault((g.device_mesh, g.placements), []).append(g)
         else:
-            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double().cpu() ** 2
+            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2
     for group in groups.values():
         norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in group])
         norm = torch.linalg.vector_norm(norms)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total += norm.double().cpu() ** 2
+        total += norm.double() ** 2
     if pm.mesh is not None and pm.size("pp") > 1:
         dist.all_reduce(total, group=pm.mesh["pp"].get_group())
     return total.sqrt()

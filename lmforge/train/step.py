@@ -277,9 +277,10 @@ class ParallelTraining:
                 if name in seen:  # a tied embedding's last-stage copy
                     continue
                 seen.add(name)
-                if rank == leader:
-                    dist.send(local[name].contiguous(), dst=0)
+                if rank == leader:  # through the model's device: NCCL sends device tensors only
+                    dist.send(local[name].to(self.pm.device).contiguous(), dst=0)
                 elif rank == 0:
-                    full[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-                    dist.recv(full[name], src=leader)
+                    buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=self.pm.device)
+                    dist.recv(buffer, src=leader)
+                    full[name] = buffer.cpu()
         return full
