@@ -34,6 +34,7 @@ def test_every_contract_verb_is_built():
     assert built == set(VERBS)
 
 
+@pytest.mark.slow
 def test_import_and_export_through_the_console_script(hf_dirs, tmp_path):
     r = _run("import-hf", str(hf_dirs["gpt_neox"]), str(tmp_path / "lm"))
     assert r.returncode == 0, r.stderr

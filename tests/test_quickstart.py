@@ -10,6 +10,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_quickstart_trains_and_exports_a_model_transformers_loads(tmp_path):
     tf = pytest.importorskip("transformers")
     r = subprocess.run([sys.executable, "-m", "lmforge.cli", "quickstart", "--out", str(tmp_path), "--minutes",

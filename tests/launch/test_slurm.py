@@ -79,6 +79,7 @@ def test_compile_job_then_run_job_reuses_the_cache(tiny_corpus, slurm_env, tmp_p
     assert (run_dir / "metrics.jsonl").read_text().count('"step"') >= 2
 
 
+@pytest.mark.slow
 def test_run_job_requeues_itself_before_the_time_limit(tiny_corpus, slurm_env, tmp_path):
     # Slurm sends USR1 to the batch shell (--signal=B:USR1@300); the script must requeue its own job.
     args = _args(tiny_corpus, tmp_path / "run", "trainer.max_steps=100000")

@@ -18,6 +18,7 @@ from lmforge.parallel.comm_volume import Layout, bytes_sent, step_bytes
 WORKER = Path(__file__).with_name("comm_worker.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
 @pytest.mark.parametrize("strategy,micro_batches", [("ddp", 2), ("fsdp", 2)])
 def test_data_parallel_bytes_match_the_model(strategy, micro_batches, tmp_path):

@@ -96,6 +96,7 @@ def test_no_price_is_said_not_guessed(tmp_path):
     assert "no price configured" in text_table([run])
 
 
+@pytest.mark.slow
 def test_real_runs_of_different_lengths_give_one_decodable_png_per_plot(tiny_corpus, tmp_path, capsys):
     for name, steps, lr in (("short", 6, "3e-3"), ("long", 10, "1e-2")):
         Trainer(run_config(tiny_corpus, tmp_path / name, f"trainer.max_steps={steps}", f"optim.lr={lr}",
@@ -181,6 +182,7 @@ def test_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path, capsys):
         load_run(tmp_path / "empty")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reads_as_one_history(tiny_corpus, tmp_path):
     """Kill after step 6 with the last checkpoint at 4, resume: the trainer drops the rows past the
     checkpoint and logs them again; compare sees steps 1..8 once, with the resumed curve."""

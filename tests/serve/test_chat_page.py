@@ -38,6 +38,7 @@ def browser():
         b.close()
 
 
+@pytest.mark.slow
 def test_type_send_and_see_the_reply_stream_in(browser, secured, reference, tmp_path):
     model, tok = reference
     page = browser.new_page(viewport={"width": 900, "height": 640})

@@ -48,6 +48,7 @@ def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
     assert "SAGEMAKER_BIND_TO_PORT" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_serves_with_key_from_the_environment(model_dir):
     port = _free_port()
     env = {**os.environ, "SAGEMAKER_BIND_TO_PORT": str(port), "LMFORGE_API_KEY": "from-env"}

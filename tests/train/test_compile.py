@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lmforge.train.trainer import Trainer
 from tests.train.conftest import run_config
 
 
+@pytest.mark.slow
 def test_compile_step_then_run_step_hits_the_cache(tiny_corpus, tmp_path):
     args = ["model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]", "data.seq_length=32",
             "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.val_check_interval=2",

@@ -29,6 +29,7 @@ def _close(a, b):
         assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, rel=2e-5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_train_like_one(strategy, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -35,6 +35,7 @@ def _base(run_dir, *extra):
             "optim.lr=2e-3", "optim.warmup_steps=2", *extra]
 
 
+@pytest.mark.slow
 def test_sft_on_alpaca_with_packing(tiny_gpt2, shared_data, tmp_path):
     alpaca = shared_data / "instruct" / "alpaca" / "alpaca_subset_2k.json"
     cfg = load_run_config(None, _base(tmp_path / "sft", f"model.init_from={tiny_gpt2}", "data.task=sft",
@@ -50,6 +51,7 @@ def test_sft_on_alpaca_with_packing(tiny_gpt2, shared_data, tmp_path):
     assert rows[-1]["tokens_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_classification_on_sst2_exports_a_sequence_classifier(tiny_gpt2, shared_data, tmp_path):
     tf = pytest.importorskip("transformers")
     sst = shared_data / "classification" / "sst-2"
@@ -67,6 +69,7 @@ def test_classification_on_sst2_exports_a_sequence_classifier(tiny_gpt2, shared_
     assert hf.config.num_labels == 2
 
 
+@pytest.mark.slow
 def test_mlm_pretraining_of_a_tiny_bert(shared_data, tmp_path):
     text = shared_data / "corpora" / "tinyshakespeare" / "input.txt"
     tok_dir = tmp_path / "tok"
@@ -91,6 +94,7 @@ def test_finetune_refuses_a_pretraining_config(tiny_corpus, tmp_path, capsys):
     assert "got data.task=pretrain: set data.task=sft|classification|mlm" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fine_tuning_batches_are_padded_to_a_few_shapes(tiny_gpt2, shared_data, tmp_path):
     """Classification batches: the longest example rounded up to data.pad_to_multiple_of (64 under
     trainer.compile, so a compiled block sees two shapes here instead of one per length), never past seq_length;

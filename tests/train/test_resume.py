@@ -26,6 +26,7 @@ def _curve(run_dir):
     return [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
 def test_killed_run_resumes_bit_exactly(precision, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -17,6 +17,7 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_loss_falls_and_every_metric_is_logged(tiny_corpus, tmp_path, monkeypatch):
     cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=24", "trainer.val_check_interval=8",
                      "cost.usd_per_hour=2.0", "optim.lr=1e-2")
@@ -43,6 +44,7 @@ def test_loss_falls_and_every_metric_is_logged(tiny_corpus, tmp_path, monkeypatc
     assert list((tmp_path / "run" / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch(tiny_corpus, tmp_path):
     """global 8 as 2 micro-batches of 4 (accumulated) or 1 micro-batch of 8: the same training."""
     losses = []
