@@ -18,9 +18,12 @@ log = logging.getLogger(__name__)
 # Dense (no sparsity) peak FLOP/s per GPU from the vendors' datasheets.
 # NVIDIA H100 SXM5 / H200 SXM: "H100 Tensor Core GPU" and "H200 Tensor Core GPU" datasheets
 # (989.4 TFLOPS bf16 dense, 66.9 TFLOPS fp32 / 494.7 TF32 dense); A100 SXM4: "A100 Tensor Core
-# GPU" datasheet (312 TFLOPS bf16, 19.5 fp32); H100 PCIe: 756 bf16, 51 fp32.
+# GPU" datasheet (312 TFLOPS bf16, 19.5 fp32); H100 PCIe: 756 bf16, 51 fp32; H100 NVL: 835.5 bf16 dense
+# (the datasheet's 1,671 is with sparsity), 60 fp32. The first key found in the device name wins: the
+# specific variants come before the plain "H100" (the SXM part, named "NVIDIA H100 80GB HBM3").
 GPU_PEAKS = {
     "H200": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},
+    "H100 NVL": {torch.bfloat16: 835.5e12, torch.float32: 60.0e12},
     "H100 PCIe": {torch.bfloat16: 756.0e12, torch.float32: 51.2e12},
     "H100": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},
     "A100": {torch.bfloat16: 312.0e12, torch.float32: 19.5e12},

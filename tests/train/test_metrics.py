@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from lmforge.train import metrics
@@ -39,3 +40,12 @@ def test_nodes_come_from_torchrun_environment(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert nodes_from_env() == 4
     assert tokens_per_dollar(1000.0, 2.0, nodes=4) == 1000.0 * 3600 / 8.0
+
+
+@pytest.mark.parametrize(("name", "bf16"), [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 NVL", 835.5e12),
+                                            ("NVIDIA H100 PCIe", 756.0e12), ("NVIDIA H200", 989.4e12),
+                                            ("NVIDIA A100-SXM4-80GB", 312.0e12)])
+def test_each_gpu_gets_its_own_datasheet_peak(name, bf16, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak, source = peak_flops(torch.device("cuda", 0), torch.bfloat16)
+    assert peak == bf16 and source.startswith("datasheet")

@@ -49,3 +49,21 @@ def test_killed_run_resumes_bit_exactly(precision, tiny_corpus, tmp_path):
     assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))][-1] == "step-00000004"
     subprocess.run(_command(tiny_corpus, killed, precision), check=True, env=env, capture_output=True, timeout=300)
     assert _curve(killed) == _curve(tmp_path / "whole")  # exact float equality, every step
+
+
+def test_the_cuda_generator_is_checkpointed_with_the_others(monkeypatch):
+    """Dropout on a GPU draws from the device's generator: a resume that restored only the CPU ones would not
+    continue the curve bit for bit there. (A stand-in device generator: this machine has no CUDA.)"""
+    import torch
+
+    from lmforge.checkpoint.manager import rng_state, set_rng_state
+
+    device_state = {"now": torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": device_state["now"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, device="cuda": device_state.update(now=t.clone()))
+    saved = json.loads(json.dumps(rng_state()))  # what the rng-rank file holds
+    assert saved["cuda"] == list(range(16))
+    device_state["now"] = torch.zeros(16, dtype=torch.uint8)
+    set_rng_state(saved)
+    assert device_state["now"].tolist() == list(range(16))
