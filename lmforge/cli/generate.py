@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop at this text (not printed); repeatable")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="auto (the accelerator torch reports, else cpu; the default), cpu, cuda, cuda:1 ...")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step: faster per token after a one-off compile (needs a C++ "
                         "compiler on CPU); worth it for long generations")
@@ -28,12 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from lmforge.devices import resolve_device
     from lmforge.inference import generate_text
     from lmforge.models import load_pretrained
-    from lmforge.models.io import parse_device, parse_dtype
+    from lmforge.models.io import parse_dtype
     from lmforge.tokenizers import load_tokenizer
 
-    device = parse_device(args.device)
+    device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.model_dir)
     model = load_pretrained(args.model_dir, device=device, dtype=parse_dtype(args.dtype))
     start = time.perf_counter()

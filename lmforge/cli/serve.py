@@ -32,16 +32,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before answering 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="auto (the accelerator torch reports, else cpu; the default), cpu, cuda, cuda:1 ...")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from lmforge.devices import resolve_device
     from lmforge.inference.engine import Engine, EngineConfig
     from lmforge.models import load_pretrained
-    from lmforge.models.io import parse_device, parse_dtype
+    from lmforge.models.io import parse_dtype
     from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
     from lmforge.serve.listen import bind, is_loopback, listen_address
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     for name in ("max_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    device = parse_device(args.device)
+    device = resolve_device(args.device)
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY") or None
     host, port = listen_address(args.host, args.port)
     sock = bind(host, port)

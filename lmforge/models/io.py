@@ -42,17 +42,6 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def parse_device(name: str) -> torch.device:
-    """A --device value as a torch.device that this torch build can use."""
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise UserError(f"unknown device '{name}' ({e}): use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: CUDA is not available in this torch build: use --device cpu")
-    return device
-
-
 def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, dtype: torch.dtype | None = None,
                       max_shard_bytes: int = 4 << 30) -> None:
     """Write tensors as model.safetensors, or as HF-style numbered shards with an index once they

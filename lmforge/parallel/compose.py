@@ -150,8 +150,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
     `model` so unused layers can be freed. `device`: where the model computes (default: the mesh's).
     """
     if device is None:
-        device = torch.device(mesh.device_type, torch.cuda.current_device()) if (
-            mesh is not None and mesh.device_type == "cuda") else torch.device("cpu")
+        device = torch.device(mesh.device_type, torch.accelerator.current_device_index()) if (
+            mesh is not None and mesh.device_type != "cpu") else torch.device("cpu")
     if mesh is None:
         return ParallelModel([model], cfg, device=device)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()

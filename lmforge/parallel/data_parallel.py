@@ -26,19 +26,21 @@ class World:
         return self.rank == 0
 
 
-def init_world(timeout_minutes: float = 10.0) -> World:
-    """Join the torchrun/Slurm process group when launched that way; one process otherwise."""
+def init_world(device: str = "auto", backend: str | None = None, timeout_minutes: float = 10.0) -> World:
+    """Join the torchrun/Slurm process group when launched that way; one process otherwise. `device`: "auto"
+    (the accelerator torch.accelerator reports, else the CPU), "cpu", "cuda", ... (lmforge.devices);
+    `backend`: the process-group backend, default gloo for CPU tensors plus the device's own library."""
+    from lmforge.devices import dist_backend, resolve_device, set_device
+
     size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    resolved = resolve_device(device, local_rank, key="trainer.device")
+    set_device(resolved)
     if size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         # A rank that dies or hangs must not stall the others forever: collectives time out.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(dist_backend(resolved, backend), timeout=datetime.timedelta(minutes=timeout_minutes))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return World(rank=rank, size=size, local_rank=local_rank, device=device)
+    return World(rank=rank, size=size, local_rank=local_rank, device=resolved)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

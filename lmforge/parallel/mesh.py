@@ -139,7 +139,10 @@ def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size
     if world_size > 1 and not dist.is_initialized():
         raise RuntimeError("build_mesh needs the default process group: call lmforge.parallel.init_world() first")
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        from lmforge.devices import accelerator
+
+        found = accelerator()
+        device_type = found.type if found is not None else "cpu"
     shape = (cfg.pipeline, cfg.data_replicate, cfg.data_shard, cfg.tensor)
     if world_size == 1 and not dist.is_initialized():
         return None

@@ -85,7 +85,10 @@ class TrainerConfig:
     val_batches: int = 4  # global batches per validation
     log_every_n_steps: int = 1
     seed: int = 1234
+    device: str = "auto"  # auto: the accelerator torch.accelerator reports (CUDA, ...), else cpu; or cpu, cuda, ...
+    dist_backend: str | None = None  # default: gloo for CPU tensors + the device's own (cpu:gloo,cuda:nccl)
     compile: bool = False  # torch.compile each block
+    compile_backend: str = "inductor"  # torch.compile's backend (e.g. a vendor's for its accelerator)
     compile_cache_dir: str | None = None  # persistent compile cache; default RUN_DIR/compile_cache
     activation_checkpointing: bool = False
     max_consecutive_skips: int = 5  # NaN/Inf steps in a row before the run stops

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lmforge.devices import max_memory_allocated
 from lmforge.errors import UserError
 from lmforge.models import build
 from lmforge.models.config import ModelConfig
@@ -129,8 +130,9 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+    allocated = max_memory_allocated(device)
+    if allocated is not None:
+        return allocated / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 

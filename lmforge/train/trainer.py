@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lmforge.devices import synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
@@ -45,7 +46,7 @@ class Trainer:
         self.started = time.perf_counter()
         self.cfg = cfg
         self.task = get_task(cfg.data.task)
-        self.world = init_world()
+        self.world = init_world(cfg.trainer.device, cfg.trainer.dist_backend)
         self.run_dir = Path(cfg.run_dir)
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
         self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining)
@@ -67,7 +68,7 @@ class Trainer:
                                 "set trainer.compile=false")
             use_compile_cache(Path(t.compile_cache_dir or self.run_dir / "compile_cache"))
             for block in model.layers:
-                block.compile()
+                block.compile(backend=t.compile_backend)
         self.layout = layout
         self.training = ParallelTraining(model, layout, self.task, cfg.optim, precision, t.seed, cfg.data.seq_length,
                                          self.world.device, weights_from=weights_from)
@@ -159,12 +160,10 @@ class Trainer:
             lr = lr_at(step, cfg.optim, t.max_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            if world.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(world.device)
             t0 = time.perf_counter()
             out = self.train_step(batches)
-            if world.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(world.device)
             step_time = time.perf_counter() - t0
             self.state["step"] = step + 1
             self.state["consumed_samples"] += t.global_batch_size

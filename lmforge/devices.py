@@ -1,0 +1,90 @@
+"""The one place that decides which device a process computes on and how its process group talks.
+
+    resolve_device("auto")   the accelerator torch.accelerator reports (CUDA, XPU, any backend PyTorch
+                             exposes the same way), this process's one by LOCAL_RANK; else the CPU
+    dist_backend(device)     "cpu:gloo,cuda:nccl": one process group whose CPU tensors go through gloo and
+                             device tensors through the device's own collective library
+    synchronize(device)      wait for the device's queued work (timing)
+
+The CPU is one device among others, not the assumption: everything else asks here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lmforge.config import closest
+from lmforge.errors import UserError
+
+
+def accelerator() -> torch.device | None:
+    """The accelerator type this torch build and machine have (index-less), or None."""
+    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator()
+    return None
+
+
+def resolve_device(name: str = "auto", local_rank: int = 0, key: str = "--device") -> torch.device:
+    """`name` ("auto", "cpu", "cuda", "cuda:1", ...) as a torch.device this process can use; an accelerator
+    given without an index is the LOCAL_RANK-th one. A UserError naming `key` for anything else."""
+    if name == "auto":
+        found = accelerator()
+        device = found if found is not None else torch.device("cpu")
+    else:
+        try:
+            device = torch.device(name)
+        except (RuntimeError, ValueError) as e:
+            hint = closest(str(name), ("auto", "cpu", "cuda"))
+            raise UserError(f"{key}={name}: unknown device ({str(e).splitlines()[0]}){hint}: use auto, cpu or an "
+                            "accelerator such as cuda") from None
+        found = accelerator()
+        if device.type != "cpu" and (found is None or found.type != device.type):
+            have = f"this machine's accelerator is {found.type}" if found is not None else "there is no accelerator"
+            raise UserError(f"{key}={name}: {device.type} is not available here ({have} in this torch build): use "
+                            f"{key}=auto or {key}=cpu")
+    if device.type == "cpu" or device.index is not None:
+        return device
+    count = torch.accelerator.device_count()
+    if local_rank >= count:
+        raise UserError(f"process {local_rank} on this node has no {device.type} device of its own (the node has "
+                        f"{count}): start at most {count} processes per node")
+    return torch.device(device.type, local_rank)
+
+
+def dist_backend(device: torch.device, override: str | None = None) -> str:
+    """The process-group backend for processes computing on `device`: gloo for CPU tensors and, for an
+    accelerator, the device's own collective library for its tensors, in one group (so a CPU tensor in a
+    collective still works, and a device tensor never takes the slow path). `override`: as given."""
+    if override:
+        return override
+    if device.type == "cpu":
+        return "gloo"
+    own = dist.Backend.default_device_backend_map.get(device.type)
+    if own is None:
+        raise UserError(f"torch knows no collective backend for {device.type}: set trainer.dist_backend (e.g. "
+                        f"'cpu:gloo,{device.type}:NAME')")
+    return f"cpu:gloo,{device.type}:{own}"
+
+
+def set_device(device: torch.device) -> None:
+    """Make `device` this process's current accelerator (collectives and kernels use it)."""
+    if device.type == "cpu":
+        return
+    setter = getattr(torch.accelerator, "set_device_index", None) or torch.accelerator.set_device_idx  # 2.6
+    setter(device.index)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def max_memory_allocated(device: torch.device) -> int | None:
+    """Peak bytes the caching allocator handed out on `device`, None where torch does not count them."""
+    memory = getattr(torch.accelerator, "max_memory_allocated", None)  # torch >= 2.8
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if memory is not None and device.type != "cpu":
+        return memory(device)
+    return None
