@@ -42,6 +42,7 @@ def test_the_process_group_speaks_gloo_for_cpu_tensors_and_the_devices_own_libra
     assert devices.dist_backend(torch.device("cuda", 0), "nccl") == "nccl"
 
 
+@pytest.mark.slow
 def test_a_training_run_on_an_absent_device_stops_before_any_compute(tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny-neox.yaml"
     r = subprocess.run([sys.executable, "-m", "lmforge.cli", "pretrain", str(recipe), "trainer.device=cuda",
