@@ -124,13 +124,10 @@ class CostConfig:
     peak_flops: float | None = None  # per process; default: measured (CPU) or datasheet (GPU)
 
 
-INIT_FROM_OVERRIDES = RUN_OVERRIDES  # the fields a run may change on top of model.init_from's config
-
-
 @dataclass
 class ModelSection:
     """The `model:` section: `preset` and ModelConfig fields, or `init_from` (HF folder, lmforge folder or
-    training checkpoint) with the few fields a run may change on top of it (INIT_FROM_OVERRIDES).
+    training checkpoint) with the few fields a run may change on top of it (RUN_OVERRIDES).
 
     `config` is the run's ModelConfig when the section defines it (a preset, or every field); with
     init_from and no preset it is None until `resolve()` reads the source's config (no weights)."""
@@ -160,8 +157,8 @@ class ModelSection:
         elif init_from:
             config = None
             check_types(ModelConfig, overrides, "model.")
-            if set(overrides) - set(INIT_FROM_OVERRIDES):
-                raise UserError(f"with model.init_from only {sorted(INIT_FROM_OVERRIDES)} may be overridden, got "
+            if set(overrides) - set(RUN_OVERRIDES):
+                raise UserError(f"with model.init_from only {sorted(RUN_OVERRIDES)} may be overridden, got "
                                 f"{sorted(overrides)}: the source folder defines the model")
         else:
             config = from_dict(ModelConfig, overrides, where="model.")
@@ -179,7 +176,7 @@ class ModelSection:
                 raise UserError(f"model.preset/fields describe a different model than model.init_from "
                                 f"'{self.init_from}': drop the preset (the source folder defines the model)")
             return self.config
-        return dataclasses.replace(source, **{k: v for k, v in self.overrides.items() if k in INIT_FROM_OVERRIDES})
+        return dataclasses.replace(source, **{k: v for k, v in self.overrides.items() if k in RUN_OVERRIDES})
 
     def to_dict(self) -> dict[str, Any]:
         """The section as written (what config.yaml records)."""
