@@ -1,4 +1,4 @@
-"""ModelConfig: every switch that separates GPT-NeoX/Pythia, Llama 2, GPT-2, GPT-J and BERT.
+"""ModelConfig: every switch that separates the families (GPT-NeoX/Pythia, Llama 2/3, GPT-2, GPT-J, BERT ...).
 
 One decoder (and one encoder for BERT) reads these switches; a family is a set of values,
 not a class. Names follow the words Megatron/NeMo and Hugging Face users already know.
@@ -16,6 +16,51 @@ FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POSITION_EMBEDDINGS = ("rotary", "learned")
+ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
+# Families whose Hugging Face config has no head_dim: it is always hidden_size // num_heads there.
+FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert")
+# Families whose transformers config rejects hidden_size % num_heads != 0 even with an explicit head_dim.
+HEADS_DIVIDE_HIDDEN = ("llama",)
+
+
+@dataclass
+class RopeScaling:
+    """Rotary context extension, named as transformers' rope_parameters name it (rope_type -> type).
+
+    linear: every frequency / factor. dynamic (NTK): the base grows with the longest position of the
+    forward once it passes max_position_embeddings. yarn: frequencies blended between interpolated and
+    original by a ramp over beta_fast..beta_slow rotations, cos/sin scaled by attention_factor. llama3:
+    low frequencies / factor, high ones kept, a smooth blend between low_freq_factor and high_freq_factor.
+    Fields left None take transformers' defaults (and are left out of an exported config.json).
+    """
+
+    type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None  # llama3, yarn: the pretraining context
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn (32)
+    beta_slow: float | None = None  # yarn (1)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn: cos/sin scale; default from factor (and mscale)
+    truncate: bool | None = None  # yarn: floor/ceil the correction range (True)
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_SCALINGS:
+            hint = closest(str(self.type), ROPE_SCALINGS)
+            raise UserError(f"unknown rope_scaling.type '{self.type}'{hint}: choose one of {', '.join(ROPE_SCALINGS)}")
+        if not self.factor > 0:
+            raise UserError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise UserError(f"rope_scaling type {self.type} needs rope_scaling.original_max_position_embeddings "
+                            "(the context length the model was pretrained with)")
+        if self.type == "llama3":
+            if self.low_freq_factor is None or self.high_freq_factor is None:
+                raise UserError("rope_scaling type llama3 needs low_freq_factor and high_freq_factor")
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise UserError(f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must be above "
+                                f"low_freq_factor ({self.low_freq_factor})")
 
 
 @dataclass
@@ -42,6 +87,7 @@ class ModelConfig:
     rotary_pct: float = 1.0  # fraction of each head that rotates (Pythia/NeoX 0.25, GPT-J 64/256)
     rotary_base: float = 10000.0
     rotary_interleaved: bool = False  # the HF checkpoint pairs dims (2i, 2i+1) (GPT-J), not (i, i+r/2)
+    rope_scaling: RopeScaling | None = None  # context extension (Llama 3.1: llama3, factor 8)
 
     attention_bias: bool = True
     mlp_bias: bool = True
@@ -68,6 +114,9 @@ class ModelConfig:
         self._check_choice("position_embedding", POSITION_EMBEDDINGS)
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if isinstance(self.rope_scaling, dict):  # built by hand rather than through from_dict
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        self._check_family_shapes()
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise UserError(
@@ -92,6 +141,17 @@ class ModelConfig:
                     f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} gives {self.rotary_dim} rotary "
                     "dims: both the rotary and the pass-through part must be even"
                 )
+
+    def _check_family_shapes(self) -> None:
+        """Shapes the family's Hugging Face config cannot express fail here, not at export after training."""
+        divides = self.hidden_size % self.num_heads == 0
+        if self.family in HEADS_DIVIDE_HIDDEN and not divides:
+            raise UserError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}: "
+                            f"transformers rejects such a {self.family} config, even with head_dim set")
+        if self.family in FIXED_HEAD_DIM and self.head_dim is not None and (
+                not divides or self.head_dim != self.hidden_size // self.num_heads):
+            raise UserError(f"head_dim {self.head_dim} does not fit a {self.family} model: its head_dim is always "
+                            f"hidden_size / num_heads ({self.hidden_size} / {self.num_heads})")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         value = getattr(self, name)

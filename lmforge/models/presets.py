@@ -6,11 +6,12 @@ parameter count of the transformers model with the same config (vocabulary paddi
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 from lmforge.config import closest
 from lmforge.errors import UserError
-from lmforge.models.config import ModelConfig
+from lmforge.models.config import ModelConfig, RopeScaling
 
 
 def _neox(hidden: int, layers: int, heads: int, vocab: int = 50304) -> ModelConfig:
@@ -28,6 +29,21 @@ def _llama(hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None 
         num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=4096, norm="rmsnorm",
         activation="silu", gated_mlp=True, attention_bias=False, mlp_bias=False,
         bos_token_id=1, eos_token_id=2,
+    )
+
+
+def _llama3(hidden: int, layers: int, heads: int, ffn: int, factor: float, tied: bool = False,
+            kv_heads: int = 8) -> ModelConfig:
+    # Llama 3.1 (factor 8) and 3.2 (factor 32, tied): 128k tiktoken vocabulary, 128k context by llama3 scaling
+    # of an 8k pretraining context, 8 key/value heads.
+    scaling = RopeScaling("llama3", factor, original_max_position_embeddings=8192, low_freq_factor=1.0,
+                          high_freq_factor=4.0)
+    return ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=131072, norm="rmsnorm",
+        activation="silu", gated_mlp=True, rotary_base=500000.0, rope_scaling=scaling, attention_bias=False,
+        mlp_bias=False, tie_embeddings=tied,
+        bos_token_id=128000, eos_token_id=128001,
     )
 
 
@@ -70,6 +86,10 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-2-7b": _llama(4096, 32, 32, 11008),
     "llama-2-13b": _llama(5120, 40, 40, 13824),
     "llama-2-70b": _llama(8192, 80, 64, 28672, kv_heads=8),
+    "llama-3.1-8b": _llama3(4096, 32, 32, 14336, factor=8.0),
+    "llama-3.1-70b": _llama3(8192, 80, 64, 28672, factor=8.0),
+    "llama-3.2-1b": _llama3(2048, 16, 32, 8192, factor=32.0, tied=True),
+    "llama-3.2-3b": _llama3(3072, 28, 24, 8192, factor=32.0, tied=True),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -80,6 +100,8 @@ PRESETS: dict[str, ModelConfig] = {
     # Tiny shapes for tests and smoke runs: same switches as the family, minutes on a laptop CPU.
     "tiny-neox": replace(_neox(64, 2, 4, vocab=1000), max_position_embeddings=256),
     "tiny-llama": replace(_llama(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256),
+    "tiny-llama3": replace(_llama3(64, 2, 4, 160, factor=8.0, tied=True, kv_heads=2), vocab_size=1000,
+                           max_position_embeddings=256),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
@@ -87,7 +109,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
-    """A fresh copy of the named preset's config."""
+    """A fresh copy of the named preset's config (nested sections included)."""
     if name not in PRESETS:
         raise UserError(f"unknown model preset '{name}'{closest(name, PRESETS)}: see `lmforge.models.PRESETS`")
-    return replace(PRESETS[name])
+    return copy.deepcopy(PRESETS[name])

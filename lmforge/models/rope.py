@@ -15,14 +15,20 @@ frequency. Because q and k get the same permutation, q.k (and so attention) is u
 export applies the inverse. Layout inside lmforge, per head of size D with r = rotary_dim:
 
     [ rot_a (r/2) | pass_a ((D-r)/2) | rot_b (r/2) | pass_b ((D-r)/2) ]      rot_a[j] pairs rot_b[j]
+
+Context extension (ModelConfig.rope_scaling: linear, dynamic, yarn, llama3) changes only the frequencies
+of the rotated pairs (and, for yarn, scales their cos/sin); each is the same float32 expression as
+transformers' modeling_rope_utils, so fp32 results agree with it bit for bit.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from lmforge.models.config import ModelConfig
+from lmforge.models.config import ModelConfig, RopeScaling
 
 
 def rotary_permutation(head_dim: int, rotary_dim: int, interleaved: bool) -> torch.Tensor:
@@ -36,12 +42,91 @@ def rotary_permutation(head_dim: int, rotary_dim: int, interleaved: bool) -> tor
     return torch.cat([rot_a, pass_a, rot_b, pass_b])
 
 
-def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """head_dim/2 frequencies: the checkpoint's for the first rotary_dim/2 pairs, zero after."""
+def rotary_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """head_dim/2 frequencies: the checkpoint's for the first rotary_dim/2 pairs, zero after.
+
+    local: the sliding-window layers' own plain rotary (Gemma 3's rotary_base_local), never scaled.
+    """
     r = cfg.rotary_dim
+    base = cfg.rotary_base_local if local else cfg.rotary_base
     # Same expression as GPT-NeoX/Llama/GPT-J in transformers, so fp32 results agree bit for bit.
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+    inv_freq = 1.0 / (base ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+    scaling = None if local else cfg.rope_scaling
+    if scaling is not None and scaling.type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None and scaling.type == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    elif scaling is not None and scaling.type == "yarn":
+        inv_freq = _yarn(base, r, scaling)
+    # dynamic: the unscaled frequencies until a forward passes max_position_embeddings (RotaryEmbedding.forward)
     return torch.cat([inv_freq, torch.zeros(cfg.head_dim // 2 - r // 2)])
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: wavelengths above original/low_freq_factor slowed by `factor`, those below
+    original/high_freq_factor kept, a linear blend in 1/wavelength between."""
+    old = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * slowed / s.factor + smooth * slowed
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, slowed)
+
+
+def _yarn(base: float, dim: int, s: RopeScaling) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, eq. 17-19): per pair, interpolated (/ factor) where it turns fewer than
+    beta_slow times over the original context, original where more than beta_fast, a ramp between."""
+    beta_fast, beta_slow = s.beta_fast or 32, s.beta_slow or 1
+
+    def correction_dim(rotations: float) -> float:  # the pair index that turns `rotations` times
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.truncate is None or s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp needs two distinct ends
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (s.factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def rotary_attention_factor(cfg: ModelConfig) -> float:
+    """The scale YaRN puts on cos and sin (0.1 ln(factor) + 1 unless given), 1 for every other kind."""
+    s = cfg.rope_scaling
+    if s is None or s.type != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale and s.mscale_all_dim:
+        return float(mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim))
+    return mscale(s.factor)
+
+
+def dynamic_inv_freq(cfg: ModelConfig, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: once a forward reaches past max_position_embeddings (its longest position + 1), the base
+    grows to base * (factor * len / max - (factor - 1)) ** (r / (r - 2)); up to there, `inv_freq` as it is.
+    transformers keeps the largest frequencies it has seen in the module's state; here they come from each
+    forward's own positions: the same for generation (positions only grow), and stateless under activation
+    recompute, pipelines and compile."""
+    r, limit = cfg.rotary_dim, cfg.max_position_embeddings
+    seq_len = torch.max(position_ids) + 1
+    longer = torch.maximum(seq_len, torch.tensor(limit, dtype=seq_len.dtype, device=seq_len.device))
+    factor = cfg.rope_scaling.factor
+    base = cfg.rotary_base * ((factor * longer / limit) - (factor - 1)) ** (r / (r - 2))
+    exponents = torch.arange(0, r, 2, dtype=torch.int64, device=position_ids.device).to(dtype=torch.float) / r
+    grown = 1.0 / (base ** exponents)
+    grown = torch.cat([grown, grown.new_zeros(cfg.head_dim // 2 - r // 2)])
+    return torch.where(seq_len > limit, grown, inv_freq)  # no host sync: the choice stays on the device
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -55,26 +140,40 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, local: bool = False):
         super().__init__()
         # Not persistent: derived from the config, so it never goes into checkpoints.
-        self.register_buffer("inv_freq", rotary_inv_freq(cfg), persistent=False)
-        self._cfg = cfg
+        self.register_buffer("inv_freq", rotary_inv_freq(cfg, local), persistent=False)
+        self._cfg, self._local = cfg, local
+        scaling = None if local else cfg.rope_scaling
+        self._dynamic = scaling is not None and scaling.type == "dynamic"
+        # YaRN's cos/sin scale, on the rotated pairs only (the pass-through dims keep cos 1, sin 0).
+        factor = 1.0 if local else rotary_attention_factor(cfg)
+        self._scale = None
+        if factor != 1.0:
+            half = torch.ones(cfg.head_dim // 2, device="cpu")  # not a buffer: never on the meta device
+            half[: cfg.rotary_dim // 2] = factor
+            self._scale = torch.cat([half, half])
 
     def reset_parameters(self) -> None:
         """Recompute the buffer after a meta-device build (`to_empty` leaves it uninitialised)."""
-        self.inv_freq.copy_(rotary_inv_freq(self._cfg).to(self.inv_freq.device))
+        self.inv_freq.copy_(rotary_inv_freq(self._cfg, self._local).to(self.inv_freq.device))
 
     def _apply(self, fn, recurse: bool = True):
         """`model.to(torch.bfloat16)` would cast the frequencies too: at position 4095 a bf16 inv_freq is off by
         up to 5 rad. Keep them fp32 (as transformers does), recomputed exactly rather than cast back."""
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:
-            self.inv_freq = rotary_inv_freq(self._cfg).to(self.inv_freq.device)
+            self.inv_freq = rotary_inv_freq(self._cfg, self._local).to(self.inv_freq.device)
         return self
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (batch, 1, seq, head_dim) for position_ids of shape (batch, seq)."""
-        freqs = position_ids[..., None].float() * self.inv_freq
+        inv_freq = dynamic_inv_freq(self._cfg, position_ids, self.inv_freq) if self._dynamic else self.inv_freq
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self._scale is not None:
+            scale = self._scale.to(emb.device)
+            cos, sin = cos * scale, sin * scale
+        return cos.to(dtype), sin.to(dtype)

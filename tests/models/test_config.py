@@ -47,3 +47,25 @@ def test_padded_vocab_size_follows_megatron():
     cfg.make_vocab_size_divisible_by = 1
     assert cfg.padded_vocab_size == 50257
     assert preset("llama-2-7b").padded_vocab_size == 32000
+
+
+def test_shapes_the_family_cannot_export_fail_when_the_config_is_read():
+    with pytest.raises(UserError, match="transformers rejects such a llama config, even with head_dim set"):
+        ModelConfig(family="llama", vocab_size=10, hidden_size=100, num_layers=1, num_heads=3, head_dim=32)
+    with pytest.raises(UserError, match=r"head_dim 32 does not fit a gpt_neox model: its head_dim is always "
+                                        r"hidden_size / num_heads \(64 / 4\)"):
+        ModelConfig(family="gpt_neox", vocab_size=10, hidden_size=64, num_layers=1, num_heads=4, head_dim=32)
+
+
+def test_rope_scaling_is_checked_and_survives_a_dict_round_trip():
+    from lmforge.config import from_dict, to_dict
+
+    with pytest.raises(UserError, match=r"unknown rope_scaling.type 'yarm'.*did you mean 'yarn'"):
+        build({"family": "llama", "vocab_size": 10, "hidden_size": 8, "num_layers": 1, "num_heads": 2,
+               "rope_scaling": {"type": "yarm"}})
+    with pytest.raises(UserError, match="llama3 needs rope_scaling.original_max_position_embeddings"):
+        build({"family": "llama", "vocab_size": 10, "hidden_size": 8, "num_layers": 1, "num_heads": 2,
+               "rope_scaling": {"type": "llama3", "factor": 8.0}})
+    cfg = preset("llama-3.1-8b")
+    assert from_dict(ModelConfig, to_dict(cfg)) == cfg
+    assert cfg.rope_scaling is not preset("llama-3.1-8b").rope_scaling  # a preset hands out copies

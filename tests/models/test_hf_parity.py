@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmforge.errors import UserError
 from lmforge.models import load_pretrained
 from lmforge.models.hf import export_hf, import_hf
 from tests.conftest import edited_copy, hf_tiny_configs, make_hf_model
@@ -224,3 +225,48 @@ def test_bf16_load_runs_and_stays_close(imported):
         a, b = ours32(ids), ours16(ids).float()
     assert torch.isfinite(b).all()
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+def _saved(model, folder):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 3.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 8.0,
+     "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+], ids=["linear", "dynamic", "yarn", "yarn_mscale"])
+def test_rope_scaling_kinds_match_transformers(rope, tmp_path):
+    """Each scaling past its context (48 positions over 32; dynamic grows its base there) and within it."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, max_position_embeddings=32,
+                            rope_parameters={"rope_theta": 10000.0, **rope})
+    ref = tf.LlamaForCausalLM(config)
+    cfg = import_hf(_saved(ref, tmp_path / "hf"), tmp_path / "lm")
+    assert cfg.rope_scaling.type == rope["rope_type"]
+    ours = load_pretrained(tmp_path / "lm")
+    for length in (48, 20):
+        ids = torch.randint(0, 300, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            assert (ours(ids) - _ref_logits(ref, ids)).abs().max().item() <= TOL
+    export_hf(tmp_path / "lm", tmp_path / "out")
+    before = tf.AutoConfig.from_pretrained(tmp_path / "hf").to_dict()["rope_parameters"]
+    assert tf.AutoConfig.from_pretrained(tmp_path / "out").to_dict()["rope_parameters"] == before
+
+
+def test_unsupported_rope_scaling_names_it_and_the_supported_kinds(hf_dirs, tmp_path):
+    def longrope(c):
+        c["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                "long_factor": [2.0] * 8}
+
+    folder = edited_copy(hf_dirs["llama"], tmp_path / "longrope", longrope)
+    with pytest.raises(UserError, match=r"rope scaling 'longrope' in config.json is not supported: lmforge "
+                                        r"implements default, linear, dynamic, yarn, llama3$"):
+        import_hf(folder, tmp_path / "lm")

@@ -31,7 +31,9 @@ def test_meta_build_matches_transformers_parameter_count(name):
 @pytest.mark.parametrize(("name", "count"), [
     # Figures as published with the checkpoints / counted on the released models.
     ("pythia-70m", 70_426_624), ("pythia-6.9b", 6_857_302_016), ("gpt-neox-20b", 20_554_567_680),
-    ("llama-2-7b", 6_738_415_616), ("llama-2-70b", 68_976_648_192), ("gpt2", 124_439_808),
+    ("llama-2-7b", 6_738_415_616), ("llama-2-70b", 68_976_648_192), ("llama-3.1-8b", 8_030_261_248),
+    ("llama-3.1-70b", 70_553_706_496), ("llama-3.2-1b", 1_235_814_400), ("llama-3.2-3b", 3_212_749_824),
+    ("gpt2", 124_439_808),
     ("gpt-j-6b", 6_050_882_784), ("bert-base-uncased", 109_514_298),
 ])
 def test_known_published_counts(name, count):

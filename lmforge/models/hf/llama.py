@@ -1,4 +1,5 @@
-"""Llama 2 <-> Hugging Face LlamaForCausalLM (grouped-query attention included)."""
+"""Llama 2 and 3.x <-> Hugging Face LlamaForCausalLM (grouped-query attention, rope scaling: llama3 for 3.1+,
+linear, dynamic and yarn as transformers has them)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,15 @@ from lmforge.models.hf.base import (
     decoder_num_labels,
     module_rows,
     qkv_rows,
-    rope_scaling_check,
 )
+from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
 
 
 class LlamaAdapter(HFAdapter):
     model_type = "llama"
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
-        rope_scaling_check(hf)
-        rope = hf.get("rope_parameters") or {}
+        theta, pct, scaling = rope_from_hf(hf)
         heads = hf["num_attention_heads"]
         return ModelConfig(
             family="llama",
@@ -39,8 +39,9 @@ class LlamaAdapter(HFAdapter):
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             activation=activation_from_hf(hf.get("hidden_act", "silu")),
             gated_mlp=True,
-            rotary_pct=rope.get("partial_rotary_factor", 1.0),
-            rotary_base=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            rotary_pct=pct,
+            rotary_base=theta,
+            rope_scaling=scaling,
             attention_bias=hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
             tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -53,9 +54,6 @@ class LlamaAdapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
-        rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
-        if cfg.rotary_pct != 1.0:
-            rope["partial_rotary_factor"] = cfg.rotary_pct
         return {
             **architecture(cfg, "Llama", "ForCausalLM"),
             "model_type": "llama",
@@ -69,8 +67,7 @@ class LlamaAdapter(HFAdapter):
             "max_position_embeddings": cfg.max_position_embeddings,
             "rms_norm_eps": cfg.norm_eps,
             "hidden_act": activation_to_hf(cfg.activation),
-            "rope_theta": cfg.rotary_base,  # read by transformers 4.x
-            "rope_parameters": rope,  # read by transformers 5.x
+            **rope_to_hf(cfg),
             "attention_bias": cfg.attention_bias,
             "mlp_bias": cfg.mlp_bias,
             "tie_word_embeddings": cfg.tie_embeddings,
