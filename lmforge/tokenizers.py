@@ -100,7 +100,8 @@ class Tokenizer(ABC):
         """Copy the source files (and HF's config files beside them) into `out_dir`, keeping names."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        extras = [f.parent / name for f in self.files for name in CONFIG_FILES]
+        # The chat template travels with the tokenizer: a fine-tuned model is then prompted as it was trained.
+        extras = [f.parent / name for f in self.files for name in (*CONFIG_FILES, "chat_template.jinja")]
         for src in dict.fromkeys(self.files + [p for p in extras if p.is_file()]):
             dst = out_dir / src.name
             if not (dst.exists() and dst.samefile(src)):

@@ -1,36 +1,30 @@
-"""Supervised fine-tuning data: instruction and chat records -> token ids with the loss on responses only.
+"""Supervised fine-tuning data: instruction and chat records -> token ids with the loss on the answers only.
 
 Record kinds, told apart per record (a JSON list file or JSON lines, see `read_json_records`):
 
-* Alpaca: `{"instruction", "input" (optional, may be ""), "output"}`. The prompt is the instruction (and the
-  input) put into a template; the response is `output`.
-* Self-Instruct seed tasks (Alpaca's `seed_tasks.jsonl`): `{"instruction", "instances": [{"input", "output"}]}`;
-  each instance is one Alpaca example.
-* chat: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`. Every assistant turn
-  is a response; system and user turns and the role tags are prompt. Turns after the last assistant turn
-  teach nothing and are left out.
+* chat: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}` (OpenAI / Hugging Face chat
+  format). Every assistant turn is an answer; messages after the last one teach nothing and are left out.
+* Alpaca: `{"instruction", "input" (optional, may be ""), "output"}`; Self-Instruct seed tasks (Alpaca's
+  `seed_tasks.jsonl`): `{"instruction", "instances": [{"input", "output"}]}`, each instance one example.
+* prompt/completion: `{"prompt", "completion"}`, strings (or, as in TRL, lists of chat messages).
 
-Templates. The default prompt template is Stanford Alpaca's (`PROMPT_DICT` in tatsu-lab/stanford_alpaca
-`train.py`), a variant with and one without input, ending in "### Response:" with no newline, as there.
-A user template is one string with `{instruction}` and optionally `{input}` (literal braces doubled). Chat
-turns render through `DEFAULT_CHAT_TURN`, "<|{role}|>\\n{content}\\n": the text before `{content}` is the
-turn's header, the text after it its footer. The tags are plain text (tokenizers here never parse
-special-token strings), so any tokenizer can take them and no embedding rows are added.
+Every record becomes a chat (user, assistant ...) rendered by a chat template (lmforge.chat_template), which also
+says which tokens are the assistant's. `chat_template`:
 
-Tokens of one example: [bos] prompt response eos (prompt response eos)... The prompt and the response are
-tokenized separately and joined, so the boundary between loss and no loss is exact. (Alpaca tokenized
-prompt+response as one string; the ids differ only where a response starts with characters that would
-merge with the prompt's end, and for SentencePiece, which starts each piece with a word boundary.)
-`labels` equal `input_ids` on response tokens and their eos, IGNORE_INDEX (-100) elsewhere: aligned with
-`input_ids`, the Hugging Face convention, where the loss shifts them by one. The first token of an example
-never has a label, so in a packed sequence no token is trained to predict the next example.
+* a ChatTemplate (the model's own, a named built-in or a file: the `data.chat_template` setting): every record
+  goes through it; an Alpaca record's user message is its instruction, then a blank line and its input if any;
+* None (a base model without a template): chats render with the built-in "lmforge" template, Alpaca records as
+  Stanford Alpaca's prompt (`PROMPT_DICT` in tatsu-lab/stanford_alpaca `train.py`, with and without input,
+  ending in "### Response:"; or a user `prompt_template` with `{instruction}` and optionally `{input}`, literal
+  braces doubled), prompt/completion records as their text; each answer is followed by eos.
+  `export_template` is then the built-in that reproduces this at serving time ("lmforge" for chats, "alpaca" for
+  Alpaca records, "plain" for prompt/completion), so a fine-tuned model is served in the format it learned.
 
-bos: by default the tokenizer's rule, `Tokenizer.add_bos_token` (Llama's <s> yes; GPT-2 and NeoX, whose only
-control token is <|endoftext|>, no), the same rule prompts follow at generation. eos: the tokenizer's eos
-(else its eod).
-
-Serving a fine-tuned model: `encode_prompt` / `encode_chat_prompt` give the ids of a prompt laid out
-exactly as in training (eos after earlier answers included), ending where the model must answer.
+Labels equal `input_ids` on the assistant spans (the answer and the end-of-turn tokens the template writes there),
+IGNORE_INDEX (-100) elsewhere (`assistant_only_loss=False`: everywhere): aligned with `input_ids`, the Hugging Face
+convention, where the loss shifts them by one. The first token of an example never has a label, so in a packed
+sequence no token is trained to predict the next example. bos: where the template writes it (the built-ins:
+where the tokenizer's texts start with it, `Tokenizer.add_bos_token`).
 
 Length, `seq_length`: an example longer than it is dropped (`truncate="drop"`, the default, counted in
 `num_dropped`), or cut to its first `seq_length` tokens (`truncate="cut"`, counted in `num_cut`; an
@@ -52,29 +46,28 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lmforge.chat_template import (
+    ALPACA_PROMPT_INPUT,
+    ALPACA_PROMPT_NO_INPUT,
+    ChatTemplate,
+    TemplateRefused,
+    builtin_template,
+    check_messages,
+    encode_pieces,
+)
 from lmforge.data.collate import IGNORE_INDEX, PadCollator, read_json_records
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca, train.py), verbatim.
-ALPACA_PROMPT_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
-)
-ALPACA_PROMPT_NO_INPUT = (
-    "Below is an instruction that describes a task. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:"
-)
-DEFAULT_CHAT_TURN = "<|{role}|>\n{content}\n"
-CHAT_ROLES = ("system", "user", "assistant")
 TRUNCATE = ("drop", "cut")
+# How a record kind is rendered when no chat template is given, and the built-in that serves it the same way.
+KIND_TEMPLATE = {"chat": "lmforge", "alpaca": "plain", "plain": "plain"}
+KIND_EXPORT = {"chat": "lmforge", "alpaca": "alpaca", "plain": "plain"}
 
-# One example as (prompt text, response text) turns; eos follows every response.
-Turns = list[tuple[str, str]]
+# One example: its kind ("chat", "alpaca", "plain"), its messages, and where it came from (file:line).
+Example = tuple[str, list[dict], str]
 
 
 def _fields(template: str, what: str) -> set[str]:
@@ -105,44 +98,25 @@ class PromptTemplate:
         return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-def split_chat_template(turn_template: str) -> tuple[str, str]:
-    """A turn template's header and footer: the text before and after `{content}`."""
-    names = _fields(turn_template, "chat template")
-    if names != {"role", "content"} or turn_template.count("{content}") != 1:
-        raise UserError(f"chat template {turn_template!r} needs one {{role}} and one {{content}} placeholder")
-    header, footer = turn_template.split("{content}")
-    return header, footer
+def _turn(value, role: str, key: str, where: str) -> list[dict]:
+    """A prompt/completion field as messages: a string is one message of `role`, a list is chat messages."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    raise UserError(f"{where}: '{key}' must be a string or a list of {{role, content}} messages")
 
 
-def chat_turns(messages: list, turn_template: str = DEFAULT_CHAT_TURN, where: str = "messages") -> Turns:
-    """Split a chat into (prompt, response) turns: each assistant content is a response, the rest prompt."""
-    header, footer = split_chat_template(turn_template)
-    if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    turns: Turns = []
-    prompt = ""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in CHAT_ROLES:
-            raise UserError(
-                f"{where}: message {i} must be {{\"role\": one of {', '.join(CHAT_ROLES)}, \"content\": a string}}, "
-                f"got {str(m)[:80]}"
-            )
-        prompt += header.format(role=m["role"])
-        if m["role"] == "assistant":
-            turns.append((prompt, m["content"]))
-            prompt = ""
-        else:
-            prompt += m["content"]
-        prompt += footer.format(role=m["role"])
-    if not turns:
-        raise UserError(f"{where}: the chat has no assistant message, so nothing to learn: add one or drop it")
-    return turns
-
-
-def record_turns(rec: dict, where: str, prompt: PromptTemplate, turn_template: str = DEFAULT_CHAT_TURN) -> list[Turns]:
-    """The examples in one record (a seed task holds several), each as its turns."""
+def record_examples(rec: dict, where: str, prompt: PromptTemplate, templated: bool) -> list[Example]:
+    """The examples in one record (a seed task holds several). `templated`: a chat template renders every
+    kind, so an Alpaca prompt is its instruction (and input) as a user message, not the Alpaca prompt text."""
     if "messages" in rec:
-        return [chat_turns(rec["messages"], turn_template, where)]
+        return [("chat", check_messages(rec["messages"], where), where)]
+    if "prompt" in rec and "completion" in rec:
+        messages = _turn(rec["prompt"], "user", "prompt", where) + _turn(rec["completion"], "assistant",
+                                                                          "completion", where)
+        kind = "plain" if isinstance(rec["prompt"], str) and isinstance(rec["completion"], str) else "chat"
+        return [(kind, check_messages(messages, where), where)]
     if "instruction" in rec and ("output" in rec or "instances" in rec):
         instances = rec["instances"] if "output" not in rec else [rec]
         if not isinstance(instances, list):
@@ -153,55 +127,70 @@ def record_turns(rec: dict, where: str, prompt: PromptTemplate, turn_template: s
                       inst.get("output") if isinstance(inst, dict) else None]
             if not all(isinstance(v, str) for v in values):
                 raise UserError(f"{where}: 'instruction', 'input' and 'output' must be strings")
-            out.append([(prompt.format(values[0], values[1]), values[2])])
+            instruction, input, output = values
+            user = (instruction + (f"\n\n{input}" if input else "")) if templated else prompt.format(instruction, input)
+            out.append(("alpaca", [{"role": "user", "content": user}, {"role": "assistant", "content": output}], where))
         return out
     raise UserError(
-        f"{where}: unknown record kind with keys {sorted(rec)}: give instruction/input/output (Alpaca), "
-        "instruction/instances (seed tasks) or messages (chat)"
+        f"{where}: unknown record kind with keys {sorted(rec)}: give messages (chat), instruction/input/output "
+        "(Alpaca), instruction/instances (seed tasks) or prompt/completion"
     )
 
 
-def tokenize_turns(
-    examples: Sequence[Turns], tokenizer: Tokenizer, add_bos: bool
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(input_ids, labels) per example; every text goes through one `encode_batch`, the tokenizer's fast path."""
-    eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.eod_id
-    if eos is None:
-        raise UserError(f"tokenizer {tokenizer.files[0]} has no eos or end-of-document token to end responses")
-    texts = [text for turns in examples for turn in turns for text in turn]
-    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+def resolve_chat_template(setting: str, tokenizer: Tokenizer, folder: str | Path | None,
+                          prompt_template: str | None = None) -> ChatTemplate | None:
+    """The chat template that data.chat_template names: "auto" (the model's own if its tokenizer folder has one,
+    else None: the built-ins per record kind), "model" (the model's own, required), a built-in's name, or a
+    .jinja file."""
+    from lmforge.chat_template import BUILTIN
+
+    if setting in ("auto", "model"):
+        template = ChatTemplate.from_folder(tokenizer, folder) if folder is not None else None
+        if template is None and setting == "model":
+            raise UserError(f"data.chat_template=model but {folder or 'the tokenizer'} has no chat template "
+                            f"(chat_template.jinja or tokenizer_config.json): choose a built-in ({', '.join(BUILTIN)})")
+        return template
+    if setting.endswith(".jinja") or Path(setting).is_file():
+        path = Path(setting)
+        if not path.is_file():
+            raise UserError(f"data.chat_template: file {path} not found")
+        return ChatTemplate(path.read_text(encoding="utf-8"), tokenizer, folder, f"chat template {path}")
+    source = builtin_template(setting, tokenizer.add_bos_token, prompt_template)
+    return ChatTemplate(source, tokenizer, folder, f"the built-in chat template {setting}")
+
+
+def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, template: ChatTemplate | None,
+                      assistant_only_loss: bool = True, prompt_template: str | None = None
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids, labels) per example, rendered by `template` (None: the built-in of each example's kind)."""
+    builtins: dict[str, ChatTemplate] = {}
+    chats = []
+    for kind, messages, where in examples:
+        t = template
+        if t is None:
+            name = KIND_TEMPLATE[kind]
+            if name not in builtins:
+                builtins[name] = ChatTemplate(builtin_template(name, tokenizer.add_bos_token, prompt_template),
+                                              tokenizer, where=f"the built-in chat template {name}")
+            t = builtins[name]
+        try:
+            pieces = t.pieces(messages, False)
+        except TemplateRefused as e:
+            raise UserError(f"{where}: the chat template cannot render this chat ({e})") from None
+        last = max((i for i, (_, in_span) in enumerate(pieces) if in_span), default=None)
+        if last is None:
+            raise UserError(f"{where}: the chat template marks no assistant tokens in this chat: check that it "
+                            "renders assistant messages")
+        chats.append(pieces[: last + 1])  # what follows the last answer teaches nothing
     out = []
-    for turns in examples:
-        ids = [tokenizer.bos_id] if add_bos else []
-        labels = [IGNORE_INDEX] * len(ids)
-        for _ in turns:
-            prompt, response = next(encoded), [*next(encoded), eos]
-            ids += prompt + response
-            labels += [IGNORE_INDEX] * len(prompt) + response
-        if labels:
-            labels[0] = IGNORE_INDEX  # see the module docstring: never learn across a packing boundary
-        out.append((np.array(ids, np.int64), np.array(labels, np.int64)))
+    for ids, mask in encode_pieces(tokenizer, chats):
+        ids_array = np.array(ids, np.int64)
+        labels = ids_array.copy()
+        if assistant_only_loss:
+            labels[~np.array(mask, bool)] = IGNORE_INDEX
+        labels[0] = IGNORE_INDEX  # see the module docstring: never learn across a packing boundary
+        out.append((ids_array, labels))
     return out
-
-
-def encode_prompt(turns: Turns, tokenizer: Tokenizer, add_bos: bool | None = None) -> list[int]:
-    """Generation-time ids: `turns` as in training, up to where the model must write the last response.
-
-    The last turn's response is ignored (give ""); a served model thus sees exactly the token layout it was
-    fine-tuned on, eos after earlier answers included.
-    """
-    add_bos = tokenizer.add_bos_token if add_bos is None else add_bos
-    *history, (last_prompt, _) = turns
-    ids, _ = tokenize_turns([[*history, (last_prompt, "")]], tokenizer, add_bos)[0]
-    return ids[:-1].tolist()  # the eos that ended the empty response
-
-
-def encode_chat_prompt(
-    messages: list, tokenizer: Tokenizer, turn_template: str = DEFAULT_CHAT_TURN, add_bos: bool | None = None
-) -> list[int]:
-    """Ids of a chat so far plus the assistant header: what a model fine-tuned on `turn_template` continues."""
-    return encode_prompt(chat_turns([*messages, {"role": "assistant", "content": ""}], turn_template),
-                         tokenizer, add_bos)
 
 
 def pack_first_fit(lengths: Sequence[int], seq_length: int) -> list[list[int]]:
@@ -232,27 +221,34 @@ class SFTDataset(Dataset):
         packing: bool = False,
         truncate: str = "drop",
         prompt_template: str | None = None,
-        chat_template: str = DEFAULT_CHAT_TURN,
-        add_bos: bool | None = None,
+        chat_template: ChatTemplate | str | None = None,
+        assistant_only_loss: bool = True,
     ):
+        """chat_template: a ChatTemplate, the name of a built-in, or None (see the module docstring)."""
         if truncate not in TRUNCATE:
             raise UserError(f"truncate must be one of {', '.join(TRUNCATE)}, not {truncate!r}")
         if seq_length < 2:
             raise UserError(f"seq_length must be at least 2, not {seq_length}")
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        if add_bos is None:
-            add_bos = tok.add_bos_token
+        if isinstance(chat_template, str):
+            chat_template = resolve_chat_template(chat_template, tok, None, prompt_template)
         self.path, self.seq_length, self.packing = Path(path), seq_length, packing
         self.pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id if tok.eos_id is not None else tok.eod_id
         self.collate = PadCollator(self.pad_id)
 
         prompt = PromptTemplate(prompt_template)
-        split_chat_template(chat_template)  # a bad template fails now, not at the first chat record
-        records = read_json_records(path)
-        examples = [turns for where, rec in records for turns in record_turns(rec, where, prompt, chat_template)]
+        templated = chat_template is not None
+        examples = [ex for where, rec in read_json_records(path)
+                    for ex in record_examples(rec, where, prompt, templated)]
+        if chat_template is not None:
+            self.export_template = chat_template.source
+        else:  # the built-in that serves the most common kind as it was trained (chats first)
+            kinds = {kind for kind, _, _ in examples}
+            kind = next(k for k in ("chat", "alpaca", "plain") if k in kinds)
+            self.export_template = builtin_template(KIND_EXPORT[kind], tok.add_bos_token, prompt_template)
         self.num_dropped = self.num_cut = 0
         self.examples: list[tuple[np.ndarray, np.ndarray]] = []
-        for ids, labels in tokenize_turns(examples, tok, add_bos):
+        for ids, labels in tokenize_examples(examples, tok, chat_template, assistant_only_loss, prompt_template):
             if len(ids) > seq_length:
                 if truncate == "drop" or (labels[:seq_length] == IGNORE_INDEX).all():
                     self.num_dropped += 1
@@ -264,10 +260,12 @@ class SFTDataset(Dataset):
             raise UserError(f"{path}: no example fits seq_length {seq_length}: raise it or pass truncate='cut'")
         self.num_tokens = sum(len(ids) for ids, _ in self.examples)
         self.packs = pack_first_fit([len(ids) for ids, _ in self.examples], seq_length) if packing else None
+        longer = self.num_dropped + self.num_cut
         logger.info(
-            "%s: %d examples, %d tokens (%d dropped, %d cut at seq_length %d)%s", path, len(self.examples),
-            self.num_tokens, self.num_dropped, self.num_cut, seq_length,
-            f", packed into {len(self.packs)} sequences ({self.packing_efficiency:.1%} tokens, not padding)"
+            "%s: %d examples, %d tokens; %d longer than seq_length %d: %d cut to it, %d dropped (truncate=%s%s)%s",
+            path, len(self.examples), self.num_tokens, longer, seq_length, self.num_cut, self.num_dropped, truncate,
+            ": cut examples left without an answer token are dropped" if truncate == "cut" else "",
+            f"; packed into {len(self.packs)} sequences ({self.packing_efficiency:.1%} tokens, not padding)"
             if packing else "",
         )
 

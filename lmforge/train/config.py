@@ -12,6 +12,7 @@ ModelSection. `trainer.precision` is resolved into one Precision (RunConfig.prec
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.source import RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
+
+log = logging.getLogger(__name__)
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -65,7 +68,12 @@ class DataConfig:
     valid_file: str | None = None
     cache_dir: str | None = None  # sample-index cache; default beside the data
     packing: bool = False  # sft: pack several examples per sequence (attention kept inside each)
-    prompt_template: str | None = None  # sft: default is the Stanford Alpaca template
+    prompt_template: str | None = None  # sft without a chat template: Alpaca records' prompt (default Stanford's)
+    # sft/dpo: auto (the model's own chat template, else built-ins per record kind), model (its own, required), a
+    # built-in (lmforge, chatml, alpaca, plain) or a .jinja file. The export carries it (lmforge.chat_template).
+    chat_template: str = "auto"
+    assistant_only_loss: bool = True  # sft: loss on the assistant's tokens only; false: on every token
+    truncate: str = "cut"  # sft/dpo: an example longer than seq_length is cut to it, or dropped ("drop")
     num_workers: int = 0
     # Fine-tuning batches are padded to their longest example rounded up to this multiple (capped at
     # seq_length). None: 64 with trainer.compile (a few static shapes instead of one graph per length,
@@ -171,11 +179,13 @@ class ModelSection:
         from lmforge.models.source import source_config  # reads the folder's config.json / lmforge.json
 
         source = source_config(self.init_from)
-        if self.config is not None:
-            if self.config != source:
-                raise UserError(f"model.preset/fields describe a different model than model.init_from "
-                                f"'{self.init_from}': drop the preset (the source folder defines the model)")
-            return self.config
+        if self.config is not None and self.config != source:
+            # A recipe written for training from scratch, pointed at a checkpoint: the source's architecture wins.
+            differ = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUN_OVERRIDES
+                      and getattr(self.config, f.name) != getattr(source, f.name)]
+            shown = ", ".join(differ[:6]) + (" ..." if len(differ) > 6 else "")
+            log.info("model.init_from '%s' defines the model: model.preset %s and its fields are not used (%s "
+                     "differ)", self.init_from, self.preset, shown)
         return dataclasses.replace(source, **{k: v for k, v in self.overrides.items() if k in RUN_OVERRIDES})
 
     def to_dict(self) -> dict[str, Any]:

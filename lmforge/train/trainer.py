@@ -235,6 +235,8 @@ class Trainer:
             model_dir = self.run_dir / "model"
             tokenizer = self.tokenizer.files[0] if self.tokenizer is not None else None
             save_model(model, model_dir, tokenizer_from=tokenizer, overwrite=True)
+            if self.data.chat_template is not None:  # served as trained (chat_template.jinja wins over the config's)
+                atomic_write(model_dir / "chat_template.jinja", self.data.chat_template)
             export_hf(model_dir, out, overwrite=True)
             log.info("wrote Hugging Face folder %s", out)
         if dist.is_initialized():

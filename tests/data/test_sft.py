@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from lmforge.chat_template import ChatTemplate
 from lmforge.data.collate import IGNORE_INDEX
-from lmforge.data.sft import SFTDataset, encode_chat_prompt, encode_prompt, pack_first_fit
+from lmforge.data.sft import SFTDataset, pack_first_fit
 from lmforge.errors import UserError
 from lmforge.tokenizers import load_tokenizer
 
@@ -88,9 +89,10 @@ def test_llama_adds_bos_and_ends_responses_with_eos(shared_data, alpaca, records
         item = ds[i]
         assert item["input_ids"].tolist() == [1, *prompt, *response, 2]
         assert item["labels"].tolist() == [IGNORE_INDEX] * (1 + len(prompt)) + response + [2]
-    r = records[0]
-    prompt = (ALPACA_INPUT if r["input"] else ALPACA_NO_INPUT).format(**r)
-    assert encode_prompt([(prompt, "")], llama) == [1, *llama.encode(prompt)]
+    # Served through the exported template, a chat's user message is prompted as an Alpaca instruction.
+    r = next(r for r in records if not r["input"])
+    served = ChatTemplate(ds.export_template, llama).prompt_ids([("user", r["instruction"])])
+    assert served == [1, *llama.encode(ALPACA_NO_INPUT.format(**r))]
 
 
 def test_packing_keeps_every_example_whole_within_seq_length(unpacked, packed):
@@ -199,7 +201,8 @@ def test_chat_trains_only_on_assistant_turns(tmp_path, gpt2):
     assert gpt2.decode(trained) == "Paris.<|endoftext|>Rome.<|endoftext|>"
     # Serving: the prompt for the second answer is the training ids up to that answer, token for token.
     before_rome = len(ids) - len(gpt2.encode("Rome.")) - 1
-    assert encode_chat_prompt(messages[:4], gpt2) == ids[:before_rome]
+    served = ChatTemplate(SFTDataset(path, gpt2, 256).export_template, gpt2)
+    assert served.prompt_ids([(m["role"], m["content"]) for m in messages[:4]]) == ids[:before_rome]
 
 
 def test_seed_tasks_instances_are_examples(shared_data, gpt2):
@@ -229,6 +232,7 @@ def test_user_prompt_template(tmp_path, gpt2):
     ('[{"instruction": "a", "output": "b"}, 3]', r"bad\.jsonl: record 2: a record must be a JSON object"),
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"bad\.jsonl:1: the chat has no assistant message"),
     ('{"messages": [{"role": "bot", "content": "hi"}]}\n', r"bad\.jsonl:1: message 0 must be"),
+    ('{"prompt": "a", "completion": 3}\n', r"bad\.jsonl:1: 'completion' must be a string or a list"),
 ])
 def test_bad_files_are_one_line_user_errors(tmp_path, gpt2, content, match):
     path = tmp_path / "bad.jsonl"
@@ -241,7 +245,7 @@ def test_bad_files_are_one_line_user_errors(tmp_path, gpt2, content, match):
 @pytest.mark.parametrize("kwargs, match", [
     ({"prompt_template": "{question}"}, "needs {instruction}"),
     ({"prompt_template": "{instruction"}, "not a valid template"),
-    ({"chat_template": "<{role}>"}, "one {role} and one {content}"),
+    ({"chat_template": "vicuna"}, "unknown chat template 'vicuna'"),
     ({"truncate": "left"}, "truncate must be one of drop, cut"),
     ({"seq_length": 4}, "no example fits seq_length 4"),
 ])
@@ -250,3 +254,50 @@ def test_bad_settings_are_user_errors(tmp_path, gpt2, kwargs, match):
     path.write_text(json.dumps({"instruction": "Add 2 and 3", "output": "5"}) + "\n", encoding="utf-8")
     with pytest.raises(UserError, match=match):
         SFTDataset(path, gpt2, **{"seq_length": 64, **kwargs})
+
+
+CHATML_GPT2 = (
+    "{% for m in messages %}{{ '<|endoftext|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + '<|endoftext|>' }}{% endgeneration %}{% else %}{{ m['content'] + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|endoftext|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_every_record_kind_goes_through_the_models_chat_template(tmp_path, shared_data):
+    """A folder with a chat template: chats, Alpaca and prompt/completion records all render with it (Alpaca's
+    input after a blank line), the loss on the assistant's tokens only, or on all with assistant_only_loss=False."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copyfile(shared_data / "tokenizers" / "gpt2" / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_GPT2}))
+    tok = load_tokenizer(folder)
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+            {"instruction": "Add", "input": "2 and 3", "output": "5"},
+            {"prompt": "Capital of France?", "completion": "Paris."}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    from lmforge.data.sft import resolve_chat_template
+
+    template = resolve_chat_template("model", tok, folder)
+    ds = SFTDataset(path, tok, 64, chat_template=template)
+    assert ds.export_template == CHATML_GPT2
+    for i, (user, answer) in enumerate([("Hi", "Hello."), ("Add\n\n2 and 3", "5"), ("Capital of France?", "Paris.")]):
+        prompt = [50256, *tok.encode(f"user\n{user}\n"), 50256, *tok.encode("assistant\n")]
+        reply = [*tok.encode(answer), 50256]
+        assert ds[i]["input_ids"].tolist() == prompt + reply
+        assert ds[i]["labels"].tolist() == [IGNORE_INDEX] * len(prompt) + reply
+    every = SFTDataset(path, tok, 64, chat_template=template, assistant_only_loss=False)[0]
+    assert every["labels"].tolist() == [IGNORE_INDEX, *every["input_ids"][1:].tolist()]
+    with pytest.raises(UserError, match="has no chat template"):
+        resolve_chat_template("model", tok, tmp_path)
+
+
+def test_prompt_completion_without_a_template_is_plain_text(tmp_path, gpt2):
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n", encoding="utf-8")
+    ds = SFTDataset(path, gpt2, 64)
+    assert ds[0]["input_ids"].tolist() == gpt2.encode("2+2=") + gpt2.encode("4") + [50256]
+    assert ds[0]["labels"].tolist() == [IGNORE_INDEX] * len(gpt2.encode("2+2=")) + gpt2.encode("4") + [50256]
+    assert ChatTemplate(ds.export_template, gpt2).prompt_ids([("user", "2+2=")]) == gpt2.encode("2+2=")

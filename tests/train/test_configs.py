@@ -82,3 +82,22 @@ def test_an_unknown_task_is_one_line_with_the_closest_name():
 
     with pytest.raises(UserError, match=r"data.task='sfft' is not valid \(did you mean 'sft'\?\)"):
         get_task("sfft")
+
+
+def test_a_preset_with_init_from_takes_the_sources_architecture(tmp_path, caplog):
+    """A from-scratch recipe (preset and fields) pointed at a model folder: the folder's architecture wins, dropout
+    and vocabulary padding stay the run's, and one log line says what was not used."""
+    import logging
+
+    from lmforge.models.io import save_model
+
+    source = dataclasses.replace(preset("tiny-llama"), max_position_embeddings=64)
+    save_model(build(source, device="cpu"), tmp_path / "src")
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-neox.yaml"  # max_position_embeddings: 256
+    cfg = load_run_config(recipe, [f"model.init_from={tmp_path / 'src'}", "model.dropout=0.1"])
+    with caplog.at_level(logging.INFO, logger="lmforge.train.config"):
+        resolved = cfg.model.resolve()
+    assert resolved == dataclasses.replace(source, dropout=0.1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "model.preset tiny-neox and its fields are not used" in lines[0]
+    assert "max_position_embeddings" in lines[0]

@@ -126,3 +126,34 @@ def test_fine_tuning_batches_are_padded_to_a_few_shapes(tiny_gpt2, shared_data, 
         a, _, _ = task.loss(model, exact)
         b, _, _ = task.loss(model, compiled.collate(items[:4]))
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_chat_sft_export_serves_prompts_as_trained(tiny_gpt2, tmp_path):
+    """A chat SFT run's export carries the template it trained with: the served prompt for a chat is, token for
+    token, the training example up to the answer; transformers reads the same template from hf/."""
+    from lmforge.data.sft import SFTDataset
+    from lmforge.serve.chat import ChatFormat
+    from lmforge.tokenizers import load_tokenizer
+
+    chats = [[{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": str(a + b)},
+              {"role": "user", "content": "Double it."}, {"role": "assistant", "content": str(2 * (a + b))}]
+             for a in range(6) for b in range(6)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    run = tmp_path / "run"
+    code = main(["finetune", "/dev/null", *_base(run, f"model.init_from={tiny_gpt2}", "data.task=sft",
+                                                 f"data.train_file={data}", "data.seq_length=64",
+                                                 "trainer.max_steps=2", "trainer.global_batch_size=4",
+                                                 "trainer.micro_batch_size=4", "trainer.val_check_interval=0",
+                                                 "checkpoint.convert_to_hf=true")])
+    assert code == 0
+    hf = run / "hf"
+    assert (hf / "chat_template.jinja").is_file() and (run / "model" / "chat_template.jinja").is_file()
+    trained = SFTDataset(data, load_tokenizer(tiny_gpt2), 64)[0]
+    labels = trained["labels"].tolist()
+    second_answer = len(labels) - next(i for i, x in enumerate(reversed(labels[:-1])) if x == -100) - 1
+    served = ChatFormat(load_tokenizer(hf), hf).encode([(m["role"], m["content"]) for m in chats[0][:3]])
+    assert served == trained["input_ids"][:second_answer].tolist()
+    tf = pytest.importorskip("transformers")
+    assert tf.AutoTokenizer.from_pretrained(hf).chat_template == (hf / "chat_template.jinja").read_text()

@@ -20,6 +20,7 @@ from lmforge.models.rope import rotary_permutation
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "generation_config.json",
+    "chat_template.jinja",  # transformers 5 keeps the chat template here, not in tokenizer_config.json
 )
 
 Tensors = Iterator[tuple[str, torch.Tensor]]

@@ -35,6 +35,7 @@ class TaskData:
     collate: Callable | None = None
     num_labels: int = 0
     label_names: list[str] | None = None
+    chat_template: str | None = None  # the Jinja chat template the examples were rendered with: the export carries it
 
 
 class Task:

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.errors import UserError
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, require, total_samples, with_padding
+
+
+def run_chat_template(cfg: RunConfig, tokenizer):
+    """data.chat_template resolved against the run's tokenizer folder (lmforge.data.sft.resolve_chat_template)."""
+    from lmforge.data.sft import TRUNCATE, resolve_chat_template
+
+    if cfg.data.truncate not in TRUNCATE:
+        raise UserError(f"data.truncate='{cfg.data.truncate}' is not valid: choose one of {', '.join(TRUNCATE)}")
+    return resolve_chat_template(cfg.data.chat_template, tokenizer, tokenizer.files[0].parent,
+                                 cfg.data.prompt_template)
 
 
 def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -25,14 +36,18 @@ class SFT(Task):
         from lmforge.data.sft import SFTDataset
 
         d = cfg.data
+        template = run_chat_template(cfg, tokenizer)
 
         def make(path):
-            return SFTDataset(path, tokenizer, d.seq_length, packing=d.packing, truncate="cut",
-                              prompt_template=d.prompt_template)
+            return SFTDataset(path, tokenizer, d.seq_length, packing=d.packing, truncate=d.truncate,
+                              prompt_template=d.prompt_template, chat_template=template,
+                              assistant_only_loss=d.assistant_only_loss)
 
         train = make(require(d.train_file, "data.train_file"))
         valid = make(d.valid_file) if d.valid_file else None
-        return with_padding(TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate), cfg)
+        data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate,
+                        chat_template=train.export_template)
+        return with_padding(data, cfg)
 
     def inputs(self, batch: Batch):
         if "segment_ids" in batch:

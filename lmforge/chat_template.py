@@ -1,0 +1,333 @@
+"""Chat templates: messages -> token ids, for serving (the prompt) and fine-tuning (which ids are the assistant's).
+
+A template is Hugging Face's Jinja chat template: a model folder's (chat_template.jinja, else tokenizer_config.json's
+"chat_template"), a file, or one of the built-ins below. It is rendered in Jinja's immutable sandbox, as
+transformers does, with `messages`, `add_generation_prompt`, the special tokens (`bos_token`, `eos_token` ...),
+`tools=None`, `raise_exception` and `strftime_now`.
+
+Special tokens that the template writes ("<s>", "<|im_start|>") become their ids; the same strings inside a
+message stay plain text: contents go into the template as placeholders and are put back after rendering, so only
+template text is searched for special tokens (transformers parses them anywhere, which lets a user forge turns).
+A template's filters on content (`| trim`) therefore see the placeholder, not the text.
+
+Assistant spans (what fine-tuning puts the loss on) come from the template's `{% generation %}` blocks where it has
+them (transformers' `return_assistant_tokens_mask` reads the same blocks); otherwise from rendering the chat turn
+by turn: the span of assistant message i is what rendering messages[:i+1] adds to rendering messages[:i] with the
+generation prompt. A template whose renders are not prefixes of each other that way (one that rewrites earlier
+turns) cannot be split so and is refused for training, with that reason.
+
+Text is tokenized in pieces cut at each special token and at the start and end of each assistant span: a served
+prompt is then token for token the prompt the model was trained on, earlier answers included. transformers
+tokenizes the rendered text whole; the ids are the same wherever a span starts at a pre-tokenizer boundary (after
+a special token or a newline, as chat templates have it).
+
+Built-in templates (`BUILTIN`), for models without one of their own; each ends an answer with eos:
+
+    lmforge   "<|role|>\\ncontent\\n" per message, the answer followed by eos; the prompt ends with "<|assistant|>\\n"
+    chatml    "<|im_start|>role\\ncontent<|im_end|>\\n" (Qwen's layout; where the tokenizer lacks the two tokens
+              they are text, and serving stops at "<|im_end|>")
+    alpaca    the user message as Stanford Alpaca's instruction prompt, the answer after "### Response:"
+    plain     the messages' text as it is, the answer followed by eos (prompt/completion data)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import string
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from lmforge.errors import UserError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+# Private-use characters, never in a template: a message's content, and the edges of an assistant span.
+_CONTENT = "\ue000{}\ue001"
+_SPAN_START, _SPAN_END = "\ue002", "\ue003"
+_MARKS = re.compile("\ue000(\\d+)\ue001|\ue002|\ue003")
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+# Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca, train.py), verbatim.
+ALPACA_PROMPT_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
+
+_ANSWER = "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+_TEMPLATES = {
+    "lmforge": (
+        "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+        "{% if message['role'] == 'assistant' %}" + _ANSWER + "{% else %}{{ message['content'] }}{% endif %}"
+        "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    ),
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+        "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "plain": (
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}" + _ANSWER +
+        "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+    ),
+}
+BUILTIN = ("lmforge", "chatml", "alpaca", "plain")
+
+
+def _jinja_literal(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid Jinja string literal
+
+
+def prompt_template_jinja(prompt_template: str | None) -> str:
+    """The Alpaca-style built-in: each user message formatted as `prompt_template`'s instruction (Stanford Alpaca's
+    no-input prompt by default), each answer followed by eos."""
+    fmt = prompt_template if prompt_template is not None else ALPACA_PROMPT_NO_INPUT
+    parts = []
+    for literal, field, _, _ in string.Formatter().parse(fmt):
+        if literal:
+            parts.append(_jinja_literal(literal))
+        if field == "instruction":
+            parts.append("message['content']")
+    prompt = " + ".join(parts) or "''"
+    return ("{% for message in messages %}{% if message['role'] == 'user' %}{{ " + prompt + " }}"
+            "{% elif message['role'] == 'assistant' %}" + _ANSWER + "{% endif %}{% endfor %}")
+
+
+def builtin_template(name: str, add_bos: bool, prompt_template: str | None = None) -> str:
+    """The Jinja source of built-in template `name`, starting with bos where the tokenizer's texts do."""
+    if name not in BUILTIN:
+        raise UserError(f"unknown chat template '{name}': choose a built-in ({', '.join(BUILTIN)}), "
+                        "'auto', 'model' or a .jinja file")
+    body = prompt_template_jinja(prompt_template) if name == "alpaca" else _TEMPLATES[name]
+    return ("{{ bos_token }}" if add_bos else "") + body
+
+
+def read_chat_template(folder: str | Path) -> str | None:
+    """The folder's chat template, or None. A list of named templates picks "default"."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = tokenizer_config(folder).get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def tokenizer_config(folder: Path) -> dict:
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path} as JSON ({e}): fix or delete the file") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class TemplateRefused(Exception):
+    """The template raised (raise_exception) or failed on these messages; the message says why."""
+
+
+# A piece of a rendered chat: text to tokenize, or a special token's id; and whether it is in an assistant span.
+Piece = tuple[str | int, bool]
+
+
+class ChatTemplate:
+    """A Jinja chat template bound to a tokenizer: `source` is its text, `folder` (optional) the tokenizer folder
+    whose tokenizer_config.json names the special tokens."""
+
+    def __init__(self, source: str, tokenizer, folder: str | Path | None = None, where: str = "the chat template"):
+        try:
+            from jinja2 import TemplateError, nodes
+            from jinja2.ext import Extension, loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise UserError(f"{where} needs jinja2: pip install jinja2") from None
+
+        class Generation(Extension):
+            """`{% generation %}...{% endgeneration %}`: marks what it renders as an assistant span."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+            def _mark(self, caller):
+                return _SPAN_START + caller() + _SPAN_END
+
+        self.source, self.tokenizer = source, tokenizer
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, Generation])
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:
+            raise UserError(f"{where} does not parse ({e}): fix it") from None
+        self.marks_spans = bool(_GENERATION_TAG.search(source))
+        config = tokenizer_config(Path(folder)) if folder is not None else {}
+        self.variables = {f"{k}_token": _token_text(config.get(f"{k}_token")) or ""
+                          for k in ("bos", "eos", "unk", "pad")}
+        for key, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id if tokenizer.eos_id is not None
+                                                           else tokenizer.eod_id)):
+            if not self.variables[f"{key}_token"] and i is not None:
+                self.variables[f"{key}_token"] = tokenizer.id_to_token(i) or ""
+        names = {*self.variables.values(), *(_token_text(t) for t in config.get("additional_special_tokens") or [])}
+        names |= {_token_text(t) for t in (config.get("added_tokens_decoder") or {}).values()
+                  if isinstance(t, dict) and t.get("special")}
+        self.specials = {s: i for s in names if s and (i := tokenizer.token_to_id(s)) is not None}
+        self._add_specials(("<|im_start|>", "<|im_end|>") if "<|im_start|>" in source else ())
+        # Longest first, so that "<|im_start|>" is not read as a shorter token inside it.
+        self._special_re = re.compile("|".join(map(re.escape, sorted(self.specials, key=len, reverse=True))))
+
+    def _add_specials(self, names: Sequence[str]) -> None:
+        for name in names:
+            if name not in self.specials and (i := self.tokenizer.token_to_id(name)) is not None:
+                self.specials[name] = i
+
+    @classmethod
+    def from_folder(cls, tokenizer, folder: str | Path) -> ChatTemplate | None:
+        source = read_chat_template(folder)
+        return None if source is None else cls(source, tokenizer, folder, f"the chat template of {folder}")
+
+    # -- rendering ----------------------------------------------------------------------------
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        """The template's text for `messages`, each content a placeholder, spans marked (TemplateRefused)."""
+        from jinja2 import TemplateError
+
+        placeholders = [{"role": m["role"], "content": _CONTENT.format(i)} for i, m in enumerate(messages)]
+        try:
+            return self.template.render(messages=placeholders, add_generation_prompt=add_generation_prompt,
+                                        tools=None, documents=None, **self.variables)
+        except TemplateError as e:
+            raise TemplateRefused(str(e)) from None
+
+    def _spans_by_prefix(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        """The whole render with each assistant message's span marked, found from renders turn by turn."""
+        full = self.render(messages, add_generation_prompt)
+        out, at = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, after = self.render(messages[:i], True), self.render(messages[: i + 1], False)
+            if not (after.startswith(before) and full.startswith(after) and len(before) >= at):
+                raise TemplateRefused(f"rendering the chat turn by turn does not give prefixes of the whole chat "
+                                      f"(at message {i}): the template rewrites earlier turns; give it "
+                                      "{% generation %} blocks or choose another data.chat_template")
+            out += [full[at : len(before)], _SPAN_START, full[len(before) : len(after)], _SPAN_END]
+            at = len(after)
+        return "".join(out) + full[at:]
+
+    def pieces(self, messages: Sequence[dict], add_generation_prompt: bool, spans: bool = True) -> list[Piece]:
+        """The rendered chat as text runs and special-token ids, each flagged in or out of an assistant span.
+
+        spans=False (serving a template without {% generation %} blocks that cannot be split turn by turn):
+        no spans, the text cut at special tokens only.
+        """
+        if self.marks_spans or not spans:
+            rendered = self.render(messages, add_generation_prompt)
+        else:
+            rendered = self._spans_by_prefix(messages, add_generation_prompt)
+        if not spans:
+            rendered = rendered.replace(_SPAN_START, "").replace(_SPAN_END, "")
+        out: list[Piece] = []
+        text, in_span, at = "", False, 0
+        for m in _MARKS.finditer(rendered):
+            text = self._template_text(rendered[at : m.start()], text, in_span, out)
+            if m.group(1) is not None:
+                text += messages[int(m.group(1))]["content"]
+            else:
+                if text:
+                    out.append((text, in_span))
+                text, in_span = "", m.group() == _SPAN_START
+            at = m.end()
+        text = self._template_text(rendered[at:], text, in_span, out)
+        if text:
+            out.append((text, in_span))
+        return out
+
+    def _template_text(self, part: str, text: str, in_span: bool, out: list[Piece]) -> str:
+        """Append template text to `text`; at each special token, close the text so far and add the token's id."""
+        if not self.specials:
+            return text + part
+        at = 0
+        for m in self._special_re.finditer(part):
+            text += part[at : m.start()]
+            if text:
+                out.append((text, in_span))
+            out.append((self.specials[m.group()], in_span))
+            text, at = "", m.end()
+        return text + part[at:]
+
+    # -- ids ----------------------------------------------------------------------------------
+
+    def prompt_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Ids of a chat so far plus the generation prompt: what the model continues (TemplateRefused)."""
+        chat = [{"role": "system" if role == "developer" else role, "content": content} for role, content in messages]
+        try:
+            pieces = self.pieces(chat, True)
+        except TemplateRefused:  # a template that rewrites earlier turns: no spans to cut at, as transformers
+            pieces = self.pieces(chat, True, spans=False)
+        return encode_pieces(self.tokenizer, [pieces])[0][0]
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Turn ends the template writes that are text, not a token, in this tokenizer: generation stops at them."""
+        return tuple(s for s in ("<|im_end|>",) if s in self.source and s not in self.specials)
+
+
+def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[int], list[bool]]]:
+    """(ids, in-span flags) per chat; every text piece goes through one encode_batch (the tokenizer's fast path)."""
+    texts = [p for pieces in chats for p, _ in pieces if isinstance(p, str)]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+    out = []
+    for pieces in chats:
+        ids: list[int] = []
+        mask: list[bool] = []
+        for p, in_span in pieces:
+            got = next(encoded) if isinstance(p, str) else [p]
+            ids += got
+            mask += [in_span] * len(got)
+        out.append((ids, mask))
+    return out
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """`messages` as {role, content} dicts up to the last assistant message (later turns teach nothing)."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise UserError(f"{where}: message {i} must be {{\"role\": one of {', '.join(ROLES)}, \"content\": "
+                            f"a string}}, got {json.dumps(m, ensure_ascii=False)[:80]}")
+        out.append({"role": m["role"], "content": m["content"]})
+    last = max((i for i, m in enumerate(out) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise UserError(f"{where}: the chat has no assistant message, so nothing to learn: add one or drop the record")
+    return out[: last + 1]
+
+
+def _raise(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)

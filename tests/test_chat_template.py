@@ -1,0 +1,94 @@
+"""Assistant spans of chat templates against transformers' apply_chat_template(return_assistant_tokens_mask=True),
+on the real GPT-2 tokenizer: {% generation %} blocks, the turn-by-turn split, the built-ins."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmforge.chat_template import ChatTemplate, TemplateRefused, builtin_template, encode_pieces
+from lmforge.tokenizers import load_tokenizer
+
+tf = pytest.importorskip("transformers")
+pytest.importorskip("jinja2")
+
+# ChatML's shape with GPT-2's one special token as the turn marker; the answer and its end marker are the span.
+MARKED = (
+    "{% for m in messages %}{{ '<|endoftext|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + '<|endoftext|>' }}{% endgeneration %}{% else %}{{ m['content'] + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|endoftext|>assistant\\n' }}{% endif %}"
+)
+UNMARKED = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+MESSAGES = [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "What is 2+2? Say <|endoftext|> too."},
+    {"role": "assistant", "content": " 4, and <|endoftext|>."},
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_data):
+    return load_tokenizer(shared_data / "tokenizers" / "gpt2" / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def reference(shared_data):
+    return tf.PreTrainedTokenizerFast(tokenizer_file=str(shared_data / "tokenizers" / "gpt2" / "tokenizer.json"),
+                                      bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+
+
+def _ids_and_mask(template: ChatTemplate, messages) -> tuple[list[int], list[int]]:
+    ids, mask = encode_pieces(template.tokenizer, [template.pieces(messages, False)])[0]
+    return ids, [int(m) for m in mask]
+
+
+def test_assistant_mask_equals_transformers(gpt2, reference):
+    # transformers parses '<|endoftext|>' typed inside a message as the control token; lmforge keeps it text, so
+    # the reference is taken on the same chat without it, and the typed one checked to stay text.
+    plain = [{**m, "content": m["content"].replace("<|endoftext|>", "eos")} for m in MESSAGES]
+    out = reference.apply_chat_template(plain, chat_template=MARKED, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ids, mask = _ids_and_mask(ChatTemplate(MARKED, gpt2), plain)
+    assert ids == out["input_ids"] and mask == out["assistant_masks"]
+    assert sum(mask) == len(gpt2.encode("Hello! How can I help?")) + len(gpt2.encode(" 4, and eos.")) + 2
+    typed, _ = _ids_and_mask(ChatTemplate(MARKED, gpt2), MESSAGES)
+    assert typed.count(50256) == ids.count(50256)
+
+
+def test_turn_by_turn_split_equals_generation_blocks(gpt2):
+    """Without {% generation %} blocks, an answer's span is what rendering its turn adds after the generation
+    prompt: here exactly what the blocks mark."""
+    assert _ids_and_mask(ChatTemplate(UNMARKED, gpt2), MESSAGES) == _ids_and_mask(ChatTemplate(MARKED, gpt2), MESSAGES)
+
+
+def test_serving_prompt_is_the_training_prefix(gpt2):
+    for source in (MARKED, UNMARKED):
+        template = ChatTemplate(source, gpt2)
+        ids, mask = _ids_and_mask(template, MESSAGES)
+        second = len(mask) - mask[::-1].index(0)  # where the last answer starts
+        prompt = template.prompt_ids([(m["role"], m["content"]) for m in MESSAGES[:4]])
+        assert prompt == ids[:second]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(gpt2):
+    # Only the last answer is shown in full (as reasoning templates drop earlier thoughts): no turn-by-turn split.
+    rewriting = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ 'A: ...\\n' }}"
+                 "{% else %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    with pytest.raises(TemplateRefused, match="rewrites earlier turns"):
+        ChatTemplate(rewriting, gpt2).pieces(MESSAGES, False)
+    # Serving still works: the prompt is cut at special tokens only, as transformers does.
+    assert ChatTemplate(rewriting, gpt2).prompt_ids([("user", "hi")]) == gpt2.encode("user: hi\nassistant: ")
+
+
+def test_builtins(gpt2):
+    lmforge = ChatTemplate(builtin_template("lmforge", gpt2.add_bos_token), gpt2)
+    ids, mask = _ids_and_mask(lmforge, MESSAGES[1:3])
+    answer = gpt2.encode("Hello! How can I help?") + [50256]
+    assert ids == gpt2.encode("<|user|>\nHi there\n<|assistant|>\n") + answer + gpt2.encode("\n")
+    assert [i for i, m in zip(ids, mask) if m] == answer
+    # ChatML on a tokenizer without its tokens: the markers are text, and serving stops at the end marker.
+    chatml = ChatTemplate(builtin_template("chatml", False), gpt2)
+    assert chatml.stop_strings == ("<|im_end|>",)
+    assert chatml.prompt_ids([("user", "hi")]) == gpt2.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
