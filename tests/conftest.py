@@ -45,6 +45,11 @@ def hf_tiny_configs() -> dict:
             intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+        # Qwen2.5: biased q/k/v (o_proj without), tied embeddings as in the 0.5B-3B sizes.
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=True, max_window_layers=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(
             vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
         # Decoder sequence classification (GPT-2 on SST-2): a score head read at the last real token.

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from lmforge.config import closest
 from lmforge.errors import UserError
 
-FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert")
+FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POSITION_EMBEDDINGS = ("rotary", "learned")
 ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
 # Families whose Hugging Face config has no head_dim: it is always hidden_size // num_heads there.
-FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert")
+FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2")
 # Families whose transformers config rejects hidden_size % num_heads != 0 even with an explicit head_dim.
 HEADS_DIVIDE_HIDDEN = ("llama",)
 
@@ -90,6 +90,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # context extension (Llama 3.1: llama3, factor 8)
 
     attention_bias: bool = True
+    qkv_bias: bool | None = None  # the q/k/v projections' bias; default attention_bias (Qwen2: True, o_proj none)
     mlp_bias: bool = True
     lm_head_bias: bool = False
     tie_embeddings: bool = False
@@ -114,6 +115,8 @@ class ModelConfig:
         self._check_choice("position_embedding", POSITION_EMBEDDINGS)
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.attention_bias
         if isinstance(self.rope_scaling, dict):  # built by hand rather than through from_dict
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         self._check_family_shapes()

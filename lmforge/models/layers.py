@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.causal = cfg.causal
         self.dropout = cfg.attention_dropout
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(

@@ -47,6 +47,18 @@ def _llama3(hidden: int, layers: int, heads: int, ffn: int, factor: float, tied:
     )
 
 
+def _qwen25(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: bool = False) -> ModelConfig:
+    # Qwen2.5: biased q/k/v, rope base 1e6; the sizes up to 3B tie their 151,936-row embedding, the larger
+    # ones have 152,064 rows and a separate head.
+    return ModelConfig(
+        family="qwen2", vocab_size=151936 if tied else 152064, hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn,
+        max_position_embeddings=32768 if tied else 131072, norm="rmsnorm", norm_eps=1e-6, activation="silu",
+        gated_mlp=True, rotary_base=1000000.0, qkv_bias=True, attention_bias=False, mlp_bias=False,
+        tie_embeddings=tied, bos_token_id=151643, eos_token_id=151643,
+    )
+
+
 def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
         family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -90,6 +102,13 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3.1-70b": _llama3(8192, 80, 64, 28672, factor=8.0),
     "llama-3.2-1b": _llama3(2048, 16, 32, 8192, factor=32.0, tied=True),
     "llama-3.2-3b": _llama3(3072, 28, 24, 8192, factor=32.0, tied=True),
+    "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, tied=True),
+    "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, tied=True),
+    "qwen2.5-3b": _qwen25(2048, 36, 16, 2, 11008, tied=True),
+    "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944),
+    "qwen2.5-14b": _qwen25(5120, 48, 40, 8, 13824),
+    "qwen2.5-32b": _qwen25(5120, 64, 40, 8, 27648),
+    "qwen2.5-72b": _qwen25(8192, 80, 64, 8, 29568),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -102,6 +121,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama": replace(_llama(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256),
     "tiny-llama3": replace(_llama3(64, 2, 4, 160, factor=8.0, tied=True, kv_heads=2), vocab_size=1000,
                            max_position_embeddings=256),
+    "tiny-qwen2": replace(_qwen25(64, 2, 4, 2, 160, tied=True), vocab_size=1000, max_position_embeddings=256),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),

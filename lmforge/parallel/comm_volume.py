@@ -51,7 +51,7 @@ def stage_parameters(cfg: ModelConfig, layout: Layout) -> tuple[int, int]:
     positions and untied head (all on one rank when there is no pipeline; the first stage otherwise)."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-    attn = d * qkv + cfg.num_heads * hd * d + ((qkv + d) if cfg.attention_bias else 0)
+    attn = d * qkv + cfg.num_heads * hd * d + (qkv if cfg.qkv_bias else 0) + (d if cfg.attention_bias else 0)
     mlp = d * f * (3 if cfg.gated_mlp else 2) + ((f * (2 if cfg.gated_mlp else 1) + d) if cfg.mlp_bias else 0)
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     norms = norm * (1 if cfg.shared_norm else 2)

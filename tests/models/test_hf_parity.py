@@ -270,3 +270,17 @@ def test_unsupported_rope_scaling_names_it_and_the_supported_kinds(hf_dirs, tmp_
     with pytest.raises(UserError, match=r"rope scaling 'longrope' in config.json is not supported: lmforge "
                                         r"implements default, linear, dynamic, yarn, llama3$"):
         import_hf(folder, tmp_path / "lm")
+
+
+def test_a_switch_the_family_hard_wires_is_refused_at_export(imported, tmp_path):
+    import dataclasses
+
+    from lmforge.models.io import write_config
+
+    cfg, path = imported["qwen2"]
+    folder = tmp_path / "lm"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    write_config(folder, dataclasses.replace(cfg, attention_bias=True))
+    with pytest.raises(UserError, match=r"a qwen2 checkpoint has attention_bias=False, this model has True"):
+        export_hf(folder, tmp_path / "hf")

@@ -184,6 +184,14 @@ def rope_scaling_check(hf: dict) -> None:
         raise UserError(f"rope scaling '{kind}' in config.json is not supported yet: lmforge implements plain RoPE")
 
 
+def require(cfg: ModelConfig, fixed: dict, model_type: str) -> None:
+    """UserError naming the first switch whose value the family's Hugging Face model hard-wires otherwise."""
+    for name, value in fixed.items():
+        if getattr(cfg, name) != value:
+            raise UserError(f"a {model_type} checkpoint has {name}={value!r}, this model has {getattr(cfg, name)!r}: "
+                            "it cannot be written as that family")
+
+
 def module_rows(ours: str, theirs: str, bias: bool, kind: str = PLAIN) -> Mapping:
     """Mapping rows for one module's weight (and bias)."""
     params = ("weight", "bias") if bias else ("weight",)

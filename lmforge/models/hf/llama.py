@@ -81,17 +81,22 @@ class LlamaAdapter(HFAdapter):
         }
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
-        rows: Mapping = [("embed.weight", "model.embed_tokens.weight", PLAIN)]
-        for i in range(cfg.num_layers):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            att = f"{hf}.self_attn"
-            rows += module_rows(f"{ours}.norm1", f"{hf}.input_layernorm", False)
-            rows += qkv_rows(f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj",
-                             cfg.attention_bias)
-            rows += module_rows(f"{ours}.attn.proj", f"{att}.o_proj", cfg.attention_bias)
-            rows += module_rows(f"{ours}.norm2", f"{hf}.post_attention_layernorm", False)
-            rows += module_rows(f"{ours}.mlp.gate", f"{hf}.mlp.gate_proj", cfg.mlp_bias)
-            rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.up_proj", cfg.mlp_bias)
-            rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.down_proj", cfg.mlp_bias)
-        rows += module_rows("norm", "model.norm", False)
-        return rows + decoder_head(cfg, [("lm_head.weight", "lm_head.weight", PLAIN)])
+        return llama_layout(cfg)
+
+
+def llama_layout(cfg: ModelConfig) -> Mapping:
+    """The tensor names of LlamaForCausalLM, which Mistral, Qwen2/3, OLMo 2 and Gemma 2/3 share: q/k/v/o and
+    gate/up/down projections under model.layers.N, plus whichever norms the config's switches give a block."""
+    rows: Mapping = [("embed.weight", "model.embed_tokens.weight", PLAIN)]
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        att = f"{hf}.self_attn"
+        rows += module_rows(f"{ours}.norm1", f"{hf}.input_layernorm", False)
+        rows += qkv_rows(f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj", cfg.qkv_bias)
+        rows += module_rows(f"{ours}.attn.proj", f"{att}.o_proj", cfg.attention_bias)
+        rows += module_rows(f"{ours}.norm2", f"{hf}.post_attention_layernorm", False)
+        rows += module_rows(f"{ours}.mlp.gate", f"{hf}.mlp.gate_proj", cfg.mlp_bias)
+        rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.up_proj", cfg.mlp_bias)
+        rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.down_proj", cfg.mlp_bias)
+    rows += module_rows("norm", "model.norm", False)
+    return rows + decoder_head(cfg, [("lm_head.weight", "lm_head.weight", PLAIN)])
