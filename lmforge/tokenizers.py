@@ -9,7 +9,9 @@ Three kinds of file are read:
 `encode` treats its input as plain text: a literal "<|endoftext|>" or "<s>" inside a document is
 tokenized as characters, never turned into a control id. Control ids are added by id (`add_bos`,
 Megatron's `append_eod`), so text scraped from the web cannot forge document boundaries. Hugging Face
-tokenizers parse such strings by default; `split_special_tokens=True` there gives our ids.
+tokenizers parse such strings by default; `split_special_tokens=True` there gives our ids. Setting
+`parse_special_tokens = True` gives theirs (and Megatron's preprocessing tool's); SentencePiece never parses
+its control pieces in text, either way.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Tokenizer(ABC):
     eos_id: int | None = None
     pad_id: int | None = None
     files: list[Path]
+    parse_special_tokens: bool = False  # see the module docstring; only Hugging Face tokenizers act on it
     # What the files themselves say about bos (tokenizer_config.json's add_bos_token, a tokenizer.json
     # template that prepends it); None when they say nothing. Read by add_bos_token.
     _declared_add_bos: bool | None = None
@@ -151,6 +154,14 @@ class HFTokenizer(Tokenizer):
             # A post-processor template that prepends bos (Llama 3) shows in the encoding of an empty text.
             if tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]:
                 self._declared_add_bos = True
+
+    @property
+    def parse_special_tokens(self) -> bool:
+        return not self._tok.encode_special_tokens
+
+    @parse_special_tokens.setter
+    def parse_special_tokens(self, value: bool) -> None:
+        self._tok.encode_special_tokens = not value
 
     def _first_id(self, *names: str) -> int | None:
         return next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)

@@ -1,37 +1,43 @@
 """Raw text -> Megatron `PREFIX_<key>_document.bin/.idx`, as Megatron-LM's `tools/preprocess_data.py` writes them.
 
-Inputs, streamed (only a bounded window of chunks is in memory at once):
-
-* JSON lines: `.jsonl`, `.json`, `.ndjson`, each optionally `.gz`. Each line is one document per
-  `--json-keys` key. A value is a string, or a list of strings (sentences, as Megatron's
-  `--split-sentences` pass writes them; each non-empty one becomes a sequence). Blank lines are skipped.
-* plain text: `.txt` / `.txt.gz`. A whole file is one document, read at once; large corpora belong in
-  JSONL. Plain text fills the one output key, so it needs exactly one `--json-keys` key.
-* folders: every file of those kinds below it, recursively, in sorted path order (hidden ones skipped).
+Inputs (JSON lines, plain or .gz/.zst; plain text; Parquet; Hugging Face `datasets` folders; folders and glob
+patterns of them) are found, read and cut into slices by `lmforge.data.inputs`, streamed: only a bounded window
+of chunks is in memory at once. In JSON lines each line is one document per `--json-keys` key, in Parquet and
+Arrow each row, its columns named by `--json-keys`. A value is a string, or a list of strings (sentences, as
+Megatron's `--split-sentences` pass writes them; each non-empty one becomes a sequence). Blank lines are
+skipped. Plain text fills the one output key, so it needs exactly one `--json-keys` key.
 
 Per document and key, as Megatron does: ids = tokenize(text), and with `append_eod` the tokenizer's eod id
 is appended to a non-empty document; `add_document(ids, [len(ids)])`. An empty document (empty text) is
 still a document, with no sequence: `document_indices` repeats a value, and every key's file keeps one
-document per input line, so documents line up across keys. The dtype follows Megatron's rule (uint16 below
-65,500 ids, else int32). Documents are written in input order whatever the number of workers.
-Megatron's tool finalizes only the last `--json-keys` key's index; we finalize every key's.
+document per input line, so documents line up across keys. An input file without any text at all (every
+document empty, or none) is an error naming it: it is a wrong path or a wrong `--json-keys`, not data. The dtype
+follows Megatron's rule (uint16 below 65,500 ids, else int32). Documents are written in input order whatever
+the number of workers. Megatron's tool finalizes only the last `--json-keys` key's index; we finalize every key's.
+
+Special tokens: by default text is text, so a literal "<|endoftext|>" in a document is tokenized as the
+characters it is made of (lmforge.tokenizers' rule: scraped text cannot forge a document boundary).
+`parse_special_tokens=True` turns such text into the control id, as Hugging Face's tokenizers do by default and
+therefore Megatron's tool does: the same bytes as Megatron's output for corpora that contain such strings.
+
+Sharding (`shard=(I, N)`): only slice I of N of the input is tokenized, into `...document.shard-I-of-N`
+files plus a record of how they were made; `lmforge.data.shards.merge` joins the N shards into the files one
+run over the whole input writes, byte for byte.
 
 Parallelism: with one worker, chunks of documents are tokenized in this process by the tokenizer's batch
 call, which runs on its own thread pool (Hugging Face `tokenizers` uses every core unless
 TOKENIZERS_PARALLELISM=false); with N > 1, N worker processes tokenize one chunk each, single-threaded.
-Tokenizing is most of the CPU time (see BENCHMARKS.md); the rest is JSON parsing and writing, in Python.
+Tokenizing is most of the CPU time (see BENCHMARKS.md); the rest is parsing and writing, in Python.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import multiprocessing
 import os
 import sys
 import time
-import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -43,15 +49,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lmforge.data.indexed import IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
+from lmforge.data import shards as sharding
+from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
+from lmforge.data.inputs import Piece, Record, Source, describe, find_inputs, inputs_digest, plan, records
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-TEXT_SUFFIXES = (".txt",)
-KINDS_HINT = "give .jsonl/.json/.ndjson or .txt files (optionally .gz), or folders holding them"
 CHUNK_DOCS = 64  # documents per task: enough to amortise IPC and let encode_batch batch
 CHUNK_BYTES = 1 << 18  # ... but at most about this much raw text per task, so memory stays bounded
 THREADS_IN_FLIGHT = 2  # with --workers 1: batch calls in flight on the tokenizer's thread pool
@@ -61,12 +66,11 @@ THREADS_IN_FLIGHT = 2  # with --workers 1: batch calls in flight on the tokenize
 START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 MAX_LOGGED_SKIPS = 10
 
-# A task: (where, kind, raw bytes); where is "file:line" for JSON lines, the file for plain text.
-Record = tuple[str, str, bytes]
 # A chunk's result: per key, the ids of its good documents end to end; and per record, an error message or per
 # key (token count, sequence lengths). One array per key and chunk rather than one per document: cheaper to
 # build, and to send back from a worker process, when documents are short.
 Encoded = tuple[list[np.ndarray], list[str | list[tuple[int, list[int]]]]]
+Done = tuple[list[Record], Encoded]  # a chunk and its result
 
 
 @dataclass
@@ -76,6 +80,7 @@ class PreprocessStats:
     skipped: int = 0  # bad lines skipped with on_error="skip"
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)  # key -> prefix of its .bin/.idx
+    shard: tuple[int, int] | None = None  # (I, N) when one slice of N was tokenized
 
     @property
     def tokens_per_second(self) -> float:
@@ -86,62 +91,11 @@ class PreprocessStats:
         return self.documents / self.seconds if self.seconds else 0.0
 
 
-def _suffix_kind(path: Path) -> str | None:
-    name = path.name.lower().removesuffix(".gz")
-    if name.endswith(JSONL_SUFFIXES):
-        return "json"
-    if name.endswith(TEXT_SUFFIXES):
-        return "text"
-    return None
-
-
-def find_inputs(inputs: Iterable[str | Path]) -> list[tuple[Path, str]]:
-    """Expand files and folders into (file, kind) pairs, in the order documents are written."""
-    inputs = [Path(p) for p in ([inputs] if isinstance(inputs, str | Path) else inputs)]
-    if not inputs:
-        raise UserError(f"no input given: {KINDS_HINT}")
-    found = []
-    for path in inputs:
-        if not path.exists():
-            raise UserError(f"input {path} does not exist: check the path")
-        if path.is_dir():
-            files = [
-                p for p in sorted(path.rglob("*"))
-                if p.is_file() and _suffix_kind(p) and not any(s.startswith(".") for s in p.relative_to(path).parts)
-            ]
-            if not files:
-                raise UserError(f"input folder {path} holds no data files: {KINDS_HINT}")
-            found += [(p, _suffix_kind(p)) for p in files]
-        elif kind := _suffix_kind(path):
-            found.append((path, kind))
-        else:
-            raise UserError(f"input {path} is of an unknown kind: {KINDS_HINT}")
-    return found
-
-
-def _open(path: Path):
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
-
-
-def _records(files: list[tuple[Path, str]]) -> Iterator[Record]:
-    for path, kind in files:
-        try:
-            with _open(path) as f:
-                if kind == "text":
-                    yield str(path), kind, f.read()
-                    continue
-                for lineno, line in enumerate(f, start=1):
-                    if line.strip():
-                        yield f"{path}:{lineno}", kind, line
-        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-            raise UserError(f"cannot read {path} ({e}): check the file is intact") from e
-
-
 def _chunks(records: Iterator[Record]) -> Iterator[list[Record]]:
     chunk, size = [], 0
     for rec in records:
         chunk.append(rec)
-        size += len(rec[2])
+        size += rec[3]
         if len(chunk) >= CHUNK_DOCS or size >= CHUNK_BYTES:
             yield chunk
             chunk, size = [], 0
@@ -157,38 +111,44 @@ class _Encoder:
     def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool):
         self.tokenizer, self.json_keys, self.append_eod = tokenizer, list(json_keys), append_eod
 
-    def texts(self, where: str, kind: str, raw: bytes) -> list[list[str]] | str:
-        """Per key, the document's sentences; or an error message naming `where`."""
+    def texts(self, kind: str, payload) -> list[list[str]] | str:
+        """Per key, the document's sentences; or what is wrong with the record (its place is added later)."""
+        if kind == "row":  # Parquet/Arrow: the --json-keys columns' values, already text (or null)
+            return self._sentences(dict(zip(self.json_keys, payload)), check_surrogates=False)
         try:
-            text = raw.decode("utf-8")
+            text = payload.decode("utf-8")
         except UnicodeDecodeError as e:
-            return f"{where}: not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file as UTF-8"
+            return f"not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file as UTF-8"
         if kind == "text":
             return [[text]]
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            return f"{where}: malformed JSON ({e.msg} at column {e.colno})"
+            return f"malformed JSON ({e.msg} at column {e.colno})"
         if not isinstance(data, dict):
-            return f"{where}: a line must be a JSON object, got {type(data).__name__}"
+            return f"a line must be a JSON object, got {type(data).__name__}"
+        return self._sentences(data, check_surrogates=True)
+
+    def _sentences(self, data: dict, check_surrogates: bool) -> list[list[str]] | str:
         out = []
         for key in self.json_keys:
             if key not in data:
-                return f"{where}: no key {key!r} (keys: {', '.join(map(repr, data)) or 'none'}): check --json-keys"
+                return f"no key {key!r} (keys: {', '.join(map(repr, data)) or 'none'}): check --json-keys"
             value = data[key]
             sentences = value if isinstance(value, list) else [value]
             if not all(isinstance(s, str) for s in sentences):
-                return f"{where}: key {key!r} must hold a string or a list of strings, got {type(value).__name__}"
-            try:  # a JSON escape like "\ud800" gives a lone surrogate, which no tokenizer can take
-                for s in sentences:
-                    s.encode("utf-8")
-            except UnicodeEncodeError:
-                return f"{where}: key {key!r} holds a lone UTF-16 surrogate escape, which is not text"
+                return f"key {key!r} must hold a string or a list of strings, got {type(value).__name__}"
+            if check_surrogates:
+                try:  # a JSON escape like "\ud800" gives a lone surrogate, which no tokenizer can take
+                    for s in sentences:
+                        s.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"key {key!r} holds a lone UTF-16 surrogate escape, which is not text"
             out.append(sentences)
         return out
 
     def encode_chunk(self, chunk: list[Record]) -> Encoded:
-        parsed = [self.texts(*rec) for rec in chunk]
+        parsed = [self.texts(kind, payload) for _, kind, payload, _ in chunk]
         # One encode_batch over every text of the chunk: the tokenizer's batch path is its fast path.
         flat = [s for p in parsed if not isinstance(p, str) for sentences in p for s in sentences]
         ids = iter(self.tokenizer.encode_batch(flat) if flat else [])
@@ -216,12 +176,15 @@ class _Encoder:
         return arrays, records
 
 
-def _init_worker(encoder: _Encoder | None, tokenizer_file: str, json_keys: list[str], append_eod: bool) -> None:
+def _init_worker(encoder: _Encoder | None, tokenizer_file: str, json_keys: list[str], append_eod: bool,
+                 parse_special_tokens: bool) -> None:
     # encode_batch would otherwise start a thread per core in every worker; the workers are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if encoder is None:  # spawned: load our own copy (forked workers get the parent's, loaded once)
         logging.getLogger("lmforge.tokenizers").setLevel(logging.WARNING)
-        encoder = _Encoder(load_tokenizer(tokenizer_file), json_keys, append_eod)
+        tok = load_tokenizer(tokenizer_file)
+        tok.parse_special_tokens = parse_special_tokens
+        encoder = _Encoder(tok, json_keys, append_eod)
     _Encoder.current = encoder
 
 
@@ -229,21 +192,23 @@ def _encode_in_worker(chunk: list[Record]) -> Encoded:
     return _Encoder.current.encode_chunk(chunk)
 
 
-def _in_order(pool: Executor, fn, chunks: Iterator[list[Record]], window: int) -> Iterator[Encoded]:
-    """fn(chunk) for each chunk on `pool`, yielded in input order, at most `window` chunks in flight."""
-    pending: deque[Future] = deque()
+def _in_order(pool: Executor, fn, chunks: Iterator[list[Record]], window: int) -> Iterator[Done]:
+    """(chunk, fn(chunk)) for each chunk on `pool`, in input order, at most `window` chunks in flight."""
+    pending: deque[tuple[list[Record], Future]] = deque()
     try:
         for chunk in chunks:
-            pending.append(pool.submit(fn, chunk))
+            pending.append((chunk, pool.submit(fn, chunk)))
             if len(pending) >= window:
-                yield pending.popleft().result()
+                chunk, future = pending.popleft()
+                yield chunk, future.result()
         while pending:
-            yield pending.popleft().result()
+            chunk, future = pending.popleft()
+            yield chunk, future.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: int) -> Iterator[Encoded]:
+def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: int) -> Iterator[Done]:
     """Encoded chunks in input order; memory stays bounded by the window of chunks in flight."""
     if workers == 1:
         # The batch call releases the GIL and tokenizes on the tokenizer's own thread pool (every core, unless
@@ -256,7 +221,8 @@ def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: 
     # A forked worker inherits the loaded tokenizer as it is (initargs are not pickled under fork): loading
     # it again costs each worker ~0.3 s of CPU before its first chunk.
     inherited = encoder if ctx.get_start_method() == "fork" else None
-    init_args = (inherited, str(encoder.tokenizer.files[0]), encoder.json_keys, encoder.append_eod)
+    init_args = (inherited, str(encoder.tokenizer.files[0]), encoder.json_keys, encoder.append_eod,
+                 encoder.tokenizer.parse_special_tokens)
     # Not Pool.imap, as Megatron does: it reads the whole input ahead into its task queue, and a Pool whose
     # worker dies respawns it and waits forever. A window of futures bounds memory; a dead worker raises.
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args)
@@ -264,6 +230,23 @@ def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: 
         yield from _in_order(pool, _encode_in_worker, chunks, window=4 * workers)
     except BrokenProcessPool as e:
         raise RuntimeError(f"a preprocess worker process died ({e}): out of memory? try fewer --workers") from e
+
+
+def _check_arguments(json_keys: Sequence[str] | str, sources: Sequence[Source]) -> list[str]:
+    json_keys = [json_keys] if isinstance(json_keys, str) else list(json_keys)
+    if not json_keys or len(set(json_keys)) != len(json_keys):
+        raise UserError(f"json keys {json_keys} must be one or more distinct names")
+    if len(json_keys) > 1 and any(s.kind == "text" for s in sources):
+        raise UserError(f"plain-text inputs fill one output, but {len(json_keys)} json keys were given: give one")
+    return json_keys
+
+
+def _identity(key: str, tok: Tokenizer, append_eod: bool, parse_special_tokens: bool,
+              sources: Sequence[Source]) -> dict:
+    """What a shard of this run records, and what every shard of one dataset must share (shards.SAME)."""
+    return {"key": key, "dtype": optimal_dtype(tok.vocab_size).name, "tokenizer": sharding.tokenizer_identity(tok),
+            "append_eod": append_eod, "parse_special_tokens": parse_special_tokens,
+            "inputs": {"sha256": inputs_digest(sources), "files": len(sources)}}
 
 
 def preprocess(
@@ -275,56 +258,103 @@ def preprocess(
     workers: int = 1,
     on_error: str = "fail",
     progress: bool = True,
+    shard: str | tuple[int, int] | None = None,
+    parse_special_tokens: bool = False,
 ) -> PreprocessStats:
     """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each key; see the module docstring.
 
     `on_error="fail"` stops at the first bad line (malformed JSON, missing key, not UTF-8) with a
     UserError naming file:line; `"skip"` skips such lines and counts them. On any error no output
-    file is left under its final name.
+    file is left under its final name. `shard` ("I/N" or (I, N)) tokenizes slice I of N only, into
+    `{output_prefix}_{key}_document.shard-I-of-N.bin/.idx` and its `.json` record (lmforge.data.shards).
     """
     if on_error not in ("fail", "skip"):
         raise UserError(f"on_error must be 'fail' or 'skip', not {on_error!r}")
     if workers < 1:
         raise UserError(f"workers must be at least 1, not {workers}")
-    json_keys = [json_keys] if isinstance(json_keys, str) else list(json_keys)
-    if not json_keys or len(set(json_keys)) != len(json_keys):
-        raise UserError(f"json keys {json_keys} must be one or more distinct names")
-    files = find_inputs(inputs)
-    if len(json_keys) > 1 and any(kind == "text" for _, kind in files):
-        raise UserError(f"plain-text inputs fill one output, but {len(json_keys)} json keys were given: give one")
+    i, n = sharding.parse_shard(shard) if shard is not None else (0, 1)
+    sources = find_inputs(inputs)
+    json_keys = _check_arguments(json_keys, sources)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     if append_eod and tok.eod_id is None:
         raise UserError(f"tokenizer {tok.files[0]} has no end-of-document token: drop --append-eod")
+    pieces = plan(sources, json_keys, i, n)
     dtype = optimal_dtype(tok.vocab_size)
-    stats = PreprocessStats(outputs={k: f"{output_prefix}_{k}_document" for k in json_keys})
-    logger.info("tokenizing %d file(s) into %s (%s, %d workers)", len(files), list(stats.outputs.values()),
+    outputs = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    if shard is not None:
+        outputs = {k: sharding.shard_prefix(p, i, n) for k, p in outputs.items()}
+        if not pieces:
+            logger.info("shard %d/%d has no input (fewer units of input than shards): writing it empty", i, n)
+    stats = PreprocessStats(outputs=outputs, shard=(i, n) if shard is not None else None)
+    logger.info("tokenizing %d file(s)%s into %s (%s, %d workers)", len(pieces),
+                f" (shard {i}/{n} of {len(sources)})" if shard is not None else "", list(outputs.values()),
                 dtype.name, workers)
+    parsed_before = tok.parse_special_tokens  # a caller's tokenizer object is given back as it came
+    tok.parse_special_tokens = parse_special_tokens
+    try:
+        file_tokens = _write(pieces, tok, json_keys, append_eod, workers, on_error, progress, dtype, stats)
+    finally:
+        tok.parse_special_tokens = parsed_before
+    if shard is not None:
+        partial = {str(p.source.path): file_tokens[str(p.source.path)] for p in pieces if not p.whole}
+        try:
+            for key, prefix in outputs.items():
+                ds = IndexedDataset(prefix)
+                sharding.write_record(prefix, {
+                    **_identity(key, tok, append_eod, parse_special_tokens, sources), "shard": i, "num_shards": n,
+                    "documents": ds.num_documents, "tokens": int(ds.sequence_lengths.sum(dtype=np.int64)),
+                    "partial_files": partial})
+        except BaseException:
+            for prefix in outputs.values():
+                for path in (bin_path(prefix), idx_path(prefix), sharding.record_path(prefix)):
+                    path.unlink(missing_ok=True)
+            raise
+    if stats.skipped:
+        logger.warning("skipped %d bad line(s) in all", stats.skipped)
+    logger.info("wrote %d documents, %d tokens in %.1f s (%.0f tokens/s)", stats.documents, stats.tokens,
+                stats.seconds, stats.tokens_per_second)
+    return stats
 
+
+def _write(pieces: Sequence[Piece], tok: Tokenizer, json_keys: list[str], append_eod: bool, workers: int,
+           on_error: str, progress: bool, dtype: np.dtype, stats: PreprocessStats) -> dict[str, int]:
+    """Tokenize the pieces into stats.outputs' files; returns the tokens written per input file."""
     start = time.perf_counter()
     writers: dict[str, IndexedDatasetWriter] = {}
     finalized: list[str] = []
+    file_tokens = {str(p.source.path): 0 for p in pieces}
+    lines: dict = {}  # describe()'s cache of line counts
     bar = tqdm(unit="doc", desc="preprocess", file=sys.stderr, disable=not (progress and sys.stderr.isatty()))
-    encoded = _encoded_chunks(_chunks(_records(files)), _Encoder(tok, json_keys, append_eod), workers)
+    encoded = _encoded_chunks(_chunks(records(pieces, json_keys)), _Encoder(tok, json_keys, append_eod), workers)
     try:
         for key, prefix in stats.outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, dtype)
-        for arrays, records in encoded:
+        for chunk, (arrays, results) in encoded:
             offsets = [0] * len(json_keys)
-            for res in records:
+            for (where, kind, _, _), res in zip(chunk, results):
                 if isinstance(res, str):
+                    message = f"{describe(where, kind, lines)}: {res}"
                     if on_error == "fail":
-                        raise UserError(f"{res} (or pass --on-error skip)")
+                        raise UserError(f"{message} (or pass --on-error skip)")
                     stats.skipped += 1
                     if stats.skipped <= MAX_LOGGED_SKIPS:
-                        logger.warning("skipped %s", res)
+                        logger.warning("skipped %s", message)
                     continue
+                tokens = 0
                 for k, (n, lengths) in enumerate(res):
                     writers[json_keys[k]].add_document(arrays[k][offsets[k] : offsets[k] + n], lengths)
                     offsets[k] += n
-                    stats.tokens += n
+                    tokens += n
+                stats.tokens += tokens
+                file_tokens[where[0]] += tokens
                 stats.documents += 1
-            bar.update(len(records))
+            bar.update(len(results))
             bar.set_postfix_str(f"{stats.tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
+        # A file read whole that gave no token is a wrong path or a wrong --json-keys, not data: say which.
+        # (A file cut between shards is checked by the merge, which sees every part.)
+        if empty := next((p.source.path for p in pieces if p.whole and not file_tokens[str(p.source.path)]), None):
+            raise UserError(f"input {empty} has no text (every document in it is empty): remove it from the input, "
+                            "or check --json-keys")
         for key, writer in writers.items():
             writer.finalize()
             finalized.append(key)
@@ -339,8 +369,22 @@ def preprocess(
         encoded.close()  # stops the worker pool now, not when the traceback is collected
         bar.close()
     stats.seconds = time.perf_counter() - start
-    if stats.skipped:
-        logger.warning("skipped %d bad line(s) in all", stats.skipped)
-    logger.info("wrote %d documents, %d tokens in %.1f s (%.0f tokens/s)", stats.documents, stats.tokens,
-                stats.seconds, stats.tokens_per_second)
-    return stats
+    return file_tokens
+
+
+def merge_shards(
+    inputs: str | Path | Iterable[str | Path],
+    output_prefix: str | Path,
+    tokenizer: str | Path | Tokenizer,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    parse_special_tokens: bool = False,
+) -> list[sharding.MergeStats]:
+    """Merge the shards that `preprocess(..., shard=...)` with these arguments wrote, one dataset per key,
+    checking that they were made with these arguments (tokenizer, options, inputs)."""
+    sources = find_inputs(inputs)
+    json_keys = _check_arguments(json_keys, sources)
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    return [sharding.merge(f"{output_prefix}_{key}_document",
+                           expect=_identity(key, tok, append_eod, parse_special_tokens, sources))
+            for key in json_keys]

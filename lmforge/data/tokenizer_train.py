@@ -5,8 +5,9 @@ printable characters, and merges are learned on those. Every string is encodable
 `decode(encode(text)) == text`. No prefix space is added, as in GPT-2. The 256 byte symbols and the special
 tokens count towards `vocab_size`; the special tokens take the first ids (`<|endoftext|>` is 0).
 
-Inputs are read as `preprocess` reads them (`.jsonl`/`.json`/`.ndjson` JSON lines with a text key, `.txt`,
-each optionally `.gz`, or folders of them) and streamed: a bounded batch of text is in memory at a time.
+Inputs are found and opened as `preprocess` finds them (lmforge.data.inputs: JSON lines with a text key and
+`.txt`, plain, `.gz` or `.zst`; Parquet; `datasets` folders; folders and globs of them) and streamed: a bounded
+batch of text is in memory at a time.
 
 Output, written to a temporary folder renamed into place: `tokenizer.json`, and `tokenizer_config.json`
 naming the first special token as bos, eos and unk (GPT-2's convention), so `lmforge.tokenizers` and
@@ -15,7 +16,7 @@ transformers' `AutoTokenizer` both load the folder.
 
 from __future__ import annotations
 
-import gzip
+import io
 import json
 import logging
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from lmforge.data.preprocess import find_inputs
+from lmforge.data.inputs import describe, find_inputs, open_binary, plan, records
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_dir
 
@@ -40,11 +41,19 @@ def iter_texts(inputs: Sequence[str | Path], json_key: str = "text") -> Iterator
     A plain-text piece is whole lines joined, so pre-tokenization sees the file as it is except at the few
     piece boundaries.
     """
-    for path, kind in find_inputs(inputs):
-        opener = gzip.open if path.name.lower().endswith(".gz") else open
+    for source in find_inputs(inputs):
+        path, kind = source.path, source.kind
+        if kind in ("parquet", "arrow"):  # a column of rows
+            for where, _, (value,), _ in records(plan([source], [json_key]), [json_key]):
+                if not isinstance(value, str):
+                    raise UserError(f"{describe(where, 'row')}: {json_key!r} must be a string, got "
+                                    f"{type(value).__name__}")
+                if value:
+                    yield value
+            continue
         lines, size = [], 0
         try:
-            with opener(path, "rt", encoding="utf-8") as f:
+            with io.TextIOWrapper(open_binary(source), encoding="utf-8") as f:
                 for lineno, line in enumerate(f, start=1):
                     if kind == "json":
                         if text := _json_text(line, f"{path}:{lineno}", json_key):
@@ -58,6 +67,10 @@ def iter_texts(inputs: Sequence[str | Path], json_key: str = "text") -> Iterator
         except UnicodeDecodeError as e:
             raise UserError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file") from None
         except (OSError, EOFError) as e:
+            raise UserError(f"cannot read {path} ({e}): check the file is intact") from None
+        except Exception as e:  # zstandard.ZstdError, which is no OSError
+            if type(e).__name__ != "ZstdError":
+                raise
             raise UserError(f"cannot read {path} ({e}): check the file is intact") from None
         if lines:
             yield "".join(lines)
