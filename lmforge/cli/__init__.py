@@ -27,7 +27,8 @@ class Verb(NamedTuple):
 # The verbs of the CLI contract, in the order `--help` lists them.
 VERBS = {
     "quickstart": Verb("quickstart", "train a tiny model end to end on text already on this machine"),
-    "preprocess": Verb("preprocess", "tokenize JSONL/text into Megatron .bin/.idx files"),
+    "preprocess": Verb("preprocess", "tokenize JSONL/Parquet/text into Megatron .bin/.idx files (or one shard)"),
+    "data": Verb("data", "tokenized datasets: `lmforge data merge` joins shards, `lmforge data inspect` describes one"),
     "tokenizer": Verb("tokenizer", "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE tokenizer"),
     "pretrain": Verb("pretrain", "pretrain or continue pretraining from a YAML recipe"),
     "finetune": Verb("pretrain", "fine-tune (SFT, classification, MLM) from a YAML recipe"),

@@ -149,17 +149,23 @@ def _describe(field: str, value) -> str:
     return f"{field}={value}"
 
 
-def check_same(prefix: str, records: Sequence[dict], names: Sequence[str]) -> None:
-    """One line on the first thing that differs between records (named by `names`), else nothing."""
+def first_difference(a: dict, b: dict) -> str | None:
+    """The first field of SAME in which two shard records differ, if any."""
+    return next((f for f in SAME if a.get(f) != b.get(f)), None)
+
+
+def _check_same(prefix: str, records: Sequence[dict], expect: dict | None) -> None:
     first = records[0]
-    for field in SAME:
-        for record, name in zip(records[1:], names[1:]):
-            if record.get(field) != first.get(field):
-                advice = {"dtype": "(different tokenizers)", "tokenizer": "", "inputs": ""}.get(field, "")
-                fix = {"inputs": "the same --input"}.get(field, "one tokenizer and the same options")
-                raise UserError(f"cannot merge {prefix}: {name} has {_describe(field, record.get(field))} but "
-                                f"{names[0]} has {_describe(field, first.get(field))}{' ' + advice if advice else ''}"
-                                f": make them again with {fix}")
+    for i, record in enumerate(records[1:], start=1):
+        if field := first_difference(first, record):
+            hint = " (different tokenizers)" if field == "dtype" else ""
+            fix = "the same --input" if field == "inputs" else "one tokenizer and the same options"
+            raise UserError(f"cannot merge {prefix}: shard {i} has {_describe(field, record.get(field))} but shard 0 "
+                            f"has {_describe(field, first.get(field))}{hint}: make them again with {fix}")
+    if expect is not None and (field := first_difference(expect, first)):
+        raise UserError(f"cannot merge {prefix}: this command has {_describe(field, expect.get(field))} but the "
+                        f"shards have {_describe(field, first.get(field))}: give --merge the arguments the shards "
+                        "were made with")
 
 
 def _check_partial_files(prefix: str, records: Sequence[dict]) -> None:
@@ -225,9 +231,7 @@ def merge(prefix: str | Path, expect: dict | None = None) -> MergeStats:
         if record.get("dtype") != ds.dtype.name:
             raise UserError(f"cannot merge {prefix}: {name}'s record says {record.get('dtype')} but its .idx holds "
                             f"{ds.dtype.name}: run that shard again")
-    check_same(prefix, records, names)
-    if expect is not None:
-        check_same(prefix, [expect, records[0]], ["this command", "the shards"])
+    _check_same(prefix, records, expect)
     _check_partial_files(prefix, records)
     _write_merged(prefix, datasets)
     stats = MergeStats(prefix, len(shards), sum(ds.num_documents for ds in datasets), sum(map(len, datasets)),

@@ -1,0 +1,82 @@
+"""`lmforge data merge PREFIX` and `lmforge data inspect PREFIX [--tokenizer TOK]`: tokenized datasets.
+
+`merge` joins the shards `lmforge preprocess --shard I/N` wrote (lmforge.data.shards); `inspect` says what a
+`.bin/.idx` pair holds (lmforge.data.summary). PREFIX is a dataset prefix (data/wiki_text_document) or the
+--output-prefix given to preprocess (data/wiki), which stands for each of its keys' datasets.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+BAR_WIDTH = 40
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="data_verb", metavar="ACTION", required=True)
+    merge = sub.add_parser("merge", help="merge PREFIX's shards into one .bin/.idx, byte-identical to one run",
+                           description="Concatenate PREFIX.shard-0-of-N ... PREFIX.shard-(N-1)-of-N into PREFIX.bin/"
+                           ".idx, after checking they share a tokenizer, dtype, options and input list.")
+    merge.add_argument("prefix", metavar="PREFIX", help="dataset prefix, or the --output-prefix of preprocess")
+    inspect = sub.add_parser("inspect", help="documents, tokens, dtype, length histogram, first documents",
+                             description="What a .bin/.idx pair holds: counts, dtype, token lengths of documents, "
+                             "and its first documents (decoded with --tokenizer).")
+    inspect.add_argument("prefix", metavar="PREFIX", help="dataset prefix, or the --output-prefix of preprocess")
+    inspect.add_argument("--tokenizer", metavar="TOK", help="decode the first documents with this tokenizer")
+    inspect.add_argument("--docs", type=int, default=3, metavar="K", help="documents to show (default: 3)")
+    inspect.add_argument("--chars", type=int, default=300, metavar="C",
+                         help="characters of each decoded document to show (default: 300; 0: all)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace):
+    """`data merge` returns the MergeStats, `data inspect` the DatasetSummary of each dataset."""
+    return {"merge": run_merge, "inspect": run_inspect}[args.data_verb](args)
+
+
+def run_merge(args: argparse.Namespace):
+    from lmforge.data.shards import find_datasets, merge
+
+    results = [merge(prefix) for prefix in find_datasets(args.prefix)]
+    for s in results:
+        print(f"merged {s.shards} shards into {s.prefix}.bin/.idx: {s.documents:,} documents, {s.tokens:,} tokens "
+              f"in {s.seconds:.1f} s (the shards are left in place)")
+    return results
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def run_inspect(args: argparse.Namespace):
+    from lmforge.data.summary import summarize_all
+
+    summaries = summarize_all(args.prefix, args.tokenizer, max(args.docs, 0))
+    for s in summaries:
+        print(f"{s.prefix}: {s.documents:,} documents ({s.empty_documents:,} empty), {s.sequences:,} sequences, "
+              f"{s.tokens:,} tokens, {s.dtype} (.bin {_size(s.bin_bytes)}, .idx {_size(s.idx_bytes)})")
+        if not s.documents:
+            continue
+        print(f"tokens per document: min {s.min_tokens:,}, mean {s.mean_tokens:,.1f}, max {s.max_tokens:,}")
+        spans = [f"{b.low:,}" if b.low == b.high else f"{b.low:,}-{b.high:,}" for b in s.histogram]
+        width, peak = max(map(len, spans), default=0), max((b.documents for b in s.histogram), default=1)
+        if s.histogram:
+            print("non-empty documents by token count:")
+        for span, b in zip(spans, s.histogram):
+            bar = "#" * max(1 if b.documents else 0, round(BAR_WIDTH * b.documents / peak))
+            print(f"  {span:>{width}}  {b.documents:>12,}  {bar}")
+        if s.first_documents:
+            print(f"first {len(s.first_documents)} document(s)"
+                  + (f", decoded with {s.tokenizer}:" if s.decoded is not None else ", as token ids:"))
+        for d, ids in enumerate(s.first_documents):
+            if s.decoded is None:
+                shown = " ".join(map(str, ids[:32])) + (" ..." if len(ids) > 32 else "")
+            else:
+                text = s.decoded[d]
+                shown = repr(text if not args.chars or len(text) <= args.chars else text[: args.chars] + " ...")
+            print(f"  [{d}] {len(ids):,} tokens: {shown}")
+    return summaries
