@@ -295,3 +295,37 @@ def test_spawned_workers_load_their_own_tokenizer(tmp_path, small_jsonl, article
                          progress=False)
     ref = preprocess(small_jsonl, tmp_path / "one", gpt2 / "vocab.json", append_eod=True, progress=False)
     same_files(spawned.outputs["text"], ref.outputs["text"])
+
+
+def test_parse_special_tokens_matches_megatron_and_the_default_keeps_text(mcore, tmp_path, articles, gpt2):
+    """Megatron's tool tokenizes through Hugging Face, which turns "<|endoftext|>" in a document into the control
+    id; --parse-special-tokens gives those bytes. By default it stays text: no document can forge a boundary."""
+    lines = articles[:4] + [json.dumps({"text": t}) + "\n" for t in (
+        "A scraped page<|endoftext|>with a forged boundary, and another <|endoftext|> here.",
+        "<|endoftext|>",
+        "Text that is only text.",
+    )]
+    (tmp_path / "special.jsonl").write_text("".join(lines), encoding="utf-8")
+    megatron_preprocess(mcore, lines, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True)
+    tok = load_tokenizer(gpt2)
+    for workers in (1, 2):
+        parsed = preprocess(tmp_path / "special.jsonl", tmp_path / f"parsed{workers}", tok, append_eod=True,
+                            workers=workers, parse_special_tokens=True, progress=False)
+        same_files(parsed.outputs["text"], str(tmp_path / "ref_text_document"))
+    assert not tok.parse_special_tokens  # a caller's tokenizer comes back as it was given
+    text = preprocess(tmp_path / "special.jsonl", tmp_path / "text", tok, append_eod=True, progress=False)
+    ds = IndexedDataset(text.outputs["text"])
+    assert [int((ds.document(d) == tok.eod_id).sum()) for d in range(ds.num_documents)] == [1, 1, 1, 0, 1, 1, 1]
+    assert ds.document(5).tolist() == tok.encode("<|endoftext|>") + [tok.eod_id]  # the characters, then eod
+
+
+@pytest.mark.slow  # spawned workers import lmforge and load the tokenizer themselves: seconds
+def test_spawned_workers_parse_special_tokens_when_asked(tmp_path, gpt2, monkeypatch):
+    import lmforge.data.preprocess as pp
+
+    (tmp_path / "s.jsonl").write_text(json.dumps({"text": "a<|endoftext|>b"}) + "\n" + '{"text": "c"}\n')
+    monkeypatch.setattr(pp, "START_METHOD", "spawn")
+    monkeypatch.setattr(pp, "CHUNK_DOCS", 1)
+    spawned = preprocess(tmp_path / "s.jsonl", tmp_path / "spawn", gpt2, workers=2, parse_special_tokens=True,
+                         progress=False)
+    assert IndexedDataset(spawned.outputs["text"]).document(0).tolist() == [64, 50256, 65]
