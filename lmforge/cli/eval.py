@@ -1,0 +1,63 @@
+"""`lmforge eval MODEL --tasks T1,T2`: lm-evaluation-harness on an lmforge folder, HF folder or training checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="lmforge model folder, Hugging Face folder, or training checkpoint "
+                                 "(RUN_DIR/checkpoints/step-N, read directly: no export)")
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated lm-eval task names: lmforge's local ones (wikitext2_local, sst2_local), "
+                        "yours (--include-path) or lm-eval's own (their data must be on this machine)")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a folder of lm-eval task YAMLs to add; repeatable")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where local tasks' relative data_files are read (e.g. the folder holding "
+                        "corpora/wikitext-2/ and classification/sst-2/); default: beside each task's YAML")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="evaluate only the first N documents of each task (a fraction if < 1): for quick checks")
+    p.add_argument("--batch-size", default="16", help="sequences per forward (default 16; 'auto' = 16)")
+    p.add_argument("--device", default="auto",
+                   help="auto (the accelerator torch reports, else cpu; the default), cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer file or folder (default: the model folder's; for a checkpoint, its run's)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="context length in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--output-path", default=None, metavar="FILE", help="write lm-eval's results JSON here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from lmforge.eval.harness import require_lm_eval
+
+    require_lm_eval()  # before anything heavy: a missing lm-eval is one line, at once
+    from pathlib import Path
+
+    from lmforge.errors import UserError
+    from lmforge.eval.harness import evaluate, load_tasks, results_json, results_table
+    from lmforge.eval.lm import LMForgeLM
+    from lmforge.fsutil import atomic_write
+
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    output = Path(args.output_path) if args.output_path else None
+    if output is not None and output.is_dir():
+        raise UserError(f"--output-path {output} is a folder: give a file name such as {output / 'results.json'}")
+    tasks = load_tasks(args.tasks.split(","), args.include_path, args.data_dir)
+    lm = LMForgeLM(args.model, tokenizer_path=args.tokenizer, batch_size=args.batch_size, device=args.device,
+                   dtype=args.dtype, max_length=args.max_length)
+    start = time.perf_counter()
+    results = evaluate(lm, tasks, num_fewshot=args.num_fewshot, limit=limit)
+    log.info("evaluated in %.1f s", time.perf_counter() - start)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(output, results_json(results))
+        log.info("wrote %s", output)
+    print(results_table(results))

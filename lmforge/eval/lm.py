@@ -1,0 +1,253 @@
+"""lmforge models as an lm-evaluation-harness backend: `LMForgeLM`, registered with lm-eval as "lmforge".
+
+It answers lm-eval's three request types on an lmforge model and tokenizer (a folder read by
+lmforge.models.source, or a live model handed over by the trainer):
+
+    loglikelihood           (context, continuation) -> (log p(continuation | context), greedy?)
+    loglikelihood_rolling   text -> log p(text), in windows of the model's context (perplexity tasks)
+    generate_until          (context, gen_kwargs) -> text, through lmforge.inference.generate (KV cache)
+
+What is scored is what lm-eval's own causal `hf` backend scores, token for token: the continuation's
+tokens are those of encode(context + continuation) after encode(context) (a context's trailing spaces move
+to the continuation), an empty context is the prefix token (bos, else eos), text starts with bos exactly
+when the tokenizer's rule says so (Tokenizer.add_bos_token: Llama yes, GPT-2 and NeoX no), inputs are cut
+from the left to the model's context, and a generation is decoded on its own, special tokens skipped, and
+cut at the first stop string. The computing is lmforge.eval.scoring's and lmforge.inference's.
+
+    lm = LMForgeLM("runs/x/checkpoints/step-00001000", batch_size=16)
+    lm_eval.simple_evaluate(model=lm, tasks=["sst2_local"], metadata={"data_dir": "/data"})
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.eval.scoring import score_requests
+from lmforge.inference.generate import check_can_generate, generate
+from lmforge.inference.text import eos_token_ids
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 16  # what batch_size="auto" means here: rows of one forward
+
+
+@register_model("lmforge")
+class LMForgeLM(TemplateLM):
+    """An lmforge decoder and its tokenizer, as lm-eval sees a model."""
+
+    def __init__(
+        self,
+        pretrained: str | Path | None = None,
+        *,
+        model: nn.Module | None = None,
+        tokenizer=None,
+        tokenizer_path: str | Path | None = None,
+        batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+        max_batch_size: int | None = None,  # lm-eval passes it; rows per forward are batch_size
+        device: str | torch.device | None = "auto",
+        dtype: str | None = None,
+        max_length: int | str | None = None,
+        max_gen_toks: int | str = 256,
+    ):
+        super().__init__()
+        if model is None:
+            if pretrained is None:
+                raise UserError("LMForgeLM needs a model folder (pretrained=...) or a model and tokenizer")
+            model, tokenizer = load_model_and_tokenizer(pretrained, tokenizer_path, device, dtype)
+        elif tokenizer is None:
+            raise UserError("LMForgeLM was given a model without its tokenizer: pass tokenizer=...")
+        check_can_generate(model)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                            f"{model.config.vocab_size}: evaluate the model with its own tokenizer")
+        self.model, self.tokenizer = model, tokenizer
+        self.name = str(pretrained) if pretrained is not None else "live-model"
+        self.batch_size_per_device = _batch_size(batch_size)
+        self.max_length = int(max_length) if max_length else model.config.max_position_embeddings
+        self.max_gen_toks = int(max_gen_toks)
+        self._device = next(model.parameters()).device
+        eos = tokenizer.eos_id if tokenizer.eos_id is not None else min(eos_token_ids(model), default=None)
+        if eos is None:
+            raise UserError("neither the tokenizer nor the model config names an eos token, which lm-eval "
+                            "needs (the prefix of an empty context, the end of a generation)")
+        self._eos = eos
+
+    # -- what lm-eval asks of a model ------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token an empty context (and a rolling window's first) is conditioned on: bos, else eos."""
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self._eos
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.files[0]).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """Ids of `string`, as the hf backend encodes it: with bos when the tokenizer's rule says so
+        (add_special_tokens None or True) and the text does not already start with bos's text; never with
+        add_special_tokens=False."""
+        bos = self.tokenizer.add_bos_token and add_special_tokens is not False
+        if bos and add_special_tokens is None and string.startswith(self.tokenizer.decode([self.prefix_token_id])):
+            bos = False
+        # Special-token text in a task ("<unk>" all over WikiText v1) becomes that token, as the hf backend's
+        # tokenizer reads it; lmforge reads it as characters elsewhere (see lmforge.tokenizers), so only here.
+        parsing = self.tokenizer.parse_special_tokens
+        self.tokenizer.parse_special_tokens = True
+        try:
+            return self.tokenizer.encode(string, add_bos=bos)
+        finally:
+            self.tokenizer.parse_special_tokens = parsing
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        with _progress(len(requests), "loglikelihood", disable_tqdm) as progress:
+            results = score_requests(self.model, [(ctx, cont) for _, ctx, cont in requests],
+                                     batch_size=self.batch_size_per_device, max_length=self.max_length,
+                                     progress=progress)
+        for (strings, _, _), answer in zip(requests, results):
+            if strings is not None:
+                self.cache_hook.add_partial("loglikelihood", strings, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for i, (text,) in enumerate(req.args for req in requests):
+            for window in get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length, 1):
+                windows.append(make_disjoint_window(window))
+                owner.append(i)
+        with _progress(len(windows), "loglikelihood_rolling", disable_tqdm) as progress:
+            scores = score_requests(self.model, windows, batch_size=self.batch_size_per_device,
+                                    max_length=self.max_length, progress=progress)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _) in zip(owner, scores):
+            totals[i] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}  # requests with the same generation settings run together
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        with _progress(len(requests), "generate_until", disable_tqdm) as progress:
+            for members in groups.values():
+                self._generate_group([requests[i] for i in members], members, results, progress)
+        return results
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def _generate_group(self, requests, members: list[int], results: list, progress: Callable[[int], None]) -> None:
+        kwargs = normalize_gen_kwargs(requests[0].args[1], self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tokenizer.decode([self._eos]))
+        max_new = kwargs.pop("max_gen_toks")
+        room = self.max_length - max_new
+        if room <= 0:
+            raise UserError(f"the task asks for up to {max_new} new tokens but the model's context is "
+                            f"{self.max_length}: lower the task's max_gen_toks")
+        sampling = {"do_sample": bool(kwargs.pop("do_sample", False)), "temperature": kwargs.pop("temperature", 0.0)}
+        for key in ("top_k", "top_p", "seed"):
+            if key in kwargs:
+                sampling[key] = kwargs.pop(key)
+        if kwargs:
+            log.warning("generation settings lmforge does not use: %s", sorted(kwargs))
+        prompts = [self.tok_encode(req.args[0])[-room:] for req in requests]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        stops = eos_token_ids(self.model, self.tokenizer)
+        for start in range(0, len(order), self.batch_size_per_device):
+            batch = order[start : start + self.batch_size_per_device]
+
+            def has_stop(row: int, ids: list[int]) -> bool:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                return any(s and s in text for s in until)
+
+            outputs = generate(self.model, [prompts[i] for i in batch], max_new, stop_token_ids=sorted(stops),
+                               should_stop=has_stop, **sampling)
+            for i, ids in zip(batch, outputs):
+                text = postprocess_generated_text(self.tokenizer.decode(ids, skip_special_tokens=True), until, None)
+                results[members[i]] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            progress(len(batch))
+
+
+def _batch_size(value: int | str | None) -> int:
+    if value in (None, "auto") or str(value).startswith("auto:"):
+        return DEFAULT_BATCH_SIZE
+    try:
+        size = int(value)
+    except ValueError:
+        raise UserError(f"batch size must be a whole number or 'auto', got {value!r}") from None
+    if size < 1:
+        raise UserError(f"batch size must be >= 1, got {size}")
+    return size
+
+
+class _progress:
+    """A tqdm bar over `total` requests (off when lm-eval says so), as a progress(n) callback."""
+
+    def __init__(self, total: int, what: str, disable: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=f"lmforge {what}", disable=disable or total == 0)
+
+    def __enter__(self) -> Callable[[int], None]:
+        return self.bar.update
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def run_tokenizer_source(checkpoint: Path) -> Path | None:
+    """The tokenizer a training checkpoint's run used: its config.yaml's data.tokenizer, else the folder of
+    model.init_from (an HF or lmforge folder), else None."""
+    import yaml
+
+    config = checkpoint.parent.parent / "config.yaml"  # RUN_DIR/checkpoints/step-N
+    if not config.is_file():
+        return None
+    try:
+        run = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError:
+        return None
+    tokenizer = (run.get("data") or {}).get("tokenizer")
+    init_from = (run.get("model") or {}).get("init_from")
+    return Path(tokenizer) if tokenizer else Path(init_from) if init_from else None
+
+
+def load_model_and_tokenizer(path: str | Path, tokenizer_path: str | Path | None = None,
+                             device: str | torch.device | None = "auto", dtype: str | None = None):
+    """The model of an lmforge folder, HF folder or training checkpoint (read directly: no export), and its
+    tokenizer: `tokenizer_path`, else the folder's own files, else (a checkpoint) the one its run used."""
+    from lmforge.devices import resolve_device
+    from lmforge.models.io import parse_dtype
+    from lmforge.models.source import load_pretrained, source_kind
+    from lmforge.tokenizers import load_tokenizer
+
+    folder = Path(path)
+    if tokenizer_path is None:
+        if source_kind(folder) == "checkpoint":
+            tokenizer_path = run_tokenizer_source(folder)
+            if tokenizer_path is None:
+                raise UserError(f"checkpoint '{folder}' has no tokenizer and its run's config.yaml names none: "
+                                "pass --tokenizer PATH")
+        else:
+            tokenizer_path = folder
+    tokenizer = load_tokenizer(tokenizer_path)
+    resolved = device if isinstance(device, torch.device) else resolve_device(device or "auto")
+    model = load_pretrained(folder, device=resolved, dtype=parse_dtype(dtype))
+    return model, tokenizer

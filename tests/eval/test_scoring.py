@@ -1,0 +1,67 @@
+"""score_requests against the plain definition: one full forward per request, log-softmax over every position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.errors import UserError
+from lmforge.eval.scoring import score_requests
+from lmforge.models import load_pretrained
+
+
+@pytest.fixture(scope="module")
+def model(hf_dirs):
+    return load_pretrained(hf_dirs["gpt_neox"])
+
+
+def reference(model, context, continuation, max_length):
+    tokens = [*context, *continuation][-(max_length + 1):]
+    with torch.no_grad():
+        logprobs = model(torch.tensor([tokens[:-1]])).log_softmax(-1)[0, -len(continuation):]
+    target = torch.tensor(continuation)
+    return logprobs.gather(-1, target[:, None]).sum().item(), bool((logprobs.argmax(-1) == target).all())
+
+
+def test_every_request_matches_its_own_forward(model):
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, 300, (40,), generator=g).tolist()
+    requests = [
+        (ctx, [5]), (ctx, [7]), (ctx, [5]),  # one-token choices: one row serves all three
+        (ctx[:10], [1, 2, 3]), (ctx[:10], [1, 2]),  # the second's input is a prefix of the first's
+        ([3], torch.randint(0, 300, (20,), generator=g).tolist()),
+        (torch.randint(0, 300, (200,), generator=g).tolist(), [9, 8]),  # longer than the context: cut left
+    ]
+    expected = [reference(model, c, d, 128) for c, d in requests]
+    for batch_size in (1, 3, 16):
+        got = score_requests(model, requests, batch_size=batch_size)
+        assert [g[1] for g in got] == [e[1] for e in expected]
+        assert max(abs(g[0] - e[0]) for g, e in zip(got, expected)) <= 1e-4
+
+
+def test_greedy_flag_is_true_for_the_models_own_argmax(model):
+    ctx = [11, 12, 13]
+    with torch.no_grad():
+        best = model(torch.tensor([ctx])).argmax(-1)[0, -1].item()
+    assert score_requests(model, [(ctx, [best]), (ctx, [(best + 1) % 300])]) == [
+        (pytest.approx(reference(model, ctx, [best], 128)[0], abs=1e-4), True),
+        (pytest.approx(reference(model, ctx, [(best + 1) % 300], 128)[0], abs=1e-4), False)]
+
+
+def test_a_shared_context_is_computed_once(model):
+    calls = []
+    handle = model.layers[0].register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    try:
+        score_requests(model, [([1, 2, 3, 4], [c]) for c in range(10)], batch_size=4)
+    finally:
+        handle.remove()
+    assert calls == [(1, 4, 64)]  # ten one-token choices: one row of the context
+
+
+def test_bad_requests_are_one_line_errors(model):
+    with pytest.raises(UserError, match="empty continuation"):
+        score_requests(model, [([1, 2], [])])
+    with pytest.raises(UserError, match="longer than the model's context"):
+        score_requests(model, [([1], list(range(200)))])
+    with pytest.raises(UserError, match="batch size"):
+        score_requests(model, [([1], [2])], batch_size=0)
