@@ -37,6 +37,7 @@ VERBS = {
     "export-hf": Verb("export_hf", "write an lmforge model folder as a Hugging Face folder"),
     "generate": Verb("generate", "generate text from a model folder"),
     "serve": Verb("serve", "serve a model over an OpenAI-compatible HTTP API with a chat page"),
+    "eval": Verb("eval", "lm-evaluation-harness tasks on a model folder or training checkpoint, offline"),
     "compare": Verb("compare", "plot and tabulate several runs side by side"),
     "bench": Verb("bench", "benchmarks: train, preprocess, generate, scaling"),
 }
