@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from lmforge.config import closest
 from lmforge.errors import UserError
 
-FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2")
+FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POSITION_EMBEDDINGS = ("rotary", "learned")
 ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 # Families whose Hugging Face config has no head_dim: it is always hidden_size // num_heads there.
 FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2")
 # Families whose transformers config rejects hidden_size % num_heads != 0 even with an explicit head_dim.
@@ -88,6 +89,10 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rotary_interleaved: bool = False  # the HF checkpoint pairs dims (2i, 2i+1) (GPT-J), not (i, i+r/2)
     rope_scaling: RopeScaling | None = None  # context extension (Llama 3.1: llama3, factor 8)
+    # Sliding-window attention (Mistral, Gemma 2/3): a token attends to itself and the sliding_window - 1 before
+    # it, on the layers whose layer_types entry is "sliding_attention" (None: every layer once a window is set).
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
 
     attention_bias: bool = True
     qkv_bias: bool | None = None  # the q/k/v projections' bias; default attention_bias (Qwen2: True, o_proj none)
@@ -120,6 +125,7 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):  # built by hand rather than through from_dict
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         self._check_family_shapes()
+        self._check_layer_types()
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise UserError(
@@ -155,6 +161,34 @@ class ModelConfig:
                 not divides or self.head_dim != self.hidden_size // self.num_heads):
             raise UserError(f"head_dim {self.head_dim} does not fit a {self.family} model: its head_dim is always "
                             f"hidden_size / num_heads ({self.hidden_size} / {self.num_heads})")
+
+    def _check_layer_types(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UserError(f"sliding_window must be >= 1 (tokens a query sees, itself included), got "
+                            f"{self.sliding_window}")
+        if self.layer_types is None:
+            return
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_layers:
+            raise UserError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers: give one "
+                            "per layer")
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise UserError(f"unknown layer type '{t}'{closest(str(t), LAYER_TYPES)}: choose one of "
+                                f"{', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise UserError("layer_types names sliding_attention layers but sliding_window is not set")
+        if self.layer_types == self._default_layer_types():
+            self.layer_types = None  # one spelling per model, so configs compare equal
+
+    def _default_layer_types(self) -> list[str]:
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return [kind] * self.num_layers
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends to everything before it."""
+        kind = (self.layer_types or self._default_layer_types())[layer]
+        return self.sliding_window if kind == "sliding_attention" else None
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         value = getattr(self, name)

@@ -1,4 +1,5 @@
-"""One decoder for GPT-NeoX/Pythia, Llama 2, GPT-2 and GPT-J: embeddings, blocks, norm, head."""
+"""One decoder for every decoder family (GPT-NeoX/Pythia, Llama, Qwen, Mistral, GPT-2, GPT-J ...): embeddings,
+blocks, norm, head."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.kv_cache import KVCache
-from lmforge.models.layers import Block, VocabProjection, make_norm, padding_mask
+from lmforge.models.layers import Block, VocabProjection, make_norm, padding_mask, window_band
 from lmforge.models.rope import RotaryEmbedding
 
 
@@ -30,7 +31,7 @@ class Decoder(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
         self.rope = RotaryEmbedding(cfg) if cfg.position_embedding == "rotary" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.window(i)) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = None
         if not cfg.tie_embeddings and not cfg.num_labels:
@@ -71,15 +72,30 @@ class Decoder(nn.Module):
             if cache_position is None:
                 raise ValueError("a KV cache needs cache_position: the slots the new tokens are written to")
             mask = cache.attention_mask(attention_mask, cache_position)
+            slots = torch.arange(mask.shape[-1], device=mask.device)
+            windowed = {w: mask & window_band(cache_position, slots, w) for w in self._windows()}
             for i, layer in enumerate(self.layers):
-                x = layer(x, rope, mask, cache.layer(i, cache_position))
+                x = layer(x, rope, windowed.get(layer.attn.window, mask), cache.layer(i, cache_position))
             return self.norm(x)
         mask = None
         if attention_mask is not None:  # (batch, seq) padding mask, or a ready (batch, 1, q, k) bool mask
             mask = attention_mask if attention_mask.dim() == 4 else padding_mask(attention_mask, True)
+        # Under sequence parallelism x holds a slice of the sequence; the positions span all of it.
+        s = position_ids.shape[-1] if position_ids is not None else x.shape[1]
+        windowed = {w: self._window_mask(mask, s, w, x.device) for w in self._windows() if w < s}
         for layer in self.layers:
-            x = layer(x, rope, mask)
+            x = layer(x, rope, windowed.get(layer.attn.window, mask))
         return self.norm(x) if self.is_last else x
+
+    def _windows(self) -> set[int]:
+        return {layer.attn.window for layer in self.layers if layer.attn.window is not None}
+
+    @staticmethod
+    def _window_mask(mask: torch.Tensor | None, s: int, window: int, device: torch.device) -> torch.Tensor:
+        """The causal (and padding) mask narrowed to each token's last `window` slots, itself included."""
+        slots = torch.arange(s, device=device)
+        band = window_band(slots, slots, window)
+        return band & (slots[None, :] <= slots[:, None]) if mask is None else mask & band
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head's weight and bias (LM head or tied embedding), padded_vocab_size rows."""

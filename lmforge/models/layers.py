@@ -75,10 +75,14 @@ class Attention(nn.Module):
     [num_kv_heads, q_per_kv + 2, head_dim]: the group's query heads, then its key, then its
     value. For plain multi-head attention that is GPT-NeoX's [heads, 3, head_dim] layout, and
     a contiguous column split (tensor parallelism) hands each rank whole groups, as Megatron does.
+
+    `window` (sliding-window layers) is only recorded here: the decoder builds the banded mask once per
+    forward and hands it to the layers that have one.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
+        self.window = window
         self.head_dim = cfg.head_dim
         self.q_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.causal = cfg.causal
@@ -137,12 +141,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
         self.post_norm = cfg.norm_position == "post"
         self.parallel_residual = cfg.parallel_residual
         self.norm1 = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, window)
         self.norm2 = None if cfg.shared_norm else make_norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -196,3 +200,12 @@ def padding_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
     s = attention_mask.shape[1]
     causal_mask = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
     return (keep & causal_mask) | torch.eye(s, dtype=torch.bool, device=attention_mask.device)
+
+
+def window_band(query_slots: torch.Tensor, key_slots: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a key is among the `window` slots up to and including its query's (not after it: AND it
+    with a causal mask). query_slots (seq,) or (batch, seq), key_slots (keys,): (seq, keys) or (batch, 1, seq,
+    keys). Slots, not position ids: a left-padded row's real tokens sit in consecutive slots, so counting slots
+    counts its tokens, and transformers' sliding-window masks count the same way (cache positions)."""
+    band = key_slots > query_slots[..., None] - window
+    return band[:, None] if band.dim() == 3 else band

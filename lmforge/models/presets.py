@@ -59,6 +59,17 @@ def _qwen25(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied:
     )
 
 
+def _mistral(vocab: int, rotary_base: float, window: int | None, hidden: int = 4096, layers: int = 32,
+             heads: int = 32, kv_heads: int = 8, ffn: int = 14336) -> ModelConfig:
+    # Mistral 7B: v0.1 attends through a 4096-token sliding window; v0.3 has a 32768-token vocabulary and none.
+    return ModelConfig(
+        family="mistral", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=32768, norm="rmsnorm", norm_eps=1e-5,
+        activation="silu", gated_mlp=True, rotary_base=rotary_base, sliding_window=window, attention_bias=False,
+        mlp_bias=False, bos_token_id=1, eos_token_id=2,
+    )
+
+
 def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
         family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -109,6 +120,8 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-14b": _qwen25(5120, 48, 40, 8, 13824),
     "qwen2.5-32b": _qwen25(5120, 64, 40, 8, 27648),
     "qwen2.5-72b": _qwen25(8192, 80, 64, 8, 29568),
+    "mistral-7b": _mistral(32000, 10000.0, window=4096),
+    "mistral-7b-v0.3": _mistral(32768, 1000000.0, window=None),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -122,6 +135,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama3": replace(_llama3(64, 2, 4, 160, factor=8.0, tied=True, kv_heads=2), vocab_size=1000,
                            max_position_embeddings=256),
     "tiny-qwen2": replace(_qwen25(64, 2, 4, 2, 160, tied=True), vocab_size=1000, max_position_embeddings=256),
+    "tiny-mistral": replace(_mistral(1000, 10000.0, 8, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160),
+                            max_position_embeddings=256),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),

@@ -69,3 +69,17 @@ def test_rope_scaling_is_checked_and_survives_a_dict_round_trip():
     cfg = preset("llama-3.1-8b")
     assert from_dict(ModelConfig, to_dict(cfg)) == cfg
     assert cfg.rope_scaling is not preset("llama-3.1-8b").rope_scaling  # a preset hands out copies
+
+
+def test_layer_types_are_checked_and_spelled_one_way():
+    base = {"family": "mistral", "vocab_size": 10, "hidden_size": 8, "num_layers": 2, "num_heads": 2}
+    with pytest.raises(UserError, match="layer_types has 1 entries for 2 layers"):
+        build({**base, "sliding_window": 4, "layer_types": ["sliding_attention"]})
+    with pytest.raises(UserError, match=r"unknown layer type 'sliding': choose one of full_attention, sliding_attention"):
+        build({**base, "sliding_window": 4, "layer_types": ["sliding", "full_attention"]})
+    with pytest.raises(UserError, match="names sliding_attention layers but sliding_window is not set"):
+        build({**base, "layer_types": ["sliding_attention", "full_attention"]})
+    uniform = ModelConfig(**base, sliding_window=4, layer_types=["sliding_attention"] * 2)
+    assert uniform == ModelConfig(**base, sliding_window=4) and uniform.window(1) == 4
+    mixed = ModelConfig(**base, sliding_window=4, layer_types=["full_attention", "sliding_attention"])
+    assert [mixed.window(0), mixed.window(1)] == [None, 4]

@@ -284,3 +284,30 @@ def test_a_switch_the_family_hard_wires_is_refused_at_export(imported, tmp_path)
     write_config(folder, dataclasses.replace(cfg, attention_bias=True))
     with pytest.raises(UserError, match=r"a qwen2 checkpoint has attention_bias=False, this model has True"):
         export_hf(folder, tmp_path / "hf")
+
+
+def test_qwen2_window_on_the_upper_layers_only(tmp_path):
+    """use_sliding_window with max_window_layers 1: layer 0 sees everything, layer 1 an 8-token window."""
+    from lmforge.inference import generate, left_pad
+
+    torch.manual_seed(0)
+    config = tf.Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, max_position_embeddings=128,
+                            use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    ref = tf.Qwen2ForCausalLM(config)
+    cfg = import_hf(_saved(ref, tmp_path / "hf"), tmp_path / "lm")
+    assert [cfg.window(i) for i in range(2)] == [None, 8]
+    ours = load_pretrained(tmp_path / "lm")
+    ids = torch.randint(0, 300, (2, 37), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (ours(ids) - _ref_logits(ref, ids)).abs().max().item() <= TOL
+    prompts = [[5, 17, 33, 2, 99, 150, 7, 41, 8, 3, 4], [8, 9, 10]]
+    ids, mask = left_pad(prompts, 0)
+    expected = ref.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0,
+                            eos_token_id=None)
+    assert generate(ours, prompts, 12, do_sample=False, stop_token_ids=[]) == expected[:, ids.shape[1]:].tolist()
+    export_hf(tmp_path / "lm", tmp_path / "out")
+    before = tf.AutoConfig.from_pretrained(tmp_path / "hf").to_dict()
+    after = tf.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
+    for key in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"):
+        assert before[key] == after[key], key

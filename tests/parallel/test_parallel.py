@@ -25,6 +25,10 @@ TWO = {
     "tp_gpt2_no_sp": {"model": "tiny-gpt2", "parallel": {"tensor": 2, "sequence_parallel": False}},
     "tp_gptj_sp": {"model": "tiny-gptj", "parallel": {"tensor": 2}},  # shared norm, lm_head bias
     "tp_bert_sp": {"model": "tiny-bert", "parallel": {"tensor": 2}},  # post-norm, token types, MLM head
+    "tp_qwen2_sp": {"model": "tiny-qwen2", "parallel": {"tensor": 2}},  # q/k/v bias without an o_proj bias
+    # An 8-token sliding window over 16-token sequences: the banded mask with sequence shards and across stages.
+    "tp_mistral_sp": {"model": "tiny-mistral", "parallel": {"tensor": 2}},
+    "pp_mistral_1f1b": {"model": "tiny-mistral", "parallel": {"pipeline": 2, "microbatches": 2}},
     "tp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
                            "parallel": {"tensor": 2, "sequence_parallel": False}},
     # Pipeline parallel, each schedule.

@@ -30,8 +30,9 @@ class IdTokenizer:
 def models_(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
     out = {}
-    # NeoX: partial rotary; Llama GQA: per-row writes into shared key/value heads; GPT-2: learned positions.
-    for family in ("gpt_neox", "llama_gqa", "gpt2"):
+    # NeoX: partial rotary; Llama GQA: per-row writes into shared key/value heads; GPT-2: learned positions;
+    # Mistral: an 8-token sliding window counted in each row's own slots.
+    for family in ("gpt_neox", "llama_gqa", "gpt2", "mistral"):
         make_hf_model(family).save_pretrained(root / family)
         model = load_pretrained(root / family)
         model.config.eos_token_id = None  # rows end by max_tokens only, so their lengths are known
@@ -44,7 +45,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 300, (int(k),), generator=g).tolist() for k in torch.randint(2, 14, (n,), generator=g)]
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa", "gpt2"])
+@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa", "gpt2", "mistral"])
 def test_requests_joining_a_running_batch_decode_what_generate_gives_alone(family, models_):
     model = models_[family]
     engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=3, max_context=64))

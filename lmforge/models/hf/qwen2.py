@@ -27,6 +27,7 @@ class Qwen2Adapter(HFAdapter):
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
         theta, pct, scaling = rope_from_hf(hf)
         heads = hf["num_attention_heads"]
+        window, layer_types = window_from_hf(hf)
         return ModelConfig(
             family="qwen2",
             vocab_size=hf["vocab_size"],
@@ -43,6 +44,8 @@ class Qwen2Adapter(HFAdapter):
             rotary_pct=pct,
             rotary_base=theta,
             rope_scaling=scaling,
+            sliding_window=window,
+            layer_types=layer_types,
             qkv_bias=True,
             attention_bias=False,
             mlp_bias=False,
@@ -70,10 +73,7 @@ class Qwen2Adapter(HFAdapter):
             "rms_norm_eps": cfg.norm_eps,
             "hidden_act": activation_to_hf(cfg.activation),
             **rope_to_hf(cfg),
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": cfg.num_layers,
-            "layer_types": ["full_attention"] * cfg.num_layers,
+            **window_to_hf(cfg),
             "tie_word_embeddings": cfg.tie_embeddings,
             "initializer_range": cfg.init_std,
             "attention_dropout": cfg.attention_dropout,
@@ -85,3 +85,21 @@ class Qwen2Adapter(HFAdapter):
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
         return llama_layout(cfg)
+
+
+def window_from_hf(hf: dict) -> tuple[int | None, list[str] | None]:
+    """Qwen2/Qwen3's (sliding_window, layer_types): a window only with use_sliding_window, on the layers from
+    max_window_layers on (transformers 4.x), or on those layer_types names (5.x)."""
+    if not hf.get("use_sliding_window"):
+        return None, None
+    window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
+    first = hf.get("max_window_layers", n)
+    layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return window, layer_types
+
+
+def window_to_hf(cfg: ModelConfig) -> dict:
+    types = [("sliding_attention" if cfg.window(i) else "full_attention") for i in range(cfg.num_layers)]
+    first = types.index("sliding_attention") if "sliding_attention" in types else cfg.num_layers
+    return {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+            "max_window_layers": first, "layer_types": types}
