@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before answering 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a run's "
+                        "hf-adapter/) to merge into the model; its chat template, if it has one, is used")
     p.add_argument("--device", default="auto",
                    help="auto (the accelerator torch reports, else cpu; the default), cpu, cuda, cuda:1 ...")
     p.set_defaults(func=run)
@@ -42,7 +45,6 @@ def run(args: argparse.Namespace) -> None:
 
     from lmforge.devices import resolve_device
     from lmforge.inference.engine import Engine, EngineConfig
-    from lmforge.models import load_pretrained
     from lmforge.models.io import parse_dtype
     from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
@@ -62,9 +64,9 @@ def run(args: argparse.Namespace) -> None:
     sock = bind(host, port)
     try:
         tokenizer = load_tokenizer(folder)
-        model = load_pretrained(folder, device=device, dtype=parse_dtype(args.dtype))
+        model, chat_folder = load_served(folder, args.lora, device, parse_dtype(args.dtype))
         engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue))
-        chat = ChatFormat(tokenizer, folder)
+        chat = ChatFormat(tokenizer, chat_folder)
         name = args.model_name or folder.resolve().name
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes)
         app = create_app(engine, tokenizer, chat, config)
@@ -85,3 +87,18 @@ def run(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl+C after its graceful shutdown: that is a normal stop
         pass
     print("server stopped", flush=True)
+
+
+def load_served(folder: Path, lora: str | None, device, dtype):
+    """The model to serve, with a PEFT adapter merged in (served at the base model's speed), and the folder whose
+    chat template prompts it: the adapter's when it carries one (what it was fine-tuned with), else the model's."""
+    from lmforge.models import load_pretrained
+    from lmforge.models.lora import merge_lora
+    from lmforge.models.peft import load_peft_adapter
+    from lmforge.serve.chat import read_chat_template
+
+    model = load_pretrained(folder, device=device, dtype=dtype)
+    if not lora:
+        return model, folder
+    load_peft_adapter(model, lora)
+    return merge_lora(model), Path(lora) if read_chat_template(lora) else folder

@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lmforge.config import check_types, closest, from_dict, unknown_key_error
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
+from lmforge.models.lora import LoRAConfig
 from lmforge.models.source import RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
 
@@ -203,6 +204,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None  # a `lora:` section (e.g. lora.rank=8) trains adapters on a frozen base
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from lmforge.parallel.mesh import all_reduce_data_parallel
 from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, to_yaml
 from lmforge.train.data import micro_batches
+from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, merged, write_adapter
 from lmforge.train.metrics import MetricSink, flops_per_token, nodes_from_env, peak_flops, tokens_per_dollar
 from lmforge.train.optim import lr_at
 from lmforge.train.setup import (
@@ -52,7 +53,8 @@ class Trainer:
         self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining)
         self.data = self.task.build_data(cfg, self.tokenizer)
         # A layout that shards the model gets an init_from model on the meta device: each rank reads only its shards.
-        model, weights_from = init_model(cfg, self.data.num_labels, meta=layout.shards_model)
+        # (LoRA wraps the whole model before it is laid out: no meta-device load then.)
+        model, weights_from = init_model(cfg, self.data.num_labels, meta=layout.shards_model and cfg.lora is None)
         self.mcfg: ModelConfig = model.config
         t, precision = cfg.trainer, cfg.precision
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
@@ -60,6 +62,8 @@ class Trainer:
                                       layout.data_parallel)
         check_tokenizer(self.tokenizer, self.mcfg)
         model.to(None if weights_from else self.world.device, precision.param_dtype)
+        if cfg.lora is not None:
+            apply_run_lora(model, cfg, layout)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
         if t.compile:
@@ -87,6 +91,8 @@ class Trainer:
         self.peak, self.peak_source = (cfg.cost.peak_flops, "config") if cfg.cost.peak_flops else peak_flops(
             self.world.device, precision.compute_dtype)
         self.flops_per_token = flops_per_token(self.mcfg, cfg.data.seq_length)
+        if cfg.lora is not None:
+            self.flops_per_token *= LORA_FLOPS_FRACTION
         self.nodes = nodes_from_env()
 
     @property
@@ -231,6 +237,7 @@ class Trainer:
 
         full = self.training.full_state_dict()
         if self.world.is_main:
+            adapters, full = (full, merged(full, self.cfg, self.mcfg)) if self.cfg.lora is not None else (None, full)
             model = materialize(self.mcfg, full.items(), dtype=next(iter(full.values())).dtype)
             model_dir = self.run_dir / "model"
             tokenizer = self.tokenizer.files[0] if self.tokenizer is not None else None
@@ -239,6 +246,8 @@ class Trainer:
                 atomic_write(model_dir / "chat_template.jinja", self.data.chat_template)
             export_hf(model_dir, out, overwrite=True)
             log.info("wrote Hugging Face folder %s", out)
+            if adapters is not None:
+                write_adapter(adapters, self.cfg, self.mcfg, out.with_name(out.name + "-adapter"), model_dir)
         if dist.is_initialized():
             dist.barrier()
 

@@ -41,6 +41,9 @@ def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
         assert main(["serve", str(model_dir), "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert main(["serve", str(model_dir), "--lora", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"error: no adapter_config.json in '{tmp_path}': point --lora at a PEFT LoRA " \
+                                      "adapter folder\n"
     assert main(["serve", str(model_dir), "--max-batch", "0"]) == 1
     assert "--max-batch must be >= 1" in capsys.readouterr().err
     monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "eighty")

@@ -12,13 +12,13 @@ import time
 import pytest
 
 
-def _command(corpus, run_dir, precision):
+def _command(corpus, run_dir, precision, extra=()):
     return [sys.executable, "-m", "lmforge.cli", "pretrain", os.devnull, "model.preset=tiny-neox",
             f"data.paths=[{corpus}]", "data.seq_length=32", "trainer.max_steps=12", "trainer.global_batch_size=8",
             "trainer.micro_batch_size=4", "trainer.val_check_interval=4", "trainer.val_batches=1",
             "checkpoint.every_n_steps=4", "checkpoint.save_top_k=-1", f"trainer.precision={precision}",
             "optim.lr=3e-3", "optim.warmup_steps=2", "model.dropout=0.1", "trainer.progress_bar=false",
-            "cost.peak_flops=1e11", f"run_dir={run_dir}"]
+            "cost.peak_flops=1e11", f"run_dir={run_dir}", *extra]
 
 
 def _curve(run_dir):
@@ -26,14 +26,19 @@ def _curve(run_dir):
     return [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in rows]
 
 
+# LoRA with dropout on the adapters: their masks, too, must be drawn again exactly after a resume.
+LORA = ("lora.rank=4", "lora.targets=all-linear", "lora.dropout=0.1", "optim.lr=3e-2")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
-def test_killed_run_resumes_bit_exactly(precision, tiny_corpus, tmp_path):
+@pytest.mark.parametrize("precision, extra", [("fp32", ()), ("bf16-sr", ()), ("fp32", LORA)],
+                         ids=["fp32", "bf16-sr", "lora"])
+def test_killed_run_resumes_bit_exactly(precision, extra, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(_command(tiny_corpus, tmp_path / "whole", precision), check=True, env=env,
+    subprocess.run(_command(tiny_corpus, tmp_path / "whole", precision, extra), check=True, env=env,
                    capture_output=True, timeout=300)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_command(tiny_corpus, killed, precision), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_command(tiny_corpus, killed, precision, extra), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = killed / "metrics.jsonl"
     deadline = time.time() + 300
@@ -47,7 +52,8 @@ def test_killed_run_resumes_bit_exactly(precision, tiny_corpus, tmp_path):
     steps_at_kill = max(s for s, *_ in _curve(killed))
     assert 6 <= steps_at_kill < 12
     assert [p.name for p in sorted((killed / "checkpoints").glob("step-*"))][-1] == "step-00000004"
-    subprocess.run(_command(tiny_corpus, killed, precision), check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(_command(tiny_corpus, killed, precision, extra), check=True, env=env, capture_output=True,
+                   timeout=300)
     assert _curve(killed) == _curve(tmp_path / "whole")  # exact float equality, every step
 
 

@@ -1,0 +1,284 @@
+"""LoRA (Hu et al. 2021): low-rank adapters wrapped around a built model's linear layers, the base weights frozen.
+
+    y = x W^T + b + (alpha / rank) * dropout(x) A^T B^T        A: (rank, in), Kaiming-uniform; B: (out, rank), zeros
+
+so at initialisation the model computes exactly what the base computes (PEFT's default init). The model is not
+edited: `apply_lora` swaps each targeted nn.Linear for a LoRALinear holding the same weight and bias tensors (so the
+base keeps its parameter names, checkpoints and Hugging Face mapping) plus `lora_A.<part>` and `lora_B.<part>`.
+
+Targets, by their usual short names (`LoRAConfig.targets`, or "all-linear" for all of them):
+
+    q, k, v        the query, key and value rows of the fused `attn.qkv` projection
+    o              attn.proj
+    gate, up, down the MLP's projections (gate only in gated MLPs)
+
+Where Hugging Face keeps q, k and v as three projections (Llama, GPT-J, BERT) each gets its own adapter, as PEFT
+gives q_proj, k_proj and v_proj; where it fuses them (GPT-NeoX's query_key_value, GPT-2's c_attn) one adapter
+covers the fused projection, as PEFT's would, so q, k and v must then be targeted together. Either way an adapter
+converts exactly to PEFT's format (lmforge.models.peft). A part's B rows are in lmforge's row layout of its rows of
+qkv ([kv_heads, q_per_kv + 2, head_dim] groups, rotary pairs permuted), a row permutation of Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Short target name -> the module (relative to a block) it adapts.
+TARGETS = {"q": "attn.qkv", "k": "attn.qkv", "v": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate",
+           "up": "mlp.up", "down": "mlp.down"}
+QKV = ("q", "k", "v")
+
+
+@dataclass
+class LoRAConfig:
+    """The `lora:` section of a run: its presence turns LoRA on."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    targets: list[str] | str = field(default_factory=lambda: ["q", "v"])  # short names, "q,v", or "all-linear"
+    bf16_base: bool = False  # hold the frozen base in bf16 (adapters stay fp32)
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise UserError(f"lora.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise UserError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        names = self.targets.split(",") if isinstance(self.targets, str) else list(self.targets)
+        names = [n.strip() for n in names if n.strip()]
+        unknown = [n for n in names if n not in TARGETS and names != ["all-linear"]]
+        if unknown or not names:
+            raise UserError(f"lora.targets: unknown target {unknown[0] if unknown else '(none)'!r}: choose from "
+                            f"{', '.join(TARGETS)} (comma-separated) or all-linear")
+        self.targets = list(dict.fromkeys(names))
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def qkv_fused_in_hf(cfg: ModelConfig) -> bool:
+    """Whether Hugging Face keeps this family's q, k and v as one projection (then one adapter covers all three)."""
+    from lmforge.models.hf import ADAPTERS
+    from lmforge.models.hf.base import QKV_SEPARATE
+
+    adapter = ADAPTERS.get(cfg.family)
+    if adapter is None:
+        return False
+    kind = next((k for ours, _, k in adapter.mapping(cfg) if ours == "layers.0.attn.qkv.weight"), QKV_SEPARATE)
+    return kind != QKV_SEPARATE
+
+
+def qkv_rows(cfg: ModelConfig) -> dict[str, int]:
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return {"q": cfg.num_heads * cfg.head_dim, "k": kv, "v": kv}
+
+
+def fuse_parts(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """q/k/v tensors (..., rows of that part) -> (..., fused qkv rows) in lmforge's grouped layout; a part that is
+    absent is zeros. The inverse of split_parts."""
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    some = next(iter(parts.values()))
+    lead = some.shape[:-1]
+    groups = []
+    for name, per_group in (("q", cfg.num_heads // kv), ("k", 1), ("v", 1)):
+        t = parts.get(name)
+        if t is None:
+            t = some.new_zeros(*lead, kv * per_group * d)
+        groups.append(t.reshape(*lead, kv, per_group, d))
+    return torch.cat(groups, dim=-2).reshape(*lead, -1)
+
+
+def split_parts(t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """(..., fused qkv rows) -> q, k, v (..., rows of each) in lmforge's grouped layout."""
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    g = t.reshape(*t.shape[:-1], kv, -1, d)
+    return {"q": g[..., :-2, :].flatten(-3), "k": g[..., -2, :].flatten(-2), "v": g[..., -1, :].flatten(-2)}
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear (the same weight and bias tensors as the one it replaces) plus low-rank adapters, one per part:
+    "q", "k", "v" (rows of a fused qkv, `model_config` gives the layout), or one part covering every row."""
+
+    def __init__(self, base: nn.Linear, parts: list[str], rank: int, alpha: float, dropout: float,
+                 model_config: ModelConfig | None = None, generator: torch.Generator | None = None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.rank, self.scaling, self.model_config = rank, alpha / rank, model_config
+        self.split = set(parts) <= set(QKV)  # parts are rows of the fused qkv
+        if self.split and model_config is None:
+            raise ValueError("q/k/v parts need the model config for the qkv layout")
+        rows = qkv_rows(model_config) if self.split else {parts[0]: self.out_features}
+        # Drawn on the CPU (a CPU generator makes them the same on every device and rank); the caller moves them.
+        device = "meta" if base.weight.is_meta else "cpu"
+        self.lora_A = nn.ParameterDict({p: nn.Parameter(torch.empty(rank, self.in_features, device=device))
+                                        for p in parts})
+        self.lora_B = nn.ParameterDict({p: nn.Parameter(torch.zeros(rows[p], rank, device=device)) for p in parts})
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.adapters_enabled = True
+        if device != "meta":
+            for a in self.lora_A.values():  # nn.Linear's (and PEFT's) init: kaiming_uniform_(a=sqrt(5))
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapters' contribution to the output, (..., out), before scaling."""
+        out = {}
+        for p, a in self.lora_A.items():  # each part its own dropout mask, as PEFT's separate modules draw
+            h = self.lora_dropout(x).to(a.dtype)
+            out[p] = F.linear(F.linear(h, a), self.lora_B[p])
+        if not self.split:
+            return next(iter(out.values()))
+        return fuse_parts(out, self.model_config)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling * B A (out, in) in fp32: what merging adds to the weight."""
+        parts = {p: self.lora_B[p].float() @ a.float() for p, a in self.lora_A.items()}
+        w = fuse_parts({p: t.t() for p, t in parts.items()}, self.model_config).t() if self.split \
+            else next(iter(parts.values()))
+        return w * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.adapters_enabled:
+            return y
+        return y + (self.delta(x) * self.scaling).to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lora_rank={self.rank}, parts={list(self.lora_A)}"
+
+
+def target_modules(model: nn.Module, lora: LoRAConfig) -> dict[str, list[str]]:
+    """Module name -> the adapter parts to add there (a UserError naming the targets that match nothing)."""
+    cfg: ModelConfig = model.config
+    modules = dict(model.named_modules())
+    targets = [t for t in TARGETS if _has(modules, TARGETS[t])] if lora.targets == ["all-linear"] else lora.targets
+    fused = qkv_fused_in_hf(cfg)
+    wanted_qkv = [t for t in QKV if t in targets]
+    if fused and wanted_qkv and len(wanted_qkv) < 3:
+        raise UserError(f"lora.targets: {cfg.family} keeps q, k and v in one projection (as Hugging Face does), so "
+                        f"one adapter covers all three: target q,k,v together, not {','.join(wanted_qkv)}")
+    out: dict[str, list[str]] = {}
+    matched = set()
+    for name, module in modules.items():
+        if not isinstance(module, nn.Linear) or ".layers." not in f".{name}":
+            continue
+        suffix = name.split(".", 2)[-1]  # layers.N.<suffix>
+        for target in targets:
+            if TARGETS[target] != suffix:
+                continue
+            matched.add(target)
+            part = "qkv" if fused and target in QKV else target
+            if part not in out.setdefault(name, []):
+                out[name].append(part)
+    missing = [t for t in targets if t not in matched]
+    if missing:
+        raise UserError(f"lora.targets: {', '.join(missing)} match no module of this {cfg.family} model (it has "
+                        f"{', '.join(t for t in TARGETS if t in matched or _has(modules, TARGETS[t]))}): drop them")
+    return out
+
+
+def _has(modules: dict[str, nn.Module], suffix: str) -> bool:
+    return any(isinstance(m, nn.Linear) and n.endswith(f".{suffix}") and ".layers." in f".{n}"
+               for n, m in modules.items())
+
+
+def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
+    """Freeze `model` and wrap its targeted linears with adapters (fp32; the base in bf16 with lora.bf16_base).
+    Returns the number of trainable parameters."""
+    targets = target_modules(model, lora)
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if lora.bf16_base:
+        model.to(torch.bfloat16)
+    for name, parts in targets.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        base = getattr(parent, attr)
+        wrapped = LoRALinear(base, parts, lora.rank, lora.alpha, lora.dropout, model.config, generator)
+        if base.weight.device.type != "meta":  # adapters drawn on the CPU generator, then moved
+            wrapped.to(base.weight.device)
+        wrapped.train(base.training)
+        setattr(parent, attr, wrapped)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("LoRA rank %d alpha %g on %s (%d modules): %d trainable parameters of %d (%.2f%%)", lora.rank,
+             lora.alpha, ",".join(sorted({p for parts in targets.values() for p in parts})), len(targets), trainable,
+             total, 100 * trainable / total)
+    return trainable
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            yield name, module
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model's forward (DPO's reference): every adapter off inside the block."""
+    modules = [m for _, m in lora_modules(model)]
+    for m in modules:
+        m.adapters_enabled = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.adapters_enabled = True
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its weight and put plain nn.Linear modules back: the merged model."""
+    for name, module in list(lora_modules(model)):
+        w = module.weight
+        w.copy_((w.float() + module.delta_weight().to(w.device)).to(w.dtype))
+        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        plain.weight, plain.bias = module.weight, module.bias
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, plain)
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """A LoRA model's state dict -> (the base's tensors, {module: {"A": {part: A}, "B": {part: B}}})."""
+    base, adapters = {}, {}
+    for name, t in state.items():
+        if not is_adapter(name):
+            base[name] = t
+            continue
+        module, kind, part = name.rsplit(".", 2)  # layers.0.attn.qkv, lora_A, q
+        adapters.setdefault(module, {"A": {}, "B": {}})[kind[-1]][part] = t
+    return base, adapters
+
+
+def merged_state(state: dict[str, torch.Tensor], cfg: ModelConfig, scaling: float) -> dict[str, torch.Tensor]:
+    """A LoRA model's state dict (plain tensors, e.g. gathered for export) with the adapters folded into the base."""
+    base, adapters = split_state(state)
+    for module, ab in adapters.items():
+        parts = {p: ab["B"][p].float() @ ab["A"][p].float() for p in ab["A"]}
+        split = set(parts) <= set(QKV)
+        delta = fuse_parts({p: t.t() for p, t in parts.items()}, cfg).t() if split else next(iter(parts.values()))
+        w = base[f"{module}.weight"]
+        base[f"{module}.weight"] = (w.float() + scaling * delta).to(w.dtype)
+    return base

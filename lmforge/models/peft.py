@@ -1,0 +1,231 @@
+"""PEFT's LoRA adapter folders, out of and into lmforge's LoRA (lmforge.models.lora).
+
+    FOLDER/adapter_config.json         {"peft_type": "LORA", "r", "lora_alpha", "target_modules", ...}
+    FOLDER/adapter_model.safetensors   base_model.model.<HF module>.lora_A.weight (r, in) / .lora_B.weight (out, r)
+
+what `peft.PeftModel.from_pretrained(base, FOLDER)` loads (and vLLM serves). The Hugging Face module names and
+their row layout come from the family's adapter table (lmforge.models.hf): A is the same matrix either way; B's rows
+are permuted as the weight's are (rotary pairing, q/k/v grouping, GPT-2's stacked c_attn), so B A is exactly the
+update of the Hugging Face weight. GPT-2's Conv1D modules take fan_in_fan_out, as PEFT sets it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+from lmforge.models.hf import adapter_for
+from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
+from lmforge.models.lora import QKV, TARGETS, LoRALinear, fuse_parts, qkv_rows, split_parts
+
+log = logging.getLogger(__name__)
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+_PART_OF = {module: target for target, module in TARGETS.items() if target not in QKV}  # attn.proj -> o ...
+
+
+def _rows(cfg: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], str]]:
+    """lmforge module -> (its Hugging Face module name(s), the mapping kind)."""
+    out = {}
+    for ours, theirs, kind in adapter_for(cfg.family).mapping(cfg):
+        if ours.endswith(".weight"):
+            names = tuple(t.removesuffix(".weight") for t in theirs) if isinstance(theirs, tuple) \
+                else theirs.removesuffix(".weight")
+            out[ours.removesuffix(".weight")] = (names, kind)
+    return out
+
+
+def _blocks(adapter: dict, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, slice]]:
+    """One module's parts as A (R, in) stacked and B (out rows, R) with each part's rows in its own columns, in
+    lmforge's layout (for q/k/v parts: the fused qkv rows): B A is the module's whole update."""
+    parts = list(adapter["A"])
+    cols, at = {}, 0
+    for p in parts:
+        r = adapter["A"][p].shape[0]
+        cols[p], at = slice(at, at + r), at + r
+    a = torch.cat([adapter["A"][p].float() for p in parts])
+    if set(parts) <= set(QKV):
+        blocks = {}
+        for p in parts:
+            b = adapter["B"][p].float()
+            blocks[p] = torch.zeros(b.shape[0], at).index_copy_(1, torch.arange(cols[p].start, cols[p].stop), b).t()
+        return a, fuse_parts(blocks, cfg).t(), cols
+    return a, adapter["B"][parts[0]].float(), cols
+
+
+def peft_tensors(adapters: dict[str, dict], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], list[str], bool]:
+    """lmforge adapters ({module: {"A": {part: A}, "B": {part: B}}}) -> (PEFT's tensors, the Hugging Face modules
+    adapted, whether any is a Conv1D)."""
+    rows = _rows(cfg)
+    tensors, modules, conv1d = {}, [], False
+    for module in sorted(adapters, key=_layer_order):
+        names, kind = rows[module]
+        a, b, cols = _blocks(adapters[module], cfg)
+        if kind in (PLAIN, CONV1D):
+            out = [(names, a, b)]
+            conv1d |= kind == CONV1D
+        elif kind in (QKV_GROUPED, QKV_STACKED, QKV_SEPARATE):
+            b = permute_rotary(b, cfg, inverse=True)
+            if kind == QKV_GROUPED:
+                out = [(names, a, b)]
+            elif kind == QKV_STACKED:
+                out = [(names, a, torch.cat([t.t() for t in split_parts(b.t(), cfg).values()]))]
+                conv1d = True
+            else:
+                split = split_parts(b.t(), cfg)
+                out = [(name, a[cols[p]], split[p].t()[:, cols[p]]) for name, p in zip(names, QKV) if p in cols]
+        else:
+            raise UserError(f"a LoRA adapter on {module} has no PEFT form for weight layout '{kind}' yet")
+        for name, a_, b_ in out:
+            tensors[f"{PREFIX}{name}.lora_A.weight"] = a_.contiguous()
+            tensors[f"{PREFIX}{name}.lora_B.weight"] = b_.contiguous()
+            modules.append(name)
+    return tensors, modules, conv1d
+
+
+def _layer_order(module: str) -> tuple:
+    parts = module.split(".")
+    return tuple(int(p) if p.isdigit() else p for p in parts)
+
+
+def target_names(modules: list[str], cfg: ModelConfig) -> list[str]:
+    """PEFT's target_modules: the short names ("q_proj") where they pick out exactly the adapted modules, else the
+    full names (GPT-2's attn.c_proj alone: "c_proj" would also take mlp.c_proj)."""
+    every = {n for names, _ in _rows(cfg).values() for n in (names if isinstance(names, tuple) else (names,))}
+    short = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    if {n for n in every if n.rsplit(".", 1)[-1] in short} == set(modules):
+        return short
+    return sorted(modules, key=_layer_order)
+
+
+def write_peft_adapter(adapters: dict[str, dict], cfg: ModelConfig, rank: int, alpha: float, dropout: float,
+                       out_dir: Path, base_model: str | None = None) -> None:
+    """Write PEFT's adapter folder into `out_dir` (an existing, e.g. atomic temporary, folder)."""
+    tensors, modules, conv1d = peft_tensors(adapters, cfg)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_names(modules, cfg),
+        "bias": "none", "fan_in_fan_out": conv1d, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True, "rank_pattern": {},
+        "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
+    }
+    save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+    (out_dir / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_peft_config(folder: Path) -> dict:
+    path = Path(folder) / CONFIG
+    if not path.is_file():
+        raise UserError(f"no {CONFIG} in '{folder}': point --lora at a PEFT LoRA adapter folder")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"'{path}' is not valid JSON ({e})") from None
+    if config.get("peft_type") != "LORA":
+        raise UserError(f"'{path}' is a {config.get('peft_type')} adapter: lmforge loads LoRA adapters")
+    for key, fine in (("use_dora", False), ("bias", "none")):
+        if config.get(key, fine) != fine:
+            raise UserError(f"'{path}' has {key}={config[key]!r}: lmforge's LoRA supports {key}={fine!r} only")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        if config.get(key):
+            raise UserError(f"'{path}' sets {key}: lmforge's LoRA supports one rank and alpha for every module")
+    return config
+
+
+def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
+    """Wrap `model` (an lmforge decoder, not yet adapted) with the PEFT adapter in `folder`: afterwards the model
+    computes what PeftModel.from_pretrained(base, folder) does. Returns the number of adapted modules."""
+    folder = Path(folder)
+    config = read_peft_config(folder)
+    cfg: ModelConfig = model.config
+    r = int(config["r"])
+    scaling = config["lora_alpha"] / (r ** 0.5 if config.get("use_rslora") else r)
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise UserError(f"no {WEIGHTS} in '{folder}'")
+    with safe_open(str(weights), "pt") as f:
+        stored = {k.removeprefix(PREFIX).replace(".default.", "."): f.get_tensor(k) for k in f.keys()}
+    used: set[str] = set()
+
+    def get(name: str, which: str) -> torch.Tensor | None:
+        key = f"{name}.lora_{which}.weight"
+        if key in stored:
+            used.add(key)
+            return stored[key].float()
+        return None
+
+    count = 0
+    for module, (names, kind) in _rows(cfg).items():
+        if kind in (PLAIN, CONV1D):
+            a = get(names, "A")
+            if a is None:
+                continue
+            part = _PART_OF.get(module.split(".", 2)[-1])
+            if part is None:
+                raise UserError(f"'{folder}' adapts {names}, which lmforge's LoRA does not wrap (it adapts "
+                                "q, k, v, o, gate, up and down)")
+            parts = {part: (a, get(names, "B"))}
+        elif kind in (QKV_GROUPED, QKV_STACKED):
+            a = get(names, "A")
+            if a is None:
+                continue
+            b = get(names, "B")
+            if kind == QKV_STACKED:
+                sizes = qkv_rows(cfg)
+                b = fuse_parts(dict(zip(QKV, (x.t() for x in b.split([sizes[p] for p in QKV])))), cfg).t()
+            parts = {"qkv": (a, permute_rotary(b, cfg))}
+        elif kind == QKV_SEPARATE:
+            found = {p: (get(n, "A"), get(n, "B")) for n, p in zip(names, QKV)}
+            found = {p: ab for p, ab in found.items() if ab[0] is not None}
+            if not found:
+                continue
+            total = sum(a.shape[0] for a, _ in found.values())
+            blocks, at = {}, 0
+            for p, (a, b) in found.items():
+                blocks[p] = torch.zeros(b.shape[0], total).index_copy_(1, torch.arange(at, at + a.shape[0]), b).t()
+                at += a.shape[0]
+            b_full = permute_rotary(fuse_parts(blocks, cfg).t(), cfg)
+            split, at, parts = split_parts(b_full.t(), cfg), 0, {}
+            for p, (a, _) in found.items():
+                parts[p] = (a, split[p].t()[:, at : at + a.shape[0]])
+                at += a.shape[0]
+        else:
+            continue
+        _wrap(model, module, parts, r, scaling, cfg)
+        count += 1
+    left = sorted(set(stored) - used)
+    if left:
+        raise UserError(f"'{folder}' holds {len(left)} tensor(s) this {cfg.family} model has no place for, first "
+                        f"'{left[0]}': is it an adapter for another model?")
+    if not count:
+        raise UserError(f"'{folder}' adapts no module of this {cfg.family} model")
+    log.info("loaded PEFT adapter %s: rank %d on %d modules", folder, r, count)
+    return count
+
+
+def _wrap(model: nn.Module, module: str, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int,
+          scaling: float, cfg: ModelConfig) -> None:
+    parent_name, _, attr = module.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    base = getattr(parent, attr)
+    wrapped = LoRALinear(base, list(parts), rank, scaling * rank, 0.0, cfg)
+    with torch.no_grad():
+        for p, (a, b) in parts.items():
+            if a.shape != wrapped.lora_A[p].shape or b.shape != wrapped.lora_B[p].shape:
+                raise UserError(f"the adapter's {module} ({p}) has shapes {tuple(a.shape)} / {tuple(b.shape)}, the "
+                                f"model expects {tuple(wrapped.lora_A[p].shape)} / {tuple(wrapped.lora_B[p].shape)}")
+            wrapped.lora_A[p].copy_(a)
+            wrapped.lora_B[p].copy_(b)
+    wrapped.to(base.weight.device)
+    wrapped.train(base.training)
+    setattr(parent, attr, wrapped)

@@ -1,0 +1,68 @@
+"""LoRA in a training run: the `lora:` section applied to the run's model, and its export.
+
+The adapters are wrapped around the built model before it is laid out (lmforge.models.lora), so DDP and FSDP2
+see frozen base weights and trainable adapters, the optimizer holds only the adapters, and checkpoints (DCP)
+save and resume both as any run does. With `checkpoint.convert_to_hf=true` the run writes
+
+    RUN_DIR/model/        the merged model, an lmforge folder (with the tokenizer and the chat template)
+    RUN_DIR/hf/           the merged model as a Hugging Face folder
+    RUN_DIR/hf-adapter/   the adapter alone in PEFT's format (adapter_config.json + adapter_model.safetensors),
+                          for PeftModel.from_pretrained(base, folder), vLLM, or `lmforge serve BASE --lora DIR`
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
+from lmforge.models.lora import apply_lora, merged_state, split_state
+from lmforge.parallel.mesh import ParallelConfig
+from lmforge.train.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+# A frozen weight's backward computes the input's gradient but not its own: 4 of the 6 FLOPs per parameter and token.
+LORA_FLOPS_FRACTION = 4 / 6
+
+
+def apply_run_lora(model: nn.Module, cfg: RunConfig, layout: ParallelConfig) -> None:
+    """Wrap the run's model with cfg.lora's adapters (a UserError for a layout that cannot take them yet)."""
+    lora = cfg.lora
+    if layout.tensor > 1 or layout.pipeline > 1:
+        raise UserError("lora with parallel.tensor or parallel.pipeline > 1 is not supported yet: LoRA runs take "
+                        "data parallelism (trainer.data_parallel=ddp or fsdp)")
+    if lora.bf16_base and layout.shards_model:
+        raise UserError("lora.bf16_base with FSDP is not supported yet (FSDP2 gathers one dtype per block): "
+                        "use trainer.data_parallel=ddp or lora.bf16_base=false")
+    if getattr(model.config, "num_labels", 0):
+        raise UserError("lora with data.task=classification is not supported yet: the new head would stay frozen")
+    apply_lora(model, lora, seed=cfg.trainer.seed)
+
+
+def write_adapter(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConfig, out: Path,
+                  side_files_from: Path | None = None) -> None:
+    """Write the PEFT adapter folder `out` from a LoRA run's gathered state dict, with the tokenizer and chat
+    template files of `side_files_from` (the run's model folder) beside it."""
+    from lmforge.fsutil import atomic_dir
+    from lmforge.models.hf.base import SIDE_FILES
+    from lmforge.models.io import copy_side_files
+    from lmforge.models.peft import write_peft_adapter
+
+    lora, base = cfg.lora, cfg.model.init_from
+    _, adapters = split_state(full)
+    with atomic_dir(out, overwrite=True) as tmp:
+        write_peft_adapter(adapters, mcfg, lora.rank, lora.alpha, lora.dropout, tmp,
+                           str(Path(base).resolve()) if base else None)
+        if side_files_from is not None:
+            copy_side_files(side_files_from, tmp, [n for n in SIDE_FILES if n != "generation_config.json"])
+    log.info("wrote PEFT adapter %s", out)
+
+
+def merged(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A LoRA run's gathered state dict with the adapters folded in (the model/ and hf/ exports)."""
+    return merged_state(full, mcfg, cfg.lora.scaling)

@@ -1,0 +1,115 @@
+"""LoRA adapters against PEFT, per family: the adapted model, the merged one, PEFT's base + adapter folder and
+transformers' merged export compute the same logits; an adapter starts as a no-op; bad targets are one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lmforge.errors import UserError
+from lmforge.models import load_pretrained
+from lmforge.models.hf import export_hf
+from lmforge.models.io import materialize, save_model
+from lmforge.models.lora import LoRAConfig, apply_lora, merge_lora, merged_state, split_state
+from lmforge.models.peft import load_peft_adapter, write_peft_adapter
+
+tf = pytest.importorskip("transformers")
+TOL = 1e-5
+# Each decoder family once, with the q/k/v layouts Hugging Face has: separate (Llama, GQA too; GPT-J), grouped
+# (GPT-NeoX, partial rotary) and stacked Conv1D (GPT-2).
+FAMILIES = ["llama_gqa", "gpt_neox", "gpt2", "gptj"]
+
+
+def _ids():
+    return torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(3))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _trained(model: torch.nn.Module) -> torch.nn.Module:
+    """Adapters as after training: B away from its zero init."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def test_an_adapter_starts_as_the_base_and_merges_exactly(hf_dirs, tmp_path):
+    ids = _ids()
+    base = load_pretrained(hf_dirs["llama_gqa"])
+    model = copy.deepcopy(base)
+    apply_lora(model, LoRAConfig(rank=4, targets="all-linear"), seed=0)
+    assert torch.equal(_logits(model, ids), _logits(base, ids))
+    adapted = _logits(_trained(model), ids)
+    assert (_logits(merge_lora(copy.deepcopy(model)), ids) - adapted).abs().max() <= TOL
+    _, adapters = split_state(model.state_dict())
+    write_peft_adapter(adapters, model.config, 4, 16.0, 0.0, tmp_path)
+    load_peft_adapter(base, tmp_path)  # PEFT's format and back: the same adapters
+    assert (_logits(base, ids) - adapted).abs().max() <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapters_match_peft_and_merge_exactly(family, hf_dirs, tmp_path):
+    peft = pytest.importorskip("peft")
+    ids = _ids()
+    base = load_pretrained(hf_dirs[family])
+    reference = _logits(base, ids)
+    lora = LoRAConfig(rank=4, alpha=8, targets="all-linear")
+    model = copy.deepcopy(base)
+    apply_lora(model, lora, seed=0)
+    assert (_logits(model, ids) - reference).abs().max() == 0  # B = 0: the base's output exactly
+    adapted = _logits(_trained(model), ids)
+    assert (adapted - reference).abs().max() > 1e-3
+
+    merged = _logits(merge_lora(copy.deepcopy(model)), ids)
+    assert (merged - adapted).abs().max() <= TOL
+
+    _, adapters = split_state(model.state_dict())
+    (tmp_path / "adapter").mkdir()
+    write_peft_adapter(adapters, model.config, lora.rank, lora.alpha, 0.0, tmp_path / "adapter", str(hf_dirs[family]))
+    hf_base = tf.AutoModelForCausalLM.from_pretrained(hf_dirs[family]).eval()
+    with_peft = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
+    assert (_logits(with_peft, ids) - adapted).abs().max() <= TOL
+
+    reloaded = copy.deepcopy(base)
+    load_peft_adapter(reloaded, tmp_path / "adapter")
+    assert (_logits(reloaded, ids) - adapted).abs().max() <= TOL
+
+    state = merged_state(dict(model.state_dict()), model.config, lora.scaling)
+    save_model(materialize(model.config, state.items()), tmp_path / "merged")
+    export_hf(tmp_path / "merged", tmp_path / "hf")
+    hf_merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert (_logits(hf_merged, ids) - adapted).abs().max() <= TOL
+
+
+def test_targets_and_trainable_parameters(hf_dirs):
+    model = load_pretrained(hf_dirs["llama_gqa"])
+    trainable = apply_lora(model, LoRAConfig(rank=2, targets="q,v"), seed=0)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all(".lora_" in n for n in names)
+    cfg = model.config
+    per_layer = 2 * (cfg.hidden_size + cfg.num_heads * cfg.head_dim) + 2 * (cfg.hidden_size + cfg.num_kv_heads *
+                                                                             cfg.head_dim)
+    assert trainable == cfg.num_layers * per_layer  # q and v, rank 2: as PEFT's r=2 on q_proj, v_proj
+    assert "layers.0.attn.qkv.weight" in dict(model.named_parameters())  # the base keeps its names
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"rank": 0}, "lora.rank must be >= 1, got 0"),
+    ({"targets": "q,query"}, "lora.targets: unknown target 'query'"),
+    ({"targets": "gate"}, "lora.targets: gate match no module of this gpt_neox model"),
+    ({"targets": "q,v"}, "gpt_neox keeps q, k and v in one projection"),
+])
+def test_bad_settings_are_one_line(setting, message, hf_dirs):
+    with pytest.raises(UserError, match=message) as e:
+        apply_lora(load_pretrained(hf_dirs["gpt_neox"]), LoRAConfig(**setting))
+    assert "\n" not in str(e.value)

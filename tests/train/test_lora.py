@@ -1,0 +1,110 @@
+"""LoRA runs: only the adapters train (gradients, optimizer state), and the four ways to run the result (lmforge
+merged, lmforge base + adapter, transformers' merged hf/, PEFT's base + hf-adapter/) give the same logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lmforge.models import load_pretrained
+from lmforge.models.peft import load_peft_adapter
+from lmforge.train.config import load_run_config
+from lmforge.train.trainer import Trainer
+
+tf = pytest.importorskip("transformers")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(shared_data, tmp_path_factory):
+    """A small random Llama (a Hugging Face folder) with the real GPT-2 tokenizer beside it."""
+    out = tmp_path_factory.mktemp("llama") / "hf"
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=50257, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                            bos_token_id=50256, eos_token_id=50256)
+    tf.LlamaForCausalLM(config).save_pretrained(out)
+    shutil.copyfile(shared_data / "tokenizers" / "gpt2" / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
+            for a in range(8) for b in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def lora_config(model, data, run_dir, *extra):
+    return load_run_config(None, [
+        f"model.init_from={model}", "data.task=sft", f"data.train_file={data}", "data.seq_length=48",
+        "trainer.max_steps=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+        "trainer.val_check_interval=0", "trainer.precision=fp32", "trainer.progress_bar=false",
+        "cost.peak_flops=1e11", "optim.lr=1e-2", "optim.weight_decay=0.0", f"run_dir={run_dir}",
+        "lora.rank=4", "lora.alpha=8", "lora.targets=all-linear", *extra])
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_adapters_only_and_exports_what_peft_loads(tiny_llama, chats, tmp_path):
+    peft = pytest.importorskip("peft")
+    trainer = Trainer(lora_config(tiny_llama, chats, tmp_path / "run", "checkpoint.convert_to_hf=true"))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert optimized == {id(p) for n, p in trainer.model.named_parameters() if n in trainable}
+    trainer.fit()
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)  # the base stays frozen
+    assert any(not torch.equal(before[n], after[n]) for n in trainable if ".lora_B." in n)
+    # The checkpoint's optimizer state holds the adapters alone.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+    keys = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    moments = {k for k in keys if k.startswith("optim.state.")}
+    assert moments and all(".lora_" in k for k in moments)
+
+    ids = torch.randint(0, 50257, (2, 23), generator=torch.Generator().manual_seed(0))
+    trainer.model.eval()
+    trained = _logits(trainer.model, ids)  # lmforge base + adapter, as trained
+    run = tmp_path / "run"
+    merged = _logits(load_pretrained(run / "model"), ids)
+    base_plus = load_pretrained(tiny_llama)
+    load_peft_adapter(base_plus, run / "hf-adapter")
+    hf_merged = tf.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    hf_peft = peft.PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tiny_llama),
+                                             run / "hf-adapter").eval()
+    assert (trained - _logits(load_pretrained(tiny_llama), ids)).abs().max() > 1e-4  # the adapters changed it
+    for name, logits in [("lmforge merged", merged), ("lmforge base + adapter", _logits(base_plus, ids)),
+                         ("transformers merged", _logits(hf_merged, ids)), ("PEFT", _logits(hf_peft, ids))]:
+        assert (logits - trained).abs().max().item() <= TOL, name
+    from lmforge.cli.serve import load_served  # `lmforge serve BASE --lora hf-adapter/`
+
+    served, chat_folder = load_served(tiny_llama, str(run / "hf-adapter"), "cpu", None)
+    assert (_logits(served, ids) - trained).abs().max().item() <= TOL and chat_folder == run / "hf-adapter"
+    config = json.loads((run / "hf-adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_llama.resolve()) and config["r"] == 4
+    assert (run / "hf-adapter" / "chat_template.jinja").is_file()
+
+
+def test_bad_lora_settings_fail_before_anything_is_written(tiny_llama, chats, tmp_path):
+    from lmforge.errors import UserError
+
+    for extra, message in [("lora.rank=0", "lora.rank must be >= 1, got 0"),
+                           ("lora.targets=q,qq", "lora.targets: unknown target 'qq'")]:
+        with pytest.raises(UserError, match=message):
+            Trainer(lora_config(tiny_llama, chats, tmp_path / "run", extra))
+    assert not (tmp_path / "run").exists()
