@@ -113,3 +113,14 @@ def test_bad_settings_are_one_line(setting, message, hf_dirs):
     with pytest.raises(UserError, match=message) as e:
         apply_lora(load_pretrained(hf_dirs["gpt_neox"]), LoRAConfig(**setting))
     assert "\n" not in str(e.value)
+
+
+def test_a_bf16_base_trains_fp32_adapters(hf_dirs):
+    model = load_pretrained(hf_dirs["llama_gqa"])
+    apply_lora(model, LoRAConfig(rank=2, targets="all-linear", bf16_base=True), seed=0)
+    dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    model(_ids()).float().logsumexp(-1).mean().backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
