@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from lmforge.config import closest
 from lmforge.errors import UserError
 
-FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral")
+FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3")
 NORMS = ("layernorm", "rmsnorm")
+QK_NORMS = ("none", "head", "full")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POSITION_EMBEDDINGS = ("rotary", "learned")
 ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
@@ -96,6 +97,9 @@ class ModelConfig:
 
     attention_bias: bool = True
     qkv_bias: bool | None = None  # the q/k/v projections' bias; default attention_bias (Qwen2: True, o_proj none)
+    # Normalise queries and keys before the rotation: "head" over each head's dims, one weight shared by the heads
+    # (Qwen3, Gemma 3); "full" over all of q (and all of k) at once (OLMo 2). Same norm type and eps as the model's.
+    qk_norm: str = "none"
     mlp_bias: bool = True
     lm_head_bias: bool = False
     tie_embeddings: bool = False
@@ -116,6 +120,7 @@ class ModelConfig:
         self._check_choice("family", FAMILIES)
         self._check_choice("norm", NORMS)
         self._check_choice("norm_position", ("pre", "post"))
+        self._check_choice("qk_norm", QK_NORMS)
         self._check_choice("activation", ACTIVATIONS)
         self._check_choice("position_embedding", POSITION_EMBEDDINGS)
         if self.num_kv_heads is None:

@@ -32,10 +32,11 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.hidden_size
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps)
 
 
 ACTIVATIONS = {
@@ -90,6 +91,12 @@ class Attention(nn.Module):
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.full_qk_norm = cfg.qk_norm == "full"
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm != "none":
+            q_dim, k_dim = ((cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim) if self.full_qk_norm
+                            else (cfg.head_dim, cfg.head_dim))
+            self.q_norm, self.k_norm = make_norm(cfg, q_dim), make_norm(cfg, k_dim)
 
     def forward(
         self,
@@ -103,6 +110,8 @@ class Attention(nn.Module):
         q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, -2].transpose(1, 2)
         v = qkv[:, :, :, -1].transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self._norm_qk(q, k)
         if rope is not None:
             q, k = apply_rotary(q, rope[0], rope[1]), apply_rotary(k, rope[0], rope[1])
         if cache is not None:
@@ -124,6 +133,18 @@ class Attention(nn.Module):
             is_causal=self.causal and mask is None,
         )
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (batch, heads, seq, head_dim) and k normalised over each head, or over all heads at once."""
+        if not self.full_qk_norm:
+            return self.q_norm(q), self.k_norm(k)
+
+        def whole(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+            b, h, s, d = t.shape
+            return norm(t.transpose(1, 2).reshape(b, s, h * d)).view(b, s, h, d).transpose(1, 2)
+
+        return whole(self.q_norm, q), whole(self.k_norm, k)
 
 
 class MLP(nn.Module):

@@ -70,6 +70,17 @@ def _mistral(vocab: int, rotary_base: float, window: int | None, hidden: int = 4
     )
 
 
+def _qwen3(hidden: int, layers: int, heads: int, ffn: int, tied: bool = False, kv_heads: int = 8) -> ModelConfig:
+    # Qwen3 (dense): q/k RMSNorm per head, head_dim 128 at every width, rope base 1e6, 40,960 positions; the
+    # sizes up to 4B tie their embedding.
+    return ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=128, intermediate_size=ffn, max_position_embeddings=40960, norm="rmsnorm",
+        norm_eps=1e-6, activation="silu", gated_mlp=True, qk_norm="head", rotary_base=1000000.0,
+        attention_bias=False, mlp_bias=False, tie_embeddings=tied, bos_token_id=151643, eos_token_id=151645,
+    )
+
+
 def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
         family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -122,6 +133,12 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-72b": _qwen25(8192, 80, 64, 8, 29568),
     "mistral-7b": _mistral(32000, 10000.0, window=4096),
     "mistral-7b-v0.3": _mistral(32768, 1000000.0, window=None),
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, tied=True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 9728, tied=True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288),
+    "qwen3-14b": _qwen3(5120, 40, 40, 17408),
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -137,6 +154,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen2": replace(_qwen25(64, 2, 4, 2, 160, tied=True), vocab_size=1000, max_position_embeddings=256),
     "tiny-mistral": replace(_mistral(1000, 10000.0, 8, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160),
                             max_position_embeddings=256),
+    "tiny-qwen3": replace(_qwen3(64, 2, 4, 160, tied=True, kv_heads=2), head_dim=32, vocab_size=1000,
+                          max_position_embeddings=256),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),

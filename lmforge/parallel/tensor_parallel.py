@@ -6,6 +6,8 @@ Per block (every decoder family and BERT):
                ([kv_heads, q_per_kv + 2, head_dim], see layers.Attention), so a contiguous split
                hands each rank whole groups: its query heads with their key and value
     attn.proj  row-parallel: partial sums reduced (all-reduce, or reduce-scatter with SP)
+    attn.q_norm/k_norm  (Qwen3, Gemma 3) per-head norms on this rank's heads: inputs sharded over heads,
+               the weight replicated, its gradient summed over the ranks
     mlp.up/gate column-parallel; mlp.down row-parallel
 
 Embeddings are vocabulary-parallel (each rank holds padded_vocab / TP rows); the LM head, or the
@@ -85,6 +87,9 @@ def _block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
     }
     if cfg.gated_mlp:
         plan["mlp.gate"] = ColwiseParallel()
+    if cfg.qk_norm == "head":  # q/k arrive as (batch, heads, seq, head_dim), this rank's heads only
+        plan["attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan["attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
     if sequence_parallel:
         # Attention and MLP need every token: gather the sequence shards on the way in.
         # Attention.forward(x, rope, mask, cache): only x is laid out.

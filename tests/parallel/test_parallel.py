@@ -29,6 +29,8 @@ TWO = {
     # An 8-token sliding window over 16-token sequences: the banded mask with sequence shards and across stages.
     "tp_mistral_sp": {"model": "tiny-mistral", "parallel": {"tensor": 2}},
     "pp_mistral_1f1b": {"model": "tiny-mistral", "parallel": {"pipeline": 2, "microbatches": 2}},
+    "tp_qwen3_sp": {"model": "tiny-qwen3", "parallel": {"tensor": 2}},  # per-head q/k norms on each rank's heads
+    "tp_qwen3_plain": {"model": "tiny-qwen3", "parallel": {"tensor": 2, "sequence_parallel": False}},
     "tp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
                            "parallel": {"tensor": 2, "sequence_parallel": False}},
     # Pipeline parallel, each schedule.

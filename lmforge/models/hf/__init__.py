@@ -22,6 +22,7 @@ from lmforge.models.hf.gptj import GPTJAdapter
 from lmforge.models.hf.llama import LlamaAdapter
 from lmforge.models.hf.mistral import MistralAdapter
 from lmforge.models.hf.qwen2 import Qwen2Adapter
+from lmforge.models.hf.qwen3 import Qwen3Adapter
 from lmforge.models.hf.weights import HFWeights, Source
 from lmforge.models.io import (
     copy_side_files,
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, HFAdapter] = {
     a.model_type: a for a in (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter(), GPTJAdapter(), BertAdapter(),
-                              Qwen2Adapter(), MistralAdapter())
+                              Qwen2Adapter(), MistralAdapter(), Qwen3Adapter())
 }
 
 

@@ -30,6 +30,7 @@ CONV1D = "conv1d"  # GPT-2 Conv1D: 2-D weights stored transposed
 QKV_GROUPED = "qkv_grouped"  # one fused tensor already in [heads, 3, head_dim] order (GPT-NeoX)
 QKV_STACKED = "qkv_stacked"  # one fused Conv1D tensor in [q; k; v] order (GPT-2)
 QKV_SEPARATE = "qkv_separate"  # three tensors q, k, v (Llama, GPT-J, BERT)
+QK_NORM = "qk_norm"  # a q/k norm's per-head weights (Qwen3, OLMo 2): rotary pairing applies to them too
 Mapping = list[tuple[str, "str | tuple[str, str, str]", str]]
 
 
@@ -104,6 +105,16 @@ def permute_rotary(qkv: torch.Tensor, cfg: ModelConfig, inverse: bool = False) -
     return g.reshape(-1, *rest)
 
 
+def permute_head_vector(t: torch.Tensor, cfg: ModelConfig, inverse: bool = False) -> torch.Tensor:
+    """A q/k norm weight (one head's dims, or every head's in a row) in the rotary pairing's dim order."""
+    perm = rotary_permutation(cfg.head_dim, cfg.rotary_dim, cfg.rotary_interleaved)
+    if torch.equal(perm, torch.arange(cfg.head_dim)):
+        return t
+    if inverse:
+        perm = torch.argsort(perm)
+    return t.reshape(-1, cfg.head_dim)[:, perm].reshape(t.shape)
+
+
 # --- the generic converter: adapters describe, these two functions do -------------------------
 
 
@@ -137,6 +148,8 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
             shape = (cfg.vocab_size, *rest)
         if kind == PLAIN:
             t = get(theirs, *shape)
+        elif kind == QK_NORM:
+            t = permute_head_vector(get(theirs, *shape), cfg)
         elif kind == CONV1D:
             t = get(theirs, *shape[::-1]).t() if len(shape) == 2 else get(theirs, *shape)
         else:
@@ -163,6 +176,8 @@ def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, 
             t = unpad_vocab(t, cfg)
         if kind == PLAIN:
             yield theirs, t.contiguous()
+        elif kind == QK_NORM:
+            yield theirs, permute_head_vector(t, cfg, inverse=True).contiguous()
         elif kind == CONV1D:
             yield theirs, (t.t() if t.dim() == 2 else t).contiguous()
         else:
@@ -185,9 +200,10 @@ def rope_scaling_check(hf: dict) -> None:
 
 
 def require(cfg: ModelConfig, fixed: dict, model_type: str) -> None:
-    """UserError naming the first switch whose value the family's Hugging Face model hard-wires otherwise."""
+    """UserError naming the first switch whose value the family's Hugging Face model hard-wires otherwise
+    (a value of ... : free in this family)."""
     for name, value in fixed.items():
-        if getattr(cfg, name) != value:
+        if value is not ... and getattr(cfg, name) != value:
             raise UserError(f"a {model_type} checkpoint has {name}={value!r}, this model has {getattr(cfg, name)!r}: "
                             "it cannot be written as that family")
 

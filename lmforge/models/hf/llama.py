@@ -6,6 +6,7 @@ from __future__ import annotations
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
     PLAIN,
+    QK_NORM,
     HFAdapter,
     Mapping,
     activation_from_hf,
@@ -15,8 +16,15 @@ from lmforge.models.hf.base import (
     decoder_num_labels,
     module_rows,
     qkv_rows,
+    require,
 )
 from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
+
+# The switches of LlamaForCausalLM's block, which the families sharing its layout (llama_layout) start from:
+# their adapters refuse to export a config that differs where their modeling code hard-wires a value.
+LLAMA_SWITCHES = {"norm": "rmsnorm", "norm_position": "pre", "gated_mlp": True, "parallel_residual": False,
+                  "shared_norm": False, "position_embedding": "rotary", "rotary_interleaved": False, "causal": True,
+                  "lm_head_bias": False, "qk_norm": "none", "sliding_window": None}
 
 
 class LlamaAdapter(HFAdapter):
@@ -54,6 +62,7 @@ class LlamaAdapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
+        require(cfg, {**LLAMA_SWITCHES, "qkv_bias": cfg.attention_bias}, self.model_type)
         return {
             **architecture(cfg, "Llama", "ForCausalLM"),
             "model_type": "llama",
@@ -86,13 +95,17 @@ class LlamaAdapter(HFAdapter):
 
 def llama_layout(cfg: ModelConfig) -> Mapping:
     """The tensor names of LlamaForCausalLM, which Mistral, Qwen2/3, OLMo 2 and Gemma 2/3 share: q/k/v/o and
-    gate/up/down projections under model.layers.N, plus whichever norms the config's switches give a block."""
+    gate/up/down projections under model.layers.N, plus whichever norms the config's switches give a block
+    (q_norm/k_norm: Qwen3, OLMo 2, Gemma 3)."""
     rows: Mapping = [("embed.weight", "model.embed_tokens.weight", PLAIN)]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         att = f"{hf}.self_attn"
         rows += module_rows(f"{ours}.norm1", f"{hf}.input_layernorm", False)
         rows += qkv_rows(f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj", cfg.qkv_bias)
+        if cfg.qk_norm != "none":
+            rows += [(f"{ours}.attn.q_norm.weight", f"{att}.q_norm.weight", QK_NORM),
+                     (f"{ours}.attn.k_norm.weight", f"{att}.k_norm.weight", QK_NORM)]
         rows += module_rows(f"{ours}.attn.proj", f"{att}.o_proj", cfg.attention_bias)
         rows += module_rows(f"{ours}.norm2", f"{hf}.post_attention_layernorm", False)
         rows += module_rows(f"{ours}.mlp.gate", f"{hf}.mlp.gate_proj", cfg.mlp_bias)

@@ -13,16 +13,15 @@ from lmforge.models.hf.base import (
     decoder_num_labels,
     require,
 )
-from lmforge.models.hf.llama import llama_layout
+from lmforge.models.hf.llama import LLAMA_SWITCHES, llama_layout
 from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
 
 
 class MistralAdapter(HFAdapter):
     model_type = "mistral"
     # MistralForCausalLM hard-wires these; its one sliding_window applies to every layer (layer_types None).
-    fixed = {"norm": "rmsnorm", "norm_position": "pre", "gated_mlp": True, "parallel_residual": False,
-             "position_embedding": "rotary", "rotary_pct": 1.0, "qkv_bias": False, "attention_bias": False,
-             "mlp_bias": False, "lm_head_bias": False, "layer_types": None}
+    fixed = {**LLAMA_SWITCHES, "sliding_window": ..., "layer_types": None, "rotary_pct": 1.0, "qkv_bias": False,
+             "attention_bias": False, "mlp_bias": False}
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
         theta, pct, scaling = rope_from_hf(hf)

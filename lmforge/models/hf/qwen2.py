@@ -13,16 +13,15 @@ from lmforge.models.hf.base import (
     decoder_num_labels,
     require,
 )
-from lmforge.models.hf.llama import llama_layout
+from lmforge.models.hf.llama import LLAMA_SWITCHES, llama_layout
 from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
 
 
 class Qwen2Adapter(HFAdapter):
     model_type = "qwen2"
     # What Qwen2's modeling code hard-wires: a config with other values cannot be written as a qwen2 folder.
-    fixed = {"norm": "rmsnorm", "norm_position": "pre", "gated_mlp": True, "parallel_residual": False,
-             "position_embedding": "rotary", "rotary_pct": 1.0, "qkv_bias": True, "attention_bias": False,
-             "mlp_bias": False, "lm_head_bias": False}
+    fixed = {**LLAMA_SWITCHES, "sliding_window": ..., "rotary_pct": 1.0, "qkv_bias": True, "attention_bias": False,
+             "mlp_bias": False}
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
         theta, pct, scaling = rope_from_hf(hf)
