@@ -45,11 +45,13 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.eval.harness import evaluate, load_tasks, results_json, results_table
     from lmforge.eval.lm import LMForgeLM
     from lmforge.fsutil import atomic_write
+    from lmforge.models.source import source_kind
 
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     output = Path(args.output_path) if args.output_path else None
     if output is not None and output.is_dir():
         raise UserError(f"--output-path {output} is a folder: give a file name such as {output / 'results.json'}")
+    source_kind(args.model)  # a wrong model path fails before the tasks' data is read
     tasks = load_tasks(args.tasks.split(","), args.include_path, args.data_dir)
     lm = LMForgeLM(args.model, tokenizer_path=args.tokenizer, batch_size=args.batch_size, device=args.device,
                    dtype=args.dtype, max_length=args.max_length)
