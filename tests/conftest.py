@@ -59,6 +59,10 @@ def hf_tiny_configs() -> dict:
             vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=True,
             max_window_layers=2)),
+        # OLMo 2: norms on the branch outputs, q/k norms over the whole (grouped) projections.
+        "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=128, pad_token_id=1, eos_token_id=2)),
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(
             vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
         # Decoder sequence classification (GPT-2 on SST-2): a score head read at the last real token.

@@ -12,15 +12,16 @@ from dataclasses import dataclass
 from lmforge.config import closest
 from lmforge.errors import UserError
 
-FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3")
+FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3", "olmo2")
 NORMS = ("layernorm", "rmsnorm")
 QK_NORMS = ("none", "head", "full")
+NORM_POSITIONS = ("pre", "post", "output", "sandwich")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POSITION_EMBEDDINGS = ("rotary", "learned")
 ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 # Families whose Hugging Face config has no head_dim: it is always hidden_size // num_heads there.
-FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2")
+FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2", "olmo2")
 # Families whose transformers config rejects hidden_size % num_heads != 0 even with an explicit head_dim.
 HEADS_DIVIDE_HIDDEN = ("llama",)
 
@@ -79,7 +80,8 @@ class ModelConfig:
 
     norm: str = "layernorm"
     norm_eps: float = 1e-5
-    norm_position: str = "pre"  # "post" for BERT: x = norm(x + f(x))
+    norm_position: str = "pre"  # "post" (BERT): norm(x + f(x)); "output" (OLMo 2): x + norm(f(x)); "sandwich" (Gemma)
+    norm_scale_fp32: bool = False  # RMSNorm scales before casting back from fp32 (OLMo 2, Gemma), not after (Llama)
     activation: str = "gelu"
     gated_mlp: bool = False  # SwiGLU: down(act(gate(x)) * up(x))
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x))  (NeoX, GPT-J)
@@ -119,7 +121,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self._check_choice("family", FAMILIES)
         self._check_choice("norm", NORMS)
-        self._check_choice("norm_position", ("pre", "post"))
+        self._check_choice("norm_position", NORM_POSITIONS)
         self._check_choice("qk_norm", QK_NORMS)
         self._check_choice("activation", ACTIVATIONS)
         self._check_choice("position_embedding", POSITION_EMBEDDINGS)

@@ -17,25 +17,30 @@ from lmforge.models.rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Normalise in fp32 whatever the input dtype, then scale: in the input dtype after casting back (Llama), or
+    in fp32 before it (scale_fp32: OLMo 2, Gemma), which rounds once instead of twice in bf16."""
+
+    def __init__(self, dim: int, eps: float, scale_fp32: bool = False):
         super().__init__()
         self.eps = eps
+        self.scale_fp32 = scale_fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the input dtype (as Llama does), then scale in the input dtype.
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_fp32:
+            return (self.weight.float() * y).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = dim or cfg.hidden_size
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps)
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_scale_fp32)
     return nn.LayerNorm(dim, eps=cfg.norm_eps)
 
 
@@ -162,14 +167,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Where the norms sit (norm_position): "pre" norm1 -> attention, norm2 -> MLP (Llama); "post" after each
+    residual add (BERT); "output" on each branch's output before its add, none on the inputs (OLMo 2):
+    x + post_attn_norm(attn(x)); "sandwich" both, x + post_attn_norm(attn(norm1(x))) (Gemma 2/3)."""
+
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
         self.post_norm = cfg.norm_position == "post"
         self.parallel_residual = cfg.parallel_residual
-        self.norm1 = make_norm(cfg)
+        inputs = cfg.norm_position != "output"
+        outputs = cfg.norm_position in ("output", "sandwich")
+        self.norm1 = make_norm(cfg) if inputs else None
         self.attn = Attention(cfg, window)
-        self.norm2 = None if cfg.shared_norm else make_norm(cfg)
+        self.post_attn_norm = make_norm(cfg) if outputs else None
+        self.norm2 = make_norm(cfg) if inputs and not cfg.shared_norm else None
         self.mlp = MLP(cfg)
+        self.post_mlp_norm = make_norm(cfg) if outputs else None
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -182,13 +195,18 @@ class Block(nn.Module):
         if self.post_norm:  # BERT
             x = self.norm1(x + self.drop(self.attn(x, rope, mask, cache)))
             return self.norm2(x + self.drop(self.mlp(x)))
-        h = self.norm1(x)
-        attn = self.drop(self.attn(h, rope, mask, cache))
         if self.parallel_residual:  # NeoX: two norms; GPT-J: one norm shared by both branches
+            h = self.norm1(x)
             mlp_in = h if self.norm2 is None else self.norm2(x)
-            return x + attn + self.drop(self.mlp(mlp_in))
-        x = x + attn
-        return x + self.drop(self.mlp(self.norm2(x)))
+            return x + self.drop(self.attn(h, rope, mask, cache)) + self.drop(self.mlp(mlp_in))
+        attn = self.attn(x if self.norm1 is None else self.norm1(x), rope, mask, cache)
+        if self.post_attn_norm is not None:
+            attn = self.post_attn_norm(attn)
+        x = x + self.drop(attn)
+        mlp = self.mlp(x if self.norm2 is None else self.norm2(x))
+        if self.post_mlp_norm is not None:
+            mlp = self.post_mlp_norm(mlp)
+        return x + self.drop(mlp)
 
 
 class VocabProjection(nn.Module):

@@ -81,6 +81,17 @@ def _qwen3(hidden: int, layers: int, heads: int, ffn: int, tied: bool = False, k
     )
 
 
+def _olmo2(hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None) -> ModelConfig:
+    # OLMo 2: norms on the attention/MLP outputs, q/k norms over the whole projections, Dolma 2 tokenizer
+    # (100,352 rows), rope base 500,000, 4096 positions.
+    return ModelConfig(
+        family="olmo2", vocab_size=100352, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=4096, norm="rmsnorm", norm_eps=1e-6,
+        norm_position="output", norm_scale_fp32=True, activation="silu", gated_mlp=True, qk_norm="full",
+        rotary_base=500000.0, attention_bias=False, mlp_bias=False, eos_token_id=100257, pad_token_id=100277,
+    )
+
+
 def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
         family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -139,6 +150,10 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": _qwen3(4096, 36, 32, 12288),
     "qwen3-14b": _qwen3(5120, 40, 40, 17408),
     "qwen3-32b": _qwen3(5120, 64, 64, 25600),
+    "olmo-2-1b": _olmo2(2048, 16, 16, 8192),
+    "olmo-2-7b": _olmo2(4096, 32, 32, 11008),
+    "olmo-2-13b": _olmo2(5120, 40, 40, 13824),
+    "olmo-2-32b": _olmo2(5120, 64, 40, 27648, kv_heads=8),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -156,6 +171,8 @@ PRESETS: dict[str, ModelConfig] = {
                             max_position_embeddings=256),
     "tiny-qwen3": replace(_qwen3(64, 2, 4, 160, tied=True, kv_heads=2), head_dim=32, vocab_size=1000,
                           max_position_embeddings=256),
+    "tiny-olmo2": replace(_olmo2(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256,
+                          eos_token_id=0, pad_token_id=1),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),

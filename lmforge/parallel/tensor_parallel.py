@@ -7,7 +7,8 @@ Per block (every decoder family and BERT):
                hands each rank whole groups: its query heads with their key and value
     attn.proj  row-parallel: partial sums reduced (all-reduce, or reduce-scatter with SP)
     attn.q_norm/k_norm  (Qwen3, Gemma 3) per-head norms on this rank's heads: inputs sharded over heads,
-               the weight replicated, its gradient summed over the ranks
+               the weight replicated, its gradient summed over the ranks; (OLMo 2) norms over the whole
+               projection: the weight split like the heads, the mean square summed over the ranks
     mlp.up/gate column-parallel; mlp.down row-parallel
 
 Embeddings are vocabulary-parallel (each rank holds padded_vocab / TP rows); the LM head, or the
@@ -25,9 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -77,7 +79,24 @@ class VocabParallelProjection(nn.Module):
         return f"vocab_size={self.vocab_size}, padded={self.padded_vocab_size}, loss_parallel={self.loss_parallel}"
 
 
-def _block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
+class WholeProjectionNorm(ParallelStyle):
+    """OLMo 2's q/k norm, an RMSNorm over the whole (batch, seq, heads * head_dim) projection, while each rank
+    holds only its heads' columns: the input is that Shard(2) of the width, the weight is split the same way
+    (Shard(0)), and DTensor sums the mean square over the ranks; the output is the rank's columns again."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def shard_weight(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        def columns(mod, inputs, mesh):
+            return (DTensor.from_local(inputs[0], mesh, [Shard(2)], run_check=False), *inputs[1:])
+
+        return distribute_module(module, device_mesh, shard_weight, input_fn=columns,
+                                 output_fn=lambda mod, out, mesh: out.to_local())
+
+
+def _block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> dict:
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     plan = {
         "attn.qkv": ColwiseParallel(),
@@ -90,6 +109,9 @@ def _block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
     if cfg.qk_norm == "head":  # q/k arrive as (batch, heads, seq, head_dim), this rank's heads only
         plan["attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         plan["attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    elif cfg.qk_norm == "full":  # (batch, seq, heads * head_dim): this rank's heads' columns
+        plan["attn.q_norm"] = WholeProjectionNorm()
+        plan["attn.k_norm"] = WholeProjectionNorm()
     if sequence_parallel:
         # Attention and MLP need every token: gather the sequence shards on the way in.
         # Attention.forward(x, rope, mask, cache): only x is laid out.
@@ -97,9 +119,9 @@ def _block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
                                           desired_input_layouts=(Replicate(), None, None, None), use_local_output=True)
         plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
                                          use_local_output=True)
-        plan["norm1"] = SequenceParallel(use_local_output=True)
-        if not cfg.shared_norm:
-            plan["norm2"] = SequenceParallel(use_local_output=True)
+        for norm in ("norm1", "norm2", "post_attn_norm", "post_mlp_norm"):  # those the block has
+            if getattr(block, norm, None) is not None:
+                plan[norm] = SequenceParallel(use_local_output=True)
     return plan
 
 
@@ -158,7 +180,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(model, tp_mesh, _top_plan(model, cfg, sequence_parallel))
     for block in blocks(model):
-        parallelize_module(block, tp_mesh, _block_plan(cfg, sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(cfg, block, sequence_parallel))
     if cfg.family == "bert":
         head = getattr(model, "mlm_head", None)
         if head is not None:
@@ -210,7 +232,6 @@ def replicate_remaining(model: nn.Module, tp_mesh) -> None:
     model lives on the TP mesh, so optimizers (foreach kernels), gradient clipping and DCP see one
     kind of tensor instead of a mix of plain tensors and DTensors.
     """
-    from torch.distributed.tensor import distribute_module
 
     def partition(name, module, mesh):
         for key, param in list(module._parameters.items()):

@@ -31,6 +31,9 @@ TWO = {
     "pp_mistral_1f1b": {"model": "tiny-mistral", "parallel": {"pipeline": 2, "microbatches": 2}},
     "tp_qwen3_sp": {"model": "tiny-qwen3", "parallel": {"tensor": 2}},  # per-head q/k norms on each rank's heads
     "tp_qwen3_plain": {"model": "tiny-qwen3", "parallel": {"tensor": 2, "sequence_parallel": False}},
+    # Norms on the branch outputs (sequence-sharded under SP) and q/k norms over the whole, head-split projection.
+    "tp_olmo2_sp": {"model": "tiny-olmo2", "parallel": {"tensor": 2}},
+    "tp_olmo2_plain": {"model": "tiny-olmo2", "parallel": {"tensor": 2, "sequence_parallel": False}},
     "tp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
                            "parallel": {"tensor": 2, "sequence_parallel": False}},
     # Pipeline parallel, each schedule.

@@ -24,7 +24,7 @@ from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
 # their adapters refuse to export a config that differs where their modeling code hard-wires a value.
 LLAMA_SWITCHES = {"norm": "rmsnorm", "norm_position": "pre", "gated_mlp": True, "parallel_residual": False,
                   "shared_norm": False, "position_embedding": "rotary", "rotary_interleaved": False, "causal": True,
-                  "lm_head_bias": False, "qk_norm": "none", "sliding_window": None}
+                  "lm_head_bias": False, "qk_norm": "none", "sliding_window": None, "norm_scale_fp32": False}
 
 
 class LlamaAdapter(HFAdapter):
@@ -96,20 +96,31 @@ class LlamaAdapter(HFAdapter):
 def llama_layout(cfg: ModelConfig) -> Mapping:
     """The tensor names of LlamaForCausalLM, which Mistral, Qwen2/3, OLMo 2 and Gemma 2/3 share: q/k/v/o and
     gate/up/down projections under model.layers.N, plus whichever norms the config's switches give a block
-    (q_norm/k_norm: Qwen3, OLMo 2, Gemma 3)."""
+    (q_norm/k_norm: Qwen3, OLMo 2, Gemma 3; norms on the branch outputs: OLMo 2, Gemma 2/3)."""
+    # HF's names for the block's norms by norm_position (lmforge's name -> theirs).
+    norms = {"pre": {"norm1": "input_layernorm", "norm2": "post_attention_layernorm"},
+             "output": {"post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"},
+             "sandwich": {"norm1": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                          "norm2": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}}
+    norms = norms[cfg.norm_position]
     rows: Mapping = [("embed.weight", "model.embed_tokens.weight", PLAIN)]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         att = f"{hf}.self_attn"
-        rows += module_rows(f"{ours}.norm1", f"{hf}.input_layernorm", False)
+        if "norm1" in norms:
+            rows += module_rows(f"{ours}.norm1", f"{hf}.{norms['norm1']}", False)
         rows += qkv_rows(f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj", cfg.qkv_bias)
         if cfg.qk_norm != "none":
             rows += [(f"{ours}.attn.q_norm.weight", f"{att}.q_norm.weight", QK_NORM),
                      (f"{ours}.attn.k_norm.weight", f"{att}.k_norm.weight", QK_NORM)]
         rows += module_rows(f"{ours}.attn.proj", f"{att}.o_proj", cfg.attention_bias)
-        rows += module_rows(f"{ours}.norm2", f"{hf}.post_attention_layernorm", False)
+        for name in ("post_attn_norm", "norm2"):
+            if name in norms:
+                rows += module_rows(f"{ours}.{name}", f"{hf}.{norms[name]}", False)
         rows += module_rows(f"{ours}.mlp.gate", f"{hf}.mlp.gate_proj", cfg.mlp_bias)
         rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.up_proj", cfg.mlp_bias)
         rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.down_proj", cfg.mlp_bias)
+        if "post_mlp_norm" in norms:
+            rows += module_rows(f"{ours}.post_mlp_norm", f"{hf}.{norms['post_mlp_norm']}", False)
     rows += module_rows("norm", "model.norm", False)
     return rows + decoder_head(cfg, [("lm_head.weight", "lm_head.weight", PLAIN)])
