@@ -63,6 +63,11 @@ def hf_tiny_configs() -> dict:
         "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config(
             vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, max_position_embeddings=128, pad_token_id=1, eos_token_id=2)),
+        # Phi-3: fused qkv_proj (grouped: 4 query heads over 2 key/value heads) and gate_up_proj; an 8-token window.
+        "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=128, original_max_position_embeddings=128,
+            sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(
             vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
         # Decoder sequence classification (GPT-2 on SST-2): a score head read at the last real token.

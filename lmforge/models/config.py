@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from lmforge.config import closest
 from lmforge.errors import UserError
 
-FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3", "olmo2")
+FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3", "olmo2", "phi3")
 NORMS = ("layernorm", "rmsnorm")
 QK_NORMS = ("none", "head", "full")
 NORM_POSITIONS = ("pre", "post", "output", "sandwich")
@@ -21,7 +21,7 @@ POSITION_EMBEDDINGS = ("rotary", "learned")
 ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 # Families whose Hugging Face config has no head_dim: it is always hidden_size // num_heads there.
-FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2", "olmo2")
+FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2", "olmo2", "phi3")
 # Families whose transformers config rejects hidden_size % num_heads != 0 even with an explicit head_dim.
 HEADS_DIVIDE_HIDDEN = ("llama",)
 

@@ -92,6 +92,16 @@ def _olmo2(hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None 
     )
 
 
+def _phi3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> ModelConfig:
+    # Phi-3 4k: Llama 2's tokenizer grown to 32,064 rows, a 2047-token sliding window on every layer.
+    return ModelConfig(
+        family="phi3", vocab_size=32064, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=4096, norm="rmsnorm", norm_eps=1e-5,
+        activation="silu", gated_mlp=True, sliding_window=2047, attention_bias=False, mlp_bias=False,
+        bos_token_id=1, eos_token_id=32000, pad_token_id=32000,
+    )
+
+
 def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
         family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -154,6 +164,8 @@ PRESETS: dict[str, ModelConfig] = {
     "olmo-2-7b": _olmo2(4096, 32, 32, 11008),
     "olmo-2-13b": _olmo2(5120, 40, 40, 13824),
     "olmo-2-32b": _olmo2(5120, 64, 40, 27648, kv_heads=8),
+    "phi-3-mini": _phi3(3072, 32, 32, 32, 8192),
+    "phi-3-medium": _phi3(5120, 40, 40, 10, 17920),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -173,6 +185,8 @@ PRESETS: dict[str, ModelConfig] = {
                           max_position_embeddings=256),
     "tiny-olmo2": replace(_olmo2(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256,
                           eos_token_id=0, pad_token_id=1),
+    "tiny-phi3": replace(_phi3(64, 2, 4, 2, 160), vocab_size=1000, max_position_embeddings=256, sliding_window=8,
+                         eos_token_id=2, pad_token_id=0),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),

@@ -62,7 +62,7 @@ def test_interleaved_stage_assignment_is_looped():
 
 @pytest.mark.parametrize("name", ["tiny-neox", "tiny-llama", "tiny-gpt2", "tiny-gptj", "tiny-bert", "tiny-llama3",
                                   "tiny-qwen2", "tiny-mistral", "tiny-qwen3",
-                                  "tiny-olmo2"])
+                                  "tiny-olmo2", "tiny-phi3"])
 def test_stages_chained_equal_the_model(name):
     """The stages of every rank, run one after another, give the model's logits; every parameter
     keeps its model name (so DCP checkpoints move between pipeline layouts)."""

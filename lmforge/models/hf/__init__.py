@@ -22,6 +22,7 @@ from lmforge.models.hf.gptj import GPTJAdapter
 from lmforge.models.hf.llama import LlamaAdapter
 from lmforge.models.hf.mistral import MistralAdapter
 from lmforge.models.hf.olmo2 import Olmo2Adapter
+from lmforge.models.hf.phi3 import Phi3Adapter
 from lmforge.models.hf.qwen2 import Qwen2Adapter
 from lmforge.models.hf.qwen3 import Qwen3Adapter
 from lmforge.models.hf.weights import HFWeights, Source
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, HFAdapter] = {
     a.model_type: a for a in (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter(), GPTJAdapter(), BertAdapter(),
-                              Qwen2Adapter(), MistralAdapter(), Qwen3Adapter(), Olmo2Adapter())
+                              Qwen2Adapter(), MistralAdapter(), Qwen3Adapter(), Olmo2Adapter(), Phi3Adapter())
 }
 
 

@@ -30,7 +30,11 @@ CONV1D = "conv1d"  # GPT-2 Conv1D: 2-D weights stored transposed
 QKV_GROUPED = "qkv_grouped"  # one fused tensor already in [heads, 3, head_dim] order (GPT-NeoX)
 QKV_STACKED = "qkv_stacked"  # one fused Conv1D tensor in [q; k; v] order (GPT-2)
 QKV_SEPARATE = "qkv_separate"  # three tensors q, k, v (Llama, GPT-J, BERT)
+QKV_ROWS = "qkv_rows"  # one fused Linear tensor in [q; k; v] row order (Phi-3)
 QK_NORM = "qk_norm"  # a q/k norm's per-head weights (Qwen3, OLMo 2): rotary pairing applies to them too
+# Two lmforge tensors stored as one HF tensor, the first's rows then the second's (Phi-3's gate_up_proj):
+# rows FIRST_HALF and SECOND_HALF name the same HF tensor, in that order.
+FIRST_HALF, SECOND_HALF = "first_half", "second_half"
 Mapping = list[tuple[str, "str | tuple[str, str, str]", str]]
 
 
@@ -150,6 +154,8 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
             t = get(theirs, *shape)
         elif kind == QK_NORM:
             t = permute_head_vector(get(theirs, *shape), cfg)
+        elif kind in (FIRST_HALF, SECOND_HALF):
+            t = get(theirs, 2 * shape[0], *rest).chunk(2)[kind == SECOND_HALF]
         elif kind == CONV1D:
             t = get(theirs, *shape[::-1]).t() if len(shape) == 2 else get(theirs, *shape)
         else:
@@ -158,6 +164,8 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
             elif kind == QKV_STACKED:  # GPT-2 c_attn: [q; k; v] columns of a Conv1D
                 t = get(theirs, *shape[::-1]).t() if len(shape) == 2 else get(theirs, *shape)
                 t = fuse_qkv(*t.split([q_rows, kv_rows, kv_rows]), cfg)
+            elif kind == QKV_ROWS:
+                t = fuse_qkv(*get(theirs, *shape).split([q_rows, kv_rows, kv_rows]), cfg)
             else:
                 qn, kn, vn = theirs
                 t = fuse_qkv(get(qn, q_rows, *rest), get(kn, kv_rows, *rest), get(vn, kv_rows, *rest), cfg)
@@ -170,6 +178,7 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
 def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, ...],
                    get: Callable[[str], torch.Tensor]) -> Tensors:
     """Yield HF (name, tensor) for each mapping row: the exact inverse of import_tensors."""
+    first_halves: dict[str, torch.Tensor] = {}
     for ours, theirs, kind in mapping:
         t = get(ours)
         if ours in vocab_params:
@@ -178,6 +187,10 @@ def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, 
             yield theirs, t.contiguous()
         elif kind == QK_NORM:
             yield theirs, permute_head_vector(t, cfg, inverse=True).contiguous()
+        elif kind == FIRST_HALF:
+            first_halves[theirs] = t
+        elif kind == SECOND_HALF:
+            yield theirs, torch.cat([first_halves.pop(theirs), t]).contiguous()
         elif kind == CONV1D:
             yield theirs, (t.t() if t.dim() == 2 else t).contiguous()
         else:
@@ -187,6 +200,8 @@ def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, 
             elif kind == QKV_STACKED:
                 t = torch.cat(split_qkv(t, cfg))
                 yield theirs, (t.t() if t.dim() == 2 else t).contiguous()
+            elif kind == QKV_ROWS:
+                yield theirs, torch.cat(split_qkv(t, cfg)).contiguous()
             else:
                 for name, part in zip(theirs, split_qkv(t, cfg), strict=True):
                     yield name, part.contiguous()
