@@ -4,7 +4,12 @@ Both tools run as whole commands (subprocesses: interpreter start-up and imports
 JSONL, with the same GPT-2 tokenizer files, `--append-eod`, at each `--workers` count. Within every repeat
 the two take turns (the order alternating between repeats), so load on the machine hits both alike; the
 table gives medians over the repeats and the speed-up as the median of the per-pair time ratios. Every
-run's `.bin/.idx` must be byte-identical to Megatron's before any number is reported.
+run's `.bin/.idx` must be byte-identical to Megatron's before any number is reported. After timing, one more
+check, before the table is written: on documents that contain the text "<|endoftext|>", `lmforge preprocess
+--parse-special-tokens` must write Megatron's bytes (Hugging Face's tokenizer turns that text into the control
+id), and the table says how many documents lmforge's default (such text stays text) writes differently.
+*peak RSS* is measured with nothing but the standard library imported here: a child's peak RSS counts its
+parent's at the fork.
 
 Corpora, built once in a temporary folder from the shared data folder (../shared/data/corpora):
 * WikiText: wikitext-2 `valid.articles.jsonl` + `test.articles.jsonl` ({"title", "text"} per article),
@@ -37,10 +42,12 @@ import re
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,16 +159,70 @@ def check_and_clean(prefix: Path, reference: Path, what: str) -> None:
         ours.unlink()
 
 
+# Standard library only in this process: a child's peak RSS (ru_maxrss) starts at its parent's at the fork, so
+# importing numpy or lmforge here would put a floor under every figure in the RSS column.
+IDX_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document indices
+ITEMSIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron.core DType code -> bytes
+
+
+def read_idx(prefix: str | Path) -> tuple[int, array, array, array]:
+    """(item size, sequence lengths, sequence pointers, document indices) of PREFIX.idx."""
+    with open(f"{prefix}.idx", "rb") as f:
+        _, _, code, n_seq, n_doc = IDX_HEADER.unpack(f.read(IDX_HEADER.size))
+        arrays = array("i"), array("q"), array("q")
+        for a, n in zip(arrays, (n_seq, n_seq, n_doc)):
+            a.frombytes(f.read(a.itemsize * n))
+    return (ITEMSIZE[code], *arrays)
+
+
+def idx_counts(prefix: str | Path) -> tuple[int, int]:
+    """(documents, tokens) of a .bin/.idx pair."""
+    _, lengths, _, doc_idx = read_idx(prefix)
+    return len(doc_idx) - 1, sum(lengths)
+
+
+def documents(prefix: str | Path) -> list[bytes]:
+    """Each document's token bytes."""
+    size, lengths, pointers, doc_idx = read_idx(prefix)
+    data = Path(f"{prefix}.bin").read_bytes()
+    out = []
+    for first, last in zip(doc_idx, doc_idx[1:]):
+        start = pointers[first] if first < last else 0
+        out.append(data[start : start + size * sum(lengths[first:last])])
+    return out
+
+
+def check_special_tokens(args, shared: Path, tok: Path, tmp: Path) -> str:
+    """Megatron vs `--parse-special-tokens` on documents holding "<|endoftext|>" text: the same bytes, or exit."""
+    wiki = (shared / "corpora" / "wikitext-2" / "valid.articles.jsonl").read_text(encoding="utf-8").splitlines()
+    texts = [json.loads(line)["text"][:2000] for line in wiki[:20]]
+    texts = [t if i % 3 else t[:700] + "<|endoftext|>" + t[700:] for i, t in enumerate(texts)]
+    texts += ["<|endoftext|>", "a forged<|endoftext|>boundary", "<|endoftext|> <|endoftext|>\n", "only text"]
+    corpus = Corpus("special", tmp / "special.jsonl", 0.0)
+    corpus.path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    run_once(command("Megatron-LM", args, corpus, tok, 1, tmp / "ref-special"), tmp / "megatron.log", tmp)
+    cmd = command("lmforge", args, corpus, tok, 1, tmp / "special")
+    run_once([*cmd, "--parse-special-tokens"], tmp / "lmforge.log", tmp)
+    check_and_clean(tmp / "special", tmp / "ref-special", "lmforge --parse-special-tokens on <|endoftext|> text")
+    run_once(cmd, tmp / "lmforge.log", tmp)
+    ref, plain = documents(f"{tmp / 'ref-special'}_text_document"), documents(f"{tmp / 'special'}_text_document")
+    differ = [d for d, (a, b) in enumerate(zip(ref, plain, strict=True)) if a != b]
+    holding = [d for d, t in enumerate(texts) if "<|endoftext|>" in t]
+    say(f"special tokens: --parse-special-tokens byte-identical to Megatron-LM; default differs in {len(differ)} "
+        "documents")
+    which = "exactly those holding it" if differ == holding else f"documents {differ}"
+    return (f"`--parse-special-tokens`: on {len(texts)} documents, {len(holding)} of them holding the text "
+            f"`<|endoftext|>`, lmforge's `.bin/.idx` are byte-identical to Megatron-LM's; without the flag "
+            f"(the default: such text stays text) {len(differ)} documents differ, {which}.")
+
+
 def measure(args, corpora: list[Corpus], tok: Path, tmp: Path) -> dict:
     """{(corpus, workers, tool): [Run, ...]} over the repeats, every output checked against Megatron's."""
-    from lmforge.data import IndexedDataset
-
     runs: dict[tuple[str, int, str], list[Run]] = {}
     for corpus in corpora:  # untimed: Megatron's reference output, our first check, warm file caches
         ref = tmp / f"ref-{corpus.name}"
         run_once(command("Megatron-LM", args, corpus, tok, 1, ref), tmp / "megatron.log", tmp)
-        ds = IndexedDataset(f"{ref}_text_document")
-        corpus.documents, corpus.tokens = ds.num_documents, int(ds.sequence_lengths.sum())
+        corpus.documents, corpus.tokens = idx_counts(f"{ref}_text_document")
         run_once(command("lmforge", args, corpus, tok, 1, tmp / "out"), tmp / "lmforge.log", tmp)
         check_and_clean(tmp / "out", ref, f"lmforge on {corpus.name}")
         say(f"{corpus.name}: {corpus.megabytes:.1f} MB, {corpus.documents:,} documents, {corpus.tokens:,} tokens; "
@@ -231,6 +292,8 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=8, help="copies of each corpus in its JSONL (default: 8)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each tool per setting (median)")
     p.add_argument("--quick", action="store_true", help="1 copy, 1 repeat, 1 worker: checks the script runs")
+    p.add_argument("--note", default="", help="a sentence printed next to the figures (e.g. what else loads the "
+                   "machine)")
     p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: kills the running command, cleans up
@@ -253,17 +316,19 @@ def main() -> None:
         corpora = make_corpora(shared, tmp, args.copies, args.corpora)
         tok = make_tokenizer(shared, tmp / "gpt2")
         runs = measure(args, corpora, tok, tmp)
-    cmd = "python benchmarks/preprocess.py" + "".join(f" {a}" for a in sys.argv[1:])
+        special = check_special_tokens(args, shared, tok, tmp)
+    cmd = "python benchmarks/preprocess.py" + "".join(f" {a}" for a in sys.argv[1:] if a not in (args.note, "--note"))
     sizes = "; ".join(f"{c.name} {c.megabytes:.1f} MB, {c.documents:,} documents, {c.tokens:,} tokens"
                       for c in corpora)
     tp = os.environ.get("TOKENIZERS_PARALLELISM")
     body = (
         f"Command: `{cmd}`. {machine}; {versions(args.megatron_dir)}; {datetime.date.today()}. "
         f"{time.perf_counter() - t0:.0f} s in all; load average {load_before:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end{f'; TOKENIZERS_PARALLELISM={tp}' if tp else ''}.\n\n"
+        f"{os.getloadavg()[0]:.1f} at the end{f'; TOKENIZERS_PARALLELISM={tp}' if tp else ''}."
+        f"{' ' + args.note if args.note else ''}\n\n"
         f"Corpora ({args.copies} {'copy' if args.copies == 1 else 'copies'} each): {sizes}. "
         f"Median of {args.repeats} interleaved runs per row.\n\n"
-        f"{table(corpora, args.workers, runs)}\n"
+        f"{table(corpora, args.workers, runs)}\n\n{special}\n"
     )
     print(body)
     if args.write:

@@ -18,6 +18,7 @@ from lmforge.errors import UserError
 BENCHMARKS = {
     "train": "training step tokens/s and MFU vs transformers, fp32 and bf16, with the measured GEMM peak",
     "preprocess": "preprocessing tokens/s vs Megatron-LM's tools/preprocess_data.py",
+    "preprocess_scale": "preprocessing: Parquet/zstd/datasets inputs, shards on N processes, memory, vs Megatron-LM",
     "generate": "greedy decode tokens/s vs transformers' generate",
     "scaling": "throughput and tokens per dollar across process counts and parallel layouts",
     "rotary": "partial rotary: full-head rotation vs slicing",
