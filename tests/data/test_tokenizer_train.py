@@ -96,3 +96,19 @@ def test_errors_leave_no_output(tmp_path, content, vocab, match):
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
     with pytest.raises(UserError, match="does not exist"):
         train_tokenizer([tmp_path / "missing.txt"], 300, out)
+
+
+def test_parquet_and_zst_inputs_give_the_jsonl_texts(tmp_path):
+    """The trainer finds and opens inputs as preprocess does: a Parquet column and a .zst file read as JSONL."""
+    pa = pytest.importorskip("pyarrow")
+    zstandard = pytest.importorskip("zstandard")
+    import pyarrow.parquet as pq
+
+    texts = [f"the cat sat on the mat number {i}\n" for i in range(50)]
+    raw = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "b.parquet", row_group_size=7)
+    assert list(iter_texts([tmp_path / "a.jsonl.zst", tmp_path / "b.parquet"])) == texts + texts
+    pq.write_table(pa.table({"text": ["ok", None]}), tmp_path / "c.parquet")
+    with pytest.raises(UserError, match=r"c\.parquet row 1: 'text' must be a string, got NoneType"):
+        list(iter_texts([tmp_path / "c.parquet"]))
