@@ -205,7 +205,9 @@ def _parquet_file(path: Path, keys: Sequence[str]):
     pq = _need("pyarrow.parquet", "reading Parquet files")
     pa = _need("pyarrow", "reading Parquet files")
     try:
-        pf = pq.ParquetFile(path)
+        # Streamed reads through a small buffer instead of pyarrow's default of fetching each row group's column
+        # chunks whole first: memory then follows the batch, not the row group (which some writers make 1 GB).
+        pf = pq.ParquetFile(path, buffer_size=READ_BLOCK, pre_buffer=False)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"cannot read {path} as Parquet ({e}): check the file is intact") from e
     _text_columns(path, pf.schema_arrow, keys)
