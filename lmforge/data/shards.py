@@ -59,7 +59,9 @@ def parse_shard(text: str | tuple[int, int]) -> tuple[int, int]:
 
 
 def shard_prefix(prefix: str | Path, shard: int, num_shards: int) -> str:
-    return f"{prefix}.shard-{shard}-of-{num_shards}"
+    """`prefix.shard-I-of-N`, I padded to N's width (shard-03-of-64): sorted names are in shard order, as
+    Megatron's tools/merge_datasets.py, which merges a folder's pairs by sorted name, needs them."""
+    return f"{prefix}.shard-{shard:0{len(str(num_shards))}d}-of-{num_shards}"
 
 
 def record_path(prefix: str | Path) -> Path:

@@ -10,7 +10,7 @@ import pytest
 from lmforge.cli import main
 from lmforge.data.indexed import bin_path, idx_path
 from lmforge.data.preprocess import preprocess
-from lmforge.data.shards import merge, parse_shard, record_path
+from lmforge.data.shards import merge, parse_shard, record_path, shard_prefix
 from lmforge.errors import UserError
 from lmforge.tokenizers import load_tokenizer
 from tests.data.test_inputs import jsonl, parquet
@@ -98,6 +98,13 @@ def test_missing_mixed_and_unfinished_shards_are_refused(tmp_path, corpus, tok):
         parse_shard("3/3")
     with pytest.raises(UserError, match=r"--shard '2' is not I/N"):
         parse_shard("2")
+
+
+def test_shard_names_sort_in_shard_order():
+    """Megatron's tools/merge_datasets.py merges a folder's pairs in sorted name order: ours must be shard order."""
+    names = [shard_prefix("d_text_document", i, 12) for i in range(12)]
+    assert names[3] == "d_text_document.shard-03-of-12" and sorted(names) == names
+    assert shard_prefix("d", 2, 7) == "d.shard-2-of-7"
 
 
 def test_a_file_without_text_cut_between_shards_fails_at_merge_as_one_shot(tmp_path, tok):
