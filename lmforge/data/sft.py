@@ -160,12 +160,15 @@ def resolve_chat_template(setting: str, tokenizer: Tokenizer, folder: str | Path
 
 
 def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, template: ChatTemplate | None,
-                      assistant_only_loss: bool = True, prompt_template: str | None = None
-                      ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(input_ids, labels) per example, rendered by `template` (None: the built-in of each example's kind)."""
+                      assistant_only_loss: bool = True, prompt_template: str | None = None,
+                      context_answers: Sequence[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids, labels) per example, rendered by `template` (None: the built-in of each example's kind).
+
+    context_answers: per example, how many of its first assistant messages are context, not trained on (a DPO
+    prompt's earlier turns)."""
     builtins: dict[str, ChatTemplate] = {}
     chats = []
-    for kind, messages, where in examples:
+    for e, (kind, messages, where) in enumerate(examples):
         t = template
         if t is None:
             name = KIND_TEMPLATE[kind]
@@ -177,6 +180,8 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, templat
             pieces = t.pieces(messages, False)
         except TemplateRefused as e:
             raise UserError(f"{where}: the chat template cannot render this chat ({e})") from None
+        if context_answers and context_answers[e]:
+            pieces = _drop_spans(pieces, context_answers[e])
         last = max((i for i, (_, in_span) in enumerate(pieces) if in_span), default=None)
         if last is None:
             raise UserError(f"{where}: the chat template marks no assistant tokens in this chat: check that it "
@@ -190,6 +195,17 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, templat
             labels[~np.array(mask, bool)] = IGNORE_INDEX
         labels[0] = IGNORE_INDEX  # see the module docstring: never learn across a packing boundary
         out.append((ids_array, labels))
+    return out
+
+
+def _drop_spans(pieces: list, count: int) -> list:
+    """`pieces` with their first `count` assistant spans marked out of span."""
+    out, spans, inside = [], 0, False
+    for p, in_span in pieces:
+        if in_span and not inside:
+            spans += 1
+        inside = in_span
+        out.append((p, in_span and spans > count))
     return out
 
 

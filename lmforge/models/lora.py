@@ -6,7 +6,8 @@ so at initialisation the model computes exactly what the base computes (PEFT's d
 edited: `apply_lora` swaps each targeted nn.Linear for a LoRALinear holding the same weight and bias tensors (so the
 base keeps its parameter names, checkpoints and Hugging Face mapping) plus `lora_A.<part>` and `lora_B.<part>`.
 
-Targets, by their usual short names (`LoRAConfig.targets`, or "all-linear" for all of them):
+Targets, by their usual short names (`LoRAConfig.targets`; "all-linear" for all of them; "default" for PEFT's
+default: q and v, or the fused qkv where Hugging Face fuses it):
 
     q, k, v        the query, key and value rows of the fused `attn.qkv` projection
     o              attn.proj
@@ -25,7 +26,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,9 @@ class LoRAConfig:
     rank: int = 8
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapters' input
-    targets: list[str] | str = field(default_factory=lambda: ["q", "v"])  # short names, "q,v", or "all-linear"
+    # Short names ("q,v", a list), "all-linear", or "default": PEFT's default for the family, q and v (the fused qkv
+    # projection where Hugging Face has one).
+    targets: list[str] | str = "default"
     bf16_base: bool = False  # hold the frozen base in bf16 (adapters stay fp32)
 
     def __post_init__(self) -> None:
@@ -61,10 +64,10 @@ class LoRAConfig:
             raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         names = self.targets.split(",") if isinstance(self.targets, str) else list(self.targets)
         names = [n.strip() for n in names if n.strip()]
-        unknown = [n for n in names if n not in TARGETS and names != ["all-linear"]]
+        unknown = [n for n in names if n not in TARGETS and names not in (["all-linear"], ["default"])]
         if unknown or not names:
             raise UserError(f"lora.targets: unknown target {unknown[0] if unknown else '(none)'!r}: choose from "
-                            f"{', '.join(TARGETS)} (comma-separated) or all-linear")
+                            f"{', '.join(TARGETS)} (comma-separated), all-linear or default")
         self.targets = list(dict.fromkeys(names))
 
     @property
@@ -167,8 +170,12 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> dict[str, list[str]]:
     """Module name -> the adapter parts to add there (a UserError naming the targets that match nothing)."""
     cfg: ModelConfig = model.config
     modules = dict(model.named_modules())
-    targets = [t for t in TARGETS if _has(modules, TARGETS[t])] if lora.targets == ["all-linear"] else lora.targets
     fused = qkv_fused_in_hf(cfg)
+    targets = lora.targets
+    if targets == ["all-linear"]:
+        targets = [t for t in TARGETS if _has(modules, TARGETS[t])]
+    elif targets == ["default"]:
+        targets = list(QKV) if fused else ["q", "v"]
     wanted_qkv = [t for t in QKV if t in targets]
     if fused and wanted_qkv and len(wanted_qkv) < 3:
         raise UserError(f"lora.targets: {cfg.family} keeps q, k and v in one projection (as Hugging Face does), so "

@@ -128,6 +128,11 @@ class CheckpointConfig:
 
 
 @dataclass
+class DPOConfig:
+    beta: float = 0.1  # how far the policy may move from the reference (Rafailov et al. 2023; TRL's default)
+
+
+@dataclass
 class CostConfig:
     usd_per_hour: float = 0.0  # price of one node (machine), for tokens per dollar
     peak_flops: float | None = None  # per process; default: measured (CPU) or datasheet (GPU)
@@ -205,6 +210,7 @@ class RunConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None  # a `lora:` section (e.g. lora.rank=8) trains adapters on a frozen base
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # data.task=dpo
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:

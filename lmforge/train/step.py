@@ -85,6 +85,11 @@ def check_pipeline_batch(layout: ParallelConfig, grad_accum: int, micro_batch_si
     return dataclasses.replace(layout, microbatches=n)
 
 
+def as_stats(value) -> tuple:
+    """A task's statistics as a tuple (one statistic comes as a plain number)."""
+    return value if isinstance(value, tuple) else (value,)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A loss that loss_parallel returned as a replicated DTensor, as a plain tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -189,6 +194,7 @@ class ParallelTraining:
         """
         dp, pm = self.dp_size, self.pm
         total = torch.zeros((), dtype=torch.float64, device=pm.device)
+        stats = torch.zeros(1 + self.task.num_stats, dtype=torch.float64, device=pm.device)  # count, task stats
         if pm.pipelined:
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                 return logits_loss(logits, labels) / count * dp
@@ -199,18 +205,20 @@ class ParallelTraining:
         else:
             for i, batch in enumerate(micro):
                 with gradient_sync(pm.parts[0], i == len(micro) - 1), pm.loss_context():
-                    loss, _, _ = self.micro_loss(self._inputs([batch]))
+                    loss, items, task_stats = self.micro_loss(self._inputs([batch]))
                     loss = loss / count * dp
                     loss.backward()
                 total += _local(loss).detach().double()
-        loss = all_reduce_data_parallel(total.reshape(1), self.mesh).item() / dp
-        return loss, clip_grad_norm_(pm, max_norm)
+                stats += torch.tensor([items, *as_stats(task_stats)], dtype=torch.float64, device=pm.device)
+        reduced = all_reduce_data_parallel(torch.cat([total.reshape(1), stats]), self.mesh).tolist()
+        self.step_stats = reduced[1:]  # the step's global count and task statistics (none under a pipeline)
+        return reduced[0] / dp, clip_grad_norm_(pm, max_norm)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
         """[summed loss, items scored, correct predictions] over the data-parallel ranks' batches."""
         per_call = self.layout.num_microbatches if self.pm.pipelined else 1
-        sums = torch.zeros(3, dtype=torch.float64, device=self.pm.device)
+        sums = torch.zeros(2 + self.task.num_stats, dtype=torch.float64, device=self.pm.device)
         pending: list[dict[str, torch.Tensor]] = []
         self.pm.eval()
         for batch in batches:
@@ -223,7 +231,8 @@ class ParallelTraining:
             else:
                 with self.pm.loss_context():
                     loss, count, correct = self.micro_loss(batch)
-            sums += torch.tensor([_local(loss).item(), count, correct], dtype=torch.float64, device=sums.device)
+            sums += torch.tensor([_local(loss).item(), count, *as_stats(correct)], dtype=torch.float64,
+                                 device=sums.device)
         self.pm.reshard()
         self.pm.train()
         return all_reduce_data_parallel(sums, self.mesh)

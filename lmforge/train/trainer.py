@@ -64,6 +64,7 @@ class Trainer:
         model.to(None if weights_from else self.world.device, precision.param_dtype)
         if cfg.lora is not None:
             apply_run_lora(model, cfg, layout)
+        self.task.prepare(model, cfg, layout, self.world.device)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
         if t.compile:
@@ -114,6 +115,7 @@ class Trainer:
                               dtype=torch.float64, device=self.world.device)
         counts = all_reduce_data_parallel(counts, self.training.mesh).tolist()
         loss, grad_norm = self.training.step(micro, counts[0], self.cfg.trainer.grad_clip)
+        task_metrics = self.task.train_metrics(*self.training.step_stats)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -124,7 +126,8 @@ class Trainer:
             log.warning("step %d: non-finite loss %s / grad norm %s: update skipped", self.state["step"], loss,
                         grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0, "_tokens": counts[1]}
+        return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0, **task_metrics,
+                "_tokens": counts[1]}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -135,8 +138,8 @@ class Trainer:
         total = self.task.validation_samples(self.cfg, valid, unit)
         batches = micro_batches(valid, 0, total, t.micro_batch_size, self.dp_rank, self.dp_size, 0,
                                 self.data.collate)
-        loss_sum, count, correct = self.training.evaluate(batches).tolist()
-        return self.task.metrics(loss_sum, count, correct)
+        loss_sum, count, *stats = self.training.evaluate(batches).tolist()
+        return self.task.metrics(loss_sum, count, *stats)
 
     # -- the run ----------------------------------------------------------------------------
 

@@ -40,15 +40,23 @@ class TaskData:
 
 class Task:
     """One kind of run. The defaults are a language-model task (pretrain, sft, mlm): summed token
-    cross-entropy over labels != -100, validation loss and perplexity."""
+    cross-entropy over labels != -100, validation loss and perplexity.
+
+    A run gets its own instance (get_task), so a task may keep what build_data and prepare learn about the run."""
 
     name: ClassVar[str]
     # Fixed-length Megatron samples: no tokenizer needed, validation on a fixed number of samples
     # (the same ones every time), `lmforge pretrain` rather than `lmforge finetune`.
     pretraining: ClassVar[bool] = False
+    # How many statistics `loss` returns after the loss and the count (a tuple when more than one): summed over
+    # micro-batches and data-parallel ranks, then handed to `metrics` (validation) and `train_metrics` (each step).
+    num_stats: ClassVar[int] = 1
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         raise NotImplementedError
+
+    def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
+        """Called with the run's built model (adapters applied) before it is laid out over `layout`."""
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(input_ids, labels, keyword inputs) of a collated micro-batch: what the model is called with
@@ -77,6 +85,10 @@ class Task:
         """Validation metrics from the summed loss, items scored and correct predictions."""
         val_loss = loss_sum / count
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    def train_metrics(self, count: float, *stats: float) -> dict[str, float]:
+        """Metrics of a training step beyond its loss, from its global count and summed statistics."""
+        return {}
 
     def validation_samples(self, cfg: RunConfig, valid: Dataset, unit: int) -> int:
         """How many validation samples one validation reads, in whole steps of `unit` rows (micro-batch x

@@ -1,0 +1,148 @@
+"""Direct preference optimisation (Rafailov et al. 2023) on preference pairs, against a frozen reference.
+
+Per pair, with the summed log-probabilities of the chosen and rejected answers under the policy (pc, pr) and
+the reference (rc, rr), as TRL's DPOTrainer computes them (its default "sigmoid" loss):
+
+    loss = -log sigmoid(beta * ((pc - pr) - (rc - rr)))
+    reward_chosen = beta * (pc - rc),  reward_rejected = beta * (pr - rr)
+
+reported as reward_accuracy (the share of pairs where the chosen reward is the larger), reward_margin (chosen
+minus rejected) and the mean rewards, every step and at validation (val_*). The reference is, in this order: the
+log-probabilities in the data file (ref_chosen_logps / ref_rejected_logps), the base model without its adapters
+under LoRA (no second model), or a frozen copy of model.init_from. It runs in eval mode: no dropout.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from lmforge.errors import UserError
+from lmforge.models.decoder import Decoder
+from lmforge.models.layers import VocabProjection
+from lmforge.parallel.data_parallel import unwrap
+from lmforge.train.config import RunConfig
+from lmforge.train.loss import IGNORE_INDEX, linear_cross_entropy
+from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, require, total_samples, with_padding
+from lmforge.train.tasks.sft import SFT, run_chat_template
+
+log = logging.getLogger(__name__)
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, chosen reward, rejected reward) per pair from the four summed log-probabilities (TRL's sigmoid)."""
+    logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    losses = -F.logsigmoid(beta * logits)
+    return losses, (beta * (policy_chosen - ref_chosen)).detach(), (beta * (policy_rejected - ref_rejected)).detach()
+
+
+def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, inputs: dict,
+                   fused: bool = True) -> torch.Tensor:
+    """Summed log-probability of each row's labels (-100: not scored), (rows,) in fp32."""
+    inner = unwrap(model)
+    if fused and isinstance(inner, Decoder) and type(inner.vocab_projection) is VocabProjection:
+        def head_fn(h, weight, bias):  # the fused loss per row: no (rows, seq, vocab) logits
+            nll = partial(linear_cross_entropy, vocab_size=inner.config.vocab_size)
+            return -torch.stack([nll(h[i], weight, bias, labels[i]) for i in range(len(labels))])
+
+        return model(input_ids, **inputs, head_fn=head_fn)
+    logits = model(input_ids, **inputs).float()
+    scored = labels != IGNORE_INDEX
+    logp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    return (logp * scored).sum(-1)
+
+
+class DPO(Task):
+    name = "dpo"
+    num_stats = 4  # chosen reward > rejected, and the sums of the margin, the chosen and the rejected rewards
+
+    beta = 0.1
+    reference: torch.nn.Module | None = None
+    lora_reference = False
+
+    def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
+        from lmforge.data.dpo import PreferenceDataset
+
+        d = cfg.data
+        if d.packing:
+            raise UserError("data.packing applies to data.task=sft: preference pairs are not packed")
+        if cfg.dpo.beta <= 0:
+            raise UserError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
+        self.beta = cfg.dpo.beta
+        template = run_chat_template(cfg, tokenizer)
+
+        def make(path):
+            return PreferenceDataset(path, tokenizer, d.seq_length, d.truncate, template)
+
+        train = make(require(d.train_file, "data.train_file"))
+        valid = make(d.valid_file) if d.valid_file else None
+        self.precomputed = train.has_reference and (valid is None or valid.has_reference)
+        data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate,
+                        chat_template=train.export_template)
+        return with_padding(data, cfg)
+
+    def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
+        if layout.tensor > 1 or layout.pipeline > 1:
+            raise UserError("data.task=dpo with parallel.tensor or parallel.pipeline > 1 is not supported yet: use "
+                            "data parallelism (trainer.data_parallel=ddp or fsdp)")
+        if self.precomputed:
+            log.info("DPO reference: the log-probabilities in the data files")
+        elif cfg.lora is not None:
+            self.lora_reference = True
+            log.info("DPO reference: the base model without its adapters")
+        else:
+            from lmforge.models.source import load_pretrained
+
+            init_from = cfg.model.init_from
+            reference = load_pretrained(init_from) if init_from else copy.deepcopy(model)
+            self.reference = reference.to(device, cfg.precision.param_dtype).eval().requires_grad_(False)
+            log.info("DPO reference: a frozen copy of %s", init_from or "the initial model")
+
+    inputs = SFT.inputs
+
+    def count(self, batch: Batch) -> int:
+        return len(batch["input_ids"]) // 2  # pairs
+
+    def reference_logps(self, model: torch.nn.Module, batch: Batch, fused: bool) -> torch.Tensor:
+        if "ref_logps" in batch:
+            return batch["ref_logps"].float()
+        ids, labels, inputs = self.inputs(batch)
+        if self.reference is not None:
+            return sequence_logps(self.reference, ids, labels, inputs, fused)
+        from lmforge.models.lora import adapters_disabled
+
+        inner = unwrap(model)  # not through DDP: a forward without a backward
+        training = inner.training
+        inner.eval()
+        try:
+            with adapters_disabled(inner):
+                return sequence_logps(inner, ids, labels, inputs, fused)
+        finally:
+            inner.train(training)
+
+    def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True):
+        ids, labels, inputs = self.inputs(batch)
+        with torch.no_grad():
+            ref = self.reference_logps(model, batch, fused)
+        policy = sequence_logps(model, ids, labels, inputs, fused)
+        losses, chosen, rejected = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], self.beta)
+        stats = (int((chosen > rejected).sum()), float((chosen - rejected).sum()), float(chosen.sum()),
+                 float(rejected.sum()))
+        return losses.sum(), len(losses), stats
+
+    def metrics(self, loss_sum: float, count: float, correct: float, margin: float = 0.0, chosen: float = 0.0,
+                rejected: float = 0.0) -> dict[str, float]:
+        return {"val_" + k: v for k, v in self.train_metrics(count, correct, margin, chosen, rejected).items()} | {
+            "val_loss": loss_sum / count}
+
+    def train_metrics(self, count: float, *stats: float) -> dict[str, float]:
+        if not count or len(stats) < 4:
+            return {}
+        correct, margin, chosen, rejected = stats
+        return {"reward_accuracy": correct / count, "reward_margin": margin / count, "rewards_chosen": chosen / count,
+                "rewards_rejected": rejected / count}
