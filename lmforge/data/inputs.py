@@ -109,6 +109,9 @@ def _dataset_files(folder: Path) -> list[Source]:
                         "again, which writes the rows themselves")
     if not names:
         raise UserError(f"input {folder} is a datasets folder with no data files: save the dataset again")
+    if missing := next((n for n in names if not (folder / n).is_file()), None):
+        raise UserError(f"datasets folder {folder} lists {missing}, which is not there: copy the whole folder, or "
+                        "save the dataset again")
     return [_source(folder / name, "arrow") for name in names]
 
 
