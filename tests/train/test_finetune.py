@@ -91,7 +91,12 @@ def test_mlm_pretraining_of_a_tiny_bert(shared_data, tmp_path):
 
 def test_finetune_refuses_a_pretraining_config(tiny_corpus, tmp_path, capsys):
     assert main(["finetune", "/dev/null", "model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]"]) == 1
-    assert "got data.task=pretrain: set data.task=sft|classification|mlm" in capsys.readouterr().err
+    assert "got data.task=pretrain: set data.task=sft|classification|mlm|dpo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    shown = capsys.readouterr().out
+    assert all(key in shown for key in ("data.task", "data.chat_template", "data.assistant_only_loss", "lora.rank",
+                                        "lora.targets", "dpo.beta", "data.truncate", "hf-adapter"))
 
 
 @pytest.mark.slow
@@ -157,3 +162,42 @@ def test_chat_sft_export_serves_prompts_as_trained(tiny_gpt2, tmp_path):
     assert served == trained["input_ids"][:second_answer].tolist()
     tf = pytest.importorskip("transformers")
     assert tf.AutoTokenizer.from_pretrained(hf).chat_template == (hf / "chat_template.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_pythia(shared_data, tmp_path_factory):
+    """A random Pythia-shaped Hugging Face folder with the real GPT-NeoX-20B tokenizer: what the recipes take."""
+    import shutil
+
+    tf = pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("pythia") / "hf"
+    torch.manual_seed(0)
+    tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=50304, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, intermediate_size=64, rotary_pct=0.25,
+                                           max_position_embeddings=256)).save_pretrained(out)
+    shutil.copyfile(shared_data / "tokenizers" / "gpt-neox-20b" / "20B_tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["sft-pythia-160m", "lora-pythia-410m", "dpo-pythia-160m"])
+def test_fine_tuning_recipes_run_as_the_readme_says(recipe, tiny_pythia, tmp_path):
+    """Each recipe, with the README's command and a tiny model, trains and writes what the README says."""
+    from pathlib import Path
+
+    chats = [{"messages": [{"role": "user", "content": f"Spell {w}."}, {"role": "assistant", "content": " ".join(w)}]}
+             for w in ("cat", "dog", "owl", "bee", "elk", "ant")]
+    pairs = [{"prompt": f"Spell {w}.", "chosen": " ".join(w), "rejected": w} for w in ("cat", "dog", "owl", "bee")]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (pairs if recipe.startswith("dpo") else chats)))
+    run = tmp_path / "run"
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{recipe}.yaml"
+    code = main(["finetune", str(path), f"model.init_from={tiny_pythia}", f"data.train_file={data}",
+                 f"data.valid_file={data}", "data.seq_length=64", "trainer.max_steps=2", "trainer.global_batch_size=4",
+                 "trainer.micro_batch_size=2", "trainer.val_check_interval=2", "trainer.precision=fp32",
+                 "checkpoint.every_n_steps=0", "trainer.progress_bar=false", "cost.peak_flops=1e11", f"run_dir={run}"])
+    assert code == 0
+    assert (run / "hf" / "config.json").is_file() and (run / "hf" / "chat_template.jinja").is_file()
+    assert (run / "hf-adapter" / "adapter_config.json").is_file() == recipe.startswith("lora")
+    last = _rows(run)[-1]
+    assert ("val_reward_accuracy" in last) == recipe.startswith("dpo") and "val_loss" in last
