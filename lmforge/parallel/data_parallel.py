@@ -49,17 +49,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce/reduce-scatter on accumulation micro-batches but the last."""
-    if enabled:
-        yield
-    elif hasattr(model, "no_sync"):  # DDP
+    """DDP: skip the gradient all-reduce on accumulation micro-batches but the last. FSDP2 reduce-scatters every
+    micro-batch's gradients: skipping it would keep the whole model's unsharded gradients on every rank
+    between micro-batches (44 GiB for pythia-12b, lmforge plan shows), which is what FSDP exists to avoid."""
+    if not enabled and hasattr(model, "no_sync"):  # DDP
         with model.no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
     else:
         yield
