@@ -32,6 +32,7 @@ VERBS = {
     "tokenizer": Verb("tokenizer", "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE tokenizer"),
     "pretrain": Verb("pretrain", "pretrain or continue pretraining from a YAML recipe"),
     "finetune": Verb("pretrain", "fine-tune (SFT, classification, MLM) from a YAML recipe"),
+    "plan": Verb("plan", "trace one training step for N ranks on fake tensors: memory per device, device bugs"),
     "compile": Verb("compile", "warm the torch.compile cache that a following run reuses"),
     "import-hf": Verb("import_hf", "convert a Hugging Face model folder into an lmforge model folder"),
     "export-hf": Verb("export_hf", "write an lmforge model folder as a Hugging Face folder"),

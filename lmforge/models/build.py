@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -38,31 +39,84 @@ def build(
     with torch.device(device or "cpu"):
         model = cls(cfg)
     if str(device) != "meta":
-        if seed is not None:
-            torch.manual_seed(seed)
-        init_weights(model, cfg)
+        init_weights(model, cfg, seed)
     return model.to(dtype) if dtype is not None else model
 
 
-def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None) -> None:
     """Megatron/GPT-2 init: N(0, init_std), residual output projections scaled by 1/sqrt(2L),
-    zero biases, unit norms, zero vocabulary padding rows."""
+    zero biases, unit norms, zero vocabulary padding rows.
+
+    Each weight draws from a generator of its own, seeded from `seed` and the weight's name, on the CPU: a
+    weight has the same values whatever the device, and wherever it lives: whole in one process, or as
+    the local pieces of DTensors (tensor-parallel, FSDP) or pipeline stages on many ranks, each rank
+    filling only the pieces it holds (one whole weight is drawn at a time). Without `seed`, the global
+    CPU generator draws. Every parameter must be covered: a new kind of layer says how it starts."""
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    vocab = set(getattr(model, "vocab_parameters", ()))
+    done: set[int] = set()
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            std = out_std if name.endswith(("attn.proj", "mlp.down")) else cfg.init_std
-            nn.init.normal_(module.weight, 0.0, std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, cfg.init_std)
+        name = _model_name(name)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            key = f"{name}.weight"
+            std = out_std if isinstance(module, nn.Linear) and name.endswith(("attn.proj", "mlp.down")) else \
+                cfg.init_std
+            _fill_normal(module.weight, std, seed, key, cfg.vocab_size if key in vocab else None)
+            if getattr(module, "bias", None) is not None:
+                with torch.no_grad():
+                    module.bias.zero_()
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()  # norms, rotary frequencies, MLM bias
+        else:
+            continue
+        done.update(id(p) for p in module.parameters(recurse=False))
+    left = [n for n, p in model.named_parameters() if id(p) not in done]
+    if left:
+        raise RuntimeError(f"init_weights does not know how to initialise {left[0]}: give its module "
+                           "reset_parameters()")
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name in model.vocab_parameters:
-            if name in params:
-                params[name][cfg.vocab_size :].zero_()
+        for name in vocab:
+            if name in params and not name.endswith(".weight"):  # a vocabulary bias: its padding rows zero too
+                local, box = local_piece(params[name])
+                rows = box[0]
+                local[max(0, cfg.vocab_size - rows.start):].zero_()
+
+
+def _model_name(name: str) -> str:
+    """A module's name in the model, without the wrappers' prefixes (torch.compile, activation checkpointing)."""
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The tensor this process holds of `t` (a DTensor's local piece, else `t`), and which slices of the
+    whole tensor it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _fill_normal(weight: torch.Tensor, std: float, seed: int | None, key: str, real_rows: int | None) -> None:
+    """`weight` (or its local piece) <- its rows of one N(0, std) draw of the whole weight; rows from
+    `real_rows` on (vocabulary padding) zero."""
+    generator = None
+    if seed is not None:
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (1 << 63))
+    local, box = local_piece(weight)
+    if not local.numel():
+        return
+    whole = torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    if real_rows is not None:
+        whole[real_rows:].zero_()
+    with torch.no_grad():
+        local.copy_(whole[box])
 
 
 def num_parameters(model: nn.Module, exclude_vocab_padding: bool = True) -> int:

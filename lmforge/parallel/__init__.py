@@ -20,7 +20,7 @@ _EXPORTS = {
     "data_parallel_rank": "mesh",
     "ParallelModel": "compose", "parallelize": "compose",
     "pipeline_eval": "pipeline", "pipeline_step": "pipeline",
-    "load_sharded": "load", "meta_model": "load",
+    "init_sharded": "load", "load_sharded": "load", "materialize_empty": "load", "meta_model": "load",
     "clip_grad_norm_": "state", "grad_norm": "state", "load_model_state_dict": "state", "model_state_dict": "state",
 }
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
-from lmforge.models.build import build
+from lmforge.models.build import build, init_weights, local_piece
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import is_model_dir, read_config, safetensors_index
 from lmforge.models.source import RUN_OVERRIDES, is_checkpoint, load_checkpoint_model, source_config
@@ -84,6 +84,28 @@ def load_sharded(pm, source: str | Path) -> LoadStats:
     return stats
 
 
+def init_sharded(pm, seed: int) -> int:
+    """Allocate `pm`'s parts (a ParallelModel of a meta-built model) on its device and initialise the
+    pieces this rank holds, as build(config, seed=seed) initialises the whole model: each weight is
+    drawn whole on the CPU, one at a time, from its own generator (lmforge.models.build.init_weights),
+    and this rank keeps its rows and columns. Peak memory: this rank's shards plus one whole weight.
+    Returns the bytes this rank holds."""
+    cfg: ModelConfig = pm.parts[0].config
+    for part in pm.parts:
+        part.to_empty(device=pm.device)
+        init_weights(part, cfg, seed)
+    _recompute_buffers(pm)
+    held = allocated_bytes(pm)
+    log.info("initialised this rank's shards of a fresh model: %.1f MiB", held / MiB)
+    return held
+
+
+def materialize_empty(pm) -> None:
+    """Allocate `pm`'s parts on its device, uninitialised (a fake-tensor trace, which reads no values)."""
+    for part in pm.parts:
+        part.to_empty(device=pm.device)
+
+
 def local_tensors(pm) -> dict[str, torch.Tensor]:
     """This rank's parameters and persistent buffers under the model's names (DTensors where sharded)."""
     out: dict[str, torch.Tensor] = {}
@@ -107,12 +129,7 @@ def allocated_bytes(pm) -> int:
 
 def local_box(t: torch.Tensor) -> tuple[slice, ...]:
     """The slices of the global tensor that this rank's piece of `t` holds."""
-    if not isinstance(t, DTensor):
-        return tuple(slice(0, n) for n in t.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return local_piece(t)[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

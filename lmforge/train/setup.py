@@ -4,8 +4,10 @@ per-block switches (activation checkpointing, compilation) applied before any pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import resource
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmforge.devices import max_memory_allocated
 from lmforge.errors import UserError
-from lmforge.models import build
+from lmforge.models import build, init_weights
 from lmforge.models.config import ModelConfig
 from lmforge.models.source import is_checkpoint, load_pretrained, source_config, tokenizer_folder
 from lmforge.train.config import RunConfig
@@ -35,21 +37,33 @@ def with_head(model: torch.nn.Module, num_labels: int, seed: int) -> torch.nn.Mo
     return target
 
 
-def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False) -> tuple[torch.nn.Module, Path | None]:
+def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False, device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, Callable | None]:
     """The run's model: fresh from its config, or with the weights of model.init_from (an HF folder, an lmforge
     folder or a training checkpoint, at the run's config: dropout and vocabulary padding as the run says).
 
-    Returns (model, weights_from). meta=True (a layout that shards the model): with init_from, the model comes
-    on the meta device and weights_from names the source for each rank to read its own shards of after
-    parallelize (lmforge.parallel.load.load_sharded). A new head, or a checkpoint re-padded to another
-    vocabulary multiple, needs the whole model first: those are built whole as without meta."""
+    Returns (model, fill). meta=True (a layout that shards the model): the model comes on the meta device in
+    `dtype`, and fill(pm), called with it laid out (lmforge.train.step.ParallelTraining), gives each rank
+    its own shards only: initialised (init_sharded) or read from init_from (load_sharded). A new head, or a
+    checkpoint re-padded to another vocabulary multiple, needs the whole model first: those are built whole
+    as without meta. Otherwise fill is None and a fresh model is initialised straight on `device`, one
+    weight drawn on the CPU at a time: no process ever holds a whole fp32 copy on the CPU."""
+    from lmforge.parallel.load import init_sharded, load_sharded
+
     mcfg, section, seed = cfg.model.resolve(), cfg.model, cfg.trainer.seed
+    device = device or torch.device("cpu")
     if section.init_from is None:
-        return with_head(build(mcfg, seed=seed), num_labels, seed), None
+        fresh = dataclasses.replace(mcfg, num_labels=num_labels)
+        model = build(fresh, device="meta").to(dtype).train()
+        if meta:
+            return model, functools.partial(init_sharded, seed=seed)
+        model.to_empty(device=device)
+        init_weights(model, fresh, seed)
+        return model, None
     source = Path(section.init_from)
     repadded = mcfg.make_vocab_size_divisible_by != source_config(source).make_vocab_size_divisible_by
     if meta and mcfg.num_labels == num_labels and not (is_checkpoint(source) and repadded):
-        return build(mcfg, device="meta").train(), source
+        return build(mcfg, device="meta").to(dtype).train(), functools.partial(load_sharded, source=source)
     model = with_config(load_pretrained(source), mcfg).train()
     return with_head(model, num_labels, seed), None
 

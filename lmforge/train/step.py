@@ -18,8 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,8 +33,8 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.parallel import (
     ParallelConfig,
+    ParallelModel,
     all_reduce_data_parallel,
-    build_mesh,
     clip_grad_norm_,
     data_parallel_rank,
     load_model_state_dict,
@@ -45,11 +44,10 @@ from lmforge.parallel import (
     pipeline_step,
 )
 from lmforge.parallel.data_parallel import gradient_sync, unwrap
-from lmforge.parallel.load import load_sharded
 from lmforge.train.config import OptimConfig, Precision
 from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.optim import build_optimizer
-from lmforge.train.tasks import Task, logits_loss
+from lmforge.train.tasks import Task, count_tokens, logits_loss
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +129,14 @@ class PartOptimizers:
 class ParallelTraining:
     """A model laid out over the run's DeviceMesh (none for one process) and how the trainer drives it."""
 
-    def __init__(self, model: torch.nn.Module, layout: ParallelConfig, task: Task, optim: OptimConfig,
+    def __init__(self, model: torch.nn.Module, layout: ParallelConfig, mesh, task: Task, optim: OptimConfig,
                  precision: Precision, seed: int, seq_length: int, device: torch.device,
-                 weights_from: Path | None = None):
-        """`weights_from`: the folder to fill a meta-device `model` from once it is laid out, each rank
-        reading only its own shards (lmforge.parallel.load)."""
+                 fill: Callable[[ParallelModel], object] | None = None):
+        """`mesh`: build_mesh's for `layout` (None for one process). `fill`: what gives a meta-device `model`
+        its tensors once it is laid out, each rank only its own shards: lmforge.parallel.load.load_sharded
+        (weights from a folder or checkpoint) or init_sharded (a fresh model)."""
         mcfg: ModelConfig = model.config
-        self.mesh = build_mesh(layout, mcfg, device_type=device.type)
+        self.mesh = mesh
         if layout.tensor > 1 and layout.sequence_parallel and task.pretraining and seq_length % layout.tensor:
             raise UserError(f"data.seq_length {seq_length} is not divisible by parallel.tensor={layout.tensor}: "
                             "sequence parallelism splits each sequence evenly; change one, or set "
@@ -146,8 +145,8 @@ class ParallelTraining:
             log.warning("dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
                         "(the presets train without dropout)")
         self.pm = parallelize(model, layout, self.mesh, device=device)
-        if weights_from is not None:
-            load_sharded(self.pm, weights_from)
+        if fill is not None:
+            fill(self.pm)
         self.layout, self.task, self.seq_length = layout, task, seq_length
         self.autocast_dtype = precision.autocast_dtype
         self.fused_loss = True  # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
@@ -179,6 +178,14 @@ class ParallelTraining:
         batches = [pad_batch(b, length) for b in batches]
         batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]} if len(batches) > 1 else batches[0]
         return {k: v.to(self.pm.device, non_blocking=True) for k, v in batch.items()}
+
+    def global_counts(self, micro: list[dict[str, torch.Tensor]]) -> list[float]:
+        """[labelled items, tokens] of the step's micro-batches summed over the data-parallel ranks: what the
+        loss is normalised by, known before any backward (accumulation and data parallelism then give one
+        big batch's gradient)."""
+        counts = torch.tensor([sum(self.task.count(b) for b in micro), sum(count_tokens(b) for b in micro)],
+                              dtype=torch.float64)
+        return all_reduce_data_parallel(counts.to(self.pm.device), self.mesh).tolist()
 
     def micro_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
         """(summed loss, items, correct) of one micro-batch on the device, through the whole model (no pipeline)."""
@@ -231,8 +238,8 @@ class ParallelTraining:
             else:
                 with self.pm.loss_context():
                     loss, count, correct = self.micro_loss(batch)
-            sums += torch.tensor([_local(loss).item(), count, *as_stats(correct)], dtype=torch.float64,
-                                 device=sums.device)
+            sums += torch.tensor([_local(loss).item(), count, *as_stats(correct)], dtype=torch.float64).to(
+                sums.device)
         self.pm.reshard()
         self.pm.train()
         return all_reduce_data_parallel(sums, self.mesh)

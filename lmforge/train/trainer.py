@@ -20,7 +20,7 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.data_parallel import init_world
-from lmforge.parallel.mesh import all_reduce_data_parallel
+from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, to_yaml
 from lmforge.train.data import micro_batches
@@ -37,7 +37,7 @@ from lmforge.train.setup import (
     use_compile_cache,
 )
 from lmforge.train.step import ParallelTraining, check_pipeline_batch
-from lmforge.train.tasks import count_tokens, get_task
+from lmforge.train.tasks import get_task
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +52,19 @@ class Trainer:
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
         self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining)
         self.data = self.task.build_data(cfg, self.tokenizer)
-        # A layout that shards the model gets an init_from model on the meta device: each rank reads only its shards.
-        # (LoRA wraps the whole model before it is laid out: no meta-device load then.)
-        model, weights_from = init_model(cfg, self.data.num_labels, meta=layout.shards_model and cfg.lora is None)
-        self.mcfg: ModelConfig = model.config
         t, precision = cfg.trainer, cfg.precision
+        torch.manual_seed(t.seed)  # dropout masks and data order: the same run draws the same (weights seed their own)
+        # A layout that shards the model gets it on the meta device: each rank fills only its own shards.
+        # (LoRA wraps the whole model before it is laid out: no meta-device model then.)
+        model, fill = init_model(cfg, self.data.num_labels, meta=layout.shards_model and cfg.lora is None,
+                                 device=self.world.device, dtype=precision.param_dtype)
+        self.mcfg: ModelConfig = model.config
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
         layout = check_pipeline_batch(layout, self.grad_accum, t.micro_batch_size, t.global_batch_size,
                                       layout.data_parallel)
         check_tokenizer(self.tokenizer, self.mcfg)
-        model.to(None if weights_from else self.world.device, precision.param_dtype)
+        if fill is None:
+            model.to(self.world.device, precision.param_dtype)
         if cfg.lora is not None:
             apply_run_lora(model, cfg, layout)
         self.task.prepare(model, cfg, layout, self.world.device)
@@ -75,8 +78,9 @@ class Trainer:
             for block in model.layers:
                 block.compile(backend=t.compile_backend)
         self.layout = layout
-        self.training = ParallelTraining(model, layout, self.task, cfg.optim, precision, t.seed, cfg.data.seq_length,
-                                         self.world.device, weights_from=weights_from)
+        mesh = build_mesh(layout, self.mcfg, device_type=self.world.device.type)
+        self.training = ParallelTraining(model, layout, mesh, self.task, cfg.optim, precision, t.seed,
+                                         cfg.data.seq_length, self.world.device, fill=fill)
         self.optimizer = self.training.optimizer
         self.dp_rank, self.dp_size = self.training.dp_rank, self.training.dp_size
         c = cfg.checkpoint
@@ -109,11 +113,7 @@ class Trainer:
 
     def train_step(self, batches) -> dict[str, float]:
         micro = [next(batches) for _ in range(self.grad_accum)]
-        # Normalise by the step's global count of labelled items (tokens, or examples), known before
-        # any backward: accumulation and data parallelism then give one big batch's gradient.
-        counts = torch.tensor([sum(self.task.count(b) for b in micro), sum(count_tokens(b) for b in micro)],
-                              dtype=torch.float64, device=self.world.device)
-        counts = all_reduce_data_parallel(counts, self.training.mesh).tolist()
+        counts = self.training.global_counts(micro)
         loss, grad_norm = self.training.step(micro, counts[0], self.cfg.trainer.grad_clip)
         task_metrics = self.task.train_metrics(*self.training.step_stats)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)

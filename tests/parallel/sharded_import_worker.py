@@ -158,7 +158,7 @@ def run_trainer(spec: dict) -> None:
     finally:
         setup.load_pretrained = original
     init_model = trainer.init_model
-    trainer.init_model = lambda cfg, num_labels=0, meta=False: init_model(cfg, num_labels, meta=False)
+    trainer.init_model = lambda cfg, num_labels=0, meta=False, **kw: init_model(cfg, num_labels, meta=False, **kw)
     try:
         trainer.Trainer(load_run_config(None, [*spec["args"], f"run_dir={spec['dir']}/whole"])).fit()
     finally:

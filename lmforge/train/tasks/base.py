@@ -63,6 +63,16 @@ class Task:
         and what its output is scored against (logits_loss)."""
         return batch["input_ids"], batch["labels"], {"attention_mask": batch["attention_mask"]}
 
+    # The labels of the model's classification head (0: an LM head), for a run planned without its data.
+    example_labels: ClassVar[int] = 0
+
+    def example_batch(self, rows: int, length: int, vocab_size: int, device: torch.device) -> Batch:
+        """A collated micro-batch of this task's form, `rows` x `length` tokens, made on `device` (lmforge plan
+        traces a step on it): every position a real, scored token."""
+        ids = torch.randint(0, vocab_size, (rows, length), device=device)
+        return {"input_ids": ids, "labels": ids.clone(),
+                "attention_mask": torch.ones(rows, length, dtype=torch.long, device=device)}
+
     def count(self, batch: Batch) -> int:
         """What a step's loss is normalised by: the labelled tokens."""
         return int((self.inputs(batch)[1] != IGNORE_INDEX).sum())

@@ -1,0 +1,232 @@
+"""`lmforge plan`: one training step of a run traced for N ranks on fake tensors, before paying for them.
+
+The step is the run's own code (lmforge.train.step.ParallelTraining: parallelize, the step's label
+count reduced over the data ranks, forward and backward through the task's loss or the pipeline
+schedule, global-norm clipping, the optimizer step) on fake tensors of the target device with a fake
+process group (lmforge.parallel.fake): nothing is computed or allocated, and a 20B-parameter layout
+over 128 ranks is traced on a laptop in seconds. What it tells:
+
+- per rank, the bytes of parameters (and buffers), gradients, optimizer state, activations (what the
+  forward and backward hold beyond parameters and gradients at their peak: saved activations,
+  temporaries, FSDP's gathered parameters) and the peak of all tensors alive at once, counted as the
+  device's caching allocator would hand them out (no fragmentation, no CUDA context, no NCCL buffers:
+  leave a few GiB of headroom). From the second step on the optimizer state lives through the
+  forward and backward: the peak counts it there;
+- that the step runs on the device: a tensor on the wrong device in an op or in a collective fails
+  here as it would at step 1 on the cluster.
+
+One rank per pipeline stage is traced (the data- and tensor-parallel ranks of a stage hold the same
+shapes). A step's micro-batches beyond the first two repeat the first's memory (gradients
+accumulate in place), so at most two are traced; under a pipeline the schedule runs with 2 x stages
+microbatches (1F1B and interleaved 1F1B reach their steady state within them; GPipe keeps every
+microbatch's activations, so its activations are scaled to the step's count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmforge.errors import UserError
+from lmforge.train.config import RunConfig, parallel_layout
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# A model deeper than 2 x SHALLOW blocks per pipeline chunk is traced at SHALLOW and 2 x SHALLOW blocks and its bytes
+# extrapolated (linear in the blocks): the step's cost no longer grows with the depth.
+SHALLOW = 2
+CATEGORIES = ("params", "grads", "optimizer", "activations", "peak")
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    stage: int  # the pipeline rank
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    peak: int
+
+    def bytes(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in CATEGORIES}
+
+
+@dataclass
+class Plan:
+    world_size: int
+    device: str  # what was planned for ("cuda")
+    traced_on: str  # the device the trace ran on ("cuda", or the stand-in "fakegpu")
+    layout: dict
+    microbatches: int  # per step and data-parallel rank
+    traced_microbatches: int
+    ranks: list[RankPlan]
+    layers: int  # blocks per pipeline chunk (the whole model without a pipeline)
+    traced_layers: list[int]  # the depths traced (two: extrapolated to `layers`)
+    seconds: float
+    device_memory: int | None = None
+
+    def per_rank_bytes(self) -> dict[str, int]:
+        """Each category's most over the ranks (the rank that sizes the job)."""
+        return {k: max(getattr(r, k) for r in self.ranks) for k in CATEGORIES}
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, "device": self.device, "per_rank_bytes": self.per_rank_bytes(),
+                "ranks": [{"rank": r.rank, "stage": r.stage, **r.bytes()} for r in self.ranks],
+                "layout": self.layout, "microbatches": self.microbatches,
+                "traced_microbatches": self.traced_microbatches, "traced_on": self.traced_on,
+                "layers_per_chunk": self.layers, "traced_layers_per_chunk": self.traced_layers,
+                "device_memory": self.device_memory, "seconds": round(self.seconds, 2)}
+
+
+def parse_memory(text: str) -> int:
+    """'80GB', '80 GiB', '79.6GiB', '8e10' (bytes) or a bare '80' (GiB) as bytes."""
+    units = {"": GiB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+             "gib": GiB, "tib": 1 << 40}
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if m is None or m.group(2) not in units:
+        raise UserError(f"--device-memory {text!r}: expected a size such as 80GiB, 80GB or 80 (GiB)")
+    unit = units[m.group(2)] if m.group(2) or "e" not in m.group(1) else 1
+    return int(float(m.group(1)) * unit)
+
+
+def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memory: int | None = None) -> Plan:
+    """Trace one training step of `cfg` over `world_size` ranks computing on `device`; a UserError if a rank's
+    peak exceeds `device_memory` bytes."""
+    from lmforge.parallel.fake import trace_device
+    from lmforge.train.setup import check_fit
+    from lmforge.train.step import check_pipeline_batch
+    from lmforge.train.tasks import get_task
+
+    started = time.perf_counter()
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device!r}: not a device torch knows: use cuda, cpu or another accelerator "
+                        "type") from None
+    if world_size < 1:
+        raise UserError(f"--world-size must be >= 1, got {world_size}")
+    task = get_task(cfg.data.task)
+    layout = parallel_layout(cfg, world_size)
+    mcfg = dataclasses.replace(cfg.model.resolve(), num_labels=task.example_labels)
+    t = cfg.trainer
+    grad_accum = check_fit(cfg, mcfg, layout.data_parallel)
+    layout = check_pipeline_batch(layout, grad_accum, t.micro_batch_size, t.global_batch_size, layout.data_parallel)
+    traced, _ = trace_device(device_type)
+    if layout.pipeline > 1:
+        raise UserError(f"lmforge plan does not trace pipeline layouts yet (parallel.pipeline={layout.pipeline}): "
+                        "torch's pipeline schedules agree on stage shapes by messages between the stages' ranks, "
+                        "which a one-process trace cannot answer; plan with parallel.pipeline=1 for now")
+    if layout.pipeline > 1:
+        # Enough microbatches for the schedule's steady state, a multiple of the stages (interleaved 1F1B).
+        n = min(grad_accum, 2 * layout.pipeline)
+        traced_layout = dataclasses.replace(layout, microbatches=n)
+    else:  # FSDP keeps unsharded gradients between micro-batches: the second shows them; elsewhere one repeats
+        n, traced_layout = min(grad_accum, 2 if layout.data_shard > 1 else 1), layout
+    chunks = layout.pipeline * layout.virtual_stages
+    per_chunk = mcfg.num_layers // chunks
+    depths = [per_chunk] if per_chunk <= 2 * SHALLOW else [SHALLOW, 2 * SHALLOW]
+    per_stage = world_size // layout.pipeline
+    ranks = []
+    for stage in range(layout.pipeline):
+        traces = [_trace_rank(cfg, dataclasses.replace(mcfg, num_layers=d * chunks), task, traced_layout, n, traced,
+                              world_size, stage * per_stage, stage) for d in depths]
+        ranks.append(traces[0] if len(traces) == 1 else _extrapolate(traces, depths, per_chunk))
+    if layout.pipeline > 1 and layout.pipeline_schedule == "gpipe" and grad_accum > n:
+        for r in ranks:  # GPipe holds every microbatch's activations until the backward
+            extra = r.activations * (grad_accum - n) // n
+            r.activations += extra
+            r.peak += extra
+    result = Plan(world_size, device_type, traced.type, _layout_dict(layout), grad_accum, n, ranks, per_chunk, depths,
+                  time.perf_counter() - started, device_memory)
+    if device_memory is not None:
+        check_memory(result, device_memory)
+    return result
+
+
+def _extrapolate(traces: list[RankPlan], depths: list[int], layers: int) -> RankPlan:
+    """The rank's bytes at `layers` blocks per stage from traces at two depths: every block holds the same
+    tensors, so each category is a + b x blocks exactly."""
+    (lo, hi), (d1, d2) = traces, depths
+
+    def at(k: str) -> int:
+        a, b = getattr(lo, k), getattr(hi, k)
+        return a + (b - a) * (layers - d1) // (d2 - d1)
+
+    return RankPlan(lo.rank, lo.stage, **{k: at(k) for k in CATEGORIES})
+
+
+def check_memory(plan: Plan, device_memory: int) -> None:
+    worst = max(plan.ranks, key=lambda r: r.peak)
+    if worst.peak <= device_memory:
+        return
+    parts = ", ".join(f"{k} {getattr(worst, k) / GiB:.1f}" for k in CATEGORIES[:-1])
+    raise UserError(f"rank {worst.rank} (pipeline stage {worst.stage}) needs {worst.peak / GiB:.1f} GiB at its peak "
+                    f"({parts} GiB), more than --device-memory {device_memory / GiB:.1f} GiB: shard the model "
+                    "(trainer.data_parallel=fsdp, parallel.tensor or parallel.pipeline), lower "
+                    "trainer.micro_batch_size, or set trainer.activation_checkpointing=true")
+
+
+def _layout_dict(layout) -> dict:
+    return {"pipeline": layout.pipeline, "data_replicate": layout.data_replicate, "data_shard": layout.data_shard,
+            "tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel and layout.tensor > 1,
+            "pipeline_schedule": layout.pipeline_schedule if layout.pipeline > 1 else None,
+            "virtual_stages": layout.virtual_stages}
+
+
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            seen[id(t)] = local
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device, world_size: int, rank: int,
+                stage: int) -> RankPlan:
+    """One step of rank `rank` under the fake world (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lmforge.models import build
+    from lmforge.parallel.fake import TraceMode, fake_world
+    from lmforge.parallel.load import allocated_bytes, materialize_empty
+    from lmforge.parallel.mesh import build_mesh
+    from lmforge.train.setup import apply_activation_checkpointing
+    from lmforge.train.step import ParallelTraining
+
+    t, precision = cfg.trainer, cfg.precision
+    with fake_world(device, world_size, rank):
+        mesh = build_mesh(layout, mcfg, world_size=world_size, device_type=device.type)
+        model = build(mcfg, device="meta").to(precision.param_dtype).train()
+        if t.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, TraceMode(device, fake) as trace:
+            training = ParallelTraining(model, layout, mesh, task, cfg.optim, precision, t.seed, cfg.data.seq_length,
+                                        device, fill=materialize_empty)
+            del model
+            params = allocated_bytes(training.pm)
+            trace.reset_peak()
+            trace.at_backward = None
+            micro = [task.example_batch(t.micro_batch_size, cfg.data.seq_length, mcfg.vocab_size, device)
+                     for _ in range(n)]
+            counts = training.global_counts(micro)
+            training.step(micro, counts[0], t.grad_clip)
+            step_peak = trace.peak
+            grads = _local_bytes(p.grad for part in training.pm.parts for p in part.parameters())
+            training.optimizer.step()
+            optimizer = _local_bytes(v for o in training.optimizer.optimizers for state in o.state.values()
+                                     for v in state.values())
+            optimizer_peak = trace.peak
+            training.optimizer.zero_grad(set_to_none=True)
+    activations = max(0, (trace.at_backward or params) - params)
+    return RankPlan(rank, stage, params, grads, optimizer, activations, max(step_peak + optimizer, optimizer_peak))
