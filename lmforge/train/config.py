@@ -175,6 +175,9 @@ class ModelSection:
                 raise UserError(f"with model.init_from only {sorted(RUN_OVERRIDES)} may be overridden, got "
                                 f"{sorted(overrides)}: the source folder defines the model")
         else:
+            if not {"family", "hidden_size", "num_layers"} & set(overrides):
+                raise UserError("the recipe names no model: set model.init_from=FOLDER (a Hugging Face or lmforge "
+                                "folder, or a training checkpoint) or model.preset=NAME")
             config = from_dict(ModelConfig, overrides, where="model.")
         return cls(preset=name, init_from=init_from, overrides=overrides, config=config)
 

@@ -128,6 +128,8 @@ def test_deep_models_extrapolate_to_the_full_trace(monkeypatch):
 
 
 def test_bad_input_is_one_line():
+    with pytest.raises(UserError, match="the recipe names no model: set model.init_from=FOLDER"):
+        load_run_config(CONFIGS / "gpt-j-6b.yaml", [])
     with pytest.raises(UserError, match="does not divide the world size 3"):
         plan_run(_cfg("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"), 3, "cuda")
     with pytest.raises(UserError, match="--device 'nope'"):
@@ -145,7 +147,7 @@ def test_bad_input_is_one_line():
     ("pythia-6.9b.yaml", 16, []),
     ("llama2-7b-continued.yaml", 16, ["model.preset=llama-2-7b"]),
     ("pythia-12b.yaml", 8, ["trainer.data_parallel=fsdp"]),
-    ("gpt-j-6b.yaml", 8, []),
+    ("gpt-j-6b.yaml", 8, ["model.preset=gpt-j-6b"]),
     ("pythia-160m.yaml", 8, []),
 ])
 def test_recipes_at_their_world_size(recipe, world, overrides):
