@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,19 +124,45 @@ def local_task_names() -> list[str]:
 
 def evaluate(lm, tasks: Tasks, *, num_fewshot: int | None = None, limit: int | float | None = None,
              bootstrap_iters: int = 100000, log_samples: bool = False) -> dict[str, Any]:
-    """lm-eval's results dict (results, groups, configs, versions, n-shot, ...) for `tasks` on `lm`."""
+    """lm-eval's results dict (results, groups, configs, versions, n-shot, ...) for `tasks` on `lm`.
+
+    What lm-eval's simple_evaluate does, with its seeds and few-shot rules, less its environment report: that
+    runs torch's collect_env (pip, nvidia-smi, ... in subprocesses), seconds per call, in every in-training
+    eval. The config part says what was run instead."""
     import lm_eval
+    import numpy as np
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+    from lm_eval.evaluator import evaluate as run_tasks
+    from lm_eval.utils import set_torch_seed
+
+    from lmforge import __version__
 
     if num_fewshot is not None and num_fewshot < 0:
         raise UserError(f"--num-fewshot must be >= 0, got {num_fewshot}")
     if limit is not None and limit <= 0:
         raise UserError(f"--limit must be > 0, got {limit}")
+    start = time.time()
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    set_torch_seed(DEFAULT_OTHER_SEED)
     with _quiet_lm_eval():
-        results = lm_eval.simple_evaluate(model=lm, tasks=tasks.objects, task_manager=tasks.manager,
-                                          num_fewshot=num_fewshot, limit=limit, bootstrap_iters=bootstrap_iters,
-                                          log_samples=log_samples)
-    results["config"]["model"] = "lmforge"
-    results["config"]["model_args"] = getattr(lm, "name", None)
+        loaded = tasks.manager.load(tasks.objects)
+        for task in loaded["tasks"].values():
+            shots = task.get_config("num_fewshot")
+            if num_fewshot is not None and shots != 0:  # a task that says 0 keeps 0, as in simple_evaluate
+                task.set_config(key="num_fewshot", value=num_fewshot)
+            elif shots is None:
+                task.set_config(key="num_fewshot", value=0)
+            task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+        results = run_tasks(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
+                            log_samples=log_samples)
+    results["config"] = {
+        "model": "lmforge", "model_args": getattr(lm, "name", None), "batch_size": getattr(lm, "batch_size", None),
+        "device": str(lm.device), "limit": limit, "num_fewshot": num_fewshot, "bootstrap_iters": bootstrap_iters,
+        "random_seed": DEFAULT_RANDOM_SEED, "numpy_seed": DEFAULT_OTHER_SEED, "torch_seed": DEFAULT_OTHER_SEED,
+        "fewshot_seed": DEFAULT_OTHER_SEED, "lmforge_version": __version__, "lm_eval_version": lm_eval.__version__,
+    }
+    results["date"] = start
     return results
 
 

@@ -73,7 +73,7 @@ class LMForgeLM(TemplateLM):
                             f"{model.config.vocab_size}: evaluate the model with its own tokenizer")
         self.model, self.tokenizer = model, tokenizer
         self.name = str(pretrained) if pretrained is not None else "live-model"
-        self.batch_size_per_device = _batch_size(batch_size)
+        self.batch_size = _batch_size(batch_size)
         self.max_length = int(max_length) if max_length else model.config.max_position_embeddings
         self.max_gen_toks = int(max_gen_toks)
         self._device = next(model.parameters()).device
@@ -117,7 +117,7 @@ class LMForgeLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         with _progress(len(requests), "loglikelihood", disable_tqdm) as progress:
             results = score_requests(self.model, [(ctx, cont) for _, ctx, cont in requests],
-                                     batch_size=self.batch_size_per_device, max_length=self.max_length,
+                                     batch_size=self.batch_size, max_length=self.max_length,
                                      progress=progress)
         for (strings, _, _), answer in zip(requests, results):
             if strings is not None:
@@ -131,7 +131,7 @@ class LMForgeLM(TemplateLM):
                 windows.append(make_disjoint_window(window))
                 owner.append(i)
         with _progress(len(windows), "loglikelihood_rolling", disable_tqdm) as progress:
-            scores = score_requests(self.model, windows, batch_size=self.batch_size_per_device,
+            scores = score_requests(self.model, windows, batch_size=self.batch_size,
                                     max_length=self.max_length, progress=progress)
         totals = [0.0] * len(requests)
         for i, (logprob, _) in zip(owner, scores):
@@ -169,8 +169,8 @@ class LMForgeLM(TemplateLM):
         prompts = [self.tok_encode(req.args[0])[-room:] for req in requests]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         stops = eos_token_ids(self.model, self.tokenizer)
-        for start in range(0, len(order), self.batch_size_per_device):
-            batch = order[start : start + self.batch_size_per_device]
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
 
             def has_stop(row: int, ids: list[int]) -> bool:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
