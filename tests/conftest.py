@@ -68,6 +68,18 @@ def hf_tiny_configs() -> dict:
             vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, max_position_embeddings=128, original_max_position_embeddings=128,
             sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+        # Gemma 2: layer 0 local (8-token window), layer 1 global; caps low enough to bite on these scores/logits.
+        "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, intermediate_size=96, max_position_embeddings=128, query_pre_attn_scalar=24,
+            sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=1.5)),
+        # Gemma 3: per-head q/k norms; the local layer rotates with base 1e4, the global one with 1e6 scaled by 8.
+        "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, intermediate_size=96, max_position_embeddings=128, query_pre_attn_scalar=24,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(
             vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
         # Decoder sequence classification (GPT-2 on SST-2): a score head read at the last real token.

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from lmforge.config import closest
 from lmforge.errors import UserError
 
-FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3", "olmo2", "phi3")
+FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3", "olmo2", "phi3", "gemma2",
+            "gemma3_text")
 NORMS = ("layernorm", "rmsnorm")
 QK_NORMS = ("none", "head", "full")
 NORM_POSITIONS = ("pre", "post", "output", "sandwich")
@@ -23,7 +24,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 # Families whose Hugging Face config has no head_dim: it is always hidden_size // num_heads there.
 FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2", "olmo2", "phi3")
 # Families whose transformers config rejects hidden_size % num_heads != 0 even with an explicit head_dim.
-HEADS_DIVIDE_HIDDEN = ("llama",)
+HEADS_DIVIDE_HIDDEN = ("llama", "gemma2", "gemma3_text")
 
 
 @dataclass
@@ -82,6 +83,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     norm_position: str = "pre"  # "post" (BERT): norm(x + f(x)); "output" (OLMo 2): x + norm(f(x)); "sandwich" (Gemma)
     norm_scale_fp32: bool = False  # RMSNorm scales before casting back from fp32 (OLMo 2, Gemma), not after (Llama)
+    norm_unit_offset: bool = False  # RMSNorm scales by 1 + weight, the weight starting at 0 (Gemma)
     activation: str = "gelu"
     gated_mlp: bool = False  # SwiGLU: down(act(gate(x)) * up(x))
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x))  (NeoX, GPT-J)
@@ -92,6 +94,7 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rotary_interleaved: bool = False  # the HF checkpoint pairs dims (2i, 2i+1) (GPT-J), not (i, i+r/2)
     rope_scaling: RopeScaling | None = None  # context extension (Llama 3.1: llama3, factor 8)
+    rotary_base_local: float | None = None  # sliding-window layers' own plain rotary base (Gemma 3: 10,000)
     # Sliding-window attention (Mistral, Gemma 2/3): a token attends to itself and the sliding_window - 1 before
     # it, on the layers whose layer_types entry is "sliding_attention" (None: every layer once a window is set).
     sliding_window: int | None = None
@@ -105,6 +108,10 @@ class ModelConfig:
     mlp_bias: bool = True
     lm_head_bias: bool = False
     tie_embeddings: bool = False
+    scale_embeddings: bool = False  # input embeddings times sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: int | None = None  # attention scores scaled by its -1/2, not head_dim's (Gemma)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     causal: bool = True
     type_vocab_size: int = 0  # BERT token-type (segment) embeddings
     num_labels: int = 0  # > 0: sequence-classification head instead of the LM/MLM head

@@ -10,7 +10,14 @@ from torch import nn
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.kv_cache import KVCache
-from lmforge.models.layers import Block, VocabProjection, make_norm, padding_mask, window_band
+from lmforge.models.layers import (
+    Block,
+    SoftCappedVocabProjection,
+    VocabProjection,
+    make_norm,
+    padding_mask,
+    window_band,
+)
 from lmforge.models.rope import RotaryEmbedding
 
 
@@ -30,13 +37,17 @@ class Decoder(nn.Module):
         learned = cfg.position_embedding == "learned"
         self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
         self.rope = RotaryEmbedding(cfg) if cfg.position_embedding == "rotary" else None
+        # Gemma 3: the sliding-window layers rotate with their own base, unscaled.
+        self.rope_local = RotaryEmbedding(cfg, local=True) if self.rope is not None and cfg.rotary_base_local else None
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, cfg.window(i)) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = None
         if not cfg.tie_embeddings and not cfg.num_labels:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=cfg.lm_head_bias)
-        self.vocab_projection = VocabProjection(cfg.vocab_size)
+        softcap = cfg.final_logit_softcapping
+        self.vocab_projection = (SoftCappedVocabProjection(cfg.vocab_size, softcap) if softcap
+                                 else VocabProjection(cfg.vocab_size))
         # Sequence classification (GPT-2 on SST-2 ...): a bias-free score head on the last real token.
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
 
@@ -60,6 +71,8 @@ class Decoder(nn.Module):
                 positions = torch.arange(s, device=input_ids.device) if cache_position is None else cache_position
                 position_ids = positions.expand(b, s)
             x = self.embed(input_ids)
+            if self.config.scale_embeddings:  # Gemma: by sqrt(hidden) rounded to the embedding's dtype, as there
+                x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
             if self.pos_embed is not None:
                 x = x + self.pos_embed(position_ids)
             x = self.drop(x)
@@ -68,6 +81,7 @@ class Decoder(nn.Module):
             if position_ids is None and self.rope is not None:  # under SP x holds 1/TP of the sequence
                 raise ValueError("pipeline stages after the first need position_ids (pipeline_step passes them)")
         rope = self.rope(position_ids, x.dtype) if self.rope is not None else None
+        ropes = {None: rope, "local": self.rope_local(position_ids, x.dtype) if self.rope_local is not None else rope}
         if cache is not None:
             if cache_position is None:
                 raise ValueError("a KV cache needs cache_position: the slots the new tokens are written to")
@@ -75,7 +89,8 @@ class Decoder(nn.Module):
             slots = torch.arange(mask.shape[-1], device=mask.device)
             windowed = {w: mask & window_band(cache_position, slots, w) for w in self._windows()}
             for i, layer in enumerate(self.layers):
-                x = layer(x, rope, windowed.get(layer.attn.window, mask), cache.layer(i, cache_position))
+                x = layer(x, ropes[self._rope_of(layer)], windowed.get(layer.attn.window, mask),
+                          cache.layer(i, cache_position))
             return self.norm(x)
         mask = None
         if attention_mask is not None:  # (batch, seq) padding mask, or a ready (batch, 1, q, k) bool mask
@@ -84,8 +99,12 @@ class Decoder(nn.Module):
         s = position_ids.shape[-1] if position_ids is not None else x.shape[1]
         windowed = {w: self._window_mask(mask, s, w, x.device) for w in self._windows() if w < s}
         for layer in self.layers:
-            x = layer(x, rope, windowed.get(layer.attn.window, mask))
+            x = layer(x, ropes[self._rope_of(layer)], windowed.get(layer.attn.window, mask))
         return self.norm(x) if self.is_last else x
+
+    @staticmethod
+    def _rope_of(layer: nn.Module) -> str | None:
+        return "local" if layer.attn.window is not None else None
 
     def _windows(self) -> set[int]:
         return {layer.attn.window for layer in self.layers if layer.attn.window is not None}

@@ -18,20 +18,23 @@ from lmforge.models.rope import apply_rotary
 
 class RMSNorm(nn.Module):
     """Normalise in fp32 whatever the input dtype, then scale: in the input dtype after casting back (Llama), or
-    in fp32 before it (scale_fp32: OLMo 2, Gemma), which rounds once instead of twice in bf16."""
+    in fp32 before it (scale_fp32: OLMo 2, Gemma), which rounds once instead of twice in bf16. unit_offset
+    (Gemma): the scale is 1 + weight, the weight starting at zero (so weight decay pulls the scale toward 1)."""
 
-    def __init__(self, dim: int, eps: float, scale_fp32: bool = False):
+    def __init__(self, dim: int, eps: float, scale_fp32: bool = False, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.scale_fp32 = scale_fp32
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.scale_fp32, self.unit_offset = scale_fp32, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.unit_offset else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
         if self.scale_fp32:
             return (self.weight.float() * y).to(x.dtype)
         return self.weight * y.to(x.dtype)
@@ -40,7 +43,7 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = dim or cfg.hidden_size
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps, cfg.norm_scale_fp32)
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_scale_fp32, cfg.norm_unit_offset)
     return nn.LayerNorm(dim, eps=cfg.norm_eps)
 
 
@@ -93,6 +96,8 @@ class Attention(nn.Module):
         self.q_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.causal = cfg.causal
         self.dropout = cfg.attention_dropout
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None  # None: SDPA's
+        self.softcap = cfg.attn_logit_softcapping
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
@@ -124,21 +129,36 @@ class Attention(nn.Module):
             # buffer (the mask hides empty and padding slots): shapes never change from step to step.
             # enable_gqa lets SDPA share each key/value head among its query heads without a copy.
             cache.write(k, v)
-            y = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask, enable_gqa=self.q_per_kv > 1)
-            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+            k, v = cache.k, cache.v
+            if self.softcap is None:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.q_per_kv > 1,
+                                                   scale=self.scale)
+                return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if self.q_per_kv > 1:  # query head h reads key/value head h // q_per_kv
             k = k.repeat_interleave(self.q_per_kv, dim=1)
             v = v.repeat_interleave(self.q_per_kv, dim=1)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal and mask is None,
-        )
+        dropout = self.dropout if self.training else 0.0
+        if self.softcap is not None:
+            y = self._capped_attention(q, k, v, mask, causal=self.causal and cache is None, dropout=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                               is_causal=self.causal and mask is None, scale=self.scale)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
+    def _capped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          causal: bool, dropout: float) -> torch.Tensor:
+        """Gemma 2's soft-capped scores, cap * tanh(q.k * scale / cap), which SDPA has no place for: scores,
+        cap, mask, softmax in fp32, dropout, values, as transformers' eager attention does them."""
+        scores = (q @ k.transpose(-1, -2)) * (self.scale or self.head_dim ** -0.5)
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None and causal:
+            n, m = scores.shape[-2:]
+            mask = torch.ones(n, m, dtype=torch.bool, device=scores.device).tril(m - n)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        weights = F.dropout(weights, p=dropout, training=dropout > 0)
+        return weights @ v
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (batch, heads, seq, head_dim) and k normalised over each head, or over all heads at once."""
@@ -210,7 +230,8 @@ class Block(nn.Module):
 
 
 class VocabProjection(nn.Module):
-    """Logits over the real vocabulary: h @ weight[:vocab_size].T (+ bias[:vocab_size]).
+    """Logits over the real vocabulary: h @ weight[:vocab_size].T (+ bias[:vocab_size]), soft-capped when the
+    model says so (cap * tanh(logits / cap), Gemma 2).
 
     `weight` is the LM head or the tied input embedding, padded to padded_vocab_size rows; the
     padding rows are sliced off (a contiguous view, no copy) so they never reach a loss, a softmax or
@@ -225,6 +246,23 @@ class VocabProjection(nn.Module):
     def forward(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         v = self.vocab_size
         return F.linear(h, weight[:v], bias[:v] if bias is not None else None)
+
+
+class SoftCappedVocabProjection(VocabProjection):
+    """VocabProjection with the logits soft-capped. A type of its own: the fused linear cross-entropy
+    (lmforge.train.loss), which never forms the logits, runs for a plain VocabProjection only, so a
+    soft-capped model trains through its real logits."""
+
+    def __init__(self, vocab_size: int, softcap: float):
+        super().__init__(vocab_size)
+        self.softcap = softcap
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return soft_cap(super().forward(h, weight, bias), self.softcap)
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(logits / cap) * cap
 
 
 def padding_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:

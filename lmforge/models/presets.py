@@ -102,6 +102,36 @@ def _phi3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> Mode
     )
 
 
+def _gemma(family: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, window: int, pattern: int,
+           head_dim: int = 256, query_scalar: int = 256, vocab: int = 256000, **switches) -> ModelConfig:
+    # Gemma 2/3: sandwich norms scaling by 1 + weight, GeGLU, embeddings x sqrt(hidden), tied; one global
+    # (full-attention) layer per `pattern` layers, the others local (sliding window).
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return ModelConfig(
+        family=family, vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=ffn, norm="rmsnorm", norm_eps=1e-6,
+        norm_position="sandwich", norm_scale_fp32=True, norm_unit_offset=True, activation="gelu_tanh",
+        gated_mlp=True, sliding_window=window, layer_types=types, query_pre_attn_scalar=query_scalar,
+        attention_bias=False, mlp_bias=False, tie_embeddings=True, scale_embeddings=True, bos_token_id=2,
+        eos_token_id=1, pad_token_id=0, **switches,
+    )
+
+
+def _gemma2(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, **kw) -> ModelConfig:
+    # Gemma 2: local/global alternating, 4096-token window, scores capped at 50, logits at 30, 8k context.
+    return _gemma("gemma2", hidden, layers, heads, kv_heads, ffn, window=4096, pattern=2,
+                  max_position_embeddings=8192, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **kw)
+
+
+def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, window: int = 1024,
+            vocab: int = 262208, scaling: float | None = 8.0, **kw) -> ModelConfig:
+    # Gemma 3: five local layers per global one, per-head q/k norms, local rotary base 10k, global 1M
+    # (linearly scaled by 8 from 4B up, for 128k positions), no soft-capping.
+    return _gemma("gemma3_text", hidden, layers, heads, kv_heads, ffn, window=window, pattern=6, vocab=vocab,
+                  max_position_embeddings=131072 if scaling else 32768, qk_norm="head", rotary_base=1000000.0,
+                  rotary_base_local=10000.0, rope_scaling=RopeScaling("linear", scaling) if scaling else None, **kw)
+
+
 def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
         family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -166,6 +196,13 @@ PRESETS: dict[str, ModelConfig] = {
     "olmo-2-32b": _olmo2(5120, 64, 40, 27648, kv_heads=8),
     "phi-3-mini": _phi3(3072, 32, 32, 32, 8192),
     "phi-3-medium": _phi3(5120, 40, 40, 10, 17920),
+    "gemma-2-2b": _gemma2(2304, 26, 8, 4, 9216),
+    "gemma-2-9b": _gemma2(3584, 42, 16, 8, 14336),
+    "gemma-2-27b": _gemma2(4608, 46, 32, 16, 36864, head_dim=128, query_scalar=144),
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, window=512, vocab=262144, scaling=None),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240),
+    "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360),
+    "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, query_scalar=168),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -187,6 +224,12 @@ PRESETS: dict[str, ModelConfig] = {
                           eos_token_id=0, pad_token_id=1),
     "tiny-phi3": replace(_phi3(64, 2, 4, 2, 160), vocab_size=1000, max_position_embeddings=256, sliding_window=8,
                          eos_token_id=2, pad_token_id=0),
+    "tiny-gemma2": replace(_gemma2(64, 2, 4, 2, 160, head_dim=32, query_scalar=32, vocab=1000),
+                           sliding_window=8, max_position_embeddings=256),
+    "tiny-gemma3": replace(_gemma("gemma3_text", 64, 6, 4, 2, 160, window=8, pattern=3, head_dim=32,
+                                  query_scalar=32, vocab=1000, qk_norm="head", rotary_base=1000000.0,
+                                  rotary_base_local=10000.0, rope_scaling=RopeScaling("linear", 8.0)),
+                           max_position_embeddings=256),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),

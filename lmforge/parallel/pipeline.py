@@ -30,7 +30,7 @@ from torch import nn
 _FIRST = {"decoder": {"embed", "pos_embed", "drop"}, "bert": {"embeddings"}}
 _LAST = {"decoder": {"norm", "lm_head", "vocab_projection", "score"},
          "bert": {"mlm_head", "pooler", "classifier", "drop"}}
-_EVERY = {"decoder": {"rope"}, "bert": set()}
+_EVERY = {"decoder": {"rope", "rope_local"}, "bert": set()}
 
 
 class StageLayers(nn.Module):

@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
+from lmforge.models.layers import soft_cap
 
 
 class VocabParallelProjection(nn.Module):
@@ -52,10 +53,12 @@ class VocabParallelProjection(nn.Module):
     gathered and sliced to vocab_size, exactly the single-process output.
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, tp_mesh, input_layout, loss_parallel: bool):
+    def __init__(self, vocab_size: int, padded_vocab_size: int, tp_mesh, input_layout, loss_parallel: bool,
+                 softcap: float | None = None):
         super().__init__()
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
         self.tp_mesh, self.input_layout, self.loss_parallel = tp_mesh, input_layout, loss_parallel
+        self.softcap = softcap  # Gemma 2's logit cap, elementwise on each rank's shard (before the -inf padding)
 
     def _padding(self, dtype: torch.dtype, device: torch.device) -> DTensor:
         n = self.padded_vocab_size // self.tp_mesh.size()
@@ -69,6 +72,8 @@ class VocabParallelProjection(nn.Module):
             h = DTensor.from_local(h, self.tp_mesh, [self.input_layout], run_check=False)
         h = h.redistribute(self.tp_mesh, [Replicate()])
         logits = F.linear(h, weight, bias)
+        if self.softcap is not None:
+            logits = soft_cap(logits, self.softcap)
         if not self.loss_parallel:
             return logits.redistribute(self.tp_mesh, [Replicate()]).to_local()[..., : self.vocab_size]
         if self.padded_vocab_size > self.vocab_size:
@@ -192,7 +197,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
                                                             Replicate(), loss_parallel)
     elif getattr(model, "vocab_projection", None) is not None:
         model.vocab_projection = VocabParallelProjection(cfg.vocab_size, cfg.padded_vocab_size, tp_mesh, seq,
-                                                         loss_parallel)
+                                                         loss_parallel, cfg.final_logit_softcapping)
     replicate_remaining(model, tp_mesh)
     if sequence_parallel:
         first = getattr(model, "embeddings", None) or getattr(model, "embed", None)

@@ -311,3 +311,22 @@ def test_qwen2_window_on_the_upper_layers_only(tmp_path):
     after = tf.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
     for key in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"):
         assert before[key] == after[key], key
+
+
+# Rotary decoders whose transformers model takes any position id (GPT-J reads a fixed sin/cos table).
+LONG_POSITIONS = [f for f in DECODERS if not f.startswith(("gpt2", "gptj"))]
+
+
+@pytest.mark.parametrize("family", LONG_POSITIONS)
+def test_bf16_logits_at_long_positions_are_as_close_to_fp32_as_transformers_bf16(family, imported):
+    """At positions 4000+, where a rounded rotary angle is off by radians, our bf16 model is as close to the fp32
+    reference as transformers' own bf16 model (mean |error|; each rounds differently, neither is exact)."""
+    ref = make_hf_model(family)
+    ids = torch.randint(1, 300, (4, 64), generator=torch.Generator().manual_seed(6))
+    pos = (4000 + torch.arange(64)).expand(4, 64)
+    with torch.no_grad():
+        exact = _ref_logits(ref, ids, position_ids=pos)
+        theirs = _ref_logits(ref.to(torch.bfloat16), ids, position_ids=pos).float()
+        ours = load_pretrained(imported[family][1], dtype=torch.bfloat16)(ids, position_ids=pos).float()
+    their_err, our_err = (theirs - exact).abs().mean().item(), (ours - exact).abs().mean().item()
+    assert our_err <= 1.15 * their_err, (our_err, their_err)

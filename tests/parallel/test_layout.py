@@ -62,11 +62,13 @@ def test_interleaved_stage_assignment_is_looped():
 
 @pytest.mark.parametrize("name", ["tiny-neox", "tiny-llama", "tiny-gpt2", "tiny-gptj", "tiny-bert", "tiny-llama3",
                                   "tiny-qwen2", "tiny-mistral", "tiny-qwen3",
-                                  "tiny-olmo2", "tiny-phi3"])
+                                  "tiny-olmo2", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"])
 def test_stages_chained_equal_the_model(name):
     """The stages of every rank, run one after another, give the model's logits; every parameter
     keeps its model name (so DCP checkpoints move between pipeline layouts)."""
-    cfg = replace(preset(name), num_layers=4)
+    cfg = preset(name)
+    types = None if cfg.layer_types is None else (cfg.layer_types * 4)[:4]  # local/global layers: keep the pattern
+    cfg = replace(cfg, num_layers=4, layer_types=types)
     model = build(cfg, seed=0).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

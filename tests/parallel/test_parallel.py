@@ -34,6 +34,17 @@ TWO = {
     # Norms on the branch outputs (sequence-sharded under SP) and q/k norms over the whole, head-split projection.
     "tp_olmo2_sp": {"model": "tiny-olmo2", "parallel": {"tensor": 2}},
     "tp_olmo2_plain": {"model": "tiny-olmo2", "parallel": {"tensor": 2, "sequence_parallel": False}},
+    # Gemma 2: sandwich norms (1 + weight), embeddings x sqrt(hidden), local/global layers, capped scores and
+    # logits (caps low enough to bite at this init); Gemma 3: per-head q/k norms and the local layers' own rotary.
+    "tp_gemma2_sp": {"model": "tiny-gemma2", "parallel": {"tensor": 2},
+                     "model_overrides": {"attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.05}},
+    "tp_gemma2_plain": {"model": "tiny-gemma2", "parallel": {"tensor": 2, "sequence_parallel": False,
+                                                             "loss_parallel": False},
+                        "model_overrides": {"attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.05}},
+    # Its gradients are the largest here (embeddings x 8): their fp32 summation-order noise (~1e-6 relative, as
+    # everywhere) reaches Adam's first step amplified up to lr/eps = 10x near zero gradients, 1-3e-4 of a step.
+    "tp_gemma3_sp": {"model": "tiny-gemma3", "parallel": {"tensor": 2}, "adam_tol": 5e-4},
+    "pp_gemma3_1f1b": {"model": "tiny-gemma3", "parallel": {"pipeline": 2, "microbatches": 2}},
     "tp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
                            "parallel": {"tensor": 2, "sequence_parallel": False}},
     # Pipeline parallel, each schedule.
@@ -85,26 +96,26 @@ def four(tmp_path_factory):
     return _launch(4, FOUR, tmp_path_factory.mktemp("four"))
 
 
-def _check(r: dict) -> None:
+def _check(r: dict, adam_tol: float = 1e-4) -> None:
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
     assert r["eval_loss"] == pytest.approx(r["ref_loss"], rel=1e-5)  # forward-only (validation) path
     assert r["grad_err"] < 1e-5, r  # max |g - g_ref| / max |g_ref|, over every parameter
     assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
-    assert r["adam_err"] < 1e-4, r  # one AdamW (foreach) step on the sharded parameters moves them like the reference
-    assert r["adamwsr_err"] < 1e-4, r  # and so does lmforge's AdamWSR, shard by shard
+    assert r["adam_err"] < adam_tol, r  # one AdamW (foreach) step on the sharded parameters moves them like one process
+    assert r["adamwsr_err"] < adam_tol, r  # and so does lmforge's AdamWSR, shard by shard
     assert r["missing"] == []  # every parameter of the model is held (and compared) by some rank
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(TWO))
 def test_two_processes_equal_one(two, layout):
-    _check(two[layout])
+    _check(two[layout], TWO[layout].get("adam_tol", 1e-4))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(FOUR))
 def test_four_processes_equal_one(four, layout):
-    _check(four[layout])
+    _check(four[layout], FOUR[layout].get("adam_tol", 1e-4))
 
 
 @pytest.mark.slow

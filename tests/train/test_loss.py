@@ -143,3 +143,22 @@ def test_task_loss_through_the_model_equals_the_plain_path(preset, task):
     assert gf.keys() == gp.keys()
     for name in gp:  # fp32 rounding only: relative to each gradient's scale
         assert (gf[name] - gp[name]).abs().max() <= 1e-5 * gp[name].abs().max(), name
+
+
+def test_soft_capped_logits_are_what_training_scores():
+    """Gemma 2 caps its logits: the task loss (fused or not) is the cross-entropy of the capped logits."""
+    model = build("tiny-gemma2", seed=0)
+    with torch.no_grad():
+        model.embed.weight.mul_(30)  # logits of several units, which a cap of 1 squeezes hard
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, 1)
+    model.config.final_logit_softcapping = model.vocab_projection.softcap = 1.0
+    with torch.no_grad():
+        logits = model(tokens)
+        expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        uncapped = F.cross_entropy(F.linear(model.hidden_states(tokens), model.embed.weight[:1000]).flatten(0, 1),
+                                   labels.flatten(), reduction="sum")
+        assert logits.abs().max() <= 1.0 and abs(expected - uncapped) > 10.0
+        for fused in (False, True):
+            loss, _, _ = get_task("pretrain").loss(model, {"tokens": tokens, "labels": labels}, fused=fused)
+            assert loss.item() == pytest.approx(expected.item(), rel=1e-6)

@@ -24,7 +24,9 @@ from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
 # their adapters refuse to export a config that differs where their modeling code hard-wires a value.
 LLAMA_SWITCHES = {"norm": "rmsnorm", "norm_position": "pre", "gated_mlp": True, "parallel_residual": False,
                   "shared_norm": False, "position_embedding": "rotary", "rotary_interleaved": False, "causal": True,
-                  "lm_head_bias": False, "qk_norm": "none", "sliding_window": None, "norm_scale_fp32": False}
+                  "lm_head_bias": False, "qk_norm": "none", "sliding_window": None, "norm_scale_fp32": False,
+                  "norm_unit_offset": False, "scale_embeddings": False, "query_pre_attn_scalar": None,
+                  "attn_logit_softcapping": None, "final_logit_softcapping": None, "rotary_base_local": None}
 
 
 class LlamaAdapter(HFAdapter):
