@@ -133,6 +133,26 @@ class DPOConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream evals on the live model (lmforge.train.downstream): lm-eval tasks, as `lmforge eval` runs them."""
+
+    tasks: list[str] = field(default_factory=list)  # `lmforge eval --tasks` names; none: no evals
+    every_n_steps: int = 0  # and at the last step; 0: the last step only
+    num_fewshot: int | None = None  # default: each task's own
+    limit: float | None = None  # the first N documents of each task (a fraction of them if < 1)
+    batch_size: int = 16
+    data_dir: str | None = None  # where the tasks' relative data files are (`lmforge eval --data-dir`)
+    include_path: list[str] = field(default_factory=list)  # folders of your own task YAMLs
+
+    def __post_init__(self) -> None:
+        for name, low in (("every_n_steps", 0), ("batch_size", 1), ("num_fewshot", 0)):
+            if getattr(self, name) is not None and getattr(self, name) < low:
+                raise UserError(f"eval.{name} must be >= {low}, got {getattr(self, name)}")
+        if self.limit is not None and self.limit <= 0:
+            raise UserError(f"eval.limit must be > 0, got {self.limit}")
+
+
+@dataclass
 class CostConfig:
     usd_per_hour: float = 0.0  # price of one node (machine), for tokens per dollar
     peak_flops: float | None = None  # per process; default: measured (CPU) or datasheet (GPU)
@@ -214,6 +234,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None  # a `lora:` section (e.g. lora.rank=8) trains adapters on a frozen base
     dpo: DPOConfig = field(default_factory=DPOConfig)  # data.task=dpo
+    eval: EvalConfig = field(default_factory=EvalConfig)  # downstream evals during training (eval.tasks)
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, to_yaml
 from lmforge.train.data import micro_batches
+from lmforge.train.downstream import DownstreamEval
 from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, merged, write_adapter
 from lmforge.train.metrics import MetricSink, flops_per_token, nodes_from_env, peak_flops, tokens_per_dollar
 from lmforge.train.optim import lr_at
@@ -52,6 +53,8 @@ class Trainer:
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
         self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining)
         self.data = self.task.build_data(cfg, self.tokenizer)
+        # The eval tasks' data is read now: a missing file fails before any compute.
+        self.downstream = DownstreamEval(cfg.eval, self.tokenizer, self.world.is_main) if cfg.eval.tasks else None
         t, precision = cfg.trainer, cfg.precision
         torch.manual_seed(t.seed)  # dropout masks and data order: the same run draws the same (weights seed their own)
         # A layout that shards the model gets it on the meta device: each rank fills only its own shards.
@@ -188,7 +191,10 @@ class Trainer:
                     (step + 1) % t.val_check_interval == 0 or step + 1 == t.max_steps):
                 last.update(self.validate())
                 self.state["metrics"] = {k: v for k, v in last.items() if k.startswith("val_")}
-            if world.is_main and ((step + 1) % t.log_every_n_steps == 0 or "val_loss" in last):
+            evals = self.downstream is not None and self.downstream.due(step + 1, t.max_steps)
+            if evals:
+                last.update(self.downstream.run(self.training, self.mcfg, world.device))
+            if world.is_main and ((step + 1) % t.log_every_n_steps == 0 or "val_loss" in last or evals):
                 sink.log(step + 1, {**last, "elapsed": self.elapsed()})
             if bar is not None:
                 bar.update(1)

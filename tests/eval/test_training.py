@@ -1,0 +1,96 @@
+"""Downstream evals inside training (eval.tasks, eval.every_n_steps): logged where the other metrics go, equal to
+`lmforge eval` on the checkpoint of that step, and without changing what the run trains."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lmforge.cli import main
+from lmforge.errors import UserError
+
+pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from lmforge.data.indexed import IndexedDatasetWriter
+
+    prefix = tmp_path_factory.mktemp("corpus") / "text_document"
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(64):
+            writer.add_document(rng.integers(1, 300, int(rng.integers(20, 80))))
+    return prefix
+
+
+def _config(lm_dir, corpus, run_dir, *overrides):
+    from lmforge.train.config import load_run_config
+
+    return load_run_config(None, [
+        f"model.init_from={lm_dir}", f"data.paths=[{corpus}]", f"data.tokenizer={lm_dir}", "data.seq_length=32",
+        "trainer.max_steps=4", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+        "trainer.val_check_interval=0", "trainer.progress_bar=false", "trainer.precision=fp32",
+        "trainer.device=cpu", "optim.lr=1e-2", "optim.warmup_steps=1", "checkpoint.every_n_steps=2",
+        "checkpoint.save_top_k=-1", "trainer.log_every_n_steps=3", f"run_dir={run_dir}", "cost.peak_flops=1e11",
+        "model.dropout=0.1", *overrides])  # dropout draws from the RNG every step: evals must leave it as it was
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_evals_are_logged_and_equal_lmforge_eval_on_the_checkpoint(eval_models, corpus, shared_data, tmp_path):
+    from lmforge.train.trainer import Trainer
+
+    lm_dir = eval_models["gpt_neox"][1]
+    evals = ["eval.tasks=[sst2_local,wikitext2_local]", "eval.every_n_steps=2", "eval.limit=3",
+             f"eval.data_dir={shared_data}", "eval.num_fewshot=1"]
+    Trainer(_config(lm_dir, corpus, tmp_path / "with", *evals)).fit()
+    Trainer(_config(lm_dir, corpus, tmp_path / "without")).fit()
+    rows = _rows(tmp_path / "with")
+    logged = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in rows}
+    assert sorted(s for s, m in logged.items() if m) == [2, 4]  # every 2 steps, logged even off log_every_n_steps
+    assert set(logged[2]) == {"eval/sst2_local/acc", "eval/wikitext2_local/word_perplexity",
+                              "eval/wikitext2_local/byte_perplexity", "eval/wikitext2_local/bits_per_byte"}
+    # Training is untouched by the evals (lm-eval seeds every RNG; the run's states are put back).
+    plain = {r["step"]: r["loss"] for r in _rows(tmp_path / "without")}
+    assert {r["step"]: r["loss"] for r in rows} == plain
+    # Each logged figure is what `lmforge eval` gives on the checkpoint of that step.
+    for step in (2, 4):
+        out = tmp_path / f"step{step}.json"
+        checkpoint = tmp_path / "with" / "checkpoints" / f"step-{step:08d}"
+        assert main(["eval", str(checkpoint), "--tasks", "sst2_local,wikitext2_local", "--data-dir",
+                     str(shared_data), "--limit", "3", "--num-fewshot", "1", "--device", "cpu", "--output-path",
+                     str(out)]) == 0
+        results = json.loads(out.read_text())["results"]
+        for key, value in logged[step].items():
+            _, task, metric = key.split("/")
+            assert value == pytest.approx(results[task][f"{metric},none"], rel=1e-6), (step, key)
+    events = list((tmp_path / "with" / "tensorboard").glob("events.*"))
+    assert events and b"eval/sst2_local/acc" in events[0].read_bytes()
+
+
+def test_a_missing_task_file_fails_before_any_compute(eval_models, corpus, tmp_path):
+    from lmforge.train.trainer import Trainer
+
+    cfg = _config(eval_models["gpt_neox"][1], corpus, tmp_path / "run", "eval.tasks=[sst2_local]",
+                  f"eval.data_dir={tmp_path}")
+    with pytest.raises(UserError, match="task sst2_local: task data file 'classification/sst-2/train.tsv' not found"):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("eval.every_n_steps=-1", "eval.every_n_steps must be >= 0"),
+    ("eval.limit=0", "eval.limit must be > 0"),
+    ("eval.tasks=sst2_local", "eval.tasks: expected a list"),
+])
+def test_bad_eval_settings_are_one_line_errors(override, message, eval_models, corpus, tmp_path):
+    from lmforge.train.trainer import Trainer
+
+    with pytest.raises(UserError, match=message):
+        Trainer(_config(eval_models["gpt_neox"][1], corpus, tmp_path / "run", "eval.tasks=[sst2_local]", override))
