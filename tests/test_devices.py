@@ -3,6 +3,7 @@ machine; an accelerator is stood in for where the rule depends on one)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,10 @@ def test_a_training_run_on_an_absent_device_stops_before_any_compute(tmp_path):
                         f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: trainer.device=cuda: cuda is not")
     assert not (tmp_path / "run").exists()
+
+
+def test_suite_hides_accelerators_unless_asked():
+    """The suite's exact references run on the CPU even on a GPU machine (see the root conftest.py)."""
+    if os.environ.get("LMFORGE_TEST_DEVICE", "cpu") == "cpu":
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["HIP_VISIBLE_DEVICES"] == ""
+        assert devices.resolve_device("auto").type == "cpu"

@@ -102,3 +102,16 @@ def test_a_bf16_model_keeps_fp32_frequencies():
     assert torch.equal(cos, emb.cos().bfloat16()) and torch.equal(sin, emb.sin().bfloat16())
     model.to(torch.float32).to(torch.bfloat16)  # a round trip changes nothing either
     assert torch.equal(model.rope.inv_freq, rotary_inv_freq(model.config))
+
+
+def test_frequencies_stay_fp32_on_the_test_device(test_device):
+    """model.to(device, bf16) keeps the rotary frequencies fp32 on any device (LMFORGE_TEST_DEVICE=cuda: CUDA)."""
+    from conftest import tolerance
+
+    cfg = _cfg(64, 0.25)
+    rope = RotaryEmbedding(cfg).to(test_device, torch.bfloat16)
+    assert rope.inv_freq.dtype == torch.float32 and rope.inv_freq.device.type == test_device.type
+    pos = torch.arange(4090, 4096, device=test_device)[None]
+    cos, _ = rope(pos, torch.float32)
+    reference, _ = RotaryEmbedding(cfg)(pos.cpu(), torch.float32)
+    torch.testing.assert_close(cos.cpu(), reference, **tolerance(test_device, torch.float32))
