@@ -161,7 +161,8 @@ def _dpo_args(root, run, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("lora.rank=8", "lora.targets=all-linear", "optim.lr=3e-2")],
+@pytest.mark.parametrize("extra", [(), ("lora.rank=8", "lora.targets=all-linear", "optim.lr=5e-2",
+                                    "trainer.max_steps=12", "trainer.val_check_interval=12")],
                          ids=["reference-copy", "lora"])
 def test_a_short_run_raises_held_out_reward_accuracy(dpo_setup, tmp_path, extra):
     from lmforge.train.config import load_run_config
