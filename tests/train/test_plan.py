@@ -115,12 +115,12 @@ def test_cpu_tensor_in_a_device_op_fails(monkeypatch):
 
 
 def test_deep_models_extrapolate_to_the_full_trace(monkeypatch):
-    """8 layers traced whole equal 2 and 4 layers extrapolated, category by category."""
+    """8 layers traced whole equal 3 and 6 layers extrapolated, category by category."""
     import lmforge.train.plan as plan_module
 
     cfg = _cfg("model.num_layers=8", "trainer.data_parallel=fsdp")
     extrapolated = plan_run(cfg, 2, "cuda")
-    assert extrapolated.traced_layers == [2, 4]
+    assert extrapolated.traced_layers == [3, 6]
     monkeypatch.setattr(plan_module, "SHALLOW", 4)
     whole = plan_run(cfg, 2, "cuda")
     assert whole.traced_layers == [8]
