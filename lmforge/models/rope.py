@@ -148,12 +148,7 @@ class RotaryEmbedding(nn.Module):
         scaling = None if local else cfg.rope_scaling
         self._dynamic = scaling is not None and scaling.type == "dynamic"
         # YaRN's cos/sin scale, on the rotated pairs only (the pass-through dims keep cos 1, sin 0).
-        factor = 1.0 if local else rotary_attention_factor(cfg)
-        self._scale = None
-        if factor != 1.0:
-            half = torch.ones(cfg.head_dim // 2, device="cpu")  # not a buffer: never on the meta device
-            half[: cfg.rotary_dim // 2] = factor
-            self._scale = torch.cat([half, half])
+        self._attention_factor = 1.0 if local else rotary_attention_factor(cfg)
 
     def reset_parameters(self) -> None:
         """Recompute the buffer after a meta-device build (`to_empty` leaves it uninitialised)."""
@@ -173,7 +168,8 @@ class RotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         cos, sin = emb.cos(), emb.sin()
-        if self._scale is not None:
-            scale = self._scale.to(emb.device)
-            cos, sin = cos * scale, sin * scale
+        if self._attention_factor != 1.0:
+            rotated = torch.cat((inv_freq, inv_freq)) != 0  # partial rotary: the zero-frequency dims pass through
+            f = self._attention_factor
+            cos, sin = torch.where(rotated, cos * f, cos), torch.where(rotated, sin * f, sin)
         return cos.to(dtype), sin.to(dtype)

@@ -330,3 +330,50 @@ def test_bf16_logits_at_long_positions_are_as_close_to_fp32_as_transformers_bf16
         ours = load_pretrained(imported[family][1], dtype=torch.bfloat16)(ids, position_ids=pos).float()
     their_err, our_err = (theirs - exact).abs().mean().item(), (ours - exact).abs().mean().item()
     assert our_err <= 1.15 * their_err, (our_err, their_err)
+
+
+def test_gemma3_as_published_imports_its_language_model(tmp_path):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: the text model comes out of it (vision tower left
+    behind), equals the multimodal model on text, and exports as a Gemma3ForCausalLM folder."""
+    _, text = hf_tiny_configs()["gemma3"]
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                             image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    ref = tf.Gemma3ForConditionalGeneration(config)
+    cfg = import_hf(_saved(ref, tmp_path / "hf"), tmp_path / "lm")
+    assert cfg.family == "gemma3_text" and cfg.rotary_base_local == 10000.0
+    ids = torch.randint(0, 290, (2, 37), generator=torch.Generator().manual_seed(7))
+    expected = _ref_logits(ref, ids)
+    with torch.no_grad():
+        assert (load_pretrained(tmp_path / "lm")(ids) - expected).abs().max().item() <= TOL
+    export_hf(tmp_path / "lm", tmp_path / "out")
+    text_model, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    assert (_ref_logits(text_model.eval(), ids) - expected).abs().max().item() <= TOL
+
+
+def test_a_config_transformers_would_reject_fails_when_read(hf_dirs, tmp_path):
+    folder = edited_copy(hf_dirs["gemma2"], tmp_path / "odd", lambda c: c.update(num_attention_heads=3))
+    with pytest.raises(UserError, match=r"^hidden_size 64 is not divisible by num_heads 3: transformers rejects such a "
+                                        r"gemma2 config, even with head_dim set$"):
+        import_hf(folder, tmp_path / "lm")
+
+
+def test_yarn_scales_the_rotated_pairs_only():
+    """Partial rotary under YaRN: the pass-through dims stay cos 1, sin 0; the rotated ones carry the factor."""
+    from lmforge.models.config import ModelConfig, RopeScaling
+    from lmforge.models.rope import RotaryEmbedding, rotary_attention_factor
+
+    cfg = ModelConfig(family="llama", vocab_size=10, hidden_size=64, num_layers=1, num_heads=2, rotary_pct=0.25,
+                      rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=16))
+    cos, sin = RotaryEmbedding(cfg)(torch.arange(100)[None], torch.float32)
+    half = cfg.head_dim // 2
+    rotated = torch.zeros(cfg.head_dim, dtype=torch.bool)
+    rotated[: cfg.rotary_dim // 2] = rotated[half : half + cfg.rotary_dim // 2] = True
+    assert torch.equal(cos[..., ~rotated], torch.ones_like(cos[..., ~rotated]))
+    assert torch.equal(sin[..., ~rotated], torch.zeros_like(sin[..., ~rotated]))
+    factor = rotary_attention_factor(cfg)
+    assert factor > 1 and torch.allclose(cos[..., rotated].pow(2) + sin[..., rotated].pow(2),
+                                         torch.full_like(cos[..., rotated], factor**2))

@@ -17,7 +17,7 @@ from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import SIDE_FILES, HFAdapter, export_tensors, import_tensors
 from lmforge.models.hf.bert import BertAdapter
 from lmforge.models.hf.gemma2 import Gemma2Adapter
-from lmforge.models.hf.gemma3 import Gemma3TextAdapter
+from lmforge.models.hf.gemma3 import Gemma3Adapter, Gemma3TextAdapter
 from lmforge.models.hf.gpt2 import GPT2Adapter
 from lmforge.models.hf.gpt_neox import GPTNeoXAdapter
 from lmforge.models.hf.gptj import GPTJAdapter
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 ADAPTERS: dict[str, HFAdapter] = {
     a.model_type: a for a in (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter(), GPTJAdapter(), BertAdapter(),
                               Qwen2Adapter(), MistralAdapter(), Qwen3Adapter(), Olmo2Adapter(), Phi3Adapter(),
-                              Gemma2Adapter(), Gemma3TextAdapter())
+                              Gemma2Adapter(), Gemma3TextAdapter(), Gemma3Adapter())
 }
 
 

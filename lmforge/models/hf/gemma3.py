@@ -47,3 +47,32 @@ class Gemma3TextAdapter(HFAdapter):
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
         return llama_layout(cfg)
+
+
+# Gemma3TextConfig's defaults: a multimodal config.json's text_config lists only the fields that differ from them
+# (gemma-3-4b: width, MLP, depth, window, rope scaling).
+_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                  "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                  "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "bos_token_id": 2, "eos_token_id": 1,
+                  "pad_token_id": 0}
+
+
+class Gemma3Adapter(Gemma3TextAdapter):
+    """Gemma 3 4B/12B/27B as published (Gemma3ForConditionalGeneration, model_type gemma3): its language model,
+    read from text_config and the language_model.* tensors; the vision tower and projector are left out. Import
+    only: the export is the text model (gemma3_text, Gemma3ForCausalLM)."""
+
+    model_type = "gemma3"
+    ignorable = (*HFAdapter.ignorable, "vision_tower.", "multi_modal_projector.")
+
+    def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
+        text = {**_TEXT_DEFAULTS, **{k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf},
+                **(hf.get("text_config") or {}), "model_type": "gemma3"}
+        return super().config_from_hf(text, [k.removeprefix("language_model.") for k in keys])
+
+    def aliases(self, name: str) -> list[str]:
+        # transformers saves the language model as language_model.model.* (+ language_model.lm_head); in memory,
+        # and in some conversions, it is model.language_model.*
+        inner = name.removeprefix("model.")
+        return [f"language_model.{name}", f"model.language_model.{inner}"]
