@@ -34,13 +34,15 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), as in the PaLM paper's MFU:
     6 * N for the weight matmuls (N = parameters that multiply activations: every Linear and
     the output head, not the embedding lookup) + 12 * layers * seq * (heads * head_dim) for the
-    attention scores and the weighted sum over values (not halved for causality)."""
+    attention scores and the weighted sum over values (not halved for causality); a sliding-window
+    layer's keys are at most its window (Mistral, Gemma's local layers)."""
     d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = d * (h + 2 * kv) * hd + h * hd * d
     mlp = d * cfg.intermediate_size * (3 if cfg.gated_mlp else 2)
     head = d * (cfg.num_labels or cfg.vocab_size)
     matmul_params = cfg.num_layers * (attn + mlp) + head
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * seq_length * h * hd
+    keys = sum(min(seq_length, cfg.window(i) or seq_length) for i in range(cfg.num_layers))
+    return 6.0 * matmul_params + 12.0 * keys * h * hd
 
 
 def bounded_cpu_peak(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3,

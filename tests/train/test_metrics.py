@@ -49,3 +49,13 @@ def test_each_gpu_gets_its_own_datasheet_peak(name, bf16, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     peak, source = peak_flops(torch.device("cuda", 0), torch.bfloat16)
     assert peak == bf16 and source.startswith("datasheet")
+
+
+def test_a_sliding_window_layer_counts_the_keys_it_attends_to():
+    from lmforge.models import preset
+    from lmforge.train.metrics import flops_per_token
+
+    cfg = preset("gemma-2-2b")  # 13 local layers (4096-token window) and 13 global ones
+    per_key = 12.0 * cfg.num_heads * cfg.head_dim
+    short, long = flops_per_token(cfg, 4096), flops_per_token(cfg, 8192)
+    assert long - short == per_key * 13 * 4096  # only the global layers see the 4096 extra keys
