@@ -139,15 +139,33 @@ class LoRALinear(nn.Linear):
             for a in self.lora_A.values():  # nn.Linear's (and PEFT's) init: kaiming_uniform_(a=sqrt(5))
                 nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' contribution to the output, (..., out), before scaling."""
-        out = {}
-        for p, a in self.lora_A.items():  # each part its own dropout mask, as PEFT's separate modules draw
-            h = self.lora_dropout(x).to(a.dtype)
-            out[p] = F.linear(F.linear(h, a), self.lora_B[p])
+    def b_matrix(self) -> torch.Tensor:
+        """Every part's B as one (out, R) matrix over the stacked parts' ranks: each part's rows (its rows of the
+        fused qkv) in its own columns, zeros elsewhere; B_matrix @ stacked A is the module's whole update."""
         if not self.split:
-            return next(iter(out.values()))
-        return fuse_parts(out, self.model_config)
+            return next(iter(self.lora_B.values()))
+        width = sum(b.shape[1] for b in self.lora_B.values())
+        blocks, at = {}, 0
+        for p, b in self.lora_B.items():  # (R, rows of p): the part's columns of B, transposed
+            blocks[p] = F.pad(b, (at, width - at - b.shape[1])).t()
+            at += b.shape[1]
+        return fuse_parts(blocks, self.model_config).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.adapters_enabled:
+            return y
+        # Scale the rank-sized activations, not the output, and add B's product into y in one GEMM (addmm's
+        # beta = 1): no extra output-sized temporaries.
+        a_all = list(self.lora_A.values())
+        if len(a_all) == 1 or not (self.training and isinstance(self.lora_dropout, nn.Dropout)):
+            h = F.linear(self.lora_dropout(x).to(a_all[0].dtype), torch.cat(a_all) if len(a_all) > 1 else a_all[0])
+        else:  # each part its own dropout mask, as PEFT's separate q/k/v modules draw
+            h = torch.cat([F.linear(self.lora_dropout(x).to(a.dtype), a) for a in a_all], -1)
+        h = (h * self.scaling).reshape(-1, h.shape[-1])
+        b = self.b_matrix()
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.to(y.dtype), b.t().to(y.dtype))
+        return out.view(y.shape)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B A (out, in) in fp32: what merging adds to the weight."""
@@ -155,12 +173,6 @@ class LoRALinear(nn.Linear):
         w = fuse_parts({p: t.t() for p, t in parts.items()}, self.model_config).t() if self.split \
             else next(iter(parts.values()))
         return w * self.scaling
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if not self.adapters_enabled:
-            return y
-        return y + (self.delta(x) * self.scaling).to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.rank}, parts={list(self.lora_A)}"
