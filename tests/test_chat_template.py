@@ -92,3 +92,17 @@ def test_builtins(gpt2):
     chatml = ChatTemplate(builtin_template("chatml", False), gpt2)
     assert chatml.stop_strings == ("<|im_end|>",)
     assert chatml.prompt_ids([("user", "hi")]) == gpt2.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_import_and_export_keep_the_chat_template(hf_dirs, tmp_path):
+    import shutil
+
+    from lmforge.chat_template import read_chat_template
+    from lmforge.models.hf import export_hf, import_hf
+
+    source = tmp_path / "hf"
+    shutil.copytree(hf_dirs["llama"], source)
+    (source / "chat_template.jinja").write_text(MARKED)
+    import_hf(source, tmp_path / "lmforge")
+    export_hf(tmp_path / "lmforge", tmp_path / "back")
+    assert read_chat_template(tmp_path / "lmforge") == read_chat_template(tmp_path / "back") == MARKED
