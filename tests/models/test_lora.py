@@ -124,3 +124,14 @@ def test_a_bf16_base_trains_fp32_adapters(hf_dirs):
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     assert grads == {n for n, p in model.named_parameters() if p.requires_grad}
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+def test_peft_target_modules_are_short_names_only_where_unambiguous():
+    from lmforge.models import preset
+    from lmforge.models.peft import target_names
+
+    gpt2 = preset("tiny-gpt2")
+    attn_out = ["transformer.h.0.attn.c_proj", "transformer.h.1.attn.c_proj"]
+    assert target_names(attn_out, gpt2) == attn_out  # "c_proj" would also take mlp.c_proj
+    every = attn_out + ["transformer.h.0.mlp.c_proj", "transformer.h.1.mlp.c_proj"]
+    assert target_names(every, gpt2) == ["c_proj"]
