@@ -91,6 +91,14 @@ class Engine:
         if config.max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {config.max_batch}")
         limit = model.config.max_position_embeddings
+        scaling = model.config.rope_scaling
+        if scaling is not None and scaling.type == "longrope" and scaling.original_max_position_embeddings < limit:
+            # Past its pretraining context LongRoPE switches every position of a forward to its long factors, for
+            # the whole batch at once: rows decoded together would change one another, and their cached keys would
+            # need rotating again. Until the engine re-encodes rows one by one, it serves the short context only.
+            limit = scaling.original_max_position_embeddings
+            log.warning("LongRoPE model: the engine serves its %d-token pretraining context only (generate() goes "
+                        "to %d)", limit, model.config.max_position_embeddings)
         self.context = min(config.max_context or limit, limit)
         p = next(model.parameters())
         self.device = p.device

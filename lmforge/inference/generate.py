@@ -132,6 +132,7 @@ def generate(
     logits = model.logits(h[:, -1])
     next_position, cache_position = position_ids[:, -1:] + 1, torch.tensor([s], device=device)
     decode_step = _compiled_decode_step() if compile else _decode_step
+    reencode_at = _reencode_length(cfg)
 
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
@@ -164,6 +165,10 @@ def generate(
             break
         # Attend over the filled slots only: at long contexts reading the keys/values costs as much as the weights.
         view = cache.view(slice(None), s + steps)
+        if s + steps == reencode_at:
+            logits = _reencode(model, view, ids, mask, out[:, :steps])
+            next_position, cache_position = next_position + 1, cache_position + 1
+            continue
         start = time.perf_counter()
         logits = decode_step(model, _length_dynamic(view) if compile else view, token[:, None], next_position,
                              cache_position)
@@ -171,6 +176,24 @@ def generate(
             log.info("first decode step (compiles it unless cached) took %.1f s", time.perf_counter() - start)
         next_position, cache_position = next_position + 1, cache_position + 1
     return _trim(out[:, :steps].tolist(), stop.tolist(), host)
+
+
+def _reencode_length(cfg) -> int | None:
+    """The sequence length at which the cached keys must be rotated again: LongRoPE switches every position to
+    its long factors once a forward reaches past the pretraining context, and keys cached with the short ones
+    would no longer match (transformers' Phi-3 re-encodes the whole sequence at that step too)."""
+    s = cfg.rope_scaling
+    return s.original_max_position_embeddings + 1 if s is not None and s.type == "longrope" else None
+
+
+def _reencode(model: nn.Module, cache: KVCache, ids: torch.Tensor, mask: torch.Tensor,
+              new: torch.Tensor) -> torch.Tensor:
+    """Prefill the prompts and the tokens generated so far again, over the same cache slots; the last logits."""
+    full = torch.cat([ids, new], 1)
+    full_mask = torch.cat([mask, torch.ones_like(new)], 1)
+    position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    h = model.hidden_states(full, full_mask, position_ids, cache, torch.arange(full.shape[1], device=full.device))
+    return model.logits(h[:, -1])
 
 
 COMPILED_GRAPHS = 64  # per process: models x batch sizes x cache sizes (torch's default limit is 8)

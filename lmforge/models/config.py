@@ -19,7 +19,7 @@ QK_NORMS = ("none", "head", "full")
 NORM_POSITIONS = ("pre", "post", "output", "sandwich")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POSITION_EMBEDDINGS = ("rotary", "learned")
-ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
+ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 # Families whose Hugging Face config has no head_dim: it is always hidden_size // num_heads there.
 FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2", "olmo2", "phi3")
@@ -35,20 +35,24 @@ class RopeScaling:
     forward once it passes max_position_embeddings. yarn: frequencies blended between interpolated and
     original by a ramp over beta_fast..beta_slow rotations, cos/sin scaled by attention_factor. llama3:
     low frequencies / factor, high ones kept, a smooth blend between low_freq_factor and high_freq_factor.
+    longrope (Phi-3 128k, Phi-3.5): each pair's frequency divided by its short_factor, or by its long_factor in
+    a forward reaching past original_max_position_embeddings; cos/sin scaled by attention_factor.
     Fields left None take transformers' defaults (and are left out of an exported config.json).
     """
 
     type: str
     factor: float = 1.0
-    original_max_position_embeddings: int | None = None  # llama3, yarn: the pretraining context
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope: the pretraining context
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
     beta_fast: float | None = None  # yarn (32)
     beta_slow: float | None = None  # yarn (1)
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
-    attention_factor: float | None = None  # yarn: cos/sin scale; default from factor (and mscale)
+    attention_factor: float | None = None  # yarn, longrope: cos/sin scale; default from factor (and mscale)
     truncate: bool | None = None  # yarn: floor/ceil the correction range (True)
+    short_factor: list[float] | None = None  # longrope: one per rotated pair
+    long_factor: list[float] | None = None  # longrope
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_SCALINGS:
@@ -56,7 +60,7 @@ class RopeScaling:
             raise UserError(f"unknown rope_scaling.type '{self.type}'{hint}: choose one of {', '.join(ROPE_SCALINGS)}")
         if not self.factor > 0:
             raise UserError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+        if self.type in ("llama3", "yarn", "longrope") and self.original_max_position_embeddings is None:
             raise UserError(f"rope_scaling type {self.type} needs rope_scaling.original_max_position_embeddings "
                             "(the context length the model was pretrained with)")
         if self.type == "llama3":
@@ -65,6 +69,8 @@ class RopeScaling:
             if self.high_freq_factor <= self.low_freq_factor:
                 raise UserError(f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must be above "
                                 f"low_freq_factor ({self.low_freq_factor})")
+        if self.type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise UserError("rope_scaling type longrope needs short_factor and long_factor (one per rotated pair)")
 
 
 @dataclass
@@ -157,6 +163,12 @@ class ModelConfig:
         if self.num_labels > 0:
             self.pooler = self.pooler or self.family == "bert"
         if self.position_embedding == "rotary":
+            pairs = int(self.head_dim * self.rotary_pct + 1e-6) // 2
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(self.rope_scaling, name, None)
+                if factors is not None and len(factors) != pairs:
+                    raise UserError(f"rope_scaling.{name} has {len(factors)} entries, the model rotates {pairs} "
+                                    "pairs per head: give one per pair")
             if not 0.0 < self.rotary_pct <= 1.0:
                 raise UserError(f"rotary_pct must be in (0, 1], got {self.rotary_pct}")
             if self.rotary_dim % 2 or (self.head_dim - self.rotary_dim) % 2:

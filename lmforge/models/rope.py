@@ -58,6 +58,8 @@ def rotary_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         inv_freq = _llama3(inv_freq, scaling)
     elif scaling is not None and scaling.type == "yarn":
         inv_freq = _yarn(base, r, scaling)
+    elif scaling is not None and scaling.type == "longrope":  # the short factors until a forward passes the context
+        inv_freq = _longrope(base, r, scaling.short_factor)
     # dynamic: the unscaled frequencies until a forward passes max_position_embeddings (RotaryEmbedding.forward)
     return torch.cat([inv_freq, torch.zeros(cfg.head_dim // 2 - r // 2)])
 
@@ -96,13 +98,22 @@ def _yarn(base: float, dim: int, s: RopeScaling) -> torch.Tensor:
     return interpolated * (1 - keep) + extrapolated * keep
 
 
+def _longrope(base: float, dim: int, factors: list[float], device: torch.device | None = None) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * base**exponents)
+
+
 def rotary_attention_factor(cfg: ModelConfig) -> float:
-    """The scale YaRN puts on cos and sin (0.1 ln(factor) + 1 unless given), 1 for every other kind."""
+    """The scale YaRN and LongRoPE put on cos and sin (unless given: YaRN 0.1 ln(factor) + 1, LongRoPE
+    sqrt(1 + ln(factor) / ln(original context))), 1 for every other kind."""
     s = cfg.rope_scaling
-    if s is None or s.type != "yarn":
+    if s is None or s.type not in ("yarn", "longrope"):
         return 1.0
     if s.attention_factor is not None:
         return s.attention_factor
+    if s.type == "longrope":
+        context = s.original_max_position_embeddings
+        return 1.0 if s.factor <= 1.0 else math.sqrt(1 + math.log(s.factor) / math.log(context))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -139,6 +150,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def longrope_inv_freq(cfg: ModelConfig, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """LongRoPE: the long factors for a forward reaching past the pretraining context (its longest position + 1),
+    the short ones (`inv_freq`) otherwise; per forward, as transformers picks them."""
+    s, r = cfg.rope_scaling, cfg.rotary_dim
+    long = _longrope(cfg.rotary_base, r, s.long_factor, position_ids.device)
+    long = torch.cat([long, long.new_zeros(cfg.head_dim // 2 - r // 2)])
+    return torch.where(torch.max(position_ids) + 1 > s.original_max_position_embeddings, long, inv_freq)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, local: bool = False):
         super().__init__()
@@ -146,8 +166,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rotary_inv_freq(cfg, local), persistent=False)
         self._cfg, self._local = cfg, local
         scaling = None if local else cfg.rope_scaling
-        self._dynamic = scaling is not None and scaling.type == "dynamic"
-        # YaRN's cos/sin scale, on the rotated pairs only (the pass-through dims keep cos 1, sin 0).
+        kind = None if scaling is None else scaling.type
+        self._per_forward = {"dynamic": dynamic_inv_freq, "longrope": longrope_inv_freq}.get(kind)
+        # YaRN's and LongRoPE's cos/sin scale, on the rotated pairs only (the pass-through dims keep cos 1, sin 0).
         self._attention_factor = 1.0 if local else rotary_attention_factor(cfg)
 
     def reset_parameters(self) -> None:
@@ -164,7 +185,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (batch, 1, seq, head_dim) for position_ids of shape (batch, seq)."""
-        inv_freq = dynamic_inv_freq(self._cfg, position_ids, self.inv_freq) if self._dynamic else self.inv_freq
+        inv_freq = self.inv_freq
+        if self._per_forward is not None:  # dynamic, longrope: frequencies that depend on the forward's positions
+            inv_freq = self._per_forward(self._cfg, position_ids, inv_freq)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         cos, sin = emb.cos(), emb.sin()

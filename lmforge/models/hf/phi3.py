@@ -1,8 +1,10 @@
 """Phi-3 <-> Hugging Face Phi3ForCausalLM: Llama's block with q, k and v fused in one qkv_proj ([q; k; v] rows)
-and gate and up in one gate_up_proj ([gate; up] rows); Phi-3-mini/medium 4k attend through a 2047-token window."""
+and gate and up in one gate_up_proj ([gate; up] rows); Phi-3-mini/medium 4k attend through a 2047-token window,
+the 128k releases and Phi-3.5 rotate by LongRoPE."""
 
 from __future__ import annotations
 
+from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
     FIRST_HALF,
@@ -25,9 +27,9 @@ from lmforge.models.hf.rope import rope_from_hf, rope_parameters
 
 class Phi3Adapter(HFAdapter):
     model_type = "phi3"
-    # Phi3Config accepts default and longrope rotary only (lmforge: default); one window for every layer.
-    fixed = {**LLAMA_SWITCHES, "sliding_window": ..., "layer_types": None, "rope_scaling": None, "qkv_bias": False,
-             "attention_bias": False, "mlp_bias": False}
+    # One window for every layer; Phi3Config accepts default and longrope rotary only (checked in config_to_hf).
+    fixed = {**LLAMA_SWITCHES, "sliding_window": ..., "layer_types": None, "qkv_bias": False, "attention_bias": False,
+             "mlp_bias": False}
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
         theta, pct, scaling = rope_from_hf(hf)
@@ -64,6 +66,11 @@ class Phi3Adapter(HFAdapter):
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         require(cfg, self.fixed, self.model_type)
+        scaling = cfg.rope_scaling
+        if scaling is not None and scaling.type != "longrope":
+            raise UserError(f"a phi3 checkpoint has default or longrope rotary, this model has rope scaling "
+                            f"'{scaling.type}': it cannot be written as that family")
+        rope = rope_parameters(cfg)
         return {
             **architecture(cfg, "Phi3", "ForCausalLM"),
             "model_type": "phi3",
@@ -74,12 +81,13 @@ class Phi3Adapter(HFAdapter):
             "num_key_value_heads": cfg.num_kv_heads,
             "intermediate_size": cfg.intermediate_size,
             "max_position_embeddings": cfg.max_position_embeddings,
-            "original_max_position_embeddings": cfg.max_position_embeddings,
+            "original_max_position_embeddings": (scaling.original_max_position_embeddings if scaling is not None
+                                                 else cfg.max_position_embeddings),
             "rms_norm_eps": cfg.norm_eps,
             "hidden_act": activation_to_hf(cfg.activation),
             "rope_theta": cfg.rotary_base,
-            "rope_scaling": None,
-            "rope_parameters": rope_parameters(cfg),
+            "rope_scaling": rope if scaling is not None else None,  # what transformers 4.x reads
+            "rope_parameters": rope,
             "sliding_window": cfg.sliding_window,
             "tie_word_embeddings": cfg.tie_embeddings,
             "initializer_range": cfg.init_std,

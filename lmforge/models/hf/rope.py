@@ -11,7 +11,8 @@ from lmforge.errors import UserError
 from lmforge.models.config import ROPE_SCALINGS, ModelConfig, RopeScaling
 
 _SCALING_FIELDS = ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
-                   "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+                   "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate", "short_factor",
+                   "long_factor")
 
 
 def rope_from_hf(hf: dict, params: dict | None = None,
@@ -21,6 +22,8 @@ def rope_from_hf(hf: dict, params: dict | None = None,
     if params is None:
         params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("su", "yarn") and hf.get("model_type") == "phi3":  # Phi-3's names for longrope before 4.44
+        kind = "longrope"
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     pct = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if kind == "default":
@@ -29,11 +32,13 @@ def rope_from_hf(hf: dict, params: dict | None = None,
         raise UserError(f"rope scaling '{kind}' in config.json is not supported: lmforge implements default, "
                         f"{', '.join(ROPE_SCALINGS)}")
     fields = {k: params[k] for k in _SCALING_FIELDS if params.get(k) is not None}
-    if kind in ("llama3", "yarn"):  # transformers' fallback: the top-level value, else the model's context
+    if kind == "longrope" and hf.get("original_max_position_embeddings"):  # Phi-3's top-level value comes first
+        fields["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    if kind in ("llama3", "yarn", "longrope"):  # transformers' fallback: the top-level value, else the context
         fields.setdefault("original_max_position_embeddings",
                           hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
     factor = params.get("factor")
-    if factor is None and kind == "yarn":
+    if factor is None and kind in ("yarn", "longrope"):
         factor = hf["max_position_embeddings"] / fields["original_max_position_embeddings"]
     if factor is None:
         raise UserError(f"rope scaling '{kind}' in config.json has no factor")
