@@ -1,4 +1,5 @@
-"""Models: one decoder for GPT-NeoX/Pythia, Llama 2, GPT-2 and GPT-J, and BERT."""
+"""Models: one decoder for every decoder family (GPT-NeoX/Pythia, Llama 2/3, Qwen2/3, Mistral, OLMo 2, Phi-3,
+Gemma 2/3, GPT-2, GPT-J), and BERT."""
 
 from lmforge.models.build import as_config, build, init_weights, num_parameters
 from lmforge.models.config import ModelConfig
