@@ -135,7 +135,7 @@ class LMForgeLM(TemplateLM):
                 owner.append(i)
         with _progress(len(windows), "loglikelihood_rolling", disable_tqdm) as progress:
             scores = score_requests(self.model, windows, batch_size=self.batch_size,
-                                    max_length=self.max_length, progress=progress)
+                                    max_length=self.max_length, greedy=False, progress=progress)
         totals = [0.0] * len(requests)
         for i, (logprob, _) in zip(owner, scores):
             totals[i] += logprob

@@ -75,10 +75,12 @@ def score_requests(
     *,
     batch_size: int = 16,
     max_length: int | None = None,
+    greedy: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> list[tuple[float, bool]]:
     """(sum of the continuation's log-probabilities, whether every continuation token is the argmax) of each
-    (context ids, continuation ids) request, in the order given. progress(n) is called as rows finish."""
+    (context ids, continuation ids) request, in the order given. greedy=False skips the argmax (perplexity needs
+    none; the flag is then False). progress(n) is called as rows finish."""
     if batch_size < 1:
         raise UserError(f"batch size must be >= 1, got {batch_size}")
     max_length = max_length or model.config.max_position_embeddings
@@ -105,11 +107,11 @@ def score_requests(
                 where_t += range(end - n, end)
                 targets += scored[i].targets
                 owners += [i] * n
-        logprobs, greedy = _score_positions(model, hidden, where_b, where_t, targets)
+        logprobs, argmax = _score_positions(model, hidden, where_b, where_t, targets, greedy)
         sums = torch.zeros(len(scored), dtype=torch.float64)
         sums.index_add_(0, torch.tensor(owners), logprobs.double())
         misses = torch.zeros(len(scored), dtype=torch.long)
-        misses.index_add_(0, torch.tensor(owners), (~greedy).long())
+        misses.index_add_(0, torch.tensor(owners), (~argmax).long())
         for i in dict.fromkeys(owners):
             results[i] = (float(sums[i]), bool(misses[i] == 0))
         if progress is not None:
@@ -118,15 +120,16 @@ def score_requests(
 
 
 def _score_positions(model: nn.Module, hidden: torch.Tensor, where_b: list[int], where_t: list[int],
-                     targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of `targets` at the (row, position) pairs, and whether each is the argmax there."""
+                     targets: list[int], greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of `targets` at the (row, position) pairs, and whether each is the argmax there (all False
+    without `greedy`). log_softmax is one fused pass over the logits, where logsumexp makes temporaries of them."""
     device = hidden.device
     picked = hidden[torch.tensor(where_b, device=device), torch.tensor(where_t, device=device)]
     target = torch.tensor(targets, device=device)
-    logprobs, greedy = [], []
+    logprobs, argmax = [], []
     for s in range(0, len(targets), HEAD_CHUNK):
-        logits = model.logits(picked[s : s + HEAD_CHUNK]).float()
+        logp = model.logits(picked[s : s + HEAD_CHUNK]).float().log_softmax(-1)
         t = target[s : s + HEAD_CHUNK]
-        logprobs.append(logits.gather(-1, t[:, None])[:, 0] - logits.logsumexp(-1))
-        greedy.append(logits.argmax(-1) == t)
-    return torch.cat(logprobs).cpu(), torch.cat(greedy).cpu()
+        logprobs.append(logp.gather(-1, t[:, None])[:, 0])
+        argmax.append(logp.argmax(-1) == t if greedy else torch.zeros_like(t, dtype=torch.bool))
+    return torch.cat(logprobs).cpu(), torch.cat(argmax).cpu()
