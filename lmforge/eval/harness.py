@@ -234,8 +234,8 @@ def scalar_metrics(results: dict, prefix: str = "eval/") -> dict[str, float]:
     flat = {}
     for task, metrics in {**results.get("results", {}), **results.get("groups", {})}.items():
         for key, value in metrics.items():
-            metric = key.split(",")[0]  # lm-eval names them "acc,none": metric, filter
-            if "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+            metric = key.split(",")[0]  # lm-eval names them "acc,none": metric, filter ("alias", "sample_len": not)
+            if "," not in key or "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             flat[f"{prefix}{task}/{metric}"] = float(value)
     return flat
