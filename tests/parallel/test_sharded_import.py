@@ -41,6 +41,8 @@ MULTIPLE = 256  # vocabulary 300 padded to a multiple of 128 x TP: the loader re
 def _hf_model(name: str, layers: int):
     cls, cfg = hf_tiny_configs()[name]
     cfg.num_hidden_layers = layers  # GPT-2's n_layer too (transformers' attribute map)
+    if getattr(cfg, "layer_types", None):  # local/global layers (Gemma 3): the pattern over the new depth
+        cfg.layer_types = (cfg.layer_types * layers)[:layers]
     # No dropout: the steps compared draw no random masks.
     if name == "gpt2":
         cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
@@ -66,7 +68,8 @@ def sources(tmp_path_factory) -> Path:
     from lmforge.models.hf import import_hf
 
     root = tmp_path_factory.mktemp("sharded")
-    for name, layers in (("gpt_neox", 4), ("llama_gqa", 4), ("gpt2", 2), ("bert", 4)):
+    for name, layers in (("gpt_neox", 4), ("llama_gqa", 4), ("gpt2", 2), ("bert", 4), ("phi3", 4), ("olmo2", 4),
+                         ("gemma3", 4)):
         _hf_model(name, layers).save_pretrained(root / name)
     for name in ("gpt_neox", "llama_gqa"):
         import_hf(root / name, root / f"{name}_lmforge")
@@ -136,6 +139,11 @@ def test_import_into_tensor_parallel(sources, tmp_path):
         "llama_gqa_hf_tp2": _case(sources / "llama_gqa", {"tensor": 2}),
         "neox_lmforge_tp2": _case(sources / "gpt_neox_lmforge", {"tensor": 2}),
         "bert_hf_tp2": _case(sources / "bert", {"tensor": 2}),  # MLM head bias, position and token-type tables
+        # Phi-3: each rank's rows of the fused qkv_proj / gate_up_proj; OLMo 2: whole-projection q/k norms split
+        # like the heads; Gemma 3: per-head q/k norms, sandwich norms, the local layers' own rotary.
+        "phi3_hf_tp2": _case(sources / "phi3", {"tensor": 2}),
+        "olmo2_hf_tp2": _case(sources / "olmo2", {"tensor": 2}),
+        "gemma3_hf_tp2": _case(sources / "gemma3", {"tensor": 2}),
     }
     ranks = _launch(2, {"cases": cases}, tmp_path)
     for results in ranks:
