@@ -20,6 +20,7 @@ BENCHMARKS = {
     "preprocess": "preprocessing tokens/s vs Megatron-LM's tools/preprocess_data.py",
     "preprocess_scale": "preprocessing: Parquet/zstd/datasets inputs, shards on N processes, memory, vs Megatron-LM",
     "generate": "greedy decode tokens/s vs transformers' generate",
+    "lora": "LoRA fine-tuning tokens/s and peak memory vs PEFT + a plain transformers loop",
     "scaling": "throughput and tokens per dollar across process counts and parallel layouts",
     "rotary": "partial rotary: full-head rotation vs slicing",
     "serve_load": "200 concurrent streams against lmforge serve: errors, latency p50/p99, tokens/s",

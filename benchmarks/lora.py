@@ -1,0 +1,206 @@
+"""LoRA fine-tuning tokens/s and peak memory: lmforge's Trainer vs PEFT + a plain transformers loop, in one run.
+
+One random Pythia-410m-shaped GPTNeoXForCausalLM is saved once; both sides start from it with rank-16 adapters
+(alpha 32, no dropout) on every linear layer of the blocks (PEFT: query_key_value, dense, dense_h_to_4h,
+dense_4h_to_h; lmforge: lora.targets=all-linear), the base frozen, AdamW on the adapters, gradient clipping at 1,
+fp32, the same batch of random tokens (loss on every position). PEFT side: `get_peft_model`, then
+`model(input_ids, labels=input_ids).loss`, backward, clip, step. lmforge side: `lmforge finetune`'s own
+`Trainer.train_step` with `model.init_from` the same folder and a `lora:` section. Both adapters start with B = 0,
+so the first-step losses must agree before anything is timed.
+
+Each side runs in its own process (peak memory is the process's peak RSS, what the OS sees: weights, adapters,
+activations, optimizer state, the libraries), and the sides take turns: rounds of (PEFT, lmforge) then
+(lmforge, PEFT), each process one warm-up step and then timed steps; step time is the median over all rounds.
+`--help` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from report import publish  # benchmarks/report.py
+
+SECTION = "## LoRA fine-tuning: lmforge vs PEFT + transformers"
+SHAPES = {
+    "pythia-410m": dict(vocab_size=50304, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                        intermediate_size=4096, rotary_pct=0.25, max_position_embeddings=2048),
+    "pythia-160m": dict(vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                        intermediate_size=3072, rotary_pct=0.25, max_position_embeddings=2048),
+    "quick": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                  rotary_pct=0.25, max_position_embeddings=256),
+}
+RANK, ALPHA, LR = 16, 32, 2e-4
+PEFT_TARGETS = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+
+
+def batch_ids(args, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+
+
+def peft_step(args, folder: Path, vocab: int):
+    import peft
+    import transformers as tf
+
+    model = tf.GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                       target_modules=PEFT_TARGETS)).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    ids = batch_ids(args, vocab)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def lmforge_step(args, folder: Path, vocab: int, tmp: Path):
+    import numpy as np
+
+    from lmforge.data.indexed import IndexedDatasetWriter
+    from lmforge.train.config import load_run_config
+    from lmforge.train.trainer import Trainer
+
+    with IndexedDatasetWriter(tmp / "corpus", np.uint16) as writer:  # the Trainer needs data to set up
+        for _ in range(8):
+            writer.add_document(np.random.default_rng(0).integers(0, vocab, args.seq * args.batch))
+    cfg = load_run_config(None, [
+        f"model.init_from={folder}", f"data.paths=[{tmp / 'corpus'}]", f"data.seq_length={args.seq}",
+        f"trainer.global_batch_size={args.batch}", f"trainer.micro_batch_size={args.batch}",
+        "trainer.precision=fp32", "trainer.val_check_interval=0", "trainer.max_steps=2", "trainer.progress_bar=false",
+        "cost.peak_flops=1e12", "trainer.grad_clip=1.0", f"optim.lr={LR}", "optim.weight_decay=0.0",
+        f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "lora.targets=all-linear", f"run_dir={tmp / 'run'}",
+    ])
+    trainer = Trainer(cfg)
+    ids = batch_ids(args, vocab)
+    # transformers scores positions 0..seq-2 (labels shifted inside); lmforge gets the same targets.
+    batches = itertools.repeat({"tokens": ids, "labels": torch.cat([ids[:, 1:], torch.full((args.batch, 1), -100)],
+                                                                   1)})
+    return lambda: trainer.train_step(batches)["loss"]
+
+
+def child(args) -> None:
+    """One side in this process: a warm-up step, then --steps timed ones; JSON on stdout."""
+    folder = Path(args.folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    with tempfile.TemporaryDirectory() as tmp:
+        step = peft_step(args, folder, vocab) if args.side == "peft" else lmforge_step(args, folder, vocab, Path(tmp))
+        first = step()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    print(json.dumps({"first_loss": first, "times": times, "peak_rss": peak}))
+
+
+def save_stand_in_tokenizer(folder: Path) -> None:
+    """A one-token tokenizer.json: model.init_from reads the folder's tokenizer; the steps use token ids only."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<|endoftext|>": 0}, unk_token="<|endoftext|>")).save(str(folder / "tokenizer.json"))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_side(args, side: str, folder: Path) -> dict:
+    cmd = [sys.executable, __file__, "--child", side, "--folder", str(folder), "--batch", str(args.batch),
+           "--seq", str(args.seq), "--steps", str(args.steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"the {side} side failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="pythia-410m")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    p.add_argument("--rounds", type=int, default=2, help="(PEFT, lmforge) rounds, the order alternating")
+    p.add_argument("--quick", action="store_true", help="a tiny model: checks that the script runs")
+    p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
+    p.add_argument("--child", choices=["peft", "lmforge"], help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.side = args.child
+        return child(args)
+    if args.quick:
+        if args.write:
+            p.error("--quick numbers are not benchmark numbers: run without --quick to --write")
+        args.shape, args.batch, args.seq, args.steps, args.rounds = "quick", 2, 32, 1, 1
+    import peft
+    import transformers as tf
+
+    load_start, t0 = os.getloadavg()[0], time.perf_counter()
+    runs: dict[str, list[dict]] = {"peft": [], "lmforge": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "hf"
+        torch.manual_seed(0)
+        tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**SHAPES[args.shape], bos_token_id=0, eos_token_id=0)).save_pretrained(
+            folder)
+        save_stand_in_tokenizer(folder)
+        for r in range(args.rounds):
+            for side in ("peft", "lmforge") if r % 2 == 0 else ("lmforge", "peft"):
+                runs[side].append(run_side(args, side, folder))
+                last = runs[side][-1]
+                log(f"round {r + 1}: {side} first loss {last['first_loss']:.5f}, steps "
+                    f"{', '.join(f'{t:.2f}' for t in last['times'])} s, peak RSS {last['peak_rss'] / 2**30:.2f} GiB "
+                    f"(load {os.getloadavg()[0]:.1f})")
+    first = {side: runs[side][0]["first_loss"] for side in runs}
+    if abs(first["lmforge"] - first["peft"]) > 1e-4 * abs(first["peft"]):
+        raise SystemExit(f"first-step losses differ (PEFT {first['peft']:.6f}, lmforge {first['lmforge']:.6f}): "
+                         "not benchmarking")
+    tokens = args.batch * args.seq
+    rows = {}
+    for side, results in runs.items():
+        seconds = statistics.median(t for r in results for t in r["times"])
+        rows[side] = (seconds, tokens / seconds, max(r["peak_rss"] for r in results))
+    ref = rows["peft"]
+    lines = ["| side | step s | tokens/s | peak RSS | tokens/s vs PEFT | peak memory vs PEFT |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for side, name in (("peft", f"PEFT {peft.__version__} + transformers loop"), ("lmforge", "lmforge finetune")):
+        s, tps, rss = rows[side]
+        lines.append(f"| {name} | {s:.2f} | {tps:,.0f} | {rss / 2**30:.2f} GiB | "
+                     f"{'1.00' if side == 'peft' else f'**{tps / ref[1]:.2f}x**'} | "
+                     f"{'1.00' if side == 'peft' else f'**{rss / ref[2]:.2f}x**'} |")
+    speed, memory = rows["lmforge"][1] / ref[1], rows["lmforge"][2] / ref[2]
+    met = "met" if speed >= 1.2 and memory <= 1 else "not met"
+    goal = (f"Goal (>= 1.2x PEFT's tokens/s at no more peak memory): {met} — {speed:.2f}x the tokens/s at "
+            f"{memory:.2f}x the peak memory.")
+    from train import machine  # benchmarks/train.py
+
+    command = " ".join(["python", "benchmarks/lora.py", *sys.argv[1:]])
+    body = (f"Command: `{command}`. CPU: {machine()[0]}; torch {torch.__version__}, transformers {tf.__version__}, "
+            f"peft {peft.__version__}, {datetime.date.today()}. {args.shape} shape, LoRA rank {RANK} alpha {ALPHA} on "
+            f"every block linear, fp32, batch {args.batch} x {args.seq} tokens. Median of {args.rounds} x "
+            f"{args.steps} steps per side; {time.perf_counter() - t0:.0f} s in all, load average {load_start:.1f} at "
+            f"the start and {os.getloadavg()[0]:.1f} at the end (a shared machine).\n\n" + "\n".join(lines) +
+            f"\n\n{goal}\n\n" + __doc__.split("\n\n", 1)[1].strip() + "\n")
+    publish(SECTION, body, args.write)
+
+
+if __name__ == "__main__":
+    main()
