@@ -166,7 +166,7 @@ def main() -> None:
         "equal "
         "before anything counts (they are: the metrics column is both sides'). Random weights make the "
         "accuracies chance-level; the speed does not depend on the weights.\n\n"
-        f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+        f"{cpu_name()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, lm-eval {lm_eval.__version__}, "
         f"{datetime.date.today().isoformat()}; {time.perf_counter() - t0:.0f} s in all, load average "
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. The machine has 2 cores shared "
