@@ -80,6 +80,23 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+def reset_peak_memory_stats(device: torch.device) -> None:
+    """Start max_memory_allocated's count afresh (where the device counts it)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type != "cpu" and hasattr(torch.accelerator, "reset_peak_memory_stats"):  # torch >= 2.8
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def memory_allocated(device: torch.device) -> int | None:
+    """Bytes the caching allocator holds for tensors on `device` now, None where torch does not count them."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    if device.type != "cpu" and hasattr(torch.accelerator, "memory_allocated"):  # torch >= 2.8
+        return torch.accelerator.memory_allocated(device)
+    return None
+
+
 def max_memory_allocated(device: torch.device) -> int | None:
     """Peak bytes the caching allocator handed out on `device`, None where torch does not count them."""
     memory = getattr(torch.accelerator, "max_memory_allocated", None)  # torch >= 2.8
