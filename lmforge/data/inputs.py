@@ -43,7 +43,7 @@ COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 KINDS_HINT = ("give .jsonl/.json/.ndjson or .txt files (optionally .gz or .zst), .parquet files, Hugging Face "
               "datasets folders (save_to_disk), or folders or glob patterns of them")
 DATA_EXTRA = "pip install 'lmforge[data]'"
-PARQUET_BATCH_ROWS = 1024  # rows per record batch read from Parquet: bounded memory, cheap per-batch overhead
+PARQUET_BATCH_ROWS = 256  # rows per record batch read from Parquet: a few MB of long documents, cheap per batch
 READ_BLOCK = 1 << 20  # bytes read from a compressed file at a time
 
 # A record: (where, kind, payload, size). `where` is (file, base, index): for JSON lines, the byte offset at
@@ -330,10 +330,13 @@ def _row_bytes(values: tuple) -> int:
 
 def _batch_records(path: str, batches, keys: Sequence[str], row: int) -> Iterator[Record]:
     for batch in batches:
-        columns = [batch.column(k).to_pylist() for k in keys]
-        for i, values in enumerate(zip(*columns)):
-            yield (path, 0, row + i), "row", values, _row_bytes(values)
-        row += batch.num_rows
+        # Python strings for PARQUET_BATCH_ROWS rows at a time: an Arrow file's batches can be far larger.
+        for start in range(0, batch.num_rows, PARQUET_BATCH_ROWS):
+            part = batch.slice(start, PARQUET_BATCH_ROWS)
+            columns = [part.column(k).to_pylist() for k in keys]
+            for i, values in enumerate(zip(*columns)):
+                yield (path, 0, row + i), "row", values, _row_bytes(values)
+            row += part.num_rows
 
 
 def _parquet_records(piece: Piece, keys: Sequence[str]) -> Iterator[Record]:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import lmforge.data.inputs as inputs
 from lmforge.data.inputs import describe, find_inputs, plan, records
 from lmforge.data.preprocess import preprocess
 from lmforge.errors import UserError
@@ -101,7 +102,7 @@ def test_sentence_lists_from_parquet_match_json(tmp_path, gpt2):  # noqa: F811
     same_files(got.outputs["text"], ref.outputs["text"])
 
 
-def test_bad_rows_name_file_and_row_and_can_be_skipped(tmp_path, gpt2):  # noqa: F811
+def test_bad_rows_name_file_and_row_and_can_be_skipped(tmp_path, gpt2, monkeypatch):  # noqa: F811
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
@@ -110,6 +111,12 @@ def test_bad_rows_name_file_and_row_and_can_be_skipped(tmp_path, gpt2):  # noqa:
         preprocess(tmp_path / "n.parquet", tmp_path / "out", gpt2, progress=False)
     stats = preprocess(tmp_path / "n.parquet", tmp_path / "out", gpt2, on_error="skip", progress=False)
     assert (stats.documents, stats.skipped) == (3, 1)
+    # an Arrow batch larger than the rows turned into Python strings at a time: row numbers run on across slices
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["a", "b", "c", "d", None]}).save_to_disk(str(tmp_path / "ds"))
+    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 2)
+    with pytest.raises(UserError, match=r"data-00000-of-00001\.arrow row 4: key 'text' must hold a string"):
+        preprocess(tmp_path / "ds", tmp_path / "out", gpt2, progress=False)
 
 
 def test_wrong_inputs_fail_with_one_line_and_leave_nothing(tmp_path, docs, gpt2):  # noqa: F811
