@@ -3,9 +3,9 @@
 On the corpora and GPT-2 tokenizer folder of benchmarks/preprocess.py (its builders are reused), whole commands
 as subprocesses, every output compared byte for byte with Megatron-LM's output for the same documents:
 
-* formats: the same documents as JSONL, JSONL.zst, Parquet (row groups of 1,000 documents, snappy) and a
-  Hugging Face `datasets` folder (save_to_disk), each read by `lmforge preprocess --workers 1`; Megatron-LM's
-  tool (JSONL only) on the JSONL, `--workers 1`, in the same repeat.
+* formats: the same documents as JSONL, JSONL.zst, Parquet (row groups of 250 documents, snappy, no
+  dictionary) and a Hugging Face `datasets` folder (save_to_disk), each read by `lmforge preprocess --workers 1`;
+  Megatron-LM's tool (JSONL only) on the JSONL, `--workers 1`, in the same repeat.
 * shards: the WikiText corpus over N = 1..cores processes, one core each. lmforge: N `lmforge preprocess
   --shard I/N` processes started together (TOKENIZERS_PARALLELISM=false: one thread each), then `lmforge data
   merge`. Megatron-LM's own way to spread one machine's work over N processes: `--partitions N --workers N
@@ -52,7 +52,7 @@ from report import BENCHMARKS_MD, write_section  # benchmarks/report.py
 
 SECTION = "## Preprocessing at scale: input formats, shards on N processes, memory (lmforge vs Megatron-LM)"
 FORMATS = ("jsonl", "jsonl.zst", "parquet", "datasets")
-ROW_GROUP = 1000
+ROW_GROUP = 250  # documents: the 1x WikiText file already spans 4 row groups, so memory is seen past the first
 
 
 def format_paths(corpus: Corpus, out: Path) -> dict[str, Path]:
@@ -70,7 +70,9 @@ def convert(jsonl: Path, zst: Path, parquet: Path, folder: Path) -> None:
     raw = jsonl.read_bytes()
     zst.write_bytes(zstandard.ZstdCompressor(level=3).compress(raw))
     table = pa.Table.from_pylist([json.loads(line) for line in raw.splitlines()])
-    pq.write_table(table, parquet, row_group_size=ROW_GROUP)
+    # No dictionary encoding: the corpus is copies of one text, which a dictionary would shrink to one copy;
+    # real corpora's documents are distinct.
+    pq.write_table(table, parquet, row_group_size=ROW_GROUP, use_dictionary=False)
     datasets.disable_progress_bars()
     datasets.Dataset(table).save_to_disk(str(folder))
 
@@ -326,7 +328,8 @@ def intro() -> str:
         "`python benchmarks/preprocess_scale.py` (or `lmforge bench preprocess_scale`): whole commands on the "
         "corpora and tokenizer of the section above, every output compared byte for byte with Megatron-LM's for "
         "the same documents before its time counts. *Input formats*: the same documents as JSONL, zstd JSONL, "
-        f"Parquet (row groups of {ROW_GROUP:,} documents, snappy) and a `datasets` save_to_disk folder, read by "
+        f"Parquet (row groups of {ROW_GROUP:,} documents, snappy, no dictionary) and a `datasets` save_to_disk "
+        "folder, read by "
         "`lmforge preprocess`; Megatron-LM's tool reads JSONL only. *Shards*: N processes started together, one "
         "core each, then the merge; Megatron-LM's equivalent on one machine is `--partitions N` with "
         "`--keep-sequential-samples` (its default deals lines round-robin, which reorders the documents). "
