@@ -8,7 +8,9 @@ Within every repeat the sides take turns in rotated order, together with two pro
 the memory bandwidth (a large copy) and the decode step's matrix products alone. Batch-1 decoding
 reads every weight once per token, so bandwidth / bytes read per token bounds tokens/s for any
 implementation. Before timing, every lmforge side must produce transformers' tokens (fp32); bf16
-rows run only on CPUs with bf16 matrix instructions (or with --force-bf16). `--help` lists the options.
+rows run only on CPUs with bf16 matrix instructions (or with --force-bf16). `--device` (default auto: CUDA
+when present) puts every side on the same device; on an accelerator bf16 is a normal row and each side's
+peak memory is reported too. `--help` lists the options.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import publish  # benchmarks/report.py
+from report import accelerator_description, publish  # benchmarks/report.py
 
+from lmforge.devices import max_memory_allocated, memory_allocated, reset_peak_memory_stats, resolve_device, synchronize
+from lmforge.errors import UserError
 from lmforge.inference import generate, left_pad
 from lmforge.models import load_pretrained
 
@@ -56,6 +60,7 @@ class Side:
     warmup_s: float = 0.0  # the first call: compilation for the compiled sides
     tokens: list[list[int]] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    extra_bytes: list[int] = field(default_factory=list)  # the most each run allocated above what it found
 
     def tokens_per_second(self, tokens: int) -> float:
         return tokens / statistics.median(self.times)
@@ -85,14 +90,14 @@ def bf16_slowdown(n: int = 256) -> float:
     return best[torch.bfloat16] / best[torch.float32]
 
 
-def hf_model(shape: dict, folder: Path):
+def hf_model(shape: dict, folder: Path, device: torch.device | str = "cpu"):
     import transformers as tf
 
     torch.manual_seed(0)
     cfg = tf.GPTNeoXConfig(**shape, bos_token_id=0, eos_token_id=0)
     model = tf.GPTNeoXForCausalLM(cfg).eval()
     model.save_pretrained(folder)
-    return model
+    return model.to(device)
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -114,7 +119,7 @@ def run_hf(model, prompts, new_tokens, compile=False):
         config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
         config._compile_all_devices = True
         kwargs = dict(cache_implementation="static", compile_config=config)
-    ids, mask = left_pad(prompts, 0)
+    ids, mask = left_pad(prompts, 0, model.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, **kwargs)
@@ -126,25 +131,31 @@ class Floor:
 
     def __init__(self, model, batch: int):
         n = BANDWIDTH_MB * 2**20 // 4
-        self.src, self.dst = torch.ones(n), torch.empty(n)
-        dtype = next(model.parameters()).dtype
+        p = next(model.parameters())
+        self.device = p.device
+        self.src, self.dst = torch.ones(n, device=self.device), torch.empty(n, device=self.device)
         head = model.lm_head.weight[: model.config.vocab_size]
         self.matrices = [(m.weight, m.bias) for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         self.matrices.append((head, None))
-        self.inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w, _ in self.matrices}
+        self.inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=p.dtype, device=self.device)
+                       for w, _ in self.matrices}
         self.bandwidth, self.matmuls = [], []
 
     def probe(self) -> None:
         best = float("inf")
         for _ in range(3):
+            synchronize(self.device)
             start = time.perf_counter()
             self.dst.copy_(self.src)
+            synchronize(self.device)
             best = min(best, time.perf_counter() - start)
         self.bandwidth.append(2 * self.src.numel() * 4 / best)  # bytes read + written
+        synchronize(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
             for w, b in self.matrices:
                 F.linear(self.inputs[w.shape[1]], w, b)
+        synchronize(self.device)
         self.matmuls.append(time.perf_counter() - start)
 
 
@@ -161,6 +172,7 @@ def bytes_per_step(model, batch: int, mean_context: float) -> float:
 
 
 def measure_group(args, ours, ref, dtype: torch.dtype, batch: int, vocab: int) -> dict:
+    device = args.device
     prompts = prompts_for(batch, args.prompt_len, vocab)
     n = args.new_tokens
     sides = [Side("transformers", lambda: run_hf(ref, prompts, n)),
@@ -169,8 +181,10 @@ def measure_group(args, ours, ref, dtype: torch.dtype, batch: int, vocab: int) -
         sides.insert(1, Side("transformers compile", lambda: run_hf(ref, prompts, n, compile=True)))
         sides.append(Side("lmforge compile", lambda: run_ours(ours, prompts, n, compile=True)))
     for side in sides:  # warm-up, compilation included, and the tokens to compare
+        synchronize(device)
         start = time.perf_counter()
         side.tokens = side.run()
+        synchronize(device)
         side.warmup_s = time.perf_counter() - start
         assert all(len(r) == n for r in side.tokens), f"{side.name}: a row stopped early"
         log(f"  {side.name}: first call {side.warmup_s:.1f} s")
@@ -181,9 +195,15 @@ def measure_group(args, ours, ref, dtype: torch.dtype, batch: int, vocab: int) -
     floor = Floor(ours, batch)
     for r in range(args.repeats):  # rotate the order so that no side always runs right after another
         for side in sides[r % len(sides):] + sides[: r % len(sides)]:
+            before = memory_allocated(device)
+            reset_peak_memory_stats(device)
+            synchronize(device)
             start = time.perf_counter()
             side.run()
+            synchronize(device)
             side.times.append(time.perf_counter() - start)
+            if before is not None:
+                side.extra_bytes.append(max_memory_allocated(device) - before)
         floor.probe()
     tokens = batch * n
     bandwidth = statistics.median(floor.bandwidth)
@@ -192,18 +212,19 @@ def measure_group(args, ours, ref, dtype: torch.dtype, batch: int, vocab: int) -
                step_mb=step_bytes / 1e6, bound=batch * bandwidth / step_bytes,
                matmuls=batch / statistics.median(floor.matmuls), load=os.getloadavg()[0],
                tok_s={s.name: s.tokens_per_second(tokens) for s in sides},
-               warmup={s.name: s.warmup_s for s in sides})
+               warmup={s.name: s.warmup_s for s in sides},
+               extra_mb={s.name: max(s.extra_bytes) / 1e6 for s in sides if s.extra_bytes})
     log(f"  {row['dtype']} batch {batch}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["tok_s"].items())
         + f" tok/s; matmuls alone {row['matmuls']:.1f}, bandwidth bound {row['bound']:.1f} tok/s")
     return row
 
 
 def measure(args, name: str, shape: dict, folder: Path, dtypes: list[torch.dtype]) -> list[dict]:
-    ref32 = hf_model(shape, folder)
+    ref32 = hf_model(shape, folder, args.device)
     rows = []
     for dtype in dtypes:
-        ours = load_pretrained(folder, dtype=dtype)
-        ref = ref32 if dtype == torch.float32 else hf_model(shape, folder).to(dtype)
+        ours = load_pretrained(folder, device=args.device, dtype=dtype)
+        ref = ref32 if dtype == torch.float32 else hf_model(shape, folder, args.device).to(dtype)
         for batch in args.batch:
             log(f"{name} {dtype} batch {batch}")
             rows.append({"shape": name, **measure_group(args, ours, ref, dtype, batch, shape["vocab_size"])})
@@ -245,8 +266,10 @@ def details(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         warm = ", ".join(f"{k} {v:.1f} s" for k, v in r["warmup"].items())
+        memory = "; peak memory above the weights (cache and activations): " + ", ".join(
+            f"{k} {v:.0f} MB" for k, v in r["extra_mb"].items()) if r["extra_mb"] else ""
         lines.append(f"- {r['shape']} {r['dtype']} batch {r['batch']}: bandwidth {r['bandwidth'] / 1e9:.1f} GB/s, "
-                     f"{r['step_mb']:.0f} MB read per decode step; first call (compilation) {warm}.")
+                     f"{r['step_mb']:.0f} MB read per decode step; first call (compilation) {warm}{memory}.")
     return "\n".join(lines)
 
 
@@ -261,9 +284,14 @@ def main() -> None:
     p.add_argument("--force-bf16", action="store_true", help="run bf16 rows even on a CPU without bf16 matmuls")
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled sides (no compilation)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda, cuda:1 ...")
     p.add_argument("--quick", action="store_true", help="a tiny model and few tokens: checks the script runs")
     p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
     args = p.parse_args()
+    try:
+        args.device = resolve_device(args.device)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.quick:
         if args.write:
             p.error("--quick numbers are not benchmark numbers: run without --quick to --write")
@@ -271,7 +299,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = {"tiny": QUICK} if args.quick else {name: SHAPES[name] for name in args.shape}
-    cpu, bf16_flags = machine()
+    on_cpu = args.device.type == "cpu"
+    if on_cpu:
+        cpu, bf16_flags = machine()
+        cpu = f"{cpu}, {torch.get_num_threads()} threads"
+    else:  # bf16 matrix units are what accelerators have: the CPU caveats do not apply
+        cpu, bf16_flags = accelerator_description(args.device), ["device"]
     dtypes = [getattr(torch, d) for d in args.dtype]
     skipped = ""
     if torch.bfloat16 in dtypes and not bf16_flags and not args.force_bf16:
@@ -303,7 +336,7 @@ def main() -> None:
         "fp32 weights once per step exceeds it. *best / bound*: the faster lmforge side against that bound. "
         "*same tokens*: share of generated tokens equal to transformers' (fp32 lmforge must be 100%). "
         "*load*: 1-minute load average after the row (the machine is shared).\n\n"
-        f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+        f"{cpu}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, {datetime.date.today()}; {time.perf_counter() - t0:.0f} s in all, load "
         f"average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.\n\n"
         + (f"{table(rows)}\n\n{details(rows)}\n\n{ceiling(rows)}\n" if rows else "")

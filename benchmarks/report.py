@@ -43,3 +43,13 @@ def publish(heading: str, body: str, write: bool) -> None:
     if write:
         write_section(heading, f"{heading}\n\n{body}")
         print(f"wrote '{heading}' to {BENCHMARKS_MD}")
+
+
+def accelerator_description(device) -> str:
+    """What a benchmark ran on when it is not the CPU: 'NVIDIA H100 80GB HBM3 (79.1 GiB, CUDA 13.0)'."""
+    import torch
+
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        return f"{torch.cuda.get_device_name(device)} ({memory / 2**30:.1f} GiB, CUDA {torch.version.cuda})"
+    return f"{device.type} accelerator"
