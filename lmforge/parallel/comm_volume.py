@@ -85,10 +85,11 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
     elif layout.data_parallel == "fsdp":
         # Every micro batch gathers each block's parameters twice (forward, then again for the backward:
         # blocks reshard after forward) and the root's once (FSDP2 keeps the root unsharded between
-        # forward and backward); gradients are reduce-scattered once per step.
+        # forward and backward); gradients are reduce-scattered after every micro batch (holding them
+        # unsharded until the last would keep the whole model's gradients on every rank).
         gathers = micro_batches * (2 * blocks + ends) * param_bytes
-        scatter = (blocks + ends) * grad_bytes * (2 if reduce_scatter_as_all_reduce else 1)
-        payload_data = gathers + (blocks + ends) * grad_bytes
+        scatter = micro_batches * (blocks + ends) * grad_bytes * (2 if reduce_scatter_as_all_reduce else 1)
+        payload_data = gathers + micro_batches * (blocks + ends) * grad_bytes
         data = (n - 1) / n * (gathers + scatter)
     else:  # DDP: one all-reduce of all gradients per step (no_sync on the other micro batches)
         payload_data = (blocks + ends) * grad_bytes

@@ -43,7 +43,8 @@ def mesh_layout(spec: dict, world) -> dict:
     from lmforge.parallel import ParallelConfig, build_mesh, parallelize, pipeline_step
 
     # Activations of 2 x 64 x 256 fp32: large beside gloo's few hundred bytes of framing per collective.
-    model = build(replace(preset("tiny-neox"), num_layers=4, hidden_size=256, intermediate_size=512), seed=0)
+    model = build(replace(preset("tiny-neox"), num_layers=4, hidden_size=256, head_dim=64, intermediate_size=512),
+                  seed=0)
     cfg = model.config
     schedule = {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2} if spec.get("virtual_stages") else {}
     pcfg = ParallelConfig(tensor=spec["tensor"], pipeline=spec["pipeline"], data_shard=1,
