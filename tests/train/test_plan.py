@@ -1,5 +1,8 @@
 """`lmforge plan`: one training step traced for N ranks on fake CUDA tensors with a fake process group.
 
+The plans run in a process of their own (tests/train/plan_worker.py): on a CPU-only torch the stand-in device
+must be registered before the process's first backward, and stays registered.
+
 - every layout's step (DDP, FSDP2, HSDP, TP, TP + sequence parallel, bf16 with stochastic rounding, a
   classification head) runs through the real code on the fake device, and reports each category's bytes;
   parameters, gradients and optimizer state equal what the layout holds (counted from the config);
@@ -16,6 +19,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,143 +29,147 @@ import torch
 
 from lmforge.errors import UserError
 from lmforge.models import build
-from lmforge.parallel.fake import CollectiveDeviceError
 from lmforge.train.config import load_run_config
-from lmforge.train.plan import GiB, parse_memory, plan_run
+from lmforge.train.plan import GiB, parse_memory
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+WORKER = Path(__file__).with_name("plan_worker.py")
+TINY = ["data.seq_length=64", "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "model.vocab_size=512",
+        "trainer.precision=fp32"]  # tiny-neox (2 layers): every rank gets one or two micro-batches of 64 tokens
 
 
-def _cfg(*overrides: str):
-    """tiny-neox (2 layers) at a small batch: every rank gets one micro-batch of 64 tokens per step."""
-    return load_run_config(CONFIGS / "tiny-neox.yaml", ["data.seq_length=64", "trainer.global_batch_size=8",
-                                                        "trainer.micro_batch_size=2", "model.vocab_size=512",
-                                                        "trainer.precision=fp32", *overrides])
+def _case(world: int, *overrides: str, config: str = "tiny-neox.yaml", **extra) -> dict:
+    tiny = TINY if config == "tiny-neox.yaml" else []
+    return {"config": str(CONFIGS / config), "overrides": [*tiny, *overrides], "world": world, **extra}
 
 
-def _param_bytes(cfg) -> int:
-    model = build(cfg.model.resolve(), device="meta")
-    return sum(p.numel() for p in model.parameters()) * 4
+def _run(cases: dict, tmp: Path) -> dict:
+    """The cases in one process of their own (see plan_worker.py)."""
+    (tmp / "spec.json").write_text(json.dumps({"cases": cases}))
+    proc = subprocess.run([sys.executable, str(WORKER), str(tmp / "spec.json"), str(tmp / "out.json")],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "out.json").read_text())
 
 
 LAYOUTS = {
-    "ddp": (2, ["trainer.data_parallel=ddp"]),
-    "fsdp": (4, ["trainer.data_parallel=fsdp"]),
-    "hsdp": (4, ["parallel.data_replicate=2", "parallel.data_shard=2"]),
-    "tp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=false", "model.make_vocab_size_divisible_by=256"]),
-    "tp_sp_fsdp": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "trainer.data_parallel=fsdp",
-                       "model.make_vocab_size_divisible_by=256"]),
-    "bf16_sr": (2, ["trainer.precision=bf16-sr", "trainer.data_parallel=fsdp"]),
-    "bf16_mixed": (2, ["trainer.precision=bf16-mixed", "trainer.data_parallel=fsdp"]),
+    "ddp": _case(2, "trainer.data_parallel=ddp"),
+    "fsdp": _case(4, "trainer.data_parallel=fsdp"),
+    "hsdp": _case(4, "parallel.data_replicate=2", "parallel.data_shard=2"),
+    "tp": _case(2, "parallel.tensor=2", "parallel.sequence_parallel=false", "model.make_vocab_size_divisible_by=256"),
+    "tp_sp_fsdp": _case(4, "parallel.tensor=2", "parallel.sequence_parallel=true", "trainer.data_parallel=fsdp",
+                        "model.make_vocab_size_divisible_by=256"),
+    "bf16_sr": _case(2, "trainer.precision=bf16-sr", "trainer.data_parallel=fsdp"),
+    "bf16_mixed": _case(2, "trainer.precision=bf16-mixed", "trainer.data_parallel=fsdp"),
+    "classification": _case(2, "data.task=classification", "trainer.data_parallel=fsdp"),
+}
+CASES = {
+    **LAYOUTS,
+    # The defect class it exists for: a CPU tensor in a collective, a CPU tensor mixed into a device op.
+    "cpu_counts": _case(2, "trainer.data_parallel=fsdp", patch="cpu_counts"),
+    "cpu_term": _case(2, "trainer.data_parallel=fsdp", patch="cpu_term"),
+    # 8 blocks traced at 3 and 6 and extrapolated, and traced whole.
+    "deep": _case(2, "model.num_layers=8", "trainer.data_parallel=fsdp"),
+    "deep_whole": _case(2, "model.num_layers=8", "trainer.data_parallel=fsdp", shallow=4),
+    "world_3_tp_2": _case(3, "parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
+    "unknown_device": _case(2, device="nope"),
+    "no_room": _case(2, device_memory=1024),
+    "pipeline": _case(4, "parallel.pipeline=2", "model.num_layers=4"),
 }
 
 
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> dict:
+    return _run(CASES, tmp_path_factory.mktemp("plan"))
+
+
+def _param_bytes(case: dict) -> int:
+    cfg = load_run_config(case["config"], case["overrides"])
+    from lmforge.train.tasks import get_task
+
+    model_cfg = dataclasses.replace(cfg.model.resolve(), num_labels=get_task(cfg.data.task).example_labels)
+    return sum(p.numel() for p in build(model_cfg, device="meta").parameters()) * 4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_every_layout_steps_on_fake_cuda(name):
-    world, overrides = LAYOUTS[name]
-    cfg = _cfg(*overrides)
-    plan = plan_run(cfg, world, "cuda")
-    assert plan.device == "cuda" and plan.world_size == world
-    [rank] = plan.ranks
-    whole = _param_bytes(cfg)
-    shards = world // plan.layout["data_replicate"]  # what divides the parameters: FSDP shards x TP
+def test_every_layout_steps_on_fake_cuda(planned, name):
+    assert "plan" in planned[name], planned[name]
+    plan = planned[name]["plan"]
+    world = LAYOUTS[name]["world"]
+    assert plan["device"] == "cuda" and plan["world_size"] == world
+    [rank] = plan["ranks"]
+    shards = world // plan["layout"]["data_replicate"]  # what divides the parameters: FSDP shards x TP
     dtype_bytes = 2 if name == "bf16_sr" else 4
     # Parameters are the whole model's divided by the shards (replicated norms and biases under TP, FSDP's
     # padding of uneven dims: a few percent), plus buffers (rotary frequencies).
-    expected = whole * dtype_bytes // 4 / shards
-    assert expected * 0.97 <= rank.params <= expected * 1.15, (rank.params, expected)
-    # One gradient per parameter (under TP a replicated bias's gradient is whole on every rank, like it)
-    assert rank.params * 0.95 <= rank.grads <= rank.params * 1.25, (rank.grads, rank.params)
-    assert rank.optimizer >= 2 * rank.params * 0.9  # AdamW's two moments per parameter
-    assert rank.activations > 0
-    assert rank.peak >= rank.params + rank.grads + rank.optimizer
-    assert set(plan.to_json()["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "peak"}
+    expected = _param_bytes(LAYOUTS[name]) * dtype_bytes // 4 / shards
+    assert expected * 0.97 <= rank["params"] <= expected * 1.15, (rank["params"], expected)
+    # One gradient per parameter (under TP the vocabulary-parallel embedding's gradient is whole on every rank)
+    assert rank["params"] * 0.95 <= rank["grads"] <= rank["params"] * 1.25, (rank["grads"], rank["params"])
+    assert rank["optimizer"] >= 2 * rank["params"] * 0.9  # AdamW's two moments per parameter
+    assert rank["activations"] > 0
+    assert rank["peak"] >= rank["params"] + rank["grads"] + rank["optimizer"]
+    assert set(plan["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "peak"}
 
 
-def test_classification_head_steps():
-    cfg = _cfg("data.task=classification", "trainer.data_parallel=fsdp")
-    [rank] = plan_run(cfg, 2, "cuda").ranks
-    assert rank.activations > 0
+@pytest.mark.slow
+def test_the_device_defects_fail_as_on_a_gpu(planned):
+    assert planned["cpu_counts"]["error"] == "CollectiveDeviceError"
+    assert "cpu tensor" in planned["cpu_counts"]["message"] and "lmforge/parallel/mesh.py" in planned["cpu_counts"][
+        "message"]
+    assert planned["cpu_term"]["error"] == "FakeTensorDeviceMismatchError"
 
 
-def test_cpu_tensor_in_a_collective_fails_like_nccl(monkeypatch):
-    """The defect of the first GPU audit: the step's label count reduced as a CPU tensor."""
-    from lmforge.parallel.mesh import all_reduce_data_parallel
-    from lmforge.train.step import ParallelTraining
-    from lmforge.train.tasks import count_tokens
-
-    def cpu_counts(self, micro):
-        counts = torch.tensor([sum(self.task.count(b) for b in micro), sum(count_tokens(b) for b in micro)],
-                              dtype=torch.float64)
-        return all_reduce_data_parallel(counts, self.mesh).tolist()
-
-    monkeypatch.setattr(ParallelTraining, "global_counts", cpu_counts)
-    with pytest.raises(CollectiveDeviceError, match=r"c10d.*cpu tensor.*lmforge/parallel/mesh\.py"):
-        plan_run(_cfg("trainer.data_parallel=fsdp"), 2, "cuda")
+@pytest.mark.slow
+def test_deep_models_extrapolate_to_the_full_trace(planned):
+    deep, whole = planned["deep"]["plan"], planned["deep_whole"]["plan"]
+    assert deep["traced_layers_per_chunk"] == [3, 6] and whole["traced_layers_per_chunk"] == [8]
+    assert deep["ranks"] == whole["ranks"]
 
 
-def test_cpu_tensor_in_a_device_op_fails(monkeypatch):
-    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
-
-    from lmforge.train.tasks.pretrain import Pretrain
-
-    loss = Pretrain.loss
-
-    def with_cpu_term(self, model, batch, fused=True):
-        value, count, correct = loss(self, model, batch, fused)
-        return (value.reshape(1) + torch.ones(1)).sum(), count, correct  # a 1-element CPU tensor: no scalar
-
-    monkeypatch.setattr(Pretrain, "loss", with_cpu_term)
-    with pytest.raises(FakeTensorDeviceMismatchError):
-        plan_run(_cfg("trainer.data_parallel=fsdp"), 2, "cuda")
+@pytest.mark.slow
+def test_bad_input_is_one_line(planned):
+    assert planned["world_3_tp_2"] == {"error": "UserError", "message": planned["world_3_tp_2"]["message"]}
+    assert "does not divide the world size 3" in planned["world_3_tp_2"]["message"]
+    assert planned["unknown_device"]["error"] == "UserError" and "--device 'nope'" in planned["unknown_device"][
+        "message"]
+    assert planned["no_room"]["error"] == "UserError"
+    assert "GiB at its peak" in planned["no_room"]["message"] and "--device-memory 0.0 GiB" in planned["no_room"][
+        "message"]
+    assert planned["pipeline"]["error"] == "UserError" and "pipeline layouts" in planned["pipeline"]["message"]
 
 
-def test_deep_models_extrapolate_to_the_full_trace(monkeypatch):
-    """8 layers traced whole equal 3 and 6 layers extrapolated, category by category."""
-    import lmforge.train.plan as plan_module
-
-    cfg = _cfg("model.num_layers=8", "trainer.data_parallel=fsdp")
-    extrapolated = plan_run(cfg, 2, "cuda")
-    assert extrapolated.traced_layers == [3, 6]
-    monkeypatch.setattr(plan_module, "SHALLOW", 4)
-    whole = plan_run(cfg, 2, "cuda")
-    assert whole.traced_layers == [8]
-    assert extrapolated.ranks[0].bytes() == whole.ranks[0].bytes()
-
-
-def test_bad_input_is_one_line():
+def test_sizes_and_a_recipe_without_a_model_are_one_line():
     with pytest.raises(UserError, match="the recipe names no model: set model.init_from=FOLDER"):
         load_run_config(CONFIGS / "gpt-j-6b.yaml", [])
-    with pytest.raises(UserError, match="does not divide the world size 3"):
-        plan_run(_cfg("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"), 3, "cuda")
-    with pytest.raises(UserError, match="--device 'nope'"):
-        plan_run(_cfg(), 2, "nope")
     with pytest.raises(UserError, match="--device-memory"):
         parse_memory("eighty")
     assert parse_memory("80GiB") == 80 * GiB == parse_memory("80")
     assert parse_memory("80GB") == 80 * 10**9
-    with pytest.raises(UserError, match=r"needs .* GiB at its peak .* more than --device-memory 0\.0 GiB"):
-        plan_run(_cfg(), 2, "cuda", device_memory=1024)
+
+
+RECIPES = {
+    "pythia-6.9b": _case(16, config="pythia-6.9b.yaml", device_memory=80 * GiB),
+    "llama2-7b": _case(16, "model.preset=llama-2-7b", config="llama2-7b-continued.yaml", device_memory=80 * GiB),
+    "pythia-12b-fsdp": _case(8, "trainer.data_parallel=fsdp", config="pythia-12b.yaml", device_memory=80 * GiB),
+    "gpt-j-6b": _case(8, "model.preset=gpt-j-6b", config="gpt-j-6b.yaml", device_memory=80 * GiB),
+    "pythia-160m": _case(8, config="pythia-160m.yaml", device_memory=80 * GiB),
+    "pythia-12b-ddp": _case(8, "trainer.data_parallel=ddp", config="pythia-12b.yaml", device_memory=80 * GiB),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,world,overrides", [
-    ("pythia-6.9b.yaml", 16, []),
-    ("llama2-7b-continued.yaml", 16, ["model.preset=llama-2-7b"]),
-    ("pythia-12b.yaml", 8, ["trainer.data_parallel=fsdp"]),
-    ("gpt-j-6b.yaml", 8, ["model.preset=gpt-j-6b"]),
-    ("pythia-160m.yaml", 8, []),
-])
-def test_recipes_at_their_world_size(recipe, world, overrides):
-    plan = plan_run(load_run_config(CONFIGS / recipe, overrides), world, "cuda", device_memory=80 * GiB)
-    assert 0 < plan.per_rank_bytes()["peak"] <= 80 * GiB
-
-
-@pytest.mark.slow
-def test_ddp_pythia_12b_does_not_fit_80gb():
-    cfg = load_run_config(CONFIGS / "pythia-12b.yaml", ["trainer.data_parallel=ddp"])
-    with pytest.raises(UserError, match=r"rank 0 .* needs 1\d\d\.\d GiB at its peak .* shard the model"):
-        plan_run(cfg, 8, "cuda", device_memory=80 * GiB)
+def test_recipes_at_their_world_size(tmp_path):
+    results = _run(RECIPES, tmp_path)
+    for name, result in results.items():
+        if name == "pythia-12b-ddp":  # 44 GiB of fp32 weights, as much gradient and twice in AdamW moments
+            assert result["error"] == "UserError", result
+            assert "rank 0 (pipeline stage 0) needs 176.6 GiB at its peak" in result["message"], result
+            assert "shard the model" in result["message"]
+        else:
+            assert "plan" in result, (name, result)
+            assert 0 < result["plan"]["per_rank_bytes"]["peak"] <= 80 * GiB, (name, result)
 
 
 def test_fresh_model_is_initialised_shard_by_shard():
@@ -170,7 +180,8 @@ def test_fresh_model_is_initialised_shard_by_shard():
     from lmforge.parallel.fake import TraceMode, fake_world
     from lmforge.parallel.load import allocated_bytes, init_sharded
 
-    mcfg = dataclasses.replace(_cfg().model.resolve(), num_layers=4, make_vocab_size_divisible_by=256)
+    tiny = load_run_config(CONFIGS / "tiny-neox.yaml", TINY)
+    mcfg = dataclasses.replace(tiny.model.resolve(), num_layers=4, make_vocab_size_divisible_by=256)
     whole = build(mcfg, seed=5)
     layout = ParallelConfig(tensor=2, data_shard=2)
     cpu = torch.device("cpu")
