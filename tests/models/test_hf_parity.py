@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -214,6 +215,21 @@ def test_tokenizer_files_travel_through_import_and_export(hf_dirs, shared_data, 
         assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes()
     tok = tf.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok("The quick brown fox")["input_ids"] == [464, 2068, 7586, 21831]
+
+
+def test_a_tokenizer_under_its_own_name_is_exported_as_tokenizer_json(imported, shared_data, tmp_path):
+    """A run trained with data.tokenizer=.../20B_tokenizer.json saves it under that name; transformers reads only
+    tokenizer.json (and otherwise loads an empty tokenizer without a word)."""
+    from lmforge.tokenizers import load_tokenizer
+
+    neox = shared_data / "tokenizers" / "gpt-neox-20b" / "20B_tokenizer.json"
+    model_dir = tmp_path / "lm"
+    shutil.copytree(imported["gpt_neox"][1], model_dir)
+    load_tokenizer(neox).save(model_dir)
+    export_hf(model_dir, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == neox.read_bytes()
+    text = "def main():\n    return 0  # Ünïcödé"
+    assert tf.AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == load_tokenizer(neox).encode(text)
 
 
 def test_bf16_load_runs_and_stays_close(imported):

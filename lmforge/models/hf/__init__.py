@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,6 +133,11 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | N
             hf["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         copy_side_files(model_dir, tmp, SIDE_FILES)
+        own = sorted(model_dir.glob("*tokenizer.json"))
+        if not (tmp / "tokenizer.json").exists() and len(own) == 1:
+            # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which transformers never looks
+            # for: without tokenizer.json its AutoTokenizer loads an empty tokenizer and says nothing.
+            shutil.copy2(own[0], tmp / "tokenizer.json")
     return hf
 
 
