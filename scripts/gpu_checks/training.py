@@ -1,0 +1,236 @@
+"""The training path on the device: the Trainer in every precision, eager and compiled; resume; export-hf; the
+exported tokenizer and served text; two ranks on one device through torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_checks.base import ROOT, Context, Skip, check, free
+from lmforge.devices import max_memory_allocated, reset_peak_memory_stats
+
+NEOX_TOKENIZER = "tokenizers/gpt-neox-20b/20B_tokenizer.json"
+
+
+def corpus(ctx: Context) -> Path:
+    """Arithmetic sequences mod 64: a model learns within a few steps which tokens occur (then what comes next),
+    so the loss must fall."""
+
+    def make():
+        import numpy as np
+
+        from lmforge.data.indexed import IndexedDatasetWriter
+
+        prefix = ctx.tmp / "corpus" / "arith_text_document"
+        prefix.parent.mkdir()
+        rng = np.random.default_rng(0)
+        with IndexedDatasetWriter(prefix, np.uint16) as writer:
+            for _ in range(300 if ctx.quick else 3000):
+                n, start, step = rng.integers(5, 400), rng.integers(0, 1000), rng.integers(1, 5)
+                writer.add_document((start + step * np.arange(n)) % 64)
+        return prefix
+
+    return ctx.once("corpus", make)
+
+
+def tokenizer_file(ctx: Context) -> Path:
+    path = ctx.shared_data / NEOX_TOKENIZER
+    if not path.is_file():
+        raise Skip(f"no GPT-NeoX tokenizer at {path} (set --shared-data or LMFORGE_SHARED_DATA)")
+    return path
+
+
+def overrides(ctx: Context, run_dir: Path, steps: int, *extra: str, big: bool = True) -> list[str]:
+    """A run of the Pythia-160m shape (2 layers and 256 tokens unless `big`), or tiny-neox under --quick."""
+    if ctx.quick:
+        model, seq, lr = ["model.preset=tiny-neox"], 32, 3e-3
+    elif big:
+        model, seq, lr = ["model.preset=pythia-160m"], 1024, 1e-3
+    else:
+        model, seq, lr = ["model.preset=pythia-160m", "model.num_layers=2"], 256, 1e-3
+    return [*model, f"data.paths=[{corpus(ctx)}]", f"data.seq_length={seq}", f"trainer.max_steps={steps}",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.val_check_interval=0",
+            "trainer.progress_bar=false", "cost.peak_flops=1e12", f"optim.lr={lr}", "optim.warmup_steps=3",
+            f"trainer.device={ctx.device}", f"trainer.compile_cache_dir={ctx.tmp / 'compile-cache'}",
+            f"run_dir={run_dir}", *extra]
+
+
+def train(ctx: Context, args: list[str]) -> tuple[object, list[dict]]:
+    """Run the Trainer in this process: (the trainer, its metrics.jsonl rows)."""
+    from lmforge.train.config import load_run_config
+    from lmforge.train.trainer import Trainer
+
+    trainer = Trainer(load_run_config(None, args))
+    trainer.fit()
+    rows = [json.loads(line) for line in (Path(trainer.cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return trainer, rows
+
+
+@check
+def check_train(ctx: Context) -> tuple[str, dict]:
+    steps = 12 if ctx.quick else 30
+    fig, bad, first = {}, [], {}
+    for precision in ("fp32", "bf16-mixed", "bf16-sr"):
+        for compiled in (False, True):
+            name = f"{precision}{' compiled' if compiled else ''}"
+            run_dir = ctx.tmp / f"train-{precision}-{compiled}"
+            reset_peak_memory_stats(ctx.device)
+            start = time.perf_counter()
+            trainer, rows = train(ctx, overrides(ctx, run_dir, steps, f"trainer.precision={precision}",
+                                                 f"trainer.compile={str(compiled).lower()}",
+                                                 f"trainer.compile_backend={ctx.compile_backend}"))
+            seconds = time.perf_counter() - start
+            losses = [r["loss"] for r in rows]
+            k = max(2, steps // 6)
+            head, tail = sum(losses[:k]) / k, sum(losses[-k:]) / k
+            peak = max_memory_allocated(ctx.device)
+            fig[name] = {"losses": losses, "seconds": seconds, "step_time": sorted(r["step_time"] for r in rows)[
+                len(rows) // 2], "peak_gib": peak / 2**30 if peak is not None else None,
+                "skipped_steps": trainer.state["skipped_steps"]}
+            del trainer
+            free(ctx)
+            shutil.rmtree(run_dir)
+            if len(losses) != steps or not all(map(math.isfinite, losses)) or fig[name]["skipped_steps"]:
+                bad.append(f"{name}: non-finite or skipped steps {losses}")
+            elif tail > head - 0.05 * abs(head):  # at least 5% lower over the run
+                bad.append(f"{name}: loss did not fall ({head:.3f} -> {tail:.3f})")
+            first.setdefault(precision, losses[0])
+            rtol = 1e-4 if precision == "fp32" else 2e-2
+            if compiled and abs(losses[0] - first[precision]) > rtol * abs(first[precision]):
+                bad.append(f"{name}: first loss {losses[0]:.6f} vs eager {first[precision]:.6f}")
+    if bad:
+        raise AssertionError("; ".join(bad))
+    shape = "tiny-neox (--quick)" if ctx.quick else "Pythia-160m shape, 8 x 1024 tokens"
+    runs = ", ".join(f"{n} {v['losses'][0]:.2f}->{v['losses'][-1]:.2f}" + (
+        f" ({1e3 * v['step_time']:.0f} ms/step, {v['peak_gib']:.1f} GiB)" if v["peak_gib"] is not None else "")
+        for n, v in fig.items())
+    return f"{shape}, {steps} steps: {runs}; compiled ({ctx.compile_backend}) step 1 = eager", fig
+
+
+def short_run(ctx: Context) -> tuple[Path, list[dict], list[str]]:
+    """A finished run with a checkpoint at its middle and its export (the tokenizer in it when there is one):
+    (run folder, metrics rows, its overrides but run_dir)."""
+
+    def make():
+        steps = 8 if ctx.quick else 12
+        try:  # tiny-neox's 1000 tokens cannot hold the tokenizer's
+            tok = [f"data.tokenizer={tokenizer_file(ctx)}", "model.vocab_size=50304"]
+        except Skip:
+            tok = []
+        run_dir = ctx.tmp / "short-run"
+        args = overrides(ctx, run_dir, steps, "trainer.precision=fp32", f"checkpoint.every_n_steps={steps // 2}",
+                         "checkpoint.save_top_k=-1", "checkpoint.convert_to_hf=true", *tok,
+                         big=False)
+        trainer, rows = train(ctx, args)
+        del trainer
+        free(ctx)
+        return run_dir, rows, [a for a in args if not a.startswith("run_dir=")]
+
+    return ctx.once("short_run", make)
+
+
+@check
+def check_resume(ctx: Context) -> tuple[str, dict]:
+    whole, rows, args = short_run(ctx)
+    cut = ctx.tmp / "resumed"
+    shutil.copytree(whole, cut, ignore=shutil.ignore_patterns("hf", "model"))
+    checkpoints = sorted((cut / "checkpoints").glob("step-*"))
+    middle = len(rows) // 2
+    assert [p.name for p in checkpoints] == [f"step-{middle:08d}", f"step-{len(rows):08d}"], checkpoints
+    shutil.rmtree(checkpoints[-1])  # as if the run had been killed after its middle checkpoint
+    trainer, resumed = train(ctx, [*args, f"run_dir={cut}", "checkpoint.convert_to_hf=false"])
+    assert trainer.state["step"] == len(rows)
+    del trainer
+    free(ctx)
+    assert [r["step"] for r in resumed] == [r["step"] for r in rows], "the resumed run's steps differ"
+    diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(resumed[middle:], rows[middle:]))
+    exact = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in zip(resumed, rows))
+    # The CPU is bit exact (tests/train/test_resume.py); CUDA kernels may sum in another order (atomics).
+    assert diff <= (0 if ctx.device.type == "cpu" else 1e-4), f"resumed losses differ by {diff:.2e} (relative)"
+    return (f"restarted from its step-{middle} checkpoint: steps {middle + 1}-{len(rows)} = the uninterrupted run's "
+            f"{'bit for bit' if exact else f'within {diff:.1e} (relative)'}"), {"max_rel_diff": diff, "exact": exact}
+
+
+@check
+def check_export(ctx: Context) -> tuple[str, dict]:
+    import transformers as tf
+
+    from lmforge.models import load_pretrained
+
+    run_dir, _, _ = short_run(ctx)
+    ref, info = tf.AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ref = ref.to(ctx.device).eval()
+    ours = load_pretrained(run_dir / "model", device=ctx.device)
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(3)).to(ctx.device)
+    with torch.no_grad():
+        expected = ref(ids).logits
+        diff = (ours(ids) - expected).abs().max().item()
+    assert diff <= ctx.fp32_tol * max(1.0, expected.abs().max().item()), f"logits of the export differ by {diff:.2e}"
+    return f"{type(ref).__name__} on {ctx.device}: logits max |diff| {diff:.1e} vs lmforge", {"max_abs_diff": diff}
+
+
+@check
+def check_text(ctx: Context) -> tuple[str, dict]:
+    import transformers as tf
+
+    from lmforge.inference import generate_text
+    from lmforge.inference.engine import Engine, EngineConfig, RequestParams
+    from lmforge.inference.sampling import SamplingParams
+    from lmforge.models import load_pretrained
+    from lmforge.tokenizers import load_tokenizer
+
+    tokenizer_file(ctx)  # skips without one
+    run_dir, _, _ = short_run(ctx)
+    texts = ["The quick brown fox", "def main():\n    return 0", "Ünïcödé, emoji 🙂 and\ttabs"]
+    ours_tok = load_tokenizer(run_dir / "model")
+    hf_tok = tf.AutoTokenizer.from_pretrained(run_dir / "hf")
+    assert all(hf_tok(t)["input_ids"] == ours_tok.encode(t) for t in texts), "the exported tokenizer encodes otherwise"
+    model = load_pretrained(run_dir / "model", device=ctx.device)
+    new = 8 if ctx.quick else 24
+    expected = generate_text(model, ours_tok, texts, new, do_sample=False)
+    engine = Engine(model, ours_tok, EngineConfig(max_batch=2, max_context=256))
+    streamed = {i: [] for i in range(len(texts))}
+    for i, t in enumerate(texts):
+        engine.submit(ours_tok.encode(t), RequestParams(new, SamplingParams(temperature=0)),
+                      lambda e, i=i: streamed[i].append(e.text))
+    while engine.step():
+        pass
+    served = ["".join(streamed[i]) for i in range(len(texts))]
+    assert served == expected, f"served text {served} != generate_text {expected}"
+    return (f"export's tokenizer = AutoTokenizer's on {len(texts)} texts; streamed text of {len(texts)} requests "
+            f"= generate_text"), {"served": served}
+
+
+@check
+def check_two_ranks(ctx: Context) -> tuple[str, dict]:
+    steps = 6
+    _, alone = train(ctx, overrides(ctx, ctx.tmp / "one-rank", steps, "trainer.precision=fp32", big=False))
+    free(ctx)
+    # Two processes on one GPU: trainer.device holds an index (cuda:0), which wins over each rank's LOCAL_RANK;
+    # NCCL refuses two ranks on one device, so the group is gloo, which takes CUDA tensors too.
+    device = str(ctx.device)
+    backend = ["trainer.dist_backend=gloo"] if ctx.device.type != "cpu" else []
+    run_dir = ctx.tmp / "two-ranks"
+    args = overrides(ctx, run_dir, steps, "trainer.precision=fp32", *backend, big=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "lmforge.cli", "pretrain", os.devnull, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise AssertionError(f"torchrun exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, alone))
+    assert len(rows) == steps and diff <= ctx.fp32_tol, f"2 ranks vs 1 process: losses differ by {diff:.2e}"
+    how = f"trainer.device={device}" + (", trainer.dist_backend=gloo: NCCL refuses 2 ranks on 1 GPU" if backend else "")
+    return f"torchrun 2 processes on one device ({how}): DDP losses = 1 process within {diff:.1e}", {
+        "max_rel_diff": diff, "device": device, "backend": "gloo"}
