@@ -6,11 +6,13 @@ as subprocesses, every output compared byte for byte with Megatron-LM's output f
 * formats: the same documents as JSONL, JSONL.zst, Parquet (row groups of 250 documents, snappy, no
   dictionary) and a Hugging Face `datasets` folder (save_to_disk), each read by `lmforge preprocess --workers 1`;
   Megatron-LM's tool (JSONL only) on the JSONL, `--workers 1`, in the same repeat.
-* shards: the WikiText corpus over N = 1..cores processes, one core each. lmforge: N `lmforge preprocess
-  --shard I/N` processes started together (TOKENIZERS_PARALLELISM=false: one thread each), then `lmforge data
-  merge`. Megatron-LM's own way to spread one machine's work over N processes: `--partitions N --workers N
-  --keep-sequential-samples` (split the JSONL into N files, one process and one pool worker each, merge); at
-  N = 1 its plain `--workers 1`. Scaling = the N = 1 wall time / the N wall time, merge included.
+* shards: the WikiText corpus over N = 1..cores processes on N cores (taskset: with --workers 1 lmforge keeps
+  two tokenizer calls in flight, which would otherwise spread one process over two cores). lmforge: N `lmforge
+  preprocess --shard I/N` processes started together, shard I on core I (TOKENIZERS_PARALLELISM=false), then
+  `lmforge data merge`. Megatron-LM's own way to spread one machine's work over N processes: `--partitions N
+  --workers N --keep-sequential-samples` (split the JSONL into N files, one process and one pool worker each,
+  merge) on cores 0..N-1; at N = 1 its plain `--workers 1` on core 0. Scaling = the N = 1 wall time / the N
+  wall time, merge included.
 * memory: lmforge's peak resident memory (largest process) on the WikiText corpus at `--copies` and at four
   times that, JSONL and Parquet, and of the merge: bounded means the same at both sizes.
 
@@ -118,6 +120,11 @@ def run_together(cmds: list[list[str]], tmp: Path, env: dict) -> Run:
     return Run(time.perf_counter() - start, cpu, rss)
 
 
+def pinned(cores: str, cmd: list[str]) -> list[str]:
+    """`cmd` on those cores only (taskset): a process's threads cannot spread past the cores it is counted for."""
+    return ["taskset", "-c", cores, *cmd]
+
+
 def megatron_partitions(args, corpus: Corpus, tok: Path, n: int, tmp: Path) -> Run:
     """Megatron-LM --partitions N on a private copy of the JSONL (it writes its partition files beside it)."""
     work = tmp / "partitions"
@@ -126,7 +133,8 @@ def megatron_partitions(args, corpus: Corpus, tok: Path, n: int, tmp: Path) -> R
     if not path.exists():
         os.link(corpus.path, path)
     cmd = command("Megatron-LM", args, dataclasses.replace(corpus, path=path), tok, n, work / "out")
-    run = run_once([*cmd, "--partitions", str(n), "--keep-sequential-samples"], tmp / "megatron.log", tmp)
+    run = run_once(pinned(f"0-{n - 1}", [*cmd, "--partitions", str(n), "--keep-sequential-samples"]),
+                   tmp / "megatron.log", tmp)
     for stale in work.glob("*_[0-9]*"):  # partition inputs and outputs: it would reuse them next time
         stale.unlink()
     check_and_clean(work / "out", tmp / f"ref-{corpus.name}", f"Megatron-LM --partitions {n}")
@@ -165,13 +173,14 @@ def measure(args, corpora: list[Corpus], tok: Path, tmp: Path) -> tuple[dict, di
                 if tool == "Megatron-LM" and n > 1:
                     r = megatron_partitions(args, wiki, tok, n, tmp)
                 elif tool == "Megatron-LM":
-                    r = run_once(command(tool, args, wiki, tok, 1, tmp / "out"), tmp / "megatron.log", tmp)
+                    r = run_once(pinned("0", command(tool, args, wiki, tok, 1, tmp / "out")), tmp / "megatron.log",
+                                 tmp)
                     check_and_clean(tmp / "out", tmp / f"ref-{wiki.name}", "Megatron-LM")
                 elif n == 1:
-                    r = run_together([lmforge_cmd(wiki.path, tok, tmp / "out")], tmp, one_thread)
+                    r = run_together([pinned("0", lmforge_cmd(wiki.path, tok, tmp / "out"))], tmp, one_thread)
                     check_and_clean(tmp / "out", tmp / f"ref-{wiki.name}", "lmforge, one thread")
                 else:
-                    r = run_together([lmforge_cmd(wiki.path, tok, tmp / "sh", "--shard", f"{i}/{n}")
+                    r = run_together([pinned(str(i), lmforge_cmd(wiki.path, tok, tmp / "sh", "--shard", f"{i}/{n}"))
                                       for i in range(n)], tmp, one_thread)
                     merge = run_once([sys.executable, "-m", "lmforge.cli", "data", "merge", str(tmp / "sh")],
                                      tmp / "merge.log", tmp)
@@ -230,7 +239,7 @@ def shards_table(wiki: Corpus, shards: dict, counts: list[int]) -> str:
             merges = [m.wall for _, m in pairs if m]
             totals = [r.wall + (m.wall if m else 0) for r, m in pairs]
             total = statistics.median(totals)
-            how = (("one process, one thread" if n == 1 else f"{n} x `--shard I/{n}` + `data merge`")
+            how = (("one process, core 0" if n == 1 else f"{n} x `--shard I/{n}` + `data merge`")
                    if tool == "lmforge" else ("`--workers 1`" if n == 1 else f"`--partitions {n} --workers {n}`"))
             scaling = statistics.median(b / t for b, t in zip(base, totals))
             lines.append(f"| {n} | {tool} | {how} | {tok_s:.2f} | {statistics.median(merges) if merges else 0:.2f} | "
@@ -312,8 +321,9 @@ def main() -> None:
         "are medians of per-repeat ratios.\n\n"
         f"**Input formats** (`--workers 1`; lmforge tokenizes on the tokenizer's own threads, every core):\n\n"
         f"{formats_table(corpora, formats)}\n\n"
-        f"**Shards on N processes** ({wiki.name}; one core per process: lmforge with TOKENIZERS_PARALLELISM=false, "
-        f"Megatron-LM's pool workers tokenize one document at a time):\n\n{shards_table(wiki, shards, args.shards)}\n\n"
+        f"**Shards on N processes** ({wiki.name}; N processes pinned to N cores: lmforge's shard I on core I with "
+        f"TOKENIZERS_PARALLELISM=false, Megatron-LM's partitions on cores 0..N-1):\n\n"
+        f"{shards_table(wiki, shards, args.shards)}\n\n"
         f"**Memory** (peak resident memory of the largest process; `--workers 1`):\n\n"
         f"{memory_table(wiki, formats, shards, memory, args.shards)}\n"
     )
@@ -330,8 +340,8 @@ def intro() -> str:
         "the same documents before its time counts. *Input formats*: the same documents as JSONL, zstd JSONL, "
         f"Parquet (row groups of {ROW_GROUP:,} documents, snappy, no dictionary) and a `datasets` save_to_disk "
         "folder, read by "
-        "`lmforge preprocess`; Megatron-LM's tool reads JSONL only. *Shards*: N processes started together, one "
-        "core each, then the merge; Megatron-LM's equivalent on one machine is `--partitions N` with "
+        "`lmforge preprocess`; Megatron-LM's tool reads JSONL only. *Shards*: N processes started together, pinned "
+        "to one core each (taskset), then the merge; Megatron-LM's equivalent on one machine is `--partitions N` with "
         "`--keep-sequential-samples` (its default deals lines round-robin, which reorders the documents). "
         "*Scaling* is the 1-process time over the N-process time. *Memory*: lmforge's peak RSS at the corpus size "
         "and four times it.\n"
