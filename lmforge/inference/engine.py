@@ -30,7 +30,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate
-from lmforge.inference.sampling import SamplingParams, choose_next
+from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
 from lmforge.inference.text import TextStream, eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,7 @@ class EngineRequest:
         self.finish_reason: str | None = None
         self.slot: int | None = None
         self.length = 0  # tokens of this request in the cache
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.generator = seeded_generator(params.seed, device)
         self.seen = None
         if params.sampling.repetition_penalty != 1.0:  # as generate: prompt tokens count as seen
             self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)

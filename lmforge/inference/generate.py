@@ -20,7 +20,7 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
-from lmforge.inference.sampling import SamplingParams, choose_next
+from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
 from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def generate(
         return [[] for _ in range(b)]
     stop_ids = eos_token_ids(model) if stop_token_ids is None else token_ids(stop_token_ids)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    generator = seeded_generator(seed, device)
     seen = None
     if params.repetition_penalty != 1.0:  # which tokens each row has seen, padding excluded
         seen = torch.zeros(b, cfg.vocab_size, dtype=torch.long, device=device).scatter_add_(1, ids, mask) > 0

@@ -7,6 +7,7 @@ theirs filter the same tokens. Filtered logits become -inf, never a finite "smal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,10 @@ class SamplingParams:
     do_sample: bool = True  # False = greedy, whatever the temperature
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):  # nan passes every comparison below
+                raise UserError(f"{name} must be a finite number, got {value}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
@@ -35,6 +40,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def seeded_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator | None:
+    """A generator of its own for reproducible sampling (None without a seed); a seed torch cannot take is a
+    UserError, not the RuntimeError torch raises."""
+    if seed is None:
+        return None
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise UserError(f"seed {seed} is out of range: use an integer in [-2**63, 2**64)")
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

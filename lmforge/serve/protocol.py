@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
+# torch.Generator.manual_seed takes [-2**63, 2**64); a request's choices use seed, seed + 1, ... seed + n - 1.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -30,7 +32,8 @@ class APIError(Exception):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # allow_inf_nan=False: Python's json reads NaN and Infinity, which compare false with every bound.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -42,7 +45,7 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -136,7 +139,7 @@ def parse(model: type[BaseModel], data: Any) -> Any:
 class TGIParameters(BaseModel):
     """`parameters` of Hugging Face's text-generation container (TGI), which SageMaker's LLM images run."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     max_new_tokens: int | None = Field(None, ge=1)
     do_sample: bool = False  # as TGI and transformers: greedy unless asked, temperature etc. apply only then
     temperature: float | None = Field(None, gt=0.0)
@@ -144,7 +147,7 @@ class TGIParameters(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     return_full_text: bool = False
     details: bool = False
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -99,6 +100,28 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+# A \uD800-\uDFFF escape: the only way a JSON body yields a lone surrogate, which no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def read_json(raw: bytes):
+    """The body as a JSON value, or a 400: not JSON, nested past Python's recursion limit, or holding a lone
+    UTF-16 surrogate (valid JSON escapes, but not text: the tokenizer would fail on it)."""
+    try:
+        data = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply: send a flat OpenAI request body") from None
+    except UnicodeEncodeError as e:
+        bad = f"\\u{ord(e.object[e.start]):04x}"
+        raise APIError(400, f"the request body holds a lone UTF-16 surrogate ({bad}) in a string: send text as "
+                            "UTF-8, or a character outside the BMP as a surrogate pair") from None
+    return data
+
+
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -115,11 +138,7 @@ class Server:
         self.metrics = Metrics()
 
     async def read_json(self, request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        return read_json(await request.body())
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:

@@ -124,6 +124,8 @@ def test_sampling_follows_the_distribution():
 
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(repetition_penalty=0.0),
+    dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+    dict(repetition_penalty=float("inf")), dict(repetition_penalty=float("nan")),
 ])
 def test_invalid_parameters_are_user_errors(kwargs):
     with pytest.raises(UserError):

@@ -344,3 +344,29 @@ def test_a_client_that_does_not_read_blocks_nobody(server, model_dir, reference)
         assert raw.count(b'"finish_reason":"') == 8 and b"data: [DONE]" in raw  # and nothing was lost
     finally:
         slow.close()
+
+
+def test_hostile_values_are_400_not_500(server, model_dir):
+    # Each of these once reached the engine or the tokenizer and came back as a 500.
+    url, name = server.url, model_dir.name
+    lone = b'{"model": "%s", "messages": [{"role": "user", "content": "t5 \\ud800 t6"}]}' % name.encode()
+    r = httpx.post(url + "/v1/chat/completions", content=lone)
+    assert r.status_code == 400 and "surrogate" in _error(r)["message"]
+    r = httpx.post(url + "/v1/completions", content=b"[" * 30_000 + b"]" * 30_000)  # 60 kB: under the 64 kB limit
+    assert r.status_code == 400 and "nested" in _error(r)["message"]
+    for seed in (2**64, -(2**63) - 1):
+        r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": "t5", "max_tokens": 2, "seed": seed})
+        assert r.status_code == 400 and _error(r)["param"] == "seed"
+    r = httpx.post(url + "/invocations", json={"inputs": "t5", "parameters": {"seed": 2**64}})
+    assert r.status_code == 400 and _error(r)["param"] == "parameters.seed"
+    # Non-finite numbers: JSON has none, but Python's json reads (and writes) NaN and Infinity.
+    for field, value in [("temperature", "NaN"), ("repetition_penalty", "Infinity"), ("top_p", "NaN"),
+                         ("repetition_penalty", "NaN"), ("temperature", "-Infinity")]:
+        body = b'{"model": "%s", "prompt": "t5", "max_tokens": 2, "%s": %s}' % (name.encode(), field.encode(),
+                                                                               value.encode())
+        r = httpx.post(url + "/v1/completions", content=body)
+        assert r.status_code == 400 and _error(r)["param"] == field, (field, value)
+    r = httpx.post(url + "/invocations", content=b'{"inputs": "t5", "parameters": {"temperature": Infinity}}')
+    assert r.status_code == 400 and _error(r)["param"] == "parameters.temperature"
+    c = client(server)
+    assert c.completions.create(model=name, prompt="t5", max_tokens=2, seed=2**63 - 1).choices[0].text
