@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
+
+from lmforge.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +34,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from lmforge.devices import resolve_device
     from lmforge.inference import generate_text
+    from lmforge.inference.generate import check_fits
     from lmforge.models import load_pretrained
     from lmforge.models.io import parse_dtype
     from lmforge.tokenizers import load_tokenizer
 
+    if not Path(args.model_dir).is_dir():
+        raise UserError(f"model folder '{args.model_dir}' does not exist")
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.model_dir)
     model = load_pretrained(args.model_dir, device=device, dtype=parse_dtype(args.dtype))
+    # generate() checks the same, but this line can name the flag.
+    longest = max(len(ids) for ids in tokenizer.encode_batch(args.prompt, add_bos=tokenizer.add_bos_token))
+    if longest and args.max_new_tokens > 0:
+        check_fits(longest, args.max_new_tokens, model.config.max_position_embeddings, "--max-new-tokens")
     start = time.perf_counter()
     texts = generate_text(
         model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop, temperature=args.temperature,

@@ -29,7 +29,7 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
-from lmforge.inference.generate import check_can_generate
+from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
 from lmforge.inference.text import TextStream, eos_token_ids
 
@@ -129,10 +129,7 @@ class Engine:
             raise UserError("the prompt is empty: give it at least one token")
         if max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1, got {max_tokens}")
-        if prompt_len + max_tokens > self.context:
-            raise UserError(f"this model's context is {self.context} tokens, but {prompt_len + max_tokens} were "
-                            f"asked for ({prompt_len} in the prompt, {max_tokens} to generate): shorten the prompt "
-                            "or lower max_tokens")
+        check_fits(prompt_len, max_tokens, self.context, "max_tokens")
 
     def submit(self, prompt_ids: Sequence[int], params: RequestParams,
                on_event: Callable[[Event], None]) -> EngineRequest:

@@ -50,6 +50,32 @@ def check_can_generate(model: nn.Module) -> None:
         raise UserError(f"cannot generate with {kind} model: generation needs a decoder language model")
 
 
+def context_overflow(prompt_len: int, max_new_tokens: int | None, context: int,
+                     param: str = "max_new_tokens") -> str | None:
+    """Why a prompt and max_new_tokens new tokens do not fit a context, or None when they do.
+
+    The one rule of `generate`, the engine and the server (as OpenAI's API counts): the prompt and every new
+    token fit the model's context, whatever its position embeddings. Past its positions a rotary model goes
+    on without an error but not as trained, so it is refused rather than run or cut short unannounced.
+    max_new_tokens None: the prompt must leave room for one token.
+    """
+    room = context - prompt_len
+    if room < 1:
+        return (f"this model's context is {context} tokens and the prompt has {prompt_len}: shorten the prompt "
+                f"to at most {context - 1} tokens")
+    if max_new_tokens is not None and max_new_tokens > room:
+        return (f"this model's context is {context} tokens: the prompt's {prompt_len} and {max_new_tokens} new "
+                f"ones do not fit; lower {param} to at most {room} or shorten the prompt")
+    return None
+
+
+def check_fits(prompt_len: int, max_new_tokens: int | None, context: int, param: str = "max_new_tokens") -> None:
+    """Raise context_overflow's line as a UserError."""
+    problem = context_overflow(prompt_len, max_new_tokens, context, param)
+    if problem:
+        raise UserError(problem)
+
+
 def _batch(model: nn.Module, prompts: Prompts, attention_mask: torch.Tensor | None, pad_id: int | None):
     device = next(model.parameters()).device
     if pad_id is None:
@@ -111,12 +137,9 @@ def generate(
     ids, mask, pad_id = _batch(model, prompts, attention_mask, pad_token_id)
     b, s = ids.shape
     cfg, device = model.config, ids.device
-    # The last token fed back sits at position s + max_new_tokens - 2 (the one after it is never fed).
-    if cfg.position_embedding == "learned" and s + max_new_tokens - 1 > cfg.max_position_embeddings:
-        raise UserError(f"prompt ({s} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                        f"{cfg.max_position_embeddings} positions: shorten one of them")
     if max_new_tokens == 0:
         return [[] for _ in range(b)]
+    check_fits(s, max_new_tokens, cfg.max_position_embeddings)
     stop_ids = eos_token_ids(model) if stop_token_ids is None else token_ids(stop_token_ids)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     generator = seeded_generator(seed, device)

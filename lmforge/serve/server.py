@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmforge.errors import UserError
 from lmforge.inference.engine import Engine, EngineBusy, Event, RequestParams
+from lmforge.inference.generate import context_overflow
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.chat import ChatFormat
 from lmforge.serve.metrics import Metrics
@@ -150,12 +151,10 @@ class Server:
         limit, context = self.config.max_tokens_limit, self.engine.context
         if requested is not None and requested > limit:
             raise APIError(400, f"{param} is {requested}, over this server's limit of {limit}", param=param)
-        room = context - prompt_len
-        if room < 1 or (requested is not None and requested > room):
-            asked = f" and {requested} to generate" if requested is not None else ""
-            raise APIError(400, f"this model's context is {context} tokens, but the prompt has {prompt_len}{asked}: "
-                                f"shorten the prompt or lower {param}", param=param, code="context_length_exceeded")
-        return requested if requested is not None else min(self.config.default_max_tokens, limit, room)
+        problem = context_overflow(prompt_len, requested, context, param)
+        if problem:
+            raise APIError(400, problem, param=param, code="context_length_exceeded")
+        return requested if requested is not None else min(self.config.default_max_tokens, limit, context - prompt_len)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

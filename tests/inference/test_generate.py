@@ -193,9 +193,15 @@ def test_user_errors(models_, hf_dirs):
     ours, _ = models_["gpt2"]
     with pytest.raises(UserError, match="empty"):
         generate(ours, [[1, 2], []], 4)
-    with pytest.raises(UserError, match="positions"):
-        generate(ours, [[1, 2]], 128)  # GPT-2's learned positions stop at 128
-    assert len(generate(ours, [[1, 2]], 127, stop_token_ids=[])[0]) == 127  # fills all 128 positions
+    # One rule for every model (and for the server): prompt + new tokens <= the context, else one line
+    # saying how many would fit. A rotary model once went past its positions without a word.
+    for family in ("gpt2", "gpt_neox"):  # learned positions; rotary
+        model = models_[family][0]
+        with pytest.raises(UserError, match=r"context is 128 tokens.*max_new_tokens to at most 126"):
+            generate(model, [[1, 2], [3]], 127)
+        assert len(generate(model, [[1, 2]], 126, stop_token_ids=[])[0]) == 126  # fills all 128 positions
+    with pytest.raises(UserError, match="shorten the prompt"):
+        generate(ours, [list(range(1, 129))], 1)
     with pytest.raises(UserError, match="vocabulary"):
         generate(ours, [[1, 300]], 4)
     with pytest.raises(UserError, match="top_p"):
@@ -289,8 +295,14 @@ def test_cli_run_prints_the_completions(text_model, capsys):
 
 def test_cli_user_errors(text_model, hf_dirs, tmp_path):
     folder, _, _ = text_model
-    with pytest.raises(UserError, match="does not exist"):
+    with pytest.raises(UserError, match=f"model folder '{tmp_path / 'nope'}' does not exist"):
         run(_cli([str(tmp_path / "nope"), "--prompt", "t5"]))
+    with pytest.raises(UserError, match="context is 128 tokens.*lower --max-new-tokens to at most 126"):
+        run(_cli([str(folder), "--prompt", "t5 t6", "--max-new-tokens", "500"]))  # as serve answers 400
+    with pytest.raises(UserError, match="temperature must be a finite number"):
+        run(_cli([str(folder), "--prompt", "t5", "--temperature", "nan"]))
+    with pytest.raises(UserError, match="seed"):
+        run(_cli([str(folder), "--prompt", "t5", "--seed", str(2**64)]))
     with pytest.raises(UserError, match="tokenizer"):
         run(_cli([str(hf_dirs["gpt_neox"]), "--prompt", "t5"]))  # no tokenizer files there
     with pytest.raises(UserError, match="temperature"):

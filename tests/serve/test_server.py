@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from lmforge.errors import UserError
 from lmforge.inference import generate_text
 from tests.serve.conftest import API_KEY, slowed
 
@@ -370,3 +371,15 @@ def test_hostile_values_are_400_not_500(server, model_dir):
     assert r.status_code == 400 and _error(r)["param"] == "parameters.temperature"
     c = client(server)
     assert c.completions.create(model=name, prompt="t5", max_tokens=2, seed=2**63 - 1).choices[0].text
+
+
+def test_generate_and_serve_follow_one_context_rule(server, reference, model_dir):
+    # 40 prompt tokens + 100 new do not fit 128: both refuse, both say 88 would.
+    prompt = " ".join(["t5"] * 40)
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).completions.create(model=model_dir.name, prompt=prompt, max_tokens=100)
+    assert e.value.code == "context_length_exceeded" and "lower max_tokens to at most 88" in e.value.message
+    with pytest.raises(UserError, match="lower max_new_tokens to at most 88"):
+        expected(reference, prompt, 100)
+    assert client(server).completions.create(model=model_dir.name, prompt=prompt, max_tokens=88, temperature=0,
+                                             stop=["never"]).usage.completion_tokens <= 88
