@@ -29,7 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the KV cache holds max-batch x max-context tokens")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="most tokens one request may ask for")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request names no max_tokens")
-    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before answering 503")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting choices (all requests' prompts x n) before answering 503")
+    p.add_argument("--max-choices", type=int, default=128,
+                   help="most choices (prompts x n) one request may ask for; the engine serves requests in turn")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
     p.add_argument("--lora", default=None, metavar="DIR",
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> None:
     folder = Path(args.model_dir)
     if not folder.is_dir():
         raise UserError(f"model folder '{folder}' does not exist")
-    for name in ("max_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes"):
+    for name in ("max_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes", "max_choices"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     device = resolve_device(args.device)
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> None:
         engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue))
         chat = ChatFormat(tokenizer, chat_folder)
         name = args.model_name or folder.resolve().name
-        config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes)
+        config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,
+                             args.max_choices)
         app = create_app(engine, tokenizer, chat, config)
     except BaseException:
         sock.close()

@@ -1,7 +1,11 @@
 """Continuous batching: one engine thread decodes every running request together, one token per step.
 
-Requests wait in a FIFO queue. Between two decode steps each free slot (a row of one preallocated
-KVCache) takes the next waiting request and prefills its prompt alone into that row; the decode step
+Waiting requests queue by group (the server makes one group of the requests behind one HTTP request:
+its prompts x n choices), and free rows go to the waiting groups in turn, round-robin, each group's
+requests in the order they came: one client's 1000 prompts take every other free row, not the next
+1000, so a single request behind them waits a few rows rather than all of them. Between two decode steps
+each free slot (a row of one preallocated KVCache) takes the next request so chosen and prefills its
+prompt alone into that row; the decode step
 then feeds every running row its last token at the row's own position (rows hold different lengths,
 so the cache writes per-row slots). A request that arrives while others decode therefore joins at the
 next step instead of waiting for the batch to drain (iteration-level scheduling, Yu et al., Orca,
@@ -73,6 +77,7 @@ class EngineRequest:
         self.cancelled = False  # set from the server's thread; read by the engine between steps
         self.finish_reason: str | None = None
         self.slot: int | None = None
+        self.admitted_at_step: int | None = None  # the engine's decode step count when it got a row
         self.length = 0  # tokens of this request in the cache
         self.generator = seeded_generator(params.seed, device)
         self.seen = None
@@ -103,7 +108,9 @@ class Engine:
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device)
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.slots: list[EngineRequest | None] = [None] * config.max_batch
-        self.waiting: deque[EngineRequest] = deque()
+        # Waiting requests by group, the groups in the order they take turns (first = next to be served).
+        self.waiting: dict[object, deque[EngineRequest]] = {}
+        self._queued = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -116,7 +123,7 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return len(self.waiting)
+        return self._queued
 
     @property
     def alive(self) -> bool:
@@ -132,8 +139,12 @@ class Engine:
         check_fits(prompt_len, max_tokens, self.context, "max_tokens")
 
     def submit(self, prompt_ids: Sequence[int], params: RequestParams,
-               on_event: Callable[[Event], None]) -> EngineRequest:
-        """Queue a request (thread-safe). on_event is called from the engine thread and must not block."""
+               on_event: Callable[[Event], None], group: object = None) -> EngineRequest:
+        """Queue a request (thread-safe). on_event is called from the engine thread and must not block.
+
+        Requests of one group (any hashable; None = a group of its own) take turns for free rows with the
+        other groups, round-robin, rather than all going first.
+        """
         self.check(len(prompt_ids), params.max_tokens)
         bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
@@ -141,9 +152,10 @@ class Engine:
                             f"[0, {self.model.config.vocab_size})")
         req = EngineRequest(prompt_ids, params, on_event, self.tokenizer, self.model.config.vocab_size, self.device)
         with self._cond:
-            if len(self.waiting) >= self.config.max_queue:
-                raise EngineBusy(f"{len(self.waiting)} requests are already waiting")
-            self.waiting.append(req)
+            if self._queued >= self.config.max_queue:
+                raise EngineBusy(f"{self._queued} requests are already waiting")
+            self.waiting.setdefault(req if group is None else group, deque()).append(req)
+            self._queued += 1
             self._cond.notify()
         return req
 
@@ -168,9 +180,11 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        for req in [*self.waiting, *(r for r in self.slots if r is not None)]:
+        waiting = [req for group in self.waiting.values() for req in group]
+        for req in [*waiting, *(r for r in self.slots if r is not None)]:
             self._finish(req, Event("", len(req.output_ids), "error", "the server is shutting down"))
         self.waiting.clear()
+        self._queued = 0
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -206,11 +220,12 @@ class Engine:
                 free = next((i for i, r in enumerate(self.slots) if r is None), None)
                 if free is None or not self.waiting:
                     return
-                req = self.waiting.popleft()
+                req = self._next_waiting()
             if req.cancelled:
                 req.finish_reason = "cancelled"
                 continue
             req.slot, self.slots[free] = free, req
+            req.admitted_at_step = self.steps
             n = len(req.prompt_ids)
             self.cache.valid[free].zero_()  # what the row's previous request left is never attended
             view = self.cache.view(slice(free, free + 1), n)
@@ -218,6 +233,16 @@ class Engine:
             h = self.model.hidden_states(ids, None, None, view, torch.arange(n, device=self.device))
             req.length = n
             self._accept([req], self.model.logits(h[:, -1]))
+
+    def _next_waiting(self) -> EngineRequest:
+        """The first group's first request; the group then goes to the back of the line (under self._cond)."""
+        key = next(iter(self.waiting))
+        group = self.waiting.pop(key)
+        req = group.popleft()
+        if group:
+            self.waiting[key] = group  # dicts keep insertion order: re-inserting moves it last
+        self._queued -= 1
+        return req
 
     def _decode(self, running: list[EngineRequest]) -> None:
         rows = max(r.slot for r in running) + 1  # free rows below it decode a throwaway token at slot 0

@@ -39,6 +39,7 @@ class ServeConfig:
     default_max_tokens: int = 256  # when a request names no max_tokens (capped by the context left)
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    max_choices: int = 128  # prompts x n in one request: each is an engine request, all in the waiting queue
 
 
 class Generation:
@@ -49,9 +50,9 @@ class Generation:
         self.engine, self.queue, self.requests = engine, asyncio.Queue(), []
         self.prompt_tokens = sum(len(ids) for ids, _ in jobs)
         self.completion_tokens: dict[int, int] = {}
-        try:
+        try:  # one group: the engine gives this request's rows and other requests' rows in turn
             for i, (ids, params) in enumerate(jobs):
-                self.requests.append(engine.submit(ids, params, partial(self._put, loop, i)))
+                self.requests.append(engine.submit(ids, params, partial(self._put, loop, i), group=self))
         except UserError as e:
             self.close()
             raise APIError(400, str(e), param="prompt") from None
@@ -166,6 +167,11 @@ class Server:
 
     def start(self, prompts: list[list[int]], requested: int | None, sampling: SamplingParams, n: int,
               stop: list[str], seed: int | None, param: str = "max_tokens") -> Generation:
+        choices = len(prompts) * n
+        if choices > self.config.max_choices:
+            raise APIError(400, f"this request asks for {choices} choices ({len(prompts)} prompts x n={n}), over this "
+                                f"server's limit of {self.config.max_choices}: send fewer in each request",
+                           param="n" if n > 1 else "prompt")
         jobs = []
         for ids in prompts:
             limit = self.max_tokens(requested, len(ids), param)

@@ -139,6 +139,25 @@ def test_cancel_frees_the_row_and_queue_limits(models_):
         engine.submit([1, 300], RequestParams(5, GREEDY), lambda e: None)
 
 
+def test_admission_is_round_robin_between_groups(models_):
+    """One client's 30 prompts (one group) do not make five single requests wait behind them: free rows
+    go to the waiting groups in turn, each group's own requests in the order they came."""
+    engine = Engine(models_["gpt_neox"], IdTokenizer(), EngineConfig(max_batch=2, max_context=64))
+    prompts = _prompts(35, seed=3)
+    big = [engine.submit(p, RequestParams(4, GREEDY), lambda e: None, group="big") for p in prompts[:30]]
+    small = [engine.submit(p, RequestParams(4, GREEDY), lambda e: None) for p in prompts[30:]]  # a group each
+    while engine.step():
+        pass
+    everyone = big + small
+    order = sorted(everyone, key=lambda r: r.admitted_at_step)  # stable: ties keep submission order
+    assert order[:7] == [big[0], small[0], small[1], small[2], small[3], small[4], big[1]]
+    assert order[7:] == big[2:]  # then the big group alone, in its order
+    # In decode steps: every single request started within the first three rounds of 2 rows x 4 tokens,
+    # where first come, first served had them wait for all 30 (15 rounds).
+    assert max(r.admitted_at_step for r in small) <= 2 * 4 and big[-1].admitted_at_step >= 16 * 3
+    assert all(r.finish_reason == "length" for r in everyone) and engine.queued == 0
+
+
 def test_text_stream_holds_back_split_characters(shared_data):
     """Byte-level BPE splits an emoji over tokens: no delta shows half a character, and the deltas add
     up to the decoded text."""

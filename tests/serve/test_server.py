@@ -383,3 +383,43 @@ def test_generate_and_serve_follow_one_context_rule(server, reference, model_dir
         expected(reference, prompt, 100)
     assert client(server).completions.create(model=model_dir.name, prompt=prompt, max_tokens=88, temperature=0,
                                              stop=["never"]).usage.completion_tokens <= 88
+
+
+def test_one_big_request_does_not_hold_the_others(server, model_dir):
+    # 24 prompts in one request, then 3 single requests: the engine (4 rows) serves the requests in turn,
+    # so each single gets a row in the first round instead of after the 24 (six rounds later).
+    engine, name = server.engine, model_dir.name
+    seen, untrack = _track(engine)
+    results = {}
+
+    def call(key, prompt):
+        results[key] = client(server).completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0,
+                                                         stop=["never"])
+
+    try:
+        _gate(engine, 27)
+        big = threading.Thread(target=call, args=("big", [PROMPTS[i % 6] for i in range(24)]))
+        big.start()
+        deadline = time.monotonic() + 30
+        while len(seen) < 24 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        singles = [threading.Thread(target=call, args=(i, PROMPTS[i])) for i in range(3)]
+        for t in singles:
+            t.start()
+        for t in [big, *singles]:
+            t.join(120)
+    finally:
+        untrack()
+    assert len(results["big"].choices) == 24 and all(len(results[i].choices) == 1 for i in range(3))
+    first = min(r.admitted_at_step for r in seen)
+    assert [r.admitted_at_step - first for r in seen[24:]] == [0, 0, 0]  # with seen[0], the first four rows
+    assert max(r.admitted_at_step for r in seen[:24]) - first >= 5 * 5  # the big one's last started rounds later
+    # A cap on prompts x n per request (the server's default is 128): above it one 400, nothing queued.
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt=["t5"] * 200, max_tokens=2)
+    assert e.value.param == "prompt" and "200 choices" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt=["t5"] * 10, max_tokens=2, n=16)
+    assert e.value.param == "n" and "160 choices" in e.value.message
+    assert engine.queued == 0
