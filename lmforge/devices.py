@@ -5,6 +5,7 @@
     dist_backend(device)     "cpu:gloo,cuda:nccl": one process group whose CPU tensors go through gloo and
                              device tensors through the device's own collective library
     synchronize(device)      wait for the device's queued work (timing)
+    bf16_matmul(device)      whether the device multiplies bf16 matrices in hardware (trainer.precision=auto)
 
 The CPU is one device among others, not the assumption: everything else asks here.
 """
@@ -105,3 +106,47 @@ def max_memory_allocated(device: torch.device) -> int | None:
     if memory is not None and device.type != "cpu":
         return memory(device)
     return None
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); empty where there is none."""
+    try:
+        text = open("/proc/cpuinfo").read()  # noqa: SIM115 (a tiny pseudo-file)
+    except OSError:
+        return set()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return flags
+
+
+def bf16_matmul(device: torch.device) -> tuple[bool, str]:
+    """(whether `device` multiplies bf16 matrices in hardware, what says so). On a CPU: AMX or avx512_bf16
+    (x86), the bf16 extension (Arm); without them oneDNN runs bf16 GEMMs on a scalar path, ~100x slower than
+    fp32 (seen on an AVX2-only EPYC). On CUDA: tensor cores with bf16 (compute capability 8.0 and up)."""
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+            return True, "this CPU has AMX"
+        if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+            return True, "this CPU has avx512_bf16"
+        flags = _cpu_flags()
+        found = sorted({"amx_bf16", "avx512_bf16", "bf16"} & flags)
+        if found:
+            return True, f"this CPU has {found[0]}"
+        return False, (f"this CPU has no bf16 matrix instructions ({torch.backends.cpu.get_cpu_capability()}, no "
+                       "AMX or avx512_bf16)")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{name} has bf16 tensor cores"
+        return False, f"{name} has no bf16 tensor cores (compute capability below 8.0)"
+    if device.type == "mps":
+        return False, "auto does not use bf16 on Apple GPUs (its support depends on the macOS version)"
+    module = getattr(torch, device.type, None)
+    check = getattr(module, "is_bf16_supported", None)
+    if check is not None and not check():
+        return False, f"torch.{device.type} reports no bf16 support"
+    return True, f"{device.type} accelerators multiply bf16 matrices in hardware"

@@ -57,3 +57,35 @@ def test_suite_hides_accelerators_unless_asked():
     if os.environ.get("LMFORGE_TEST_DEVICE", "cpu") == "cpu":
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["HIP_VISIBLE_DEVICES"] == ""
         assert devices.resolve_device("auto").type == "cpu"
+
+
+@pytest.mark.parametrize(("amx", "avx512_bf16", "flags", "expected"), [
+    (True, False, set(), (True, "this CPU has AMX")),
+    (False, True, set(), (True, "this CPU has avx512_bf16")),
+    (False, False, {"fp", "asimd", "bf16"}, (True, "this CPU has bf16")),  # an Arm CPU with the bf16 extension
+    (False, False, {"avx2", "fma"}, (False, None)),  # the AVX2-only EPYC these notes were written on
+])
+def test_bf16_matrix_units_of_a_cpu(amx, avx512_bf16, flags, expected, monkeypatch):
+    """What trainer.precision=auto asks (issue 18 item 13): torch's own CPU checks, then /proc/cpuinfo's flags."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: flags)
+    has, why = devices.bf16_matmul(torch.device("cpu"))
+    assert has == expected[0]
+    assert why == expected[1] if has else why.startswith("this CPU has no bf16 matrix instructions")
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_bf16_matrix_units_of_a_cuda_device(supported, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA T4" if not supported else "H100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: supported)
+    has, why = devices.bf16_matmul(torch.device("cuda", 0))
+    assert has == supported and ("has bf16 tensor cores" if supported else "no bf16 tensor cores") in why
+
+
+def test_this_machines_cpu_flags_agree_with_torch():
+    """The /proc/cpuinfo reading is what torch's own check finds (on x86 Linux, where both exist)."""
+    flags = devices._cpu_flags()
+    if "avx2" not in flags:
+        pytest.skip("not an x86 Linux CPU")
+    assert ("avx512_bf16" in flags) == torch.cpu._is_avx512_bf16_supported()

@@ -58,8 +58,8 @@ PRECISIONS = {
 
 @dataclass
 class DataConfig:
-    # Megatron-style prefixes (PREFIX.bin/.idx), optionally weighted: [0.7, a, 0.3, b].
-    paths: list[Any] = field(default_factory=list)
+    # Megatron-style prefixes (PREFIX.bin/.idx), optionally weighted: [0.7, a, 0.3, b]; one bare PREFIX is [PREFIX].
+    paths: list[Any] | str = field(default_factory=list)
     split: str = "969,30,1"
     seq_length: int = 2048
     tokenizer: str | None = None  # default: the tokenizer beside model.init_from
@@ -81,6 +81,10 @@ class DataConfig:
     # or dynamic-shape kernels), else 8.
     pad_to_multiple_of: int | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str):  # data.paths=PREFIX, without brackets
+            self.paths = [self.paths]
+
 
 @dataclass
 class TrainerConfig:
@@ -88,7 +92,7 @@ class TrainerConfig:
     max_minutes: float | None = None  # stop (validate, save) once training has run this long
     global_batch_size: int = 8
     micro_batch_size: int = 1
-    precision: str = "bf16-mixed"
+    precision: str = "auto"  # auto: bf16-mixed where the device has bf16 matrix units, else fp32 (precision_for)
     grad_clip: float = 1.0
     val_check_interval: int = 100  # steps between validations; 0 = never
     val_batches: int = 4  # global batches per validation
@@ -241,7 +245,7 @@ class RunConfig:
         t = self.trainer
         if isinstance(self.model, dict):
             self.model = ModelSection.parse(self.model)
-        _choice("trainer.precision", t.precision, tuple(PRECISIONS))
+        _choice("trainer.precision", t.precision, ("auto", *PRECISIONS))
         _choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _choice("checkpoint.mode", self.checkpoint.mode, ("min", "max"))
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))
@@ -251,7 +255,22 @@ class RunConfig:
 
     @property
     def precision(self) -> Precision:
-        return PRECISIONS[self.trainer.precision]
+        """trainer.precision on the device trainer.device names (see precision_for)."""
+        from lmforge.devices import accelerator
+
+        name = self.trainer.device
+        found = accelerator() if name == "auto" else None
+        return self.precision_for(found or torch.device("cpu" if name == "auto" else name))
+
+    def precision_for(self, device: torch.device) -> Precision:
+        """trainer.precision on `device`: `auto` is bf16-mixed where the device multiplies bf16 matrices in
+        hardware (bf16 autocast is then ~2x faster than fp32), fp32 where it does not (a CPU without AMX or
+        avx512_bf16 runs bf16 GEMMs on a scalar path, ~100x slower than fp32)."""
+        if self.trainer.precision != "auto":
+            return PRECISIONS[self.trainer.precision]
+        from lmforge.devices import bf16_matmul
+
+        return PRECISIONS["bf16-mixed" if bf16_matmul(device)[0] else "fp32"]
 
 
 def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
