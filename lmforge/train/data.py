@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,62 @@ from lmforge.data.gpt_dataset import (
 )
 from lmforge.data.indexed import IndexedDataset, bin_path, idx_path
 from lmforge.errors import UserError
+from lmforge.fsutil import atomic_write
 from lmforge.train.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+CHUNK_TOKENS = 1 << 26  # tokens per numpy reduction when scanning a .bin (128 MiB of uint16)
+
+
+def token_id_range(indexed: IndexedDataset, cache_dir: str | Path | None = None) -> tuple[int, int]:
+    """(smallest, largest) token id in a prefix's .bin, (0, -1) when it has none. The scan reads the file
+    once, in chunks over a memory map; the answer is cached in `cache_dir` (default: `cache/` beside the
+    data, where the sample indices go) under the .bin's size and modification time."""
+    path = bin_path(indexed.prefix)
+    stat = path.stat()
+    cache = Path(cache_dir) if cache_dir is not None else path.parent / "cache"
+    cache_file = cache / f"{path.stem}-token-range.json"
+    stamp = {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    try:
+        known = json.loads(cache_file.read_text())
+        if {k: known.get(k) for k in stamp} == stamp:
+            return int(known["min"]), int(known["max"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    low, high = 0, -1
+    if stat.st_size:
+        tokens = np.memmap(path, dtype=indexed.dtype, mode="r")
+        lows, highs = [], []
+        for start in range(0, len(tokens), CHUNK_TOKENS):
+            chunk = tokens[start:start + CHUNK_TOKENS]
+            lows.append(int(chunk.min()))
+            highs.append(int(chunk.max()))
+        low, high = min(lows), max(highs)
+        del tokens
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        atomic_write(cache_file, json.dumps({**stamp, "min": low, "max": high}))
+    except OSError as e:  # a read-only data folder: scan again next time
+        log.debug("token range of %s not cached: %s", path, e)
+    return low, high
+
+
+def check_token_ids(indexed: list[IndexedDataset], vocab_size: int, cache_dir: str | Path | None = None) -> None:
+    """Every token id of every prefix is a row of the model's embedding: one UserError naming the prefix, the
+    id and the vocabulary otherwise (an id past it fails deep in the first step's embedding lookup)."""
+    for ds in indexed:
+        info = np.iinfo(ds.dtype) if ds.dtype.kind in "iu" else None
+        if info is not None and info.min >= 0 and info.max < vocab_size:
+            continue  # the file's dtype cannot hold an id past the vocabulary (uint16 data, 65,536+ ids)
+        low, high = token_id_range(ds, cache_dir)
+        if high >= vocab_size:
+            raise UserError(f"data prefix '{ds.prefix}' has token id {high} but the model's vocab_size is "
+                            f"{vocab_size}: preprocess the data with the model's tokenizer, or use a model whose "
+                            f"vocabulary holds it (model.vocab_size > {high})")
+        if low < 0:
+            raise UserError(f"data prefix '{ds.prefix}' has a negative token id ({low}): the file is corrupt or "
+                            "was not written by a tokenizer; preprocess the data again")
 
 
 def open_prefixes(paths: list) -> tuple[list[IndexedDataset], list[float]]:
@@ -49,6 +106,7 @@ def _split_dataset(indexed: list[IndexedDataset], weights: list[float], split: i
 def pretrain_datasets(cfg: RunConfig) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
     t = cfg.trainer
     indexed, weights = open_prefixes(cfg.data.paths)
+    check_token_ids(indexed, cfg.model.resolve().vocab_size, cfg.data.cache_dir)
     train = _split_dataset(indexed, weights, 0, t.max_steps * t.global_batch_size, cfg)
     valid = None
     if t.val_check_interval and t.val_batches:

@@ -1,0 +1,57 @@
+"""A run's pretraining data: token ids checked against the model's vocabulary before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter
+from lmforge.errors import UserError
+from lmforge.train import data
+from lmforge.train.data import check_token_ids, token_id_range
+
+
+def _prefix(tmp_path, documents, dtype=np.int32, name="ids_text_document"):
+    prefix = tmp_path / name
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+        for doc in documents:
+            writer.add_document(doc)
+    return IndexedDataset(prefix)
+
+
+def test_the_token_range_is_scanned_in_chunks_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_TOKENS", 3)  # several chunks, the largest id in a later one
+    ds = _prefix(tmp_path, [[5, 1, 7], [2, 9, 4, 4], [3, 8]])
+    assert token_id_range(ds, tmp_path / "cache") == (1, 9)
+    cached = json.loads((tmp_path / "cache" / "ids_text_document-token-range.json").read_text())
+    assert cached["max"] == 9 and cached["min"] == 1
+    # The cache answers while the .bin is the same file ...
+    monkeypatch.setattr(np, "memmap", None)
+    assert token_id_range(ds, tmp_path / "cache") == (1, 9)
+    monkeypatch.undo()
+    # ... and a rewritten .bin (another size or time) is scanned again.
+    ds = _prefix(tmp_path, [[5, 1, 7], [2, 12]])
+    os.utime(tmp_path / "ids_text_document.bin", ns=(1, 1))
+    assert token_id_range(ds, tmp_path / "cache") == (1, 12)
+
+
+def test_an_id_past_the_vocabulary_is_one_line_naming_prefix_id_and_vocabulary(tmp_path):
+    """Issue 18 item 6: such an id failed with an IndexError in the first step's embedding lookup."""
+    ds = _prefix(tmp_path, [[1, 2, 3], [4, 1000]])
+    check_token_ids([ds], 1001, tmp_path / "cache")
+    with pytest.raises(UserError) as e:
+        check_token_ids([ds], 1000, tmp_path / "cache")
+    assert str(e.value).startswith(f"data prefix '{ds.prefix}' has token id 1000 but the model's vocab_size is 1000")
+    negative = _prefix(tmp_path, [[3, -2]], name="neg_text_document")
+    with pytest.raises(UserError, match="has a negative token id"):
+        check_token_ids([negative], 1000, tmp_path / "cache")
+
+
+def test_a_dtype_that_cannot_hold_a_bad_id_is_not_scanned(tmp_path, monkeypatch):
+    ds = _prefix(tmp_path, [[1, 65535]], dtype=np.uint16)
+    monkeypatch.setattr(data, "token_id_range", None)
+    check_token_ids([ds], 65536, tmp_path / "cache")  # any uint16 id fits: nothing read
+    assert not (tmp_path / "cache").exists()
