@@ -1,16 +1,20 @@
-"""What a training step costs: model FLOPs, the machine's peak, MFU, and tokens per dollar;
-plus the run's metric sinks (TensorBoard scalars and a JSONL file)."""
+"""What a training step costs: model FLOPs, the machine's peak, MFU, and tokens per dollar; the run's
+totals (its last line); plus the run's metric sinks (TensorBoard scalars and a JSONL file)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -69,7 +73,9 @@ def bounded_cpu_peak(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3,
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s of one process, where the figure comes from)."""
+    """(peak FLOP/s of one process, where the figure comes from). A CPU's is measured, and a measurement
+    taken while other processes share the cores comes out low: the best figure this machine ever gave
+    (cpu_peak_key) is kept in the user's cache and used when it is higher."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peaks in GPU_PEAKS.items():
@@ -90,7 +96,120 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             log.warning("bf16 GEMM peak %.1f GFLOP/s is below fp32's %.1f GFLOP/s: this CPU has no bf16 matrix "
                         "instructions: bf16 training will be slow (trainer.precision=fp32 is faster here)",
                         peak / 1e9, fp32 / 1e9)
-    return peak, f"measured GEMM {n}^3, {torch.get_num_threads()} threads"
+    source = f"measured GEMM {n}^3, {torch.get_num_threads()} threads"
+    key = cpu_peak_key(dtype)
+    best = remembered_peak(key)
+    if best is not None and best > peak:
+        log.info("measured %.1f GFLOP/s now, %.1f GFLOP/s before on this machine: using the higher (the cores "
+                 "are probably shared now)", peak / 1e9, best / 1e9)
+        return best, f"best measured on this machine ({torch.get_num_threads()} threads)"
+    remember_peak(key, peak)
+    return peak, source
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):  # noqa: SIM115 (a tiny pseudo-file)
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_key(dtype: torch.dtype) -> str:
+    """What a CPU peak depends on: the processor, the threads the GEMM used, the dtype and the torch build."""
+    return f"{_cpu_name()} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')} | " \
+           f"torch {torch.__version__}"
+
+
+def _peak_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmforge" / "peak_flops.json"
+
+
+def remembered_peak(key: str) -> float | None:
+    try:
+        value = json.loads(_peak_cache().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def remember_peak(key: str, flops: float) -> None:
+    """Keep the higher of `flops` and the cached figure for `key` (a cache that cannot be written is skipped)."""
+    path = _peak_cache()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or not JSON: start it afresh
+        table = {}
+    if not isinstance(table, dict):
+        table = {}
+    try:
+        if flops > float(table.get(key) or 0.0):
+            table[key] = flops
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps(table, indent=1, sort_keys=True))
+    except (OSError, ValueError, TypeError) as e:
+        log.debug("peak cache %s not updated: %s", path, e)
+
+
+class MFU:
+    """Model FLOPs utilization, never above 1: a step that ran faster than the peak shows the peak was
+    measured low (on shared cores), so the achieved rate becomes the peak, with a warning (and, for a
+    measured CPU peak, the cache keeps it)."""
+
+    def __init__(self, flops_per_token: float, peak: float, source: str, processes: int = 1,
+                 remember_as: str | None = None):
+        self.flops_per_token, self.peak, self.source = flops_per_token, peak, source
+        self.processes, self.remember_as = processes, remember_as
+
+    def __call__(self, tokens_per_second: float) -> float:
+        achieved = tokens_per_second * self.flops_per_token / self.processes
+        if achieved > self.peak:
+            log.warning("a step ran at %.1f GFLOP/s per process, above the peak of %.1f GFLOP/s (%s): the peak was "
+                        "measured low; MFU is counted against the achieved rate from here on%s", achieved / 1e9,
+                        self.peak / 1e9, self.source, "" if self.remember_as else " (set cost.peak_flops to fix it)")
+            self.peak, self.source = achieved, "achieved by a training step"
+            if self.remember_as is not None:
+                remember_peak(self.remember_as, achieved)
+        return achieved / self.peak
+
+
+@dataclass
+class RunTotals:
+    """What the steps of one invocation did, summed: the run's last line (summary)."""
+
+    first_step: int
+    steps: int = 0
+    tokens: float = 0.0
+    step_time: float = 0.0
+
+    def add(self, tokens: float, step_time: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.step_time += step_time
+
+    def summary(self, step: int, wall: float, last: dict[str, float], mfu: MFU | None = None) -> str:
+        """One readable line: steps, tokens, time, average tokens/s and MFU, then the final loss and validation."""
+        if not self.steps:
+            return f"at step {step}: no steps to run"
+        resumed = f", resumed at {self.first_step}" if self.first_step else ""
+        speed = self.tokens / self.step_time if self.step_time > 0 else 0.0
+        parts = [f"{self.steps} steps{resumed}, {self.tokens:,.0f} tokens in {_duration(wall)} "
+                 f"({_duration(self.step_time)} in steps): {speed:,.0f} tokens/s"
+                 + (f", MFU {mfu(speed):.1%}" if mfu is not None and speed > 0 else "")]
+        shown = [f"{k} {last[k]:.4g}" for k in ("loss", "val_loss", "val_ppl", "val_accuracy")
+                 if isinstance(last.get(k), float | int) and math.isfinite(last[k])]
+        if shown:
+            parts.append(", ".join(shown))
+        return f"finished at step {step}: " + "; ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s" if m else f"{s}s"
 
 
 def nodes_from_env() -> int:
@@ -105,8 +224,25 @@ def tokens_per_dollar(tokens_per_second: float, usd_per_hour: float, nodes: int 
     return tokens_per_second * 3600 / (usd_per_hour * nodes) if usd_per_hour > 0 else None
 
 
+# TensorBoard groups scalars by the part of a tag before "/": a run's panels come as train/, val/ and perf/
+# (metrics.jsonl keeps the plain names, which `lmforge compare` and scripts read).
+PERF_METRICS = frozenset({"step_time", "tokens_per_second", "sequences_per_second", "mfu", "memory_gb",
+                          "tokens_per_dollar", "usd_per_million_tokens", "elapsed", "time_to_first_step"})
+
+
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a metric: val_loss -> val/loss, mfu -> perf/mfu, loss -> train/loss; a name that
+    has a group already (eval/...) keeps it."""
+    if "/" in key:
+        return key
+    if key.startswith("val_"):
+        return "val/" + key.removeprefix("val_")
+    return ("perf/" if key in PERF_METRICS else "train/") + key
+
+
 class MetricSink:
-    """Every logged scalar goes to TensorBoard and to metrics.jsonl (one JSON object per step)."""
+    """Every logged scalar goes to TensorBoard (grouped, tensorboard_tag) and to metrics.jsonl (one JSON
+    object per step, plain names)."""
 
     def __init__(self, run_dir: Path, enabled: bool = True, purge_step: int | None = None):
         self.enabled = enabled
@@ -131,7 +267,7 @@ class MetricSink:
         if self._tb is not None:
             for key, value in values.items():
                 if value is not None:
-                    self._tb.add_scalar(key, value, step)
+                    self._tb.add_scalar(tensorboard_tag(key), value, step)
 
     def close(self) -> None:
         if self._jsonl is not None:

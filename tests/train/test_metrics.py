@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -9,6 +10,13 @@ import torch
 
 from lmforge.train import metrics
 from lmforge.train.metrics import bounded_cpu_peak, nodes_from_env, peak_flops, tokens_per_dollar
+
+
+@pytest.fixture(autouse=True)
+def peak_cache(tmp_path, monkeypatch):
+    """The best CPU peak is remembered in the user's cache: the made-up peaks here go to a folder of their own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "lmforge" / "peak_flops.json"
 
 
 def test_the_peak_measurement_stops_growing_at_its_time_limit():
@@ -59,3 +67,57 @@ def test_a_sliding_window_layer_counts_the_keys_it_attends_to():
     per_key = 12.0 * cfg.num_heads * cfg.head_dim
     short, long = flops_per_token(cfg, 4096), flops_per_token(cfg, 8192)
     assert long - short == per_key * 13 * 4096  # only the global layers see the 4096 extra keys
+
+
+def test_a_cpu_peak_measured_under_load_gives_way_to_the_best_one_seen(peak_cache, monkeypatch):
+    """Issue 18 item 14: a peak measured once on shared cores came out low (MFU 1.25). The best measurement of
+    this machine is kept, so a later one taken under load does not lower it."""
+    measured = iter([(2.0e11, 2048), (0.8e11, 1024), (2.5e11, 2048)])
+    monkeypatch.setattr(metrics, "bounded_cpu_peak", lambda dtype, **kw: next(measured))
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu, torch.float32)[0] == 2.0e11
+    peak, source = peak_flops(cpu, torch.float32)
+    assert peak == 2.0e11 and "best measured on this machine" in source
+    assert peak_flops(cpu, torch.float32)[0] == 2.5e11
+    assert list(json.loads(peak_cache.read_text()).values()) == [2.5e11]
+    peak_cache.write_text("{torn")  # a cache that does not parse is measured anew, and rewritten
+    monkeypatch.setattr(metrics, "bounded_cpu_peak", lambda dtype, **kw: (1e11, 512))
+    assert peak_flops(cpu, torch.float32)[0] == 1e11 and json.loads(peak_cache.read_text())
+
+
+def test_mfu_never_exceeds_one(peak_cache, caplog):
+    """A step faster than the peak says the peak was measured low: the achieved rate becomes the peak (with a
+    warning, remembered for the next run), so MFU stays <= 1 and is counted against the higher peak after."""
+    key = metrics.cpu_peak_key(torch.float32)
+    mfu = metrics.MFU(flops_per_token=1e6, peak=1e11, source="measured", processes=2, remember_as=key)
+    assert mfu(100_000) == pytest.approx(0.5)  # 1e11 FLOP/s over 2 processes
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.metrics"):
+        assert mfu(250_000) == 1.0
+    assert "above the peak" in caplog.text
+    assert mfu(100_000) == pytest.approx(0.4)
+    assert metrics.remembered_peak(key) == 1.25e11
+
+
+def test_tensorboard_tags_are_grouped():
+    """Issue 18 item 21: TensorBoard shows train/, val/ and perf/ panels; metrics.jsonl keeps the plain names."""
+    tags = {k: metrics.tensorboard_tag(k) for k in ("loss", "grad_norm", "lr", "reward_margin", "val_loss",
+                                                      "val_accuracy", "tokens_per_second", "mfu", "elapsed",
+                                                      "eval/sst2/acc")}
+    assert tags == {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
+                    "reward_margin": "train/reward_margin", "val_loss": "val/loss", "val_accuracy": "val/accuracy",
+                    "tokens_per_second": "perf/tokens_per_second", "mfu": "perf/mfu", "elapsed": "perf/elapsed",
+                    "eval/sst2/acc": "eval/sst2/acc"}
+
+
+def test_the_run_summary_gives_totals_and_averages():
+    """Issue 18 item 15: the last line printed the last step's tokens/s (477) as a dict while the run averaged
+    ~152: it now says what the run did, in words."""
+    totals = metrics.RunTotals(first_step=10)
+    for tokens, seconds in ((1024, 1.0), (1024, 2.0), (1024, 3.0)):
+        totals.add(tokens, seconds)
+    mfu = metrics.MFU(flops_per_token=1e6, peak=1e9, source="config")
+    line = totals.summary(13, 125.4, {"loss": 4.21349, "val_loss": 4.35, "val_ppl": 77.48, "tokens_per_second": 477.3},
+                          mfu)
+    assert line == ("finished at step 13: 3 steps, resumed at 10, 3,072 tokens in 2m 05s (6s in steps): 512 tokens/s, "
+                    "MFU 51.2%; loss 4.213, val_loss 4.35, val_ppl 77.48")
+    assert metrics.RunTotals(first_step=5).summary(5, 1.0, {}) == "at step 5: no steps to run"
