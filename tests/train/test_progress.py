@@ -1,0 +1,33 @@
+"""Progress off a terminal: plain log lines at an interval, not a bar's carriage returns (issue 18 item 21)."""
+
+from __future__ import annotations
+
+import logging
+
+from lmforge.train import progress
+from lmforge.train.progress import Progress
+
+
+def test_off_a_terminal_progress_is_a_plain_line_per_interval(monkeypatch, caplog):
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    shown = Progress(total=100, initial=40, terminal=False, interval=30.0)
+    assert shown.bar is None
+    with caplog.at_level(logging.INFO, logger="lmforge.train.progress"):
+        for step in range(41, 71):
+            now[0] += 2.0  # 2 s a step: a line 15 steps after the last one; the first and validations always
+            shown.update(step, {"loss": 2.5, "tokens_per_second": 1234.0,
+                                **({"val_loss": 2.75} if step == 50 else {})})
+        shown.close()  # stopped early (max_minutes): where it stopped is shown
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "step 41/100 (41%), loss 2.5000, 1,234 tokens/s, ETA 1:58"
+    assert [line.split(" (")[0] for line in lines] == ["step 41/100", "step 50/100", "step 65/100", "step 70/100"]
+    assert lines[1] == "step 50/100 (50%), loss 2.5000, val_loss 2.7500, 1,234 tokens/s, ETA 1:40"
+
+
+def test_on_a_terminal_it_is_a_bar(capsys):
+    shown = Progress(total=3, terminal=True)
+    for step in (1, 2, 3):
+        shown.update(step, {"loss": 1.0, "tokens_per_second": 10.0})
+    shown.close()
+    assert "3/3" in capsys.readouterr().err
