@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-choices", type=int, default=128,
                    help="most choices (prompts x n) one request may ask for; the engine serves requests in turn")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--read-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="time a request's headers, and then its body, may take to arrive before a 408 (default 10)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="time an idle connection stays open after a response (default 5)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a run's "
@@ -51,6 +55,7 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.models.io import parse_dtype
     from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
+    from lmforge.serve.http import uvicorn_config
     from lmforge.serve.listen import bind, is_loopback, listen_address
     from lmforge.serve.server import ServeConfig
     from lmforge.tokenizers import load_tokenizer
@@ -61,6 +66,10 @@ def run(args: argparse.Namespace) -> None:
     for name in ("max_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes", "max_choices"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("read_timeout", "keep_alive_timeout"):
+        value = getattr(args, name)
+        if not 0 < value < float("inf"):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
     device = resolve_device(args.device)
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY") or None
     host, port = listen_address(args.host, args.port)
@@ -72,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
         chat = ChatFormat(tokenizer, chat_folder)
         name = args.model_name or folder.resolve().name
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,
-                             args.max_choices)
+                             args.max_choices, args.read_timeout, args.keep_alive_timeout)
         app = create_app(engine, tokenizer, chat, config)
     except BaseException:
         sock.close()
@@ -84,8 +93,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"serving '{name}' at http://{shown}:{port} (chat page at /, OpenAI API under /v1); batch "
           f"{args.max_batch} x {engine.context} tokens, KV cache {kv / 2**20:.0f} MiB"
           f"{'; API key required' if api_key else ''}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, ws="none",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, config.read_timeout, config.keep_alive_timeout, log_level="info",
+                                           access_log=False, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl+C after its graceful shutdown: that is a normal stop

@@ -100,7 +100,7 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
         return HTMLResponse(page)
 
     # Added last runs first: count everything, then check the key, then the body size, then route.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, read_timeout=config.read_timeout)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)

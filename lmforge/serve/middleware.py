@@ -1,4 +1,4 @@
-"""ASGI middleware in front of the routes: the API key check and the request-body size limit.
+"""ASGI middleware in front of the routes: the API key check and the request-body size and time limits.
 
 Both answer with OpenAI's error object before any route code runs, so an unauthenticated or oversized
 request never reaches JSON parsing or the engine.
@@ -6,6 +6,7 @@ request never reaches JSON parsing or the engine.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -14,6 +15,11 @@ from lmforge.serve.protocol import APIError
 # Routes a load balancer or a person's browser must reach without the key: health checks, and the
 # chat page, a static file with a field for the key that its own API calls then send.
 OPEN_ROUTES = frozenset({"/health", "/ping", "/"})
+
+
+def timeout_error(what: str, seconds: float) -> APIError:
+    return APIError(408, f"the request's {what} did not arrive within {seconds:g} s: send the whole request at once",
+                    code="request_timeout")
 
 
 async def send_error(send, err: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -44,10 +50,11 @@ class ApiKeyMiddleware:
 
 class BodyLimitMiddleware:
     """Refuses a body over max_bytes with 413: at once from Content-Length, else while reading it
-    (chunked uploads), and then replays the body it read to the app."""
+    (chunked uploads); one that has not all arrived within read_timeout seconds with 408 (a client that
+    stalls mid-body would hold its connection forever). Then replays the body it read to the app."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, read_timeout: float | None = None):
+        self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -58,16 +65,20 @@ class BodyLimitMiddleware:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await send_error(send, too_large)
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await send_error(send, too_large)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_bytes:
+                        return await send_error(send, too_large)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await send_error(send, timeout_error("body", self.read_timeout), [(b"connection", b"close")])
         replayed = [False]
 
         async def replay():

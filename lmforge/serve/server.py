@@ -40,6 +40,8 @@ class ServeConfig:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_choices: int = 128  # prompts x n in one request: each is an engine request, all in the waiting queue
+    read_timeout: float = 10.0  # seconds a request's headers, and then its body, may take to arrive
+    keep_alive_timeout: float = 5.0  # seconds an idle connection stays open after a response
 
 
 class Generation:

@@ -46,16 +46,18 @@ def reference(model_dir):
 
 
 class LiveServer:
-    def __init__(self, app, engine):
+    def __init__(self, app, engine, config):
         import uvicorn
 
+        from lmforge.serve.http import uvicorn_config
         from lmforge.serve.listen import bind
 
         sock = bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine = engine
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, ws="none"))
+        self.server = uvicorn.Server(uvicorn_config(app, config.read_timeout, config.keep_alive_timeout,
+                                                    log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -81,7 +83,7 @@ def serve(model_dir: Path, api_key: str | None = None, max_batch: int = 4, **con
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(load_pretrained(model_dir), tokenizer, EngineConfig(max_batch=max_batch))
     config = ServeConfig(model_dir.name, api_key=api_key, **config)
-    server = LiveServer(create_app(engine, tokenizer, ChatFormat(tokenizer, model_dir), config), engine)
+    server = LiveServer(create_app(engine, tokenizer, ChatFormat(tokenizer, model_dir), config), engine, config)
     try:
         yield server
     finally:
