@@ -54,5 +54,4 @@ def run(args: argparse.Namespace) -> None:
     trainer = Trainer(cfg)
     last = trainer.fit()
     if trainer.world.is_main:
-        shown = {k: round(v, 4) for k, v in last.items() if k in ("loss", "val_loss", "val_ppl", "tokens_per_second")}
-        print(f"finished at step {trainer.state['step']}: {shown}; run folder {cfg.run_dir}")
+        print(f"{trainer.summary(last)}; run folder {cfg.run_dir}")

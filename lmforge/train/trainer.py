@@ -26,8 +26,18 @@ from lmforge.train.config import RunConfig, parallel_layout, to_yaml
 from lmforge.train.data import micro_batches
 from lmforge.train.downstream import DownstreamEval
 from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, merged, write_adapter
-from lmforge.train.metrics import MetricSink, flops_per_token, nodes_from_env, peak_flops, tokens_per_dollar
+from lmforge.train.metrics import (
+    MFU,
+    MetricSink,
+    RunTotals,
+    cpu_peak_key,
+    flops_per_token,
+    nodes_from_env,
+    peak_flops,
+    tokens_per_dollar,
+)
 from lmforge.train.optim import lr_at
+from lmforge.train.progress import Progress
 from lmforge.train.setup import (
     apply_activation_checkpointing,
     check_fit,
@@ -46,16 +56,23 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.started = time.perf_counter()
-        self.cfg = cfg
+        self.cfg, t = cfg, cfg.trainer
         self.task = get_task(cfg.data.task)
         self.world = init_world(cfg.trainer.device, cfg.trainer.dist_backend)
         self.run_dir = Path(cfg.run_dir)
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
+        # Batch and sequence length before the data: building it writes sample indices beside the data.
+        check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
+                             t.global_batch_size, layout.data_parallel)
         self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining)
         self.data = self.task.build_data(cfg, self.tokenizer)
         # The eval tasks' data is read now: a missing file fails before any compute.
         self.downstream = DownstreamEval(cfg.eval, self.tokenizer, self.world.is_main) if cfg.eval.tasks else None
-        t, precision = cfg.trainer, cfg.precision
+        precision = cfg.precision_for(self.world.device)
+        if t.precision == "auto" and self.world.is_main:
+            from lmforge.devices import bf16_matmul
+
+            log.info("trainer.precision=auto: %s (%s)", precision.name, bf16_matmul(self.world.device)[1])
         torch.manual_seed(t.seed)  # dropout masks and data order: the same run draws the same (weights seed their own)
         # A layout that shards the model gets it on the meta device: each rank fills only its own shards.
         # (LoRA wraps the whole model before it is laid out: no meta-device model then.)
@@ -101,6 +118,10 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.mcfg, cfg.data.seq_length)
         if cfg.lora is not None:
             self.flops_per_token *= LORA_FLOPS_FRACTION
+        measured = not cfg.cost.peak_flops and self.world.device.type == "cpu"
+        self.mfu = MFU(self.flops_per_token, self.peak, self.peak_source, self.world.size,
+                       cpu_peak_key(precision.compute_dtype) if measured else None)
+        self.totals = RunTotals(self.state["step"])
         self.nodes = nodes_from_env()
 
     @property
@@ -160,11 +181,8 @@ class Trainer:
         batches = micro_batches(self.data.train, self.state["consumed_samples"], t.max_steps * t.global_batch_size,
                                 t.micro_batch_size, self.dp_rank, self.dp_size, cfg.data.num_workers,
                                 self.data.collate)
-        bar = None
-        if world.is_main and t.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=t.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+        # A bar on a terminal, plain lines in a log file.
+        progress = Progress(t.max_steps, start) if world.is_main and t.progress_bar else None
         self.model.train()
         last: dict[str, float] = {}
         fit_started = time.perf_counter()
@@ -184,6 +202,7 @@ class Trainer:
                                 f"(step {step}): lower optim.lr or check the data; the last good checkpoint is "
                                 f"{self.checkpoints.latest()}")
             tokens = out.pop("_tokens")  # a count for throughput, not a metric of its own
+            self.totals.add(tokens, step_time)
             last = {**out, "lr": lr, **self._throughput(step_time, tokens)}
             if step == start:  # start-up cost: setup, data, compilation, the first step
                 last["time_to_first_step"] = time.perf_counter() - self.started
@@ -196,10 +215,8 @@ class Trainer:
                 last.update(self.downstream.run(self.training, self.mcfg, world.device))
             if world.is_main and ((step + 1) % t.log_every_n_steps == 0 or "val_loss" in last or evals):
                 sink.log(step + 1, {**last, "elapsed": self.elapsed()})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_second']:.0f}",
-                                **({"val": f"{last['val_loss']:.3f}"} if "val_loss" in last else {}))
+            if progress is not None:
+                progress.update(step + 1, last)
             every = cfg.checkpoint.every_n_steps
             if every and (step + 1) % every == 0 and step + 1 != t.max_steps:
                 self.save()
@@ -211,14 +228,18 @@ class Trainer:
                     if world.is_main:
                         sink.log(step + 1, {**last, "elapsed": self.elapsed()})
                 break
-        if bar is not None:
-            bar.close()
+        if progress is not None:
+            progress.close()
         if self.state["step"] > start or self.checkpoints.latest() is None:
             self.save()
         sink.close()
         if cfg.checkpoint.convert_to_hf:
             self.export_hf(self.run_dir / "hf")
         return last
+
+    def summary(self, last: dict[str, float]) -> str:
+        """The run's last line: this invocation's steps, tokens, time, average tokens/s and MFU, final losses."""
+        return self.totals.summary(self.state["step"], time.perf_counter() - self.started, last, self.mfu)
 
     def _throughput(self, step_time: float, tokens: float) -> dict[str, float]:
         t = self.cfg.trainer
@@ -229,7 +250,7 @@ class Trainer:
             "step_time": step_time,
             "tokens_per_second": tps,
             "sequences_per_second": t.global_batch_size / step_time,
-            "mfu": tps * self.flops_per_token / (self.peak * self.world.size),
+            "mfu": self.mfu(tps),
             "memory_gb": memory_gb(self.world.device),
             **({"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar} if per_dollar else {}),
         }

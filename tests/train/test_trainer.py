@@ -131,6 +131,44 @@ def test_bad_configs_fail_before_compute(overrides, message, tiny_corpus, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+def test_a_token_id_past_the_model_vocabulary_fails_before_training(tiny_corpus, tmp_path):
+    """Issue 18 item 6: ids up to 999 on a 500-id model crashed with an IndexError at the first step and left a
+    run folder behind."""
+    with pytest.raises(UserError) as e:
+        Trainer(run_config(tiny_corpus, tmp_path / "run", "model.vocab_size=500"))
+    assert str(e.value).startswith(f"data prefix '{tiny_corpus}' has token id 999 but the model's vocab_size is 500")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override", ["trainer.global_batch_size=6", "data.seq_length=512"])
+def test_batch_and_sequence_checks_come_before_the_sample_index_cache(override, tiny_corpus, tmp_path):
+    """Issue 18 item 20: a bad batch size failed only after the sample indices were written beside the data."""
+    with pytest.raises(UserError):
+        Trainer(run_config(tiny_corpus, tmp_path / "run", override, f"data.cache_dir={tmp_path / 'cache'}"))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_last_line_and_the_log_say_what_the_run_did(tiny_corpus, tmp_path, caplog):
+    """Issue 18 items 15 and 21: run totals and averages, not the last step's dict; off a terminal the progress
+    is plain log lines (no tqdm carriage returns)."""
+    import logging
+
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=4", "trainer.val_check_interval=0",
+                     "trainer.progress_bar=true")
+    trainer = Trainer(cfg)
+    with caplog.at_level(logging.INFO, logger="lmforge.train.progress"):
+        last = trainer.fit()
+    lines = [r.getMessage() for r in caplog.records if r.name == "lmforge.train.progress"]
+    assert lines[0].startswith("step 1/4 (25%), loss ") and lines[-1].startswith("step 4/4 (100%), loss ")
+    assert all("\r" not in line for line in lines)
+    summary = trainer.summary(last)
+    rows = _rows(tmp_path / "run")
+    tokens = 4 * 8 * 32
+    average = tokens / sum(r["step_time"] for r in rows)
+    assert summary.startswith(f"finished at step 4: 4 steps, {tokens:,} tokens in ")
+    assert f"{average:,.0f} tokens/s, MFU " in summary and f"loss {rows[-1]['loss']:.4g}" in summary
+
+
 def test_tokenizer_larger_than_model_vocab_is_refused(tiny_corpus, tmp_path, shared_data):
     with pytest.raises(UserError, match="has 50257 ids but the model only 1000"):
         Trainer(run_config(tiny_corpus, tmp_path / "run", f"data.tokenizer={shared_data}/tokenizers/gpt2"))
