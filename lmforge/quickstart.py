@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
+import shutil
 import sysconfig
 import time
 from collections.abc import Callable
@@ -51,10 +53,26 @@ def gather_corpus(out: Path, max_chars: int = 3_000_000) -> tuple[int, int]:
     return len(lines), chars
 
 
+def clear_run(run_dir: Path, resume: bool) -> bool:
+    """Remove the run an earlier quickstart left (unless `resume`); True if there was one. It is renamed
+    first, so a kill during the deletion leaves no half-deleted run where the next one starts; what such
+    a kill left is removed here too."""
+    for stale in run_dir.parent.glob(f".{run_dir.name}.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if resume or not run_dir.exists():
+        return False
+    old = run_dir.with_name(f".{run_dir.name}.old-{os.getpid()}")
+    run_dir.rename(old)
+    shutil.rmtree(old)
+    return True
+
+
 def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[[str], None] = log.info,
-        max_steps: int = 600) -> dict:
+        max_steps: int = 600, resume: bool = False) -> dict:
     """The whole walk-through; `say` reports each step (the CLI passes print). Training stops at
-    `max_steps` or after `minutes`, whichever comes first."""
+    `max_steps` or after `minutes`, whichever comes first. A run left in `out_dir` by an earlier
+    quickstart is removed first (the corpus, tokenizer and data are rebuilt anyway), or continued with
+    `resume`."""
     from lmforge.data.preprocess import preprocess
     from lmforge.data.tokenizer_train import train_tokenizer
     from lmforge.inference import generate_text
@@ -84,6 +102,8 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
     say(f"[3/6] preprocess: {stats.tokens:,} tokens in {stats.documents} documents -> {prefix}_text_document.bin/.idx")
 
     run_dir = out / "run"
+    if clear_run(run_dir, resume):
+        say(f"      removed the previous run in {run_dir} (--resume continues it instead)")
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
         f"data.paths=[{prefix}_text_document]", f"data.tokenizer={tok_dir}", "data.split=95,5,0",
         "data.seq_length=128", f"trainer.max_steps={max_steps}", f"trainer.max_minutes={minutes}",

@@ -27,3 +27,16 @@ def test_quickstart_trains_and_exports_a_model_transformers_loads(tmp_path):
     tok = tf.AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = tok("Return a new list", return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5
+
+
+def test_a_rerun_starts_afresh_unless_resume(tmp_path):
+    """Issue 18 item 21: rerunning quickstart silently continued the last run (at step 302)."""
+    from lmforge.quickstart import clear_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000302").mkdir(parents=True)
+    assert not clear_run(run, resume=True) and (run / "checkpoints" / "step-00000302").is_dir()
+    (tmp_path / ".run.old-999").mkdir()  # what a kill during an earlier removal left
+    assert clear_run(run, resume=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert not clear_run(run, resume=False)  # nothing to remove the first time
