@@ -198,7 +198,8 @@ class RunTotals:
         parts = [f"{self.steps} steps{resumed}, {self.tokens:,.0f} tokens in {_duration(wall)} "
                  f"({_duration(self.step_time)} in steps): {speed:,.0f} tokens/s"
                  + (f", MFU {mfu(speed):.1%}" if mfu is not None and speed > 0 else "")]
-        shown = [f"{k} {last[k]:.4g}" for k in ("loss", "val_loss", "val_ppl", "val_accuracy")
+        formats = {"loss": "{:.4f}", "val_loss": "{:.4f}", "val_ppl": "{:,.2f}", "val_accuracy": "{:.2%}"}
+        shown = [f"{k} {fmt.format(last[k])}" for k, fmt in formats.items()
                  if isinstance(last.get(k), float | int) and math.isfinite(last[k])]
         if shown:
             parts.append(", ".join(shown))

@@ -176,7 +176,7 @@ class Trainer:
             truncate_metrics(self.run_dir / "metrics.jsonl", start)
         sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start)
         if world.is_main:
-            log.info("peak %.1f TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,
+            log.info("peak %.3g TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,
                      self.peak_source, self.flops_per_token)
         batches = micro_batches(self.data.train, self.state["consumed_samples"], t.max_steps * t.global_batch_size,
                                 t.micro_batch_size, self.dp_rank, self.dp_size, cfg.data.num_workers,
