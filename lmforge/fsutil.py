@@ -1,11 +1,16 @@
-"""Writes that never leave a half-written result under the final name."""
+"""Writes that never leave a half-written result under the final name; checksums of what was written; one
+line for a full disk."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
+import json
 import os
+import resource
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lmforge.errors import UserError
@@ -25,10 +30,12 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(final: str | Path, overwrite: bool = False, needed: int | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it is renamed to `final`.
 
-    On any exception the temporary directory is removed and `final` is untouched.
+    On any exception the temporary directory is removed and `final` is untouched; a full disk is one UserError
+    naming `final`, the bytes needed (`needed`, where the caller knows them, else those written before it
+    failed) and the bytes free. Where fewer than `needed` bytes are free, that error comes before any write.
     """
     final = Path(final)
     if final.exists() and not overwrite and (final.is_file() or any(final.iterdir())):
@@ -38,9 +45,15 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        if needed is not None and shutil.disk_usage(tmp).free < needed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         yield tmp
-    except BaseException:
+    except BaseException as e:
+        written = folder_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        full = out_of_space(e, final, needed, written) if isinstance(e, Exception) else None
+        if full is not None:
+            raise full from None
         raise
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     if final.exists():
@@ -48,3 +61,124 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     tmp.rename(final)
     if old.exists():
         shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+# -- checksums -------------------------------------------------------------------------------------
+
+CHECKSUMS = "checksums.json"
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file, read in 1 MiB blocks (hashlib releases the GIL on them)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_checksums(folder: Path, names: Iterable[str]) -> dict[str, dict]:
+    """{name: {"size", "sha256"}} of the named files of `folder`, what `CHECKSUMS` records."""
+    return {name: {"size": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)} for name in names}
+
+
+def read_checksums(folder: Path) -> dict[str, dict] | None:
+    """The files `folder/CHECKSUMS` records, or None where the folder has none (written before checksums were).
+    A manifest that cannot be read is a UserError naming it."""
+    path = Path(folder) / CHECKSUMS
+    if not path.exists():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+            raise ValueError("files is not a table")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"'{path}' is unreadable ({e})") from None
+    return files
+
+
+def checksum_problems(folder: Path, rank: int = 0, world: int = 1) -> list[str] | None:
+    """What is wrong with the files `folder/CHECKSUMS` records (this rank's share: every `world`-th file from
+    `rank`, so ranks read a large folder together), or None where the folder has no manifest."""
+    files = read_checksums(folder)
+    if files is None:
+        return None
+    names = sorted(files)[rank::world]
+    return [p for name in names if (p := checksum_problem(folder, name, files[name])) is not None]
+
+
+def checksum_problem(folder: Path, name: str, expected: dict) -> str | None:
+    """What is wrong with `folder/name` against its manifest entry (missing, another size, another SHA-256),
+    or None where it is intact. The size is compared first: a truncated file costs no read."""
+    path = Path(folder) / name
+    try:
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"'{path}' has {size} bytes, {expected['size']} were written"
+        if file_sha256(path) != expected["sha256"]:
+            return f"'{path}' does not match its SHA-256 in {CHECKSUMS} (the bytes changed after it was written)"
+    except FileNotFoundError:
+        return f"'{path}' is missing"
+    except OSError as e:
+        return f"'{path}' cannot be read ({e.strerror})"
+    return None
+
+
+# -- disk full ----------------------------------------------------------------------------------------
+
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+# What a full disk looks like where the errno is lost on the way up: safetensors' Rust error, and torch's
+# zip writer, which checks its position after a short write ("unexpected pos 704 vs 598").
+_FULL_TEXT = ("No space left on device", "StorageFull", "Disk quota exceeded")
+_LIMIT_TEXT = ("File too large", "FileTooLarge")
+_SHORT_WRITE = "unexpected pos"
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """`e`, its causes and contexts, and the per-rank failures a DCP CheckpointException gathers."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, BaseException)
+                     or (isinstance(f, tuple) and f and isinstance(f[0], BaseException))]
+
+
+def _mb(n: int) -> str:
+    return f"{n} bytes ({n / 1e6:.1f} MB)"
+
+
+def out_of_space(e: BaseException, path: Path, needed: int | None = None, written: int | None = None,
+                 fix: str = "free some space or write elsewhere") -> UserError | None:
+    """One line for a write that failed because the disk (or the file size limit, `ulimit -f`) is full: the
+    path, the bytes needed and free; None for any other failure. Call it after removing what was written, so
+    the free bytes are what the user can count on."""
+    errnos = {c.errno for c in _causes(e) if isinstance(c, OSError)}
+    text = " ".join(str(c) for c in _causes(e))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    need = (f"needs at least {_mb(needed)}" if needed is not None else
+            f"needs more than the {_mb(written)} written" if written else "needs more space")
+    full = errnos & _FULL or any(s in text for s in _FULL_TEXT)
+    size_limit = errno.EFBIG in errnos or any(s in text for s in _LIMIT_TEXT)
+    if _SHORT_WRITE in text and not (full or size_limit):  # a short write, its errno lost: which limit?
+        full = limit == resource.RLIM_INFINITY or (needed is not None and free < needed)
+        size_limit = not full
+    if size_limit:
+        return UserError(f"file size limit reached writing '{path}': it {need}, the limit (ulimit -f) is "
+                         f"{_mb(limit)} per file, {_mb(free)} free on that disk: raise the limit")
+    if full:
+        return UserError(f"disk full writing '{path}': it {need}, {_mb(free)} free on that disk: {fix}")
+    return None
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 where it is gone)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) if Path(folder).exists() else 0

@@ -5,13 +5,21 @@
                         .../rng-rank0.json python/numpy/torch RNG states of each rank
                         .../lmforge.json the model config (so the folder says what it holds)
 
+                        .../checksums.json size and SHA-256 of every other file
+
 Each checkpoint is written under `.step-N.tmp` and renamed when complete: a crash at any moment
 leaves either the previous set of checkpoints or the new one, never a torn folder. Retention keeps
-the `save_top_k` best by the monitored metric plus the newest (`save_last`).
+the `save_top_k` best by the monitored metric plus the newest (`save_last`); a checkpoint it drops is
+renamed `.step-N.deleting` before its files go, so a kill mid-deletion leaves no half checkpoint under
+a checkpoint's name. A resume first removes such leftovers, then takes the newest checkpoint whose files
+match their checksums: one that does not is renamed `step-N.corrupt` with a warning.
+A full disk is found before writing where it can be (the state's bytes against the free bytes) and is
+one UserError either way, with the temporary folder removed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lmforge.errors import UserError
+from lmforge.fsutil import CHECKSUMS, atomic_write, checksum_problems, file_checksums, out_of_space
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import write_config
 from lmforge.models.source import dcp_error_line, load_checkpoint_model
@@ -38,6 +47,9 @@ from lmforge.models.source import dcp_error_line, load_checkpoint_model
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^step-(\d{8})$")
+# What a save or a deletion cut short leaves: the folder being written, the folder being deleted.
+LEFTOVER = re.compile(r"^\.step-\d{8}\.(tmp|deleting)$")
+DISK_FIX = "free space there, keep fewer checkpoints (checkpoint.save_top_k) or set run_dir on a larger disk"
 # One process without a process group is a normal way to run: DCP need not warn about it.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -46,9 +58,46 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _gather(obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order (small Python values: errors, checksums, byte counts)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _tensors(obj: Any, key: str = "") -> Any:
+    if isinstance(obj, torch.Tensor):
+        yield key, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{key}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{key}.{i}")
+
+
+# DCP writes each tensor as its own torch.save record: ~1.3 KB of zip and pickle around the data (measured).
+RECORD_BYTES = 1024
+
+
+def checkpoint_bytes(state: dict) -> int:
+    """At least the bytes a DCP save of `state` writes, over all ranks: each name once at its global size
+    (DTensors report it; replicas of a plain tensor are written once), plus its record's frame."""
+    sizes: dict[str, int] = {}
+    for rank_sizes in _gather({k: t.numel() * t.element_size() + RECORD_BYTES for k, t in _tensors(state)}):
+        sizes.update(rank_sizes)
+    return sum(sizes.values())
 
 
 def rng_state() -> dict[str, Any]:
@@ -80,38 +129,153 @@ class CheckpointManager:
         self.save_top_k, self.monitor, self.mode, self.save_last = save_top_k, monitor, mode, save_last
 
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints, oldest first (a `step-N` without trainer.json is what an older lmforge's
+        interrupted deletion left: not a checkpoint)."""
         if not self.root.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := NAME.match(p.name))]
+        found = [(int(m.group(1)), p) for p in self.root.iterdir()
+                 if (m := NAME.match(p.name)) and (p / "trainer.json").is_file()]
         return sorted(found)
 
     def latest(self) -> Path | None:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
+    # -- writing ------------------------------------------------------------------------------
+
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
              model_config: ModelConfig) -> Path:
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".step-{step:08d}.tmp"
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
         model_sd, optim_sd = self.state_dicts(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-        (tmp / f"rng-rank{_rank()}.json").write_text(json.dumps(rng_state()))
-        _barrier()
+        needed = checkpoint_bytes({"model": model_sd, "optim": optim_sd})
+        error: BaseException | None = None
         if _rank() == 0:
-            (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-            write_config(tmp, model_config)
-            if final.exists():  # a rerun reached the same step again
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                free = shutil.disk_usage(tmp).free
+                if free < needed:  # known before a byte is written: say so rather than fill the disk
+                    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as e:
+                error = e
+        self._agree(error, final, tmp, needed)
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+            (tmp / f"rng-rank{_rank()}.json").write_text(json.dumps(rng_state()))
+            if _rank() == 0:
+                (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+                write_config(tmp, model_config)
+            error = None
+        # DCP gathers every rank's failure into a CheckpointException, a BaseException (not an Exception).
+        except (Exception, CheckpointException) as e:
+            error = e
+        self._agree(error, final, tmp, needed)
+        # Every rank hashes a share of the files (read back while they are still in the page cache).
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        try:
+            checksums, error = file_checksums(tmp, names[_rank()::_world()]), None
+        except OSError as e:
+            checksums, error = {}, e
+        shares = self._agree(error, final, tmp, needed, checksums)
+        if _rank() == 0:
+            try:
+                files = {k: v for share in shares for k, v in share.items()}
+                atomic_write(tmp / CHECKSUMS, json.dumps({"format": 1, "files": dict(sorted(files.items()))},
+                                                         indent=1) + "\n")
+                if final.exists():  # a rerun reached the same step again
+                    self._delete(final)
+                os.replace(tmp, final)
+                error = None
+            except OSError as e:
+                error = e
+        self._agree(error, final, tmp, needed)
+        if _rank() == 0:
             self._apply_retention()
         _barrier()
         log.info("saved checkpoint %s", final)
         return final
+
+    def _agree(self, error: BaseException | None, final: Path, tmp: Path, needed: int, payload: Any = None
+               ) -> list[Any]:
+        """Every rank's `payload`, once no rank failed; where one did, every rank raises (a rank going on alone
+        would wait at the next collective forever) after rank 0 removed the temporary folder: a full disk is
+        one line with the bytes needed and free (counted once the folder is gone)."""
+        got = _gather((None if error is None else f"{type(error).__name__}: {error}", payload))
+        if all(e is None for e, _ in got):
+            return [p for _, p in got]
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        mine = None if error is None else (error if isinstance(error, UserError) else
+                                           out_of_space(error, final, needed, fix=DISK_FIX))
+        lines = _gather(None if mine is None else str(mine))
+        if mine is not None:
+            raise mine from None
+        if error is not None:
+            raise error
+        for line in lines:  # another rank's full disk: the same line on this rank
+            if line is not None:
+                raise UserError(line)
+        rank, text = next((r, e) for r, (e, _) in enumerate(got) if e is not None)
+        raise UserError(f"writing checkpoint '{final}' failed on rank {rank}: {text}")
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Path, dict] | None:
+        """Restore the newest intact checkpoint (model, optimizer, RNG) in place: (its path, the trainer state),
+        or None where there is none yet. Leftovers of interrupted saves and deletions are removed first; a
+        checkpoint whose files do not match its checksums is renamed `step-N.corrupt` with a warning and the one
+        before it is taken; where no checkpoint is intact, a UserError names the damaged file."""
+        if _rank() == 0:
+            self.clean()
+        _barrier()
+        bad, good = [], None
+        for _, path in reversed(self.checkpoints()):
+            problem = self.verify(path)
+            if problem is None:
+                good = path
+                break
+            bad.append((path, problem))
+        if bad and good is None:
+            others = f" (and {len(bad) - 1} older checkpoint(s) likewise)" if len(bad) > 1 else ""
+            raise UserError(f"no intact checkpoint to resume from: {bad[0][1]}{others}: move the damaged checkpoint "
+                            f"away to start the run from scratch")
+        if _rank() == 0:
+            for path, problem in bad:
+                aside = _free_name(path.with_name(path.name + ".corrupt"))
+                os.replace(path, aside)
+                log.warning("checkpoint %s is damaged: %s; moved to %s, resuming from %s", path.name, problem,
+                            aside.name, good.name)
+        _barrier()
+        return None if good is None else (good, self.load(good, model, optimizer))
+
+    def verify(self, path: Path) -> str | None:
+        """What is wrong with checkpoint `path` (the first damaged file), or None where its files match the
+        checksums written with it. The ranks read the files together. A checkpoint written before checksums
+        were passes, with a warning."""
+        try:
+            mine = checksum_problems(path, _rank(), _world())
+        except UserError as e:  # the manifest itself is damaged
+            return str(e)
+        if mine is None:
+            if _rank() == 0:
+                log.warning("checkpoint %s has no %s (written by an older lmforge): its files are not verified",
+                            path, CHECKSUMS)
+            return None
+        problems = [p for share in _gather(mine) for p in share]
+        return problems[0] if problems else None
+
+    def clean(self) -> None:
+        """Remove what interrupted saves and deletions left: `.step-N.tmp`, `.step-N.deleting`, and `step-N`
+        folders without trainer.json (an older lmforge deleted checkpoints in place). Call it where no other
+        run writes this folder."""
+        if not self.root.is_dir():
+            return
+        for path in sorted(self.root.iterdir()):
+            if LEFTOVER.match(path.name) or (NAME.match(path.name) and not (path / "trainer.json").is_file()):
+                log.warning("removing %s, left by an interrupted checkpoint save or deletion", path)
+                self._delete(path)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
         """Restore model (+ optimizer, RNG) in place; return the trainer state."""
@@ -146,24 +310,50 @@ class CheckpointManager:
         else:
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
+    # -- retention ----------------------------------------------------------------------------
+
+    def _metric(self, path: Path) -> float | None:
+        try:
+            return json.loads((path / "trainer.json").read_text()).get("metrics", {}).get(self.monitor)
+        except (OSError, ValueError):
+            return None
+
     def _apply_retention(self) -> None:
         found = self.checkpoints()
         if self.save_top_k < 0 or not found:
             return
         keep = {found[-1][1]} if self.save_last else set()
-        scored = []
-        for _, path in found:
-            value = json.loads((path / "trainer.json").read_text()).get("metrics", {}).get(self.monitor)
-            if value is not None:
-                scored.append((value, path))
+        scored = [(value, path) for _, path in found if (value := self._metric(path)) is not None]
         scored.sort(key=lambda x: x[0], reverse=self.mode == "max")
         keep |= {path for _, path in scored[: self.save_top_k]}
         if not scored and not self.save_last:
             keep.add(found[-1][1])  # never delete everything
         for _, path in found:
             if path not in keep:
-                shutil.rmtree(path)
+                self._delete(path)
                 log.info("removed checkpoint %s (retention)", path.name)
+
+    @staticmethod
+    def _delete(path: Path) -> None:
+        """Rename, then delete: a kill mid-deletion leaves `.step-N.deleting`, which the next start removes,
+        never a `step-N` with some of its files gone."""
+        trash = path
+        if not LEFTOVER.match(path.name):
+            trash = path.with_name(f".{path.name}.deleting")
+            shutil.rmtree(trash, ignore_errors=True)  # an earlier deletion of the same step, cut short
+            os.replace(path, trash)
+        if trash.is_dir():
+            shutil.rmtree(trash)
+        else:
+            trash.unlink(missing_ok=True)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3` ... whichever does not exist yet."""
+    k, out = 2, path
+    while out.exists():
+        out, k = path.with_name(f"{path.name}-{k}"), k + 1
+    return out
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
+from lmforge.fsutil import checksum_problems
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for, hf_tensors, is_hf_dir, read_hf_config
@@ -74,6 +75,7 @@ def load_checkpoint_model(state: dict[str, torch.Tensor], folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    check_checkpoint_files(folder)
     try:
         dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
@@ -81,6 +83,21 @@ def load_checkpoint_model(state: dict[str, torch.Tensor], folder: Path) -> None:
     except (Exception, CheckpointException) as e:
         raise UserError(f"checkpoint '{folder}' does not fit this model ({dcp_error_line(e)}): use the config it "
                         "was written with") from None
+
+
+def check_checkpoint_files(folder: Path) -> None:
+    """A UserError naming the first file of a training checkpoint that does not match the checksums written
+    with it (checkpoints written before checksums pass). The ranks read the files together."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = checksum_problems(folder, rank, world) or []
+    if dist.is_initialized():
+        shares: list = [None] * world
+        dist.all_gather_object(shares, problems)
+        problems = [p for share in shares for p in share]
+    if problems:
+        raise UserError(f"checkpoint '{folder}' is damaged: {problems[0]}: use another checkpoint of the run")
 
 
 def dcp_error_line(e: BaseException) -> str:

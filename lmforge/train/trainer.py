@@ -107,9 +107,10 @@ class Trainer:
         self.checkpoints = TrainCheckpoints(self.run_dir / "checkpoints", c.save_top_k, c.monitor, c.mode, c.save_last)
         self.state = {"step": 0, "consumed_samples": 0, "skipped_steps": 0, "consecutive_skips": 0, "metrics": {},
                       "elapsed": 0.0}
-        latest = self.checkpoints.latest()
-        if latest is not None:
-            self.state = {"elapsed": 0.0, **self.checkpoints.load(latest, self.training, self.optimizer)}
+        resumed = self.checkpoints.resume(self.training, self.optimizer)  # the newest checkpoint that verifies
+        if resumed is not None:
+            latest, state = resumed
+            self.state = {"elapsed": 0.0, **state}
             log.info("resumed from %s at step %d", latest, self.state["step"])
         # The wall clock of the run goes on from the checkpoint's: a resumed run's `elapsed` continues its curve.
         self.clock_zero = self.started - self.state["elapsed"]

@@ -127,7 +127,9 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | N
     hf = adapter.config_to_hf(cfg)
     get = read_tensors(model_dir)
     model = build(cfg, device="meta")
-    with atomic_dir(out_dir, overwrite) as tmp:
+    # The export holds the same tensors: about the folder's weight bytes (another dtype: unknown until written).
+    needed = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) if dtype is None else None
+    with atomic_dir(out_dir, overwrite, needed) as tmp:
         write_safetensors(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get), tmp, dtype)
         if dtype is not None:
             hf["torch_dtype"] = str(dtype).removeprefix("torch.")
