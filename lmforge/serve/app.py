@@ -32,7 +32,12 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
     server = Server(engine, tokenizer, chat, config or ServeConfig())
     config, metrics = server.config, server.metrics
     page = Path(__file__).with_name("chat.html").read_text(encoding="utf-8")
-    page = page.replace("{{MODEL}}", escape(config.model_name)).replace("{{AUTH}}", "1" if config.api_key else "")
+    # The page asks for what leaves half the context to the conversation (64 tokens of a 128-token model):
+    # a fixed 256 failed the quickstart model's first message.
+    page_max_tokens = max(1, min(config.default_max_tokens, config.max_tokens_limit, engine.context // 2))
+    for key, value in {"MODEL": escape(config.model_name), "AUTH": "1" if config.api_key else "",
+                       "CONTEXT": str(engine.context), "MAX_TOKENS": str(page_max_tokens)}.items():
+        page = page.replace("{{" + key + "}}", value)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -290,7 +290,9 @@ class Server:
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(gen)}
 
     def model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "lmforge"}
+        # max_model_len: the tokens a request may hold, prompt and completion (vLLM's field for it).
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "lmforge",
+                "max_model_len": self.engine.context}
 
 
 def sampling_of(body) -> SamplingParams:

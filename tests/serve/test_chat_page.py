@@ -82,3 +82,33 @@ def test_type_send_and_see_the_reply_stream_in(browser, secured, reference, tmp_
     page.wait_for_selector(".error", timeout=30_000)
     assert "API key" in page.inner_text(".error")
     page.close()
+
+
+@pytest.mark.slow
+def test_a_long_chat_drops_its_oldest_turns_to_fit_and_says_so(browser, server, reference):
+    # The quickstart path: a 128-token model. The page asks for what fits (64 tokens, not 256), and when
+    # the conversation outgrows the context it leaves out its oldest turns, marks them, and says so.
+    model, tok = reference
+    page = browser.new_page(viewport={"width": 900, "height": 640})
+    page.goto(server.url + "/")
+    assert page.input_value("#max-tokens") == "64"
+    page.click("#toggle-settings")
+    page.fill("#temperature", "0")
+    page.click("#toggle-settings")
+    first_msg, second_msg = " ".join(f"t{i}" for i in range(5, 35)), " ".join(f"t{i}" for i in range(40, 70))
+    page.fill("#input", first_msg)
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".assistant:not(.streaming)", timeout=60_000)
+    first = generate_text(model, tok, [f"User: {first_msg}\nAssistant:"], 64, temperature=0, stop=["\nUser:"])[0]
+    assert page.inner_text(".assistant .text") == first.strip()
+    assert page.locator(".note").count() == 0
+    # 30 + 30 words and the first reply do not leave 64 tokens: the first turn is left out.
+    page.fill("#input", second_msg)
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.querySelectorAll('.assistant:not(.streaming)').length == 2", timeout=60_000)
+    second = generate_text(model, tok, [f"User: {second_msg}\nAssistant:"], 64, temperature=0, stop=["\nUser:"])[0]
+    assert page.locator(".assistant .text").nth(1).inner_text() == second.strip()
+    assert page.locator(".error").count() == 0
+    assert "2 earlier messages left out" in page.inner_text(".note") and "128-token" in page.inner_text(".note")
+    assert page.locator(".msg.left-out").count() == 2  # the first question and answer, shown faded
+    page.close()

@@ -100,6 +100,9 @@ def test_sse_framing(server, model_dir):
 def test_models(server, model_dir):
     c = client(server)
     assert [m.id for m in c.models.list()] == [model_dir.name]
+    assert c.models.list().data[0].max_model_len == 128  # the context, under vLLM's name for it
+    page = httpx.get(server.url + "/").text  # the chat page starts from what fits that context
+    assert 'data-context="128"' in page and 'id="max-tokens" type="number" min="1" step="1" value="64"' in page
     assert c.models.retrieve(model_dir.name).id == model_dir.name
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("gpt-4")
