@@ -321,3 +321,42 @@ def test_export_hf_on_a_full_disk_is_one_line(disk, tmp_path):
     assert lines[0].startswith(f"error: {kind} writing '{mnt / 'hf'}': it needs at least {weights} bytes")
     assert "free on that disk" in lines[0]
     assert left == []
+
+
+# -- two ranks ----------------------------------------------------------------------------------------------
+
+
+def _torchrun(run_dir: Path, corpus, *extra, preexec_fn=None) -> subprocess.CompletedProcess:
+    args = _pretrain(corpus, run_dir, "trainer.data_parallel=fsdp", "checkpoint.every_n_steps=4",
+                     "checkpoint.save_top_k=-1", *extra)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "lmforge.cli", *args], env=ENV, capture_output=True, text=True, timeout=420,
+                          preexec_fn=preexec_fn)
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_a_damaged_checkpoint_and_on_a_full_disk(tiny_corpus, tmp_path):
+    """FSDP on two ranks: each rank writes its own shard and hashes a share of the files; on resume they verify
+    together and agree to skip the damaged step-8 (flipped in rank 1's shard); a file size limit hit while saving
+    is one line from rank 0 and every rank exits, none left waiting at a barrier."""
+    run = tmp_path / "run"
+    first = _torchrun(run, tiny_corpus)
+    assert first.returncode == 0, first.stderr[-3000:]
+    whole = _curve(run)
+    step8 = run / "checkpoints" / "step-00000008"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(json.loads((step8 / "checksums.json").read_text())["files"])
+    data = bytearray((step8 / "__1_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (step8 / "__1_0.distcp").write_bytes(bytes(data))
+    again = _torchrun(run, tiny_corpus)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "moved to step-00000008.corrupt, resuming from step-00000004" in again.stderr
+    assert _curve(run) == whole  # steps 5-8 again, bit for bit
+    shutil.rmtree(run / "checkpoints" / "step-00000008.corrupt")
+    shutil.rmtree(run / "checkpoints" / "step-00000008")
+    limit = (run / "checkpoints" / "step-00000004" / "__0_0.distcp").stat().st_size // 2
+    full = _torchrun(run, tiny_corpus, preexec_fn=_limited(limit))
+    assert full.returncode != 0
+    errors = [line for line in full.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: file size limit reached writing"), full.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004"]
