@@ -186,14 +186,12 @@ class CheckpointManager:
                 if final.exists():  # a rerun reached the same step again
                     self._delete(final)
                 os.replace(tmp, final)
+                log.info("saved checkpoint %s", final)
+                self._apply_retention()
                 error = None
             except OSError as e:
                 error = e
         self._agree(error, final, tmp, needed)
-        if _rank() == 0:
-            self._apply_retention()
-        _barrier()
-        log.info("saved checkpoint %s", final)
         return final
 
     def _agree(self, error: BaseException | None, final: Path, tmp: Path, needed: int, payload: Any = None
