@@ -116,10 +116,11 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
     say(f"[4/6] pretrain: Pythia-shaped model ({MODEL['num_layers']} layers, d={MODEL['hidden_size']}), "
         f"up to {minutes:g} minutes")
     trainer = Trainer(cfg)
-    trainer.fit()
+    last = trainer.fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     say("      validation loss: " + "  ".join(f"step {s}: {v:.2f}" for s, v in val))
+    say(f"      {trainer.summary(last)}")
 
     model = trainer.model.eval()
     prompt = "Return a new list"
