@@ -108,7 +108,7 @@ def max_memory_allocated(device: torch.device) -> int | None:
     return None
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); empty where there is none."""
     try:
         text = open("/proc/cpuinfo").read()  # noqa: SIM115 (a tiny pseudo-file)
@@ -132,7 +132,7 @@ def bf16_matmul(device: torch.device) -> tuple[bool, str]:
             return True, "this CPU has AMX"
         if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
             return True, "this CPU has avx512_bf16"
-        flags = _cpu_flags()
+        flags = cpu_flags()
         found = sorted({"amx_bf16", "avx512_bf16", "bf16"} & flags)
         if found:
             return True, f"this CPU has {found[0]}"

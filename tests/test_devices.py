@@ -69,7 +69,7 @@ def test_bf16_matrix_units_of_a_cpu(amx, avx512_bf16, flags, expected, monkeypat
     """What trainer.precision=auto asks (issue 18 item 13): torch's own CPU checks, then /proc/cpuinfo's flags."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    monkeypatch.setattr(devices, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
     has, why = devices.bf16_matmul(torch.device("cpu"))
     assert has == expected[0]
     assert why == expected[1] if has else why.startswith("this CPU has no bf16 matrix instructions")
@@ -85,7 +85,7 @@ def test_bf16_matrix_units_of_a_cuda_device(supported, monkeypatch):
 
 def test_this_machines_cpu_flags_agree_with_torch():
     """The /proc/cpuinfo reading is what torch's own check finds (on x86 Linux, where both exist)."""
-    flags = devices._cpu_flags()
+    flags = devices.cpu_flags()
     if "avx2" not in flags:
         pytest.skip("not an x86 Linux CPU")
     assert ("avx512_bf16" in flags) == torch.cpu._is_avx512_bf16_supported()

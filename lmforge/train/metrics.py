@@ -3,6 +3,7 @@ totals (its last line); plus the run's metric sinks (TensorBoard scalars and a J
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -118,9 +119,13 @@ def _cpu_name() -> str:
 
 
 def cpu_peak_key(dtype: torch.dtype) -> str:
-    """What a CPU peak depends on: the processor, the threads the GEMM used, the dtype and the torch build."""
-    return f"{_cpu_name()} | {torch.get_num_threads()} threads | {str(dtype).removeprefix('torch.')} | " \
-           f"torch {torch.__version__}"
+    """What a CPU peak depends on: the processor (its name, and its feature flags: a VM may name two
+    generations alike, "AMD EPYC"), the threads the GEMM used, the dtype and the torch build."""
+    from lmforge.devices import cpu_flags
+
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    return f"{_cpu_name()} (flags {flags}) | {torch.get_num_threads()} threads | " \
+           f"{str(dtype).removeprefix('torch.')} | torch {torch.__version__}"
 
 
 def _peak_cache() -> Path:

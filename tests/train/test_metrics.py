@@ -121,3 +121,13 @@ def test_the_run_summary_gives_totals_and_averages():
     assert line == ("finished at step 13: 3 steps, resumed at 10, 3,072 tokens in 2m 05s (6s in steps): 512 tokens/s, "
                     "MFU 51.2%; loss 4.2135, val_loss 4.3500, val_ppl 77.48")
     assert metrics.RunTotals(first_step=5).summary(5, 1.0, {}) == "at step 5: no steps to run"
+
+
+def test_two_cpus_with_one_name_keep_peaks_apart(monkeypatch):
+    """A VM names a Zen 3 and a Zen 5 alike ("AMD EPYC"): their feature flags tell the remembered peaks apart."""
+    from lmforge import devices
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "fma"})
+    zen3 = metrics.cpu_peak_key(torch.float32)
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert metrics.cpu_peak_key(torch.float32) != zen3
