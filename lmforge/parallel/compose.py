@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.parallel.mesh import ParallelConfig, check_model
-from lmforge.parallel.pipeline import build_schedule, split_model, stage_ids
+from lmforge.parallel.pipeline import StageShapes, build_schedule, split_model, stage_ids
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
 
 log = logging.getLogger(__name__)
@@ -143,11 +143,12 @@ def _tied_group(mesh):
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
-                device: torch.device | None = None) -> ParallelModel:
+                device: torch.device | None = None, stage_shapes: StageShapes | None = None) -> ParallelModel:
     """Apply `cfg` over `mesh` (lmforge.parallel.build_mesh; None for one process) to `model`, a Decoder or
     Bert built identically on every rank. Afterwards use only the returned ParallelModel's parts:
     without pipeline parallelism parts == [model] (DDP-wrapped under replication alone); with it, drop
     `model` so unused layers can be freed. `device`: where the model computes (default: the mesh's).
+    `stage_shapes`: what pipeline stages exchange, if known (static stages, see build_schedule).
     """
     if device is None:
         device = torch.device(mesh.device_type, torch.accelerator.current_device_index()) if (
@@ -182,7 +183,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
             return pm.loss_fn(output, target)
 
         _, pm.schedule = build_schedule(pm.parts, pm.stage_indices, pm.num_stages, cfg.pipeline_schedule,
-                                        cfg.num_microbatches, loss_fn, mesh["pp"].get_group(), device)
+                                        cfg.num_microbatches, loss_fn, mesh["pp"].get_group(), device, stage_shapes)
     log.info("parallelized: pp=%d (stages %s of %d) dp=%dx%d tp=%d sp=%s", pp, pm.stage_indices or [0],
              pm.num_stages, pm.size("dp_replicate"), pm.size("dp_shard"), tp, cfg.sequence_parallel and tp > 1)
     return pm

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -104,13 +105,50 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
     return parts
 
 
+@dataclass(frozen=True)
+class StageShapes:
+    """What a pipeline's stages exchange, known in advance: `rows` per microbatch, `seq_length` tokens (split
+    over `seq_shards` tensor-parallel ranks under sequence parallelism), hidden states in `dtype`."""
+
+    rows: int
+    seq_length: int
+    dtype: torch.dtype
+    seq_shards: int = 1
+
+
+def stage_examples(config, stage: int, num_stages: int, shapes: StageShapes, device: torch.device):
+    """Example (inputs, outputs) of pipeline stage `stage` for a microbatch of `shapes`: the token ids into the
+    first stage, the hidden states (rows, local sequence, hidden) between stages, the logits (or class scores) out
+    of the last."""
+    rows, seq = shapes.rows, shapes.seq_length
+    hidden = torch.empty(rows, seq // shapes.seq_shards, config.hidden_size, dtype=shapes.dtype, device=device,
+                         requires_grad=True)  # what has a gradient goes back to the stage before
+    inputs = torch.empty(rows, seq, dtype=torch.long, device=device) if stage == 0 else hidden
+    if stage < num_stages - 1:
+        return inputs, hidden
+    width = [config.num_labels] if config.num_labels else [seq, config.vocab_size]
+    return inputs, torch.empty(rows, *width, dtype=shapes.dtype, device=device, requires_grad=True)
+
+
 def build_schedule(parts: list[nn.Module], stages: list[int], num_stages: int, schedule: str, microbatches: int,
-                   loss_fn, pp_group, device: torch.device):
-    """The torch.distributed.pipelining schedule running `parts` (this rank's stages)."""
+                   loss_fn, pp_group, device: torch.device, shapes: StageShapes | None = None):
+    """The torch.distributed.pipelining schedule running `parts` (this rank's stages).
+
+    Without `shapes` the stages learn what they exchange from messages at the first step; with them they are
+    built static (no messages: `lmforge plan`'s fake process group carries none), and where this torch can, each
+    microbatch is checked against them.
+    """
     from torch.distributed import pipelining as pl
 
-    pipeline_stages = [pl.PipelineStage(part, index, num_stages, device, group=pp_group)
-                       for part, index in zip(parts, stages)]
+    pipeline_stages = []
+    for part, index in zip(parts, stages):
+        examples = {}
+        if shapes is not None:
+            inputs, outputs = stage_examples(part.config, index, num_stages, shapes, device)
+            examples = {"input_args": (inputs,), "output_args": (outputs,)}
+        pipeline_stages.append(pl.PipelineStage(part, index, num_stages, device, group=pp_group, **examples))
+        if shapes is not None and hasattr(pipeline_stages[-1], "_runtime_validate"):
+            pipeline_stages[-1]._runtime_validate = True  # torch >= 2.13: a wrong shape fails at its stage
     cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved_1f1b": pl.ScheduleInterleaved1F1B}[schedule]
     kwargs = {"loss_fn": loss_fn}
     # torch >= 2.7 divides gradients by the microbatch count unless told not to; 2.6 never does.

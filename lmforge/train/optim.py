@@ -70,6 +70,9 @@ class AdamWSR(torch.optim.Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.block_size = block_size
+        # lmforge plan's fake trace updates each tensor's first block only: every block goes through the same
+        # work buffers, so the memory is the same, and a 20B model's blocks on fake tensors take minutes.
+        self.first_block_only = False
         self._work: dict[str, torch.Tensor] = {}
 
     def _workspace(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -116,7 +119,7 @@ class AdamWSR(torch.optim.Optimizer):
         lr = group["lr"]
         work = self._workspace(w.device)
         w, g, m, v = (x.reshape(-1) for x in (w, g, m, v))  # views of w, m, v (contiguous)
-        for i in range(0, w.numel(), self.block_size):
+        for i in range(0, self.block_size if self.first_block_only else w.numel(), self.block_size):
             j = min(w.numel(), i + self.block_size)
             g32, m32, v32, w32, d32 = (work[k][: j - i] for k in ("g", "m", "v", "w", "d"))
             g32.copy_(g[i:j])

@@ -17,15 +17,18 @@ over 128 ranks is traced on a laptop in seconds. What it tells:
 
 One rank per pipeline stage is traced (the data- and tensor-parallel ranks of a stage hold the same
 shapes). A step's micro-batches beyond the first two repeat the first's memory (gradients
-accumulate in place), so at most two are traced; under a pipeline the schedule runs with 2 x stages
-microbatches (1F1B and interleaved 1F1B reach their steady state within them; GPipe keeps every
-microbatch's activations, so its activations are scaled to the step's count).
+accumulate in place), so at most two are traced; under a pipeline the schedule runs with one
+microbatch per stage (two under interleaved 1F1B): its steady state, where stage 0 holds the most in
+flight. GPipe keeps every microbatch's activations, so its activations are scaled to the step's count.
+The stages are built with static shapes (a fake process group carries no messages). Each trace runs
+in a forked process of its own, several at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import re
 import time
 from dataclasses import dataclass
@@ -122,12 +125,9 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     layout = check_pipeline_batch(layout, grad_accum, t.micro_batch_size, t.global_batch_size, layout.data_parallel)
     traced, _ = trace_device(device_type)
     if layout.pipeline > 1:
-        raise UserError(f"lmforge plan does not trace pipeline layouts yet (parallel.pipeline={layout.pipeline}): "
-                        "torch's pipeline schedules agree on stage shapes by messages between the stages' ranks, "
-                        "which a one-process trace cannot answer; plan with parallel.pipeline=1 for now")
-    if layout.pipeline > 1:
-        # Enough microbatches for the schedule's steady state, a multiple of the stages (interleaved 1F1B).
-        n = min(grad_accum, 2 * layout.pipeline)
+        # Enough microbatches for the schedule's steady state: 1F1B holds at most one per stage in flight (stage
+        # 0: all of them); interleaved 1F1B warms up with up to (virtual - 1) x stages + 2 x (stages - 1) chunks.
+        n = min(grad_accum, layout.pipeline * (2 if layout.pipeline_schedule == "interleaved_1f1b" else 1))
         traced_layout = dataclasses.replace(layout, microbatches=n)
     else:  # FSDP keeps unsharded gradients between micro-batches: the second shows them; elsewhere one repeats
         n, traced_layout = min(grad_accum, 2 if layout.data_shard > 1 else 1), layout
@@ -136,9 +136,11 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     depths = [per_chunk] if per_chunk <= 2 * SHALLOW else [SHALLOW, 2 * SHALLOW]
     per_stage = world_size // layout.pipeline
     ranks = []
+    jobs = [(cfg, dataclasses.replace(mcfg, num_layers=d * chunks), task, traced_layout, n, traced, world_size,
+             stage * per_stage, stage) for stage in range(layout.pipeline) for d in depths]
+    traced_ranks = _trace_apart(jobs)
     for stage in range(layout.pipeline):
-        traces = [_trace_rank(cfg, dataclasses.replace(mcfg, num_layers=d * chunks), task, traced_layout, n, traced,
-                              world_size, stage * per_stage, stage) for d in depths]
+        traces = traced_ranks[stage * len(depths):(stage + 1) * len(depths)]
         ranks.append(traces[0] if len(traces) == 1 else _extrapolate(traces, depths, per_chunk))
     if layout.pipeline > 1 and layout.pipeline_schedule == "gpipe" and grad_accum > n:
         for r in ranks:  # GPipe holds every microbatch's activations until the backward
@@ -193,6 +195,82 @@ def _local_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def _trace_apart(jobs: list[tuple]) -> list[RankPlan]:
+    """_trace_rank(*job) for each job, each in a forked process of its own, as many at once as there are cores.
+
+    DTensor keeps sharding decisions beyond the fake world that made them (some in C++), keyed by meshes that
+    compare equal across worlds; another rank's world (a pipeline's next stage, or the next plan in the same
+    process) builds its process groups in another order and under other names, and would meet the previous
+    world's groups. A forked child starts from the parent's imports, never from another trace's leftovers, and
+    takes nothing back but the result.
+    """
+    import multiprocessing as mp
+    import os
+
+    if "fork" not in mp.get_all_start_methods():
+        return [_trace_rank(*job) for job in jobs]
+    context = mp.get_context("fork")
+
+    def child(job, send):
+        try:
+            result = ("ok", _trace_rank(*job))
+        except BaseException as e:  # noqa: BLE001 - carried to the parent as it is
+            try:
+                pickle.dumps(e)
+                result = ("error", e)
+            except Exception:  # an exception that does not pickle (FakeTensorDeviceMismatchError): rebuilt there
+                result = ("unpicklable", (type(e).__module__, type(e).__qualname__, str(e)))
+        send.send(result)
+
+    results: list[tuple | None] = [None] * len(jobs)
+    width = max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                       (os.cpu_count() or 1)))
+    pending = list(enumerate(jobs))
+    running = []
+    try:
+        while pending or running:
+            while pending and len(running) < width:
+                index, job = pending.pop(0)
+                receive, send = context.Pipe(duplex=False)
+                process = context.Process(target=child, args=(job, send), daemon=True)
+                process.start()
+                send.close()
+                running.append((index, job, process, receive))
+            index, job, process, receive = running.pop(0)
+            try:
+                results[index] = receive.recv()
+            except EOFError:  # killed (out of memory?) before it could answer
+                results[index] = ("error", None)
+            process.join()
+            if results[index][1] is None:
+                raise RuntimeError(f"lmforge plan: the trace of rank {job[7]} died (exit code {process.exitcode})")
+            if results[index][0] == "error":
+                raise results[index][1]
+            if results[index][0] == "unpicklable":
+                raise _rebuilt(*results[index][1])
+    finally:
+        for _, _, process, _ in running:
+            process.kill()
+            process.join()
+    return [value for _, value in results]
+
+
+def _rebuilt(module: str, qualname: str, message: str) -> BaseException:
+    """An exception of the class named, holding only its message (its other fields stay in the child)."""
+    import importlib
+
+    try:
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        error = cls.__new__(cls)
+        BaseException.__init__(error, message)
+        str(error)
+        return error
+    except Exception:  # noqa: BLE001 - any class that cannot be rebuilt this way
+        return RuntimeError(f"{qualname}: {message}")
+
+
 def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device, world_size: int, rank: int,
                 stage: int) -> RankPlan:
     """One step of rank `rank` under the fake world (see the module docstring)."""
@@ -214,7 +292,7 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, TraceMode(device, fake) as trace:
             training = ParallelTraining(model, layout, mesh, task, cfg.optim, precision, t.seed, cfg.data.seq_length,
-                                        device, fill=materialize_empty)
+                                        device, fill=materialize_empty, pipeline_rows=t.micro_batch_size)
             del model
             params = allocated_bytes(training.pm)
             trace.reset_peak()
@@ -225,6 +303,8 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
             training.step(micro, counts[0], t.grad_clip)
             step_peak = trace.peak
             grads = _local_bytes(p.grad for part in training.pm.parts for p in part.parameters())
+            for o in training.optimizer.optimizers:
+                o.first_block_only = True  # AdamWSR (see there); others have no blocks
             training.optimizer.step()
             optimizer = _local_bytes(v for o in training.optimizer.optimizers for state in o.state.values()
                                      for v in state.values())

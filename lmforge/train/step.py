@@ -44,6 +44,7 @@ from lmforge.parallel import (
     pipeline_step,
 )
 from lmforge.parallel.data_parallel import gradient_sync, unwrap
+from lmforge.parallel.pipeline import StageShapes
 from lmforge.train.config import OptimConfig, Precision
 from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.optim import build_optimizer
@@ -131,10 +132,12 @@ class ParallelTraining:
 
     def __init__(self, model: torch.nn.Module, layout: ParallelConfig, mesh, task: Task, optim: OptimConfig,
                  precision: Precision, seed: int, seq_length: int, device: torch.device,
-                 fill: Callable[[ParallelModel], object] | None = None):
+                 fill: Callable[[ParallelModel], object] | None = None, pipeline_rows: int | None = None):
         """`mesh`: build_mesh's for `layout` (None for one process). `fill`: what gives a meta-device `model`
         its tensors once it is laid out, each rank only its own shards: lmforge.parallel.load.load_sharded
-        (weights from a folder or checkpoint) or init_sharded (a fresh model)."""
+        (weights from a folder or checkpoint) or init_sharded (a fresh model). `pipeline_rows`: a pipeline
+        microbatch's rows, if the stages are to be built with static shapes (lmforge plan; by default they
+        exchange them at the first step)."""
         mcfg: ModelConfig = model.config
         self.mesh = mesh
         if layout.tensor > 1 and layout.sequence_parallel and task.pretraining and seq_length % layout.tensor:
@@ -144,7 +147,11 @@ class ParallelTraining:
         if layout.tensor > 1 and (mcfg.dropout or mcfg.attention_dropout):
             log.warning("dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
                         "(the presets train without dropout)")
-        self.pm = parallelize(model, layout, self.mesh, device=device)
+        shapes = None
+        if pipeline_rows is not None:
+            shards = layout.tensor if layout.tensor > 1 and layout.sequence_parallel else 1
+            shapes = StageShapes(pipeline_rows, seq_length, precision.param_dtype, shards)
+        self.pm = parallelize(model, layout, self.mesh, device=device, stage_shapes=shapes)
         if fill is not None:
             fill(self.pm)
         self.layout, self.task, self.seq_length = layout, task, seq_length

@@ -10,7 +10,7 @@ import torch
 from lmforge.errors import UserError
 from lmforge.models import build, preset
 from lmforge.parallel import ParallelConfig, check_model
-from lmforge.parallel.pipeline import split_model, stage_ids
+from lmforge.parallel.pipeline import StageShapes, split_model, stage_examples, stage_ids
 
 
 def test_data_shard_fills_the_world():
@@ -113,6 +113,26 @@ def test_a_stage_is_the_model_without_what_it_does_not_hold(name):
     torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
     assert calls == [1]
     assert dict(model.named_parameters()).keys() == params.keys()
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("tiny-neox", torch.float32), ("tiny-llama", torch.bfloat16),
+                                             ("tiny-gpt2", torch.float32), ("tiny-bert", torch.float32)])
+def test_static_stage_shapes_are_what_the_stages_exchange(name, dtype):
+    """lmforge plan builds pipeline stages with static shapes (its fake process group carries no messages):
+    they must be what each stage really takes and gives, in the run's parameter dtype."""
+    cfg = replace(preset(name), num_layers=3)
+    model = build(cfg, seed=0).to(dtype).eval()
+    stages = [s for r in range(3) for s in split_model(model, r, 3)]
+    shapes = StageShapes(rows=2, seq_length=12, dtype=dtype)
+    x = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    kwargs = {} if cfg.family == "bert" else {"position_ids": torch.arange(12).expand(2, 12)}
+    for index, stage in enumerate(stages):
+        inputs, outputs = stage_examples(stage.config, index, len(stages), shapes, torch.device("cpu"))
+        assert (x.shape, x.dtype) == (inputs.shape, inputs.dtype), index
+        with torch.no_grad():
+            x = stage(x, **kwargs)
+        assert (x.shape, x.dtype) == (outputs.shape, outputs.dtype), index
+        assert inputs.requires_grad == (index > 0) and outputs.requires_grad  # gradients flow back through them
 
 
 def test_a_rotary_stage_after_the_first_needs_position_ids():

@@ -75,7 +75,18 @@ CASES = {
     "world_3_tp_2": _case(3, "parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
     "unknown_device": _case(2, device="nope"),
     "no_room": _case(2, device_memory=1024),
-    "pipeline": _case(4, "parallel.pipeline=2", "model.num_layers=4"),
+}
+PIPELINES = {  # each stage traced in a forked process; the stages built with static shapes
+    "pp_1f1b": _case(4, "parallel.pipeline=2", "model.num_layers=4"),
+    "pp_gpipe": _case(4, "parallel.pipeline=2", "model.num_layers=4", "parallel.pipeline_schedule=gpipe",
+                      "trainer.global_batch_size=16"),
+    "pp_interleaved": _case(2, "parallel.pipeline=2", "model.num_layers=8",
+                            "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2"),
+    "pp_tp_sp_fsdp": _case(8, "parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                           "trainer.data_parallel=fsdp", "model.num_layers=4", "model.make_vocab_size_divisible_by=256",
+                           "trainer.global_batch_size=16"),
+    "pp_bf16_sr": _case(4, "parallel.pipeline=2", "model.num_layers=4", "trainer.precision=bf16-sr"),
+    "pp_cpu_counts": _case(4, "parallel.pipeline=2", "model.num_layers=4", patch="cpu_counts"),
 }
 
 
@@ -145,7 +156,42 @@ def test_bad_input_is_one_line(planned):
     assert planned["no_room"]["error"] == "UserError"
     assert "GiB at its peak" in planned["no_room"]["message"] and "--device-memory 0.0 GiB" in planned["no_room"][
         "message"]
-    assert planned["pipeline"]["error"] == "UserError" and "pipeline layouts" in planned["pipeline"]["message"]
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory) -> dict:
+    return _run(PIPELINES, tmp_path_factory.mktemp("plan_pp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in PIPELINES if n != "pp_cpu_counts"])
+def test_every_pipeline_layout_steps_on_fake_cuda(pipelined, name):
+    """One rank per stage: together the stages hold the whole model once per shard, and each holds its own
+    gradients, optimizer state and the activations of its microbatches in flight."""
+    assert "plan" in pipelined[name], pipelined[name]
+    plan = pipelined[name]["plan"]
+    world = PIPELINES[name]["world"]
+    assert [(r["rank"], r["stage"]) for r in plan["ranks"]] == [(0, 0), (world // 2, 1)]
+    layout = plan["layout"]
+    shards = layout["data_shard"] * layout["tensor"]
+    dtype_bytes = 2 if name == "pp_bf16_sr" else 4
+    expected = _param_bytes(PIPELINES[name]) * dtype_bytes // 4 / shards
+    held = sum(r["params"] for r in plan["ranks"])
+    assert expected * 0.97 <= held <= expected * 1.2, (held, expected)  # + the rotary buffers of each stage
+    for r in plan["ranks"]:
+        assert r["params"] * 0.95 <= r["grads"] <= r["params"] * 1.3, r
+        assert r["optimizer"] >= 2 * r["params"] * 0.9, r
+        assert r["activations"] > 0 and r["peak"] >= r["params"] + r["grads"] + r["optimizer"], r
+    if name == "pp_1f1b":  # 1F1B: the first stage holds both microbatches in flight, the last one at a time
+        first, last = plan["ranks"]
+        assert plan["traced_microbatches"] == 2 and first["activations"] > last["activations"]
+    if name == "pp_gpipe":  # GPipe keeps all 4 microbatches' activations; 2 are traced and the rest scaled
+        assert plan["microbatches"] == 4 and plan["traced_microbatches"] == 2
+
+
+@pytest.mark.slow
+def test_a_cpu_tensor_in_a_collective_fails_under_a_pipeline_too(pipelined):
+    assert pipelined["pp_cpu_counts"]["error"] == "CollectiveDeviceError", pipelined["pp_cpu_counts"]
 
 
 def test_sizes_and_a_recipe_without_a_model_are_one_line():
@@ -164,6 +210,7 @@ RECIPES = {
     "gpt-j-6b": _case(8, "model.preset=gpt-j-6b", config="gpt-j-6b.yaml", device_memory=80 * GiB),
     "pythia-160m": _case(8, config="pythia-160m.yaml", device_memory=80 * GiB),
     "pythia-12b-ddp": _case(8, "trainer.data_parallel=ddp", config="pythia-12b.yaml", device_memory=80 * GiB),
+    "neox-20b": _case(32, config="neox-20b.yaml", device_memory=80 * GiB),  # TP 8 x PP 4
 }
 
 
