@@ -126,9 +126,10 @@ class Decoder(nn.Module):
         return self.vocab_projection(h, *self.head())
 
     def classify(self, h: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Class logits (batch, num_labels) read at each row's last real token (right padding)."""
-        b, s = input_ids.shape
-        if attention_mask is None and self.config.pad_token_id is not None:
+        """Class logits (batch, num_labels) read at each row's last real token (right padding). On a pipeline's
+        last stage `input_ids` are the hidden states it received: the rows' lengths come from the mask."""
+        b, s = h.shape[:2]
+        if attention_mask is None and self.config.pad_token_id is not None and not input_ids.is_floating_point():
             attention_mask = input_ids != self.config.pad_token_id
         if attention_mask is None:
             last = torch.full((b,), s - 1, device=h.device)

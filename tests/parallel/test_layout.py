@@ -115,17 +115,20 @@ def test_a_stage_is_the_model_without_what_it_does_not_hold(name):
     assert dict(model.named_parameters()).keys() == params.keys()
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("tiny-neox", torch.float32), ("tiny-llama", torch.bfloat16),
-                                             ("tiny-gpt2", torch.float32), ("tiny-bert", torch.float32)])
-def test_static_stage_shapes_are_what_the_stages_exchange(name, dtype):
+@pytest.mark.parametrize(("name", "dtype", "labels"), [
+    ("tiny-neox", torch.float32, 0), ("tiny-llama", torch.bfloat16, 0), ("tiny-gpt2", torch.float32, 0),
+    ("tiny-bert", torch.float32, 0), ("tiny-gpt2", torch.float32, 3)])
+def test_static_stage_shapes_are_what_the_stages_exchange(name, dtype, labels):
     """lmforge plan builds pipeline stages with static shapes (its fake process group carries no messages):
     they must be what each stage really takes and gives, in the run's parameter dtype."""
-    cfg = replace(preset(name), num_layers=3)
+    cfg = replace(preset(name), num_layers=3, num_labels=labels)
     model = build(cfg, seed=0).to(dtype).eval()
     stages = [s for r in range(3) for s in split_model(model, r, 3)]
     shapes = StageShapes(rows=2, seq_length=12, dtype=dtype)
     x = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     kwargs = {} if cfg.family == "bert" else {"position_ids": torch.arange(12).expand(2, 12)}
+    if labels:  # a classifier's last stage reads each row's last real token through the mask
+        kwargs["attention_mask"] = torch.ones(2, 12, dtype=torch.long)
     for index, stage in enumerate(stages):
         inputs, outputs = stage_examples(stage.config, index, len(stages), shapes, torch.device("cpu"))
         assert (x.shape, x.dtype) == (inputs.shape, inputs.dtype), index
