@@ -55,3 +55,19 @@ def test_a_dtype_that_cannot_hold_a_bad_id_is_not_scanned(tmp_path, monkeypatch)
     monkeypatch.setattr(data, "token_id_range", None)
     check_token_ids([ds], 65536, tmp_path / "cache")  # any uint16 id fits: nothing read
     assert not (tmp_path / "cache").exists()
+
+
+def test_masked_lm_data_is_checked_against_the_vocabulary_too(tiny_corpus, tmp_path):
+    from lmforge.data.tokenizer_train import train_tokenizer
+    from lmforge.train.trainer import Trainer
+    from tests.train.conftest import run_config
+
+    text = tmp_path / "text.txt"
+    text.write_text("a few words to learn a small vocabulary from\n" * 50)
+    train_tokenizer([text], 300, tmp_path / "tok", special_tokens=("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]"))
+    cfg = run_config(tiny_corpus, tmp_path / "run", "model.preset=tiny-bert", "model.vocab_size=500",
+                     "data.task=mlm", f"data.tokenizer={tmp_path / 'tok'}", "trainer.val_check_interval=0")
+    with pytest.raises(UserError) as e:
+        Trainer(cfg)
+    assert str(e.value).startswith(f"data prefix '{tiny_corpus}' has token id 999 but the model's vocab_size is 500")
+    assert not (tmp_path / "run").exists()

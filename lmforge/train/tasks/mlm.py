@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lmforge.errors import UserError
 from lmforge.train.config import RunConfig
-from lmforge.train.data import open_prefixes
+from lmforge.train.data import check_token_ids, open_prefixes
 from lmforge.train.tasks.base import Epochs, Task, TaskData, total_samples, with_padding
 
 
@@ -19,6 +19,8 @@ class MaskedLM(Task):
         if None in ids.values():
             raise UserError("MLM needs a BERT-style tokenizer with [CLS], [SEP], [MASK] and [PAD] tokens")
         indexed, _ = open_prefixes(d.paths[:1])
+        valid_indexed = open_prefixes([d.valid_file])[0] if d.valid_file else []
+        check_token_ids(indexed + valid_indexed, cfg.model.resolve().vocab_size, d.cache_dir)
 
         def make(data, seed, epochs=1):
             return MLMDataset(data, d.seq_length, tokenizer.vocab_size, ids["[CLS]"], ids["[SEP]"], ids["[MASK]"],
@@ -27,5 +29,5 @@ class MaskedLM(Task):
         train = make(indexed[0], cfg.trainer.seed)
         if len(train) < total:  # each further epoch masks the same text differently
             train = make(indexed[0], cfg.trainer.seed, -(-total // len(train)))
-        valid = make(open_prefixes([d.valid_file])[0][0], cfg.trainer.seed + 1) if d.valid_file else None
+        valid = make(valid_indexed[0], cfg.trainer.seed + 1) if d.valid_file else None
         return with_padding(TaskData(Epochs(train, total, cfg.trainer.seed), valid, train.collate), cfg)
