@@ -167,6 +167,8 @@ def test_the_last_line_and_the_log_say_what_the_run_did(tiny_corpus, tmp_path, c
     average = tokens / sum(r["step_time"] for r in rows)
     assert summary.startswith(f"finished at step 4: 4 steps, {tokens:,} tokens in ")
     assert f"{average:,.0f} tokens/s, MFU " in summary and f"loss {rows[-1]['loss']:.4f}" in summary
+    events = b"".join(p.read_bytes() for p in (tmp_path / "run" / "tensorboard").glob("events.*"))
+    assert b"train/loss" in events and b"perf/mfu" in events and "loss" in rows[-1]  # grouped there, plain here
 
 
 def test_tokenizer_larger_than_model_vocab_is_refused(tiny_corpus, tmp_path, shared_data):
