@@ -4,6 +4,7 @@
     loss_difference.png  each run's loss minus the first run's, step by step (two runs or more)
     grad_norm.png   gradient norm per step
     accuracy.png    validation accuracy per step (only when a run has it)
+    downstream.png  one panel per downstream-eval metric (eval/<task>/<metric>, from eval.tasks) over steps
     throughput.png  tokens/s per step; steady-state tokens/s and sequences/s
     time.png        start-up + training time
     cost.png        total $ and tokens per $ (from cost.usd_per_hour)
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
-from lmforge.report.runs import Run, derive_labels, load_run, summarize
+from lmforge.report.runs import Run, derive_labels, eval_keys, eval_title, load_run, summarize
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ COLUMNS = (
     ("cost_usd", "cost ($)", "{:.4f}"),
     ("tokens_per_dollar", "tokens/$", "{:,.0f}"),
 )
+
+EVAL_FORMAT = "{:.4g}"  # downstream metrics: accuracies, perplexities, bits per byte
 
 
 @dataclass
@@ -97,6 +100,8 @@ def figures(runs: list[Run]) -> dict[str, bytes]:
     makers["grad_norm"] = plots.grad_norm_figure
     if any(r.series("val_accuracy")[0] for r in runs):
         makers["accuracy"] = plots.val_accuracy_figure
+    if eval_keys(runs):
+        makers["downstream"] = plots.downstream_figure
     makers.update(throughput=plots.throughput_figure, time=plots.time_figure, cost=plots.cost_figure)
     return {name: plots.png_bytes(make(runs)) for name, make in makers.items()}
 
@@ -108,14 +113,17 @@ def _cell(value, fmt: str) -> str:
 
 
 def table_rows(runs: list[Run]) -> list[list[str]]:
-    """Header row, then one row per run, every number formatted as the table shows it."""
-    rows = [["run", *(title for _, title, _ in COLUMNS)]]
+    """Header row, then one row per run, every number formatted as the table shows it; after the fixed columns,
+    one per downstream-eval metric (its last logged value)."""
+    evals = eval_keys(runs)
+    rows = [["run", *(title for _, title, _ in COLUMNS), *map(eval_title, evals)]]
     for run in runs:
         cells = [_cell(run.summary.get(key), fmt) for key, _, fmt in COLUMNS]
         if run.summary.get("estimated"):  # logged every N steps: totals scaled up from the logged ones
             scaled = ("tokens",) if run.summary.get("wall_clock") else ("tokens", "time_s", "cost_usd")
             cells = [("~" + c if key in scaled and c != "-" else c) for (key, _, _), c in zip(COLUMNS, cells)]
-        rows.append([run.label, *cells])
+        last = run.summary.get("eval") or {}
+        rows.append([run.label, *cells, *(_cell(last.get(k), EVAL_FORMAT) for k in evals)])
     return rows
 
 
@@ -133,7 +141,8 @@ def text_table(runs: list[Run]) -> str:
 
 TITLES = {
     "loss": "Loss", "loss_difference": "Loss difference to the first run", "grad_norm": "Gradient norm",
-    "accuracy": "Validation accuracy", "throughput": "Throughput", "time": "Total training time", "cost": "Cost",
+    "accuracy": "Validation accuracy", "downstream": "Downstream evals (eval.tasks)", "throughput": "Throughput",
+    "time": "Total training time", "cost": "Cost",
 }
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1250px;color:#222}
@@ -167,7 +176,8 @@ left out; MFU = model FLOPs done / (peak x time)). Start-up: trainer setup (mode
 step. Time: the trainer's wall clock (<code>elapsed</code>: start-up, steps, validation and checkpoint writes) where
 the run logs it; for older runs, start-up plus every step's time (validation and checkpoint writes not timed).
 Cost: <code>cost.usd_per_hour</code> x time; tokens/$ = tokens / cost. A leading ~ marks totals scaled up from rows
-logged every N steps.</p>
+logged every N steps. Columns named by a task and a metric: the downstream eval (<code>eval.tasks</code>) at the
+last step it ran.</p>
 {figs}</body></html>
 """
 

@@ -10,7 +10,7 @@ import io
 import math
 import textwrap
 
-from lmforge.report.runs import Run
+from lmforge.report.runs import Run, eval_keys, eval_title
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
           "#bcbd22")
@@ -164,6 +164,40 @@ def val_accuracy_figure(runs: list[Run]):
     ax.set_title("validation accuracy", fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("accuracy (%)")
+    _legend(fig, runs)
+    return fig
+
+
+def downstream_figure(runs: list[Run]):
+    """One panel per downstream-eval metric ("eval/<task>/<metric>", logged by eval.tasks in training) over the
+    steps it was measured at, every run in its colour; the values as logged (no smoothing, no rescaling)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    keys = eval_keys(runs)
+    ncols = min(len(keys), 3)
+    nrows = math.ceil(len(keys) / ncols)
+    fig = Figure(figsize=(4.2 * ncols + 0.6, 3.2 * nrows + 0.8), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, key in zip(axes, keys):
+        values = []
+        for i, run in enumerate(runs):
+            steps, ys = run.series(key)
+            if steps:
+                ax.plot(steps, ys, color=color(i), lw=_width(i) * 0.7, marker="o", ms=4)
+                values += ys
+        positive = [v for v in values if v > 0]
+        if len(positive) == len(values) and positive and max(positive) / min(positive) > 20:  # perplexities early on
+            ax.set_yscale("log")
+        ax.set_title(eval_title(key), fontsize=10)
+        ax.set_xlabel("optimizer step", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # evals run every N steps: no step 2.25
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelsize=9)
+    for ax in axes[len(keys):]:
+        ax.set_axis_off()
     _legend(fig, runs)
     return fig
 

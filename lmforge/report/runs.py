@@ -36,6 +36,21 @@ class Run:
         return [s for s, _ in pts], [v for _, v in pts]
 
 
+EVAL_PREFIX = "eval/"  # downstream evals in training (lmforge.train.downstream): "eval/<task>/<metric>"
+
+
+def eval_keys(runs: list[Run]) -> list[str]:
+    """The downstream-eval metrics any of the runs logged, "eval/<task>/<metric>", sorted by task then metric."""
+    keys = {k for run in runs for row in run.rows for k in row if k.startswith(EVAL_PREFIX) and k.count("/") >= 2}
+    return sorted(keys)
+
+
+def eval_title(key: str) -> str:
+    """"eval/sst2_local/acc" -> "sst2_local acc"."""
+    task, _, metric = key.removeprefix(EVAL_PREFIX).rpartition("/")
+    return f"{task} {metric}"
+
+
 def load_run(path: str | Path) -> Run:
     path = Path(path)
     metrics = path / "metrics.jsonl"
@@ -115,7 +130,9 @@ def summarize(run: Run) -> dict[str, Any]:
     cost = usd * total_time / 3600 if usd and total_time else None
     _, losses = run.series("loss")
     last_val = next((r for r in reversed(rows) if _num(r.get("val_loss"))), {})
+    evals = {k: v[-1] for k in eval_keys([run]) if (v := run.series(k)[1])}
     return {
+        "eval": evals,  # each downstream metric's last logged value
         "steps": steps,
         "tokens": tokens,
         "final_loss": losses[-1] if losses else None,

@@ -72,6 +72,21 @@ def test_evals_are_logged_and_equal_lmforge_eval_on_the_checkpoint(eval_models, 
             assert value == pytest.approx(results[task][f"{metric},none"], rel=1e-6), (step, key)
     events = list((tmp_path / "with" / "tensorboard").glob("events.*"))
     assert events and b"eval/sst2_local/acc" in events[0].read_bytes()
+    # lmforge compare draws them: a panel per metric holding the logged points, the last ones in the table.
+    from lmforge.report import compare, plots
+    from lmforge.report.compare import table_rows
+
+    report = compare([tmp_path / "with", tmp_path / "without"], tmp_path / "report", labels=["with", "without"])
+    assert report.files["downstream"].is_file()
+    panels = {ax.get_title(): ax.lines for ax in plots.downstream_figure(report.runs).axes if ax.axison}
+    assert set(panels) == {key.removeprefix("eval/").replace("/", " ") for key in logged[2]}
+    for key in logged[2]:
+        (line,) = panels[key.removeprefix("eval/").replace("/", " ")]  # the run without evals draws nothing
+        assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [logged[2][key], logged[4][key]]
+    header, with_row, without_row = table_rows(report.runs)
+    cells = dict(zip(header, with_row))
+    assert cells["sst2_local acc"] == f"{logged[4]['eval/sst2_local/acc']:.4g}"
+    assert without_row[-len(logged[4]):] == ["-"] * len(logged[4])
 
 
 def test_a_missing_task_file_fails_before_any_compute(eval_models, corpus, tmp_path):

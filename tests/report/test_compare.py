@@ -259,3 +259,46 @@ def test_loss_difference_is_each_run_minus_the_first_at_the_same_step(tmp_path):
     assert list(diff.get_xdata()) == [1, 2, 3, 4]
     assert list(diff.get_ydata()) == pytest.approx([0.0, 0.01, 0.02, 0.03])
     assert "bf16-mixed" in ax.get_title()
+
+
+def _with_evals(rows, evals):
+    """`rows` with downstream-eval metrics added at some steps: {step: {"eval/<task>/<metric>": value}}."""
+    for row in rows:
+        row.update(evals.get(row["step"], {}))
+    return rows
+
+
+def test_downstream_evals_get_a_panel_each_and_table_columns(tmp_path):
+    from lmforge.report import plots
+
+    a_evals = {2: {"eval/sst2_local/acc": 0.5, "eval/wikitext2_local/word_perplexity": 9000.0},
+               4: {"eval/sst2_local/acc": 0.625, "eval/wikitext2_local/word_perplexity": 310.5}}
+    b_evals = {3: {"eval/sst2_local/acc": 0.75}}  # another task set: its missing metric is "-" in the table
+    a = _write_run(tmp_path / "a", _with_evals(_rows([1.0] * 4), a_evals), _config(precision="fp32"))
+    b = _write_run(tmp_path / "b", _with_evals(_rows([1.0] * 3), b_evals), _config(precision="bf16"))
+    report = compare([a, b], tmp_path / "out")
+    assert report.files["downstream"].is_file()
+    parser = _Images()
+    parser.feed(report.html.read_text())
+    embedded = [base64.b64decode(src.split(",", 1)[1]) for src in parser.srcs]
+    assert report.files["downstream"].read_bytes() in embedded
+
+    # The plotted points are the logged ones, panel by panel (task, then metric), run by run.
+    axes = [ax for ax in plots.downstream_figure(report.runs).axes if ax.axison]
+    assert [ax.get_title() for ax in axes] == ["sst2_local acc", "wikitext2_local word_perplexity"]
+    acc, ppl = ([(list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines] for ax in axes)
+    assert acc == [([2, 4], [0.5, 0.625]), ([3], [0.75])]
+    assert ppl == [([2, 4], [9000.0, 310.5])]
+    assert axes[1].get_yscale() == "log" and axes[0].get_yscale() == "linear"
+
+    header, *rows = table_rows(report.runs)
+    assert header[-2:] == ["sst2_local acc", "wikitext2_local word_perplexity"]
+    assert [r[-2:] for r in rows] == [["0.625", "310.5"], ["0.75", "-"]]  # the last value each run logged
+    assert "sst2_local acc" in text_table(report.runs) and "<th>wikitext2_local word_perplexity</th>" in (
+        report.html.read_text())
+
+
+def test_runs_without_downstream_evals_get_no_such_plot_or_columns(tmp_path):
+    report = compare([_write_run(tmp_path / "a", _rows([1.0, 1.0]), _config())], tmp_path / "out")
+    assert "downstream" not in report.files and not (tmp_path / "out" / "downstream.png").exists()
+    assert table_rows(report.runs)[0][-1] == "tokens/$"
