@@ -109,3 +109,46 @@ def test_bad_eval_settings_are_one_line_errors(override, message, eval_models, c
 
     with pytest.raises(UserError, match=message):
         Trainer(_config(eval_models["gpt_neox"][1], corpus, tmp_path / "run", "eval.tasks=[sst2_local]", override))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["trainer.data_parallel=fsdp"],
+    ["parallel.tensor=2", "model.make_vocab_size_divisible_by=256"],  # the padded vocabulary splits in two
+    ["parallel.pipeline=2"],
+], ids=["fsdp2", "tensor2", "pipeline2"])
+def test_evals_of_a_sharded_model_equal_lmforge_eval_in_one_process(layout, eval_models, corpus, shared_data,
+                                                                     tmp_path):
+    """Two ranks hold the model in shards; rank 0 gathers it whole for the evals. What it logs equals `lmforge
+    eval` of the checkpoint of that step in this one process: a gather that mixed up shards would score another
+    model."""
+    import os
+    import subprocess
+    import sys
+
+    lm_dir, run = eval_models["gpt_neox"][1], tmp_path / "run"
+    tasks = ["--tasks", "sst2_local,wikitext2_local", "--limit", "2", "--num-fewshot", "1"]
+    args = [f"model.init_from={lm_dir}", f"data.paths=[{corpus}]", f"data.tokenizer={lm_dir}", "data.seq_length=32",
+            "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+            "trainer.val_check_interval=0", "trainer.progress_bar=false", "trainer.precision=fp32",
+            "trainer.device=cpu", "optim.lr=1e-2", "optim.warmup_steps=1", "checkpoint.every_n_steps=2",
+            "cost.peak_flops=1e11", f"run_dir={run}", "eval.tasks=[sst2_local,wikitext2_local]", "eval.limit=2",
+            "eval.num_fewshot=1", f"eval.data_dir={shared_data}", *layout]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "lmforge.cli", "pretrain", os.devnull, *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=420)
+    assert r.returncode == 0, r.stderr[-4000:]
+    logged = {k: v for k, v in _rows(run)[-1].items() if k.startswith("eval/")}
+    assert len(logged) == 4
+    out = tmp_path / "one.json"
+    assert main(["eval", str(run / "checkpoints" / "step-00000002"), *tasks, "--data-dir", str(shared_data),
+                 "--device", "cpu", "--output-path", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    for key, value in logged.items():
+        _, task, metric = key.split("/")
+        assert value == pytest.approx(results[task][f"{metric},none"], rel=1e-6), key
+    # Not the model the run started from: the gathered weights are the trained ones.
+    assert main(["eval", str(lm_dir), *tasks, "--data-dir", str(shared_data), "--device", "cpu", "--output-path",
+                 str(tmp_path / "start.json")]) == 0
+    start = json.loads((tmp_path / "start.json").read_text())["results"]["wikitext2_local"]["word_perplexity,none"]
+    assert start != pytest.approx(logged["eval/wikitext2_local/word_perplexity"], rel=1e-6)
