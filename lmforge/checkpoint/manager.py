@@ -15,6 +15,12 @@ a checkpoint's name. A resume first removes such leftovers, then takes the newes
 match their checksums: one that does not is renamed `step-N.corrupt` with a warning.
 A full disk is found before writing where it can be (the state's bytes against the free bytes) and is
 one UserError either way, with the temporary folder removed.
+
+With `async_save`, save() returns once DCP has copied the state aside (torch.distributed.checkpoint.async_save),
+and the write goes on in a thread while training continues. The same guarantees hold: the folder is renamed into
+place, its checksums written and retention run only after every rank's write has finished; a kill meanwhile
+leaves `.step-N.tmp` beside the previous checkpoints; one save at a time (the next waits for the one in flight);
+wait() finishes it and raises its failure, the same on every rank.
 """
 
 from __future__ import annotations
@@ -23,14 +29,13 @@ import errno
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from lmforge.checkpoint.rng import rng_state, set_rng_state
 from lmforge.errors import UserError
 from lmforge.fsutil import CHECKSUMS, atomic_write, checksum_problems, file_checksums, out_of_space
 from lmforge.models.config import ModelConfig
@@ -62,17 +68,17 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _gather(obj: Any) -> list[Any]:
+def _gather(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """`obj` of every rank, in rank order (small Python values: errors, checksums, byte counts)."""
     if not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -100,33 +106,19 @@ def checkpoint_bytes(state: dict) -> int:
     return sum(sizes.values())
 
 
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available():  # dropout on the GPU draws from this rank's device generator
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
 class CheckpointManager:
     def __init__(self, root: Path, save_top_k: int = 1, monitor: str = "val_loss", mode: str = "min",
-                 save_last: bool = True):
+                 save_last: bool = True, async_save: bool = False):
+        """Every rank builds it, at the same point (with `async_save` it creates a process group)."""
         self.root = Path(root)
         self.save_top_k, self.monitor, self.mode, self.save_last = save_top_k, monitor, mode, save_last
+        self.async_save = async_save
+        self._in_flight: Future | None = None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmforge-checkpoint") if async_save else None
+        # The write talks to the other ranks from its thread while training talks on the default group: on one
+        # group the two would interleave (gloo aborts), so it has a gloo group of its own, which is also the CPU
+        # backend async_save needs beside NCCL.
+        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints, oldest first (a `step-N` without trainer.json is what an older lmforge's
@@ -145,10 +137,14 @@ class CheckpointManager:
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
              model_config: ModelConfig) -> Path:
+        """Write checkpoint `step` (every rank calls this). With `async_save` it returns once the state is copied
+        aside: the folder appears under the returned name when the write in the background is done (wait())."""
+        self.wait()  # at most one save in flight
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".step-{step:08d}.tmp"
         model_sd, optim_sd = self.state_dicts(model, optimizer)
-        needed = checkpoint_bytes({"model": model_sd, "optim": optim_sd})
+        state = {"model": model_sd, "optim": optim_sd}
+        needed = checkpoint_bytes(state)
         error: BaseException | None = None
         if _rank() == 0:
             try:
@@ -160,28 +156,74 @@ class CheckpointManager:
             except OSError as e:
                 error = e
         self._agree(error, final, tmp, needed)
+        # The files beside the tensors, as of now: training goes on while an async write does.
+        files = {f"rng-rank{_rank()}.json": json.dumps(rng_state())}
+        if _rank() == 0:
+            files["trainer.json"] = json.dumps(trainer_state, indent=2) + "\n"
+        if self._writer is None:
+            try:
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+                error = None
+            # DCP gathers every rank's failure into a CheckpointException, a BaseException (not an Exception).
+            except (Exception, CheckpointException) as e:
+                error = e
+            self._seal(error, final, tmp, needed, files, model_config)
+            return final
+        try:  # only the arguments every torch since 2.6 takes; it copies the state (staging) before returning
+            written, error = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group), None
+        except (Exception, CheckpointException) as e:
+            written, error = None, e
+        self._agree(error, final, tmp, needed)
+        self._in_flight = self._writer.submit(self._seal_written, written, final, tmp, needed, files, model_config)
+        return final
+
+    def wait(self) -> None:
+        """Return once the save in flight (if any) is in place under its name; its failure is raised here, on every
+        rank alike (a UserError where the user can fix it, such as a full disk)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def close(self) -> None:
+        """wait(), for a run already ending on an error: a failure of the save is logged, not raised over it."""
         try:
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-            (tmp / f"rng-rank{_rank()}.json").write_text(json.dumps(rng_state()))
-            if _rank() == 0:
-                (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-                write_config(tmp, model_config)
+            self.wait()
+        except (Exception, CheckpointException) as e:
+            log.error("the checkpoint being written when the run stopped failed too: %s", e)
+
+    def _seal_written(self, written: Future, final: Path, tmp: Path, needed: int, files: dict[str, str],
+                      model_config: ModelConfig) -> None:
+        """The writer thread: once DCP's write has finished on every rank (its future), seal the folder."""
+        try:
+            written.result()
             error = None
-        # DCP gathers every rank's failure into a CheckpointException, a BaseException (not an Exception).
         except (Exception, CheckpointException) as e:
             error = e
-        self._agree(error, final, tmp, needed)
-        # Every rank hashes a share of the files (read back while they are still in the page cache).
+        self._seal(error, final, tmp, needed, files, model_config, self._group)
+
+    def _seal(self, error: BaseException | None, final: Path, tmp: Path, needed: int, files: dict[str, str],
+              model_config: ModelConfig, group: dist.ProcessGroup | None = None) -> None:
+        """After DCP's write (failed with `error`, or not): the files beside the tensors, the checksums of all (each
+        rank hashes a share, read back while still in the page cache), the rename into place and retention."""
+        if error is None:
+            try:
+                for name, text in files.items():
+                    (tmp / name).write_text(text)
+                if _rank() == 0:
+                    write_config(tmp, model_config)
+            except Exception as e:
+                error = e
+        self._agree(error, final, tmp, needed, group=group)
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
         try:
             checksums, error = file_checksums(tmp, names[_rank()::_world()]), None
         except OSError as e:
             checksums, error = {}, e
-        shares = self._agree(error, final, tmp, needed, checksums)
+        shares = self._agree(error, final, tmp, needed, checksums, group)
         if _rank() == 0:
             try:
-                files = {k: v for share in shares for k, v in share.items()}
-                atomic_write(tmp / CHECKSUMS, json.dumps({"format": 1, "files": dict(sorted(files.items()))},
+                found = {k: v for share in shares for k, v in share.items()}
+                atomic_write(tmp / CHECKSUMS, json.dumps({"format": 1, "files": dict(sorted(found.items()))},
                                                          indent=1) + "\n")
                 if final.exists():  # a rerun reached the same step again
                     self._delete(final)
@@ -191,23 +233,22 @@ class CheckpointManager:
                 error = None
             except OSError as e:
                 error = e
-        self._agree(error, final, tmp, needed)
-        return final
+        self._agree(error, final, tmp, needed, group=group)
 
-    def _agree(self, error: BaseException | None, final: Path, tmp: Path, needed: int, payload: Any = None
-               ) -> list[Any]:
+    def _agree(self, error: BaseException | None, final: Path, tmp: Path, needed: int, payload: Any = None,
+               group: dist.ProcessGroup | None = None) -> list[Any]:
         """Every rank's `payload`, once no rank failed; where one did, every rank raises (a rank going on alone
         would wait at the next collective forever) after rank 0 removed the temporary folder: a full disk is
-        one line with the bytes needed and free (counted once the folder is gone)."""
-        got = _gather((None if error is None else f"{type(error).__name__}: {error}", payload))
+        one line with the bytes needed and free (counted once the folder is gone). `group`: the writer thread's."""
+        got = _gather((None if error is None else f"{type(error).__name__}: {error}", payload), group)
         if all(e is None for e, _ in got):
             return [p for _, p in got]
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
+        _barrier(group)
         mine = None if error is None else (error if isinstance(error, UserError) else
                                            out_of_space(error, final, needed, fix=DISK_FIX))
-        lines = _gather(None if mine is None else str(mine))
+        lines = _gather(None if mine is None else str(mine), group)
         if mine is not None:
             raise mine from None
         if error is not None:

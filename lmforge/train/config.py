@@ -129,6 +129,8 @@ class CheckpointConfig:
     mode: str = "min"
     save_last: bool = True
     convert_to_hf: bool = False  # also write a Hugging Face folder at the end
+    # Write in the background while training goes on (DCP async_save; the state is copied to host memory first).
+    async_save: bool = False
 
 
 @dataclass

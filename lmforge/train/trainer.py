@@ -104,7 +104,8 @@ class Trainer:
         self.optimizer = self.training.optimizer
         self.dp_rank, self.dp_size = self.training.dp_rank, self.training.dp_size
         c = cfg.checkpoint
-        self.checkpoints = TrainCheckpoints(self.run_dir / "checkpoints", c.save_top_k, c.monitor, c.mode, c.save_last)
+        self.checkpoints = TrainCheckpoints(self.run_dir / "checkpoints", c.save_top_k, c.monitor, c.mode, c.save_last,
+                                            c.async_save)
         self.state = {"step": 0, "consumed_samples": 0, "skipped_steps": 0, "consecutive_skips": 0, "metrics": {},
                       "elapsed": 0.0}
         resumed = self.checkpoints.resume(self.training, self.optimizer)  # the newest checkpoint that verifies
@@ -169,6 +170,13 @@ class Trainer:
     # -- the run ----------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
+        try:
+            return self._fit()
+        except BaseException:
+            self.checkpoints.close()  # a checkpoint still being written (checkpoint.async_save) is finished first
+            raise
+
+    def _fit(self) -> dict[str, float]:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
         start = self.state["step"]
         if world.is_main:
@@ -220,7 +228,7 @@ class Trainer:
                 progress.update(step + 1, last)
             every = cfg.checkpoint.every_n_steps
             if every and (step + 1) % every == 0 and step + 1 != t.max_steps:
-                self.save()
+                self.save(wait=False)
             if t.max_minutes and time.perf_counter() - fit_started > 60 * t.max_minutes and step + 1 < t.max_steps:
                 log.info("trainer.max_minutes=%s reached at step %d: stopping", t.max_minutes, step + 1)
                 if self.data.valid is not None and t.val_check_interval and "val_loss" not in last:
@@ -256,9 +264,13 @@ class Trainer:
             **({"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar} if per_dollar else {}),
         }
 
-    def save(self) -> Path:
+    def save(self, wait: bool = True) -> Path:
+        """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written."""
         self.state["elapsed"] = self.elapsed()
-        return self.checkpoints.save(self.state["step"], self.training, self.optimizer, dict(self.state), self.mcfg)
+        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, dict(self.state), self.mcfg)
+        if wait:
+            self.checkpoints.wait()
+        return path
 
     def export_hf(self, out: Path) -> None:
         """Write the final weights as an lmforge model folder and a Hugging Face folder beside it. Every rank

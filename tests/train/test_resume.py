@@ -62,7 +62,7 @@ def test_the_cuda_generator_is_checkpointed_with_the_others(monkeypatch):
     continue the curve bit for bit there. (A stand-in device generator: this machine has no CUDA.)"""
     import torch
 
-    from lmforge.checkpoint.manager import rng_state, set_rng_state
+    from lmforge.checkpoint.rng import rng_state, set_rng_state
 
     device_state = {"now": torch.arange(16, dtype=torch.uint8)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
