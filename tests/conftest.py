@@ -80,6 +80,17 @@ def hf_tiny_configs() -> dict:
             sliding_window=8, layer_types=["sliding_attention", "full_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        # Mixtral: 4 experts, 2 per token, softmax weights renormalised; an 8-token window as Mistral's.
+        "mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=128, sliding_window=8, num_local_experts=4,
+            num_experts_per_tok=2, router_aux_loss_coef=0.02)),
+        # Qwen3-MoE: 8 experts of width 48, 3 per token, weights not renormalised (norm_topk_prob false); layer 1 a
+        # dense MLP of width 96 (mlp_only_layers).
+        "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+            mlp_only_layers=[1], max_position_embeddings=128)),
         "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(
             vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)),
         # Decoder sequence classification (GPT-2 on SST-2): a score head read at the last real token.

@@ -13,6 +13,7 @@ from lmforge.config import from_dict
 from lmforge.models.config import ModelConfig
 from lmforge.models.decoder import Decoder
 from lmforge.models.encoder import Bert
+from lmforge.models.moe import Experts
 from lmforge.models.presets import preset
 
 
@@ -65,6 +66,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None) ->
             if getattr(module, "bias", None) is not None:
                 with torch.no_grad():
                     module.bias.zero_()
+        elif isinstance(module, Experts):  # stacked expert MLPs: as one MLP's gate/up and down, each expert drawn
+            _fill_normal(module.gate_up, cfg.init_std, seed, f"{name}.gate_up", None)
+            _fill_normal(module.down, out_std, seed, f"{name}.down", None)
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()  # norms, rotary frequencies, MLM bias
         else:

@@ -13,7 +13,7 @@ from lmforge.config import closest
 from lmforge.errors import UserError
 
 FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3", "olmo2", "phi3", "gemma2",
-            "gemma3_text")
+            "gemma3_text", "mixtral", "qwen3_moe")
 NORMS = ("layernorm", "rmsnorm")
 QK_NORMS = ("none", "head", "full")
 NORM_POSITIONS = ("pre", "post", "output", "sandwich")
@@ -123,6 +123,20 @@ class ModelConfig:
     num_labels: int = 0  # > 0: sequence-classification head instead of the LM/MLM head
     pooler: bool = False  # BERT pooler (dense + tanh over [CLS]); implied by num_labels > 0
 
+    # Mixture of experts (Mixtral, Qwen3-MoE): num_experts > 0 replaces the MLP of the MoE layers by a router and
+    # num_experts SwiGLU experts of moe_intermediate_size, each token going to its experts_per_token best.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_intermediate_size: int | None = None  # default intermediate_size (which the dense layers keep)
+    router_norm_topk: bool = True  # the chosen experts' softmax weights renormalised to sum 1 (Mixtral; Qwen3-MoE's
+    # norm_topk_prob), else the softmax over all experts as it is
+    moe_every: int = 1  # layer i is a MoE layer when (i + 1) % moe_every == 0 (Qwen3-MoE's decoder_sparse_step) ...
+    dense_layers: list[int] | None = None  # ... and it is not listed here (Qwen3-MoE's mlp_only_layers)
+    # Training: the load-balancing loss (Switch Transformer, as transformers computes it over all MoE layers) times
+    # this is added to the loss; the router z-loss (ST-MoE: mean squared logsumexp of the router logits) times its own.
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+
     make_vocab_size_divisible_by: int = 128
     init_std: float = 0.02
     dropout: float = 0.0
@@ -146,6 +160,7 @@ class ModelConfig:
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         self._check_family_shapes()
         self._check_layer_types()
+        self._check_experts()
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise UserError(
@@ -155,6 +170,8 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
+        if self.moe_intermediate_size is None and self.num_experts:
+            self.moe_intermediate_size = self.intermediate_size
         if self.num_heads % self.num_kv_heads:
             raise UserError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
@@ -187,6 +204,35 @@ class ModelConfig:
                 not divides or self.head_dim != self.hidden_size // self.num_heads):
             raise UserError(f"head_dim {self.head_dim} does not fit a {self.family} model: its head_dim is always "
                             f"hidden_size / num_heads ({self.hidden_size} / {self.num_heads})")
+
+    def _check_experts(self) -> None:
+        if self.num_experts < 0:
+            raise UserError(f"num_experts must be >= 0 (0: a dense model), got {self.num_experts}")
+        if not self.num_experts:
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise UserError(f"experts_per_token {self.experts_per_token} must be between 1 and num_experts "
+                            f"{self.num_experts}: each token goes to that many different experts")
+        if not self.gated_mlp or self.mlp_bias:
+            raise UserError("experts are SwiGLU MLPs without biases: a model with num_experts > 0 needs "
+                            "gated_mlp=true and mlp_bias=false")
+        if self.moe_every < 1:
+            raise UserError(f"moe_every must be >= 1 (every n-th layer is a MoE layer), got {self.moe_every}")
+        bad = [i for i in self.dense_layers or [] if not 0 <= i < self.num_layers]
+        if bad:
+            raise UserError(f"dense_layers names layer {bad[0]}, the model has layers 0..{self.num_layers - 1}")
+        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+            raise UserError("router_aux_loss_coef and router_z_loss_coef must be >= 0")
+        if not any(self.is_moe_layer(i) for i in range(self.num_layers)):
+            raise UserError(f"num_experts is {self.num_experts} but no layer is a MoE layer (moe_every "
+                            f"{self.moe_every}, dense_layers {self.dense_layers}): set num_experts=0 for a dense model")
+        if self.dense_layers is not None:
+            self.dense_layers = sorted(set(self.dense_layers)) or None  # one spelling per model
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return (self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+                and layer not in (self.dense_layers or ()))
 
     def _check_layer_types(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:

@@ -40,7 +40,7 @@ class Decoder(nn.Module):
         # Gemma 3: the sliding-window layers rotate with their own base, unscaled.
         self.rope_local = RotaryEmbedding(cfg, local=True) if self.rope is not None and cfg.rotary_base_local else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg, cfg.window(i)) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.window(i), cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = None
         if not cfg.tie_embeddings and not cfg.num_labels:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.config import ModelConfig
+from lmforge.models.moe import MoE
 from lmforge.models.rope import apply_rotary
 
 
@@ -191,7 +192,7 @@ class Block(nn.Module):
     residual add (BERT); "output" on each branch's output before its add, none on the inputs (OLMo 2):
     x + post_attn_norm(attn(x)); "sandwich" both, x + post_attn_norm(attn(norm1(x))) (Gemma 2/3)."""
 
-    def __init__(self, cfg: ModelConfig, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, window: int | None = None, moe: bool = False):
         super().__init__()
         self.post_norm = cfg.norm_position == "post"
         self.parallel_residual = cfg.parallel_residual
@@ -201,7 +202,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, window)
         self.post_attn_norm = make_norm(cfg) if outputs else None
         self.norm2 = make_norm(cfg) if inputs and not cfg.shared_norm else None
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation]) if moe else MLP(cfg)
         self.post_mlp_norm = make_norm(cfg) if outputs else None
         self.drop = nn.Dropout(cfg.dropout)
 

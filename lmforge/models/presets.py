@@ -81,6 +81,32 @@ def _qwen3(hidden: int, layers: int, heads: int, ffn: int, tied: bool = False, k
     )
 
 
+def _mixtral(hidden: int, layers: int, heads: int, ffn: int, experts: int = 8, kv_heads: int = 8,
+             vocab: int = 32000) -> ModelConfig:
+    # Mixtral: Mistral's attention without a window, rope base 1e6, 8 SwiGLU experts per layer, 2 per token.
+    return ModelConfig(
+        family="mixtral", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=32768, norm="rmsnorm", norm_eps=1e-5,
+        activation="silu", gated_mlp=True, rotary_base=1000000.0, attention_bias=False, mlp_bias=False,
+        num_experts=experts, experts_per_token=2, moe_intermediate_size=ffn, router_aux_loss_coef=0.02,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+def _qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, expert_ffn: int, experts: int = 128,
+               per_token: int = 8, vocab: int = 151936) -> ModelConfig:
+    # Qwen3-MoE: Qwen3's attention (q/k norms, head_dim 128), 128 narrow experts in every layer, 8 per token with
+    # their weights renormalised.
+    return ModelConfig(
+        family="qwen3_moe", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=128, intermediate_size=6144, max_position_embeddings=40960, norm="rmsnorm",
+        norm_eps=1e-6, activation="silu", gated_mlp=True, qk_norm="head", rotary_base=1000000.0,
+        attention_bias=False, mlp_bias=False, num_experts=experts, experts_per_token=per_token,
+        moe_intermediate_size=expert_ffn, router_norm_topk=True, router_aux_loss_coef=0.001,
+        bos_token_id=151643, eos_token_id=151645,
+    )
+
+
 def _olmo2(hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None) -> ModelConfig:
     # OLMo 2: norms on the attention/MLP outputs, q/k norms over the whole projections, Dolma 2 tokenizer
     # (100,352 rows), rope base 500,000, 4096 positions.
@@ -190,6 +216,8 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": _qwen3(4096, 36, 32, 12288),
     "qwen3-14b": _qwen3(5120, 40, 40, 17408),
     "qwen3-32b": _qwen3(5120, 64, 64, 25600),
+    "mixtral-8x7b": _mixtral(4096, 32, 32, 14336),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 768),
     "olmo-2-1b": _olmo2(2048, 16, 16, 8192),
     "olmo-2-7b": _olmo2(4096, 32, 32, 11008),
     "olmo-2-13b": _olmo2(5120, 40, 40, 13824),
@@ -220,6 +248,9 @@ PRESETS: dict[str, ModelConfig] = {
                             max_position_embeddings=256),
     "tiny-qwen3": replace(_qwen3(64, 2, 4, 160, tied=True, kv_heads=2), head_dim=32, vocab_size=1000,
                           max_position_embeddings=256),
+    "tiny-mixtral": replace(_mixtral(64, 2, 4, 96, experts=4, kv_heads=2, vocab=1000), max_position_embeddings=256),
+    "tiny-qwen3-moe": replace(_qwen3_moe(64, 2, 4, 2, 48, experts=8, per_token=2, vocab=1000), head_dim=32,
+                              intermediate_size=96, max_position_embeddings=256),
     "tiny-olmo2": replace(_olmo2(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256,
                           eos_token_id=0, pad_token_id=1),
     "tiny-phi3": replace(_phi3(64, 2, 4, 2, 160), vocab_size=1000, max_position_embeddings=256, sliding_window=8,

@@ -91,6 +91,10 @@ class ParallelConfig:
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before any collective)."""
     tp, pp = cfg.tensor, cfg.pipeline
+    if model.num_experts and (tp > 1 or pp > 1):
+        raise UserError(f"a mixture-of-experts model ({model.family}, {model.num_experts} experts) trains with data "
+                        "parallelism (DDP or FSDP, trainer.data_parallel=fsdp) only so far: set parallel.tensor=1 "
+                        "and parallel.pipeline=1")
     if tp > 1:
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(model, name) % tp:

@@ -376,6 +376,18 @@ def test_a_config_transformers_would_reject_fails_when_read(hf_dirs, tmp_path):
         import_hf(folder, tmp_path / "lm")
 
 
+@pytest.mark.parametrize(("family", "edit", "message"), [
+    ("mixtral", {"num_experts_per_tok": 5}, r"^experts_per_token 5 must be between 1 and num_experts 4: "),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1]}, r"^num_experts is 8 but no layer is a MoE layer "),
+    ("mixtral", {"router_jitter_noise": 0.1}, r"^router_jitter_noise 0.1 in config.json is not supported"),
+])
+def test_an_impossible_moe_config_json_fails_when_read(family, edit, message, hf_dirs, tmp_path):
+    folder = edited_copy(hf_dirs[family], tmp_path / "odd", lambda c: c.update(edit))
+    with pytest.raises(UserError, match=message):
+        import_hf(folder, tmp_path / "lm")
+    assert not (tmp_path / "lm").exists()
+
+
 def test_yarn_scales_the_rotated_pairs_only():
     """Partial rotary under YaRN: the pass-through dims stay cos 1, sin 0; the rotated ones carry the factor."""
     from lmforge.models.config import ModelConfig, RopeScaling

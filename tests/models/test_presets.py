@@ -38,7 +38,8 @@ def test_meta_build_matches_transformers_parameter_count(name):
     ("mistral-7b-v0.3", 7_248_023_552), ("olmo-2-1b", 1_484_916_736), ("olmo-2-7b", 7_298_617_344),
     ("phi-3-mini", 3_821_079_552), ("gemma-2-2b", 2_614_341_888), ("gemma-2-9b", 9_241_705_984),
     ("gemma-2-27b", 27_227_128_320), ("gemma-3-1b", 999_885_952), ("gpt2", 124_439_808),
-    ("gpt-j-6b", 6_050_882_784), ("bert-base-uncased", 109_514_298),
+    ("gpt-j-6b", 6_050_882_784), ("bert-base-uncased", 109_514_298), ("mixtral-8x7b", 46_702_792_704),
+    ("qwen3-30b-a3b", 30_532_122_624),
 ])
 def test_known_published_counts(name, count):
     assert num_parameters(build(name, device="meta")) == count

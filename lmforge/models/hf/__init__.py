@@ -24,10 +24,12 @@ from lmforge.models.hf.gpt_neox import GPTNeoXAdapter
 from lmforge.models.hf.gptj import GPTJAdapter
 from lmforge.models.hf.llama import LlamaAdapter
 from lmforge.models.hf.mistral import MistralAdapter
+from lmforge.models.hf.mixtral import MixtralAdapter
 from lmforge.models.hf.olmo2 import Olmo2Adapter
 from lmforge.models.hf.phi3 import Phi3Adapter
 from lmforge.models.hf.qwen2 import Qwen2Adapter
 from lmforge.models.hf.qwen3 import Qwen3Adapter
+from lmforge.models.hf.qwen3_moe import Qwen3MoeAdapter
 from lmforge.models.hf.weights import HFWeights, Source
 from lmforge.models.io import (
     copy_side_files,
@@ -43,7 +45,8 @@ log = logging.getLogger(__name__)
 ADAPTERS: dict[str, HFAdapter] = {
     a.model_type: a for a in (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter(), GPTJAdapter(), BertAdapter(),
                               Qwen2Adapter(), MistralAdapter(), Qwen3Adapter(), Olmo2Adapter(), Phi3Adapter(),
-                              Gemma2Adapter(), Gemma3TextAdapter(), Gemma3Adapter())
+                              Gemma2Adapter(), Gemma3TextAdapter(), Gemma3Adapter(), MixtralAdapter(),
+                              Qwen3MoeAdapter())
 }
 
 

@@ -35,6 +35,10 @@ QK_NORM = "qk_norm"  # a q/k norm's per-head weights (Qwen3, OLMo 2): rotary pai
 # Two lmforge tensors stored as one HF tensor, the first's rows then the second's (Phi-3's gate_up_proj):
 # rows FIRST_HALF and SECOND_HALF name the same HF tensor, in that order.
 FIRST_HALF, SECOND_HALF = "first_half", "second_half"
+# Stacked experts (Mixtral, Qwen3-MoE) stored one tensor per expert: EXPERTS names each expert's tensor in expert
+# order (stacked as they are); EXPERTS_GATE_UP names every expert's gate, then every expert's up projection
+# (expert e's rows in lmforge: its gate rows, then its up rows).
+EXPERTS, EXPERTS_GATE_UP = "experts", "experts_gate_up"
 Mapping = list[tuple[str, "str | tuple[str, str, str]", str]]
 
 
@@ -158,6 +162,12 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
             t = get(theirs, 2 * shape[0], *rest).chunk(2)[kind == SECOND_HALF]
         elif kind == CONV1D:
             t = get(theirs, *shape[::-1]).t() if len(shape) == 2 else get(theirs, *shape)
+        elif kind == EXPERTS:
+            t = torch.stack([get(name, *rest) for name in theirs])
+        elif kind == EXPERTS_GATE_UP:
+            half = (rest[0] // 2, *rest[1:])
+            gates, ups = theirs[: len(theirs) // 2], theirs[len(theirs) // 2 :]
+            t = torch.stack([torch.cat([get(g, *half), get(u, *half)]) for g, u in zip(gates, ups, strict=True)])
         else:
             if kind == QKV_GROUPED:
                 t = get(theirs, *shape)
@@ -193,6 +203,15 @@ def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, 
             yield theirs, torch.cat([first_halves.pop(theirs), t]).contiguous()
         elif kind == CONV1D:
             yield theirs, (t.t() if t.dim() == 2 else t).contiguous()
+        elif kind == EXPERTS:
+            for name, part in zip(theirs, t, strict=True):
+                yield name, part.contiguous()
+        elif kind == EXPERTS_GATE_UP:
+            gates, ups = theirs[: len(theirs) // 2], theirs[len(theirs) // 2 :]
+            for e, (g, u) in enumerate(zip(gates, ups, strict=True)):
+                gate, up = t[e].chunk(2)
+                yield g, gate.contiguous()
+                yield u, up.contiguous()
         else:
             t = permute_rotary(t, cfg, inverse=True)
             if kind == QKV_GROUPED:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
+    EXPERTS,
+    EXPERTS_GATE_UP,
     PLAIN,
     QK_NORM,
     HFAdapter,
@@ -26,7 +28,8 @@ LLAMA_SWITCHES = {"norm": "rmsnorm", "norm_position": "pre", "gated_mlp": True, 
                   "shared_norm": False, "position_embedding": "rotary", "rotary_interleaved": False, "causal": True,
                   "lm_head_bias": False, "qk_norm": "none", "sliding_window": None, "norm_scale_fp32": False,
                   "norm_unit_offset": False, "scale_embeddings": False, "query_pre_attn_scalar": None,
-                  "attn_logit_softcapping": None, "final_logit_softcapping": None, "rotary_base_local": None}
+                  "attn_logit_softcapping": None, "final_logit_softcapping": None, "rotary_base_local": None,
+                  "num_experts": 0}
 
 
 class LlamaAdapter(HFAdapter):
@@ -95,10 +98,14 @@ class LlamaAdapter(HFAdapter):
         return llama_layout(cfg)
 
 
-def llama_layout(cfg: ModelConfig) -> Mapping:
+def llama_layout(cfg: ModelConfig, experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 ) -> Mapping:
     """The tensor names of LlamaForCausalLM, which Mistral, Qwen2/3, OLMo 2 and Gemma 2/3 share: q/k/v/o and
     gate/up/down projections under model.layers.N, plus whichever norms the config's switches give a block
-    (q_norm/k_norm: Qwen3, OLMo 2, Gemma 3; norms on the branch outputs: OLMo 2, Gemma 2/3)."""
+    (q_norm/k_norm: Qwen3, OLMo 2, Gemma 3; norms on the branch outputs: OLMo 2, Gemma 2/3).
+
+    A MoE layer (Mixtral, Qwen3-MoE) has, in place of the MLP, `<block>.gate` (the router) and one MLP per expert
+    under `<block>.experts.E`, named by `experts`: (block, gate, up, down)."""
     # HF's names for the block's norms by norm_position (lmforge's name -> theirs).
     norms = {"pre": {"norm1": "input_layernorm", "norm2": "post_attention_layernorm"},
              "output": {"post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"},
@@ -119,10 +126,23 @@ def llama_layout(cfg: ModelConfig) -> Mapping:
         for name in ("post_attn_norm", "norm2"):
             if name in norms:
                 rows += module_rows(f"{ours}.{name}", f"{hf}.{norms[name]}", False)
-        rows += module_rows(f"{ours}.mlp.gate", f"{hf}.mlp.gate_proj", cfg.mlp_bias)
-        rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.up_proj", cfg.mlp_bias)
-        rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.down_proj", cfg.mlp_bias)
+        if cfg.is_moe_layer(i):
+            rows += moe_rows(cfg, f"{ours}.mlp", f"{hf}.{experts[0]}", *experts[1:])
+        else:
+            rows += module_rows(f"{ours}.mlp.gate", f"{hf}.mlp.gate_proj", cfg.mlp_bias)
+            rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.up_proj", cfg.mlp_bias)
+            rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.down_proj", cfg.mlp_bias)
         if "post_mlp_norm" in norms:
             rows += module_rows(f"{ours}.post_mlp_norm", f"{hf}.{norms['post_mlp_norm']}", False)
     rows += module_rows("norm", "model.norm", False)
     return rows + decoder_head(cfg, [("lm_head.weight", "lm_head.weight", PLAIN)])
+
+
+def moe_rows(cfg: ModelConfig, ours: str, block: str, gate: str, up: str, down: str) -> Mapping:
+    """One MoE layer: the router, and the experts' per-expert tensors stacked into lmforge's gate_up and down."""
+    each = [f"{block}.experts.{e}" for e in range(cfg.num_experts)]
+    return [(f"{ours}.router.weight", f"{block}.gate.weight", PLAIN),
+            (f"{ours}.experts.gate_up", tuple(f"{x}.{gate}.weight" for x in each) + tuple(f"{x}.{up}.weight"
+                                                                                         for x in each),
+             EXPERTS_GATE_UP),
+            (f"{ours}.experts.down", tuple(f"{x}.{down}.weight" for x in each), EXPERTS)]

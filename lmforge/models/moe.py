@@ -1,0 +1,231 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE): a top-k router and SwiGLU experts stored as stacked weights, computed
+grouped, and the router's training losses.
+
+Each token's router logits pick its experts_per_token experts (softmax over all experts, then the top k, their
+weights renormalised to sum 1 when router_norm_topk); its output is the weighted sum of those experts' outputs.
+
+The experts run grouped: the (token, expert) pairs are sorted by expert once, so each expert's tokens are one
+contiguous block of rows, and each expert is one GEMM over its block (a Python loop over the experts, never over
+tokens). _GroupedExperts does forward and backward itself: with autograd over `weight[e]` slices, each expert's
+weight gradient is a zero tensor of the whole stacked weight with one slice filled, summed expert by expert
+(num_experts whole-weight writes per expert: quadratic in the expert count); here each expert's gradient is
+written once into its slice. torch's grouped GEMM (F.grouped_mm) computes the same GEMMs; on this CPU build
+(torch 2.13) it ran no faster than the loop, and the loop runs on every device and dtype torch has a matmul for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.models.config import ModelConfig
+
+
+class Experts(nn.Module):
+    """num_experts SwiGLU MLPs, stacked: gate_up (experts, 2 * moe_intermediate, hidden) holds each expert's
+    gate rows then its up rows, down (experts, hidden, moe_intermediate)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down = nn.Parameter(torch.empty(e, d, i))
+
+
+class MoE(nn.Module):
+    """Router + experts in place of a block's MLP. In training (grad enabled) the layer keeps its router logits of
+    the last forward in `router_logits`, which router_losses reads and clears."""
+
+    def __init__(self, cfg: ModelConfig, activation: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk = cfg.num_experts, cfg.experts_per_token, cfg.router_norm_topk
+        self.act = activation
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.router_logits: torch.Tensor | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router logits (tokens, experts), routing weights (tokens, k) in fp32, chosen experts (tokens, k))."""
+        logits = self.router(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, weights, chosen = self.route(x)
+        self.router_logits = logits if self.training and torch.is_grad_enabled() else None
+        out = grouped_experts(x, chosen, weights, self.experts.gate_up, self.experts.down, self.act)
+        return out.view(shape)
+
+
+def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t: x (tokens, hidden), chosen and weights
+    (tokens, k); the experts' GEMMs in the compute dtype (autocast's, else x's)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    num_experts = gate_up.shape[0]
+    flat = chosen.reshape(-1)
+    # Stable, so each expert's rows keep token order (the same GEMM rows whatever the sort's implementation).
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    with torch.autocast(x.device.type, enabled=False):
+        return _GroupedExperts.apply(x.to(dtype), weights.to(dtype), gate_up.to(dtype), down.to(dtype), order,
+                                     counts, act)
+
+
+def _segments(counts: list[int]):
+    start = 0
+    for e, n in enumerate(counts):
+        yield e, start, start + n
+        start += n
+
+
+class _GroupedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, order, counts, act):
+        tokens, k = weights.shape
+        inter = down.shape[2]
+        slot_token = order // k  # the token of each sorted (token, expert) pair
+        xs = x.index_select(0, slot_token)
+        h = x.new_empty(order.shape[0], 2 * inter)
+        y = x.new_empty(order.shape[0], x.shape[1])
+        for e, lo, hi in _segments(counts):
+            if hi > lo:
+                torch.mm(xs[lo:hi], gate_up[e].t(), out=h[lo:hi])
+        a = act(h[:, :inter]) * h[:, inter:]
+        for e, lo, hi in _segments(counts):
+            if hi > lo:
+                torch.mm(a[lo:hi], down[e].t(), out=y[lo:hi])
+        w = weights.reshape(-1)[order]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+        # Back to (token, k) order and summed over k: a gather and a sum, no scatter (deterministic on every device).
+        out = (y * w[:, None])[inverse].view(tokens, k, -1).sum(1)
+        ctx.save_for_backward(x, weights, gate_up, down, order, inverse, h, y)
+        ctx.counts, ctx.act = counts, act
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weights, gate_up, down, order, inverse, h, y = ctx.saved_tensors
+        counts, act = ctx.counts, ctx.act
+        need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
+        tokens, k = weights.shape
+        inter = down.shape[2]
+        slot_token = order // k
+        go = grad_out.index_select(0, slot_token)  # each pair's share of the gradient, before its routing weight
+        grad_weights = (go * y).sum(-1)[inverse].view(tokens, k) if need_w else None
+        gy = go * weights.reshape(-1)[order][:, None]
+        with torch.enable_grad():
+            g = h[:, :inter].detach().requires_grad_()
+            act_g = act(g)
+        up = h[:, inter:]
+        a = act_g.detach() * up
+        grad_down = torch.zeros_like(down) if need_down else None
+        ga = gy.new_empty(gy.shape[0], inter)
+        for e, lo, hi in _segments(counts):
+            if hi > lo:
+                if need_down:
+                    torch.mm(gy[lo:hi].t(), a[lo:hi], out=grad_down[e])
+                torch.mm(gy[lo:hi], down[e], out=ga[lo:hi])
+        (grad_g,) = torch.autograd.grad(act_g, g, ga * up)
+        gh = torch.cat([grad_g, ga * act_g.detach()], dim=1)
+        del grad_g, ga, a
+        grad_gate_up = torch.zeros_like(gate_up) if need_gu else None
+        grad_xs = gh.new_empty(gh.shape[0], x.shape[1]) if need_x else None
+        xs = x.index_select(0, slot_token) if need_gu else None
+        for e, lo, hi in _segments(counts):
+            if hi > lo:
+                if need_gu:
+                    torch.mm(gh[lo:hi].t(), xs[lo:hi], out=grad_gate_up[e])
+                if need_x:
+                    torch.mm(gh[lo:hi], gate_up[e], out=grad_xs[lo:hi])
+        grad_x = grad_xs[inverse].view(tokens, k, -1).sum(1) if need_x else None
+        return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None
+
+
+@dataclass
+class RouterLosses:
+    aux_loss: torch.Tensor  # the load-balancing loss, unscaled (transformers' aux_loss)
+    z_loss: torch.Tensor  # the router z-loss, unscaled
+    loss: torch.Tensor  # router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss: what training adds
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def router_losses(model: nn.Module, cfg: ModelConfig, attention_mask: torch.Tensor | None = None,
+                  ) -> RouterLosses | None:
+    """The router losses of the model's last training forward (None for a dense model), over the tokens where
+    attention_mask (batch, seq) is 1; the layers' kept logits are released."""
+    logits = []
+    for layer in moe_layers(model):
+        if layer.router_logits is not None:
+            logits.append(layer.router_logits)
+            layer.router_logits = None
+    if not logits:
+        return None
+    aux = load_balancing_loss(logits, cfg.num_experts, cfg.experts_per_token, attention_mask)
+    z = router_z_loss(logits, attention_mask)
+    return RouterLosses(aux, z, cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z)
+
+
+def _row_mask(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(logits.shape[0], device=logits.device)
+    return attention_mask.reshape(-1).to(device=logits.device, dtype=torch.float32)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss (its eqs. 4-6) over every MoE layer at once, as transformers'
+    load_balancing_loss_func computes it: num_experts * sum_e f_e * P_e, f_e the fraction of (token, slot) choices
+    that went to expert e and P_e its mean router probability, both averaged over the layers' (unmasked) tokens
+    together. Gradient flows through P only (f counts choices)."""
+    chosen_frac = torch.zeros(num_experts, device=router_logits[0].device)
+    prob_sum = torch.zeros(num_experts, device=router_logits[0].device)
+    rows = 0.0
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        keep = _row_mask(logits, attention_mask)
+        chosen = probs.topk(top_k, dim=-1).indices.reshape(-1)
+        chosen_frac = chosen_frac.index_add(0, chosen, keep.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * keep[:, None]).sum(0)
+        rows = rows + keep.sum()
+    return num_experts * torch.sum((chosen_frac / rows) * (prob_sum / rows))
+
+
+def router_z_loss(router_logits: list[torch.Tensor], attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over layers and (unmasked) tokens of logsumexp(router logits)^2."""
+    total, rows = 0.0, 0.0
+    for logits in router_logits:
+        keep = _row_mask(logits, attention_mask)
+        total = total + (torch.logsumexp(logits.float(), dim=-1).square() * keep).sum()
+        rows = rows + keep.sum()
+    return total / rows
+
+
+def dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE output computed the slow, obvious way: every expert on every token, each token's output the sum of
+    its chosen experts' outputs times their routing weights (tests hold the grouped path to it)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    _, weights, chosen = moe.route(x)
+    inter = moe.experts.down.shape[2]
+    out = torch.zeros_like(x)
+    for e in range(moe.num_experts):
+        h = F.linear(x, moe.experts.gate_up[e])
+        y = F.linear(moe.act(h[:, :inter]) * h[:, inter:], moe.experts.down[e])
+        share = (weights * (chosen == e)).sum(-1, keepdim=True).to(x.dtype)
+        out = out + share * y
+    return out.view(shape)
