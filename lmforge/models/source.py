@@ -28,7 +28,8 @@ from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, read_confi
 
 # Model fields a run may change on top of its source's config: no weights depend on them (the vocabulary
 # rows are re-padded on load).
-RUN_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by")
+RUN_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by", "router_aux_loss_coef",
+                 "router_z_loss_coef")
 
 
 def is_checkpoint(folder: Path) -> bool:

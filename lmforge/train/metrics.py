@@ -40,12 +40,15 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     6 * N for the weight matmuls (N = parameters that multiply activations: every Linear and
     the output head, not the embedding lookup) + 12 * layers * seq * (heads * head_dim) for the
     attention scores and the weighted sum over values (not halved for causality); a sliding-window
-    layer's keys are at most its window (Mistral, Gemma's local layers)."""
+    layer's keys are at most its window (Mistral, Gemma's local layers). A MoE layer counts the experts a token
+    is routed through (experts_per_token of them) and its router, not the experts it skips."""
     d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = d * (h + 2 * kv) * hd + h * hd * d
     mlp = d * cfg.intermediate_size * (3 if cfg.gated_mlp else 2)
+    moe = d * cfg.num_experts + cfg.experts_per_token * 3 * d * (cfg.moe_intermediate_size or 0)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     head = d * (cfg.num_labels or cfg.vocab_size)
-    matmul_params = cfg.num_layers * (attn + mlp) + head
+    matmul_params = cfg.num_layers * attn + (cfg.num_layers - moe_layers) * mlp + moe_layers * moe + head
     keys = sum(min(seq_length, cfg.window(i) or seq_length) for i in range(cfg.num_layers))
     return 6.0 * matmul_params + 12.0 * keys * h * hd
 

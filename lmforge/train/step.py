@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
+from lmforge.models.moe import router_losses
 from lmforge.parallel import (
     ParallelConfig,
     ParallelModel,
@@ -155,6 +156,8 @@ class ParallelTraining:
         if fill is not None:
             fill(self.pm)
         self.layout, self.task, self.seq_length = layout, task, seq_length
+        self.model_config = mcfg
+        self.router_metrics: dict[str, float] = {}  # a MoE model's router losses of the last step
         self.autocast_dtype = precision.autocast_dtype
         self.fused_loss = True  # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
@@ -217,16 +220,39 @@ class ParallelTraining:
             with self._autocast():
                 total += pipeline_step(pm, ids, labels, loss_fn, **kwargs)
         else:
+            router = torch.zeros(2, dtype=torch.float64, device=pm.device)  # aux and z-loss summed over micro-batches
             for i, batch in enumerate(micro):
                 with gradient_sync(pm.parts[0], i == len(micro) - 1), pm.loss_context():
-                    loss, items, task_stats = self.micro_loss(self._inputs([batch]))
+                    batch = self._inputs([batch])
+                    loss, items, task_stats = self.micro_loss(batch)
                     loss = loss / count * dp
-                    loss.backward()
+                    extra = self._router_loss(batch, router, len(micro))
+                    (loss if extra is None else loss + extra).backward()
                 total += _local(loss).detach().double()
                 stats += torch.tensor([items, *as_stats(task_stats)], dtype=torch.float64, device=pm.device)
+            if self.model_config.num_experts:
+                # Each rank's mean over its micro-batches, averaged over the data-parallel ranks.
+                aux, z = (all_reduce_data_parallel(router / len(micro), self.mesh) / dp).tolist()
+                self.router_metrics = {"aux_loss": aux, **({"z_loss": z} if self.model_config.router_z_loss_coef
+                                                           else {})}
         reduced = all_reduce_data_parallel(torch.cat([total.reshape(1), stats]), self.mesh).tolist()
         self.step_stats = reduced[1:]  # the step's global count and task statistics (none under a pipeline)
         return reduced[0] / dp, clip_grad_norm_(pm, max_norm)
+
+    def _router_loss(self, batch: dict[str, torch.Tensor], sums: torch.Tensor, micro: int) -> torch.Tensor | None:
+        """A MoE model's router losses of the micro-batch just run (added into `sums`), scaled for backward: the
+        step trains on the mean over micro-batches and data-parallel ranks of coef x loss, as transformers adds
+        router_aux_loss_coef x aux_loss to each forward's loss (DDP/FSDP average the gradient over the ranks,
+        which is the mean over ranks here: unlike the token loss, no multiplying by their number)."""
+        if not self.model_config.num_experts:
+            return None
+        mask = self.task.inputs(batch)[2].get("attention_mask")
+        losses = router_losses(self.pm.parts[0], self.model_config, mask if mask is not None and mask.dim() == 2
+                               else None)
+        if losses is None:
+            return None
+        sums += torch.stack([losses.aux_loss.detach(), losses.z_loss.detach()]).double()
+        return losses.loss / micro
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:

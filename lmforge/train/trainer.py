@@ -153,7 +153,7 @@ class Trainer:
                         grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0, **task_metrics,
-                "_tokens": counts[1]}
+                **self.training.router_metrics, "_tokens": counts[1]}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:

@@ -20,21 +20,24 @@ def _args(corpus, run_dir, *extra):
 
 def _curve(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in rows]
+    return [(r["loss"], r["grad_norm"], r.get("val_loss"), r.get("aux_loss")) for r in rows]
 
 
 def _close(a, b):
-    for (la, ga, va), (lb, gb, vb) in zip(a, b, strict=True):
+    for (la, ga, va, xa), (lb, gb, vb, xb) in zip(a, b, strict=True):
         assert la == pytest.approx(lb, rel=2e-5) and ga == pytest.approx(gb, rel=2e-4)
         assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, rel=2e-5))
+        assert (xa is None) == (xb is None) and (xa is None or xa == pytest.approx(xb, rel=2e-5))
 
 
 LORA = ("lora.rank=4", "lora.targets=all-linear")
+# A mixture of experts with a load-balancing loss large enough to move the gradient norm.
+MOE = ("model.preset=tiny-mixtral", "model.router_aux_loss_coef=0.5")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("fsdp", ()), ("fsdp", LORA)],
-                         ids=["ddp", "fsdp", "fsdp-lora"])
+@pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("fsdp", ()), ("fsdp", LORA), ("fsdp", MOE)],
+                         ids=["ddp", "fsdp", "fsdp-lora", "fsdp-moe"])
 def test_two_processes_train_like_one(strategy, extra, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, tmp_path / "one", *extra)], check=True,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.train import metrics
-from lmforge.train.metrics import bounded_cpu_peak, nodes_from_env, peak_flops, tokens_per_dollar
+from lmforge.train.metrics import bounded_cpu_peak, flops_per_token, nodes_from_env, peak_flops, tokens_per_dollar
 
 
 @pytest.fixture(autouse=True)
@@ -131,3 +131,17 @@ def test_two_cpus_with_one_name_keep_peaks_apart(monkeypatch):
     zen3 = metrics.cpu_peak_key(torch.float32)
     monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_bf16"})
     assert metrics.cpu_peak_key(torch.float32) != zen3
+
+
+def test_moe_flops_count_the_routed_experts_only():
+    """A token runs experts_per_token experts (and the router), whatever the number of experts: the FLOPs of a
+    dense model whose MLP is k experts wide, plus the router's."""
+    import dataclasses
+
+    from lmforge.models import preset
+
+    moe = preset("tiny-qwen3-moe")  # 8 experts of width 48, 2 per token
+    dense = dataclasses.replace(moe, num_experts=0, intermediate_size=2 * 48)
+    router = 6.0 * moe.num_layers * moe.hidden_size * moe.num_experts
+    assert flops_per_token(moe, 32) == flops_per_token(dense, 32) + router
+    assert flops_per_token(dataclasses.replace(moe, num_experts=64), 32) == flops_per_token(dense, 32) + 8 * router

@@ -203,3 +203,19 @@ def test_continued_pretraining_can_repad_the_vocabulary(tmp_path):
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids), source.eval()(ids))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_a_mixture_of_experts_trains_with_its_router_losses_logged(preset, tiny_corpus, tmp_path):
+    cfg = run_config(tiny_corpus, tmp_path / "run", f"model.preset={preset}", "trainer.max_steps=16",
+                     "trainer.val_check_interval=8", "optim.lr=1e-2", "model.router_z_loss_coef=0.001")
+    Trainer(cfg).fit()
+    rows = _rows(tmp_path / "run")
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.2
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert vals[-1] < vals[0]
+    # The load-balancing loss is num_experts * sum_e f_e P_e, f_e the share of the k choices per token: k when
+    # perfectly balanced, at most k * num_experts.
+    k, experts = cfg.model.resolve().experts_per_token, cfg.model.resolve().num_experts
+    assert all(0.95 * k <= r["aux_loss"] <= k * experts and r["z_loss"] > 0 for r in rows)
