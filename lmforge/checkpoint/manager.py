@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -261,11 +262,13 @@ class CheckpointManager:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Path, dict] | None:
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               check: Callable[[Path], None] | None = None) -> tuple[Path, dict] | None:
         """Restore the newest intact checkpoint (model, optimizer, RNG) in place: (its path, the trainer state),
         or None where there is none yet. Leftovers of interrupted saves and deletions are removed first; a
         checkpoint whose files do not match its checksums is renamed `step-N.corrupt` with a warning and the one
-        before it is taken; where no checkpoint is intact, a UserError names the damaged file."""
+        before it is taken; where no checkpoint is intact, a UserError names the damaged file. `check(path)` runs
+        on every rank before the chosen checkpoint is loaded (the trainer compares configs there)."""
         if _rank() == 0:
             self.clean()
         _barrier()
@@ -287,6 +290,8 @@ class CheckpointManager:
                 log.warning("checkpoint %s is damaged: %s; moved to %s, resuming from %s", path.name, problem,
                             aside.name, good.name)
         _barrier()
+        if good is not None and check is not None:
+            check(good)
         return None if good is None else (good, self.load(good, model, optimizer))
 
     def verify(self, path: Path) -> str | None:

@@ -328,6 +328,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
     return dataclasses.replace(from_dict(RunConfig, data), model=section)
 
 
-def to_yaml(cfg: RunConfig) -> str:
+def run_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The run config as plain data (what config.yaml and a checkpoint's trainer.json record): the model
+    section as written."""
     data = dataclasses.asdict(dataclasses.replace(cfg, model=ModelSection()))
-    return OmegaConf.to_yaml(OmegaConf.create({**data, "model": cfg.model.to_dict()}))
+    return {**data, "model": cfg.model.to_dict()}
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(run_dict(cfg)))

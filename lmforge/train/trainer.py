@@ -22,7 +22,7 @@ from lmforge.models.config import ModelConfig
 from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints
-from lmforge.train.config import RunConfig, parallel_layout, to_yaml
+from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
 from lmforge.train.data import micro_batches
 from lmforge.train.downstream import DownstreamEval
 from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, merged, write_adapter
@@ -38,6 +38,7 @@ from lmforge.train.metrics import (
 )
 from lmforge.train.optim import lr_at
 from lmforge.train.progress import Progress
+from lmforge.train.resume import ConfigDiff, record_changes
 from lmforge.train.setup import (
     apply_activation_checkpointing,
     check_fit,
@@ -108,11 +109,16 @@ class Trainer:
                                             c.async_save)
         self.state = {"step": 0, "consumed_samples": 0, "skipped_steps": 0, "consecutive_skips": 0, "metrics": {},
                       "elapsed": 0.0}
-        resumed = self.checkpoints.resume(self.training, self.optimizer)  # the newest checkpoint that verifies
+        # The newest checkpoint that verifies, once its config is compared with this run's (lmforge.train.resume).
+        diff = ConfigDiff(cfg, self.mcfg, self.run_dir)
+        resumed = self.checkpoints.resume(self.training, self.optimizer, check=diff)
+        self.resumed_from, self.changes = None, diff.changes
         if resumed is not None:
-            latest, state = resumed
+            self.resumed_from, state = resumed
+            state.pop("run_config", None)
             self.state = {"elapsed": 0.0, **state}
-            log.info("resumed from %s at step %d", latest, self.state["step"])
+            log.info("resumed from %s at step %d", self.resumed_from, self.state["step"])
+        self.finished = resumed is not None and self.state["step"] >= t.max_steps  # a rerun: fit() does nothing
         # The wall clock of the run goes on from the checkpoint's: a resumed run's `elapsed` continues its curve.
         self.clock_zero = self.started - self.state["elapsed"]
         self.peak, self.peak_source = (cfg.cost.peak_flops, "config") if cfg.cost.peak_flops else peak_flops(
@@ -179,9 +185,14 @@ class Trainer:
     def _fit(self) -> dict[str, float]:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
         start = self.state["step"]
+        if self.finished:  # a rerun of a finished run: nothing to train, nothing to write (summary says so)
+            if cfg.checkpoint.convert_to_hf and not (self.run_dir / "hf").is_dir():  # its export was cut short
+                self.export_hf(self.run_dir / "hf")
+            return {}
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            record_changes(self.run_dir, start, self.resumed_from, self.changes, self.state["consumed_samples"])
+            atomic_write(self.run_dir / "config.yaml", to_yaml(cfg))
             truncate_metrics(self.run_dir / "metrics.jsonl", start)
         sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start)
         if world.is_main:
@@ -248,6 +259,10 @@ class Trainer:
 
     def summary(self, last: dict[str, float]) -> str:
         """The run's last line: this invocation's steps, tokens, time, average tokens/s and MFU, final losses."""
+        if self.finished:
+            step, max_steps = self.state["step"], self.cfg.trainer.max_steps
+            return (f"the run is at step {step} already (trainer.max_steps={max_steps}): nothing to train, nothing "
+                    "written; raise trainer.max_steps to train it further")
         return self.totals.summary(self.state["step"], time.perf_counter() - self.started, last, self.mfu)
 
     def _throughput(self, step_time: float, tokens: float) -> dict[str, float]:
@@ -267,7 +282,8 @@ class Trainer:
     def save(self, wait: bool = True) -> Path:
         """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written."""
         self.state["elapsed"] = self.elapsed()
-        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, dict(self.state), self.mcfg)
+        state = {**self.state, "run_config": run_dict(self.cfg)}  # what a resume compares its config with
+        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg)
         if wait:
             self.checkpoints.wait()
         return path

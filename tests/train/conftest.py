@@ -21,11 +21,15 @@ def tiny_corpus(tmp_path_factory):
     return prefix
 
 
-def run_config(corpus, run_dir, *overrides: str):
-    base = [
+def run_args(corpus, run_dir, *overrides: str) -> list[str]:
+    """The overrides of a small run on `corpus` (run_config's, or `lmforge pretrain /dev/null ARGS`)."""
+    return [
         "model.preset=tiny-neox", f"data.paths=[{corpus}]", "data.seq_length=32", "trainer.max_steps=8",
         "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.val_check_interval=4",
         "trainer.val_batches=1", f"run_dir={run_dir}", "optim.lr=3e-3", "optim.warmup_steps=2",
-        "trainer.progress_bar=false", "trainer.precision=fp32", "cost.peak_flops=1e11",
+        "trainer.progress_bar=false", "trainer.precision=fp32", "cost.peak_flops=1e11", *overrides,
     ]
-    return load_run_config(None, [*base, *overrides])
+
+
+def run_config(corpus, run_dir, *overrides: str):
+    return load_run_config(None, run_args(corpus, run_dir, *overrides))
