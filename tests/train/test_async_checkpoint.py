@@ -44,10 +44,11 @@ def _curve(run_dir: Path) -> list[tuple]:
 
 def _contents(checkpoint: Path) -> dict:
     """What a checkpoint holds, less what differs between any two runs: DCP's .metadata carries a random save id,
-    trainer.json the wall clock, and Python's and NumPy's generators (which no step draws from) start unseeded."""
+    trainer.json the wall clock and the run's config (its run_dir and checkpoint.async_save), and Python's and
+    NumPy's generators (which no step draws from) start unseeded."""
     files = json.loads((checkpoint / "checksums.json").read_text())["files"]
     trainer = json.loads((checkpoint / "trainer.json").read_text())
-    trainer.pop("elapsed")
+    trainer.pop("elapsed"), trainer.pop("run_config")
     out = {"trainer": trainer}
     for name, entry in files.items():
         if name.startswith("rng-rank"):
