@@ -39,10 +39,12 @@ def test_another_model_or_step_is_refused(overrides, key, old, new, tmp_path):
 
 def test_other_changes_are_allowed_and_listed(tmp_path):
     refused, allowed = _diff(tmp_path, [], ["optim.lr=1e-3", "trainer.max_steps=12", "trainer.micro_batch_size=8",
-                                            "model.dropout=0.1", "trainer.val_check_interval=2",
+                                            "model.dropout=0.1", "model.router_aux_loss_coef=0.01",
+                                            "trainer.val_check_interval=2",
                                             "parallel.tensor=2", f"run_dir={tmp_path / 'elsewhere'}"])
     assert refused == {}
-    assert allowed == {"model.dropout": (0.0, 0.1), "optim.lr": (3e-3, 1e-3), "trainer.max_steps": (8, 12),
+    assert allowed == {"model.dropout": (0.0, 0.1), "model.router_aux_loss_coef": (0.001, 0.01),
+                       "optim.lr": (3e-3, 1e-3), "trainer.max_steps": (8, 12),
                        "trainer.micro_batch_size": (4, 8), "trainer.val_check_interval": (4, 2),
                        "parallel.tensor": (1, 2)}
 
