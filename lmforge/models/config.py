@@ -158,15 +158,16 @@ class ModelConfig:
             self.qkv_bias = self.attention_bias
         if isinstance(self.rope_scaling, dict):  # built by hand rather than through from_dict
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        self._check_sizes()
         self._check_family_shapes()
         self._check_layer_types()
         self._check_experts()
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
-                raise UserError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}: "
-                    "change one of them or set head_dim"
-                )
+                fixed = self.family in FIXED_HEAD_DIM
+                raise UserError(_indivisible(self.hidden_size, self.num_heads,
+                                             f" (a {self.family} head is hidden_size / num_heads)" if fixed else "",
+                                             "" if fixed else ", or set head_dim"))
             self.head_dim = self.hidden_size // self.num_heads
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
@@ -174,8 +175,9 @@ class ModelConfig:
             self.moe_intermediate_size = self.intermediate_size
         if self.num_heads % self.num_kv_heads:
             raise UserError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
-                "each key/value head must serve the same number of query heads"
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: each key/value "
+                f"head must serve the same number of query heads: use num_kv_heads="
+                f"{_nearest_divisor(self.num_heads, self.num_kv_heads)}"
             )
         if self.num_labels > 0:
             self.pooler = self.pooler or self.family == "bert"
@@ -191,19 +193,50 @@ class ModelConfig:
             if self.rotary_dim % 2 or (self.head_dim - self.rotary_dim) % 2:
                 raise UserError(
                     f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} gives {self.rotary_dim} rotary "
-                    "dims: both the rotary and the pass-through part must be even"
+                    f"dims: both the rotary and the pass-through part must be even: {self._even_rotary()}"
                 )
+
+    def _even_rotary(self) -> str:
+        """A rotary_pct (or head_dim) whose rotary and pass-through dims are both even."""
+        if self.head_dim % 2:
+            return f"use an even head_dim (now {self.head_dim})"
+        dims = max(2, round(self.rotary_dim / 2) * 2)
+        return f"use rotary_pct={dims / self.head_dim:g} ({dims} of {self.head_dim} dims rotate)"
+
+    def _check_sizes(self) -> None:
+        """Sizes no model has (a zero or negative count, an empty MLP) fail here, not as a ZeroDivisionError or an
+        empty tensor that trains and exports a folder nothing can load."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"{name} must be a positive integer, got {value}")
+        if self.num_kv_heads > self.num_heads:
+            raise UserError(f"num_kv_heads {self.num_kv_heads} is more than num_heads {self.num_heads}: use "
+                            f"num_kv_heads={_nearest_divisor(self.num_heads, self.num_kv_heads)} or fewer")
+        if not self.norm_eps > 0:
+            raise UserError(f"norm_eps must be > 0, got {self.norm_eps}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            ids = getattr(self, name)
+            if any(not isinstance(i, int) or i < 0 for i in (ids if isinstance(ids, list) else [ids]) if i is not None):
+                raise UserError(f"{name} must be a token id (an integer >= 0) or null, got {ids!r}")
 
     def _check_family_shapes(self) -> None:
         """Shapes the family's Hugging Face config cannot express fail here, not at export after training."""
-        divides = self.hidden_size % self.num_heads == 0
+        hidden, heads, head_dim = self.hidden_size, self.num_heads, self.head_dim
+        divides = hidden % heads == 0
         if self.family in HEADS_DIVIDE_HIDDEN and not divides:
-            raise UserError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}: "
-                            f"transformers rejects such a {self.family} config, even with head_dim set")
-        if self.family in FIXED_HEAD_DIM and self.head_dim is not None and (
-                not divides or self.head_dim != self.hidden_size // self.num_heads):
-            raise UserError(f"head_dim {self.head_dim} does not fit a {self.family} model: its head_dim is always "
-                            f"hidden_size / num_heads ({self.hidden_size} / {self.num_heads})")
+            raise UserError(_indivisible(hidden, heads, f" (transformers rejects such a {self.family} config, even "
+                                                        "with head_dim set)"))
+        if self.family in FIXED_HEAD_DIM and head_dim is not None and (not divides or head_dim != hidden // heads):
+            if not divides:
+                raise UserError(_indivisible(hidden, heads, f" (a {self.family} head is hidden_size / num_heads)"))
+            keep = f", or num_heads={hidden // head_dim} to keep head_dim {head_dim}" if hidden % head_dim == 0 else ""
+            raise UserError(f"head_dim {head_dim} does not fit a {self.family} model: its head_dim is always "
+                            f"hidden_size / num_heads ({hidden} / {heads}): use head_dim={hidden // heads}{keep}")
 
     def _check_experts(self) -> None:
         if self.num_experts < 0:
@@ -286,3 +319,15 @@ class ModelConfig:
     @property
     def is_decoder(self) -> bool:
         return self.family != "bert"
+
+
+def _nearest_divisor(n: int, target: int) -> int:
+    """The divisor of n closest to target (the larger one on a tie)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), -d))
+
+
+def _indivisible(hidden: int, heads: int, note: str, other: str = "") -> str:
+    """One line for a hidden_size that num_heads does not divide, with two shapes that fit (the second with an
+    even head_dim, which rotary embeddings need)."""
+    return (f"hidden_size {hidden} is not divisible by num_heads {heads}{note}: use num_heads="
+            f"{_nearest_divisor(hidden, heads)} or hidden_size={max(2, round(hidden / heads / 2) * 2) * heads}{other}")

@@ -164,6 +164,38 @@ class CostConfig:
     peak_flops: float | None = None  # per process; default: measured (CPU) or datasheet (GPU)
 
 
+# Fields a preset derives from others when it leaves them out, and what from: ModelConfig's defaults.
+DERIVED = {"head_dim": ("hidden_size", "num_heads"), "num_kv_heads": ("num_heads",),
+           "intermediate_size": ("hidden_size",), "qkv_bias": ("attention_bias",)}
+
+
+def preset_fields(base: ModelConfig, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The preset's fields under the recipe's overrides. A value the preset derived (head_dim = hidden_size /
+    num_heads, num_kv_heads = num_heads, intermediate_size = 4 x hidden_size, qkv_bias = attention_bias) is
+    derived again from the overridden fields, as writing the fields out would: model.hidden_size=128 on a
+    preset of 4 heads of 16 is 4 heads of 32, not a head_dim 16 that no longer fits. Values the preset sets
+    apart from that rule stay, and a shape they cannot fit fails in ModelConfig."""
+    derived_from = {"head_dim": base.hidden_size % base.num_heads == 0 and
+                    base.head_dim == base.hidden_size // base.num_heads,
+                    "num_kv_heads": base.num_kv_heads == base.num_heads,
+                    "intermediate_size": base.intermediate_size == 4 * base.hidden_size,
+                    "qkv_bias": base.qkv_bias == base.attention_bias}
+    fields = dataclasses.asdict(base)
+    for name, basis in DERIVED.items():
+        if derived_from[name] and name not in overrides and any(k in overrides for k in basis):
+            fields[name] = None
+    return {**fields, **overrides}
+
+
+def exportable(config: ModelConfig) -> ModelConfig:
+    """`config`, if its family's Hugging Face class can hold it: a switch that class hard-wires otherwise (grouped
+    key/value heads on GPT-NeoX, a layernorm Llama) fails when the recipe is read, not at the export after training."""
+    from lmforge.models.hf import adapter_for
+
+    adapter_for(config.family).config_to_hf(config)
+    return config
+
+
 @dataclass
 class ModelSection:
     """The `model:` section: `preset` and ModelConfig fields, or `init_from` (HF folder, lmforge folder or
@@ -193,7 +225,15 @@ class ModelSection:
                 raise UserError(f"model.{key}: expected a string, got {section[key]!r}")
         overrides = {k: v for k, v in section.items() if k not in ("preset", "init_from")}
         if name:
-            config = from_dict(ModelConfig, {**dataclasses.asdict(preset(name)), **overrides}, where="model.")
+            try:
+                config = from_dict(ModelConfig, preset_fields(preset(name), overrides), where="model.")
+                if init_from is None:
+                    exportable(config)
+            except UserError as e:  # a shape the overrides broke: say which overrides, on which preset
+                if not overrides or str(e).startswith(("unknown config key", "model.")):
+                    raise
+                given = ", ".join(f"model.{k}={v}" for k, v in overrides.items())
+                raise UserError(f"model.preset {name} with {given}: {e}") from None
         elif init_from:
             config = None
             check_types(ModelConfig, overrides, "model.")
@@ -204,7 +244,7 @@ class ModelSection:
             if not {"family", "hidden_size", "num_layers"} & set(overrides):
                 raise UserError("the recipe names no model: set model.init_from=FOLDER (a Hugging Face or lmforge "
                                 "folder, or a training checkpoint) or model.preset=NAME")
-            config = from_dict(ModelConfig, overrides, where="model.")
+            config = exportable(from_dict(ModelConfig, overrides, where="model."))
         return cls(preset=name, init_from=init_from, overrides=overrides, config=config)
 
     def resolve(self) -> ModelConfig:

@@ -126,3 +126,95 @@ def test_a_preset_with_init_from_takes_the_sources_architecture(tmp_path, caplog
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "model.preset tiny-neox and its fields are not used" in lines[0]
     assert "max_position_embeddings" in lines[0]
+
+
+# Shapes no export can hold, reached through a preset's overrides: each fails when the recipe is read, in one line
+# naming the overrides and a shape that fits (which itself reads). Zero or negative sizes used to train (or fail
+# with a ZeroDivisionError); grouped key/value heads on GPT-NeoX/GPT-2 exported a folder neither transformers nor
+# lmforge could load.
+IMPOSSIBLE = [
+    ("tiny-neox", {"hidden_size": 128, "head_dim": 16}, r"head_dim 16 does not fit a gpt_neox model.*use head_dim=32"),
+    ("tiny-gpt2", {"num_heads": 3}, r"hidden_size 64 is not divisible by num_heads 3.*use num_heads=4"),
+    ("tiny-llama", {"num_heads": 3}, r"transformers rejects such a llama config.*use num_heads=4"),
+    ("tiny-llama", {"num_kv_heads": 3}, r"not a multiple of num_kv_heads 3.*use num_kv_heads=4"),
+    ("tiny-llama", {"num_kv_heads": 8}, r"num_kv_heads 8 is more than num_heads 4: use num_kv_heads=4"),
+    ("tiny-neox", {"rotary_pct": 0.3125}, r"gives 5 rotary dims.*use rotary_pct=0.25"),
+    ("tiny-gptj", {"rotary_pct": 0.1}, r"gives 1 rotary dims.*use rotary_pct=0.125"),
+    ("tiny-neox", {"num_heads": 0}, r"num_heads must be a positive integer, got 0"),
+    ("tiny-neox", {"intermediate_size": 0}, r"intermediate_size must be a positive integer, got 0"),
+    ("tiny-llama", {"num_layers": -1}, r"num_layers must be a positive integer, got -1"),
+    ("tiny-neox", {"num_kv_heads": 2}, r"a gpt_neox checkpoint has num_kv_heads=4, this model has 2.*num_kv_heads=4"),
+    ("tiny-gpt2", {"gated_mlp": True}, r"a gpt2 checkpoint has gated_mlp=False.*set gated_mlp=False"),
+    ("tiny-bert", {"causal": True}, r"a bert checkpoint has causal=False"),
+    ("tiny-neox", {"dropout": 1.0}, r"dropout must be in \[0, 1\), got 1.0"),
+]
+
+
+@pytest.mark.parametrize("name, overrides, message", IMPOSSIBLE,
+                         ids=[f"{n}-{'-'.join(o)}" for n, o, _ in IMPOSSIBLE])
+def test_an_impossible_shape_from_a_presets_overrides_fails_when_read(name, overrides, message):
+    import re
+
+    from lmforge.errors import UserError
+
+    given = [f"model.{k}={v}" for k, v in overrides.items()]
+    with pytest.raises(UserError) as e:
+        load_run_config(None, [f"model.preset={name}", *given])
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"model.preset {name} with {', '.join(given)}: ")
+    assert re.search(message, line), line
+    fix = re.search(r"(?:use|set) (\w+)=([\w.']+)", line)
+    if fix:  # the shape it suggests reads, and builds
+        key, value = fix.group(1), fix.group(2).strip("'")
+        cfg = load_run_config(None, [f"model.preset={name}", *given, f"model.{key}={value}"])
+        assert num_parameters(build(cfg.model.config, device="meta")) > 0
+
+
+def test_init_from_overrides_are_checked_as_a_presets_are(tmp_path):
+    from lmforge.errors import UserError
+    from lmforge.models.io import save_model
+
+    save_model(build(preset("tiny-llama"), device="cpu"), tmp_path / "src")
+    for override, message in (("model.dropout=1.5", r"^dropout must be in \[0, 1\), got 1.5$"),
+                              ("model.make_vocab_size_divisible_by=0",
+                               r"^make_vocab_size_divisible_by must be a positive integer, got 0$")):
+        cfg = load_run_config(None, [f"model.init_from={tmp_path / 'src'}", override])
+        with pytest.raises(UserError, match=message):
+            cfg.model.resolve()
+
+
+@pytest.mark.parametrize("name, overrides, fields", [
+    ("tiny-neox", {"hidden_size": 128}, {"head_dim": 32, "intermediate_size": 512}),
+    ("tiny-gpt2", {"num_heads": 8}, {"head_dim": 8, "num_kv_heads": 8}),
+    ("tiny-llama", {"hidden_size": 128}, {"head_dim": 32, "intermediate_size": 160, "num_kv_heads": 2}),
+    ("tiny-qwen3", {"hidden_size": 128}, {"head_dim": 32}),  # set apart from hidden_size / num_heads: kept
+    ("tiny-neox", {"attention_bias": False}, {"qkv_bias": False}),
+])
+def test_what_a_preset_derives_follows_the_overrides(name, overrides, fields):
+    """model.hidden_size=128 on a preset of 4 heads of 16 kept head_dim 16: a gpt_neox model that trained and
+    exported a folder nothing could load. What the preset derived is derived again, as writing its fields out
+    would."""
+    cfg = load_run_config(None, [f"model.preset={name}", *(f"model.{k}={v}" for k, v in overrides.items())])
+    got = cfg.model.config
+    assert {k: getattr(got, k) for k in fields} == fields
+    written = {k: v for k, v in dataclasses.asdict(preset(name)).items() if k not in fields}
+    assert got == dataclasses.replace(preset(name), **{**written, **overrides, **fields})
+
+
+def test_a_neox_preset_widened_by_an_override_exports_what_transformers_loads(tmp_path):
+    import torch
+    import transformers
+
+    from lmforge.models import init_weights
+    from lmforge.models.hf import export_hf
+    from lmforge.models.io import save_model
+
+    mcfg = load_run_config(None, ["model.preset=tiny-neox", "model.hidden_size=128"]).model.config
+    model = build(mcfg, device="cpu")
+    init_weights(model, mcfg, 0)
+    save_model(model, tmp_path / "model")
+    export_hf(tmp_path / "model", tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, mcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, model.eval()(ids)[..., :mcfg.vocab_size])

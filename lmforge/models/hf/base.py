@@ -233,13 +233,22 @@ def rope_scaling_check(hf: dict) -> None:
         raise UserError(f"rope scaling '{kind}' in config.json is not supported yet: lmforge implements plain RoPE")
 
 
+# What the classic families' transformers classes (GPTNeoX, GPT2, GPTJ, Bert) have none of: their adapters start
+# from these, and num_kv_heads = num_heads (no grouped-query attention there).
+CLASSIC_SWITCHES = {"norm": "layernorm", "gated_mlp": False, "qk_norm": "none", "sliding_window": None,
+                    "layer_types": None, "norm_scale_fp32": False, "norm_unit_offset": False, "scale_embeddings": False,
+                    "query_pre_attn_scalar": None, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "rope_scaling": None, "rotary_base_local": None, "mlp_bias": True}
+
+
 def require(cfg: ModelConfig, fixed: dict, model_type: str) -> None:
     """UserError naming the first switch whose value the family's Hugging Face model hard-wires otherwise
     (a value of ... : free in this family)."""
     for name, value in fixed.items():
         if value is not ... and getattr(cfg, name) != value:
             raise UserError(f"a {model_type} checkpoint has {name}={value!r}, this model has {getattr(cfg, name)!r}: "
-                            "it cannot be written as that family")
+                            f"it cannot be written as that family: set {name}={value!r}, or choose a family that "
+                            "has it")
 
 
 def module_rows(ours: str, theirs: str, bias: bool, kind: str = PLAIN) -> Mapping:

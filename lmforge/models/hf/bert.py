@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
+    CLASSIC_SWITCHES,
     PLAIN,
     HFAdapter,
     Mapping,
@@ -11,6 +12,7 @@ from lmforge.models.hf.base import (
     activation_to_hf,
     module_rows,
     qkv_rows,
+    require,
 )
 
 
@@ -48,6 +50,9 @@ class BertAdapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
+        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "post", "parallel_residual": False, "shared_norm": False,
+                      "position_embedding": "learned", "causal": False, "attention_bias": True, "qkv_bias": True,
+                      "tie_embeddings": True, "num_kv_heads": cfg.num_heads}, self.model_type)
         hf = {
             "architectures": ["BertForSequenceClassification" if cfg.num_labels else "BertForMaskedLM"],
             "model_type": "bert",

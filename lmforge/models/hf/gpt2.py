@@ -5,6 +5,7 @@ from __future__ import annotations
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
+    CLASSIC_SWITCHES,
     CONV1D,
     PLAIN,
     QKV_STACKED,
@@ -16,6 +17,7 @@ from lmforge.models.hf.base import (
     decoder_head,
     decoder_num_labels,
     module_rows,
+    require,
 )
 
 
@@ -48,6 +50,9 @@ class GPT2Adapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
+        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "pre", "parallel_residual": False, "shared_norm": False,
+                      "position_embedding": "learned", "causal": True, "attention_bias": True, "qkv_bias": True,
+                      "lm_head_bias": False, "type_vocab_size": 0, "num_kv_heads": cfg.num_heads}, self.model_type)
         return {
             **architecture(cfg, "GPT2", "LMHeadModel"),
             "model_type": "gpt2",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
+    CLASSIC_SWITCHES,
     PLAIN,
     QKV_GROUPED,
     HFAdapter,
@@ -15,6 +16,7 @@ from lmforge.models.hf.base import (
     decoder_head,
     decoder_num_labels,
     module_rows,
+    require,
     rope_scaling_check,
 )
 
@@ -53,6 +55,9 @@ class GPTNeoXAdapter(HFAdapter):
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         if not cfg.parallel_residual and cfg.shared_norm:
             raise UserError("GPT-NeoX has no shared-norm variant: export this model as gptj")
+        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "pre", "shared_norm": False, "position_embedding": "rotary",
+                      "rotary_interleaved": False, "causal": True, "lm_head_bias": False, "type_vocab_size": 0,
+                      "qkv_bias": cfg.attention_bias, "num_kv_heads": cfg.num_heads}, self.model_type)
         return {
             **architecture(cfg, "GPTNeoX", "ForCausalLM"),
             "model_type": "gpt_neox",

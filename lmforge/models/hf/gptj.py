@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
+    CLASSIC_SWITCHES,
     PLAIN,
     HFAdapter,
     Mapping,
@@ -15,6 +16,7 @@ from lmforge.models.hf.base import (
     decoder_num_labels,
     module_rows,
     qkv_rows,
+    require,
 )
 
 
@@ -51,6 +53,10 @@ class GPTJAdapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
+        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "pre", "parallel_residual": True, "shared_norm": True,
+                      "position_embedding": "rotary", "rotary_interleaved": True, "causal": True,
+                      "attention_bias": False, "qkv_bias": False, "lm_head_bias": True, "type_vocab_size": 0,
+                      "num_kv_heads": cfg.num_heads}, self.model_type)
         return {
             **architecture(cfg, "GPTJ", "ForCausalLM"),
             "model_type": "gptj",
