@@ -98,7 +98,8 @@ def test_existing_output_is_not_overwritten_without_flag(hf_dirs, tmp_path, caps
 
 def test_export_of_a_non_lmforge_folder_is_refused(hf_dirs, tmp_path, capsys):
     assert main(["export-hf", str(hf_dirs["gpt2"]), str(tmp_path / "out")]) == 1
-    assert "not an lmforge model folder" in capsys.readouterr().err
+    assert f"'{hf_dirs['gpt2']}' is a Hugging Face folder already: export-hf reads an lmforge model folder " \
+           "(lmforge.json) or a training checkpoint" in capsys.readouterr().err
 
 
 def test_debug_shows_the_traceback(tmp_path):

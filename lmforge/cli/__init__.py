@@ -35,7 +35,7 @@ VERBS = {
     "plan": Verb("plan", "trace one training step for N ranks on fake tensors: memory per device, device bugs"),
     "compile": Verb("compile", "warm the torch.compile cache that a following run reuses"),
     "import-hf": Verb("import_hf", "convert a Hugging Face model folder into an lmforge model folder"),
-    "export-hf": Verb("export_hf", "write an lmforge model folder as a Hugging Face folder"),
+    "export-hf": Verb("export_hf", "write an lmforge model folder or a training checkpoint as a Hugging Face folder"),
     "generate": Verb("generate", "generate text from a model folder"),
     "serve": Verb("serve", "serve a model over an OpenAI-compatible HTTP API with a chat page"),
     "eval": Verb("eval", "lm-evaluation-harness tasks on a model folder or training checkpoint, offline"),

@@ -1,4 +1,5 @@
-"""`lmforge export-hf CHECKPOINT_DIR OUT_DIR`: an lmforge model folder as a Hugging Face folder."""
+"""`lmforge export-hf CHECKPOINT_DIR OUT_DIR`: an lmforge model folder or a training checkpoint as a Hugging Face
+folder."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint_dir", help="lmforge model folder (lmforge.json + safetensors)")
+    p.add_argument("checkpoint_dir", help="lmforge model folder (lmforge.json + safetensors) or training checkpoint "
+                                          "(RUN_DIR/checkpoints/step-N)")
     p.add_argument("out_dir", help="Hugging Face folder to create")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: keep)")
     p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
@@ -14,8 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from lmforge.models.hf import export_hf
+    from lmforge.models.export import export_folder
     from lmforge.models.io import parse_dtype
 
-    hf = export_hf(args.checkpoint_dir, args.out_dir, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    hf = export_folder(args.checkpoint_dir, args.out_dir, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
     print(f"exported {hf['architectures'][0]} to {args.out_dir}")

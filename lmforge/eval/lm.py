@@ -215,30 +215,13 @@ class _progress:
         self.bar.close()
 
 
-def run_tokenizer_source(checkpoint: Path) -> Path | None:
-    """The tokenizer a training checkpoint's run used: its config.yaml's data.tokenizer, else the folder of
-    model.init_from (an HF or lmforge folder), else None."""
-    import yaml
-
-    config = checkpoint.parent.parent / "config.yaml"  # RUN_DIR/checkpoints/step-N
-    if not config.is_file():
-        return None
-    try:
-        run = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError:
-        return None
-    tokenizer = (run.get("data") or {}).get("tokenizer")
-    init_from = (run.get("model") or {}).get("init_from")
-    return Path(tokenizer) if tokenizer else Path(init_from) if init_from else None
-
-
 def load_model_and_tokenizer(path: str | Path, tokenizer_path: str | Path | None = None,
                              device: str | torch.device | None = "auto", dtype: str | None = None):
     """The model of an lmforge folder, HF folder or training checkpoint (read directly: no export), and its
     tokenizer: `tokenizer_path`, else the folder's own files, else (a checkpoint) the one its run used."""
     from lmforge.devices import resolve_device
     from lmforge.models.io import parse_dtype
-    from lmforge.models.source import load_pretrained, source_kind
+    from lmforge.models.source import load_pretrained, run_tokenizer_source, source_kind
     from lmforge.tokenizers import load_tokenizer
 
     folder = Path(path)

@@ -69,6 +69,33 @@ def tokenizer_folder(folder: str | Path) -> Path | None:
     return None if source_kind(folder) == "checkpoint" else Path(folder)
 
 
+def run_tokenizer_source(checkpoint: Path) -> Path | None:
+    """The tokenizer a training checkpoint's run used: its config.yaml's data.tokenizer, else the folder of
+    model.init_from (an HF or lmforge folder), else None."""
+    import yaml
+
+    config = Path(checkpoint).parent.parent / "config.yaml"  # RUN_DIR/checkpoints/step-N
+    if not config.is_file():
+        return None
+    try:
+        run = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError:
+        return None
+    tokenizer = (run.get("data") or {}).get("tokenizer")
+    init_from = (run.get("model") or {}).get("init_from")
+    return Path(tokenizer) if tokenizer else Path(init_from) if init_from else None
+
+
+def checkpoint_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype a training checkpoint holds its model's weights in (bf16 under bf16-sr, else fp32); None when
+    they are not all alike."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    dtypes = {m.properties.dtype for k, m in meta.items() if k.startswith("model.") and hasattr(m, "properties")}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def load_checkpoint_model(state: dict[str, torch.Tensor], folder: Path) -> None:
     """Fill `state` (a model state dict, DTensors where sharded) in place from a training checkpoint's model
     part: only the chunks overlapping each tensor are read. A checkpoint that does not fit is one UserError."""

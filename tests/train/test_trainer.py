@@ -116,6 +116,54 @@ def test_convert_to_hf_writes_a_folder_transformers_loads(tiny_corpus, tmp_path)
         assert torch.allclose(hf.eval()(ids).logits, trainer.model.eval()(ids), atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
+def test_export_hf_of_a_checkpoint_equals_the_runs_own_export(precision, tiny_corpus, shared_data, tmp_path):
+    """Issue 18 item 12: `lmforge export-hf RUN/checkpoints/step-N` said `no model.safetensors in ...`. It reads the
+    checkpoint directly, and its export of the last checkpoint is the folder the run wrote at the end: the same
+    tensors bit for bit (in the dtype the run kept: bf16 under bf16-sr), config.json and tokenizer files."""
+    from safetensors.torch import load_file
+
+    from lmforge.cli import main
+
+    tokenizer = shared_data / "tokenizers" / "gpt-neox-20b"
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=3", "checkpoint.every_n_steps=2",
+                     "checkpoint.save_top_k=-1", "checkpoint.convert_to_hf=true", "trainer.val_check_interval=0",
+                     f"trainer.precision={precision}", f"data.tokenizer={tokenizer}", "model.vocab_size=50277")
+    Trainer(cfg).fit()
+    run = tmp_path / "run"
+    assert main(["export-hf", str(run / "checkpoints" / "step-00000003"), str(tmp_path / "hf")]) == 0
+    ours, theirs = load_file(tmp_path / "hf" / "model.safetensors"), load_file(run / "hf" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
+    assert {t.dtype for t in ours.values()} == {torch.bfloat16 if precision == "bf16-sr" else torch.float32}
+    written = sorted(p.name for p in (run / "hf").iterdir())
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == written and "tokenizer.json" in written
+    for name in written:
+        assert (tmp_path / "hf" / name).read_bytes() == (run / "hf" / name).read_bytes(), name
+    # An earlier checkpoint exports its own weights, not the final ones.
+    assert main(["export-hf", str(run / "checkpoints" / "step-00000002"), str(tmp_path / "hf2")]) == 0
+    earlier = load_file(tmp_path / "hf2" / "model.safetensors")
+    assert not all(torch.equal(earlier[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.slow
+def test_export_hf_refuses_a_damaged_checkpoint_and_writes_nothing(tiny_corpus, tmp_path, capsys):
+    from lmforge.cli import main
+
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=1", "trainer.val_check_interval=0")
+    Trainer(cfg).fit()
+    step = tmp_path / "run" / "checkpoints" / "step-00000001"
+    shard = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["export-hf", str(step), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"checkpoint '{step}' is damaged" in err and shard.name in err
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["trainer.global_batch_size=6"], "global_batch_size 6 is not divisible by micro_batch_size 4"),
     (["data.seq_length=512"], "seq_length 512 exceeds the model's max_position_embeddings 256"),

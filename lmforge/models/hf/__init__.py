@@ -121,24 +121,31 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None
 
 def export_hf(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
               overwrite: bool = False) -> dict:
-    """Write an lmforge model folder as a Hugging Face folder transformers loads directly."""
+    """Write an lmforge model folder as a Hugging Face folder transformers loads directly (a training checkpoint:
+    lmforge.models.export.export_folder)."""
     model_dir = Path(model_dir)
     if not is_model_dir(model_dir):
         raise UserError(f"'{model_dir}' is not an lmforge model folder (no lmforge.json)")
-    cfg = read_config(model_dir)
-    adapter = adapter_for(cfg.family)
-    hf = adapter.config_to_hf(cfg)
-    get = read_tensors(model_dir)
-    model = build(cfg, device="meta")
     # The export holds the same tensors: about the folder's weight bytes (another dtype: unknown until written).
     needed = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) if dtype is None else None
+    return write_hf(read_config(model_dir), read_tensors(model_dir), model_dir, Path(out_dir), dtype, overwrite,
+                    needed)
+
+
+def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool,
+             needed: int | None) -> dict:
+    """A Hugging Face folder from a model's config and its tensors by lmforge name (`get`), with the tokenizer and
+    generation files found in `side_dir`, written atomically."""
+    adapter = adapter_for(cfg.family)
+    hf = adapter.config_to_hf(cfg)
+    model = build(cfg, device="meta")
     with atomic_dir(out_dir, overwrite, needed) as tmp:
         write_safetensors(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get), tmp, dtype)
         if dtype is not None:
             hf["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        copy_side_files(model_dir, tmp, SIDE_FILES)
-        own = sorted(model_dir.glob("*tokenizer.json"))
+        copy_side_files(side_dir, tmp, SIDE_FILES)
+        own = sorted(side_dir.glob("*tokenizer.json"))
         if not (tmp / "tokenizer.json").exists() and len(own) == 1:
             # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which transformers never looks
             # for: without tokenizer.json its AutoTokenizer loads an empty tokenizer and says nothing.
@@ -146,4 +153,5 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | N
     return hf
 
 
-__all__ = ["ADAPTERS", "adapter_for", "export_hf", "hf_tensors", "import_hf", "is_hf_dir", "read_hf_config"]
+__all__ = ["ADAPTERS", "adapter_for", "export_hf", "hf_tensors", "import_hf", "is_hf_dir", "read_hf_config",
+           "write_hf"]
