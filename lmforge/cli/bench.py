@@ -22,6 +22,7 @@ BENCHMARKS = {
     "generate": "greedy decode tokens/s vs transformers' generate",
     "lora": "LoRA fine-tuning tokens/s and peak memory vs PEFT + a plain transformers loop",
     "scaling": "throughput and tokens per dollar across process counts and parallel layouts",
+    "optim": "optimizer step: stochastic-rounding AdamWSR (bf16-sr) vs torch's fused and foreach AdamW",
     "rotary": "partial rotary: full-head rotation vs slicing",
     "serve_load": "200 concurrent streams against lmforge serve: errors, latency p50/p99, tokens/s",
 }

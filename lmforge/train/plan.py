@@ -304,7 +304,7 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
             step_peak = trace.peak
             grads = _local_bytes(p.grad for part in training.pm.parts for p in part.parameters())
             for o in training.optimizer.optimizers:
-                o.first_block_only = True  # AdamWSR (see there); others have no blocks
+                o.first_chunk_only = True  # AdamWSR (see there); others have no chunks
             training.optimizer.step()
             optimizer = _local_bytes(v for o in training.optimizer.optimizers for state in o.state.values()
                                      for v in state.values())

@@ -94,17 +94,17 @@ def test_fp32_optimizer_is_fused_adamw_with_the_reference_trajectory():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_adamw_sr_blocks_do_not_change_the_update(dtype):
-    """Updating in blocks (through the work buffers) is exact: with round-to-nearest the result is
-    bitwise that of one block per tensor, for any block size, and for a non-contiguous parameter."""
+def test_adamw_sr_chunks_do_not_change_the_update(dtype):
+    """Updating in chunks (through the work buffers) is exact: with round-to-nearest the result is
+    bitwise that of one chunk for all tensors, for any chunk size, and for a non-contiguous parameter."""
     torch.manual_seed(0)
     base = [torch.randn(37, 11).to(dtype), torch.randn(11, 37).to(dtype).t(), torch.randn(5).to(dtype)]
     grads = [[torch.randn(p.shape).to(dtype) for p in base] for _ in range(3)]
     results = []
-    for block in (7, 1 << 20):
+    for chunk in (7, 1 << 20):
         params = [torch.nn.Parameter(p.clone() if p.is_contiguous() else p.t().clone().t()) for p in base]
         assert not params[1].is_contiguous()
-        opt = AdamWSR(params, lr=1e-2, weight_decay=0.1, stochastic_rounding=False, block_size=block)
+        opt = AdamWSR(params, lr=1e-2, weight_decay=0.1, stochastic_rounding=False, chunk_size=chunk)
         for step in grads:
             for p, g in zip(params, step, strict=True):
                 p.grad = g.clone()
@@ -134,3 +134,113 @@ def test_adamw_sr_keeps_bf16_updates_in_expectation():
     nearest = run(torch.bfloat16, stochastic_rounding=False).mean().item()
     assert nearest == 1.0
     assert abs(sr - exact) < 0.05 * (1 - exact)
+
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values either side of fp32 x: toward zero (truncated) and the next one away from zero."""
+    down = x.view(torch.int32).bitwise_and(-65536).view(torch.float32)
+    up = torch.nextafter(down.bfloat16(), x.sign().bfloat16() * float("inf")).float()
+    return down, up
+
+
+def _sr_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    """Tensors of many shapes: matrices, a non-contiguous one, vectors, a scalar, an empty shard."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64, 33), (33, 64), (7,), (), (0,), (300,), *[(5,)] * 20]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in shapes]
+    params[1] = torch.nn.Parameter(params[1].detach().t().contiguous().t())
+    return params
+
+
+@pytest.mark.parametrize("chunk", [None, 100, 1000])
+def test_adamw_sr_step_is_fp32_adamw_rounded_to_a_neighbour_without_bias(chunk):
+    """Each step of AdamWSR on bf16 weights and moments equals torch's AdamW in fp32 on the same values
+    (weights, gradients, moments, step), rounded to one of the two neighbouring bf16 values, the weights'
+    and both moments'; the rounding errors sum to ~0 (unbiased), where round-to-nearest is exact."""
+    params = _sr_params()
+    assert not params[1].is_contiguous()
+    gen = torch.Generator().manual_seed(1)
+    opt = AdamWSR(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, seed=3, chunk_size=chunk)
+    errors, spreads = [], []
+    for step in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        before = {p: (p.detach().float(), {k: v.float() if k != "step" else v.clone()
+                                          for k, v in opt.state[p].items()}) for p in params}
+        opt.step()
+        for p in params:
+            w, state = before[p]
+            ref = torch.nn.Parameter(w.clone())
+            ref.grad = p.grad.float()
+            ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, foreach=False)
+            if state:
+                ref_opt.state[ref] = state
+            ref_opt.step()
+            pairs = [(p.detach(), ref.detach())] + [(opt.state[p][k], ref_opt.state[ref][k])
+                                                    for k in ("exp_avg", "exp_avg_sq")]
+            for got, want in pairs:
+                assert got.dtype == torch.bfloat16 and got.shape == want.shape
+                down, up = _bf16_neighbours(want)
+                got = got.float()
+                assert torch.all((got == down) | (got == up)), (step, p.shape)
+                errors.append((got - want).double().flatten())
+                spreads.append((up - down).double().flatten())
+    err, spread = torch.cat(errors), torch.cat(spreads)
+    # Unbiased: the sum of errors within 5 standard deviations (each error has variance <= spread^2 / 4).
+    assert abs(err.sum().item()) < 5 * (spread.square().sum() / 4).sqrt().item()
+    assert (err != 0).float().mean() > 0.5  # and it did round: most results are not the fp32 value
+
+
+def test_adamw_sr_is_deterministic_under_a_seed_and_resumes_bit_exact():
+    """The same seed draws the same noise (also for a run resumed from the state dict at step 2);
+    another seed rounds differently."""
+    def run(seed, steps=4, resume_at=None):
+        params = _sr_params()
+        gen = torch.Generator().manual_seed(1)
+        grads = [[torch.randn(p.shape, generator=gen).bfloat16() for p in params] for _ in range(steps)]
+        opt = AdamWSR(params, lr=1e-2, weight_decay=0.1, seed=seed)
+        for i, step in enumerate(grads):
+            if i == resume_at:  # a new optimizer over copies of the weights, loaded from the state dict
+                saved, weights = opt.state_dict(), [p.detach().clone() for p in params]
+                params = [torch.nn.Parameter(w) for w in weights]
+                opt = AdamWSR(params, lr=1e-2, weight_decay=0.1, seed=seed)
+                opt.load_state_dict(saved)
+            for p, g in zip(params, step, strict=True):
+                p.grad = g
+            opt.step()
+        return torch.cat([p.detach().float().flatten() for p in params])
+
+    a = run(0)
+    assert torch.equal(a, run(0)) and torch.equal(a, run(0, resume_at=2))
+    assert not torch.equal(a, run(1))
+
+
+def test_adamw_sr_dispatches_a_few_ops_per_chunk_not_per_tensor():
+    """One step over 400 small tensors (one chunk) launches as many kernels as over 4: the update is fused
+    over the group (one foreach copy per operand), not ~27 launches per tensor as a loop over tensors.
+    Counted: ops that are no views and touch more than the (host-side, 0-dim) step counters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+            if not func.is_view and any(x.dim() for x in tensors):
+                Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(n_tensors):
+        params = [torch.nn.Parameter(torch.randn(50).bfloat16()) for _ in range(n_tensors)]
+        for p in params:
+            p.grad = torch.randn(50).bfloat16()
+        opt = AdamWSR(params, lr=1e-2)
+        opt.step()  # the state is made
+        Count.ops = 0
+        with Count():
+            opt.step()
+        return Count.ops
+
+    few, many = ops(4), ops(400)
+    assert many == few < 40, (few, many)

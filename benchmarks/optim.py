@@ -1,0 +1,154 @@
+"""Optimizer step: lmforge's stochastic-rounding AdamWSR (bf16-sr) vs torch.optim.AdamW, fused and foreach.
+
+The parameters have a preset's shapes (Pythia-70m by default) and its weight-decay groups. torch's AdamW
+steps fp32 weights (the fp32 and bf16-mixed recipes); AdamWSR steps bf16 weights and moments (bf16-sr) with
+stochastic rounding, and with round-to-nearest for comparison. Each optimizer takes turns, step by step,
+so that load on the machine hits all alike; times are medians, and the ratio to fused AdamW is the median
+of the per-turn ratios. Before timing, one AdamWSR step is checked against torch's AdamW in fp32 on the
+same values (every result one of the two bf16 neighbours of the fp32 one). "ops/step" counts the aten ops
+one step dispatches (each a kernel launch or more on a GPU). `--help` lists the options.
+"""
+
+import argparse
+import datetime
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from report import accelerator_description, publish  # benchmarks/report.py
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lmforge.models import build
+from lmforge.train.optim import AdamWSR, param_groups
+
+SECTION = "## Optimizer step: stochastic-rounding AdamW vs torch's fused AdamW"
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def make(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[dict]:
+    """The preset's parameters as leaf tensors on `device`, with gradients, in its decay groups."""
+    shapes = build(model, device="meta")
+    groups = param_groups(shapes, WD)
+    gen = torch.Generator(device).manual_seed(seed)
+    out = []
+    for g in groups:
+        params = []
+        for p in g["params"]:
+            x = torch.nn.Parameter(torch.randn(p.shape, device=device, generator=gen).mul_(0.02).to(dtype))
+            x.grad = torch.randn(p.shape, device=device, generator=gen).mul_(1e-3).to(dtype)
+            params.append(x)
+        out.append({"params": params, "weight_decay": g["weight_decay"]})
+    return out
+
+
+def optimizers(model: str, device: torch.device) -> dict[str, torch.optim.Optimizer]:
+    kw = dict(lr=LR, betas=BETAS, eps=EPS)
+    return {
+        "torch AdamW fused, fp32": torch.optim.AdamW(make(model, torch.float32, device), fused=True, **kw),
+        "torch AdamW foreach, fp32": torch.optim.AdamW(make(model, torch.float32, device), foreach=True, **kw),
+        "lmforge AdamWSR, bf16, stochastic rounding": AdamWSR(make(model, torch.bfloat16, device), **kw),
+        "lmforge AdamWSR, bf16, round to nearest": AdamWSR(make(model, torch.bfloat16, device),
+                                                           stochastic_rounding=False, **kw),
+    }
+
+
+def check(device: torch.device) -> None:
+    """One AdamWSR step equals torch's fp32 AdamW on the same values, up to the final rounding to bf16."""
+    gen = torch.Generator(device).manual_seed(1)
+    w, g, m = (torch.randn(4096, device=device, generator=gen).bfloat16() for _ in range(3))
+    v = torch.rand(4096, device=device, generator=gen).bfloat16()
+    p = torch.nn.Parameter(w.clone())
+    p.grad = g.clone()
+    opt = AdamWSR([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    opt.step()
+    ref = torch.nn.Parameter(w.float())
+    ref.grad = g.float()
+    ref_opt = torch.optim.AdamW([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    ref_opt.state[ref] = {"step": torch.tensor(1.0), "exp_avg": m.float(), "exp_avg_sq": v.float()}
+    ref_opt.step()
+    pairs = [(p.detach(), ref.detach())] + [(opt.state[p][k], ref_opt.state[ref][k]) for k in ("exp_avg", "exp_avg_sq")]
+    for got, want in pairs:
+        down = want.view(torch.int32).bitwise_and(-65536).view(torch.float32)  # toward zero, in bf16
+        up = torch.nextafter(down.bfloat16(), want.sign().bfloat16() * float("inf")).float()
+        ok = (got.float() == down) | (got.float() == up)
+        assert bool(ok.all()), f"AdamWSR is not fp32 AdamW rounded to a bf16 neighbour at {int((~ok).sum())} values"
+
+
+def run(args, device: torch.device) -> list[dict]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    check(device)
+    opts = optimizers(args.model, device)
+    for opt in opts.values():  # warm-up: state allocated, work buffers made
+        opt.step()
+    ops = {}
+    for name, opt in opts.items():
+        with CountOps() as counter:
+            opt.step()
+        ops[name] = counter.ops
+    times = {name: [] for name in opts}
+    for _ in range(args.repeats):
+        for name, opt in opts.items():
+            sync()
+            start = time.perf_counter()
+            opt.step()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    base = times["torch AdamW fused, fp32"]
+    numel = sum(p.numel() for g in next(iter(opts.values())).param_groups for p in g["params"])
+    return [dict(name=name, ms=statistics.median(t) * 1e3, ops=ops[name], numel=numel,
+                 ratio=statistics.median(a / b for a, b in zip(t, base, strict=True))) for name, t in times.items()]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| optimizer | ms/step | ns/parameter | ops/step | vs fused AdamW |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for x in rows:
+        lines.append(f"| {x['name']} | {x['ms']:.1f} | {x['ms'] * 1e6 / x['numel']:.2f} | {x['ops']} | "
+                     f"**{x['ratio']:.2f}x** |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--model", default="pythia-70m", help="preset whose parameter shapes are stepped")
+    p.add_argument("--repeats", type=int, default=11, help="timed steps per optimizer")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu")
+    if device.type != args.device:
+        sys.exit(f"--device cuda: CUDA is not available (torch {torch.__version__})")
+    if device.type == "cuda":
+        machine = accelerator_description(device)
+    else:
+        cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        machine = f"{cpu.group(1) if cpu else 'unknown CPU'}, {torch.get_num_threads()} threads"
+    t0 = time.perf_counter()
+    rows = run(args, device)
+    command = " ".join(["lmforge bench optim", *sys.argv[1:]])
+    body = (f"Command: `{command}`. {machine}, torch {torch.__version__}, {datetime.date.today()}; "
+            f"{args.model} shapes ({rows[0]['numel'] / 1e6:.1f}M parameters, its weight-decay groups); median "
+            f"of {args.repeats} steps each, taking turns; {time.perf_counter() - t0:.0f} s in all, load average "
+            f"{os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n")
+    publish(f"{SECTION} ({device.type.upper()})", body, args.write)
+
+
+if __name__ == "__main__":
+    main()
