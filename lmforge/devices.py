@@ -6,6 +6,7 @@
                              device tensors through the device's own collective library
     synchronize(device)      wait for the device's queued work (timing)
     bf16_matmul(device)      whether the device multiplies bf16 matrices in hardware (trainer.precision=auto)
+    set_tf32(device, on)     TF32 for fp32 matrix products on CUDA (trainer.tf32)
 
 The CPU is one device among others, not the assumption: everything else asks here.
 """
@@ -150,3 +151,18 @@ def bf16_matmul(device: torch.device) -> tuple[bool, str]:
     if check is not None and not check():
         return False, f"torch.{device.type} reports no bf16 support"
     return True, f"{device.type} accelerators multiply bf16 matrices in hardware"
+
+
+def set_tf32(device: torch.device, enabled: bool) -> bool:
+    """On CUDA, let fp32 matrix products and cuDNN convolutions run on TF32 tensor cores (10-bit mantissa,
+    fp32 range; up to ~7x the fp32 rate on Ampere and later) or not. Returns whether it set anything: other
+    devices keep their own defaults.
+
+    Through torch.set_float32_matmul_precision and cudnn.allow_tf32, which every torch from 2.6 on has: on
+    2.9+ setting the per-backend `fp32_precision` attributes instead leaves torch.get_float32_matmul_precision
+    and cudnn.allow_tf32 (which Inductor reads) raising "a mix of the legacy and new APIs" (torch 2.13)."""
+    if device.type != "cuda":
+        return False
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    return True

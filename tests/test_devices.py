@@ -89,3 +89,26 @@ def test_this_machines_cpu_flags_agree_with_torch():
     if "avx2" not in flags:
         pytest.skip("not an x86 Linux CPU")
     assert ("avx512_bf16" in flags) == torch.cpu._is_avx512_bf16_supported()
+
+
+@pytest.fixture
+def tf32_flags():
+    """The process-wide TF32 flags, restored after the test."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield lambda: (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+                   torch.backends.cuda.matmul.allow_tf32)
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def test_tf32_is_set_for_cuda_only_and_off_by_the_key(tf32_flags):
+    torch.set_float32_matmul_precision("highest")
+    before = tf32_flags()
+    assert not devices.set_tf32(torch.device("cpu"), True) and tf32_flags() == before  # a CPU keeps its own
+    assert devices.set_tf32(torch.device("cuda", 1), True)
+    assert tf32_flags() == ("high", True, True)
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch 2.9+: the new names agree, no mixed-API error
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert devices.set_tf32(torch.device("cuda"), False)
+    assert tf32_flags() == ("highest", False, False)
+

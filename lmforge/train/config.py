@@ -101,6 +101,7 @@ class TrainerConfig:
     device: str = "auto"  # auto: the accelerator torch.accelerator reports (CUDA, ...), else cpu; or cpu, cuda, ...
     dist_backend: str | None = None  # default: gloo for CPU tensors + the device's own (cpu:gloo,cuda:nccl)
     compile: bool = False  # torch.compile each block
+    tf32: bool = True  # CUDA: fp32 matrix products on TF32 tensor cores (10-bit mantissa); false: full fp32
     compile_backend: str = "inductor"  # torch.compile's backend (e.g. a vendor's for its accelerator)
     compile_cache_dir: str | None = None  # persistent compile cache; default RUN_DIR/compile_cache
     activation_checkpointing: bool = False

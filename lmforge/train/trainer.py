@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lmforge.devices import synchronize
+from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
@@ -74,6 +74,9 @@ class Trainer:
             from lmforge.devices import bf16_matmul
 
             log.info("trainer.precision=auto: %s (%s)", precision.name, bf16_matmul(self.world.device)[1])
+        if set_tf32(self.world.device, t.tf32) and self.world.is_main:
+            log.info("fp32 matrix products on %s: %s", self.world.device.type,
+                     "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")
         torch.manual_seed(t.seed)  # dropout masks and data order: the same run draws the same (weights seed their own)
         # A layout that shards the model gets it on the meta device: each rank fills only its own shards.
         # (LoRA wraps the whole model before it is laid out: no meta-device model then.)

@@ -267,3 +267,18 @@ def test_a_mixture_of_experts_trains_with_its_router_losses_logged(preset, tiny_
     # perfectly balanced, at most k * num_experts.
     k, experts = cfg.model.resolve().experts_per_token, cfg.model.resolve().num_experts
     assert all(0.95 * k <= r["aux_loss"] <= k * experts and r["z_loss"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("key", ["true", "false"])
+def test_a_run_sets_tf32_for_its_device_from_trainer_tf32(key, tiny_corpus, tmp_path, monkeypatch):
+    """The Trainer hands its device and trainer.tf32 to set_tf32 (which acts on CUDA only: tests/test_devices.py): a CPU
+    run leaves the flags as they were."""
+    from lmforge import devices
+
+    calls = []
+    monkeypatch.setattr("lmforge.train.trainer.set_tf32", lambda d, on: calls.append((d.type, on)) or
+                        devices.set_tf32(d, on))
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    Trainer(run_config(tiny_corpus, tmp_path / "run", f"trainer.tf32={key}", "trainer.max_steps=1"))
+    assert calls == [("cpu", key == "true")]
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
