@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.parallel.mesh import ParallelConfig, check_model
+from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model
 from lmforge.parallel.pipeline import StageShapes, build_schedule, split_model, stage_ids
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
 
@@ -117,6 +117,19 @@ def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_
     # The root unit keeps torch's default unless told not to reshard: its parameters stay gathered from the
     # forward to the backward that needs them at once (an explicit True would all-gather them again).
     fully_shard(part, **kwargs, **({} if reshard_after_forward else {"reshard_after_forward": False}))
+
+
+def fsdp_mixed_precision(cfg: ParallelConfig, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None):
+    """FSDP2's MixedPrecisionPolicy for a run's precision, or None (FSDP2 then gathers and reduces in the
+    parameters' dtype). Mixed precision (fp32 weights under bf16 autocast): each unit all-gathers its
+    parameters as bf16 (half the bytes; autocast would cast them to bf16 for the matmuls anyway) and
+    reduce-scatters gradients in parallel.fsdp_reduce_dtype; the sharded weights, gradients and optimizer
+    stay fp32. Weights that are bf16 already (bf16, bf16-sr) have nothing to cast."""
+    if autocast_dtype is None or param_dtype == autocast_dtype:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=REDUCE_DTYPES[cfg.fsdp_reduce_dtype])
 
 
 def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:

@@ -78,6 +78,17 @@ def fake_world(device: torch.device, world_size: int, rank: int = 0) -> Iterator
         dist.destroy_process_group()
 
 
+def collective_kind(op: str) -> str | None:
+    """'all_gather', 'reduce_scatter', 'all_reduce' or 'all_to_all' for a c10d op's name; None for the others
+    (barriers, sends, a collective's wait)."""
+    name = op.replace("_", "")
+    for kind, words in (("reduce_scatter", ("reducescatter",)), ("all_gather", ("allgather",)),
+                        ("all_reduce", ("allreduce",)), ("all_to_all", ("alltoall",))):
+        if any(w in name for w in words):
+            return kind
+    return None
+
+
 class TraceMode(TorchDispatchMode):
     """The dispatch mode of a fake trace (see the module docstring); enter it inside FakeTensorMode."""
 
@@ -90,6 +101,9 @@ class TraceMode(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.at_backward: int | None = None  # live bytes when the first backward began (saved activations)
+        # Bytes each kind of collective moved (see collective_kind), counted as its largest tensor: the
+        # gathered output of an all-gather, the unreduced input of a reduce-scatter (nccl-tests' "size").
+        self.collective_bytes: dict[str, int] = {}
         self._any: dict[int, bool] = {}
 
     def __enter__(self):
@@ -145,6 +159,10 @@ class TraceMode(TorchDispatchMode):
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func.namespace in ("c10d", "_c10d_functional"):
             self._check_collective(func, tensors)
+            kind = collective_kind(func.overloadpacket.__name__)
+            if kind is not None and tensors:
+                size = max(t.numel() * t.element_size() for t in tensors)
+                self.collective_bytes[kind] = self.collective_bytes.get(kind, 0) + size
         if tensors and not any(isinstance(t, FakeTensor) for t in tensors) and all(
                 t.device.type == "cpu" for t in tensors) and kwargs.get("device") in (None, "cpu", torch.device("cpu")):
             # Real CPU tensors in, real out: torch's own bookkeeping (a DeviceMesh's rank tensors), which

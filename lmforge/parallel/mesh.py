@@ -26,6 +26,9 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @dataclass
 class ParallelConfig:
     """`parallel.*` in a run config. data_shard=-1 takes whatever the other dims leave of the world."""
@@ -39,6 +42,9 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"
     microbatches: int = 0  # per pipeline step; 0: pipeline x virtual_stages
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b needs >= 2)
+    # FSDP2 under bf16-mixed all-gathers bf16 parameters (half the bytes of fp32); gradients are reduce-scattered
+    # in this dtype: fp32 (torchtitan's default: sums of many ranks' bf16 gradients lose bits) or bf16.
+    fsdp_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in SCHEDULES:
@@ -48,6 +54,9 @@ class ParallelConfig:
         for name in ("pipeline", "data_replicate", "tensor", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
+            raise UserError(f"parallel.fsdp_reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, "
+                            f"got {self.fsdp_reduce_dtype!r}")
         if self.data_shard == 0 or self.data_shard < -1:
             raise UserError(f"parallel.data_shard must be >= 1 or -1 (the rest of the world), got {self.data_shard}")
         if self.pipeline_schedule == "interleaved_1f1b" and self.pipeline > 1 and self.virtual_stages < 2:

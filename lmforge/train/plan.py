@@ -31,7 +31,7 @@ import logging
 import pickle
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,7 @@ class RankPlan:
     optimizer: int
     activations: int
     peak: int
+    collectives: dict[str, int] = field(default_factory=dict)  # bytes per collective kind in the step (TraceMode)
 
     def bytes(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in CATEGORIES}
@@ -83,7 +84,8 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "device": self.device, "per_rank_bytes": self.per_rank_bytes(),
-                "ranks": [{"rank": r.rank, "stage": r.stage, **r.bytes()} for r in self.ranks],
+                "ranks": [{"rank": r.rank, "stage": r.stage, **r.bytes(), "collective_bytes": r.collectives}
+                          for r in self.ranks],
                 "layout": self.layout, "microbatches": self.microbatches,
                 "traced_microbatches": self.traced_microbatches, "traced_on": self.traced_on,
                 "layers_per_chunk": self.layers, "traced_layers_per_chunk": self.traced_layers,
@@ -163,7 +165,12 @@ def _extrapolate(traces: list[RankPlan], depths: list[int], layers: int) -> Rank
         a, b = getattr(lo, k), getattr(hi, k)
         return a + (b - a) * (layers - d1) // (d2 - d1)
 
-    return RankPlan(lo.rank, lo.stage, **{k: at(k) for k in CATEGORIES})
+    def comm(k: str) -> int:  # a collective's bytes grow with the blocks alike
+        a, b = lo.collectives.get(k, 0), hi.collectives.get(k, 0)
+        return a + (b - a) * (layers - d1) // (d2 - d1)
+
+    return RankPlan(lo.rank, lo.stage, **{k: at(k) for k in CATEGORIES},
+                    collectives={k: comm(k) for k in {*lo.collectives, *hi.collectives}})
 
 
 def check_memory(plan: Plan, device_memory: int) -> None:
@@ -311,4 +318,5 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
             optimizer_peak = trace.peak
             training.optimizer.zero_grad(set_to_none=True)
     activations = max(0, (trace.at_backward or params) - params)
-    return RankPlan(rank, stage, params, grads, optimizer, activations, max(step_peak + optimizer, optimizer_peak))
+    return RankPlan(rank, stage, params, grads, optimizer, activations, max(step_peak + optimizer, optimizer_peak),
+                    dict(trace.collective_bytes))

@@ -44,6 +44,7 @@ from lmforge.parallel import (
     pipeline_eval,
     pipeline_step,
 )
+from lmforge.parallel.compose import fsdp_mixed_precision
 from lmforge.parallel.data_parallel import gradient_sync, unwrap
 from lmforge.parallel.pipeline import StageShapes
 from lmforge.train.config import OptimConfig, Precision
@@ -152,7 +153,8 @@ class ParallelTraining:
         if pipeline_rows is not None:
             shards = layout.tensor if layout.tensor > 1 and layout.sequence_parallel else 1
             shapes = StageShapes(pipeline_rows, seq_length, precision.param_dtype, shards)
-        self.pm = parallelize(model, layout, self.mesh, device=device, stage_shapes=shapes)
+        mp_policy = fsdp_mixed_precision(layout, precision.param_dtype, precision.autocast_dtype)
+        self.pm = parallelize(model, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes)
         if fill is not None:
             fill(self.pm)
         self.layout, self.task, self.seq_length = layout, task, seq_length

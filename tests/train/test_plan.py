@@ -74,6 +74,10 @@ CASES = {
     "deep_whole": _case(2, "model.num_layers=8", "trainer.data_parallel=fsdp", shallow=4),
     "world_3_tp_2": _case(3, "parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
     "unknown_device": _case(2, device="nope"),
+    # FSDP2's mixed precision: bf16 all-gathers, reduce-scatters in parallel.fsdp_reduce_dtype (fp32 by default).
+    "fsdp_fp32": _case(2, "trainer.data_parallel=fsdp"),
+    "bf16_mixed_reduce_bf16": _case(2, "trainer.precision=bf16-mixed", "trainer.data_parallel=fsdp",
+                                    "parallel.fsdp_reduce_dtype=bf16"),
     "no_room": _case(2, device_memory=1024),
 }
 PIPELINES = {  # each stage traced in a forked process; the stages built with static shapes
@@ -130,6 +134,18 @@ def test_precision_auto_plans_what_a_gpu_runs(planned):
     """trainer.precision=auto (the default) is bf16-mixed on a device with bf16 matrix units: a CUDA plan made on
     this CPU (which has none) traces bf16 autocast, not the host's fp32."""
     assert planned["auto_precision"]["plan"]["ranks"] == planned["bf16_mixed"]["plan"]["ranks"]
+
+
+@pytest.mark.slow
+def test_fsdp_under_bf16_mixed_gathers_half_the_bytes(planned):
+    """bf16-mixed under FSDP2 all-gathers bf16 parameters: half the bytes of fp32 (the sharded weights stay
+    fp32); gradients are reduce-scattered in fp32 unless parallel.fsdp_reduce_dtype=bf16 halves them too."""
+    fp32, mixed, reduce_bf16 = ([planned[n]["plan"]["ranks"][0][k] for k in ("collective_bytes", "params")]
+                                for n in ("fsdp_fp32", "bf16_mixed", "bf16_mixed_reduce_bf16"))
+    assert fp32[0]["all_gather"] > 0 and fp32[0]["reduce_scatter"] > 0
+    assert mixed[0]["all_gather"] * 2 == fp32[0]["all_gather"] == reduce_bf16[0]["all_gather"] * 2
+    assert mixed[0]["reduce_scatter"] == fp32[0]["reduce_scatter"] == reduce_bf16[0]["reduce_scatter"] * 2
+    assert mixed[1] == fp32[1] == reduce_bf16[1]  # the sharded parameters: fp32 in all three
 
 
 @pytest.mark.slow
