@@ -102,6 +102,8 @@ class TrainerConfig:
     dist_backend: str | None = None  # default: gloo for CPU tensors + the device's own (cpu:gloo,cuda:nccl)
     compile: bool = False  # torch.compile each block
     tf32: bool = True  # CUDA: fp32 matrix products on TF32 tensor cores (10-bit mantissa); false: full fp32
+    float8: bool = False  # the blocks' linears in FP8 through torchao (lmforge[fp8]; CUDA, compute capability 8.9+)
+    float8_recipe: str = "tensorwise"  # FP8 scales: tensorwise (faster) | rowwise (more accurate with outliers)
     compile_backend: str = "inductor"  # torch.compile's backend (e.g. a vendor's for its accelerator)
     compile_cache_dir: str | None = None  # persistent compile cache; default RUN_DIR/compile_cache
     activation_checkpointing: bool = False
@@ -292,6 +294,7 @@ class RunConfig:
         _choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _choice("checkpoint.mode", self.checkpoint.mode, ("min", "max"))
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))
+        _choice("trainer.float8_recipe", t.float8_recipe, ("tensorwise", "rowwise"))
         for name in ("max_steps", "global_batch_size", "micro_batch_size"):
             if getattr(t, name) < 1:
                 raise UserError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")

@@ -25,6 +25,7 @@ from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
 from lmforge.train.data import micro_batches
 from lmforge.train.downstream import DownstreamEval
+from lmforge.train.float8 import check_float8, convert_to_float8
 from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, merged, write_adapter
 from lmforge.train.metrics import (
     MFU,
@@ -62,6 +63,8 @@ class Trainer:
         self.world = init_world(cfg.trainer.device, cfg.trainer.dist_backend)
         self.run_dir = Path(cfg.run_dir)
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
+        if t.float8:
+            check_float8(self.world.device, layout.tensor, cfg.lora is not None)
         # Batch and sequence length before the data: building it writes sample indices beside the data.
         check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
                              t.global_batch_size, layout.data_parallel)
@@ -92,6 +95,8 @@ class Trainer:
         if cfg.lora is not None:
             apply_run_lora(model, cfg, layout)
         self.task.prepare(model, cfg, layout, self.world.device)
+        if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
+            convert_to_float8(model, t.float8_recipe)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
         if t.compile:
