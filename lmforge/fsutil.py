@@ -8,12 +8,52 @@ import errno
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lmforge.errors import UserError
+
+# What atomic_write and atomic_dir leave when killed: `.NAME.tmp-PID` (the new NAME being written) and
+# `.NAME.old-PID` (the previous NAME, between the two renames that replace it).
+LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_leftovers(folder: str | Path, name: str | None = None, only_dead: bool = True) -> list[Path]:
+    """Remove what a killed atomic_write or atomic_dir left in `folder` (only those for `name`, where given):
+    `.NAME.tmp-PID`, and `.NAME.old-PID`, which is renamed back to NAME where NAME is gone (the kill came
+    between moving the old NAME aside and putting the new one in its place). `only_dead`: only those of
+    processes no longer running here; False where nothing else can be writing the folder (a held run folder).
+    Returns what was removed or restored."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    done = []
+    for path in sorted(folder.iterdir()):
+        m = LEFTOVER.match(path.name)
+        if not m or (name is not None and m["name"] != name) or (only_dead and _running(int(m["pid"]))):
+            continue
+        final = folder / m["name"]
+        if m["kind"] == "old" and not final.exists():
+            path.rename(final)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        done.append(path)
+    return done
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> None:
@@ -38,6 +78,7 @@ def atomic_dir(final: str | Path, overwrite: bool = False, needed: int | None = 
     failed) and the bytes free. Where fewer than `needed` bytes are free, that error comes before any write.
     """
     final = Path(final)
+    remove_leftovers(final.parent, final.name)  # of an earlier write of `final` that was killed
     if final.exists() and not overwrite and (final.is_file() or any(final.iterdir())):
         raise UserError(f"output '{final}' already exists and is not empty: choose another path or pass --overwrite")
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,14 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 from types import ModuleType
 from typing import NamedTuple
 
 from lmforge import __version__
 from lmforge.errors import UserError
+from lmforge.launcher import end_with_launcher
 
 
 class Verb(NamedTuple):
@@ -63,6 +65,7 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_with_launcher()  # first: a torchrun worker whose launcher is killed must not train on alone
     argv = sys.argv[1:] if argv is None else argv
     verb = next((a for a in argv if not a.startswith("-")), None)  # top-level options take no value
     args = parser(verb if verb in VERBS else None).parse_args(argv)
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
             print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C; a training run saves a checkpoint first and says where (Stopped)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
     return 0

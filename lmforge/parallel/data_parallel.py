@@ -31,7 +31,9 @@ def init_world(device: str = "auto", backend: str | None = None, timeout_minutes
     (the accelerator torch.accelerator reports, else the CPU), "cpu", "cuda", ... (lmforge.devices);
     `backend`: the process-group backend, default gloo for CPU tensors plus the device's own library."""
     from lmforge.devices import dist_backend, resolve_device, set_device
+    from lmforge.launcher import end_with_launcher
 
+    end_with_launcher()  # a torchrun worker dies with its launcher (library use; the CLI did it already)
     size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     resolved = resolve_device(device, local_rank, key="trainer.device")

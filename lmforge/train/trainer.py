@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
-from lmforge.fsutil import atomic_write
+from lmforge.fsutil import atomic_write, remove_leftovers
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.mesh import build_mesh
@@ -40,6 +41,7 @@ from lmforge.train.metrics import (
 from lmforge.train.optim import lr_at
 from lmforge.train.progress import Progress
 from lmforge.train.resume import ConfigDiff, record_changes
+from lmforge.train.run_lock import hold_run_dir
 from lmforge.train.setup import (
     apply_activation_checkpointing,
     check_fit,
@@ -50,6 +52,7 @@ from lmforge.train.setup import (
     use_compile_cache,
 )
 from lmforge.train.step import ParallelTraining, check_pipeline_batch
+from lmforge.train.stopping import Stopped, StopSignals
 from lmforge.train.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,18 @@ class Trainer:
         self.task = get_task(cfg.data.task)
         self.world = init_world(cfg.trainer.device, cfg.trainer.dist_backend)
         self.run_dir = Path(cfg.run_dir)
+        # One run per folder, from before the resume cleans it up until fit() ends (rank 0 holds it).
+        self.run_lock = hold_run_dir(self.run_dir, t.lock_wait)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        cfg, t = self.cfg, self.cfg.trainer
+        if self.world.is_main:
+            remove_run_leftovers(self.run_dir, held=self.run_lock is not None and self.run_lock.held)
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
         if t.float8:
             check_float8(self.world.device, layout.tensor, cfg.lora is not None)
@@ -140,6 +155,12 @@ class Trainer:
         self.totals = RunTotals(self.state["step"])
         self.nodes = nodes_from_env()
 
+    def close(self) -> None:
+        """Let go of the run folder (fit() does at its end; a process that dies lets go of it anyway)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
+
     @property
     def model(self) -> torch.nn.Module:
         """The model being trained (the pipeline stages' ParallelModel under a pipeline)."""
@@ -185,16 +206,20 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         try:
-            return self._fit()
+            with StopSignals() as stop:
+                return self._fit(stop)
         except BaseException:
             self.checkpoints.close()  # a checkpoint still being written (checkpoint.async_save) is finished first
             raise
+        finally:
+            self.close()  # then the run folder is let go
 
-    def _fit(self) -> dict[str, float]:
+    def _fit(self, stop: StopSignals) -> dict[str, float]:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
         start = self.state["step"]
         if self.finished:  # a rerun of a finished run: nothing to train, nothing to write (summary says so)
             if cfg.checkpoint.convert_to_hf and not (self.run_dir / "hf").is_dir():  # its export was cut short
+                stop.restore()  # an export is no step: Ctrl-C stops it at once (its temporary folder goes with it)
                 self.export_hf(self.run_dir / "hf")
             return {}
         if world.is_main:
@@ -213,6 +238,7 @@ class Trainer:
         progress = Progress(t.max_steps, start) if world.is_main and t.progress_bar else None
         self.model.train()
         last: dict[str, float] = {}
+        stopped: Stopped | None = None
         fit_started = time.perf_counter()
         for step in range(start, t.max_steps):
             lr = lr_at(step, cfg.optim, t.max_steps)
@@ -246,8 +272,16 @@ class Trainer:
             if progress is not None:
                 progress.update(step + 1, last)
             every = cfg.checkpoint.every_n_steps
+            saved = None
             if every and (step + 1) % every == 0 and step + 1 != t.max_steps:
-                self.save(wait=False)
+                saved = self.save(wait=False)
+            if (signum := stop.requested(world.device)) is not None:  # Ctrl-C, SIGTERM: save this step, stop
+                if saved is None:
+                    saved = self.save()
+                self.checkpoints.wait()
+                stopped = Stopped(f"stopped by {signal.Signals(signum).name} at step {step + 1}: saved checkpoint "
+                                  f"{saved}; run the same command again to resume", signum)
+                break
             if t.max_minutes and time.perf_counter() - fit_started > 60 * t.max_minutes and step + 1 < t.max_steps:
                 log.info("trainer.max_minutes=%s reached at step %d: stopping", t.max_minutes, step + 1)
                 if self.data.valid is not None and t.val_check_interval and "val_loss" not in last:
@@ -258,10 +292,14 @@ class Trainer:
                 break
         if progress is not None:
             progress.close()
+        if stopped is not None:
+            sink.close()
+            raise stopped
         if self.state["step"] > start or self.checkpoints.latest() is None:
             self.save()
         sink.close()
         if cfg.checkpoint.convert_to_hf:
+            stop.restore()
             self.export_hf(self.run_dir / "hf")
         return last
 
@@ -333,3 +371,18 @@ def truncate_metrics(path: Path, step: int) -> None:
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
             rows.append(line)
     atomic_write(path, "".join(r + "\n" for r in rows))
+
+
+def remove_run_leftovers(run_dir: Path, held: bool) -> None:
+    """What a killed run's writes left in its folder and the folders it exports (`.model.tmp-PID`, ...: see
+    fsutil.remove_leftovers); checkpoints/ has names of its own, cleaned by the resume. All of them where this
+    run holds the folder (`held`), else only those of processes no longer running."""
+    if not run_dir.is_dir():
+        return
+    for folder in [run_dir, *(p for p in sorted(run_dir.iterdir()) if p.is_dir() and p.name not in SKIP_LEFTOVERS)]:
+        for path in remove_leftovers(folder, only_dead=not held):
+            log.warning("cleaned up %s, left by a run killed while writing it", path)
+
+
+# Not ours to clean: checkpoints (their own names, the resume cleans them) and torch.compile's cache.
+SKIP_LEFTOVERS = ("checkpoints", "compile_cache", "tensorboard")
