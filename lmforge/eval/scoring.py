@@ -16,7 +16,10 @@ log-softmax, and neither changes a number:
   from that other request's row: one forward serves them all.
 
 Rows are sorted by length, longest first, and padded on the right, where padding cannot reach the real
-positions before it.
+positions before it. A batch ends before a row shorter than 3/4 of its longest: padding is computed like
+any token (a 1,356-token article batched with 2,048-token windows ran 692 positions of padding through every
+layer), so rows of very different lengths run apart; neighbours in the sorted order are close in length, so
+batches of similar rows stay whole.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 from lmforge.errors import UserError
 
 HEAD_CHUNK = 1024  # scored positions per head matmul: bounds the (positions, vocab) logits held at once
+MIN_FILL = 0.75  # a row joins a batch if it is at least this fraction of the batch's longest row
 
 
 @dataclass
@@ -89,11 +93,9 @@ def score_requests(
     by_row: dict[int, list[int]] = {}
     for i, req in enumerate(scored):
         by_row.setdefault(req.row, []).append(i)
-    order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))
     device = next(model.parameters()).device
     results: list[tuple[float, bool]] = [(0.0, False)] * len(scored)
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
+    for batch in batches([len(row) for row in rows], batch_size):
         longest = len(rows[batch[0]])
         ids = torch.zeros((len(batch), longest), dtype=torch.long)
         for b, r in enumerate(batch):
@@ -117,6 +119,18 @@ def score_requests(
         if progress is not None:
             progress(sum(len(by_row[r]) for r in batch))
     return results
+
+
+def batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices of rows of these lengths in forward batches: longest first, at most `batch_size` to a batch, and a
+    batch ended before a row shorter than MIN_FILL of its first (longest) row, so padding stays under 1/4."""
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        if out and len(out[-1]) < batch_size and lengths[i] >= MIN_FILL * lengths[out[-1][0]]:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def _score_positions(model: nn.Module, hidden: torch.Tensor, where_b: list[int], where_t: list[int],

@@ -65,3 +65,22 @@ def test_bad_requests_are_one_line_errors(model):
         score_requests(model, [([1], list(range(200)))])
     with pytest.raises(UserError, match="batch size"):
         score_requests(model, [([1], [2])], batch_size=0)
+
+
+def test_rows_of_very_different_lengths_are_not_padded_into_one_batch(model):
+    from lmforge.eval.scoring import batches
+
+    assert batches([2048, 1356, 2048, 2048], 2) == [[0, 2], [3], [1]]  # the article alone, not padded to 2048
+    assert batches([10, 40, 31, 29, 30, 8], 3) == [[1, 2, 4], [3], [0, 5]]  # at most 3, none under 3/4 the first
+    assert batches([], 4) == []
+    g = torch.Generator().manual_seed(1)
+    requests = [([1], torch.randint(0, 300, (n,), generator=g).tolist()) for n in (100, 40, 96)]
+    calls = []
+    handle = model.layers[0].register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape[:2])))
+    try:
+        got = score_requests(model, requests, batch_size=4, greedy=False)
+    finally:
+        handle.remove()
+    assert calls == [(2, 100), (1, 40)]
+    expected = [reference(model, c, d, 128)[0] for c, d in requests]
+    assert max(abs(g[0] - e) for g, e in zip(got, expected)) <= 1e-4
