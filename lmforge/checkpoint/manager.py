@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from lmforge.checkpoint.hold import hold_for_test
 from lmforge.checkpoint.rng import rng_state, set_rng_state
 from lmforge.errors import UserError
 from lmforge.fsutil import CHECKSUMS, atomic_write, checksum_problems, file_checksums, out_of_space
@@ -141,6 +142,7 @@ class CheckpointManager:
         """Write checkpoint `step` (every rank calls this). With `async_save` it returns once the state is copied
         aside: the folder appears under the returned name when the write in the background is done (wait())."""
         self.wait()  # at most one save in flight
+        hold_for_test("save", step, _rank())
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".step-{step:08d}.tmp"
         model_sd, optim_sd = self.state_dicts(model, optimizer)
@@ -215,6 +217,7 @@ class CheckpointManager:
             except Exception as e:
                 error = e
         self._agree(error, final, tmp, needed, group=group)
+        hold_for_test("written", int(NAME.match(final.name).group(1)), _rank())
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
         try:
             checksums, error = file_checksums(tmp, names[_rank()::_world()]), None
@@ -230,6 +233,7 @@ class CheckpointManager:
                     self._delete(final)
                 os.replace(tmp, final)
                 log.info("saved checkpoint %s", final)
+                hold_for_test("renamed", int(NAME.match(final.name).group(1)), _rank())
                 self._apply_retention()
                 error = None
             except OSError as e:
@@ -386,6 +390,8 @@ class CheckpointManager:
             trash = path.with_name(f".{path.name}.deleting")
             shutil.rmtree(trash, ignore_errors=True)  # an earlier deletion of the same step, cut short
             os.replace(path, trash)
+            if m := NAME.match(path.name):
+                hold_for_test("retention", int(m.group(1)), _rank())
         if trash.is_dir():
             shutil.rmtree(trash)
         else:
