@@ -137,3 +137,27 @@ def test_a_signal_saves_the_step_exits_128_plus_it_and_the_rerun_continues_bit_e
                            capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert _curve(run) == _curve(whole_run)  # exact float equality, one row per step
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_torchrun_saves_the_step_on_every_rank_and_stops_them(tiny_corpus, tmp_path):
+    """torchrun passes Ctrl-C on to its workers (sessions of their own): they agree on the step, save it, and
+    end; torchrun's own exit and traceback are torchrun's."""
+    import psutil
+
+    from tests.train.runs import alive, torchrun
+
+    run = tmp_path / "run"
+    launcher = torchrun(pretrain_args(tiny_corpus, run, "trainer.max_steps=100000"))
+    try:
+        wait_for(lambda: any(s >= 3 for s in metrics_steps(run)), launcher)
+        workers = [p.pid for p in psutil.Process(launcher.pid).children()]
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=300)
+    finally:
+        stop(launcher)
+    assert not any(alive(pid) for pid in workers)
+    step = metrics_steps(run)[-1]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{step:08d}"]
+    assert err.count(f"interrupted: stopped by SIGINT at step {step}: saved checkpoint") == 1, err[-3000:]
+    assert metrics_steps(run) == list(range(1, step + 1))
