@@ -54,6 +54,7 @@ from lmforge.train.setup import (
 from lmforge.train.step import ParallelTraining, check_pipeline_batch
 from lmforge.train.stopping import Stopped, StopSignals
 from lmforge.train.tasks import get_task
+from lmforge.train.tasks.base import Blanks
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ class Trainer:
         # Whole steps of the validation stream: micro x data-parallel rows (x microbatches under a pipeline).
         unit = t.micro_batch_size * self.dp_size * (self.layout.num_microbatches if self.layout.pipeline > 1 else 1)
         total = self.task.validation_samples(self.cfg, valid, unit)
+        if total > len(valid):  # the last step's rows past the file are blanks: every example scored once
+            valid = Blanks(valid, total, self.task.blank)
         batches = micro_batches(valid, 0, total, t.micro_batch_size, self.dp_rank, self.dp_size, 0,
                                 self.data.collate)
         loss_sum, count, *stats = self.training.evaluate(batches).tolist()

@@ -33,3 +33,16 @@ def run_args(corpus, run_dir, *overrides: str) -> list[str]:
 
 def run_config(corpus, run_dir, *overrides: str):
     return load_run_config(None, run_args(corpus, run_dir, *overrides))
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(shared_data, tmp_path_factory):
+    """A small GPT-2-shaped lmforge model with the real GPT-2 tokenizer beside it."""
+    from lmforge.models import build
+    from lmforge.models.io import save_model
+
+    out = tmp_path_factory.mktemp("gpt2") / "model"
+    model = build({**build("tiny-gpt2", device="meta").config.__dict__, "vocab_size": 50257,
+                   "max_position_embeddings": 128}, seed=0)
+    save_model(model, out, tokenizer_from=shared_data / "tokenizers" / "gpt2" / "tokenizer.json")
+    return out

@@ -77,6 +77,27 @@ def test_loss_rewards_and_accuracy_equal_trls_formula():
     assert all(p.grad is None for p in reference.parameters())
 
 
+def test_a_blank_pair_filling_up_validation_counts_nowhere():
+    """The last validation step is filled up with blank pairs (lmforge.train.tasks.base.Blanks): loss, count and
+    reward statistics are those of the real pairs alone."""
+    policy, reference = build("tiny-llama", seed=1), build("tiny-llama", seed=2)
+    batch, task = _batch(), _task(reference)
+    item = {"chosen_ids": batch["input_ids"][0], "chosen_labels": batch["labels"][0],
+            "rejected_ids": batch["input_ids"][1], "rejected_labels": batch["labels"][1]}
+    blank = task.blank(item)
+    assert (blank["chosen_labels"] == IGNORE_INDEX).all() and (blank["rejected_labels"] == IGNORE_INDEX).all()
+    rows = [blank["chosen_ids"], blank["rejected_ids"]]
+    padded = {"input_ids": torch.cat([batch["input_ids"], torch.stack(rows)]),
+              "labels": torch.cat([batch["labels"], torch.stack([blank["chosen_labels"], blank["rejected_labels"]])]),
+              "attention_mask": torch.cat([batch["attention_mask"], batch["attention_mask"][:2]])}
+    with torch.no_grad():
+        loss, count, stats = task.loss(policy, batch)
+        loss_b, count_b, stats_b = task.loss(policy, padded)
+    assert count == count_b == task.count(padded) == 2
+    torch.testing.assert_close(loss_b, loss)
+    assert stats_b == pytest.approx(stats)
+
+
 def test_under_lora_the_reference_is_the_base_without_adapters():
     base = build("tiny-llama", seed=1)
     policy = copy.deepcopy(base)

@@ -11,23 +11,12 @@ from lmforge.cli import main
 from lmforge.data.preprocess import preprocess
 from lmforge.data.tokenizer_train import train_tokenizer
 from lmforge.models import build
-from lmforge.models.io import save_model
 from lmforge.train.config import load_run_config
 from lmforge.train.trainer import Trainer
 
 
 def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt2(shared_data, tmp_path_factory):
-    """A small GPT-2-shaped lmforge model with the real GPT-2 tokenizer beside it."""
-    out = tmp_path_factory.mktemp("gpt2") / "model"
-    model = build({**build("tiny-gpt2", device="meta").config.__dict__, "vocab_size": 50257,
-                   "max_position_embeddings": 128}, seed=0)
-    save_model(model, out, tokenizer_from=shared_data / "tokenizers" / "gpt2" / "tokenizer.json")
-    return out
 
 
 def _base(run_dir, *extra):

@@ -101,14 +101,32 @@ class Task:
         return {}
 
     def validation_samples(self, cfg: RunConfig, valid: Dataset, unit: int) -> int:
-        """How many validation samples one validation reads, in whole steps of `unit` rows (micro-batch x
-        data-parallel ranks, x microbatches under a pipeline): the whole validation file."""
-        total = len(valid) // unit * unit
-        if total == 0:
-            raise UserError(f"the validation file has {len(valid)} examples, fewer than one batch of {unit} "
-                            "(micro-batch x data-parallel processes): give a larger one or lower "
-                            "trainer.micro_batch_size")
-        return total
+        """How many validation rows one validation reads, in whole steps of `unit` rows (micro-batch x
+        data-parallel ranks, x microbatches under a pipeline): the whole validation file, the last step filled
+        up with blanks (see `blank`) so that every rank runs the same batches (FSDP, tensor and pipeline
+        parallelism exchange tensors in each) and every example is scored exactly once."""
+        if len(valid) == 0:
+            raise UserError("the validation file has no examples: give one with examples or unset data.valid_file")
+        return -(-len(valid) // unit) * unit
+
+    def blank(self, example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`example` with nothing to score: a row that fills up the last validation step, run through the model
+        like the others (same shapes) and counted nowhere: its labels are all IGNORE_INDEX."""
+        return {**example, "labels": torch.full_like(example["labels"], IGNORE_INDEX)}
+
+
+class Blanks(Dataset):
+    """`dataset` and then blanks up to `total` rows: row i >= len(dataset) is `blank(dataset[i % len])`."""
+
+    def __init__(self, dataset: Dataset, total: int, blank: Callable[[dict], dict]):
+        self.dataset, self.total, self.blank = dataset, total, blank
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int):
+        n = len(self.dataset)
+        return self.dataset[i] if i < n else self.blank(self.dataset[i % n])
 
 
 class Epochs(Dataset):
@@ -159,8 +177,8 @@ def with_padding(data: TaskData, cfg: RunConfig) -> TaskData:
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy in fp32: (batch, classes) logits for classification, (batch, seq, vocab) for the
     LM/MLM tasks (-100: not scored). Vocabulary-sharded DTensor logits work inside loss_parallel()."""
-    if logits.dim() == 2:
-        return F.cross_entropy(logits.float(), labels, reduction="sum")
+    if logits.dim() == 2:  # a blank validation row's label is IGNORE_INDEX
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 

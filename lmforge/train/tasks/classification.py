@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lmforge.train.config import RunConfig
+from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, logits_loss, require, total_samples, with_padding
 
 
@@ -36,15 +37,18 @@ class Classification(Task):
         return {**batch, "label": torch.randint(0, self.example_labels, (rows,), device=device)}
 
     def count(self, batch: Batch) -> int:
-        return len(batch["label"])  # examples, not tokens
+        return int((batch["label"] != IGNORE_INDEX).sum())  # examples, not tokens (blanks not counted)
+
+    def blank(self, example: Batch) -> Batch:
+        return {**example, "label": torch.tensor(IGNORE_INDEX)}
 
     def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, int, int]:
         input_ids, labels, inputs = self.inputs(batch)
         logits = model(input_ids, **inputs).float()
-        return logits_loss(logits, labels), len(labels), self.correct(logits, labels)
+        return logits_loss(logits, labels), self.count(batch), self.correct(logits, labels)
 
     def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
-        return int((logits.argmax(-1) == labels).sum())
+        return int((logits.argmax(-1) == labels).sum())  # a blank's label (IGNORE_INDEX) is never a class
 
     def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
         return {"val_loss": loss_sum / count, "val_accuracy": correct / count}

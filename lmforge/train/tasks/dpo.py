@@ -57,6 +57,12 @@ def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torc
     return (logp * scored).sum(-1)
 
 
+def scored_pairs(labels: torch.Tensor) -> torch.Tensor:
+    """(pairs,) bool: the pairs of a batch with labels to score. Every pair of the data has some (one with none is
+    dropped when read); a validation blank has none."""
+    return (labels[0::2] != IGNORE_INDEX).any(-1)
+
+
 class DPO(Task):
     name = "dpo"
     num_stats = 4  # chosen reward > rejected, and the sums of the margin, the chosen and the rejected rewards
@@ -106,7 +112,11 @@ class DPO(Task):
     inputs = SFT.inputs
 
     def count(self, batch: Batch) -> int:
-        return len(batch["input_ids"]) // 2  # pairs
+        return int(scored_pairs(self.inputs(batch)[1]).sum())  # pairs (blanks not counted)
+
+    def blank(self, example: Batch) -> Batch:
+        return {**example, "chosen_labels": torch.full_like(example["chosen_labels"], IGNORE_INDEX),
+                "rejected_labels": torch.full_like(example["rejected_labels"], IGNORE_INDEX)}
 
     def reference_logps(self, model: torch.nn.Module, batch: Batch, fused: bool) -> torch.Tensor:
         if "ref_logps" in batch:
@@ -131,6 +141,9 @@ class DPO(Task):
             ref = self.reference_logps(model, batch, fused)
         policy = sequence_logps(model, ids, labels, inputs, fused)
         losses, chosen, rejected = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], self.beta)
+        keep = scored_pairs(labels)
+        if not bool(keep.all()):  # blank pairs filling up the last validation step: not counted
+            losses, chosen, rejected = losses[keep], chosen[keep], rejected[keep]
         stats = (int((chosen > rejected).sum()), float((chosen - rejected).sum()), float(chosen.sum()),
                  float(rejected.sum()))
         return losses.sum(), len(losses), stats
