@@ -89,7 +89,7 @@ class RunLock:
                 continue
             break
         previous = os.pread(fd, 4096, 0).decode(errors="replace")
-        if previous.strip():
+        if previous.strip() and not self._mine(previous):  # (a second Trainer in one process: no news)
             log.warning("taking over %s from %s, which ended without releasing it", self.path, _holder(previous))
         mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")})
@@ -97,6 +97,14 @@ class RunLock:
         os.pwrite(fd, (mine + "\n").encode(), 0)
         self.fd = fd
         return self
+
+    @staticmethod
+    def _mine(text: str) -> bool:
+        try:
+            info = json.loads(text)
+            return info["pid"] == os.getpid() and info["host"] == socket.gethostname()
+        except (ValueError, KeyError, TypeError):
+            return False
 
     def in_use_line(self, wait: float) -> str:
         try:

@@ -153,3 +153,14 @@ def test_under_torchrun_every_rank_stops_when_the_folder_is_held(tiny_corpus, tm
         assert err.count("exitcode  : 1") == 2, err[-3000:]
     finally:
         stop(holder)
+
+
+def test_a_second_trainer_in_the_same_process_takes_the_folder_without_a_warning(tmp_path, caplog):
+    """POSIX locks belong to the process: a notebook or test that builds a second Trainer on the folder goes on,
+    and is not told that it took the folder over from a dead run (itself)."""
+    first = RunLock(tmp_path / "run").acquire(wait=0)
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.run_lock"):
+        second = RunLock(tmp_path / "run").acquire(wait=0)
+    assert "taking over" not in caplog.text
+    second.release()
+    first.release()
