@@ -19,13 +19,21 @@ import time
 from pathlib import Path
 
 import torch
-from report import accelerator_description, publish  # benchmarks/report.py
+from report import BENCHMARKS_MD, accelerator_description, write_block  # benchmarks/report.py
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmforge.models import build
 from lmforge.train.optim import AdamWSR, param_groups
 
 SECTION = "## Optimizer step: stochastic-rounding AdamW vs torch's fused AdamW"
+INTRO = """\
+`lmforge bench optim` (benchmarks/optim.py): one optimizer step over a preset's parameter shapes and weight-decay
+groups. torch's AdamW steps fp32 weights (the fp32 and bf16-mixed recipes); lmforge's `AdamWSR` steps bf16 weights
+and moments (bf16-sr), with stochastic rounding and with round-to-nearest. The optimizers take turns step by step;
+the ratio is the median of the per-turn ratios. Before timing, one AdamWSR step is checked against torch's fp32
+AdamW on the same values (every result one of its two bf16 neighbours). *ops/step*: aten ops one step dispatches,
+views included (on a GPU each non-view op is one kernel launch or a few).
+"""
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
@@ -147,7 +155,10 @@ def main() -> None:
             f"{args.model} shapes ({rows[0]['numel'] / 1e6:.1f}M parameters, its weight-decay groups); median "
             f"of {args.repeats} steps each, taking turns; {time.perf_counter() - t0:.0f} s in all, load average "
             f"{os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n")
-    publish(f"{SECTION} ({device.type.upper()})", body, args.write)
+    print(body)
+    if args.write:
+        write_block(SECTION, INTRO, "CPU" if device.type == "cpu" else device.type.upper(), body)
+        print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
 
 
 if __name__ == "__main__":

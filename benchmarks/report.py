@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
@@ -53,3 +54,13 @@ def accelerator_description(device) -> str:
         memory = torch.cuda.get_device_properties(device).total_memory
         return f"{torch.cuda.get_device_name(device)} ({memory / 2**30:.1f} GiB, CUDA {torch.version.cuda})"
     return f"{device.type} accelerator"
+
+
+def write_block(heading: str, intro: str, label: str, body: str) -> None:
+    """In the section `heading` (intro first), replace the `### label` block by `body`; keep the other ###
+    blocks (other devices' runs, hand-written notes) in their order."""
+    parts = re.split(r"^### (.+)\n", read_section(heading), flags=re.M)
+    blocks = dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
+    blocks[label] = body.strip()
+    text = "".join(f"### {k}\n\n{v}\n\n" for k, v in blocks.items())
+    write_section(heading, f"{heading}\n\n{intro.strip()}\n\n{text}")
