@@ -53,7 +53,9 @@ class LoRAConfig:
     # Short names ("q,v", a list), "all-linear", or "default": PEFT's default for the family, q and v (the fused qkv
     # projection where Hugging Face has one).
     targets: list[str] | str = "default"
-    bf16_base: bool = False  # hold the frozen base in bf16 (adapters stay fp32)
+    # Hold the frozen base in bf16 (adapters stay fp32). Under FSDP2 a block then holds two dtypes: its all-gather
+    # carries them as bytes, and only the fp32 adapters have gradients to reduce-scatter.
+    bf16_base: bool = False
 
     def __post_init__(self) -> None:
         if self.rank <= 0:

@@ -36,9 +36,6 @@ def apply_run_lora(model: nn.Module, cfg: RunConfig, layout: ParallelConfig) -> 
     if layout.tensor > 1 or layout.pipeline > 1:
         raise UserError("lora with parallel.tensor or parallel.pipeline > 1 is not supported yet: LoRA runs take "
                         "data parallelism (trainer.data_parallel=ddp or fsdp)")
-    if lora.bf16_base and layout.shards_model:
-        raise UserError("lora.bf16_base with FSDP is not supported yet (FSDP2 gathers one dtype per block): "
-                        "use trainer.data_parallel=ddp or lora.bf16_base=false")
     if getattr(model.config, "num_labels", 0):
         raise UserError("lora with data.task=classification is not supported yet: the new head would stay frozen")
     apply_lora(model, lora, seed=cfg.trainer.seed)
