@@ -24,6 +24,7 @@ BENCHMARKS = {
     "scaling": "throughput and tokens per dollar across process counts and parallel layouts",
     "optim": "optimizer step: stochastic-rounding AdamWSR (bf16-sr) vs torch's fused and foreach AdamW",
     "rotary": "partial rotary: full-head rotation vs slicing",
+    "moe": "mixture-of-experts MLP forward+backward vs transformers' Mixtral and Qwen3-MoE blocks",
     "serve_load": "200 concurrent streams against lmforge serve: errors, latency p50/p99, tokens/s",
 }
 

@@ -9,8 +9,10 @@ contiguous block of rows, and each expert is one GEMM over its block (a Python l
 tokens). _GroupedExperts does forward and backward itself: with autograd over `weight[e]` slices, each expert's
 weight gradient is a zero tensor of the whole stacked weight with one slice filled, summed expert by expert
 (num_experts whole-weight writes per expert: quadratic in the expert count); here each expert's gradient is
-written once into its slice. torch's grouped GEMM (F.grouped_mm) computes the same GEMMs; on this CPU build
-(torch 2.13) it ran no faster than the loop, and the loop runs on every device and dtype torch has a matmul for.
+written once into its slice. The per-expert GEMMs are torch's grouped GEMM (F.grouped_mm) on the CPU, where torch
+2.13 has one: the same GEMMs as a loop, without a Python round trip per expert, which dominates with many small
+experts (Qwen3-MoE); on other devices a loop of torch.mm over the experts (F.grouped_mm there wants bf16 and
+alignment this code has not been checked against on a GPU yet).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.config import ModelConfig
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped GEMM takes
 
 
 class Experts(nn.Module):
@@ -88,36 +92,63 @@ def _segments(counts: list[int]):
         start += n
 
 
+def _grouped_offsets(t: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """The groups' end rows for torch's grouped GEMM where lmforge uses it (on the CPU, where torch has one and it
+    saves a Python loop per GEMM over many small experts), else None: the loop over experts."""
+    if t.device.type != "cpu" or not hasattr(F, "grouped_mm") or t.dtype not in GROUPED_MM_DTYPES:
+        return None
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _per_expert(a: torch.Tensor, b: torch.Tensor, counts: list[int], offs: torch.Tensor | None) -> torch.Tensor:
+    """a's rows of each expert times that expert's matrix: a (rows, K), b (experts, K, N) -> (rows, N)."""
+    if offs is not None:
+        return F.grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[2])
+    for e, lo, hi in _segments(counts):
+        if hi > lo:
+            torch.mm(a[lo:hi], b[e], out=out[lo:hi])
+    return out
+
+
+def _per_expert_outer(a: torch.Tensor, c: torch.Tensor, counts: list[int], offs: torch.Tensor | None,
+                      ) -> torch.Tensor:
+    """Each expert's a rows transposed times its c rows, (experts, a columns, c columns): a weight gradient, written
+    once per expert (zero for an expert without tokens)."""
+    if offs is not None:
+        return F.grouped_mm(a.t(), c, offs=offs)
+    out = a.new_empty(len(counts), a.shape[1], c.shape[1])
+    for e, lo, hi in _segments(counts):
+        if hi > lo:
+            torch.mm(a[lo:hi].t(), c[lo:hi], out=out[e])
+        else:
+            out[e].zero_()
+    return out
+
+
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, order, counts, act):
         tokens, k = weights.shape
         inter = down.shape[2]
+        offs = _grouped_offsets(x, counts)
         slot_token = order // k  # the token of each sorted (token, expert) pair
-        xs = x.index_select(0, slot_token)
-        h = x.new_empty(order.shape[0], 2 * inter)
-        y = x.new_empty(order.shape[0], x.shape[1])
-        for e, lo, hi in _segments(counts):
-            if hi > lo:
-                torch.mm(xs[lo:hi], gate_up[e].t(), out=h[lo:hi])
-        a = act(h[:, :inter]) * h[:, inter:]
-        for e, lo, hi in _segments(counts):
-            if hi > lo:
-                torch.mm(a[lo:hi], down[e].t(), out=y[lo:hi])
+        h = _per_expert(x.index_select(0, slot_token), gate_up.transpose(1, 2), counts, offs)
+        y = _per_expert(act(h[:, :inter]) * h[:, inter:], down.transpose(1, 2), counts, offs)
         w = weights.reshape(-1)[order]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0], device=order.device)
         # Back to (token, k) order and summed over k: a gather and a sum, no scatter (deterministic on every device).
         out = (y * w[:, None])[inverse].view(tokens, k, -1).sum(1)
         ctx.save_for_backward(x, weights, gate_up, down, order, inverse, h, y)
-        ctx.counts, ctx.act = counts, act
+        ctx.counts, ctx.act, ctx.offs = counts, act, offs
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x, weights, gate_up, down, order, inverse, h, y = ctx.saved_tensors
-        counts, act = ctx.counts, ctx.act
+        counts, act, offs = ctx.counts, ctx.act, ctx.offs
         need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
         tokens, k = weights.shape
         inter = down.shape[2]
@@ -125,31 +156,28 @@ class _GroupedExperts(torch.autograd.Function):
         go = grad_out.index_select(0, slot_token)  # each pair's share of the gradient, before its routing weight
         grad_weights = (go * y).sum(-1)[inverse].view(tokens, k) if need_w else None
         gy = go * weights.reshape(-1)[order][:, None]
-        with torch.enable_grad():
-            g = h[:, :inter].detach().requires_grad_()
-            act_g = act(g)
-        up = h[:, inter:]
-        a = act_g.detach() * up
-        grad_down = torch.zeros_like(down) if need_down else None
-        ga = gy.new_empty(gy.shape[0], inter)
-        for e, lo, hi in _segments(counts):
-            if hi > lo:
-                if need_down:
-                    torch.mm(gy[lo:hi].t(), a[lo:hi], out=grad_down[e])
-                torch.mm(gy[lo:hi], down[e], out=ga[lo:hi])
-        (grad_g,) = torch.autograd.grad(act_g, g, ga * up)
-        gh = torch.cat([grad_g, ga * act_g.detach()], dim=1)
-        del grad_g, ga, a
-        grad_gate_up = torch.zeros_like(gate_up) if need_gu else None
-        grad_xs = gh.new_empty(gh.shape[0], x.shape[1]) if need_x else None
-        xs = x.index_select(0, slot_token) if need_gu else None
-        for e, lo, hi in _segments(counts):
-            if hi > lo:
-                if need_gu:
-                    torch.mm(gh[lo:hi].t(), xs[lo:hi], out=grad_gate_up[e])
-                if need_x:
-                    torch.mm(gh[lo:hi], gate_up[e], out=grad_xs[lo:hi])
-        grad_x = grad_xs[inverse].view(tokens, k, -1).sum(1) if need_x else None
+        del go
+        g, up = h[:, :inter], h[:, inter:]
+        if act is F.silu:
+            act_g = F.silu(g)
+        else:  # any other activation: its derivative through autograd
+            with torch.enable_grad():
+                g_leaf = g.detach().requires_grad_()
+                act_leaf = act(g_leaf)
+            act_g = act_leaf.detach()
+        grad_down = _per_expert_outer(gy, act_g * up, counts, offs) if need_down else None
+        ga = _per_expert(gy, down, counts, offs)
+        del gy
+        gh = h.new_empty(h.shape)  # [d gate | d up], written in place (no concatenation)
+        torch.mul(ga, act_g, out=gh[:, inter:])
+        grad_act = ga.mul_(up)
+        if act is F.silu:
+            torch.ops.aten.silu_backward.grad_input(grad_act, g, grad_input=gh[:, :inter])
+        else:
+            gh[:, :inter] = torch.autograd.grad(act_leaf, g_leaf, grad_act)[0]
+        del grad_act, ga, act_g
+        grad_gate_up = _per_expert_outer(gh, x.index_select(0, slot_token), counts, offs) if need_gu else None
+        grad_x = _per_expert(gh, gate_up, counts, offs)[inverse].view(tokens, k, -1).sum(1) if need_x else None
         return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None
 
 

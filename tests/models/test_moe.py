@@ -19,14 +19,14 @@ def _moe_config(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize(("norm_topk", "activation"), [(True, "silu"), (False, "silu"), (True, "gelu_tanh")])
 @pytest.mark.parametrize("k", [1, 2, 6])
-def test_grouped_experts_equal_the_dense_reference_in_output_and_gradients(k, norm_topk):
+def test_grouped_experts_equal_the_dense_reference_in_output_and_gradients(k, norm_topk, activation):
     """Every token's output is the weighted sum of exactly its chosen experts' outputs: a dropped, duplicated or
     misrouted (token, expert) pair changes the output or a gradient. With k < 6, expert 0 is never chosen (every
     token's feature 0 is large and only expert 0's router row reads it, negatively), so an expert with no tokens is
     covered: its gradient must be exactly zero."""
-    cfg = _moe_config(experts_per_token=k, router_norm_topk=norm_topk)
+    cfg = _moe_config(experts_per_token=k, router_norm_topk=norm_topk, activation=activation)
     moe = build(cfg, seed=3).layers[0].mlp.double()
     x = torch.randn(3, 11, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     x[..., 0] = 5.0 + x[..., 0].abs()
@@ -42,6 +42,16 @@ def test_grouped_experts_equal_the_dense_reference_in_output_and_gradients(k, no
     ours, theirs = torch.autograd.grad(out, params, grad), torch.autograd.grad(ref, params, grad)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    if k < 6:
+        assert torch.count_nonzero(ours[2][0]) == 0 and torch.count_nonzero(ours[3][0]) == 0
+    # fp32 runs torch's grouped GEMM on the CPU (fp64 the loop over experts): the same sums, to fp32 rounding.
+    moe, x = moe.float(), x.detach().float().requires_grad_()
+    params = [x, moe.router.weight, moe.experts.gate_up, moe.experts.down]
+    out, ref = moe(x), dense_reference(moe, x)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-6)
+    ours = torch.autograd.grad(out, params, grad.float())
+    for a, b in zip(ours, torch.autograd.grad(ref, params, grad.float()), strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
     if k < 6:
         assert torch.count_nonzero(ours[2][0]) == 0 and torch.count_nonzero(ours[3][0]) == 0
 

@@ -190,3 +190,35 @@ def test_bert_mlm_pipeline_interleaved_with_data_parallel_equals_one_process(ber
               f"run_dir={tmp_path / 'pp'}")
     _one(*args, "trainer.micro_batch_size=24", f"run_dir={tmp_path / 'one'}")
     _close(_curve(tmp_path / "pp"), _curve(tmp_path / "one"))
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_moe_step_trains_on_the_loss_plus_coef_times_the_router_losses(micro):
+    """One process, one step: the gradient is that of the summed token loss over the step's label count plus,
+    for each micro-batch, (aux_coef x aux loss + z_coef x z-loss) / micro-batches, computed by hand."""
+    import dataclasses
+
+    from lmforge.models import build, preset
+    from lmforge.models.moe import router_losses
+    from lmforge.parallel import ParallelConfig
+    from lmforge.train.config import OptimConfig, Precision
+    from lmforge.train.step import ParallelTraining
+    from lmforge.train.tasks import get_task, logits_loss
+
+    cfg = dataclasses.replace(preset("tiny-qwen3-moe"), router_aux_loss_coef=0.3, router_z_loss_coef=0.05)
+    model = build(cfg, seed=0).train()
+    reference = build(cfg, seed=0).train()
+    tokens = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0))
+    batches = [{"tokens": t, "labels": t.roll(-1, 1)} for t in tokens.chunk(micro)]
+    training = ParallelTraining(model, ParallelConfig(), None, get_task("pretrain"), OptimConfig(),
+                                Precision("fp32", torch.float32), 0, 16, torch.device("cpu"))
+    training.step(batches, float(tokens.numel()), max_norm=0.0)
+    aux = []
+    for b in batches:
+        loss = logits_loss(reference(b["tokens"]), b["labels"]) / tokens.numel()
+        losses = router_losses(reference, cfg)
+        aux.append(losses.aux_loss.item())
+        (loss + (0.3 * losses.aux_loss + 0.05 * losses.z_loss) / micro).backward()
+    assert training.router_metrics["aux_loss"] == pytest.approx(sum(aux) / micro, rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name

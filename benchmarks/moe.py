@@ -1,0 +1,177 @@
+"""Mixture-of-experts MLP, forward + backward: lmforge's grouped experts vs transformers' Mixtral and Qwen3-MoE
+blocks on the same weights and inputs.
+
+transformers 5 runs its experts one of two ways: `grouped_mm` (its default where torch has a grouped GEMM, this
+CPU build included: pairs sorted by expert, torch's grouped GEMM, autograd through it) and `eager` (a loop over
+the experts that gathers each one's tokens, `index_add_`s its output, and slices each expert's weight out of the
+stacked tensor, so autograd sums a whole-weight zero tensor per expert). Both are timed beside lmforge's
+`lmforge.models.moe.MoE` (pairs sorted by expert once, the per-expert GEMMs through torch's grouped GEMM on the CPU,
+forward and backward written out, each expert's weight gradient written once).
+Before timing, the script asserts that the three give the same output and gradients (fp32). The three take
+turns, round by round; times are medians over the rounds, ratios the median of per-round ratios (robust to other
+load on the machine): > 1 means lmforge is faster. `--help` lists the options.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import torch
+import transformers as tf
+from report import publish  # benchmarks/report.py
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from lmforge.models.config import ModelConfig
+from lmforge.models.layers import ACTIVATIONS
+from lmforge.models.moe import MoE
+
+SECTION = "## Mixture of experts: grouped experts vs transformers' MoE blocks"
+IMPLEMENTATIONS = ("grouped_mm", "eager")
+# (name, family, hidden, expert width, experts, experts per token)
+SHAPES = [
+    ("Mixtral-shaped, tiny", "mixtral", 64, 128, 8, 2),
+    ("Mixtral-shaped, small", "mixtral", 256, 512, 8, 2),
+    ("Qwen3-MoE-shaped, tiny", "qwen3_moe", 64, 32, 32, 4),
+    ("Qwen3-MoE-shaped, small", "qwen3_moe", 256, 128, 64, 8),
+]
+
+
+def transformers_block(family: str, hidden: int, width: int, experts: int, k: int, implementation: str):
+    if family == "mixtral":
+        config = tf.MixtralConfig(hidden_size=hidden, intermediate_size=width, num_local_experts=experts,
+                                  num_experts_per_tok=k, num_attention_heads=4, num_key_value_heads=4)
+        cls = MixtralSparseMoeBlock
+    else:
+        config = tf.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=width, num_experts=experts,
+                                   num_experts_per_tok=k, norm_topk_prob=True, num_attention_heads=4,
+                                   num_key_value_heads=4)
+        cls = Qwen3MoeSparseMoeBlock
+    config._experts_implementation = implementation
+    return cls(config).train()
+
+
+def lmforge_block(ref, family: str, hidden: int, width: int, experts: int, k: int) -> MoE:
+    cfg = ModelConfig(family=family, vocab_size=16, hidden_size=hidden, num_layers=1, num_heads=4,
+                      intermediate_size=width, moe_intermediate_size=width, norm="rmsnorm", activation="silu",
+                      gated_mlp=True, mlp_bias=False, attention_bias=False, num_experts=experts, experts_per_token=k,
+                      router_norm_topk=True, qk_norm="head" if family == "qwen3_moe" else "none")
+    ours = MoE(cfg, ACTIVATIONS["silu"]).train()
+    with torch.no_grad():  # transformers stacks each expert's gate rows then its up rows, as lmforge does
+        ours.router.weight.copy_(ref.gate.weight)
+        ours.experts.gate_up.copy_(ref.experts.gate_up_proj)
+        ours.experts.down.copy_(ref.experts.down_proj)
+    return ours
+
+
+def weights(block) -> list[torch.Tensor]:
+    """(router, stacked gate/up, stacked down) of either kind of block."""
+    if isinstance(block, MoE):
+        return [block.router.weight, block.experts.gate_up, block.experts.down]
+    return [block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj]
+
+
+def fwd_bwd(block, x: torch.Tensor, grad: torch.Tensor):
+    return lambda: (block(x), *torch.autograd.grad(block(x), [x, *weights(block)], grad))
+
+
+def timed_call(block, x: torch.Tensor, grad: torch.Tensor):
+    return lambda: torch.autograd.grad(block(x), [x, *weights(block)], grad)
+
+
+def check_equal(blocks, x: torch.Tensor, grad: torch.Tensor) -> None:
+    """Output, and the gradients of the input, the router and the experts: the same from each block."""
+    outs = [fwd_bwd(b, x, grad)() for b in blocks]
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def run(args) -> list[dict]:
+    rows = []
+    for name, family, hidden, width, experts, k in SHAPES:
+        torch.manual_seed(0)
+        theirs = {impl: transformers_block(family, hidden, width, experts, k, impl) for impl in IMPLEMENTATIONS}
+        with torch.no_grad():
+            for p in theirs["grouped_mm"].parameters():
+                p.normal_(0.0, 0.02)
+            theirs["eager"].load_state_dict(theirs["grouped_mm"].state_dict())
+        ours = lmforge_block(theirs["grouped_mm"], family, hidden, width, experts, k)
+        x = torch.randn(args.tokens // args.seq, args.seq, hidden, requires_grad=True)
+        grad = torch.randn_like(x)
+        blocks = [theirs["grouped_mm"], theirs["eager"], ours]
+        check_equal(blocks, x, grad)
+        calls = [timed_call(b, x, grad) for b in blocks]
+        for call in calls * 2:  # warm-up
+            call()
+        times = [[] for _ in calls]
+        for _ in range(args.repeats):
+            for call, t in zip(calls, times, strict=True):
+                start = time.perf_counter()
+                call()
+                t.append(time.perf_counter() - start)
+        ms = [statistics.median(t) * 1e3 for t in times]
+        ratios = [statistics.median(a / b for a, b in zip(t, times[2], strict=True)) for t in times[:2]]
+        rows.append(dict(name=name, shape=f"d {hidden}, {experts} experts x {width}, top {k}", grouped=ms[0],
+                         eager=ms[1], ours=ms[2], vs_grouped=ratios[0], vs_eager=ratios[1]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows: list[dict], args, load: tuple[float, float]) -> str:
+    lines = [
+        f"`python benchmarks/moe.py --write` (or `lmforge bench moe --write`), "
+        f"{datetime.date.today().isoformat()}, CPU fp32: {platform.processor() or platform.machine()} "
+        f"({_cpu_name()}), {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+        f"{tf.__version__}; {args.tokens} tokens ({args.tokens // args.seq} x {args.seq}) through one MoE MLP, "
+        f"forward + backward (gradients of the input and every weight), median of {args.repeats} rounds. Load "
+        f"average {load[0]:.1f} before, {load[1]:.1f} after (2 cores shared with other work: absolute times move, "
+        "the paired ratios much less).",
+        "",
+        "| shape | transformers grouped_mm (default) ms | transformers eager ms | lmforge ms | vs grouped_mm "
+        "| vs eager |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['name']}: {r['shape']} | {r['grouped']:.1f} | {r['eager']:.1f} | {r['ours']:.1f} | "
+                     f"{r['vs_grouped']:.2f}x | {r['vs_eager']:.2f}x |")
+    best = min(r["vs_eager"] for r in rows)
+    lines += ["", f"Against transformers' eager experts lmforge is {best:.2f}x or faster on every shape (the issue's "
+              "goal: 2x). Against its grouped_mm default it is "
+              f"{min(r['vs_grouped'] for r in rows):.2f}x-{max(r['vs_grouped'] for r in rows):.2f}x: there both run "
+              "the same grouped GEMMs (torch's kernel, the same GEMM count in a profile, ~85% of the time at the "
+              "small shapes), so what is left to win is the work around them, and 2x is out of reach on a CPU "
+              "in fp32."]
+    return "\n".join(lines) + "\n\n" + __doc__.split("\n\n", 1)[1].strip()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per forward (default 2048)")
+    p.add_argument("--seq", type=int, default=512, help="sequence length the tokens are arranged in (default 512)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per shape (default 5)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    before = os.getloadavg()[0]
+    rows = run(args)
+    publish(SECTION, table(rows, args, (before, os.getloadavg()[0])), args.write)
+
+
+if __name__ == "__main__":
+    main()
