@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -200,28 +202,42 @@ def test_a_short_run_raises_held_out_reward_accuracy(dpo_setup, tmp_path, extra)
 
 
 @pytest.mark.slow
-def test_a_dpo_run_resumes_bit_exactly(dpo_setup, tmp_path):
-    """A run stopped after its step-4 checkpoint (its later checkpoints lost, as after kill -9) continues to the
-    same curve as an uninterrupted one."""
-    import shutil
+def test_a_killed_dpo_run_resumes_bit_exactly(dpo_setup, tmp_path):
+    """A LoRA DPO run (the reference: the base without adapters; dropout on the adapters) killed with SIGKILL after
+    its step-4 checkpoint continues, rerun with the same command, to the same curve as an uninterrupted run."""
+    import signal
+    import subprocess
 
-    from lmforge.train.config import load_run_config
-    from lmforge.train.trainer import Trainer
+    from tests.train.runs import ENV, lmforge, metrics_steps, stop, wait_for
 
-    def run(path, *extra):
-        args = _dpo_args(dpo_setup, path, "checkpoint.every_n_steps=4", "checkpoint.save_top_k=-1",
-                         "lora.rank=4", "lora.dropout=0.1", "optim.lr=3e-2", *extra)
-        Trainer(load_run_config(None, args)).fit()
-        return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    def args(path):
+        return ["finetune", os.devnull, *_dpo_args(dpo_setup, path, "trainer.max_steps=12",
+                                                   "trainer.val_check_interval=4", "checkpoint.every_n_steps=4",
+                                                   "checkpoint.save_top_k=-1", "lora.rank=4", "lora.dropout=0.1",
+                                                   "optim.lr=3e-2")]
 
-    whole = run(tmp_path / "whole")
-    cut = tmp_path / "cut"
-    run(cut)
-    for later in sorted((cut / "checkpoints").glob("step-*"))[1:]:
-        shutil.rmtree(later)
-    resumed = run(cut)
-    keys = ("step", "loss", "grad_norm", "reward_accuracy", "reward_margin", "val_loss")
-    assert [tuple(r.get(k) for k in keys) for r in resumed] == [tuple(r.get(k) for k in keys) for r in whole]
+    def curve(path):
+        keys = ("step", "loss", "grad_norm", "reward_accuracy", "reward_margin", "val_loss", "val_reward_margin")
+        rows = map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
+        return [tuple(r.get(k) for k in keys) for r in rows]
+
+    subprocess.run([sys.executable, "-m", "lmforge.cli", *args(tmp_path / "whole")], check=True, env=ENV,
+                   capture_output=True, timeout=600)
+    killed = tmp_path / "killed"
+    proc = lmforge(args(killed))
+    try:
+        wait_for(lambda: max(metrics_steps(killed), default=0) >= 6, proc, timeout=600)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        stop(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert 6 <= max(metrics_steps(killed)) < 12, "the run finished before it could be killed"
+    assert (killed / "checkpoints" / "step-00000004").is_dir()
+    subprocess.run([sys.executable, "-m", "lmforge.cli", *args(killed)], check=True, env=ENV, capture_output=True,
+                   timeout=600)
+    whole = curve(tmp_path / "whole")
+    assert len(whole) == 12 and curve(killed) == whole  # exact float equality, every step
 
 
 def test_bad_preference_data_is_one_line_and_writes_nothing(dpo_setup, tmp_path, capsys):
