@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lmforge.checkpoint.manager import DISK_FIX
 from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
-from lmforge.fsutil import atomic_write, remove_leftovers
+from lmforge.fsutil import atomic_write, out_of_space, remove_leftovers
 from lmforge.models.config import ModelConfig
 from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.mesh import build_mesh
@@ -226,10 +227,15 @@ class Trainer:
                 self.export_hf(self.run_dir / "hf")
             return {}
         if world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            record_changes(self.run_dir, start, self.resumed_from, self.changes, self.state["consumed_samples"])
-            atomic_write(self.run_dir / "config.yaml", to_yaml(cfg))
-            truncate_metrics(self.run_dir / "metrics.jsonl", start)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                record_changes(self.run_dir, start, self.resumed_from, self.changes, self.state["consumed_samples"])
+                atomic_write(self.run_dir / "config.yaml", to_yaml(cfg))
+                truncate_metrics(self.run_dir / "metrics.jsonl", start)
+            except OSError as e:  # a full disk is one line here too, as for a checkpoint
+                if (full := out_of_space(e, self.run_dir, fix=DISK_FIX)) is None:
+                    raise
+                raise full from None
         sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start)
         if world.is_main:
             log.info("peak %.3g TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,

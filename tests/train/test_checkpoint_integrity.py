@@ -232,11 +232,12 @@ def _can_mount_tmpfs() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs `unshare -rm` to mount a small tmpfs (user namespaces)")
-@pytest.mark.parametrize("spare", ["none", "tensors"], ids=["before-writing", "mid-write"])
+@pytest.mark.parametrize("spare", ["none", "tensors", "page"], ids=["before-writing", "mid-write", "run-folder"])
 def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(spare, tiny_corpus, tmp_path):
     """The run folder on a real tmpfs, filled so the step-8 checkpoint does not fit: with no room for it, the
     check before writing says so; with room for its tensors but not the files around them, the write itself
-    hits ENOSPC. Either way: one line, the temporary folder gone, step-4 intact."""
+    hits ENOSPC; with a page free, the resume's own files (history.jsonl, config.yaml) do not fit. Each way: one
+    line, the temporary folder gone, step-4 intact."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     run = mnt / "run"
@@ -244,7 +245,9 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(spare, tiny_corpu
     first = " ".join(_pretrain(tiny_corpus, run, "trainer.max_steps=4"))
     second = " ".join(_pretrain(tiny_corpus, run))
     # Leave free what the check before writing counts (and 64 KB for the metrics written meanwhile): it passes,
-    # the records around the tensors and the files beside them do not fit; or only a page: the check fails.
+    # the records around the tensors and the files beside them do not fit; or 64 KB alone (room for the run
+    # folder's config.yaml, history.jsonl and metrics, written anew at the resume): the check fails; or a page:
+    # those files do not fit.
     fill = f"""
 import math, shutil
 RECORD_BYTES = 1024  # as in lmforge.checkpoint.manager
@@ -253,7 +256,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 meta = FileSystemReader("{run}/checkpoints/step-00000004").read_metadata()
 tensors = sum(math.prod(m.size) * m.properties.dtype.itemsize + RECORD_BYTES
               for m in meta.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata))
-keep = tensors + 65536 if "{spare}" == "tensors" else 4096
+keep = {{"tensors": tensors + 65536, "none": 65536, "page": 4096}}["{spare}"]
 free = shutil.disk_usage("{mnt}").free
 with open("{mnt}/filler", "wb") as f:
     f.write(b"\\0" * max(0, free - keep))
@@ -272,7 +275,8 @@ mkdir -p {tmp_path}/kept && cp -r {run}/checkpoints {tmp_path}/kept/
     assert (tmp_path / "rc").read_text().strip() == "1", stderr
     lines = [line for line in stderr.splitlines() if not line.startswith(("INFO", "WARNING"))]
     assert len(lines) == 1, stderr
-    assert lines[0].startswith(f"error: disk full writing '{run / 'checkpoints' / 'step-00000008'}': it needs ")
+    where = run if spare == "page" else run / "checkpoints" / "step-00000008"
+    assert lines[0].startswith(f"error: disk full writing '{where}': it needs "), lines[0]
     assert "free on that disk: free space there, keep fewer checkpoints" in lines[0]
     _intact(tmp_path / "kept", 4)
 
