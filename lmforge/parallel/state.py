@@ -3,8 +3,6 @@ state dicts under the model's own parameter names, for DCP checkpoints that resh
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -49,12 +47,15 @@ def grad_norm(pm) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm_(pm, max_norm: float) -> float:
-    """Scale all gradients so that their global norm is at most max_norm; returns the norm before.
-    A non-finite norm leaves the gradients alone (the trainer then skips the step)."""
-    norm = grad_norm(pm).item()
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+def clip_grad_norm_(pm, max_norm: float) -> torch.Tensor:
+    """Scale all gradients so that their global norm is at most max_norm; returns the norm before (a float64
+    scalar on the model's device: reading it is the caller's host sync). A non-finite norm leaves the gradients
+    alone (the trainer then skips the step)."""
+    norm = grad_norm(pm)
+    if max_norm > 0:
+        # Decided on the device, as torch.nn.utils.clip_grad_norm_ does: a factor of exactly 1 leaves a gradient
+        # bit for bit as it is, so no host sync is needed to choose whether to scale.
+        scale = torch.where(norm.isfinite() & (norm > max_norm), max_norm / (norm + 1e-6), 1.0)
         for part in pm.parts:
             for p in part.parameters():
                 if p.grad is not None:

@@ -75,7 +75,9 @@ class DataConfig:
     chat_template: str = "auto"
     assistant_only_loss: bool = True  # sft: loss on the assistant's tokens only; false: on every token
     truncate: str = "cut"  # sft/dpo: an example longer than seq_length is cut to it, or dropped ("drop")
-    num_workers: int = 0
+    # Data-loader processes. None: 2 on an accelerator (batches are read while the device computes), 0 on the CPU
+    # (its cores compute the step). Every sample depends on its index only: the data are the same either way.
+    num_workers: int | None = None
     # Fine-tuning batches are padded to their longest example rounded up to this multiple (capped at
     # seq_length). None: 64 with trainer.compile (a few static shapes instead of one graph per length,
     # or dynamic-shape kernels), else 8.
@@ -84,6 +86,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):  # data.paths=PREFIX, without brackets
             self.paths = [self.paths]
+        if self.num_workers is not None and self.num_workers < 0:
+            raise UserError(f"data.num_workers must be >= 0 (or unset: 2 on an accelerator, 0 on the CPU), "
+                            f"got {self.num_workers}")
 
 
 @dataclass

@@ -118,11 +118,21 @@ def pretrain_datasets(cfg: RunConfig) -> tuple[torch.utils.data.Dataset, torch.u
     return train, valid
 
 
+def loader_workers(num_workers: int | None, device: torch.device) -> int:
+    """data.num_workers, or its default for `device`: 2 on an accelerator, 0 on the CPU (whose cores the step uses)."""
+    if num_workers is not None:
+        return num_workers
+    return 0 if device.type == "cpu" else 2
+
+
 def micro_batches(dataset, consumed: int, total: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  num_workers: int, collate=None) -> Iterator[dict[str, torch.Tensor]]:
+                  num_workers: int, collate=None, pin_memory: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches from sample `consumed` on. `pin_memory` (CUDA): the loader puts each
+    batch in page-locked memory, from which the copy to the device does not block the host."""
     sampler = PretrainingSampler(total, consumed, micro_batch_size, dp_rank, dp_size)
     # A private generator: creating a loader iterator draws a worker seed, and drawing it from the
     # global RNG would shift dropout noise between a resumed run and an uninterrupted one.
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
-                        persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(0))
+                        persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(0),
+                        pin_memory=pin_memory)
     return iter(loader)

@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
+# The batch key of a token loss's scored positions (labels != IGNORE_INDEX, as flat indices), found on the host
+# while the batch is still there (lmforge.train.step): dropping the others then needs no host sync.
+SCORED_ROWS = "scored_rows"
 # fp32 softmax work per block of rows on CPU: small enough to stay in cache across the block's few
 # passes, large enough that a step runs few small parallel ops (each one waits for every thread).
 CPU_BLOCK_BYTES = 16 << 20
@@ -39,12 +42,13 @@ def compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                          vocab_size: int | None = None, chunk_tokens: int = 1024,
-                         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, scored_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Summed cross-entropy of `h @ weight.T + bias` against `labels` (fp32 scalar), as
     `F.cross_entropy(F.linear(h, weight, bias).float(), labels, reduction="sum")` computes it.
 
     h: (..., hidden); labels: the same leading shape; weight: (rows, hidden), of which only the
-    first vocab_size rows are the vocabulary (the rest is padding, never scored).
+    first vocab_size rows are the vocabulary (the rest is padding, never scored). scored_rows: the
+    flat indices of the labels != ignore_index where the caller knows them (then no host sync here).
     """
     if vocab_size is not None and vocab_size < weight.shape[0]:
         weight, bias = weight[:vocab_size], bias[:vocab_size] if bias is not None else None
@@ -52,18 +56,24 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     labels = labels.reshape(-1)
     if labels.shape[0] != h.shape[0]:
         raise ValueError(f"{labels.shape[0]} labels for {h.shape[0]} hidden states")
-    keep = labels != ignore_index
-    if not bool(keep.all()):
-        rows = keep.nonzero().squeeze(1)
-        h, labels = h.index_select(0, rows), labels.index_select(0, rows)
+    if scored_rows is None:
+        keep = labels != ignore_index
+        if not bool(keep.all()):
+            scored_rows = keep.nonzero().squeeze(1)
+    if scored_rows is not None and scored_rows.shape[0] < labels.shape[0]:  # shapes: known without the device
+        h, labels = h.index_select(0, scored_rows), labels.index_select(0, scored_rows)
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (h, weight, bias))
     return _LinearCrossEntropy.apply(h, weight, bias, labels, compute_dtype(h, weight), chunk_tokens, needs)
 
 
 def _softmax_rows_(z: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, probs: torch.Tensor,
-                   need_grad: bool) -> None:
+                   need_grad: bool, on_host: bool | None = None) -> None:
     """Per-token losses of a chunk's logits `z`, and (need_grad) z <- softmax(z) - onehot(labels),
-    block by block of probs' rows, in fp32 whatever z's dtype."""
+    block by block of probs' rows, in fp32 whatever z's dtype. `on_host` (default: z on the CPU): whether
+    reading the device is free, so that only the rows whose probability underflows get log-softmax; on an
+    accelerator every row's exact loss is computed and chosen on the device, without a host sync."""
+    if on_host is None:
+        on_host = z.device.type == "cpu"
     block = probs.shape[0]
     minus_one = torch.full((block, 1), -1.0, device=z.device)
     for r in range(0, z.shape[0], block):
@@ -73,7 +83,11 @@ def _softmax_rows_(z: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, 
         p_label = pr.gather(1, yr).squeeze(1)
         loss = p_label.log().neg_()
         tiny = p_label < TINY_PROBABILITY
-        if bool(tiny.any()):  # -log p loses precision as p underflows: log-softmax for those rows
+        if not on_host:  # -log p loses precision as p underflows: logsumexp(z) - z[label] for those rows
+            zf = zr.float()
+            exact = torch.logsumexp(zf, 1).sub_(zf.gather(1, yr).squeeze(1))
+            loss = torch.where(tiny, exact, loss)
+        elif bool(tiny.any()):  # the same, for the rare rows that need it
             rows = tiny.nonzero().squeeze(1)
             exact = torch.log_softmax(zr[rows].float(), 1).gather(1, yr[rows]).squeeze(1).neg()
             loss.index_copy_(0, rows, exact)

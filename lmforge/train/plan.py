@@ -307,7 +307,7 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
             micro = [task.example_batch(t.micro_batch_size, cfg.data.seq_length, mcfg.vocab_size, device)
                      for _ in range(n)]
             counts = training.global_counts(micro)
-            training.step(micro, counts[0], t.grad_clip)
+            training.step(micro, counts, t.grad_clip)
             step_peak = trace.peak
             grads = _local_bytes(p.grad for part in training.pm.parts for p in part.parameters())
             for o in training.optimizer.optimizers:

@@ -48,7 +48,7 @@ from lmforge.parallel.compose import fsdp_mixed_precision
 from lmforge.parallel.data_parallel import gradient_sync, unwrap
 from lmforge.parallel.pipeline import StageShapes
 from lmforge.train.config import OptimConfig, Precision
-from lmforge.train.loss import IGNORE_INDEX
+from lmforge.train.loss import IGNORE_INDEX, SCORED_ROWS
 from lmforge.train.optim import build_optimizer
 from lmforge.train.tasks import Task, count_tokens, logits_loss
 
@@ -94,6 +94,13 @@ def as_stats(value) -> tuple:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A loss that loss_parallel returned as a replicated DTensor, as a plain tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _device_scalar(value, device: torch.device) -> torch.Tensor:
+    """A number or a one-element tensor as a float64 scalar on `device` (a device tensor is not read)."""
+    if isinstance(value, torch.Tensor):
+        return _local(value).detach().to(torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
 def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
@@ -180,7 +187,9 @@ class ParallelTraining:
 
     def _inputs(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Micro-batches as one batch on the device. A pipeline's stages keep the shapes of their first
-        step, so its batches are padded to data.seq_length; sequence parallelism needs a multiple of TP."""
+        step, so its batches are padded to data.seq_length; sequence parallelism needs a multiple of TP.
+        The positions a token loss scores are found here, on the host (SCORED_ROWS), so the loss need not
+        ask the device; on CUDA the batch goes through pinned memory and the copies do not wait."""
         if self.pm.pipelined:
             length = self.seq_length
         else:
@@ -189,34 +198,44 @@ class ParallelTraining:
             length = -(-longest // multiple) * multiple
         batches = [pad_batch(b, length) for b in batches]
         batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]} if len(batches) > 1 else batches[0]
-        return {k: v.to(self.pm.device, non_blocking=True) for k, v in batch.items()}
+        labels = self.task.inputs(batch)[1]
+        if labels.dim() == 2 and labels.device.type == "cpu":
+            batch = {**batch, SCORED_ROWS: (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)}
+        pin = self.pm.device.type == "cuda"
+        return {k: (v.pin_memory() if pin and not v.is_pinned() else v).to(self.pm.device, non_blocking=True)
+                for k, v in batch.items()}
 
-    def global_counts(self, micro: list[dict[str, torch.Tensor]]) -> list[float]:
-        """[labelled items, tokens] of the step's micro-batches summed over the data-parallel ranks: what the
-        loss is normalised by, known before any backward (accumulation and data parallelism then give one
-        big batch's gradient)."""
+    def global_counts(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """[labelled items, tokens] of the step's micro-batches summed over the data-parallel ranks, on the device
+        (float64): what the loss is normalised by, known before any backward (accumulation and data parallelism
+        then give one big batch's gradient). Counted on the host batches: no host sync."""
         counts = torch.tensor([sum(self.task.count(b) for b in micro), sum(count_tokens(b) for b in micro)],
                               dtype=torch.float64)
-        return all_reduce_data_parallel(counts.to(self.pm.device), self.mesh).tolist()
+        return all_reduce_data_parallel(counts.to(self.pm.device), self.mesh)
 
-    def micro_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    def micro_loss(self, batch: dict[str, torch.Tensor]) -> tuple:
         """(summed loss, items, correct) of one micro-batch on the device, through the whole model (no pipeline)."""
         with self._autocast():
             return self.task.loss(self.pm.parts[0], batch, self.fused_loss)
 
-    def step(self, micro: list[dict[str, torch.Tensor]], count: float, max_norm: float) -> tuple[float, float]:
+    def step(self, micro: list[dict[str, torch.Tensor]], counts, max_norm: float) -> tuple[float, float]:
         """Forward and backward of this rank's micro-batches; (global mean loss, gradient norm before clipping).
 
-        Each micro-batch's summed loss is divided by the step's global label count `count`, and
-        multiplied by the data-parallel size because DDP and FSDP2 average gradients over the data ranks
-        (not over tensor or pipeline ranks): the gradient is then the global batch's mean-loss gradient.
+        `counts`: global_counts(micro). Each micro-batch's summed loss is divided by the step's global label
+        count, and multiplied by the data-parallel size because DDP and FSDP2 average gradients over the data
+        ranks (not over tensor or pipeline ranks): the gradient is then the global batch's mean-loss gradient.
+        The host reads the device once, at the end: loss, statistics, norm and tokens together (step_stats,
+        step_tokens).
         """
         dp, pm = self.dp_size, self.pm
+        if not isinstance(counts, torch.Tensor):  # numbers, as an older caller gave them
+            counts = torch.tensor(counts, dtype=torch.float64, device=pm.device)
         total = torch.zeros((), dtype=torch.float64, device=pm.device)
         stats = torch.zeros(1 + self.task.num_stats, dtype=torch.float64, device=pm.device)  # count, task stats
         if pm.pipelined:
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-                return logits_loss(logits, labels) / count * dp
+                loss = logits_loss(logits, labels)
+                return loss / counts[0].to(loss.dtype) * dp
 
             ids, labels, kwargs = self.task.inputs(self._inputs(micro))
             with self._autocast():
@@ -227,19 +246,33 @@ class ParallelTraining:
                 with gradient_sync(pm.parts[0], i == len(micro) - 1), pm.loss_context():
                     batch = self._inputs([batch])
                     loss, items, task_stats = self.micro_loss(batch)
-                    loss = loss / count * dp
+                    # The count in the loss's dtype: the division a Python number would give.
+                    loss = loss / counts[0].to(loss.dtype) * dp
                     extra = self._router_loss(batch, router, len(micro))
                     (loss if extra is None else loss + extra).backward()
                 total += _local(loss).detach().double()
-                stats += torch.tensor([items, *as_stats(task_stats)], dtype=torch.float64, device=pm.device)
+                stats += self._stats(items, task_stats)
             if self.model_config.num_experts:
                 # Each rank's mean over its micro-batches, averaged over the data-parallel ranks.
-                aux, z = (all_reduce_data_parallel(router / len(micro), self.mesh) / dp).tolist()
-                self.router_metrics = {"aux_loss": aux, **({"z_loss": z} if self.model_config.router_z_loss_coef
-                                                           else {})}
-        reduced = all_reduce_data_parallel(torch.cat([total.reshape(1), stats]), self.mesh).tolist()
-        self.step_stats = reduced[1:]  # the step's global count and task statistics (none under a pipeline)
-        return reduced[0] / dp, clip_grad_norm_(pm, max_norm)
+                router = all_reduce_data_parallel(router / len(micro), self.mesh) / dp
+        reduced = all_reduce_data_parallel(torch.cat([total.reshape(1), stats]), self.mesh)
+        norm = clip_grad_norm_(pm, max_norm)
+        tokens = counts.reshape(-1)[1:2]  # none where a caller gave the count alone
+        moe = router if not pm.pipelined and self.model_config.num_experts else total.new_zeros(0)
+        values = torch.cat([reduced, norm.reshape(1), tokens, moe]).tolist()  # the step's one host sync
+        n = len(reduced)
+        self.step_stats = values[1:n]  # the step's global count and task statistics (none under a pipeline)
+        self.step_tokens = values[n + 1] if len(tokens) else 0.0
+        if len(moe):
+            aux, z = values[-2:]
+            self.router_metrics = {"aux_loss": aux, **({"z_loss": z} if self.model_config.router_z_loss_coef
+                                                       else {})}
+        return values[0] / dp, values[n]
+
+    def _stats(self, items, task_stats) -> torch.Tensor:
+        """A micro-batch's (items, task statistics), numbers or device scalars, as one float64 vector on the
+        device, without reading the device."""
+        return torch.stack([_device_scalar(v, self.pm.device) for v in (items, *as_stats(task_stats))])
 
     def _router_loss(self, batch: dict[str, torch.Tensor], sums: torch.Tensor, micro: int) -> torch.Tensor | None:
         """A MoE model's router losses of the micro-batch just run (added into `sums`), scaled for backward: the
@@ -273,13 +306,12 @@ class ParallelTraining:
             else:
                 with self.pm.loss_context():
                     loss, count, correct = self.micro_loss(batch)
-            sums += torch.tensor([_local(loss).item(), count, *as_stats(correct)], dtype=torch.float64).to(
-                sums.device)
+            sums += torch.cat([_local(loss).detach().double().reshape(1), self._stats(count, correct)])
         self.pm.reshard()
         self.pm.train()
         return all_reduce_data_parallel(sums, self.mesh)
 
-    def _pipeline_eval(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    def _pipeline_eval(self, batch: dict[str, torch.Tensor]) -> tuple:
         ids, labels, kwargs = self.task.inputs(batch)
         correct: list[int] = []
 

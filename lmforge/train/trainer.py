@@ -25,7 +25,7 @@ from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
-from lmforge.train.data import micro_batches
+from lmforge.train.data import loader_workers, micro_batches
 from lmforge.train.downstream import DownstreamEval
 from lmforge.train.float8 import check_float8, convert_to_float8
 from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, merged, write_adapter
@@ -177,7 +177,7 @@ class Trainer:
     def train_step(self, batches) -> dict[str, float]:
         micro = [next(batches) for _ in range(self.grad_accum)]
         counts = self.training.global_counts(micro)
-        loss, grad_norm = self.training.step(micro, counts[0], self.cfg.trainer.grad_clip)
+        loss, grad_norm = self.training.step(micro, counts, self.cfg.trainer.grad_clip)
         task_metrics = self.task.train_metrics(*self.training.step_stats)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
@@ -190,7 +190,7 @@ class Trainer:
                         grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "grad_norm": grad_norm, "skipped": 0.0 if finite else 1.0, **task_metrics,
-                **self.training.router_metrics, "_tokens": counts[1]}
+                **self.training.router_metrics, "_tokens": self.training.step_tokens}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -241,8 +241,9 @@ class Trainer:
             log.info("peak %.3g TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,
                      self.peak_source, self.flops_per_token)
         batches = micro_batches(self.data.train, self.state["consumed_samples"], t.max_steps * t.global_batch_size,
-                                t.micro_batch_size, self.dp_rank, self.dp_size, cfg.data.num_workers,
-                                self.data.collate)
+                                t.micro_batch_size, self.dp_rank, self.dp_size,
+                                loader_workers(cfg.data.num_workers, world.device), self.data.collate,
+                                pin_memory=world.device.type == "cuda")
         # A bar on a terminal, plain lines in a log file.
         progress = Progress(t.max_steps, start) if world.is_main and t.progress_bar else None
         self.model.train()

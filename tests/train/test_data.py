@@ -71,3 +71,29 @@ def test_masked_lm_data_is_checked_against_the_vocabulary_too(tiny_corpus, tmp_p
         Trainer(cfg)
     assert str(e.value).startswith(f"data prefix '{tiny_corpus}' has token id 999 but the model's vocab_size is 500")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_loader_workers_give_the_batches_one_process_gives_from_any_sample(tiny_corpus, tmp_path):
+    """data.num_workers (2 by default on an accelerator): the same micro-batches, in the same order, as reading in
+    the training process, from the start and from a resumed position (every sample depends on its index only)."""
+    import torch
+
+    from lmforge.train.config import load_run_config
+
+    cfg = load_run_config(None, ["model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]", "data.seq_length=32",
+                                 "trainer.max_steps=6", f"run_dir={tmp_path}"])
+    train, _ = data.pretrain_datasets(cfg)
+    for consumed in (0, 20):
+        read = {w: list(data.micro_batches(train, consumed, 48, 2, 1, 2, w)) for w in (0, 2)}
+        assert len(read[0]) == len(read[2]) == (48 - consumed) // 4
+        for a, b in zip(read[0], read[2], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loader_workers_default_to_two_on_an_accelerator_only():
+    import torch
+
+    assert data.loader_workers(None, torch.device("cpu")) == 0
+    assert data.loader_workers(None, torch.device("cuda", 0)) == 2
+    assert data.loader_workers(3, torch.device("cpu")) == 3

@@ -85,10 +85,17 @@ def test_bf16_gradients_are_as_accurate_as_the_plain_path(dtype, monkeypatch):
         assert err_fused < 1.5 * err_plain + 1e-4, (err_fused, err_plain)
 
 
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu", "accelerator"])
 @pytest.mark.parametrize("gap", [30.0, 60.0, 80.0, 200.0])
-def test_a_confident_wrong_answer_costs_its_exact_loss(gap):
+def test_a_confident_wrong_answer_costs_its_exact_loss(gap, on_host, monkeypatch):
     """A label `gap` nats below the top logit costs ~gap: exact whether -log p is read off the
-    softmax (p >= 1e-30) or p underflows and the row is recomputed with log-softmax."""
+    softmax (p >= 1e-30) or p underflows and the row is recomputed with log-softmax (on the CPU), or
+    every row's logsumexp(z) - z[label] is chosen on the device (on an accelerator: no host sync)."""
+    import functools
+
+    import lmforge.train.loss as loss_module
+
+    monkeypatch.setattr(loss_module, "_softmax_rows_", functools.partial(loss_module._softmax_rows_, on_host=on_host))
     h = torch.zeros(2, 4, requires_grad=True)
     h.data[:, 0] = 1.0
     w = torch.zeros(10, 4, requires_grad=True)
@@ -99,6 +106,20 @@ def test_a_confident_wrong_answer_costs_its_exact_loss(gap):
     assert torch.isfinite(loss) and loss.item() == pytest.approx(ref.item(), rel=1e-6)
     loss.backward()
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_scored_rows_given_by_the_caller_give_the_same_loss_and_gradients():
+    """The trainer finds the scored positions on the host (SCORED_ROWS): the loss and gradients are those of
+    the rows found on the device, bit for bit."""
+    h, w, b = _inputs(bias=True)
+    labels = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1))
+    labels[::3] = -100
+    rows = (labels != -100).nonzero().squeeze(1)
+    found = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=8), h, w, b, labels)
+    given = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=8, scored_rows=rows), h, w, b, labels)
+    assert found[0] == given[0]
+    for a, g in zip(found[1], given[1], strict=True):
+        assert torch.equal(a, g)
 
 
 def test_without_grad_it_only_scores():

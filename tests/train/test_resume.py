@@ -31,8 +31,9 @@ LORA = ("lora.rank=4", "lora.targets=all-linear", "lora.dropout=0.1", "optim.lr=
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, extra", [("fp32", ()), ("bf16-sr", ()), ("fp32", LORA)],
-                         ids=["fp32", "bf16-sr", "lora"])
+@pytest.mark.parametrize("precision, extra", [("fp32", ()), ("bf16-sr", ()), ("fp32", LORA),
+                                              ("fp32", ("data.num_workers=2",))],
+                         ids=["fp32", "bf16-sr", "lora", "loader-workers"])
 def test_killed_run_resumes_bit_exactly(precision, extra, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(_command(tiny_corpus, tmp_path / "whole", precision, extra), check=True, env=env,

@@ -23,9 +23,10 @@ from lmforge.models.decoder import Decoder
 from lmforge.models.layers import VocabProjection
 from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
-from lmforge.train.loss import IGNORE_INDEX, linear_cross_entropy
+from lmforge.train.loss import IGNORE_INDEX, SCORED_ROWS, linear_cross_entropy
 
 Batch = dict[str, torch.Tensor]
+Count = torch.Tensor | int  # a count or statistic of a micro-batch: a number, or a scalar left on the device
 
 
 @dataclass
@@ -77,17 +78,18 @@ class Task:
         """What a step's loss is normalised by: the labelled tokens."""
         return int((self.inputs(batch)[1] != IGNORE_INDEX).sum())
 
-    def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, int, int]:
-        """(summed loss, items counted, correct predictions) for one micro-batch on the model's device.
+    def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, Count, Count]:
+        """(summed loss, items counted, correct predictions) for one micro-batch on the model's device; the counts
+        are numbers or scalars on the device (the trainer reads them once per step: never read them here).
 
         fused: a decoder's LM loss goes through lmforge.train.loss (no full logits tensor); False
         computes the logits and F.cross_entropy, the reference it is tested against.
         """
         input_ids, labels, inputs = self.inputs(batch)
-        loss = lm_loss(model, {"input_ids": input_ids, **inputs}, labels, fused)
-        return loss, int((labels != IGNORE_INDEX).sum()), 0
+        loss = lm_loss(model, {"input_ids": input_ids, **inputs}, labels, fused, batch.get(SCORED_ROWS))
+        return loss, (labels != IGNORE_INDEX).sum(), 0
 
-    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
+    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> Count:
         """Correct predictions among `logits` (pipeline validation scores the last stage's logits)."""
         return 0
 
@@ -182,12 +184,15 @@ def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def lm_loss(model: torch.nn.Module, inputs: Batch, labels: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """Summed cross-entropy of the model's logits for `inputs` against `labels` (-100: not scored)."""
+def lm_loss(model: torch.nn.Module, inputs: Batch, labels: torch.Tensor, fused: bool = True,
+            scored_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed cross-entropy of the model's logits for `inputs` against `labels` (-100: not scored; `scored_rows`:
+    the flat indices of the others, where known)."""
     inner = unwrap(model)
     # Under tensor parallelism the projection is vocabulary-sharded (lmforge.parallel): plain path.
     if fused and isinstance(inner, Decoder) and type(inner.vocab_projection) is VocabProjection:
-        head_fn = partial(linear_cross_entropy, labels=labels, vocab_size=inner.config.vocab_size)
+        head_fn = partial(linear_cross_entropy, labels=labels, vocab_size=inner.config.vocab_size,
+                          scored_rows=scored_rows)
         return model(**inputs, head_fn=head_fn)
     return logits_loss(model(**inputs), labels)
 

@@ -42,13 +42,14 @@ class Classification(Task):
     def blank(self, example: Batch) -> Batch:
         return {**example, "label": torch.tensor(IGNORE_INDEX)}
 
-    def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, int, int]:
+    def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, ...]:
         input_ids, labels, inputs = self.inputs(batch)
         logits = model(input_ids, **inputs).float()
-        return logits_loss(logits, labels), self.count(batch), self.correct(logits, labels)
+        # The counts as device scalars: read once per step with the rest (count() reads the host batch).
+        return logits_loss(logits, labels), (labels != IGNORE_INDEX).sum(), self.correct(logits, labels)
 
-    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> int:
-        return int((logits.argmax(-1) == labels).sum())  # a blank's label (IGNORE_INDEX) is never a class
+    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return (logits.argmax(-1) == labels).sum()  # a blank's label (IGNORE_INDEX) is never a class
 
     def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
         return {"val_loss": loss_sum / count, "val_accuracy": correct / count}

@@ -144,8 +144,8 @@ class DPO(Task):
         keep = scored_pairs(labels)
         if not bool(keep.all()):  # blank pairs filling up the last validation step: not counted
             losses, chosen, rejected = losses[keep], chosen[keep], rejected[keep]
-        stats = (int((chosen > rejected).sum()), float((chosen - rejected).sum()), float(chosen.sum()),
-                 float(rejected.sum()))
+        stats = tuple(t.detach() for t in ((chosen > rejected).sum(), (chosen - rejected).sum(), chosen.sum(),
+                                           rejected.sum()))
         return losses.sum(), len(losses), stats
 
     def metrics(self, loss_sum: float, count: float, correct: float, margin: float = 0.0, chosen: float = 0.0,
