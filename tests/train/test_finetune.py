@@ -41,6 +41,28 @@ def test_sft_on_alpaca_with_packing(tiny_gpt2, shared_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_sft_of_a_tiny_mixtral_on_padded_batches_logs_its_aux_loss(shared_data, tmp_path):
+    """Padded (unpacked) SFT batches: the load-balancing loss counts the real tokens only (the attention mask), as
+    transformers' does; the loss falls with it added."""
+    from lmforge.models.io import save_model
+
+    model_dir = tmp_path / "mixtral"
+    model = build({**build("tiny-mixtral", device="meta").config.__dict__, "vocab_size": 50257,
+                   "max_position_embeddings": 128}, seed=0)
+    save_model(model, model_dir, tokenizer_from=shared_data / "tokenizers" / "gpt2" / "tokenizer.json")
+    alpaca = shared_data / "instruct" / "alpaca" / "alpaca_subset_2k.json"
+    cfg = load_run_config(None, _base(tmp_path / "sft", f"model.init_from={model_dir}", "data.task=sft",
+                                      f"data.train_file={alpaca}", "data.packing=false", "data.seq_length=128",
+                                      "trainer.max_steps=12", "trainer.global_batch_size=8",
+                                      "trainer.micro_batch_size=4", "trainer.val_check_interval=0",
+                                      "model.router_aux_loss_coef=0.05"))
+    Trainer(cfg).fit()
+    rows = _rows(tmp_path / "sft")
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert all(1.9 <= r["aux_loss"] <= 8.0 for r in rows)  # k = 2 balanced, at most k x 4 experts
+
+
+@pytest.mark.slow
 def test_classification_on_sst2_exports_a_sequence_classifier(tiny_gpt2, shared_data, tmp_path):
     tf = pytest.importorskip("transformers")
     sst = shared_data / "classification" / "sst-2"
