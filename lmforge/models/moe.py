@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lmforge.models.config import ModelConfig
 
@@ -79,7 +80,10 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     flat = chosen.reshape(-1)
     # Stable, so each expert's rows keep token order (the same GEMM rows whatever the sort's implementation).
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    if is_fake(flat):  # lmforge plan traces a step on fake tensors: no routing to count, take it balanced
+        counts = [flat.numel() // num_experts + (e < flat.numel() % num_experts) for e in range(num_experts)]
+    else:
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
     with torch.autocast(x.device.type, enabled=False):
         return _GroupedExperts.apply(x.to(dtype), weights.to(dtype), gate_up.to(dtype), down.to(dtype), order,
                                      counts, act)

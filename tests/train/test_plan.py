@@ -63,6 +63,8 @@ LAYOUTS = {
     "bf16_mixed": _case(2, "trainer.precision=bf16-mixed", "trainer.data_parallel=fsdp"),
     "auto_precision": _case(2, "trainer.precision=auto", "trainer.data_parallel=fsdp"),
     "classification": _case(2, "data.task=classification", "trainer.data_parallel=fsdp"),
+    # A mixture of experts: the routing of fake tensors cannot be counted, the trace takes it balanced.
+    "moe_fsdp": _case(2, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp"),
 }
 CASES = {
     **LAYOUTS,
