@@ -157,7 +157,8 @@ def main() -> None:
             f"{os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n")
     print(body)
     if args.write:
-        write_block(SECTION, INTRO, "CPU" if device.type == "cpu" else device.type.upper(), body)
+        label = f"CPU, --threads {args.threads}" if device.type == "cpu" else device.type.upper()
+        write_block(SECTION, INTRO, label, body)
         print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
 
 

@@ -36,14 +36,43 @@ CPU_CHUNK = 1 << 18
 ACCELERATOR_CHUNK = 1 << 24
 
 
-def _stochastic_bits(src: torch.Tensor, generator: torch.Generator | None, work: dict[str, torch.Tensor]
-                     ) -> torch.Tensor:
-    """The bits of flat fp32 `src` rounded stochastically to bf16 (low 16 bits zero), in work["bits"]."""
-    bits = src.view(torch.int32)
-    n = bits.numel()
-    draws = work["draws"][: (n + 3) // 4].random_(-(2**63), None, generator=generator)
-    rounded = torch.add(bits, draws.view(torch.int16)[:n], out=work["bits"][:n])
-    return rounded.add_(1 << 15).bitwise_and_(-65536)  # & 0xFFFF0000 as a signed int32
+# Noise for stochastic rounding: a counter-based hash, (((counter + k0) * C1) ^ k) * C2, whose top 16 bits are
+# the noise. Both multipliers are odd, so for a uniform key each step is a bijection of 32-bit integers and the
+# noise is exactly uniform in [0, 2^16): the rounding stays unbiased. It is no cryptographic generator, but it
+# costs ~6 int32 passes over a chunk in cache (~0.4 ns per element on one CPU core), where drawing 16 bits per
+# element from torch's Mersenne twister cost ~1 ns and adding its int16 draws to int32 bits ~3 ns.
+HASH_C1 = -1640531535  # 0x9E3779B1 as a signed int32
+HASH_C2 = -2048144777  # 0x85EBCA77
+
+
+def _int32(x: int) -> int:
+    """x modulo 2^32 as a signed int32 (torch refuses scalars outside an int32 tensor's range)."""
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def _hash_keys(generator: torch.Generator | None, n: int) -> list[int]:
+    """n 32-bit keys from `generator` (a CPU generator: the same keys, and noise, on every device)."""
+    return torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=generator).tolist()
+
+
+def _round_bits_(bits: torch.Tensor, first: int, keys: list[int], work: dict[str, torch.Tensor]) -> None:
+    """Round fp32 values (their int32 bit patterns, `bits`, shape (r, n)) stochastically to bf16 in place: row j
+    gets the noise of key keys[j + 1] at counters first, first+1, ... (keys[0] offsets the counters; the key
+    column work["keys"] holds keys[1:r + 1])."""
+    rows, n = bits.shape
+    # (counter + k0) * C1 = counter * C1 + k0 * C1 (mod 2^32): work["counter"] holds counter * C1
+    base = torch.add(work["counter"][:n], _int32((first + keys[0]) * HASH_C1), out=work["base"][:n])
+    noise = torch.bitwise_xor(base, work["keys"][:rows], out=work["noise"][:rows, :n]).mul_(HASH_C2)
+    noise.bitwise_right_shift_(16).bitwise_and_(0xFFFF)  # the top 16 bits, in [0, 2^16)
+    bits.add_(noise).bitwise_and_(-65536)  # & 0xFFFF0000 as a signed int32: truncate to bf16
+
+
+def _round_work(n: int, keys: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """Buffers for _round_bits_ on up to n counters, one noise row per key after the first."""
+    return {"counter": torch.arange(n, dtype=torch.int32, device=device).mul_(HASH_C1),
+            "base": torch.empty(n, dtype=torch.int32, device=device),
+            "noise": torch.empty(len(keys) - 1, n, dtype=torch.int32, device=device),
+            "keys": torch.tensor([_int32(k) for k in keys[1:]], dtype=torch.int32).view(-1, 1).to(device)}
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -51,14 +80,12 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
 
     bf16 is the top 16 bits of fp32: adding uniform noise in [0, 2^16) to the low 16 bits and
     truncating rounds away from zero with probability (low bits)/2^16, so E[result] = src.
-    The noise is 2^15 + a uniform int16, cut from full 64-bit draws: four values per draw of the
-    Mersenne twister, ~3x faster than torch.randint(0, 2^16).
+    The noise is the hash above, keyed by two draws of `generator` (a CPU generator).
     """
-    flat = src.contiguous().reshape(-1)
-    n = flat.numel()
-    work = {"draws": torch.empty((n + 3) // 4, dtype=torch.int64, device=flat.device),
-            "bits": torch.empty(n, dtype=torch.int32, device=flat.device)}
-    dst.copy_(_stochastic_bits(flat, generator, work).view(torch.float32).view(dst.shape))  # exact in bf16
+    bits = src.to(torch.float32, copy=True).reshape(1, -1).view(torch.int32)
+    keys = _hash_keys(generator, 2)
+    _round_bits_(bits, 0, keys, _round_work(bits.shape[1], keys, bits.device))
+    dst.copy_(bits.view(torch.float32).view(dst.shape))  # exact in bf16
 
 
 def _chunks(tensors: list[tuple[torch.Tensor, ...]], size: int, first_only: bool = False):
@@ -85,16 +112,18 @@ class AdamWSR(torch.optim.Optimizer):
     """AdamW for bf16 parameters with bf16 moments, math in fp32, results stochastically rounded.
 
     With `stochastic_rounding=False` it rounds to nearest (plain bf16, the baseline that drifts).
-    The noise comes from a generator reseeded from (seed, step), so a resumed run draws the same
-    noise as an uninterrupted one without saving generator state.
+    The noise is a hash of each value's place in the step (its counter) under keys drawn from a generator
+    reseeded from (seed, step): a resumed run draws the same noise as an uninterrupted one without saving
+    generator state, and every rank and device the same keys (replicated shards stay equal).
 
     One fused update per parameter group: the group's tensors are laid end to end and cut into chunks
     of `chunk_size` elements; a chunk is gathered into flat fp32 work buffers (one `_foreach_copy_` per
-    operand, however many tensors it spans), updated by ~25 whole-chunk ops, and scattered back the same
-    way. The per-tensor loop over 256K-element blocks it replaces made ~27 launches per block (~108k per
-    step at 1B): host-bound on a GPU, where a chunk is now 16M elements (~2k launches per step at 1B; work
-    buffers ~26 bytes per element, ~420 MB). On a CPU a chunk is 256K elements, so the work buffers stay in
-    cache: whole-tensor fp32 temporaries (which glibc maps afresh, page fault by page fault, for every op on
+    operand, however many tensors it spans), updated by ~16 whole-chunk ops (the moments and weights rounded
+    together, as one (3, n) block), and scattered back the same way. The per-tensor loop over 256K-element
+    blocks it replaces made ~27 launches per block (~108k per step at 1B): host-bound on a GPU, where a chunk
+    is now 16M elements (~1.5k launches per step at 1B; work buffers ~36 bytes per element, ~600 MB). On a
+    CPU a chunk is 256K elements, so the work buffers stay in cache: whole-tensor fp32 temporaries (which
+    glibc maps afresh, page fault by page fault, for every op on
     a 50k-row embedding) made a Pythia-70m step ~4x slower.
     """
 
@@ -109,16 +138,20 @@ class AdamWSR(torch.optim.Optimizer):
         self.first_chunk_only = False
         self._work: dict[str, torch.Tensor] = {}
 
-    def _workspace(self, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    def _workspace(self, n: int, device: torch.device, keys: list[int]) -> dict[str, torch.Tensor]:
         if not self._work or self._work["g"].device != device or self._work["g"].numel() < n:
-            self._work = {k: torch.empty(n, dtype=torch.float32, device=device) for k in ("g", "m", "v", "w", "d")}
-            self._work["draws"] = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
-            self._work["bits"] = torch.empty(n, dtype=torch.int32, device=device)
+            self._work = {k: torch.empty(n, dtype=torch.float32, device=device) for k in ("g", "d")}
+            self._work["mvw"] = torch.empty(3, n, dtype=torch.float32, device=device)  # rounded in one go
+            self._work |= _round_work(n, keys, device)
+            self._work["base"] = self._work["d"].view(torch.int32)  # the denominator is spent by then
+        else:
+            self._work["keys"].copy_(torch.tensor([_int32(k) for k in keys[1:]], dtype=torch.int32).view(-1, 1))
         return self._work
 
     @torch.no_grad()
     def step(self, closure=None):
-        gen = None
+        keys = None
+        self._counter = 0  # the noise's counters run on over the step's chunks, group after group
         for group in self.param_groups:
             by_step: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # flat (w, g, m, v) by step count
             copies = []  # (tensor, its contiguous copy): written back after the update
@@ -132,8 +165,8 @@ class AdamWSR(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["step"] += 1
                 t = int(state["step"].item())  # a CPU tensor: no device sync
-                if gen is None:  # one stream per step, consumed in chunk order
-                    gen = torch.Generator(device=p.device).manual_seed(self.seed * 1_000_003 + t)
+                if keys is None:  # the step's noise keys, the same on every rank and device
+                    keys = _hash_keys(torch.Generator().manual_seed(self.seed * 1_000_003 + t), 4)
                 # FSDP2 and tensor-parallel parameters are DTensors: update each rank's local shard in place.
                 # A tensor-parallel gradient may be laid out unlike its parameter (a sequence-parallel norm's
                 # is a partial sum, a vocabulary-parallel embedding's replicated): lay it out the same first.
@@ -149,38 +182,45 @@ class AdamWSR(torch.optim.Optimizer):
                     row.append(x.view(-1))
                 by_step.setdefault(t, []).append(tuple(row))
             for t, rows in by_step.items():
-                self._update(rows, group, t, gen)
+                self._update(rows, group, t, keys)
             for x, c in copies:
                 x.copy_(c)
 
-    def _update(self, rows: list[tuple[torch.Tensor, ...]], group: dict, t: int, gen: torch.Generator) -> None:
+    def _update(self, rows: list[tuple[torch.Tensor, ...]], group: dict, t: int, keys: list[int]) -> None:
         """One AdamW step on flat (w, g, m, v) rows of one group and step count, chunk by chunk."""
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         device = rows[0][0].device
         size = self.chunk_size or (CPU_CHUNK if device.type == "cpu" else ACCELERATOR_CHUNK)
         size = min(size, sum(row[0].numel() for row in rows))
-        work = self._workspace(size, device)
+        work = self._workspace(size, device, keys)
         for pieces in _chunks(rows, size, first_only=self.first_chunk_only):
             sizes = [piece[0].numel() for piece in pieces]
             n = sum(sizes)
-            w32, g32, m32, v32, d32 = (work[k][:n] for k in ("w", "g", "m", "v", "d"))
-            for i, buf in enumerate((w32, g32, m32, v32)):  # gather: one foreach copy per operand
+            mvw = work["mvw"][:, :n]
+            m32, v32, w32 = mvw
+            g32, d32 = work["g"][:n], work["d"][:n]
+            for i, buf in ((0, w32), (1, g32), (2, m32), (3, v32)):  # gather: one foreach copy per operand
                 torch._foreach_copy_(list(buf.split(sizes)), [piece[i] for piece in pieces])
+            # torch's AdamW, op for op (its single-tensor form): the same fp32 results, bit for bit.
             m32.lerp_(g32, 1 - beta1)
             v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
             w32.mul_(1 - lr * group["weight_decay"])
             torch.sqrt(v32, out=d32).div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
             w32.addcdiv_(m32, d32, value=-lr / (1 - beta1**t))
-            for i, value in ((2, m32), (3, v32), (0, w32)):  # the moments, then the weights
-                dsts = [piece[i] for piece in pieces]
-                if self.stochastic_rounding and any(d.dtype == torch.bfloat16 for d in dsts):
-                    rounded = _stochastic_bits(value, gen, work).view(torch.float32)  # exact in bf16
-                    srcs = [r if d.dtype == torch.bfloat16 else x for d, r, x in
-                            zip(dsts, rounded.split(sizes), value.split(sizes), strict=True)]
-                else:
-                    srcs = list(value.split(sizes))
-                torch._foreach_copy_(dsts, srcs)  # scatter
+            dsts = [[piece[i] for piece in pieces] for i in (2, 3, 0)]  # the moments, then the weights
+            take = range(len(pieces))
+            if self.stochastic_rounding and any(d.dtype == torch.bfloat16 for d in dsts[0]):
+                # a parameter and its moments share a dtype; fp32 ones take the fp32 results, before the rounding
+                keep = [i for i, d in enumerate(dsts[0]) if d.dtype != torch.bfloat16]
+                for d, parts in zip(dsts, (value.split(sizes) for value in mvw), strict=True):
+                    if keep:
+                        torch._foreach_copy_([d[i] for i in keep], [parts[i] for i in keep])
+                _round_bits_(mvw.view(torch.int32), self._counter, keys, work)  # exact in bf16 now
+                take = [i for i, d in enumerate(dsts[0]) if d.dtype == torch.bfloat16]
+            for d, parts in zip(dsts, (value.split(sizes) for value in mvw), strict=True):
+                torch._foreach_copy_([d[i] for i in take], [parts[i] for i in take])  # scatter
+            self._counter += n
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, precision: Precision, seed: int) -> torch.optim.Optimizer:

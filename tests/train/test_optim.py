@@ -37,6 +37,27 @@ def test_stochastic_rounding_keeps_updates_that_nearest_rounding_loses():
     assert abs(sr.float().mean().item() - (1 - 100 * 1e-4)) < 1e-3
 
 
+def test_stochastic_rounding_noise_is_independent_across_values_rows_and_steps():
+    """The hash noise rounds halfway values up half of the time, and independently: neighbouring values, the
+    three rows rounded together (moments and weights) and two steps' keys agree half of the time, not always."""
+    from lmforge.train.optim import _hash_keys, _round_bits_, _round_work
+
+    n = 200_000
+    halfway = torch.full((n,), 1.0 + 2**-8, dtype=torch.float32)  # between the bf16 values 1 and 1 + 2^-7
+
+    def ups(seed):
+        bits = halfway.repeat(3, 1).view(torch.int32)
+        keys = _hash_keys(torch.Generator().manual_seed(seed), 4)
+        _round_bits_(bits, 0, keys, _round_work(n, keys, bits.device))
+        return bits.view(torch.float32) > 1.0
+
+    a, b = ups(0), ups(1)
+    tol = 5 * 0.5 / math.sqrt(n)
+    for x, y in ((a[0, 1:], a[0, :-1]), (a[0], a[1]), (a[1], a[2]), (a[0], a[2]), (a[2], b[2])):
+        assert abs(x.float().mean().item() - 0.5) < tol
+        assert abs((x == y).float().mean().item() - 0.5) < tol
+
+
 def test_adamw_sr_in_fp32_matches_torch_adamw():
     torch.manual_seed(0)
     a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
