@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 TARGETS = {"q": "attn.qkv", "k": "attn.qkv", "v": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate",
            "up": "mlp.up", "down": "mlp.down"}
 QKV = ("q", "k", "v")
+BASE_DTYPES = ("fp32", "bf16", "nf4")
+# QLoRA's NF4 (Dettmers et al. 2023): one absmax scale per 64 weights, the scales quantized again in blocks of 256.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 
 
 @dataclass
@@ -56,6 +59,9 @@ class LoRAConfig:
     # Hold the frozen base in bf16 (adapters stay fp32). Under FSDP2 a block then holds two dtypes: its all-gather
     # carries them as bytes, and only the fp32 adapters have gradients to reduce-scatter.
     bf16_base: bool = False
+    # The frozen base's dtype: fp32 (the run's), bf16 (as bf16_base=true), or nf4: QLoRA, the blocks' linear weights
+    # in torchao's 4-bit NormalFloat (the rest of the base in bf16; a CUDA GPU and torchao, lmforge.train.lora).
+    base_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
@@ -71,6 +77,11 @@ class LoRAConfig:
             raise UserError(f"lora.targets: unknown target {unknown[0] if unknown else '(none)'!r}: choose from "
                             f"{', '.join(TARGETS)} (comma-separated), all-linear or default")
         self.targets = list(dict.fromkeys(names))
+        if self.base_dtype not in BASE_DTYPES:
+            raise UserError(f"lora.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
+        if self.bf16_base and self.base_dtype == "fp32":
+            self.base_dtype = "bf16"
+        self.bf16_base = self.base_dtype != "fp32"  # nf4 keeps what it does not quantize in bf16
 
     @property
     def scaling(self) -> float:
@@ -228,6 +239,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
         p.requires_grad_(False)
     if lora.bf16_base:
         model.to(torch.bfloat16)
+    if lora.base_dtype == "nf4":
+        quantize_nf4(model)
     for name, parts in targets.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -243,6 +256,43 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
              lora.alpha, ",".join(sorted({p for parts in targets.values() for p in parts})), len(targets), trainable,
              total, 100 * trainable / total)
     return trainable
+
+
+def nf4_api():
+    """torchao's NF4 functions (to_nf4, NF4Tensor): their module moved in torchao 0.15."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor as nf4
+    except ImportError:
+        from torchao.dtypes import nf4tensor as nf4
+    return nf4.to_nf4, nf4.NF4Tensor
+
+
+def quantize_nf4(model: nn.Module) -> int:
+    """Swap the blocks' (frozen, bf16) linear weights for torchao NF4 tensors, in place; a weight whose size has no
+    whole 64-weight blocks stays bf16. The scales' second-level block is 256 (QLoRA's), or the largest power of two
+    dividing the number of blocks in a weight too small for it. Returns how many weights were quantized."""
+    to_nf4, _ = nf4_api()
+    done, kept = 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or ".layers." not in f".{name}":
+            continue
+        w = module.weight
+        blocks = w.numel() // NF4_BLOCK
+        if w.numel() % NF4_BLOCK:
+            kept.append(name)
+            continue
+        scaler_block = math.gcd(blocks, NF4_SCALER_BLOCK)
+        module.weight = nn.Parameter(to_nf4(w.detach().to(torch.bfloat16), NF4_BLOCK, scaler_block),
+                                     requires_grad=False)
+        done += 1
+    log.info("lora.base_dtype=nf4: %d linear weights in NF4%s", done,
+             f"; {len(kept)} kept in bf16 (size not a multiple of {NF4_BLOCK}): {', '.join(kept)}" if kept else "")
+    return done
+
+
+def dense(w: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor: an NF4 weight dequantized (bf16), any other as it is."""
+    return w.get_original_weight() if hasattr(w, "get_original_weight") else w
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
@@ -268,10 +318,12 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its weight and put plain nn.Linear modules back: the merged model."""
     for name, module in list(lora_modules(model)):
-        w = module.weight
-        w.copy_((w.float() + module.delta_weight().to(w.device)).to(w.dtype))
+        w = dense(module.weight)  # an NF4 base merges into a new bf16 weight, any other in place
+        merged = (w.float() + module.delta_weight().to(w.device)).to(w.dtype)
+        weight = module.weight if w is module.weight else nn.Parameter(merged, requires_grad=False)
+        weight.copy_(merged)
         plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-        plain.weight, plain.bias = module.weight, module.bias
+        plain.weight, plain.bias = weight, module.bias
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, plain)
     return model
@@ -296,6 +348,7 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 def merged_state(state: dict[str, torch.Tensor], cfg: ModelConfig, scaling: float) -> dict[str, torch.Tensor]:
     """A LoRA model's state dict (plain tensors, e.g. gathered for export) with the adapters folded into the base."""
     base, adapters = split_state(state)
+    base = {name: dense(t) for name, t in base.items()}  # NF4 weights, adapted or not, leave as bf16
     for module, ab in adapters.items():
         parts = {p: ab["B"][p].float() @ ab["A"][p].float() for p in ab["A"]}
         split = set(parts) <= set(QKV)

@@ -12,6 +12,7 @@ save and resume both as any run does. With `checkpoint.convert_to_hf=true` the r
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -28,6 +29,24 @@ log = logging.getLogger(__name__)
 
 # A frozen weight's backward computes the input's gradient but not its own: 4 of the 6 FLOPs per parameter and token.
 LORA_FLOPS_FRACTION = 4 / 6
+
+
+QLORA_PIP = "pip install torchao"
+
+
+def check_qlora(lora, device: torch.device, layout: ParallelConfig) -> None:
+    """lora.base_dtype=nf4 (QLoRA) before the run builds anything: a UserError unless this is one process on a CUDA
+    GPU with torchao importable (NF4 training has run on the CPU only in a test of the model, not as a run)."""
+    if lora is None or lora.base_dtype != "nf4":
+        return
+    if device.type != "cuda":
+        raise UserError(f"lora.base_dtype=nf4 (QLoRA) needs a CUDA GPU; this run is on {device.type}: "
+                        "set lora.base_dtype=bf16 (or fp32)")
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError(f"lora.base_dtype=nf4 (QLoRA) needs torchao, which is not installed: {QLORA_PIP}")
+    if layout.data_parallel > 1 or layout.tensor > 1 or layout.pipeline > 1:
+        raise UserError("lora.base_dtype=nf4 (QLoRA) with more than one process is not supported yet: run one "
+                        "process, or set lora.base_dtype=bf16")
 
 
 def apply_run_lora(model: nn.Module, cfg: RunConfig, layout: ParallelConfig) -> None:

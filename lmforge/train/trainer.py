@@ -28,7 +28,7 @@ from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
 from lmforge.train.data import loader_workers, micro_batches
 from lmforge.train.downstream import DownstreamEval
 from lmforge.train.float8 import check_float8, convert_to_float8
-from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, merged, write_adapter
+from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, check_qlora, merged, write_adapter
 from lmforge.train.metrics import (
     MFU,
     MetricSink,
@@ -82,6 +82,7 @@ class Trainer:
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
         if t.float8:
             check_float8(self.world.device, layout.tensor, cfg.lora is not None)
+        check_qlora(cfg.lora, self.world.device, layout)
         # Batch and sequence length before the data: building it writes sample indices beside the data.
         check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
                              t.global_batch_size, layout.data_parallel)

@@ -168,3 +168,37 @@ def test_a_bf16_base_under_fsdp2_trains_like_one_process(tiny_llama, chats, tmp_
     # relative), which moves these logits (|logits| < 0.6) by about 2e-3 (measured 1.9e-3); 1e-2 leaves 5x room.
     merged = tf.AutoModelForCausalLM.from_pretrained(two / "hf", torch_dtype=torch.float32).eval()
     assert (_logits(merged, ids) - expected).abs().max().item() <= 1e-2
+
+
+def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_llama, chats, tmp_path, monkeypatch):
+    """lora.base_dtype=nf4 needs a CUDA GPU, torchao and one process: each missing piece is one line naming the fix,
+    before the run writes anything. (The NF4 model itself: tests/models/test_lora.py; a QLoRA run has not run.)"""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from lmforge.errors import UserError
+    from lmforge.models.lora import LoRAConfig
+    from lmforge.train.lora import check_qlora
+
+    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) needs a CUDA GPU; this run is on cpu: set "
+                                        r"lora.base_dtype=bf16 \(or fp32\)$"):
+        Trainer(lora_config(tiny_llama, chats, tmp_path / "run", "lora.base_dtype=nf4"))
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    with pytest.raises(UserError, match=r"^lora.base_dtype must be one of fp32, bf16, nf4, got 'int4'$"):
+        lora_config(tiny_llama, chats, tmp_path / "run", "lora.base_dtype=int4")
+    cuda, one = torch.device("cuda", 0), SimpleNamespace(data_parallel=1, tensor=1, pipeline=1)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else
+                        find_spec(name, *a))
+    nf4 = LoRAConfig(base_dtype="nf4")
+    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) needs torchao, which is not installed: pip "
+                                        r"install torchao$"):
+        check_qlora(nf4, cuda, one)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else
+                        find_spec(name, *a))
+    check_qlora(nf4, cuda, one)  # a GPU with torchao: accepted
+    with pytest.raises(UserError, match="with more than one process is not supported yet"):
+        check_qlora(nf4, cuda, SimpleNamespace(data_parallel=2, tensor=1, pipeline=1))
+    check_qlora(LoRAConfig(base_dtype="bf16"), torch.device("cpu"), one)  # only nf4 is checked
+    # bf16_base=true is the older spelling of base_dtype=bf16, and nf4 keeps the rest of the base in bf16.
+    assert LoRAConfig(bf16_base=True).base_dtype == "bf16" and nf4.bf16_base

@@ -30,7 +30,7 @@ def _diff(tmp_path, saved_overrides, overrides, saved_run=None):
     (["data.seq_length=64"], "data.seq_length", 32, 64),
     (["trainer.global_batch_size=16"], "trainer.global_batch_size", 8, 16),
     (["lora.rank=4"], "lora", None, {"rank": 4, "alpha": 16.0, "dropout": 0.0, "targets": ["default"],
-                                     "bf16_base": False}),
+                                     "bf16_base": False, "base_dtype": "fp32"}),
 ], ids=["num_layers", "rotary_pct", "seq_length", "global_batch_size", "lora"])
 def test_another_model_or_step_is_refused(overrides, key, old, new, tmp_path):
     refused, allowed = _diff(tmp_path, [], overrides)
