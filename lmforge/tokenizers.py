@@ -72,6 +72,41 @@ class Tokenizer(ABC):
             return self._declared_add_bos
         return self.bos_id != self.eod_id
 
+    @property
+    def padding_id(self) -> int:
+        """The id batches are right-padded with: pad, else eos (GPT-2 and Llama 2 have no pad), else 0."""
+        return self.pad_id if self.pad_id is not None else self.eos_id if self.eos_id is not None else 0
+
+    def model_special_ids(self, declared: dict, classifier: bool = False) -> dict:
+        """bos_token_id, eos_token_id and pad_token_id for a model that reads this tokenizer's ids, from those a
+        config `declared` (a preset's are its own tokenizer's: Pythia's eos 0 is "!" to GPT-2's vocabulary).
+
+        The tokenizer's id wins; a declared id stays where the tokenizer names none and it is a special token
+        of this tokenizer (Llama 3's bos from a tokenizer.json that does not say), and declared eos ids that
+        are special tokens stay beside the tokenizer's (Llama 3 Instruct's <|eot_id|> and <|end_of_text|>).
+        A classifier always gets a pad id, the one its batches are padded with: transformers' decoder
+        classifiers find each row's last token by it, and without one refuse a batch of two."""
+        ids = {}
+        for key, own in (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id)):
+            value = declared.get(f"{key}_token_id")
+            listed = value if isinstance(value, list) else [] if value is None else [value]
+            special = bool(listed) and all(self.is_special(i) for i in listed)
+            if own is None:
+                ids[key] = value if special else None
+            elif own in listed:
+                ids[key] = value
+            elif key == "eos" and special:
+                ids[key] = [*listed, own]  # an eos the config names stops generation as well as the tokenizer's
+            else:
+                ids[key] = own
+        if classifier and ids["pad"] is None:
+            ids["pad"] = self.padding_id
+        return {f"{key}_token_id": value for key, value in ids.items()}
+
+    def is_special(self, i: int) -> bool:
+        """Whether id `i` is one of this tokenizer's control tokens (never text)."""
+        return False
+
     @abstractmethod
     def _encode(self, text: str) -> list[int]: ...
 
@@ -166,6 +201,10 @@ class HFTokenizer(Tokenizer):
     def _first_id(self, *names: str) -> int | None:
         return next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)
 
+    def is_special(self, i: int) -> bool:
+        added = self._tok.get_added_tokens_decoder().get(i)
+        return added is not None and added.special
+
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -193,9 +232,12 @@ class SentencePieceTokenizer(Tokenizer):
         self._sp = sp
         self.files = files
         self.vocab_size = sp.get_piece_size()
-        ids = (sp.bos_id(), sp.eos_id(), sp.pad_id())
-        self.bos_id, self.eos_id, self.pad_id = (i if i >= 0 else None for i in ids)  # -1 means none
+        ids = (sp.bos_id(), sp.eos_id(), sp.pad_id(), sp.unk_id())
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (i if i >= 0 else None for i in ids)  # -1 means none
         self._set_special_ids()
+
+    def is_special(self, i: int) -> bool:
+        return 0 <= i < self.vocab_size and self._sp.is_control(i)
 
     def _encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -247,6 +289,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise UserError(f"unknown tokenizer file kind {file}: {KINDS_HINT}")
     logger.info("loaded %r", tok)
     return tok
+
+
+def folder_tokenizer(folder: Path) -> Tokenizer | None:
+    """The tokenizer among a model folder's files, None where it holds none lmforge reads."""
+    try:
+        _find_in_dir(Path(folder))
+    except UserError:
+        return None
+    return load_tokenizer(folder)
 
 
 def _find_in_dir(d: Path) -> Path:

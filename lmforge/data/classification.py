@@ -164,7 +164,7 @@ class ClassificationDataset(Dataset):
                 pieces.append(np.array(self.prefix_ids + ids[:room] + self.suffix_ids, np.int64))
         self.offsets = np.cumsum([0] + [len(p) for p in pieces])
         self.ids = np.concatenate(pieces)  # one flat array: cheap to hold and to send to DataLoader workers
-        self.pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id if tok.eos_id is not None else 0
+        self.pad_id = tok.padding_id
         self.collate = PadCollator(self.pad_id)
         logger.info("%s: %d rows, %s, %d tokens", self.path, len(self),
                     f"{self.num_labels} classes {self.label_names}" if self.has_labels else "unlabelled",

@@ -22,11 +22,12 @@ def token_ids(ids: int | Iterable[int] | None) -> set[int]:
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
-    """The ids that end a completion by default: the model config's eos and the tokenizer's."""
-    eos = token_ids(model.config.eos_token_id)
-    if tokenizer is not None and tokenizer.eos_id is not None:
-        eos.add(tokenizer.eos_id)
-    return eos
+    """The ids that end a completion by default: the tokenizer's eos, and those of the model config's that are
+    this tokenizer's special tokens (Tokenizer.model_special_ids; the export writes the same into config.json, so
+    transformers' generate stops where this does). Without a tokenizer, the config's."""
+    if tokenizer is None:
+        return token_ids(model.config.eos_token_id)
+    return token_ids(tokenizer.model_special_ids({"eos_token_id": model.config.eos_token_id})["eos_token_id"])
 
 
 def _decode_after(tokenizer, context: list[int], head: str, ids: Sequence[int]) -> str:

@@ -10,6 +10,7 @@ model back, whatever folder it is in: lmforge.models.source.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -169,9 +170,16 @@ def save_model(model: nn.Module, out_dir: str | Path, tokenizer_from: str | Path
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     cfg = getattr(model, "module", model).config
+    tokenizer = load_tokenizer(tokenizer_from) if tokenizer_from is not None else None
     with atomic_dir(out_dir, overwrite) as tmp:
         write_safetensors(((name, t.detach().cpu()) for name, t in state.items()), tmp, dtype)
-        write_config(tmp, cfg)
-        if tokenizer_from is not None:
-            load_tokenizer(tokenizer_from).save(tmp)
+        write_config(tmp, cfg if tokenizer is None else with_special_ids(cfg, tokenizer))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
     return Path(out_dir)
+
+
+def with_special_ids(cfg: ModelConfig, tokenizer) -> ModelConfig:
+    """`cfg` with the bos/eos/pad ids of the tokenizer the model reads (Tokenizer.model_special_ids)."""
+    declared = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return dataclasses.replace(cfg, **tokenizer.model_special_ids(declared, classifier=cfg.num_labels > 0))

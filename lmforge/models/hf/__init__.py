@@ -30,12 +30,14 @@ from lmforge.models.hf.phi3 import Phi3Adapter
 from lmforge.models.hf.qwen2 import Qwen2Adapter
 from lmforge.models.hf.qwen3 import Qwen3Adapter
 from lmforge.models.hf.qwen3_moe import Qwen3MoeAdapter
+from lmforge.models.hf.tokenizer import write_tokenizer_files
 from lmforge.models.hf.weights import HFWeights, Source
 from lmforge.models.io import (
     copy_side_files,
     is_model_dir,
     read_config,
     read_tensors,
+    with_special_ids,
     write_config,
     write_safetensors,
 )
@@ -136,7 +138,14 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
              needed: int | None) -> dict:
     """A Hugging Face folder from a model's config and its tensors by lmforge name (`get`), with the tokenizer and
     generation files found in `side_dir`, written atomically."""
+    from lmforge.tokenizers import folder_tokenizer
+
     adapter = adapter_for(cfg.family)
+    tokenizer = folder_tokenizer(side_dir)
+    # bos/eos/pad as the exported tokenizer has them: a preset's are its own tokenizer's (Pythia's eos 0 is "!" to
+    # GPT-2's vocabulary, where transformers' generate then stopped), and a classifier needs a pad id.
+    if tokenizer is not None:
+        cfg = with_special_ids(cfg, tokenizer)
     hf = adapter.config_to_hf(cfg)
     model = build(cfg, device="meta")
     with atomic_dir(out_dir, overwrite, needed) as tmp:
@@ -150,6 +159,8 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
             # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which transformers never looks
             # for: without tokenizer.json its AutoTokenizer loads an empty tokenizer and says nothing.
             shutil.copy2(own[0], tmp / "tokenizer.json")
+        if tokenizer is not None:
+            write_tokenizer_files(tokenizer, tmp, cfg.max_position_embeddings, cfg.pad_token_id)
     return hf
 
 
