@@ -161,6 +161,9 @@ class IdTokenizer:
     def decode(self, ids):
         return " ".join(f"t{i}" for i in ids)
 
+    def model_special_ids(self, declared, classifier=False):  # no ids of its own: the model config's stand
+        return {k: declared.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
 
 @check
 def check_engine(ctx: Context) -> tuple[str, dict]:
