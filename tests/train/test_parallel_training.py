@@ -212,7 +212,7 @@ def test_a_moe_step_trains_on_the_loss_plus_coef_times_the_router_losses(micro):
     batches = [{"tokens": t, "labels": t.roll(-1, 1)} for t in tokens.chunk(micro)]
     training = ParallelTraining(model, ParallelConfig(), None, get_task("pretrain"), OptimConfig(),
                                 Precision("fp32", torch.float32), 0, 16, torch.device("cpu"))
-    training.step(batches, float(tokens.numel()), max_norm=0.0)
+    training.step(batches, training.global_counts(batches), max_norm=0.0)
     aux = []
     for b in batches:
         loss = logits_loss(reference(b["tokens"]), b["labels"]) / tokens.numel()
