@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lmforge.models.config import ModelConfig
+from lmforge.models.documents import Documents
 from lmforge.models.kv_cache import KVCache
 from lmforge.models.layers import (
     Block,
@@ -58,8 +59,14 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_position: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states (batch, seq, hidden). attention_mask: 1 = token, 0 = padding.
+        """Final-norm hidden states (batch, seq, hidden). attention_mask: 1 = token, 0 = padding; none: causal
+        attention over the whole row, which is also exact for right padding (no real token sees one after it).
+
+        segment_ids (batch, seq), a packed batch's documents 1, 2, ... and 0 on padding, in place of
+        attention_mask: each token attends within its own document (lmforge.models.documents, without a dense
+        mask); position_ids then restart at 0 with each document.
 
         With a KV cache (lmforge.inference.KVCache) the tokens are written to the cache slots
         `cache_position` (seq,) and attend to every real token cached before them; attention_mask then
@@ -92,6 +99,13 @@ class Decoder(nn.Module):
                 x = layer(x, ropes[self._rope_of(layer)], windowed.get(layer.attn.window, mask),
                           cache.layer(i, cache_position))
             return self.norm(x)
+        if segment_ids is not None:
+            if attention_mask is not None:
+                raise ValueError("give attention_mask or segment_ids, not both (segment_ids marks padding as 0)")
+            docs = Documents.of(segment_ids, [layer.attn.window for layer in self.layers])
+            for layer in self.layers:
+                x = layer(x, ropes[self._rope_of(layer)], docs)
+            return self.norm(x) if self.is_last else x
         mask = None
         if attention_mask is not None:  # (batch, seq) padding mask, or a ready (batch, 1, q, k) bool mask
             mask = attention_mask if attention_mask.dim() == 4 else padding_mask(attention_mask, True)
@@ -144,6 +158,7 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_position: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
         head_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits (batch, seq, vocab_size), or (batch, num_labels) for a classification model.
@@ -152,7 +167,7 @@ class Decoder(nn.Module):
         loss that never materialises them (lmforge.train.loss), run inside forward for DDP/FSDP.
         A pipeline stage that is not the last returns its hidden states (batch, seq, hidden).
         """
-        h = self.hidden_states(input_ids, attention_mask, position_ids, cache, cache_position)
+        h = self.hidden_states(input_ids, attention_mask, position_ids, cache, cache_position, segment_ids)
         if not self.is_last:
             return h
         if self.score is not None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.config import ModelConfig
+from lmforge.models.documents import Documents
 from lmforge.models.moe import MoE
 from lmforge.models.rope import apply_rotary
 
@@ -86,8 +87,8 @@ class Attention(nn.Module):
     value. For plain multi-head attention that is GPT-NeoX's [heads, 3, head_dim] layout, and
     a contiguous column split (tensor parallelism) hands each rank whole groups, as Megatron does.
 
-    `window` (sliding-window layers) is only recorded here: the decoder builds the banded mask once per
-    forward and hands it to the layers that have one.
+    `window` (sliding-window layers): the decoder builds the banded mask once per forward and hands it to the
+    layers that have one; a packed batch's Documents read it here.
     """
 
     def __init__(self, cfg: ModelConfig, window: int | None = None):
@@ -113,9 +114,11 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Documents | None,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """mask: a boolean (batch, 1, q, k) mask, the Documents of a packed batch (lmforge.models.documents), or
+        None (causal, or none for an encoder)."""
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, -1, self.q_per_kv + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, -1, self.head_dim).transpose(1, 2)
@@ -125,41 +128,18 @@ class Attention(nn.Module):
             q, k = self._norm_qk(q, k)
         if rope is not None:
             q, k = apply_rotary(q, rope[0], rope[1]), apply_rotary(k, rope[0], rope[1])
+        dropout = self.dropout if self.training else 0.0
+        if isinstance(mask, Documents):
+            y = mask.attend(q, k, v, self.window, self.scale, self.softcap, dropout)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if cache is not None:
             # Write this step's keys/values into their slots, then attend over the whole fixed-size
             # buffer (the mask hides empty and padding slots): shapes never change from step to step.
-            # enable_gqa lets SDPA share each key/value head among its query heads without a copy.
             cache.write(k, v)
             k, v = cache.k, cache.v
-            if self.softcap is None:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.q_per_kv > 1,
-                                                   scale=self.scale)
-                return self.proj(y.transpose(1, 2).reshape(b, s, -1))
-        if self.q_per_kv > 1:  # query head h reads key/value head h // q_per_kv
-            k = k.repeat_interleave(self.q_per_kv, dim=1)
-            v = v.repeat_interleave(self.q_per_kv, dim=1)
-        dropout = self.dropout if self.training else 0.0
-        if self.softcap is not None:
-            y = self._capped_attention(q, k, v, mask, causal=self.causal and cache is None, dropout=dropout)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                               is_causal=self.causal and mask is None, scale=self.scale)
+        y = attention(q, k, v, mask, self.causal and mask is None and cache is None, self.scale, self.softcap,
+                      dropout)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
-
-    def _capped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          causal: bool, dropout: float) -> torch.Tensor:
-        """Gemma 2's soft-capped scores, cap * tanh(q.k * scale / cap), which SDPA has no place for: scores,
-        cap, mask, softmax in fp32, dropout, values, as transformers' eager attention does them."""
-        scores = (q @ k.transpose(-1, -2)) * (self.scale or self.head_dim ** -0.5)
-        scores = torch.tanh(scores / self.softcap) * self.softcap
-        if mask is None and causal:
-            n, m = scores.shape[-2:]
-            mask = torch.ones(n, m, dtype=torch.bool, device=scores.device).tril(m - n)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        weights = F.dropout(weights, p=dropout, training=dropout > 0)
-        return weights @ v
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (batch, heads, seq, head_dim) and k normalised over each head, or over all heads at once."""
@@ -171,6 +151,39 @@ class Attention(nn.Module):
             return norm(t.transpose(1, 2).reshape(b, s, h * d)).view(b, s, h, d).transpose(1, 2)
 
         return whole(self.q_norm, q), whole(self.k_norm, k)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+              scale: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
+    """softmax(q.k * scale [soft-capped], masked) . v for q (batch, heads, q, head_dim) and k, v (batch, kv_heads,
+    k, head_dim): query head h reads key/value head h // (heads / kv_heads), which are shared, never repeated
+    (SDPA's enable_gqa, or a broadcast in the capped path). `causal` without a mask: the causal mask aligned to
+    the last key (SDPA's is_causal, so its fused kernels skip the blocks above the diagonal)."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                              scale=scale, enable_gqa=gqa)
+    return _capped_attention(q, k, v, mask, causal, scale, softcap, dropout)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                      scale: float | None, softcap: float, dropout: float) -> torch.Tensor:
+    """Gemma 2's soft-capped scores, cap * tanh(q.k * scale / cap), which SDPA has no place for: scores, cap,
+    mask, softmax in fp32, dropout, values, as transformers' eager attention does them. The query heads are
+    grouped (batch, kv_heads, q_per_kv, q, head_dim) over their key/value head, broadcast."""
+    b, h, n, d = q.shape
+    groups = k.shape[1]
+    qg = q.reshape(b, groups, h // groups, n, d)
+    scores = (qg @ k[:, :, None].transpose(-1, -2)) * (scale or d ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and causal:
+        m = scores.shape[-1]
+        mask = torch.ones(n, m, dtype=torch.bool, device=scores.device).tril(m - n)
+    if mask is not None:
+        scores = scores.masked_fill(~(mask[:, :, None] if mask.dim() == 4 else mask), float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = F.dropout(weights, p=dropout, training=dropout > 0)
+    return (weights @ v[:, :, None]).reshape(b, h, n, d)
 
 
 class MLP(nn.Module):

@@ -198,3 +198,60 @@ def check_engine(ctx: Context) -> tuple[str, dict]:
     note = f" ({ties} part at a top-2 tie within {ctx.fp32_tol:g})" if ties else ""
     return (f"{len(fig)} families x {len(prompts)} requests joining mid-decode (mean batch >= {batch:.1f}): "
             f"= generate alone{note}"), fig
+
+
+@check
+def check_documents(ctx: Context) -> tuple[str, dict]:
+    """Packed documents (lmforge.models.documents): logits and gradients of each backend the device can run
+    ("split"; "flex" where FlexAttention trains: not the CPU), eager and in compiled blocks, against the dense
+    mask. Before lmforge.models.documents.FLEX_DEVICES names a device, this check must pass on it."""
+    from lmforge.models import documents, load_pretrained
+    from lmforge.models.documents import document_mask, flex_available
+
+    dev, models = ctx.device, tiny_models(ctx)
+    seq = 256 if ctx.quick else LONG
+    gen = torch.Generator().manual_seed(5)
+    segments = torch.zeros(2, seq, dtype=torch.long)
+    positions = torch.zeros_like(segments)
+    for r in range(2):  # documents of 5-400 tokens, then padding
+        start, d = 0, 1
+        while start < seq - 40:
+            n = min(int(torch.randint(5, min(400, seq // 3), (1,), generator=gen)), seq - 40 - start)
+            segments[r, start:start + n], positions[r, start:start + n] = d, torch.arange(n)
+            start, d = start + n, d + 1
+    segments, positions = segments.to(dev), positions.to(dev)
+    backends = ["split"] + (["flex"] if dev.type in ("cuda", "xpu") and flex_available() else [])
+    fig, bad = {}, []
+    for name in ("llama_gqa", "mistral", "gemma2"):  # GQA, a sliding window, soft-capped scores
+        model = load_pretrained(models[name][1], device=dev).float()
+        ids = torch.randint(1, 300, segments.shape, generator=gen).to(dev)
+
+        def run(model=model, ids=ids, **inputs):
+            model.zero_grad(set_to_none=True)
+            logits = model(ids, position_ids=positions, **inputs)
+            logits.float().logsumexp(-1).sum().backward()
+            return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+        ref, ref_grads = run(attention_mask=document_mask(segments))
+        for compiled in (False, True):
+            if compiled:
+                for block in model.layers:
+                    block.compile(backend=ctx.compile_backend)
+            for backend in backends:
+                original = documents.document_backend  # what the decoder's Documents.of asks
+                documents.document_backend = lambda device, _b=backend: _b
+                try:
+                    logits, grads = run(segment_ids=segments)
+                finally:
+                    documents.document_backend = original
+                err = (logits - ref).abs().max().item()
+                gerr = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                           for g, r in zip(grads, ref_grads, strict=True))
+                key = f"{name}/{backend}{'/compiled' if compiled else ''}"
+                fig[key] = {"logits": err, "grads_rel": gerr}
+                if err > ctx.fp32_tol or gerr > 1e-3:
+                    bad.append(f"{key}: logits {err:.1e}, gradients {gerr:.1e} (relative)")
+        torch.compiler.reset()
+    if bad:
+        raise AssertionError("packed documents differ from the dense mask: " + "; ".join(bad))
+    return f"{', '.join(backends)} = dense mask (logits, grads), eager and compiled, at {seq} tokens", fig

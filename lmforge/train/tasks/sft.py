@@ -20,15 +20,6 @@ def run_chat_template(cfg: RunConfig, tokenizer):
                                  cfg.data.prompt_template)
 
 
-def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Causal attention kept inside each packed example: (batch, 1, seq, seq) bool."""
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    s = segment_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
-    eye = torch.eye(s, dtype=torch.bool, device=segment_ids.device)  # padding rows see themselves
-    return ((same & causal & (segment_ids[:, None, :] != 0)) | eye)[:, None]
-
-
 class SFT(Task):
     name = "sft"
 
@@ -50,10 +41,13 @@ class SFT(Task):
         return with_padding(data, cfg)
 
     def inputs(self, batch: Batch):
+        # Packed: attention within each example (lmforge.models.documents), positions restarting with each. Not
+        # packed: the collator pads on the right, where causal attention alone is exact for every real token (SDPA's
+        # is_causal, no mask to build or apply); the padding's outputs are never scored.
         if "segment_ids" in batch:
-            inputs = {"attention_mask": segment_mask(batch["segment_ids"]), "position_ids": batch["position_ids"]}
+            inputs = {"segment_ids": batch["segment_ids"], "position_ids": batch["position_ids"]}
         else:
-            inputs = {"attention_mask": batch["attention_mask"]}
+            inputs = {}
         labels = batch["labels"]  # aligned with the inputs (HF): position t is scored on label t + 1
         labels = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), IGNORE_INDEX)], 1)
         return batch["input_ids"], labels, inputs

@@ -1,0 +1,151 @@
+"""Attention within packed documents (lmforge.models.documents) against the dense mask it replaces, and against
+transformers running each document on its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmforge.models import load_pretrained
+from lmforge.models.documents import Documents, document_backend, document_mask
+from lmforge.models.hf import import_hf
+from tests.conftest import make_hf_model
+
+tf = pytest.importorskip("transformers")
+
+# Sliding windows (mistral, gemma2, gemma3: 8 tokens), grouped query heads, soft-capped scores (gemma2), q/k norms.
+FAMILIES = ["llama_gqa", "mistral", "gemma2", "gemma3", "gpt_neox", "qwen3", "gpt2"]
+LENGTHS = [[13, 30, 5, 40, 1, 20], [64, 36, 12]]  # row 0 ends in 19 padding slots, row 1 in 16
+
+
+def packed(lengths: list[list[int]], seq: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_ids and position_ids of rows packed with documents of `lengths`, padding after them."""
+    segments = torch.zeros(len(lengths), seq, dtype=torch.long)
+    positions = torch.zeros_like(segments)
+    for r, row in enumerate(lengths):
+        start = 0
+        for d, n in enumerate(row, start=1):
+            segments[r, start:start + n] = d
+            positions[r, start:start + n] = torch.arange(n)
+            start += n
+    return segments, positions
+
+
+@pytest.fixture(scope="module")
+def models(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("documents")
+    for name in FAMILIES:
+        import_hf(hf_dirs[name], root / name)
+    return {name: load_pretrained(root / name) for name in FAMILIES}
+
+
+def _logits_and_grads(model, ids, **inputs):
+    model.zero_grad()
+    logits = model(ids, **inputs)
+    (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("min_chunk", [1, 32])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logits_and_gradients_equal_the_dense_mask(family, min_chunk, models, monkeypatch):
+    """min_chunk 1: every document its own SDPA call; 32: short documents grouped under a block-diagonal mask;
+    each must give the dense mask's logits and gradients (fp32)."""
+    monkeypatch.setattr("lmforge.models.documents.MIN_CHUNK", min_chunk)
+    model = models[family].eval()  # gradients still flow; GPT-2 imports its dropout, which eval turns off
+    segments, positions = packed(LENGTHS)
+    ids = torch.randint(1, 300, segments.shape, generator=torch.Generator().manual_seed(3))
+    dense, dense_grads = _logits_and_grads(model, ids, attention_mask=document_mask(segments),
+                                           position_ids=positions)
+    split, split_grads = _logits_and_grads(model, ids, segment_ids=segments, position_ids=positions)
+    assert (split - dense).abs().max().item() <= 1e-5
+    assert split_grads.keys() == dense_grads.keys()
+    for name, grad in dense_grads.items():  # fp32 summation order differs: 1e-7 of the largest entry seen
+        assert (split_grads[name] - grad).abs().max().item() <= 1e-5 * grad.abs().max().item(), name
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "llama_gqa"])
+def test_each_packed_document_reads_as_transformers_reads_it_alone(family, models):
+    """The reference written by others: transformers on each document by itself, no packing at all."""
+    ref = make_hf_model(family)
+    ours = models[family].eval()
+    segments, positions = packed(LENGTHS)
+    ids = torch.randint(1, 300, segments.shape, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = ours(ids, segment_ids=segments, position_ids=positions)
+        for r, row in enumerate(LENGTHS):
+            start = 0
+            for n in row:
+                alone = ref(ids[r:r + 1, start:start + n]).logits[0]
+                assert (out[r, start:start + n] - alone).abs().max().item() <= 1e-5
+                start += n
+
+
+def test_the_dense_mask_keeps_attention_inside_documents_and_windows():
+    segments = torch.tensor([[1, 1, 1, 2, 2, 0]])
+    mask = document_mask(segments, window=2)[0, 0]
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [0, 1, 1, 0, 0, 0],  # the window: two slots, itself included
+                             [0, 0, 0, 1, 0, 0],  # a new document sees nothing before it
+                             [0, 0, 0, 1, 1, 0],
+                             [0, 0, 0, 0, 0, 1]], dtype=torch.bool)  # padding: itself alone
+    assert torch.equal(mask, expected)
+
+
+def test_a_document_split_in_two_is_refused():
+    with pytest.raises(ValueError, match="document 1 of row 0 is not contiguous"):
+        Documents.of(torch.tensor([[1, 1, 2, 1, 0]]))
+
+
+def test_segment_ids_and_attention_mask_together_are_refused(models):
+    segments, _ = packed([[3, 2]], seq=8)
+    with pytest.raises(ValueError, match="attention_mask or segment_ids"):
+        models["llama_gqa"](torch.ones(1, 8, dtype=torch.long), attention_mask=segments > 0, segment_ids=segments)
+
+
+def test_the_cpu_uses_the_split_backend():
+    """FlexAttention has no backward on the CPU (torch 2.6-2.13): training there must not pick it."""
+    assert document_backend(torch.device("cpu")) == "split"
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (None, 2.0)])
+def test_flex_block_masks_give_the_dense_mask_attention(window, softcap):
+    """The flex backend's mask_mod and score_mod, checked where FlexAttention runs here: the CPU, forward only,
+    uncompiled (torch's own reference implementation of the same call)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    segments, _ = packed([[100, 60, 30], [7, 200]], seq=256)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 256, 16, generator=g)
+    k, v = torch.randn(2, 2, 256, 16, generator=g), torch.randn(2, 2, 256, 16, generator=g)
+    from lmforge.models import documents
+    from lmforge.models.layers import attention
+
+    docs = Documents.of(segments, [window], backend="flex")
+    with torch.no_grad(), pytest.MonkeyPatch.context() as m:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        m.setattr(documents, "compiled_flex_attention", lambda: flex_attention)
+        out = docs.attend(q, k, v, window, None, softcap, 0.0)
+    expected = attention(q, k, v, document_mask(segments, window), False, None, softcap, 0.0)
+    assert (out - expected).abs().max().item() <= 1e-5
+
+
+def test_split_attention_skips_the_scores_between_documents():
+    """The point of it: per document a causal SDPA call on that document's slots only, no (seq, seq) scores."""
+    segments, _ = packed([[300, 200, 12]], seq=512)
+    q = torch.randn(1, 2, 512, 8)
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def spy(q, k, *args, **kwargs):
+        calls.append((q.shape[-2], k.shape[-2], kwargs.get("is_causal"), kwargs.get("attn_mask") is not None))
+        return original(q, k, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(F, "scaled_dot_product_attention", spy)
+        Documents.of(segments, min_chunk=256).attend(q, q, q, None, None, None, 0.0)
+    # 300 alone (causal), then 200 + 12 grouped under their own mask; the padding needs no call.
+    assert calls == [(300, 300, True, False), (212, 212, False, True)]
+
