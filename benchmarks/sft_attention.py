@@ -110,15 +110,23 @@ def describe(batch: dict) -> str:
             f"per row, {real / sum(docs):.0f} tokens on average), {real / seg.numel():.1%} of the slots real tokens")
 
 
+COLUMNS = [  # (header, cell of a row)
+    ("model", lambda x: x["model"]),
+    ("loss, dense", lambda x: f"{x['loss_dense']:.6f}"),
+    ("loss, documents", lambda x: f"{x['loss_docs']:.6f}"),
+    ("max grad diff (rel.)", lambda x: f"{x['grad_diff']:.1e}"),
+    ("dense s/step", lambda x: f"{x['dense_s']:.2f}"),
+    ("documents s/step", lambda x: f"{x['docs_s']:.2f}"),
+    ("tokens/s dense", lambda x: f"{x['tokens'] / x['dense_s']:,.0f}"),
+    ("tokens/s documents", lambda x: f"{x['tokens'] / x['docs_s']:,.0f}"),
+    ("speedup", lambda x: f"**{x['speedup']:.2f}x**"),
+]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| model | loss, dense | loss, documents | max grad diff (rel.) | dense s/step | documents s/step | "
-             "tokens/s dense | tokens/s documents | speedup |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for x in rows:
-        lines.append(f"| {x['model']} | {x['loss_dense']:.6f} | {x['loss_docs']:.6f} | {x['grad_diff']:.1e} | "
-                     f"{x['dense_s']:.2f} | {x['docs_s']:.2f} | {x['tokens'] / x['dense_s']:,.0f} | "
-                     f"{x['tokens'] / x['docs_s']:,.0f} | **{x['speedup']:.2f}x** |")
-    return "\n".join(lines)
+    cells = [[header for header, _ in COLUMNS], ["---"] + ["---:"] * (len(COLUMNS) - 1)]
+    cells += [[cell(x) for _, cell in COLUMNS] for x in rows]
+    return "\n".join("| " + " | ".join(row) + " |" for row in cells)
 
 
 def main() -> None:
