@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmforge.models.attention import attention
+
 # Devices that get the flex backend (see the module docstring): FlexAttention trains on "cuda" and "xpu" only.
 FLEX_DEVICES: tuple[str, ...] = ()
 # The split backend's smallest chunk: shorter documents are grouped up to it (see the module docstring).
@@ -200,8 +202,6 @@ def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, int]]]:
 @torch.compiler.disable  # shapes that change with every batch: a compiled block calls it between its graphs
 def _split_attention(rows: list[list[Chunk]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
-    from lmforge.models.layers import attention
-
     out = []
     for chunks, qr, kr, vr in zip(rows, q.unbind(0), k.unbind(0), v.unbind(0)):
         sizes = [c.end - c.start for c in chunks]

@@ -120,7 +120,7 @@ def test_flex_block_masks_give_the_dense_mask_attention(window, softcap):
     q = torch.randn(2, 4, 256, 16, generator=g)
     k, v = torch.randn(2, 2, 256, 16, generator=g), torch.randn(2, 2, 256, 16, generator=g)
     from lmforge.models import documents
-    from lmforge.models.layers import attention
+    from lmforge.models.attention import attention
 
     docs = Documents.of(segments, [window], backend="flex")
     with torch.no_grad(), pytest.MonkeyPatch.context() as m:
