@@ -194,13 +194,19 @@ def _get(cfg: dict, section: str, key: str):
     return (cfg.get(section) or {}).get(key)
 
 
+def _checkpointing_label(mode) -> str:
+    """trainer.activation_checkpointing as a label part; runs from before the modes wrote true/false."""
+    mode = {True: "full", False: "none", None: "none"}.get(mode, mode)
+    return {"none": "no-ckpt", "full": "act-ckpt"}.get(mode, f"act-ckpt-{mode}")
+
+
 # What tells runs apart, in the order a label names it.
 LABEL_FIELDS = (
     ("model", _model_name),
     ("task", lambda c: _get(c, "data", "task")),
     ("precision", lambda c: _get(c, "trainer", "precision")),
     ("compile", lambda c: "compiled" if _get(c, "trainer", "compile") else "eager"),
-    ("activation_checkpointing", lambda c: "act-ckpt" if _get(c, "trainer", "activation_checkpointing") else "no-ckpt"),
+    ("activation_checkpointing", lambda c: _checkpointing_label(_get(c, "trainer", "activation_checkpointing"))),
     ("global_batch_size", lambda c: f"global={_get(c, 'trainer', 'global_batch_size')}"),
     ("micro_batch_size", lambda c: f"micro={_get(c, 'trainer', 'micro_batch_size')}"),
     ("seq_length", lambda c: f"seq={_get(c, 'data', 'seq_length')}"),

@@ -111,7 +111,9 @@ class TrainerConfig:
     float8_recipe: str = "tensorwise"  # FP8 scales: tensorwise (faster) | rowwise (more accurate with outliers)
     compile_backend: str = "inductor"  # torch.compile's backend (e.g. a vendor's for its accelerator)
     compile_cache_dir: str | None = None  # persistent compile cache; default RUN_DIR/compile_cache
-    activation_checkpointing: bool = False
+    # none | selective (keep matmul and attention outputs, recompute the rest) | full (recompute each block); the
+    # old switch's true/false read as full/none.
+    activation_checkpointing: str | bool = "none"
     max_consecutive_skips: int = 5  # NaN/Inf steps in a row before the run stops
     data_parallel: str = "ddp"  # ddp | fsdp: what the data-parallel ranks do (see parallel_layout)
     progress_bar: bool = True
@@ -297,6 +299,9 @@ class RunConfig:
         if isinstance(self.model, dict):
             self.model = ModelSection.parse(self.model)
         _choice("trainer.precision", t.precision, ("auto", *PRECISIONS))
+        if isinstance(t.activation_checkpointing, bool):
+            t.activation_checkpointing = "full" if t.activation_checkpointing else "none"
+        _choice("trainer.activation_checkpointing", t.activation_checkpointing, ("none", "selective", "full"))
         _choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _choice("checkpoint.mode", self.checkpoint.mode, ("min", "max"))
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))

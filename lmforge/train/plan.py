@@ -181,7 +181,7 @@ def check_memory(plan: Plan, device_memory: int) -> None:
     raise UserError(f"rank {worst.rank} (pipeline stage {worst.stage}) needs {worst.peak / GiB:.1f} GiB at its peak "
                     f"({parts} GiB), more than --device-memory {device_memory / GiB:.1f} GiB: shard the model "
                     "(trainer.data_parallel=fsdp, parallel.tensor or parallel.pipeline), lower "
-                    "trainer.micro_batch_size, or set trainer.activation_checkpointing=true")
+                    "trainer.micro_batch_size, or set trainer.activation_checkpointing=selective (or full)")
 
 
 def _layout_dict(layout) -> dict:
@@ -294,8 +294,7 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
     with fake_world(device, world_size, rank):
         mesh = build_mesh(layout, mcfg, world_size=world_size, device_type=device.type)
         model = build(mcfg, device="meta").to(precision.param_dtype).train()
-        if t.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, t.activation_checkpointing)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, TraceMode(device, fake) as trace:
             training = ParallelTraining(model, layout, mesh, task, cfg.optim, precision, t.seed, cfg.data.seq_length,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lmforge.devices import max_memory_allocated
 from lmforge.errors import UserError
@@ -136,11 +136,32 @@ def use_compile_cache(path: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each block in the backward pass instead of keeping its activations."""
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -> None:
+    """Recompute each block's activations in the backward pass instead of keeping them: all of them ("full": a
+    block keeps only its inputs), or all but the outputs of its matrix products and attention ("selective": the
+    norms, activations, rotary and residual adds are recomputed, cheap next to the matmuls they sit between, whose
+    outputs are most of what "none" keeps once those are gone). "none" leaves the model as it is."""
+    if mode == "none":
+        return
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    kwargs = {"context_fn": context_fn} if mode == "selective" else {}
     for block in model.layers:
         forward = block.forward
-        block.forward = lambda *args, _f=forward: checkpoint(_f, *args, use_reentrant=False)
+        block.forward = lambda *args, _f=forward: checkpoint(_f, *args, use_reentrant=False, **kwargs)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing's policy: save what the matrix units computed, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in _matmul_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _matmul_ops() -> frozenset:
+    """The aten ops of matrix products and fused attention that this torch has (names vary by version/device)."""
+    names = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
 def memory_gb(device: torch.device) -> float:

@@ -115,8 +115,7 @@ class Trainer:
         self.task.prepare(model, cfg, layout, self.world.device)
         if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
             convert_to_float8(model, t.float8_recipe)
-        if t.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, t.activation_checkpointing)
         if t.compile:
             if layout.tensor > 1 or layout.pipeline > 1:
                 raise UserError("trainer.compile with parallel.tensor or parallel.pipeline > 1 is not supported yet: "
