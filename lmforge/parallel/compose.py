@@ -156,23 +156,34 @@ def _tied_group(mesh):
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
-                device: torch.device | None = None, stage_shapes: StageShapes | None = None) -> ParallelModel:
+                device: torch.device | None = None, stage_shapes: StageShapes | None = None,
+                compile_block: Callable[[nn.Module], object] | None = None) -> ParallelModel:
     """Apply `cfg` over `mesh` (lmforge.parallel.build_mesh; None for one process) to `model`, a Decoder or
     Bert built identically on every rank. Afterwards use only the returned ParallelModel's parts:
     without pipeline parallelism parts == [model] (DDP-wrapped under replication alone); with it, drop
     `model` so unused layers can be freed. `device`: where the model computes (default: the mesh's).
     `stage_shapes`: what pipeline stages exchange, if known (static stages, see build_schedule).
+    `compile_block`: applied to every block this rank holds (e.g. torch.compile), as torchtitan orders it: after
+    the pipeline split and the tensor plans, whose DTensors the graphs are traced with, before data parallelism,
+    whose hooks stay outside them.
     """
     if device is None:
         device = torch.device(mesh.device_type, torch.accelerator.current_device_index()) if (
             mesh is not None and mesh.device_type != "cpu") else torch.device("cpu")
+
+    def compile_blocks(part: nn.Module) -> None:
+        for block in part.layers if compile_block is not None else ():
+            compile_block(block)
+
     if mesh is None:
+        compile_blocks(model)
         return ParallelModel([model], cfg, device=device)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     cfg = cfg.resolved(mesh.size())
     check_model(cfg, model.config)
     pm = ParallelModel([model], cfg, mesh, device=device)
     if pp == 1 and tp == 1 and cfg.data_shard == 1 and cfg.data_replicate > 1:
+        compile_blocks(model)
         pm.parts = [apply_ddp(model, mesh["dp_replicate"], device)]
         log.info("parallelized: DDP over %d replicas", cfg.data_replicate)
         return pm
@@ -183,6 +194,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
     for part in pm.parts:
         if tp > 1:
             apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
+        compile_blocks(part)
         if pm.data_parallel_size > 1:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.data_replicate > 1 else mesh["dp_shard"]
             # Under a pipeline each microbatch would all-gather again: keep parameters gathered

@@ -141,12 +141,13 @@ class ParallelTraining:
 
     def __init__(self, model: torch.nn.Module, layout: ParallelConfig, mesh, task: Task, optim: OptimConfig,
                  precision: Precision, seed: int, seq_length: int, device: torch.device,
-                 fill: Callable[[ParallelModel], object] | None = None, pipeline_rows: int | None = None):
+                 fill: Callable[[ParallelModel], object] | None = None, pipeline_rows: int | None = None,
+                 compile_block: Callable[[torch.nn.Module], object] | None = None):
         """`mesh`: build_mesh's for `layout` (None for one process). `fill`: what gives a meta-device `model`
         its tensors once it is laid out, each rank only its own shards: lmforge.parallel.load.load_sharded
         (weights from a folder or checkpoint) or init_sharded (a fresh model). `pipeline_rows`: a pipeline
         microbatch's rows, if the stages are to be built with static shapes (lmforge plan; by default they
-        exchange them at the first step)."""
+        exchange them at the first step). `compile_block`: applied to each block once laid out (torch.compile)."""
         mcfg: ModelConfig = model.config
         self.mesh = mesh
         if layout.tensor > 1 and layout.sequence_parallel and task.pretraining and seq_length % layout.tensor:
@@ -161,7 +162,8 @@ class ParallelTraining:
             shards = layout.tensor if layout.tensor > 1 and layout.sequence_parallel else 1
             shapes = StageShapes(pipeline_rows, seq_length, precision.param_dtype, shards)
         mp_policy = fsdp_mixed_precision(layout, precision.param_dtype, precision.autocast_dtype)
-        self.pm = parallelize(model, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes)
+        self.pm = parallelize(model, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes,
+                              compile_block=compile_block)
         if fill is not None:
             fill(self.pm)
         self.layout, self.task, self.seq_length = layout, task, seq_length

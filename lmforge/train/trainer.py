@@ -116,17 +116,20 @@ class Trainer:
         if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
             convert_to_float8(model, t.float8_recipe)
         apply_activation_checkpointing(model, t.activation_checkpointing)
-        if t.compile:
-            if layout.tensor > 1 or layout.pipeline > 1:
-                raise UserError("trainer.compile with parallel.tensor or parallel.pipeline > 1 is not supported yet: "
-                                "set trainer.compile=false")
+        compile_block = None
+        if t.compile:  # each block this rank holds, once laid out (a pipeline stage's own blocks, before FSDP)
+            if layout.tensor > 1:  # torch 2.13 (CPU, gloo): DTensor's redistribute fails in the compiled backward
+                raise UserError("trainer.compile with parallel.tensor > 1 is not supported yet: set "
+                                "trainer.compile=false (pipeline and data parallelism compile)")
             use_compile_cache(Path(t.compile_cache_dir or self.run_dir / "compile_cache"))
-            for block in model.layers:
+
+            def compile_block(block: torch.nn.Module) -> None:
                 block.compile(backend=t.compile_backend)
         self.layout = layout
         mesh = build_mesh(layout, self.mcfg, device_type=self.world.device.type)
         self.training = ParallelTraining(model, layout, mesh, self.task, cfg.optim, precision, t.seed,
-                                         cfg.data.seq_length, self.world.device, fill=fill)
+                                         cfg.data.seq_length, self.world.device, fill=fill,
+                                         compile_block=compile_block)
         self.optimizer = self.training.optimizer
         self.dp_rank, self.dp_size = self.training.dp_rank, self.training.dp_size
         c = cfg.checkpoint

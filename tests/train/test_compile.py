@@ -34,3 +34,32 @@ def test_compile_step_then_run_step_hits_the_cache(tiny_corpus, tmp_path):
     Trainer(cfg).fit()
     assert counters["inductor"]["fxgraph_cache_hit"] > 0
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("parallel.pipeline=2",)], ids=["pipeline2"])
+def test_compiled_blocks_under_pipeline_parallelism_train_like_eager(layout, tiny_corpus, tmp_path):
+    """Two pipeline ranks, each compiling its own stage's blocks once laid out: the loss and gradient norm of every
+    step equal the eager run's to fp32 rounding (Inductor fuses the elementwise work, so not bit for bit). (Under
+    tensor parallelism torch 2.13's DTensor redistribute fails in the compiled backward on CPU: still refused.)"""
+    import json
+
+    args = ["pretrain", os.devnull, "model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]", "data.seq_length=32",
+            "trainer.max_steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+            "trainer.val_check_interval=3", "trainer.val_batches=1", "trainer.precision=fp32", "optim.lr=3e-3",
+            "trainer.progress_bar=false", "cost.peak_flops=1e11", *layout]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    curves = {}
+    for mode in ("false", "true"):
+        run = tmp_path / f"compile-{mode}"
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "-m", "lmforge.cli", *args, f"trainer.compile={mode}", f"run_dir={run}"],
+                           env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        curves[mode] = [(row["loss"], row["grad_norm"], row.get("val_loss")) for row in rows]
+    assert any((tmp_path / "compile-true" / "compile_cache").rglob("*.py"))  # Inductor's kernels: it compiled
+    assert len(curves["true"]) == len(curves["false"]) == 3
+    for (le, ge, ve), (lc, gc, vc) in zip(curves["false"], curves["true"], strict=True):
+        assert lc == pytest.approx(le, rel=1e-5) and gc == pytest.approx(ge, rel=1e-4)
+        assert (ve is None) == (vc is None) and (ve is None or vc == pytest.approx(ve, rel=1e-5))
