@@ -123,7 +123,7 @@ def run(args) -> list[dict]:
 
 def table(rows: list[dict], args, load: tuple[float, float]) -> str:
     lines = [
-        f"`python benchmarks/moe.py --write` (or `lmforge bench moe --write`), "
+        f"`python benchmarks/moe.py{_options(args)} --write` (or `lmforge bench moe{_options(args)} --write`), "
         f"{datetime.date.today().isoformat()}, CPU fp32: {platform.processor() or platform.machine()} "
         f"({_cpu_name()}), {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
         f"{tf.__version__}; {args.tokens} tokens ({args.tokens // args.seq} x {args.seq}) through one MoE MLP, "
@@ -155,6 +155,12 @@ def table(rows: list[dict], args, load: tuple[float, float]) -> str:
     return "\n".join(lines) + "\n\n" + __doc__.split("\n\n", 1)[1].strip()
 
 
+def _options(args) -> str:
+    """The options the run was given (defaults left out), as the command to repeat it."""
+    given = {"tokens": 2048, "seq": 512, "repeats": 5, "threads": None}
+    return "".join(f" --{k} {getattr(args, k)}" for k, d in given.items() if getattr(args, k) != d)
+
+
 def _cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -166,7 +172,7 @@ def _cpu_name() -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward (default 2048)")
     p.add_argument("--seq", type=int, default=512, help="sequence length the tokens are arranged in (default 512)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per shape (default 5)")
