@@ -64,3 +64,18 @@ def write_block(heading: str, intro: str, label: str, body: str) -> None:
     blocks[label] = body.strip()
     text = "".join(f"### {k}\n\n{v}\n\n" for k, v in blocks.items())
     write_section(heading, f"{heading}\n\n{intro.strip()}\n\n{text}")
+
+
+def cpu_run_line(script: str) -> str:
+    """'Command: `python benchmarks/X.py ARGS`. AMD EPYC, 2 threads, fp32, torch 2.13.0+cpu, 2026-11-25': how a CPU
+    fp32 benchmark section starts."""
+    import datetime
+    import re
+    import sys
+
+    import torch
+
+    cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    command = " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+    return (f"Command: `{command}`. {cpu.group(1) if cpu else 'CPU'}, {torch.get_num_threads()} threads, fp32, "
+            f"torch {torch.__version__}, {datetime.date.today()}")

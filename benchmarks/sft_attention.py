@@ -17,16 +17,13 @@ step by step; times are medians, the speedup the median of the per-pair ratios. 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from report import publish  # benchmarks/report.py
+from report import cpu_run_line, publish  # benchmarks/report.py
 
 from lmforge.data.collate import PadCollator
 from lmforge.data.sft import SFTDataset
@@ -148,10 +145,7 @@ def main() -> None:
     batch = packed_batch(args.data, args.tokenizer, args.seq, args.rows)
     t0 = time.perf_counter()
     rows = run(args, batch)
-    cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-    command = " ".join(["python", "benchmarks/sft_attention.py", *sys.argv[1:]])
-    body = (f"Command: `{command}`. {cpu.group(1) if cpu else 'CPU'}, {torch.get_num_threads()} threads, fp32, "
-            f"torch {torch.__version__}, {datetime.date.today()}; backend `{document_backend(torch.device('cpu'))}`."
+    body = (f"{cpu_run_line('sft_attention.py')}; backend `{document_backend(torch.device('cpu'))}`."
             f" Micro-batch: {describe(batch)} (Alpaca, GPT-NeoX tokenizer). A step: fused cross-entropy over the "
             f"answer tokens, backward, AdamW; median of {args.repeats} steps per way, taking turns; "
             f"{time.perf_counter() - t0:.0f} s in all, load average {os.getloadavg()[0]:.1f} at the end.\n\n"
