@@ -105,17 +105,26 @@ def test_async_checkpoints_equal_sync_ones_and_a_kill_mid_write_resumes(ranks, t
     proc = subprocess.Popen([*launch, str(script), str(markers),
                              *_pretrain(tiny_corpus, killed, *layout, "checkpoint.async_save=true")],
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    metrics = killed / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        stepped = metrics.exists() and any(json.loads(x)["step"] >= 9 for x in metrics.read_text().splitlines() if x)
-        if stepped and len(list(markers.iterdir())) == ranks:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    # Step 9 was trained while step 8's write was in flight; kill every process of the run.
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # The held write never ends by itself: whatever fails below, the run is killed (torchrun's workers sit in
+    # sessions of their own and die with their launcher through PR_SET_PDEATHSIG), so no test leaves it behind.
+    try:
+        deadline = time.time() + 300
+        metrics = killed / "metrics.jsonl"
+        held = False
+        while time.time() < deadline and proc.poll() is None:
+            rows = metrics.read_text().splitlines() if metrics.exists() else []
+            stepped = any(json.loads(x)["step"] >= 9 for x in rows if x)
+            if stepped and len(list(markers.iterdir())) == ranks:
+                held = True
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert held, "step 9 was not trained with step 8's write held within 300 s"
+    finally:
+        # Step 9 was trained while step 8's write was in flight; kill every process of the run.
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     ckpts = killed / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [".step-00000008.tmp", "step-00000004"]
     assert not (ckpts / ".step-00000008.tmp" / "checksums.json").exists()
