@@ -36,66 +36,81 @@ class LlamaAdapter(HFAdapter):
     model_type = "llama"
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
-        theta, pct, scaling = rope_from_hf(hf)
-        heads = hf["num_attention_heads"]
-        return ModelConfig(
-            family="llama",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            intermediate_size=hf["intermediate_size"],
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            norm="rmsnorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            activation=activation_from_hf(hf.get("hidden_act", "silu")),
-            gated_mlp=True,
-            rotary_pct=pct,
-            rotary_base=theta,
-            rope_scaling=scaling,
-            attention_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            init_std=hf.get("initializer_range", 0.02),
-            attention_dropout=hf.get("attention_dropout", 0.0),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-            num_labels=decoder_num_labels(hf, keys),
-        )
+        return llama_config(hf, keys, "llama", positions=4096, eps=1e-6, head_dim=hf_head_dim(hf),
+                            attention_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False))
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         require(cfg, {**LLAMA_SWITCHES, "qkv_bias": cfg.attention_bias}, self.model_type)
-        return {
-            **architecture(cfg, "Llama", "ForCausalLM"),
-            "model_type": "llama",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            "intermediate_size": cfg.intermediate_size,
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "rms_norm_eps": cfg.norm_eps,
-            "hidden_act": activation_to_hf(cfg.activation),
-            **rope_to_hf(cfg),
-            "attention_bias": cfg.attention_bias,
-            "mlp_bias": cfg.mlp_bias,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "initializer_range": cfg.init_std,
-            "attention_dropout": cfg.attention_dropout,
-            "bos_token_id": cfg.bos_token_id,
-            "eos_token_id": cfg.eos_token_id,
-            "pad_token_id": cfg.pad_token_id,
-            "pretraining_tp": 1,
-            "use_cache": True,
-        }
+        return llama_config_json(cfg, "Llama", self.model_type, head_dim=cfg.head_dim,
+                                 attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
         return llama_layout(cfg)
+
+
+def hf_head_dim(hf: dict) -> int:
+    """config.json's head_dim, which transformers leaves out (or null) where it is hidden_size / heads."""
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def llama_config(hf: dict, keys: list[str], family: str, *, positions: int, eps: float, **fields) -> ModelConfig:
+    """A ModelConfig from the config.json fields that every family with Llama's names reads alike (sizes, RMSNorm,
+    gated MLP, rotary, ids); `positions` and `eps` are the family's defaults for a field its config may leave out,
+    and `fields` its own switches, which win over these."""
+    theta, pct, scaling = rope_from_hf(hf)
+    heads = hf["num_attention_heads"]
+    common = dict(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", positions),
+        norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", eps),
+        activation=activation_from_hf(hf.get("hidden_act", "silu")),
+        gated_mlp=True,
+        rotary_pct=pct,
+        rotary_base=theta,
+        rope_scaling=scaling,
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02),
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        num_labels=decoder_num_labels(hf, keys),
+    )
+    return ModelConfig(**{**common, **fields})
+
+
+def llama_config_json(cfg: ModelConfig, name: str, model_type: str, **fields) -> dict:
+    """config.json for a family with Llama's names: the fields they all write alike, then the family's own
+    (`fields`, which win); `name` is the transformers class prefix (Mistral -> MistralForCausalLM)."""
+    return {
+        **architecture(cfg, name, "ForCausalLM"),
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": activation_to_hf(cfg.activation),
+        **rope_to_hf(cfg),
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_dropout": cfg.attention_dropout,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "use_cache": True,
+        **fields,
+    }
 
 
 def llama_layout(cfg: ModelConfig, experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj"),

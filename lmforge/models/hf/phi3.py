@@ -13,16 +13,12 @@ from lmforge.models.hf.base import (
     SECOND_HALF,
     HFAdapter,
     Mapping,
-    activation_from_hf,
-    activation_to_hf,
-    architecture,
     decoder_head,
-    decoder_num_labels,
     module_rows,
     require,
 )
-from lmforge.models.hf.llama import LLAMA_SWITCHES
-from lmforge.models.hf.rope import rope_from_hf, rope_parameters
+from lmforge.models.hf.llama import LLAMA_SWITCHES, llama_config, llama_config_json
+from lmforge.models.hf.rope import rope_parameters
 
 
 class Phi3Adapter(HFAdapter):
@@ -32,37 +28,9 @@ class Phi3Adapter(HFAdapter):
              "mlp_bias": False}
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
-        theta, pct, scaling = rope_from_hf(hf)
-        heads = hf["num_attention_heads"]
-        return ModelConfig(
-            family="phi3",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            intermediate_size=hf["intermediate_size"],
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            norm="rmsnorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-5),
-            activation=activation_from_hf(hf.get("hidden_act", "silu")),
-            gated_mlp=True,
-            rotary_pct=pct,
-            rotary_base=theta,
-            rope_scaling=scaling,
-            sliding_window=hf.get("sliding_window"),
-            attention_bias=False,
-            mlp_bias=False,
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            init_std=hf.get("initializer_range", 0.02),
-            # One dropout rate in lmforge: Phi-3's residual one (its embedding dropout is the same in every release).
-            dropout=hf.get("resid_pdrop", 0.0),
-            attention_dropout=hf.get("attention_dropout", 0.0),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-            num_labels=decoder_num_labels(hf, keys),
-        )
+        # One dropout rate in lmforge: Phi-3's residual one (its embedding dropout is the same in every release).
+        return llama_config(hf, keys, "phi3", positions=4096, eps=1e-5, sliding_window=hf.get("sliding_window"),
+                            attention_bias=False, mlp_bias=False, dropout=hf.get("resid_pdrop", 0.0))
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         require(cfg, self.fixed, self.model_type)
@@ -71,34 +39,17 @@ class Phi3Adapter(HFAdapter):
             raise UserError(f"a phi3 checkpoint has default or longrope rotary, this model has rope scaling "
                             f"'{scaling.type}': it cannot be written as that family")
         rope = rope_parameters(cfg)
-        return {
-            **architecture(cfg, "Phi3", "ForCausalLM"),
-            "model_type": "phi3",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "intermediate_size": cfg.intermediate_size,
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "original_max_position_embeddings": (scaling.original_max_position_embeddings if scaling is not None
-                                                 else cfg.max_position_embeddings),
-            "rms_norm_eps": cfg.norm_eps,
-            "hidden_act": activation_to_hf(cfg.activation),
-            "rope_theta": cfg.rotary_base,
-            "rope_scaling": rope if scaling is not None else None,  # what transformers 4.x reads
-            "rope_parameters": rope,
-            "sliding_window": cfg.sliding_window,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "initializer_range": cfg.init_std,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-            "attention_dropout": cfg.attention_dropout,
-            "bos_token_id": cfg.bos_token_id,
-            "eos_token_id": cfg.eos_token_id,
-            "pad_token_id": cfg.pad_token_id,
-            "use_cache": True,
-        }
+        return llama_config_json(
+            cfg, "Phi3", self.model_type,
+            original_max_position_embeddings=(scaling.original_max_position_embeddings if scaling is not None
+                                              else cfg.max_position_embeddings),
+            rope_theta=cfg.rotary_base,
+            rope_scaling=rope if scaling is not None else None,  # what transformers 4.x reads
+            rope_parameters=rope,
+            sliding_window=cfg.sliding_window,
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+        )
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
         rows: Mapping = [("embed.weight", "model.embed_tokens.weight", PLAIN)]

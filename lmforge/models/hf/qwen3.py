@@ -7,15 +7,10 @@ from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import (
     HFAdapter,
     Mapping,
-    activation_from_hf,
-    activation_to_hf,
-    architecture,
-    decoder_num_labels,
     require,
 )
-from lmforge.models.hf.llama import LLAMA_SWITCHES, llama_layout
+from lmforge.models.hf.llama import LLAMA_SWITCHES, llama_config, llama_config_json, llama_layout
 from lmforge.models.hf.qwen2 import window_from_hf, window_to_hf
-from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
 
 
 class Qwen3Adapter(HFAdapter):
@@ -23,68 +18,16 @@ class Qwen3Adapter(HFAdapter):
     fixed = {**LLAMA_SWITCHES, "sliding_window": ..., "qk_norm": "head", "rotary_pct": 1.0, "mlp_bias": False}
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
-        theta, pct, scaling = rope_from_hf(hf)
-        heads = hf["num_attention_heads"]
         window, layer_types = window_from_hf(hf)
         bias = hf.get("attention_bias", False)
-        return ModelConfig(
-            family="qwen3",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or 128,
-            intermediate_size=hf["intermediate_size"],
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            norm="rmsnorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            activation=activation_from_hf(hf.get("hidden_act", "silu")),
-            gated_mlp=True,
-            qk_norm="head",
-            rotary_pct=pct,
-            rotary_base=theta,
-            rope_scaling=scaling,
-            sliding_window=window,
-            layer_types=layer_types,
-            qkv_bias=bias,
-            attention_bias=bias,
-            mlp_bias=False,
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            init_std=hf.get("initializer_range", 0.02),
-            attention_dropout=hf.get("attention_dropout", 0.0),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-            num_labels=decoder_num_labels(hf, keys),
-        )
+        return llama_config(hf, keys, "qwen3", positions=32768, eps=1e-6, head_dim=hf.get("head_dim") or 128,
+                            qk_norm="head", sliding_window=window, layer_types=layer_types, qkv_bias=bias,
+                            attention_bias=bias, mlp_bias=False)
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         require(cfg, {**self.fixed, "qkv_bias": cfg.attention_bias}, self.model_type)
-        return {
-            **architecture(cfg, "Qwen3", "ForCausalLM"),
-            "model_type": "qwen3",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            "intermediate_size": cfg.intermediate_size,
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "rms_norm_eps": cfg.norm_eps,
-            "hidden_act": activation_to_hf(cfg.activation),
-            **rope_to_hf(cfg),
-            **window_to_hf(cfg),
-            "attention_bias": cfg.attention_bias,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "initializer_range": cfg.init_std,
-            "attention_dropout": cfg.attention_dropout,
-            "bos_token_id": cfg.bos_token_id,
-            "eos_token_id": cfg.eos_token_id,
-            "pad_token_id": cfg.pad_token_id,
-            "use_cache": True,
-        }
+        return llama_config_json(cfg, "Qwen3", self.model_type, head_dim=cfg.head_dim, **window_to_hf(cfg),
+                                 attention_bias=cfg.attention_bias)
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
         return llama_layout(cfg)
