@@ -42,7 +42,7 @@ VERBS = {
     "serve": Verb("serve", "serve a model over an OpenAI-compatible HTTP API with a chat page"),
     "eval": Verb("eval", "lm-evaluation-harness tasks on a model folder or training checkpoint, offline"),
     "compare": Verb("compare", "plot and tabulate several runs side by side"),
-    "bench": Verb("bench", "benchmarks: train, preprocess, generate, scaling"),
+    "bench": Verb("bench", "benchmarks side by side with the reference (lmforge bench --help lists them)"),
 }
 
 
