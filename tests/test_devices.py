@@ -91,14 +91,24 @@ def test_this_machines_cpu_flags_agree_with_torch():
     assert ("avx512_bf16" in flags) == torch.cpu._is_avx512_bf16_supported()
 
 
+# torch 2.9+'s per-backend names, which set_float32_matmul_precision also writes ('none' -> 'ieee'/'tf32'):
+# Inductor's cache key includes them, so a test that leaves them changed makes a later compiled run in the same
+# process miss a cache another process filled (tests/train/test_compile.py failed after this test in the suite).
+NEW_PRECISION_FLAGS = [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.mkldnn.matmul, "fp32_precision")]
+
+
 @pytest.fixture
 def tf32_flags():
-    """The process-wide TF32 flags, restored after the test."""
+    """The process-wide TF32 flags, restored after the test (the legacy ones and torch 2.9+'s new names)."""
     saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    new = [(obj, name, getattr(obj, name)) for obj, name in NEW_PRECISION_FLAGS if hasattr(obj, name)]
     yield lambda: (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
                    torch.backends.cuda.matmul.allow_tf32)
     torch.set_float32_matmul_precision(saved[0])
     torch.backends.cudnn.allow_tf32 = saved[1]
+    for obj, name, value in new:
+        setattr(obj, name, value)
+    assert [getattr(obj, name) for obj, name, _ in new] == [value for *_, value in new]
 
 
 def test_tf32_is_set_for_cuda_only_and_off_by_the_key(tf32_flags):
