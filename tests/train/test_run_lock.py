@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,8 +150,12 @@ def test_under_torchrun_every_rank_stops_when_the_folder_is_held(tiny_corpus, tm
         _, err = launcher.communicate(timeout=300)
         assert launcher.returncode != 0
         assert err.count(f"is in use by another run, PID {holder.pid} on host") == 1, err[-3000:]
-        assert "exitcode  : 1" in err  # rank 0 and rank 1 alike
-        assert err.count("exitcode  : 1") == 2, err[-3000:]
+        # Both ranks exit 1 on their own; torchrun then SIGTERMs whichever is still exiting when the first one ends
+        # (-15), so the order decides how many 1s it lists. A rank left waiting at a collective would instead die
+        # of gloo's "connection closed" error once its peer was gone.
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+        assert "1" in codes and set(codes) <= {"1", "-15"}, err[-3000:]
+        assert "Connection closed" not in err and "gloo" not in err.lower(), err[-3000:]
     finally:
         stop(holder)
 
