@@ -45,6 +45,7 @@ from lmforge.errors import UserError
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5's name; it wins over tokenizer_config.json's
 # Private-use characters, never in a template: a message's content, and the edges of an assistant span.
 _CONTENT = "\ue000{}\ue001"
 _SPAN_START, _SPAN_END = "\ue002", "\ue003"
@@ -115,8 +116,8 @@ def builtin_template(name: str, add_bos: bool, prompt_template: str | None = Non
 def read_chat_template(folder: str | Path) -> str | None:
     """The folder's chat template, or None. A list of named templates picks "default"."""
     folder = Path(folder)
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     template = tokenizer_config(folder).get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)

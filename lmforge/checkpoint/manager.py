@@ -4,6 +4,7 @@
                         .../trainer.json step, consumed samples, monitored metric, skip counters
                         .../rng-rank0.json python/numpy/torch RNG states of each rank
                         .../lmforge.json the model config (so the folder says what it holds)
+                        .../chat_template.jinja the template a fine-tuning run rendered its examples with
 
                         .../checksums.json size and SHA-256 of every other file
 
@@ -138,9 +139,10 @@ class CheckpointManager:
     # -- writing ------------------------------------------------------------------------------
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-             model_config: ModelConfig) -> Path:
-        """Write checkpoint `step` (every rank calls this). With `async_save` it returns once the state is copied
-        aside: the folder appears under the returned name when the write in the background is done (wait())."""
+             model_config: ModelConfig, side_files: dict[str, str] | None = None) -> Path:
+        """Write checkpoint `step` (every rank calls this), with rank 0's `side_files` (name -> text) beside it.
+        With `async_save` it returns once the state is copied aside: the folder appears under the returned name
+        when the write in the background is done (wait())."""
         self.wait()  # at most one save in flight
         hold_for_test("save", step, _rank())
         final = self.root / f"step-{step:08d}"
@@ -163,6 +165,7 @@ class CheckpointManager:
         files = {f"rng-rank{_rank()}.json": json.dumps(rng_state())}
         if _rank() == 0:
             files["trainer.json"] = json.dumps(trainer_state, indent=2) + "\n"
+            files.update(side_files or {})
         if self._writer is None:
             try:
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())

@@ -13,7 +13,8 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files")
+    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files, or a "
+                                     "training checkpoint (RUN_DIR/checkpoints/step-N: its run's tokenizer)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
@@ -37,12 +38,13 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.inference.generate import check_fits
     from lmforge.models import load_pretrained
     from lmforge.models.io import parse_dtype
+    from lmforge.models.source import tokenizer_source
     from lmforge.tokenizers import load_tokenizer
 
     if not Path(args.model_dir).is_dir():
         raise UserError(f"model folder '{args.model_dir}' does not exist")
     device = resolve_device(args.device)
-    tokenizer = load_tokenizer(args.model_dir)
+    tokenizer = load_tokenizer(tokenizer_source(args.model_dir))
     model = load_pretrained(args.model_dir, device=device, dtype=parse_dtype(args.dtype))
     # generate() checks the same, but this line can name the flag.
     longest = max(len(ids) for ids in tokenizer.encode_batch(args.prompt, add_bos=tokenizer.add_bos_token))

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files")
+    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files, or a "
+                                     "training checkpoint (RUN_DIR/checkpoints/step-N: its run's tokenizer)")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0 in SageMaker)")
     p.add_argument("--port", type=int, default=None, help="port (default $SAGEMAKER_BIND_TO_PORT, else 8000)")
     p.add_argument("--api-key", default=None,
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.devices import resolve_device
     from lmforge.inference.engine import Engine, EngineConfig
     from lmforge.models.io import parse_dtype
+    from lmforge.models.source import tokenizer_source
     from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
     from lmforge.serve.http import uvicorn_config
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> None:
     host, port = listen_address(args.host, args.port)
     sock = bind(host, port)
     try:
-        tokenizer = load_tokenizer(folder)
+        tokenizer = load_tokenizer(tokenizer_source(folder))
         model, chat_folder = load_served(folder, args.lora, device, parse_dtype(args.dtype))
         engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue))
         chat = ChatFormat(tokenizer, chat_folder)

@@ -221,19 +221,12 @@ def load_model_and_tokenizer(path: str | Path, tokenizer_path: str | Path | None
     tokenizer: `tokenizer_path`, else the folder's own files, else (a checkpoint) the one its run used."""
     from lmforge.devices import resolve_device
     from lmforge.models.io import parse_dtype
-    from lmforge.models.source import load_pretrained, run_tokenizer_source, source_kind
+    from lmforge.models.source import load_pretrained, tokenizer_source
     from lmforge.tokenizers import load_tokenizer
 
     folder = Path(path)
-    if tokenizer_path is None:
-        if source_kind(folder) == "checkpoint":
-            tokenizer_path = run_tokenizer_source(folder)
-            if tokenizer_path is None:
-                raise UserError(f"checkpoint '{folder}' has no tokenizer and its run's config.yaml names none: "
-                                "pass --tokenizer PATH")
-        else:
-            tokenizer_path = folder
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path if tokenizer_path is not None else
+                               tokenizer_source(folder, "pass --tokenizer PATH"))
     resolved = device if isinstance(device, torch.device) else resolve_device(device or "auto")
     model = load_pretrained(folder, device=resolved, dtype=parse_dtype(dtype))
     return model, tokenizer

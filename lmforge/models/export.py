@@ -39,6 +39,8 @@ def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | 
 
 
 def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool) -> dict:
+    from lmforge.chat_template import CHAT_TEMPLATE_FILE
+    from lmforge.models.io import copy_side_files
     from lmforge.tokenizers import load_tokenizer
 
     model = load_pretrained(folder, dtype=checkpoint_dtype(folder))
@@ -51,4 +53,5 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
         else:
             log.warning("the run of '%s' names no tokenizer (no data.tokenizer or model.init_from in its config.yaml): "
                         "the export has none", folder)
+        copy_side_files(folder, Path(side), [CHAT_TEMPLATE_FILE])  # a fine-tuning run's, as its own export has it
         return write_hf(model.config, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)

@@ -86,6 +86,18 @@ def run_tokenizer_source(checkpoint: Path) -> Path | None:
     return Path(tokenizer) if tokenizer else Path(init_from) if init_from else None
 
 
+def tokenizer_source(folder: str | Path, fix: str = "set data.tokenizer in the run's config.yaml") -> Path:
+    """Where the tokenizer of a model folder is: the folder itself, or for a training checkpoint the one its run
+    used (run_tokenizer_source); a UserError ending in `fix` for a checkpoint whose run names none."""
+    folder = Path(folder)
+    if source_kind(folder) != "checkpoint":
+        return folder
+    found = run_tokenizer_source(folder)
+    if found is None:
+        raise UserError(f"checkpoint '{folder}' has no tokenizer and its run's config.yaml names none: {fix}")
+    return found
+
+
 def checkpoint_dtype(folder: Path) -> torch.dtype | None:
     """The dtype a training checkpoint holds its model's weights in (bf16 under bf16-sr, else fp32); None when
     they are not all alike."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lmforge.chat_template import CHAT_TEMPLATE_FILE
 from lmforge.checkpoint.manager import DISK_FIX
 from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
@@ -342,7 +343,9 @@ class Trainer:
         """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written."""
         self.state["elapsed"] = self.elapsed()
         state = {**self.state, "run_config": run_dict(self.cfg)}  # what a resume compares its config with
-        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg)
+        # The chat template the examples were rendered with: an export or `serve` of the checkpoint prompts as trained.
+        template = {CHAT_TEMPLATE_FILE: self.data.chat_template} if self.data.chat_template is not None else None
+        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg, template)
         if wait:
             self.checkpoints.wait()
         return path
@@ -361,7 +364,7 @@ class Trainer:
             tokenizer = self.tokenizer.files[0] if self.tokenizer is not None else None
             save_model(model, model_dir, tokenizer_from=tokenizer, overwrite=True)
             if self.data.chat_template is not None:  # served as trained (chat_template.jinja wins over the config's)
-                atomic_write(model_dir / "chat_template.jinja", self.data.chat_template)
+                atomic_write(model_dir / CHAT_TEMPLATE_FILE, self.data.chat_template)
             export_hf(model_dir, out, overwrite=True)
             log.info("wrote Hugging Face folder %s", out)
             if adapters is not None:

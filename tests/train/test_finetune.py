@@ -175,6 +175,49 @@ def test_chat_sft_export_serves_prompts_as_trained(tiny_gpt2, tmp_path):
     assert tf.AutoTokenizer.from_pretrained(hf).chat_template == (hf / "chat_template.jinja").read_text()
 
 
+@pytest.mark.slow
+def test_a_checkpoint_export_carries_a_builtin_chat_template(tiny_gpt2, tmp_path):
+    """Issue 16: `export-hf RUN/checkpoints/step-N` of an SFT run with data.chat_template=chatml had no template
+    (only the run's own hf/ had it), so serving the export prompted in a format the model never saw. The checkpoint
+    keeps the template; its export, `serve` of the export or of the checkpoint itself, and transformers'
+    apply_chat_template on the export all give the training example's ids up to the answer."""
+    from lmforge.chat_template import builtin_template
+    from lmforge.data.sft import SFTDataset
+    from lmforge.models.source import tokenizer_source
+    from lmforge.serve.chat import ChatFormat
+    from lmforge.tokenizers import load_tokenizer
+
+    chat = [{"role": "system", "content": "Answer in digits."}, {"role": "user", "content": "What is 2 plus 3?"},
+            {"role": "assistant", "content": "5"}, {"role": "user", "content": "Double it."},
+            {"role": "assistant", "content": "10"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    run = tmp_path / "run"
+    assert main(["finetune", "/dev/null", *_base(run, f"model.init_from={tiny_gpt2}", "data.task=sft",
+                                                 f"data.train_file={data}", "data.seq_length=128",
+                                                 "data.chat_template=chatml", "trainer.max_steps=1",
+                                                 "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
+                                                 "trainer.val_check_interval=0")]) == 0
+    step, hf = run / "checkpoints" / "step-00000001", tmp_path / "hf"
+    assert main(["export-hf", str(step), str(hf)]) == 0
+    tokenizer = load_tokenizer(tiny_gpt2)
+    template = builtin_template("chatml", tokenizer.add_bos_token)
+    assert (hf / "chat_template.jinja").read_text() == template
+    trained = SFTDataset(data, tokenizer, 128, chat_template="chatml")[0]
+    labels = trained["labels"].tolist()
+    second_answer = len(labels) - next(i for i, x in enumerate(reversed(labels[:-1])) if x == -100) - 1
+    expected = trained["input_ids"][:second_answer].tolist()
+    prompt = [(m["role"], m["content"]) for m in chat[:4]]
+    assert ChatFormat(load_tokenizer(hf), hf).encode(prompt) == expected
+    # `lmforge serve CHECKPOINT` and `lmforge generate CHECKPOINT` read the run's tokenizer and the kept template.
+    assert ChatFormat(load_tokenizer(tokenizer_source(step)), step).encode(prompt) == expected
+    assert main(["generate", str(step), "--prompt", "2 plus 3 is", "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    tf = pytest.importorskip("transformers")
+    theirs = tf.AutoTokenizer.from_pretrained(hf).apply_chat_template(chat[:4], add_generation_prompt=True,
+                                                                      tokenize=True, return_dict=True)
+    assert theirs["input_ids"] == expected
+
+
 @pytest.fixture(scope="module")
 def tiny_pythia(shared_data, tmp_path_factory):
     """A random Pythia-shaped Hugging Face folder with the real GPT-NeoX-20B tokenizer: what the recipes take."""
