@@ -38,6 +38,7 @@ COLUMNS = (
     ("tokens_per_second", "tokens/s", "{:,.0f}"),
     ("sequences_per_second", "seq/s", "{:,.2f}"),
     ("mfu", "MFU", "{:.1%}"),
+    ("mfu_fp8", "MFU vs FP8 peak", "{:.1%}"),
     ("startup_s", "start-up (s)", "{:,.1f}"),
     ("time_s", "time (s)", "{:,.1f}"),
     ("cost_usd", "cost ($)", "{:.4f}"),
@@ -116,12 +117,14 @@ def table_rows(runs: list[Run]) -> list[list[str]]:
     """Header row, then one row per run, every number formatted as the table shows it; after the fixed columns,
     one per downstream-eval metric (its last logged value)."""
     evals = eval_keys(runs)
-    rows = [["run", *(title for _, title, _ in COLUMNS), *map(eval_title, evals)]]
+    # MFU against the FP8 peak only where a run trained with trainer.float8
+    columns = [c for c in COLUMNS if c[0] != "mfu_fp8" or any(r.summary.get("mfu_fp8") is not None for r in runs)]
+    rows = [["run", *(title for _, title, _ in columns), *map(eval_title, evals)]]
     for run in runs:
-        cells = [_cell(run.summary.get(key), fmt) for key, _, fmt in COLUMNS]
+        cells = [_cell(run.summary.get(key), fmt) for key, _, fmt in columns]
         if run.summary.get("estimated"):  # logged every N steps: totals scaled up from the logged ones
             scaled = ("tokens",) if run.summary.get("wall_clock") else ("tokens", "time_s", "cost_usd")
-            cells = [("~" + c if key in scaled and c != "-" else c) for (key, _, _), c in zip(COLUMNS, cells)]
+            cells = [("~" + c if key in scaled and c != "-" else c) for (key, _, _), c in zip(columns, cells)]
         last = run.summary.get("eval") or {}
         rows.append([run.label, *cells, *(_cell(last.get(k), EVAL_FORMAT) for k in evals)])
     return rows

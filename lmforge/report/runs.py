@@ -143,8 +143,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "tokens_per_second": total(steady, "tokens_per_second") / steady_time if steady_time else None,
         "sequences_per_second": (total(steady, "sequences_per_second") / steady_time
                                  if steady_time and all(_num(r.get("sequences_per_second")) for r in steady) else None),
-        "mfu": (total(steady, "mfu") / steady_time
-                if steady_time and all(_num(r.get("mfu")) for r in steady) else None),
+        # trainer.float8 runs also log mfu_fp8 (against the FP8 peak): weighted the same way
+        **{key: (total(steady, key) / steady_time if steady_time and all(_num(r.get(key)) for r in steady) else None)
+           for key in ("mfu", "mfu_fp8")},
         "startup_s": startup if timed else None,
         "train_s": train_time if timed else None,
         "time_s": total_time,

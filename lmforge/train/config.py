@@ -173,6 +173,7 @@ class EvalConfig:
 class CostConfig:
     usd_per_hour: float = 0.0  # price of one node (machine), for tokens per dollar
     peak_flops: float | None = None  # per process; default: measured (CPU) or datasheet (GPU)
+    peak_flops_fp8: float | None = None  # per process, for mfu_fp8 under trainer.float8; default: datasheet
 
 
 # Fields a preset derives from others when it leaves them out, and what from: ModelConfig's defaults.

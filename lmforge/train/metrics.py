@@ -26,13 +26,27 @@ log = logging.getLogger(__name__)
 # GPU" datasheet (312 TFLOPS bf16, 19.5 fp32); H100 PCIe: 756 bf16, 51 fp32; H100 NVL: 835.5 bf16 dense
 # (the datasheet's 1,671 is with sparsity), 60 fp32. The first key found in the device name wins: the
 # specific variants come before the plain "H100" (the SXM part, named "NVIDIA H100 80GB HBM3").
+# FP8 (float8_e4m3fn, what trainer.float8's matmuls run in): the same datasheets list it with sparsity only
+# (H100 SXM and H200 3,958 TFLOPS, H100 NVL 3,341, H100 PCIe 3,026): the dense peak is half. The A100 has no FP8.
+FP8 = torch.float8_e4m3fn
 GPU_PEAKS = {
-    "H200": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},
-    "H100 NVL": {torch.bfloat16: 835.5e12, torch.float32: 60.0e12},
-    "H100 PCIe": {torch.bfloat16: 756.0e12, torch.float32: 51.2e12},
-    "H100": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},
+    "H200": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12, FP8: 1978.9e12},
+    "H100 NVL": {torch.bfloat16: 835.5e12, torch.float32: 60.0e12, FP8: 1670.5e12},
+    "H100 PCIe": {torch.bfloat16: 756.0e12, torch.float32: 51.2e12, FP8: 1513.0e12},
+    "H100": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12, FP8: 1978.9e12},
     "A100": {torch.bfloat16: 312.0e12, torch.float32: 19.5e12},
 }
+
+
+def datasheet_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
+    """(a GPU's dense datasheet peak for `dtype`, its source), or None for a device or dtype not in GPU_PEAKS."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = next((key for key in GPU_PEAKS if key in name), None)
+    if key is None or dtype not in GPU_PEAKS[key]:
+        return None
+    return GPU_PEAKS[key][dtype], f"datasheet: {key}, {str(dtype).removeprefix('torch.')} dense"
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
@@ -81,11 +95,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     taken while other processes share the cores comes out low: the best figure this machine ever gave
     (cpu_peak_key) is kept in the user's cache and used when it is higher."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peaks in GPU_PEAKS.items():
-            if key in name:
-                return peaks[dtype], f"datasheet: {key}"
-        log.warning("no datasheet peak for %s: measuring a GEMM instead", name)
+        found = datasheet_peak(device, dtype)
+        if found is not None:
+            return found
+        log.warning("no datasheet peak for %s: measuring a GEMM instead", torch.cuda.get_device_name(device))
         a = torch.randn(8192, 8192, device=device, dtype=dtype)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -183,6 +196,21 @@ class MFU:
         return achieved / self.peak
 
 
+def float8_mfu(device: torch.device, flops_per_token: float, processes: int = 1,
+               peak: float | None = None) -> MFU | None:
+    """MFU against the device's FP8 dense peak (`mfu_fp8`), reported beside `mfu` (against the bf16 peak) when
+    trainer.float8 is on: every model FLOP is counted against it, though only the blocks' linears run in FP8
+    (attention scores and the output head stay in bf16), so it is a lower bound on how busy the FP8 units are.
+    `peak` (cost.peak_flops_fp8) overrides the datasheet; None where neither gives a figure."""
+    found = (peak, "config") if peak else datasheet_peak(device, FP8)
+    if found is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        log.warning("no FP8 datasheet peak for %s: mfu_fp8 is not reported (set cost.peak_flops_fp8 to report it)",
+                    name)
+        return None
+    return MFU(flops_per_token, found[0], found[1], processes)
+
+
 @dataclass
 class RunTotals:
     """What the steps of one invocation did, summed: the run's last line (summary)."""
@@ -235,7 +263,7 @@ def tokens_per_dollar(tokens_per_second: float, usd_per_hour: float, nodes: int 
 
 # TensorBoard groups scalars by the part of a tag before "/": a run's panels come as train/, val/ and perf/
 # (metrics.jsonl keeps the plain names, which `lmforge compare` and scripts read).
-PERF_METRICS = frozenset({"step_time", "tokens_per_second", "sequences_per_second", "mfu", "memory_gb",
+PERF_METRICS = frozenset({"step_time", "tokens_per_second", "sequences_per_second", "mfu", "mfu_fp8", "memory_gb",
                           "tokens_per_dollar", "usd_per_million_tokens", "elapsed", "time_to_first_step"})
 
 

@@ -35,6 +35,7 @@ from lmforge.train.metrics import (
     MetricSink,
     RunTotals,
     cpu_peak_key,
+    float8_mfu,
     flops_per_token,
     nodes_from_env,
     peak_flops,
@@ -158,6 +159,8 @@ class Trainer:
         measured = not cfg.cost.peak_flops and self.world.device.type == "cpu"
         self.mfu = MFU(self.flops_per_token, self.peak, self.peak_source, self.world.size,
                        cpu_peak_key(precision.compute_dtype) if measured else None)
+        self.mfu_fp8 = (float8_mfu(self.world.device, self.flops_per_token, self.world.size, cfg.cost.peak_flops_fp8)
+                        if t.float8 else None)
         self.totals = RunTotals(self.state["step"])
         self.nodes = nodes_from_env()
 
@@ -335,6 +338,7 @@ class Trainer:
             "tokens_per_second": tps,
             "sequences_per_second": t.global_batch_size / step_time,
             "mfu": self.mfu(tps),
+            **({"mfu_fp8": self.mfu_fp8(tps)} if self.mfu_fp8 is not None else {}),
             "memory_gb": memory_gb(self.world.device),
             **({"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar} if per_dollar else {}),
         }

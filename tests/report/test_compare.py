@@ -89,6 +89,22 @@ def test_table_numbers_equal_the_jsonl_computed_by_hand(tmp_path):
     assert cells["cost ($)"] == "0.0075" and cells["tokens/$"] == "53,333" and cells["val acc"] == "-"
 
 
+def test_mfu_against_the_fp8_peak_is_a_column_only_where_a_run_logged_it(tmp_path):
+    """trainer.float8 runs log mfu_fp8 beside mfu: summed the same way (FLOPs done / (peak x time)), shown in
+    its own column, which other runs' tables leave out."""
+    rows = _rows([2.0, 1.0, 1.0, 0.5])
+    for r in rows:
+        r["mfu_fp8"] = r["mfu"] / 2
+    fp8 = load_run(_write_run(tmp_path / "fp8", rows, _config()))
+    bf16 = load_run(_write_run(tmp_path / "bf16", _rows([2.0, 1.0]), _config()))
+    for run in (fp8, bf16):
+        run.label, run.summary = run.path.name, summarize(run)
+    assert fp8.summary["mfu_fp8"] == pytest.approx(0.015 / 2.5) and bf16.summary["mfu_fp8"] is None
+    header, row, other = table_rows([fp8, bf16])
+    assert dict(zip(header, row))["MFU vs FP8 peak"] == "0.6%" and dict(zip(header, other))["MFU vs FP8 peak"] == "-"
+    assert "MFU vs FP8 peak" not in table_rows([bf16])[0]
+
+
 def test_no_price_is_said_not_guessed(tmp_path):
     run = load_run(_write_run(tmp_path / "a", _rows([1.0, 1.0]), _config()))
     run.label, run.summary = "a", summarize(run)

@@ -59,6 +59,31 @@ def test_each_gpu_gets_its_own_datasheet_peak(name, bf16, monkeypatch):
     assert peak == bf16 and source.startswith("datasheet")
 
 
+@pytest.mark.parametrize(("name", "fp8"), [("NVIDIA H100 80GB HBM3", 1978.9e12), ("NVIDIA H100 NVL", 1670.5e12),
+                                           ("NVIDIA H100 PCIe", 1513.0e12), ("NVIDIA H200", 1978.9e12)])
+def test_float8_mfu_is_counted_against_the_fp8_dense_peak(name, fp8, monkeypatch):
+    """Under trainer.float8, mfu_fp8 divides the achieved FLOP/s by the FP8 dense datasheet peak (twice bf16's on
+    these parts), while mfu keeps the bf16 peak."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    bf16 = peak_flops(cuda, torch.bfloat16)[0]
+    assert fp8 == pytest.approx(2 * bf16, rel=2e-3)  # the datasheets' sparse FP8 figure is 4x the dense bf16 one
+    mfu = metrics.float8_mfu(cuda, flops_per_token=6e9, processes=8)
+    assert mfu.peak == fp8 and "float8_e4m3fn" in mfu.source
+    tokens_per_second = 8 * 50_000.0  # 50k tokens/s per GPU at 6 GFLOP per token: 300 TFLOP/s per GPU
+    assert mfu(tokens_per_second) == pytest.approx(300e12 / fp8)
+    assert metrics.MFU(6e9, bf16, "bf16", 8)(tokens_per_second) == pytest.approx(300e12 / bf16)
+    assert metrics.float8_mfu(cuda, 6e9, peak=1e15).peak == 1e15  # cost.peak_flops_fp8 overrides the datasheet
+
+
+def test_float8_mfu_is_left_out_where_no_fp8_peak_is_known(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with caplog.at_level(logging.WARNING):
+        assert metrics.float8_mfu(torch.device("cuda", 0), 6e9) is None
+    assert "cost.peak_flops_fp8" in caplog.text
+    assert peak_flops(torch.device("cuda", 0), torch.bfloat16)[0] == 312.0e12  # the bf16 peak is still there
+
+
 def test_a_sliding_window_layer_counts_the_keys_it_attends_to():
     from lmforge.models import preset
     from lmforge.train.metrics import flops_per_token
