@@ -60,9 +60,9 @@ def lmforge_block(ref, family: str, hidden: int, width: int, experts: int, k: in
                       gated_mlp=True, mlp_bias=False, attention_bias=False, num_experts=experts, experts_per_token=k,
                       router_norm_topk=True, qk_norm="head" if family == "qwen3_moe" else "none")
     ours = MoE(cfg, ACTIVATIONS["silu"]).train()
-    with torch.no_grad():  # transformers stacks each expert's gate rows then its up rows, as lmforge does
+    with torch.no_grad():  # transformers stacks each expert's gate rows then its up rows; lmforge gives each a dim
         ours.router.weight.copy_(ref.gate.weight)
-        ours.experts.gate_up.copy_(ref.experts.gate_up_proj)
+        ours.experts.gate_up.copy_(ref.experts.gate_up_proj.view(ours.experts.gate_up.shape))
         ours.experts.down.copy_(ref.experts.down_proj)
     return ours
 

@@ -31,13 +31,15 @@ GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch
 
 
 class Experts(nn.Module):
-    """num_experts SwiGLU MLPs, stacked: gate_up (experts, 2 * moe_intermediate, hidden) holds each expert's
-    gate rows then its up rows, down (experts, hidden, moe_intermediate)."""
+    """num_experts SwiGLU MLPs, stacked: gate_up (experts, 2, moe_intermediate, hidden) holds each expert's gate
+    rows ([:, 0]) and its up rows ([:, 1]), down (experts, hidden, moe_intermediate). Gate and up have a dimension
+    of their own so that one split of the intermediate dimension (Shard(2), tensor parallelism) hands every rank
+    the same rows of both, as a plain box of the tensor: what DCP, sharded loading and initialisation cut."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.gate_up = nn.Parameter(torch.empty(e, 2, i, d))
         self.down = nn.Parameter(torch.empty(e, d, i))
 
 
@@ -52,6 +54,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
         self.router_logits: torch.Tensor | None = None
+        # grouped_experts' stand-in when expert parallelism lays the experts out over ranks (same arguments):
+        # lmforge.parallel.expert sets it, the layer itself knows nothing of ranks.
+        self.dispatch: Callable[..., torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits (tokens, experts), routing weights (tokens, k) in fp32, chosen experts (tokens, k))."""
@@ -67,14 +72,16 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits, weights, chosen = self.route(x)
         self.router_logits = logits if self.training and torch.is_grad_enabled() else None
-        out = grouped_experts(x, chosen, weights, self.experts.gate_up, self.experts.down, self.act)
+        run = grouped_experts if self.dispatch is None else self.dispatch
+        out = run(x, chosen, weights, self.experts.gate_up, self.experts.down, self.act)
         return out.view(shape)
 
 
 def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t: x (tokens, hidden), chosen and weights
-    (tokens, k); the experts' GEMMs in the compute dtype (autocast's, else x's)."""
+    (tokens, k), gate_up and down Experts' (or a slice of their experts or intermediate rows); the experts' GEMMs
+    in the compute dtype (autocast's, else x's)."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     num_experts = gate_up.shape[0]
     flat = chosen.reshape(-1)
@@ -133,6 +140,8 @@ def _per_expert_outer(a: torch.Tensor, c: torch.Tensor, counts: list[int], offs:
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, order, counts, act):
+        ctx.gate_up_shape = gate_up.shape
+        gate_up = gate_up.flatten(1, 2)  # (experts, [gate; up] rows, hidden): one GEMM for both
         tokens, k = weights.shape
         inter = down.shape[2]
         offs = _grouped_offsets(x, counts)
@@ -180,7 +189,8 @@ class _GroupedExperts(torch.autograd.Function):
         else:
             gh[:, :inter] = torch.autograd.grad(act_leaf, g_leaf, grad_act)[0]
         del grad_act, ga, act_g
-        grad_gate_up = _per_expert_outer(gh, x.index_select(0, slot_token), counts, offs) if need_gu else None
+        grad_gate_up = _per_expert_outer(gh, x.index_select(0, slot_token), counts, offs).view(ctx.gate_up_shape) \
+            if need_gu else None
         grad_x = _per_expert(gh, gate_up, counts, offs)[inverse].view(tokens, k, -1).sum(1) if need_x else None
         return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None
 
@@ -253,11 +263,10 @@ def dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     _, weights, chosen = moe.route(x)
-    inter = moe.experts.down.shape[2]
     out = torch.zeros_like(x)
     for e in range(moe.num_experts):
-        h = F.linear(x, moe.experts.gate_up[e])
-        y = F.linear(moe.act(h[:, :inter]) * h[:, inter:], moe.experts.down[e])
+        gate, up = moe.experts.gate_up[e]
+        y = F.linear(moe.act(F.linear(x, gate)) * F.linear(x, up), moe.experts.down[e])
         share = (weights * (chosen == e)).sum(-1, keepdim=True).to(x.dtype)
         out = out + share * y
     return out.view(shape)

@@ -100,12 +100,13 @@ class ParallelConfig:
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before any collective)."""
     tp, pp = cfg.tensor, cfg.pipeline
-    if model.num_experts and (tp > 1 or pp > 1):
+    if model.num_experts and pp > 1:
         raise UserError(f"a mixture-of-experts model ({model.family}, {model.num_experts} experts) trains with data "
-                        "parallelism (DDP or FSDP, trainer.data_parallel=fsdp) only so far: set parallel.tensor=1 "
-                        "and parallel.pipeline=1")
+                        "and tensor parallelism only so far: set parallel.pipeline=1")
     if tp > 1:
-        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        splits = ("num_heads", "num_kv_heads", "intermediate_size") + (("moe_intermediate_size",)
+                                                                       if model.num_experts else ())
+        for name in splits:
             if getattr(model, name) % tp:
                 raise UserError(f"model.{name}={getattr(model, name)} is not divisible by parallel.tensor={tp}: "
                                 f"tensor parallelism splits {name.replace('num_', '')} evenly; pick a tensor degree "

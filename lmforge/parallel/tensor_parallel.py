@@ -10,6 +10,10 @@ Per block (every decoder family and BERT):
                the weight replicated, its gradient summed over the ranks; (OLMo 2) norms over the whole
                projection: the weight split like the heads, the mean square summed over the ranks
     mlp.up/gate column-parallel; mlp.down row-parallel
+    mlp (a mixture of experts: Mixtral, Qwen3-MoE) the router replicated (it sees every token, so its choices and
+               losses are one process's); the stacked experts split on their intermediate rows, gate/up like
+               column-parallel, down like row-parallel: each rank runs every expert on its slice, and one
+               all-reduce (reduce-scatter with SP) after the weighted combine sums the slices
 
 Embeddings are vocabulary-parallel (each rank holds padded_vocab / TP rows); the LM head, or the
 tied embedding, produces logits sharded over the vocabulary, and `loss_parallel` computes the
@@ -26,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.layers import soft_cap
+from lmforge.models.moe import MoE, grouped_experts
 
 
 class VocabParallelProjection(nn.Module):
@@ -101,16 +106,64 @@ class WholeProjectionNorm(ParallelStyle):
                                  output_fn=lambda mod, out, mesh: out.to_local())
 
 
+class ExpertSlices(ParallelStyle):
+    """A MoE layer with every expert split on its intermediate rows (Megatron's tensor-parallel experts): gate_up
+    (experts, 2, inter, hidden) and down (experts, hidden, inter) as Shard(2). The router, left to
+    replicate_remaining, computes on every token on every rank alike. Each rank's grouped GEMMs give a partial sum
+    of the output, reduced to `output_layout` (the residual stream's) once per layer.
+
+    Backward: the experts' gradients with respect to the tokens and the routing weights are partial sums too (each
+    rank's slice of the intermediate rows), summed over the ranks before they join the router's own path, which
+    every rank computes whole (from the router losses as well)."""
+
+    def __init__(self, output_layout):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        distribute_module(module.router, device_mesh, input_fn=_to_replicate, output_fn=_to_local)
+        experts = module.experts
+        for key in ("gate_up", "down"):
+            param = getattr(experts, key)
+            experts.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(2)]),
+                                                         requires_grad=param.requires_grad))
+        module.dispatch = _ExpertSliceDispatch(device_mesh)
+        layout = self.output_layout
+
+        def reduce(mod, inputs, out):
+            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False).redistribute(
+                device_mesh, [layout]).to_local()
+
+        module.register_forward_hook(reduce)
+        return module
+
+
+class _ExpertSliceDispatch:
+    """MoE.dispatch under ExpertSlices: grouped_experts on this rank's slice of every expert."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def _grad_summed(self, t: torch.Tensor) -> torch.Tensor:
+        """t unchanged; its gradient from here summed over the ranks (identity forward, all-reduce backward)."""
+        return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    def __call__(self, x, chosen, weights, gate_up, down, act):
+        return grouped_experts(self._grad_summed(x), chosen, self._grad_summed(weights), gate_up.to_local(),
+                               down.to_local(), act)
+
+
 def _block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> dict:
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     plan = {
         "attn.qkv": ColwiseParallel(),
         "attn.proj": RowwiseParallel(output_layouts=seq),
-        "mlp.up": ColwiseParallel(),
-        "mlp.down": RowwiseParallel(output_layouts=seq),
     }
-    if cfg.gated_mlp:
-        plan["mlp.gate"] = ColwiseParallel()
+    if not isinstance(block.mlp, MoE):  # a MoE layer's plan is ExpertSlices (apply_tensor_parallel)
+        plan["mlp.up"] = ColwiseParallel()
+        plan["mlp.down"] = RowwiseParallel(output_layouts=seq)
+        if cfg.gated_mlp:
+            plan["mlp.gate"] = ColwiseParallel()
     if cfg.qk_norm == "head":  # q/k arrive as (batch, heads, seq, head_dim), this rank's heads only
         plan["attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         plan["attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
@@ -186,6 +239,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     parallelize_module(model, tp_mesh, _top_plan(model, cfg, sequence_parallel))
     for block in blocks(model):
         parallelize_module(block, tp_mesh, _block_plan(cfg, block, sequence_parallel))
+        if isinstance(block.mlp, MoE):
+            parallelize_module(block.mlp, tp_mesh, ExpertSlices(seq))
     if cfg.family == "bert":
         head = getattr(model, "mlm_head", None)
         if head is not None:

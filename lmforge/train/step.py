@@ -43,6 +43,7 @@ from lmforge.parallel import (
     parallelize,
     pipeline_eval,
     pipeline_step,
+    with_router_loss,
 )
 from lmforge.parallel.compose import fsdp_mixed_precision
 from lmforge.parallel.data_parallel import gradient_sync, unwrap
@@ -251,7 +252,7 @@ class ParallelTraining:
                     # The count in the loss's dtype: the division a Python number would give.
                     loss = loss / counts[0].to(loss.dtype) * dp
                     extra = self._router_loss(batch, router, len(micro))
-                    (loss if extra is None else loss + extra).backward()
+                    with_router_loss(loss, extra).backward()
                 total += _local(loss).detach().double()
                 stats += self._stats(items, task_stats)
             if self.model_config.num_experts:

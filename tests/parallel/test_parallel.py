@@ -53,6 +53,13 @@ TWO = {
     "pp_gpt2_interleaved": {"model": "tiny-gpt2", "model_overrides": L4, "parallel": {
         "pipeline": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 4}},
     "pp_bert_1f1b": {"model": "tiny-bert", "parallel": {"pipeline": 2, "microbatches": 2}},
+    # Mixtures of experts: every expert split on its intermediate rows, the router whole on every rank; the
+    # load-balancing loss (and Qwen3-MoE's z-loss, on here) in the loss and gradients as one process has them.
+    "tp_mixtral_sp": {"model": "tiny-mixtral", "parallel": {"tensor": 2}},
+    "tp_mixtral_plain": {"model": "tiny-mixtral", "parallel": {"tensor": 2, "sequence_parallel": False,
+                                                               "loss_parallel": False}},
+    "tp_qwen3_moe_sp": {"model": "tiny-qwen3-moe", "parallel": {"tensor": 2},
+                        "model_overrides": {"router_z_loss_coef": 0.01, "router_aux_loss_coef": 0.1}},
 }
 
 FOUR = {

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
 from lmforge.models import build, preset
+from lmforge.models.moe import router_losses
 from lmforge.parallel import (
     ParallelConfig,
     all_reduce_data_parallel,
@@ -34,6 +35,7 @@ from lmforge.parallel import (
     parallelize,
     pipeline_eval,
     pipeline_step,
+    with_router_loss,
 )
 from lmforge.train.optim import AdamWSR
 
@@ -72,13 +74,22 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(cfg, batch, seed: int = 0):
+def reference(cfg, batch, seed: int = 0, chunks: int = 1):
+    """The one-process model's loss and gradients on the global batch. A mixture of experts adds its router losses
+    the trainer's way: per forward, here per `chunks` consecutive slices of the batch (the data-parallel ranks'
+    pipeline microbatches), averaged over them."""
     ids, labels, kwargs = batch
     ref = build(cfg, seed=seed)
     count = (labels != -100).sum()
-    loss = ce_sum(ref(ids, **kwargs), labels) / count
-    loss.backward()
-    return ref, loss.item()
+    if not cfg.num_experts:
+        chunks = 1
+    total = 0.0
+    for rows in torch.arange(BATCH).chunk(chunks):
+        loss = ce_sum(ref(ids[rows], **{k: v[rows] for k, v in kwargs.items()}), labels[rows]) / count
+        extra = router_losses(ref, cfg)
+        (loss if extra is None else loss + extra.loss / chunks).backward()
+        total += loss.item()
+    return ref, total
 
 
 def parallel_step(pm, mesh, batch) -> float:
@@ -88,8 +99,16 @@ def parallel_step(pm, mesh, batch) -> float:
     rank, size = data_parallel_rank(mesh)
     rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
     # Normalised by the global count; x dp size because FSDP averages gradients over the dp ranks.
-    loss = pipeline_step(pm, ids[rows], labels[rows], lambda out, y: ce_sum(out, y) / count * size,
-                         **{k: v[rows] for k, v in kwargs.items()})
+    loss_fn = lambda out, y: ce_sum(out, y) / count * size  # noqa: E731
+    kwargs = {k: v[rows] for k, v in kwargs.items()}
+    cfg = pm.parts[0].config
+    if cfg.num_experts and not pm.pipelined:  # the router losses as the trainer adds them (ParallelTraining.step)
+        with pm.loss_context():
+            loss = loss_fn(pm(ids[rows], **kwargs), labels[rows])
+            with_router_loss(loss, router_losses(pm.parts[0], cfg).loss).backward()
+        loss = full(loss).detach().double()
+    else:
+        loss = pipeline_step(pm, ids[rows], labels[rows], loss_fn, **kwargs)
     return all_reduce_data_parallel(loss.reshape(1), mesh).item() / size
 
 
@@ -147,7 +166,8 @@ def run_case(case: dict, world: int) -> dict:
     pcfg = ParallelConfig(**case["parallel"])
     mesh = build_mesh(pcfg, cfg)
     batch = make_batch(cfg, seed=1)
-    ref, ref_loss = reference(cfg, batch)
+    chunks = data_parallel_rank(mesh)[1] * (pcfg.num_microbatches if pcfg.pipeline > 1 else 1)
+    ref, ref_loss = reference(cfg, batch, chunks=chunks)
     pm = parallelize(build(cfg, seed=0), pcfg, mesh)
     loss = parallel_step(pm, mesh, batch)
     worst, names = compare_grads(pm, ref)

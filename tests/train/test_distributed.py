@@ -36,15 +36,16 @@ MOE = ("model.preset=tiny-mixtral", "model.router_aux_loss_coef=0.5")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("fsdp", ()), ("fsdp", LORA), ("fsdp", MOE)],
-                         ids=["ddp", "fsdp", "fsdp-lora", "fsdp-moe"])
+@pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("fsdp", ()), ("fsdp", LORA), ("fsdp", MOE),
+                                              ("fsdp parallel.tensor=2", MOE)],
+                         ids=["ddp", "fsdp", "fsdp-lora", "fsdp-moe", "tp-moe"])
 def test_two_processes_train_like_one(strategy, extra, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, tmp_path / "one", *extra)], check=True,
                    env=env, capture_output=True, timeout=300)
     two = tmp_path / "two"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", *_args(tiny_corpus, two, f"trainer.data_parallel={strategy}", *extra)],
+                        "lmforge.cli", *_args(tiny_corpus, two, *f"trainer.data_parallel={strategy}".split(), *extra)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     _close(_curve(two), _curve(tmp_path / "one"))

@@ -37,7 +37,7 @@ QK_NORM = "qk_norm"  # a q/k norm's per-head weights (Qwen3, OLMo 2): rotary pai
 FIRST_HALF, SECOND_HALF = "first_half", "second_half"
 # Stacked experts (Mixtral, Qwen3-MoE) stored one tensor per expert: EXPERTS names each expert's tensor in expert
 # order (stacked as they are); EXPERTS_GATE_UP names every expert's gate, then every expert's up projection
-# (expert e's rows in lmforge: its gate rows, then its up rows).
+# (expert e's in lmforge: gate_up[e, 0] its gate, gate_up[e, 1] its up projection).
 EXPERTS, EXPERTS_GATE_UP = "experts", "experts_gate_up"
 Mapping = list[tuple[str, "str | tuple[str, str, str]", str]]
 
@@ -165,9 +165,9 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
         elif kind == EXPERTS:
             t = torch.stack([get(name, *rest) for name in theirs])
         elif kind == EXPERTS_GATE_UP:
-            half = (rest[0] // 2, *rest[1:])
             gates, ups = theirs[: len(theirs) // 2], theirs[len(theirs) // 2 :]
-            t = torch.stack([torch.cat([get(g, *half), get(u, *half)]) for g, u in zip(gates, ups, strict=True)])
+            t = torch.stack([torch.stack([get(g, *rest[1:]), get(u, *rest[1:])]) for g, u in zip(gates, ups,
+                                                                                                 strict=True)])
         else:
             if kind == QKV_GROUPED:
                 t = get(theirs, *shape)
@@ -209,7 +209,7 @@ def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, 
         elif kind == EXPERTS_GATE_UP:
             gates, ups = theirs[: len(theirs) // 2], theirs[len(theirs) // 2 :]
             for e, (g, u) in enumerate(zip(gates, ups, strict=True)):
-                gate, up = t[e].chunk(2)
+                gate, up = t[e]
                 yield g, gate.contiguous()
                 yield u, up.contiguous()
         else:
