@@ -221,6 +221,8 @@ class VocabProjection(nn.Module):
     vocabulary-parallel projection (lmforge.parallel) without touching the model.
     """
 
+    softcap: float | None = None  # SoftCappedVocabProjection's cap; the fused loss (lmforge.train.loss) reads it
+
     def __init__(self, vocab_size: int):
         super().__init__()
         self.vocab_size = vocab_size
@@ -231,9 +233,8 @@ class VocabProjection(nn.Module):
 
 
 class SoftCappedVocabProjection(VocabProjection):
-    """VocabProjection with the logits soft-capped. A type of its own: the fused linear cross-entropy
-    (lmforge.train.loss), which never forms the logits, runs for a plain VocabProjection only, so a
-    soft-capped model trains through its real logits."""
+    """VocabProjection with the logits soft-capped, cap * tanh(logits / cap). The fused linear cross-entropy
+    (lmforge.train.loss), which never forms the logits, caps each chunk of them itself (its `softcap`)."""
 
     def __init__(self, vocab_size: int, softcap: float):
         super().__init__(vocab_size)

@@ -15,6 +15,10 @@ so the gradients are ready when the forward ends, and backward only scales them 
 gradient. The math is the plain path's: softmax and loss in fp32, GEMMs in the compute dtype, the
 head's gradient summed over chunks in fp32. Tokens labelled `ignore_index` are dropped before
 the head (no GEMM is spent on them, as in SFT prompts).
+
+Soft-capped logits (Gemma 2/3's final_logit_softcapping: c = cap * tanh(z / cap)) are capped block by block
+in fp32 like the softmax: the loss is that of c, and the gradient through the cap is
+(p - onehot) * (1 - tanh(z / cap)^2), one more block-sized fp32 buffer (the tanh) and no full logits.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ def compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                          vocab_size: int | None = None, chunk_tokens: int = 1024,
-                         ignore_index: int = IGNORE_INDEX, scored_rows: torch.Tensor | None = None) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, scored_rows: torch.Tensor | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """Summed cross-entropy of `h @ weight.T + bias` against `labels` (fp32 scalar), as
-    `F.cross_entropy(F.linear(h, weight, bias).float(), labels, reduction="sum")` computes it.
+    `F.cross_entropy(F.linear(h, weight, bias).float(), labels, reduction="sum")` computes it; with `softcap`,
+    of the capped logits `softcap * tanh(logits / softcap)` (as the model's SoftCappedVocabProjection gives them).
 
     h: (..., hidden); labels: the same leading shape; weight: (rows, hidden), of which only the
     first vocab_size rows are the vocabulary (the rest is padding, never scored). scored_rows: the
@@ -63,15 +69,18 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if scored_rows is not None and scored_rows.shape[0] < labels.shape[0]:  # shapes: known without the device
         h, labels = h.index_select(0, scored_rows), labels.index_select(0, scored_rows)
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (h, weight, bias))
-    return _LinearCrossEntropy.apply(h, weight, bias, labels, compute_dtype(h, weight), chunk_tokens, needs)
+    return _LinearCrossEntropy.apply(h, weight, bias, labels, compute_dtype(h, weight), chunk_tokens, needs, softcap)
 
 
 def _softmax_rows_(z: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, probs: torch.Tensor,
-                   need_grad: bool, on_host: bool | None = None) -> None:
+                   need_grad: bool, on_host: bool | None = None, softcap: float | None = None,
+                   tanh: torch.Tensor | None = None) -> None:
     """Per-token losses of a chunk's logits `z`, and (need_grad) z <- softmax(z) - onehot(labels),
     block by block of probs' rows, in fp32 whatever z's dtype. `on_host` (default: z on the CPU): whether
     reading the device is free, so that only the rows whose probability underflows get log-softmax; on an
-    accelerator every row's exact loss is computed and chosen on the device, without a host sync."""
+    accelerator every row's exact loss is computed and chosen on the device, without a host sync.
+    softcap: the logits are c = softcap * tanh(z / softcap) (`tanh`, probs' shape, holds the block's tanh) and
+    z <- (softmax(c) - onehot(labels)) * (1 - tanh^2), the gradient through the cap."""
     if on_host is None:
         on_host = z.device.type == "cpu"
     block = probs.shape[0]
@@ -79,27 +88,40 @@ def _softmax_rows_(z: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, 
     for r in range(0, z.shape[0], block):
         zr, yr = z[r : r + block], labels[r : r + block, None]
         pr = probs[: zr.shape[0]]
-        torch.softmax(zr, 1, dtype=torch.float32, out=pr)
+        if softcap is None:
+            torch.softmax(zr, 1, dtype=torch.float32, out=pr)
+
+            def logits(rows=slice(None), zr=zr):
+                return zr[rows].float()
+        else:
+            tr = tanh[: zr.shape[0]]
+            torch.div(zr, softcap, out=tr).tanh_()
+            torch.softmax(torch.mul(tr, softcap, out=pr), 1, out=pr)
+
+            def logits(rows=slice(None), tr=tr):
+                return tr[rows] * softcap
         p_label = pr.gather(1, yr).squeeze(1)
         loss = p_label.log().neg_()
         tiny = p_label < TINY_PROBABILITY
         if not on_host:  # -log p loses precision as p underflows: logsumexp(z) - z[label] for those rows
-            zf = zr.float()
+            zf = logits()
             exact = torch.logsumexp(zf, 1).sub_(zf.gather(1, yr).squeeze(1))
             loss = torch.where(tiny, exact, loss)
         elif bool(tiny.any()):  # the same, for the rare rows that need it
             rows = tiny.nonzero().squeeze(1)
-            exact = torch.log_softmax(zr[rows].float(), 1).gather(1, yr[rows]).squeeze(1).neg()
+            exact = torch.log_softmax(logits(rows), 1).gather(1, yr[rows]).squeeze(1).neg()
             loss.index_copy_(0, rows, exact)
         losses[r : r + zr.shape[0]] = loss
         if need_grad:
             pr.scatter_add_(1, yr, minus_one[: zr.shape[0]])
+            if softcap is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh(z / cap)^2
+                pr.mul_(tr.square_().neg_().add_(1))
             zr.copy_(pr)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, dtype, chunk_tokens, needs):
+    def forward(ctx, h, weight, bias, labels, dtype, chunk_tokens, needs, softcap):
         """needs: which of (h, weight, bias) need a gradient; none: only the loss is computed."""
         n, vocab = h.shape[0], weight.shape[0]
         need_grad = any(needs)
@@ -108,6 +130,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         block = chunk if device.type != "cpu" else max(1, min(chunk, CPU_BLOCK_BYTES // (4 * vocab)))
         logits = torch.empty(chunk, vocab, dtype=dtype, device=device)
         probs = torch.empty(block, vocab, dtype=torch.float32, device=device)
+        tanh = torch.empty_like(probs) if softcap is not None else None
         losses = torch.empty(n, dtype=torch.float32, device=device)
         partial = None
         with torch.autocast(device.type, enabled=False):
@@ -123,7 +146,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(hs, w.t(), out=z)
                 else:
                     torch.addmm(b, hs, w.t(), out=z)
-                _softmax_rows_(z, labels[start:end], losses[start:end], probs, need_grad)
+                _softmax_rows_(z, labels[start:end], losses[start:end], probs, need_grad, softcap=softcap, tanh=tanh)
                 if grad_h is not None:
                     torch.mm(z, w, out=grad_h[start:end])
                 if grad_b is not None:
@@ -147,4 +170,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = (grad_h.float() * grad_loss).to(h_dtype) if grad_h is not None else None
         grad_w = grad_w.mul_(grad_loss).to(w_dtype) if grad_w is not None else None
         grad_b = grad_b.mul_(grad_loss).to(b_dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None

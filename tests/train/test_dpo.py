@@ -49,8 +49,9 @@ def _task(reference=None, beta=BETA):
     return task
 
 
-def test_loss_rewards_and_accuracy_equal_trls_formula():
-    policy, reference = build("tiny-llama", seed=1), build("tiny-llama", seed=2)
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma2"])  # Gemma 2: soft-capped logits
+def test_loss_rewards_and_accuracy_equal_trls_formula(preset):
+    policy, reference = build(preset, seed=1), build(preset, seed=2)
     batch = _batch()
     pc, pr = _direct_logps(policy, batch)[0::2], _direct_logps(policy, batch)[1::2]
     rc, rr = _direct_logps(reference, batch)[0::2], _direct_logps(reference, batch)[1::2]

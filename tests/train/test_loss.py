@@ -30,9 +30,11 @@ def _grads(fn, h, w, b, labels, scale=0.37, autocast=False):
     return loss.detach().double(), [t.grad.double() for t in (h, w, b) if t is not None and t.requires_grad]
 
 
-def _plain(h, w, b, labels, vocab=None):
+def _plain(h, w, b, labels, vocab=None, softcap=None):
     v = vocab or w.shape[0]
     logits = F.linear(h, w[:v], b[:v] if b is not None else None)
+    if softcap is not None:  # transformers' Gemma 2: logits / cap, tanh, * cap
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
 
 
@@ -50,6 +52,43 @@ def test_fp32_loss_and_gradients_equal_plain_cross_entropy(bias, ignore, chunk, 
     assert lf.item() == pytest.approx(lp.item(), rel=1e-6)
     for fused, plain in zip(gf, gp, strict=True):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [8, 1024])
+@pytest.mark.parametrize("softcap", [0.5, 3.0])
+def test_soft_capped_loss_and_gradients_equal_plain_cross_entropy_of_capped_logits(softcap, chunk, bias, monkeypatch):
+    """Gemma's final-logit cap applied chunk by chunk: loss and gradients (through tanh) of the capped logits."""
+    monkeypatch.setattr(loss_mod, "CPU_BLOCK_BYTES", 3 * 4 * 1000)
+    h, w, b = _inputs(bias=bias)
+    labels = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1))
+    labels[::4] = -100
+    lp, gp = _grads(lambda *a: _plain(*a, softcap=softcap), h, w, b, labels)
+    lu, _ = _grads(_plain, h, w, b, labels)
+    assert abs(lp - lu) > 0.1 * lu  # the cap bites: these logits reach several units
+    lf, gf = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=chunk, softcap=softcap), h, w, b, labels)
+    assert lf.item() == pytest.approx(lp.item(), rel=1e-6)
+    for fused, plain in zip(gf, gp, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_soft_capped_bf16_gradients_are_as_accurate_as_the_plain_path(monkeypatch):
+    monkeypatch.setattr(loss_mod, "CPU_BLOCK_BYTES", 5 * 4 * 1000)
+    n, cap = 300, 2.0
+    h, w, _ = _inputs(n=n, d=64)
+    with torch.no_grad():
+        h.copy_(h.bfloat16())
+        w.copy_(w.bfloat16())
+    labels = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(1))
+    lr, gr = _grads(lambda *a: _plain(*a, softcap=cap), h.detach().double().requires_grad_(),
+                    w.detach().double().requires_grad_(), None, labels)
+    lp, gp = _grads(lambda *a: _plain(*a, softcap=cap), h, w, None, labels, autocast=True)
+    lf, gf = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=64, softcap=cap), h, w, None, labels,
+                    autocast=True)
+    assert abs(lf - lr) <= max(2 * abs(lp - lr), 1e-3 * abs(lr))
+    for fused, plain, ref in zip(gf, gp, gr, strict=True):
+        err_fused, err_plain = (fused - ref).norm() / ref.norm(), (plain - ref).norm() / ref.norm()
+        assert err_fused < 1.5 * err_plain + 1e-4, (err_fused, err_plain)
 
 
 def test_padding_rows_of_the_head_are_never_scored():
@@ -101,11 +140,13 @@ def test_a_confident_wrong_answer_costs_its_exact_loss(gap, on_host, monkeypatch
     w = torch.zeros(10, 4, requires_grad=True)
     w.data[3, 0] = gap
     labels = torch.tensor([5, 3])
-    loss = linear_cross_entropy(h, w, None, labels)
-    ref = _plain(h.detach().double(), w.detach().double(), None, labels)
-    assert torch.isfinite(loss) and loss.item() == pytest.approx(ref.item(), rel=1e-6)
-    loss.backward()
-    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    for softcap in (None, 100.0):  # capped: 100 * tanh(gap / 100), still past 1e-30 from gap 80 on
+        h.grad = w.grad = None
+        loss = linear_cross_entropy(h, w, None, labels, softcap=softcap)
+        ref = _plain(h.detach().double(), w.detach().double(), None, labels, softcap=softcap)
+        assert torch.isfinite(loss) and loss.item() == pytest.approx(ref.item(), rel=1e-6)
+        loss.backward()
+        assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
 
 
 def test_scored_rows_given_by_the_caller_give_the_same_loss_and_gradients():
@@ -141,7 +182,8 @@ def test_a_frozen_head_passes_gradients_to_the_hidden_states_only():
     torch.testing.assert_close(grad_fused, grad_plain, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset", ["tiny-neox", "tiny-gpt2", "tiny-gptj"])  # own head, tied, head with bias
+# own head, tied, head with bias, tied and soft-capped
+@pytest.mark.parametrize("preset", ["tiny-neox", "tiny-gpt2", "tiny-gptj", "tiny-gemma2"])
 @pytest.mark.parametrize("task", ["pretrain", "sft"])
 def test_task_loss_through_the_model_equals_the_plain_path(preset, task):
     model = build(preset, seed=0)

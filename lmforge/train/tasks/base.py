@@ -188,13 +188,19 @@ def lm_loss(model: torch.nn.Module, inputs: Batch, labels: torch.Tensor, fused: 
             scored_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Summed cross-entropy of the model's logits for `inputs` against `labels` (-100: not scored; `scored_rows`:
     the flat indices of the others, where known)."""
-    inner = unwrap(model)
-    # Under tensor parallelism the projection is vocabulary-sharded (lmforge.parallel): plain path.
-    if fused and isinstance(inner, Decoder) and type(inner.vocab_projection) is VocabProjection:
-        head_fn = partial(linear_cross_entropy, labels=labels, vocab_size=inner.config.vocab_size,
-                          scored_rows=scored_rows)
-        return model(**inputs, head_fn=head_fn)
+    nll = fused_head_loss(model) if fused else None
+    if nll is not None:
+        return model(**inputs, head_fn=partial(nll, labels=labels, scored_rows=scored_rows))
     return logits_loss(model(**inputs), labels)
+
+
+def fused_head_loss(model: torch.nn.Module):
+    """linear_cross_entropy bound to the model's vocabulary and logit cap, for a decoder's head_fn; None where the
+    logits must be formed: under tensor parallelism the projection is vocabulary-sharded (lmforge.parallel)."""
+    inner = unwrap(model)
+    if not isinstance(inner, Decoder) or not isinstance(inner.vocab_projection, VocabProjection):
+        return None
+    return partial(linear_cross_entropy, vocab_size=inner.config.vocab_size, softcap=inner.vocab_projection.softcap)
 
 
 def count_tokens(batch: Batch) -> int:

@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import copy
 import logging
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from lmforge.errors import UserError
-from lmforge.models.decoder import Decoder
-from lmforge.models.layers import VocabProjection
 from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
-from lmforge.train.loss import IGNORE_INDEX, linear_cross_entropy
-from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, require, total_samples, with_padding
+from lmforge.train.loss import IGNORE_INDEX
+from lmforge.train.tasks.base import (
+    Batch,
+    Epochs,
+    Task,
+    TaskData,
+    fused_head_loss,
+    require,
+    total_samples,
+    with_padding,
+)
 from lmforge.train.tasks.sft import SFT, run_chat_template
 
 log = logging.getLogger(__name__)
@@ -44,10 +50,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, inputs: dict,
                    fused: bool = True) -> torch.Tensor:
     """Summed log-probability of each row's labels (-100: not scored), (rows,) in fp32."""
-    inner = unwrap(model)
-    if fused and isinstance(inner, Decoder) and type(inner.vocab_projection) is VocabProjection:
+    nll = fused_head_loss(model) if fused else None
+    if nll is not None:
         def head_fn(h, weight, bias):  # the fused loss per row: no (rows, seq, vocab) logits
-            nll = partial(linear_cross_entropy, vocab_size=inner.config.vocab_size)
             return -torch.stack([nll(h[i], weight, bias, labels[i]) for i in range(len(labels))])
 
         return model(input_ids, **inputs, head_fn=head_fn)
