@@ -3,20 +3,34 @@
 A checkpoint (RUN_DIR/checkpoints/step-N) is read directly, its files checked against their checksums as every
 reader of a checkpoint does (lmforge.models.source). Its export equals the one its run writes at the end from the
 same weights (checkpoint.convert_to_hf): the same tensors, bit for bit, in the dtype the run kept them in (bf16
-under bf16-sr), and the tokenizer the run's config.yaml names.
+under bf16-sr), the tokenizer the run's config.yaml names and the chat template the checkpoint keeps. A LoRA run's
+checkpoint (adapters beside the frozen base) exports as the run does: OUT_DIR holds the merged model and
+OUT_DIR-adapter (the name with "-adapter" added, as RUN_DIR/hf and RUN_DIR/hf-adapter) the adapter in PEFT's format.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
 from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
 from lmforge.models.hf import export_hf, is_hf_dir, write_hf
-from lmforge.models.source import checkpoint_dtype, is_checkpoint, load_pretrained, run_tokenizer_source
+from lmforge.models.lora import merged_state
+from lmforge.models.peft import write_adapter_folder
+from lmforge.models.source import (
+    checkpoint_dtype,
+    checkpoint_lora,
+    checkpoint_run,
+    is_checkpoint,
+    load_checkpoint_whole,
+    load_pretrained,
+    run_tokenizer_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +57,20 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
     from lmforge.models.io import copy_side_files
     from lmforge.tokenizers import load_tokenizer
 
-    model = load_pretrained(folder, dtype=checkpoint_dtype(folder))
-    state = model.state_dict()
+    lora = checkpoint_lora(folder)
+    if lora is None:
+        model = load_pretrained(folder, dtype=checkpoint_dtype(folder))
+        state, cfg = model.state_dict(), model.config
+    else:
+        adapter_dir = out_dir.with_name(out_dir.name + "-adapter")
+        for out in (out_dir, adapter_dir):  # both or neither: say so before writing either
+            if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
+                raise UserError(f"output '{out}' already exists and is not empty: choose another path or pass "
+                                "--overwrite")
+        whole, cfg = lora_state(folder)
+        state = merged_state(whole, cfg, lora.scaling)
+        held = next(iter(state.values())).dtype  # the merged model in its embedding's dtype, as the run exports it
+        state = {name: t.to(held) for name, t in state.items()}
     needed = sum(t.numel() * t.element_size() for t in state.values()) if dtype is None else None
     tokenizer = run_tokenizer_source(folder)
     with tempfile.TemporaryDirectory(prefix="lmforge-export-") as side:
@@ -54,4 +80,28 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
             log.warning("the run of '%s' names no tokenizer (no data.tokenizer or model.init_from in its config.yaml): "
                         "the export has none", folder)
         copy_side_files(folder, Path(side), [CHAT_TEMPLATE_FILE])  # a fine-tuning run's, as its own export has it
-        return write_hf(model.config, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
+        if lora is None:
+            return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
+        base = checkpoint_run(folder).get("model", {}).get("init_from")
+        existed = adapter_dir.exists()
+        write_adapter_folder(whole, cfg, lora, adapter_dir, str(Path(base).resolve()) if base else None, Path(side))
+        try:
+            return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
+        except BaseException:
+            if not existed:  # nothing half-written: the adapter goes with the merged folder that failed
+                shutil.rmtree(adapter_dir, ignore_errors=True)
+            raise
+
+
+def lora_state(folder: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """A LoRA run's checkpoint as the run held it (what its export gathers): the base and the adapters, each tensor
+    in the dtype the checkpoint keeps it in."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = load_checkpoint_whole(folder)
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    kept = {k.removeprefix("model."): m.properties.dtype for k, m in meta.items()
+            if k.startswith("model.") and hasattr(m, "properties")}
+    state = {name: t.to(kept[name]) if type(t) is torch.Tensor and name in kept else t
+             for name, t in model.state_dict().items()}
+    return state, model.config

@@ -24,7 +24,7 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for
 from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
-from lmforge.models.lora import QKV, TARGETS, LoRALinear, fuse_parts, qkv_rows, split_parts
+from lmforge.models.lora import QKV, TARGETS, LoRAConfig, LoRALinear, fuse_parts, qkv_rows, split_parts, split_state
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,22 @@ def write_peft_adapter(adapters: dict[str, dict], cfg: ModelConfig, rank: int, a
     }
     save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
     (out_dir / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_adapter_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoRAConfig, out: Path,
+                         base_model: str | None, side_files_from: Path | None = None) -> None:
+    """The PEFT adapter folder `out`, written atomically, from a LoRA model's whole state dict, with the tokenizer and
+    chat template files of `side_files_from` (the merged model's folder) beside it."""
+    from lmforge.fsutil import atomic_dir
+    from lmforge.models.hf.base import SIDE_FILES
+    from lmforge.models.io import copy_side_files
+
+    _, adapters = split_state(state)
+    with atomic_dir(out, overwrite=True) as tmp:
+        write_peft_adapter(adapters, cfg, lora.rank, lora.alpha, lora.dropout, tmp, base_model)
+        if side_files_from is not None:
+            copy_side_files(side_files_from, tmp, [n for n in SIDE_FILES if n != "generation_config.json"])
+    log.info("wrote PEFT adapter %s", out)
 
 
 def read_peft_config(folder: Path) -> dict:

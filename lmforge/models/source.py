@@ -13,6 +13,7 @@ lmforge.parallel.load.load_sharded; it uses the same config, index and checkpoin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for, hf_tensors, is_hf_dir, read_hf_config
 from lmforge.models.hf.weights import HFWeights
 from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, read_config, read_tensors
+from lmforge.models.lora import LoRAConfig, apply_lora, is_adapter, merge_lora
 
 # Model fields a run may change on top of its source's config: no weights depend on them (the vocabulary
 # rows are re-padded on load).
@@ -98,6 +100,30 @@ def tokenizer_source(folder: str | Path, fix: str = "set data.tokenizer in the r
     return found
 
 
+def checkpoint_run(folder: Path) -> dict:
+    """The run config a training checkpoint was written under (trainer.json's `run_config`), {} where it has none."""
+    try:
+        run = json.loads((Path(folder) / "trainer.json").read_text()).get("run_config")
+    except (OSError, ValueError, AttributeError):
+        run = None
+    return run if isinstance(run, dict) else {}
+
+
+def checkpoint_lora(folder: Path) -> LoRAConfig | None:
+    """The `lora:` section of a training checkpoint's run (its model then holds adapters beside the base), or None;
+    a UserError for a checkpoint that holds adapters without it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    section = checkpoint_run(folder).get("lora")
+    if section is not None:
+        return LoRAConfig(**section)
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    if any(k.startswith("model.") and is_adapter(k) for k in keys):
+        raise UserError(f"checkpoint '{folder}' holds LoRA adapters but its trainer.json has no run config naming "
+                        "their lora: settings (an older lmforge wrote it): resume the run once with a newer lmforge")
+    return None
+
+
 def checkpoint_dtype(folder: Path) -> torch.dtype | None:
     """The dtype a training checkpoint holds its model's weights in (bf16 under bf16-sr, else fp32); None when
     they are not all alike."""
@@ -158,14 +184,26 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None,
     if kind == "hf":
         cfg, tensors = hf_tensors(folder)
         return materialize(cfg, tensors, device, dtype)
+    model = load_checkpoint_whole(folder, device)
+    if checkpoint_lora(folder) is not None:  # a LoRA run's: served, evaluated or trained further merged
+        merge_lora(model)
+    return (model.to(dtype) if dtype is not None else model).eval()
+
+
+def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None) -> nn.Module:
+    """A training checkpoint's whole model as its run held it: a LoRA run's with its adapters (unmerged) around a
+    base in the run's dtype (lora.base_dtype)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    lora = checkpoint_lora(folder)
     model = build(read_config(folder), device="meta")
     model.to_empty(device=device or "cpu")
+    if lora is not None:  # as the run wrapped it, so the checkpoint's names (and NF4 weights) have their places
+        apply_lora(model, lora)
     state = get_model_state_dict(model)
     load_checkpoint_model(state, folder)
     set_model_state_dict(model, state)
     for module in model.modules():  # non-persistent buffers (rotary frequencies) are not in the checkpoint
         if module._non_persistent_buffers_set and hasattr(module, "reset_parameters"):
             module.reset_parameters()
-    return (model.to(dtype) if dtype is not None else model).eval()
+    return model

@@ -21,7 +21,7 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
-from lmforge.models.lora import apply_lora, merged_state, split_state
+from lmforge.models.lora import apply_lora, merged_state
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config import RunConfig
 
@@ -64,19 +64,10 @@ def write_adapter(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConf
                   side_files_from: Path | None = None) -> None:
     """Write the PEFT adapter folder `out` from a LoRA run's gathered state dict, with the tokenizer and chat
     template files of `side_files_from` (the run's model folder) beside it."""
-    from lmforge.fsutil import atomic_dir
-    from lmforge.models.hf.base import SIDE_FILES
-    from lmforge.models.io import copy_side_files
-    from lmforge.models.peft import write_peft_adapter
+    from lmforge.models.peft import write_adapter_folder
 
-    lora, base = cfg.lora, cfg.model.init_from
-    _, adapters = split_state(full)
-    with atomic_dir(out, overwrite=True) as tmp:
-        write_peft_adapter(adapters, mcfg, lora.rank, lora.alpha, lora.dropout, tmp,
-                           str(Path(base).resolve()) if base else None)
-        if side_files_from is not None:
-            copy_side_files(side_files_from, tmp, [n for n in SIDE_FILES if n != "generation_config.json"])
-    log.info("wrote PEFT adapter %s", out)
+    base = cfg.model.init_from
+    write_adapter_folder(full, mcfg, cfg.lora, out, str(Path(base).resolve()) if base else None, side_files_from)
 
 
 def merged(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConfig) -> dict[str, torch.Tensor]:

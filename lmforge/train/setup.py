@@ -17,7 +17,7 @@ from lmforge.devices import max_memory_allocated
 from lmforge.errors import UserError
 from lmforge.models import build, init_weights
 from lmforge.models.config import ModelConfig
-from lmforge.models.source import is_checkpoint, load_pretrained, source_config, tokenizer_folder
+from lmforge.models.source import checkpoint_lora, is_checkpoint, load_pretrained, source_config, tokenizer_folder
 from lmforge.train.config import RunConfig
 
 
@@ -44,10 +44,11 @@ def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False, device: 
 
     Returns (model, fill). meta=True (a layout that shards the model): the model comes on the meta device in
     `dtype`, and fill(pm), called with it laid out (lmforge.train.step.ParallelTraining), gives each rank
-    its own shards only: initialised (init_sharded) or read from init_from (load_sharded). A new head, or a
-    checkpoint re-padded to another vocabulary multiple, needs the whole model first: those are built whole
-    as without meta. Otherwise fill is None and a fresh model is initialised straight on `device`, one
-    weight drawn on the CPU at a time: no process ever holds a whole fp32 copy on the CPU."""
+    its own shards only: initialised (init_sharded) or read from init_from (load_sharded). A new head, a
+    checkpoint re-padded to another vocabulary multiple, or a LoRA run's checkpoint (merged) needs the whole
+    model first: those are built whole as without meta. Otherwise fill is None and a fresh model is initialised
+    straight on `device`, one weight drawn on the CPU at a time: no process ever holds a whole fp32 copy on the
+    CPU."""
     from lmforge.parallel.load import init_sharded, load_sharded
 
     mcfg, section, seed = cfg.model.resolve(), cfg.model, cfg.trainer.seed
@@ -62,7 +63,9 @@ def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False, device: 
         return model, None
     source = Path(section.init_from)
     repadded = mcfg.make_vocab_size_divisible_by != source_config(source).make_vocab_size_divisible_by
-    if meta and mcfg.num_labels == num_labels and not (is_checkpoint(source) and repadded):
+    # A LoRA run's checkpoint is read whole and merged: its adapters have no place in the sharded base.
+    whole = is_checkpoint(source) and (repadded or checkpoint_lora(source) is not None)
+    if meta and mcfg.num_labels == num_labels and not whole:
         return build(mcfg, device="meta").to(dtype).train(), functools.partial(load_sharded, source=source)
     model = with_config(load_pretrained(source), mcfg).train()
     return with_head(model, num_labels, seed), None

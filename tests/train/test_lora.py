@@ -227,3 +227,41 @@ def test_a_qlora_run_resumes_bit_exactly_and_exports(tiny_llama, chats, tmp_path
     hf = tf.AutoModelForCausalLM.from_pretrained(cut / "hf", torch_dtype=torch.float32).eval()
     assert (_logits(hf, ids) - ours).abs().max().item() <= TOL
     peft.PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tiny_llama), cut / "hf-adapter")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["fp32", "bf16"])
+def test_export_hf_of_a_lora_checkpoint_equals_the_runs_own_export(base, tiny_llama, chats, tmp_path):
+    """`lmforge export-hf RUN/checkpoints/step-N` of a LoRA run said "does not fit this model": the checkpoint holds
+    the adapters beside the base. It writes what the run's checkpoint.convert_to_hf writes from the same weights:
+    the merged Hugging Face folder and, beside it, the PEFT adapter folder (OUT-adapter), file for file."""
+    from lmforge.cli import main
+
+    run = tmp_path / "run"
+    Trainer(lora_config(tiny_llama, chats, run, f"lora.base_dtype={base}", "checkpoint.convert_to_hf=true",
+                        "checkpoint.every_n_steps=2", "checkpoint.save_top_k=-1")).fit()
+    out = tmp_path / "export" / "hf"
+    assert main(["export-hf", str(run / "checkpoints" / "step-00000004"), str(out)]) == 0
+    for ours, theirs in [(out, run / "hf"), (out.with_name("hf-adapter"), run / "hf-adapter")]:
+        written = sorted(p.name for p in theirs.iterdir())
+        assert sorted(p.name for p in ours.iterdir()) == written
+        for name in written:
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    (out.with_name("hf-adapter") / "adapter_config.json").unlink()
+    (out / "config.json").unlink()  # a second export into the same place is refused before either folder is touched
+    assert main(["export-hf", str(run / "checkpoints" / "step-00000004"), str(out)]) == 1
+    assert not (out / "config.json").exists() and not (out.with_name("hf-adapter") / "adapter_config.json").exists()
+    # An earlier checkpoint exports its own adapters; serve, generate and eval read the checkpoint merged.
+    assert main(["export-hf", str(run / "checkpoints" / "step-00000002"), str(tmp_path / "hf2")]) == 0
+    ids = torch.randint(0, 50257, (2, 23), generator=torch.Generator().manual_seed(0))
+    early = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", torch_dtype=torch.float32).eval()
+    served = load_pretrained(run / "checkpoints" / "step-00000002", dtype=torch.float32)
+    assert (_logits(early, ids) - _logits(served, ids)).abs().max().item() <= TOL
+    final = tf.AutoModelForCausalLM.from_pretrained(run / "hf", torch_dtype=torch.float32).eval()
+    assert (_logits(early, ids) - _logits(final, ids)).abs().max().item() > 1e-4
+    # model.init_from=CHECKPOINT starts from the merged weights, also where a sharded layout reads the source itself.
+    from lmforge.train.setup import init_model
+
+    model, fill = init_model(load_run_config(None, [f"model.init_from={run / 'checkpoints' / 'step-00000002'}",
+                                                     f"run_dir={tmp_path / 'next'}"]), meta=True)
+    assert fill is None and (_logits(model.eval().float(), ids) - _logits(served, ids)).abs().max().item() <= TOL
