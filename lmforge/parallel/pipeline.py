@@ -256,7 +256,7 @@ def sync_tied_gradients(pm) -> None:
         params = dict(part.named_parameters())
         for name in names:
             p = params.get(name)
-            if p is None:
+            if p is None or not p.requires_grad:  # a frozen embedding (a LoRA run's base) has no gradient
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

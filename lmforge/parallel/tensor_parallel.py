@@ -45,6 +45,7 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.layers import soft_cap
 from lmforge.models.moe import MoE, grouped_experts
+from lmforge.parallel.lora import with_lora
 
 
 class VocabParallelProjection(nn.Module):
@@ -236,9 +237,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     """
     cfg: ModelConfig = model.config
     seq = Shard(1) if sequence_parallel else Replicate()
+    # torch's SequenceParallel makes its replicated weights trainable whatever they were: a frozen norm (a LoRA
+    # run's base) would train. Frozen stays frozen.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, _top_plan(model, cfg, sequence_parallel))
     for block in blocks(model):
-        parallelize_module(block, tp_mesh, _block_plan(cfg, block, sequence_parallel))
+        parallelize_module(block, tp_mesh, with_lora(block, _block_plan(cfg, block, sequence_parallel)))
         if isinstance(block.mlp, MoE):
             parallelize_module(block.mlp, tp_mesh, ExpertSlices(seq))
     if cfg.family == "bert":
@@ -254,6 +258,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
         model.vocab_projection = VocabParallelProjection(cfg.vocab_size, cfg.padded_vocab_size, tp_mesh, seq,
                                                          loss_parallel, cfg.final_logit_softcapping)
     replicate_remaining(model, tp_mesh)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     if sequence_parallel:
         first = getattr(model, "embeddings", None) or getattr(model, "embed", None)
         if first is not None:  # a last stage's tied copy holds one too, but never calls it

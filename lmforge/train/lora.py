@@ -49,12 +49,11 @@ def check_qlora(lora, device: torch.device, layout: ParallelConfig) -> None:
                         "process, or set lora.base_dtype=bf16")
 
 
-def apply_run_lora(model: nn.Module, cfg: RunConfig, layout: ParallelConfig) -> None:
-    """Wrap the run's model with cfg.lora's adapters (a UserError for a layout that cannot take them yet)."""
+def apply_run_lora(model: nn.Module, cfg: RunConfig) -> None:
+    """Wrap the run's model with cfg.lora's adapters, before it is laid out (any layout: under tensor parallelism
+    the adapters are split like their layers, lmforge.parallel.lora; under a pipeline each stage holds its blocks'
+    adapters)."""
     lora = cfg.lora
-    if layout.tensor > 1 or layout.pipeline > 1:
-        raise UserError("lora with parallel.tensor or parallel.pipeline > 1 is not supported yet: LoRA runs take "
-                        "data parallelism (trainer.data_parallel=ddp or fsdp)")
     if getattr(model.config, "num_labels", 0):
         raise UserError("lora with data.task=classification is not supported yet: the new head would stay frozen")
     apply_lora(model, lora, seed=cfg.trainer.seed)

@@ -113,7 +113,7 @@ class Trainer:
         if fill is None:
             model.to(self.world.device, precision.param_dtype)
         if cfg.lora is not None:
-            apply_run_lora(model, cfg, layout)
+            apply_run_lora(model, cfg)
         self.task.prepare(model, cfg, layout, self.world.device)
         if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
             convert_to_float8(model, t.float8_recipe)

@@ -14,6 +14,8 @@ import pytest
 from tests.parallel.launch import run_ranks
 
 L4 = {"num_layers": 4}  # interleaved: 2 pipeline ranks x 2 virtual stages x 1 layer
+# LoRA on every linear of the blocks (the base frozen; B drawn non-zero so that every adapter has a gradient).
+LORA = {"rank": 4, "alpha": 8.0, "targets": "all-linear"}
 
 TWO = {
     # Tensor parallel, every family; sequence parallel + vocabulary-parallel loss unless said otherwise.
@@ -60,6 +62,12 @@ TWO = {
                                                                "loss_parallel": False}},
     "tp_qwen3_moe_sp": {"model": "tiny-qwen3-moe", "parallel": {"tensor": 2},
                         "model_overrides": {"router_z_loss_coef": 0.01, "router_aux_loss_coef": 0.1}},
+    # LoRA: a column-parallel layer's A replicated and B split like its rows, a row-parallel layer's A split like
+    # its columns and B replicated; q/k/v adapters of Llama's fused qkv follow the key/value groups.
+    "tp_llama_lora_sp": {"model": "tiny-llama", "parallel": {"tensor": 2}, "lora": LORA},
+    "tp_neox_lora_plain": {"model": "tiny-neox", "parallel": {"tensor": 2, "sequence_parallel": False,
+                                                              "loss_parallel": False}, "lora": LORA},
+    "pp_llama_lora_1f1b": {"model": "tiny-llama", "parallel": {"pipeline": 2, "microbatches": 2}, "lora": LORA},
 }
 
 FOUR = {
@@ -78,6 +86,9 @@ FOUR = {
         "pipeline": 2, "data_replicate": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2,
         "microbatches": 2}},
     "bert_pp_fsdp": {"model": "tiny-bert", "parallel": {"pipeline": 2, "data_shard": 2, "microbatches": 2}},
+    "fsdp_tp_llama_lora": {"model": "tiny-llama", "parallel": {"tensor": 2, "data_shard": 2}, "lora": LORA},
+    "tp_pp_qwen3_lora": {"model": "tiny-qwen3", "parallel": {"tensor": 2, "pipeline": 2, "microbatches": 2},
+                         "lora": LORA},
 }
 
 
@@ -111,6 +122,7 @@ def _check(r: dict, adam_tol: float = 1e-4) -> None:
     assert r["adam_err"] < adam_tol, r  # one AdamW (foreach) step on the sharded parameters moves them like one process
     assert r["adamwsr_err"] < adam_tol, r  # and so does lmforge's AdamWSR, shard by shard
     assert r["missing"] == []  # every parameter of the model is held (and compared) by some rank
+    assert r["flipped"] == []  # what one process trains is trained, what it freezes (a LoRA base) stays frozen
 
 
 @pytest.mark.slow
@@ -133,3 +145,18 @@ def test_checkpoint_reshards_between_layouts(four):
     assert r["reshard_single"] == pytest.approx(r["reshard_expected"], rel=1e-6)
     assert r["reshard_back_loaded"] == pytest.approx(r["reshard_back_expected"], rel=1e-5)
     assert r["reshard_back_expected"] != pytest.approx(r["reshard_expected"], rel=1e-3)  # the update did something
+
+
+@pytest.mark.slow
+def test_lora_adapters_are_split_like_their_layers(two, four):
+    """A column-parallel layer's A replicated and B split by rows (its output), a row-parallel layer's A split by
+    columns (its input) and B replicated: each rank computes its share with the base layer's own collectives."""
+    col, row = {"lora_A": "R", "lora_B": "S(0)"}, {"lora_A": "S(1)", "lora_B": "R"}
+    for layout in (two["tp_llama_lora_sp"]["lora_layout"], four["fsdp_tp_llama_lora"]["lora_layout"]):
+        layer0 = {n: v for n, v in layout.items() if n.startswith("layers.0.")}
+        assert len(layer0) == 2 * 7  # q, k, v, o, gate, up, down
+        for name, placement in layer0.items():
+            module, kind, part = name.rsplit(".", 2)
+            expected = row[kind] if part in ("o", "down") else col[kind]
+            assert placement.endswith(expected), (name, placement)  # FSDP's Shard(0) on the data dim first
+    assert set(two["pp_llama_lora_1f1b"]["lora_layout"].values()) == {"local"}

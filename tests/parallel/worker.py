@@ -74,12 +74,28 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(cfg, batch, seed: int = 0, chunks: int = 1):
+def build_case(cfg, case: dict, seed: int = 0) -> torch.nn.Module:
+    """The case's model: `cfg` built from `seed`, with LoRA adapters where the case has a "lora" section (their B
+    drawn non-zero, so that every adapter has a gradient: at PEFT's init B = 0 and A's gradient is zero)."""
+    model = build(cfg, seed=seed)
+    if "lora" in case:
+        from lmforge.models.lora import LoRAConfig, apply_lora
+
+        apply_lora(model, LoRAConfig(**case["lora"]), seed=seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def reference(cfg, batch, seed: int = 0, chunks: int = 1, case: dict | None = None):
     """The one-process model's loss and gradients on the global batch. A mixture of experts adds its router losses
     the trainer's way: per forward, here per `chunks` consecutive slices of the batch (the data-parallel ranks'
     pipeline microbatches), averaged over them."""
     ids, labels, kwargs = batch
-    ref = build(cfg, seed=seed)
+    ref = build_case(cfg, case or {}, seed)
     count = (labels != -100).sum()
     if not cfg.num_experts:
         chunks = 1
@@ -128,6 +144,9 @@ def compare_grads(pm, ref) -> tuple[float, list[str]]:
     worst, names = 0.0, []
     for part in pm.parts:
         for name, p in part.named_parameters():
+            if ref_params[name].grad is None:  # frozen (a LoRA base): no gradient on either side (see run_case)
+                names.append(name)
+                continue
             g, r = full(p.grad), ref_params[name].grad
             worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
             names.append(name)
@@ -167,16 +186,22 @@ def run_case(case: dict, world: int) -> dict:
     mesh = build_mesh(pcfg, cfg)
     batch = make_batch(cfg, seed=1)
     chunks = data_parallel_rank(mesh)[1] * (pcfg.num_microbatches if pcfg.pipeline > 1 else 1)
-    ref, ref_loss = reference(cfg, batch, chunks=chunks)
-    pm = parallelize(build(cfg, seed=0), pcfg, mesh)
+    ref, ref_loss = reference(cfg, batch, chunks=chunks, case=case)
+    pm = parallelize(build_case(cfg, case), pcfg, mesh)
     loss = parallel_step(pm, mesh, batch)
     worst, names = compare_grads(pm, ref)
     eval_loss = parallel_eval(pm, mesh, batch)
     all_names: list = [None] * world
     dist.all_gather_object(all_names, names)
-    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
+    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()
+                                                     if p.grad is not None])).item()
     held = {n for ns in all_names for n in ns}
-    result = {"loss": loss, "ref_loss": ref_loss, "eval_loss": eval_loss, "grad_err": worst,
+    # Trainable here and frozen in one process, or the other way round, or frozen with a gradient (a LoRA base's
+    # norms made trainable by a tensor-parallel style, its tied embedding given a zero gradient by a pipeline).
+    ref_trainable = {n for n, p in ref.named_parameters() if p.requires_grad}
+    flipped = [n for part in pm.parts for n, p in part.named_parameters()
+               if p.requires_grad != (n in ref_trainable) or (n not in ref_trainable and p.grad is not None)]
+    result = {"loss": loss, "ref_loss": ref_loss, "eval_loss": eval_loss, "grad_err": worst, "flipped": flipped,
               "grad_norm": grad_norm(pm).item(), "ref_grad_norm": ref_norm,
               "missing": sorted({n for n, _ in ref.named_parameters()} - held)}
     # One AdamW step, then one of lmforge's AdamWSR (the bf16-sr optimizer; on fp32 weights its update is
@@ -188,6 +213,9 @@ def run_case(case: dict, world: int) -> dict:
     worst_all = torch.tensor([worst, adam, adamwsr])
     dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)
     result["grad_err"], result["adam_err"], result["adamwsr_err"] = worst_all.tolist()
+    if "lora" in case:  # each adapter's split on this rank, e.g. "layers.0.attn.qkv.lora_B.q": "S(0)"
+        result["lora_layout"] = {n: "".join(map(str, p.placements)) if isinstance(p, DTensor) else "local"
+                                 for part in pm.parts for n, p in part.named_parameters() if ".lora_" in n}
     if "reshard" in case:
         result.update(reshard(case, cfg, pcfg, pm, ref, batch, world))
     return result
