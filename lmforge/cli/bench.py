@@ -26,6 +26,7 @@ BENCHMARKS = {
     "rotary": "partial rotary: full-head rotation vs slicing",
     "moe": "mixture-of-experts MLP forward+backward vs transformers' Mixtral and Qwen3-MoE blocks",
     "serve_load": "200 concurrent streams against lmforge serve: errors, latency p50/p99, tokens/s",
+    "prefill": "the serving engine's batched prefill vs one request a forward: time to first token, tokens/s",
     "eval": "lmforge eval vs lm-eval's hf backend on the same model and tasks, equal results first",
     "sft_attention": "packed SFT at seq 2048: per-document attention vs the dense (b, 1, s, s) mask, same loss",
     "activation_checkpointing": "step time of trainer.activation_checkpointing none / selective / full",

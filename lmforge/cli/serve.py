@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default $LMFORGE_API_KEY; the variable keeps the key out of `ps`)")
     p.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the folder name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--prefill-batch", type=int, default=None,
+                   help="most waiting requests prefilled in one forward (default: --max-batch; 1 = one at a time)")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens per request, prompt + completion (default: the model's positions); "
                         "the KV cache holds max-batch x max-context tokens")
@@ -65,8 +67,9 @@ def run(args: argparse.Namespace) -> None:
     folder = Path(args.model_dir)
     if not folder.is_dir():
         raise UserError(f"model folder '{folder}' does not exist")
-    for name in ("max_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes", "max_choices"):
-        if getattr(args, name) < 1:
+    for name in ("max_batch", "prefill_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes",
+                 "max_choices"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("read_timeout", "keep_alive_timeout"):
         value = getattr(args, name)
@@ -79,7 +82,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         tokenizer = load_tokenizer(tokenizer_source(folder))
         model, chat_folder = load_served(folder, args.lora, device, parse_dtype(args.dtype))
-        engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue))
+        engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue,
+                                                         prefill_batch=args.prefill_batch))
         chat = ChatFormat(tokenizer, chat_folder)
         name = args.model_name or folder.resolve().name
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,

@@ -4,15 +4,17 @@ Waiting requests queue by group (the server makes one group of the requests behi
 its prompts x n choices), and free rows go to the waiting groups in turn, round-robin, each group's
 requests in the order they came: one client's 1000 prompts take every other free row, not the next
 1000, so a single request behind them waits a few rows rather than all of them. Between two decode steps
-each free slot (a row of one preallocated KVCache) takes the next request so chosen and prefills its
-prompt alone into that row; the decode step
-then feeds every running row its last token at the row's own position (rows hold different lengths,
-so the cache writes per-row slots). A request that arrives while others decode therefore joins at the
-next step instead of waiting for the batch to drain (iteration-level scheduling, Yu et al., Orca,
-OSDI 2022), and a finished or cancelled request frees its row at once.
+the free slots (rows of one preallocated KVCache) take the next requests so chosen, and their prompts are
+prefilled together in one forward (at most `prefill_batch` requests and `max_prefill_tokens` padded tokens
+a forward): requests that arrive together, or while a step runs, get their first token after one prefill
+instead of one prefill each. The decode step then feeds every running row its last token at the row's own
+position (rows hold different lengths, so the cache writes per-row slots). A request that arrives while
+others decode therefore joins at the next step instead of waiting for the batch to drain (iteration-level
+scheduling, Yu et al., Orca, OSDI 2022), and a finished or cancelled request frees its row at once.
 
-Every row starts at cache slot 0, so its slot is also its position id: a request decodes exactly the
-computation `generate` does on its prompt alone, and greedy output is the same token for token.
+Every row starts at cache slot 0, so its slot is also its position id: prompts of a prefill batch are padded
+on the right (slots past a prompt's end are masked out, and its decode overwrites them), so each request
+computes exactly what `generate` does on its prompt alone, and greedy output is the same token for token.
 The engine never waits for a consumer: it hands each request's events to a callback (the server puts
 them on that request's asyncio queue), so a slow reader only lets its own queue grow.
 
@@ -48,6 +50,9 @@ class EngineConfig:
     max_batch: int = 8  # requests decoded together (rows of the KV cache)
     max_context: int | None = None  # cache slots per row; default the model's max_position_embeddings
     max_queue: int = 1024  # waiting requests before submit raises EngineBusy
+    prefill_batch: int | None = None  # most requests prefilled in one forward; None = max_batch, 1 = one at a time
+    max_prefill_tokens: int = 8192  # most padded tokens (requests x longest prompt) a prefill forward takes; a
+    # longer prompt still goes, alone
 
 
 @dataclass
@@ -93,6 +98,9 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {config.max_batch}")
+        if config.prefill_batch is not None and config.prefill_batch < 1:
+            raise UserError(f"prefill_batch must be >= 1, got {config.prefill_batch}")
+        self.prefill_batch = min(config.prefill_batch or config.max_batch, config.max_batch)
         limit = model.config.max_position_embeddings
         scaling = model.config.rope_scaling
         if scaling is not None and scaling.type == "longrope" and scaling.original_max_position_embeddings < limit:
@@ -116,6 +124,8 @@ class Engine:
         self._running = False
         self.steps = 0  # decode steps run
         self.rows_decoded = 0  # sum of running requests over those steps (mean batch = rows / steps)
+        self.prefills = 0  # prefill forwards run
+        self.rows_prefilled = 0  # requests prefilled by them (mean prefill batch = rows / prefills)
 
     @property
     def running(self) -> int:
@@ -215,24 +225,63 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        while True:
-            with self._cond:
-                free = next((i for i, r in enumerate(self.slots) if r is None), None)
-                if free is None or not self.waiting:
-                    return
+        """Give free rows to waiting requests, prefilling them a batch at a time."""
+        while batch := self._take_waiting():
+            self._prefill(batch)
+
+    def _take_waiting(self) -> list[EngineRequest]:
+        """The next requests to prefill together, each given a free row: up to prefill_batch of them, while the
+        padded batch (requests x longest prompt) stays within max_prefill_tokens."""
+        taken: list[EngineRequest] = []
+        with self._cond:
+            free = [i for i, r in enumerate(self.slots) if r is None]
+            longest = 0
+            while free and self.waiting and len(taken) < self.prefill_batch:
+                n = len(self.waiting[next(iter(self.waiting))][0].prompt_ids)
+                if taken and (len(taken) + 1) * max(longest, n) > self.config.max_prefill_tokens:
+                    break
                 req = self._next_waiting()
-            if req.cancelled:
-                req.finish_reason = "cancelled"
-                continue
-            req.slot, self.slots[free] = free, req
-            req.admitted_at_step = self.steps
-            n = len(req.prompt_ids)
-            self.cache.valid[free].zero_()  # what the row's previous request left is never attended
-            view = self.cache.view(slice(free, free + 1), n)
-            ids = torch.tensor([req.prompt_ids], device=self.device)
-            h = self.model.hidden_states(ids, None, None, view, torch.arange(n, device=self.device))
-            req.length = n
-            self._accept([req], self.model.logits(h[:, -1]))
+                if req.cancelled:
+                    req.finish_reason = "cancelled"
+                    continue
+                req.slot = free.pop(0)
+                self.slots[req.slot] = req
+                req.admitted_at_step = self.steps
+                longest = max(longest, n)
+                taken.append(req)
+        return taken
+
+    def _prefill(self, reqs: list[EngineRequest]) -> None:
+        """One forward over the prompts of `reqs`, right-padded: each row's prompt sits at slots 0..n-1 as it would
+        alone; the padding's slots are marked empty (never attended) and the row's decode overwrites them."""
+        lengths = [len(r.prompt_ids) for r in reqs]
+        k, longest = len(reqs), max(lengths)
+        ids = torch.zeros(k, longest, dtype=torch.long)
+        mask = torch.zeros(k, longest, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, : lengths[i]] = torch.tensor(r.prompt_ids)
+            mask[i, : lengths[i]] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        slots = [r.slot for r in reqs]
+        first = slots[0]
+        rows = torch.tensor(slots, device=self.device)
+        self.cache.valid.index_fill_(0, rows, False)  # what the rows' previous requests left is never attended
+        contiguous = slots == list(range(first, first + k))
+        # Rows next to each other are prefilled in place; others through a cache of their own, copied into theirs.
+        cache = (self.cache.view(slice(first, first + k), longest) if contiguous
+                 else KVCache(self.model.config, k, longest, self.cache.k[0].dtype, self.device))
+        h = self.model.hidden_states(ids, mask, None, cache, torch.arange(longest, device=self.device))
+        if not contiguous:
+            for full, part in zip((*self.cache.k, *self.cache.v), (*cache.k, *cache.v)):
+                full[:, :, :longest].index_copy_(0, rows, part)
+            self.cache.valid[:, :longest].index_copy_(0, rows, cache.valid)
+        for r, n in zip(reqs, lengths):
+            r.length = n
+        self.prefills += 1
+        self.rows_prefilled += k
+        log.debug("prefilled %d request(s) in one forward (%d x %d tokens, rows %s)", k, k, longest, slots)
+        last = h[torch.arange(k, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        self._accept(reqs, self.model.logits(last))
 
     def _next_waiting(self) -> EngineRequest:
         """The first group's first request; the group then goes to the back of the line (under self._cond)."""

@@ -90,6 +90,10 @@ class Metrics:
             lines += _counter("lmforge_engine_decode_steps_total", "Batched decode steps run.", engine.steps)
             lines += _counter("lmforge_engine_decoded_rows_total", "Request rows over all decode steps.",
                               engine.rows_decoded)
+            lines += _counter("lmforge_engine_prefills_total", "Prefill forwards run (each prefills waiting requests "
+                              "together).", engine.prefills)
+            lines += _counter("lmforge_engine_prefilled_rows_total", "Requests prefilled over all prefill forwards.",
+                              engine.rows_prefilled)
         return "\n".join(lines) + "\n"
 
 

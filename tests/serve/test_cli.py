@@ -46,6 +46,8 @@ def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
                                       "adapter folder\n"
     assert main(["serve", str(model_dir), "--max-batch", "0"]) == 1
     assert "--max-batch must be >= 1" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--prefill-batch", "0"]) == 1
+    assert "--prefill-batch must be >= 1" in capsys.readouterr().err
     assert main(["serve", str(model_dir), "--read-timeout", "nan"]) == 1
     assert "--read-timeout must be a positive number of seconds" in capsys.readouterr().err
     assert main(["serve", str(model_dir), "--max-choices", "0"]) == 1

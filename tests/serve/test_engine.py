@@ -74,6 +74,86 @@ def test_requests_joining_a_running_batch_decode_what_generate_gives_alone(famil
     assert engine.running == 0 and engine.queued == 0
 
 
+def _stop_after(greedy: list[int]) -> tuple[str, int]:
+    """A stop string spanning two tokens of `greedy` (its 4th and 5th), and how many tokens run until the text
+    first holds it (the request ends there)."""
+    stop = f"t{greedy[3]} t{greedy[4]}"
+    return stop, next(k for k in range(1, len(greedy) + 1) if stop in " " + IdTokenizer().decode(greedy[:k]))
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa", "gpt2", "mistral"])
+def test_requests_arriving_together_are_prefilled_in_one_forward(family, models_):
+    """Eight requests waiting at once (prompts of 2 to 13 tokens, other max_tokens, some with a stop string) are
+    prefilled by one forward, right-padded, and each decodes exactly what generate gives for it alone."""
+    model = models_[family]
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=8, max_context=64))
+    prompts = _prompts(8, seed=4)
+    assert len({len(p) for p in prompts}) > 3  # padding is part of it
+    alone = [generate(model, [p], 16, do_sample=False, stop_token_ids=[])[0] for p in prompts]
+    requests, events = [], [[] for _ in prompts]
+    for i, prompt in enumerate(prompts):
+        stop = [_stop_after(alone[i])[0]] if i % 3 == 0 else []
+        requests.append(engine.submit(prompt, RequestParams(16 - i, GREEDY, stop=stop), events[i].append))
+    engine.step()
+    assert (engine.prefills, engine.rows_prefilled) == (1, 8)
+    assert all(len(r.output_ids) == 2 for r in requests)  # prefill's token, then one decode step for all
+    while engine.step():
+        pass
+    assert engine.prefills == 1
+    for i, req in enumerate(requests):
+        if i % 3 == 0:
+            stop, end = _stop_after(alone[i])
+            text = " " + IdTokenizer().decode(alone[i])
+            assert req.finish_reason == "stop" and req.output_ids == alone[i][:end]
+            assert "".join(e.text for e in events[i]) == text[: text.find(stop)]
+        else:
+            assert req.finish_reason == "length" and req.output_ids == alone[i][: 16 - i]
+            assert "".join(e.text for e in events[i]) == " " + IdTokenizer().decode(req.output_ids)
+
+
+def test_prefill_into_scattered_rows_and_its_limits(models_):
+    """Requests arriving while others decode take the rows freed in between (1 and 3 of 0-3), prefilled in one
+    forward through a cache of their own copied into those rows; prefill_batch and max_prefill_tokens bound a
+    forward, and prefill_batch=1 prefills one request a forward, as before."""
+    model = models_["llama_gqa"]
+    prompts = _prompts(8, seed=5)
+    expected = [generate(model, [p], 12, do_sample=False, stop_token_ids=[])[0] for p in prompts]
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=4, max_context=64))
+    first = [engine.submit(p, RequestParams(n, GREEDY), lambda e: None) for p, n in zip(prompts, (12, 3, 12, 4))]
+    for _ in range(4):  # rows 1 and 3 finish (3 and 4 tokens), rows 0 and 2 keep decoding
+        engine.step()
+    assert [r.slot for r in engine.slots if r is not None] == [0, 2]
+    later = [engine.submit(p, RequestParams(12, GREEDY), lambda e: None) for p in prompts[4:6]]
+    engine.step()
+    assert [r.slot for r in later] == [1, 3] and (engine.prefills, engine.rows_prefilled) == (2, 6)
+    while engine.step():
+        pass
+    for prompt, req, n in zip(prompts, first + later, (12, 3, 12, 4, 12, 12)):
+        assert req.output_ids == expected[prompts.index(prompt)][:n]
+    for config, forwards in ((EngineConfig(max_batch=8, max_context=64, prefill_batch=1), 8),
+                             (EngineConfig(max_batch=8, max_context=64, prefill_batch=3), 3),
+                             (EngineConfig(max_batch=8, max_context=64, max_prefill_tokens=30), None)):
+        engine = Engine(model, IdTokenizer(), config)
+        reqs = [engine.submit(p, RequestParams(12, GREEDY), lambda e: None) for p in prompts]
+        engine.step()
+        while engine.step():
+            pass
+        assert [r.output_ids for r in reqs] == expected
+        if forwards is not None:
+            assert engine.prefills == forwards
+        else:  # each forward's requests x its longest prompt <= 30 tokens, unless one prompt alone is longer
+            assert engine.prefills == _budget_forwards([len(p) for p in prompts], 30)
+
+
+def _budget_forwards(lengths: list[int], budget: int) -> int:
+    forwards, taken, longest = 0, 0, 0
+    for n in lengths:
+        if taken and (taken + 1) * max(longest, n) > budget:
+            forwards, taken, longest = forwards + 1, 0, 0
+        taken, longest = taken + 1, max(longest, n)
+    return forwards + 1
+
+
 def test_seeded_sampling_in_a_batch_equals_generate_alone(models_):
     """Each request samples with its own generator and its own settings, whatever shares the batch."""
     model = models_["llama_gqa"]

@@ -199,6 +199,7 @@ def test_health_ping_metrics(server, model_dir):
     assert delta("lmforge_completion_tokens_total") == r.usage.completion_tokens
     assert delta("lmforge_request_duration_seconds_count", route="/v1/completions") == 2
     assert delta("lmforge_time_to_first_token_seconds_count", route="/v1/completions") == 1
+    assert delta("lmforge_engine_prefills_total") == delta("lmforge_engine_prefilled_rows_total") == 1
     assert after[("lmforge_request_duration_seconds_bucket", (("le", "+Inf"), ("route", "/v1/completions")))] >= 2
 
 
@@ -251,7 +252,7 @@ def _gate(engine, count: int):
 def test_concurrent_streams_are_batched_and_equal_unbatched(server, reference, model_dir):
     lengths = [30, 8, 20, 12, 25, 16]  # different lengths: rows free up and waiting requests join mid-decode
     engine = server.engine
-    steps, rows = engine.steps, engine.rows_decoded
+    steps, rows, prefills = engine.steps, engine.rows_decoded, engine.prefills
 
     async def one(c, prompt, n):
         stream = await c.completions.create(model=model_dir.name, prompt=prompt, max_tokens=n, temperature=0,
@@ -266,6 +267,8 @@ def test_concurrent_streams_are_batched_and_equal_unbatched(server, reference, m
     texts = asyncio.run(main())
     assert texts == [expected(reference, p, n) for p, n in zip(PROMPTS, lengths)]
     assert (engine.rows_decoded - rows) / (engine.steps - steps) > 2  # 4 rows decoded together at first
+    # The 4 requests let in at once were prefilled by one forward; the other 2 as rows freed up.
+    assert engine.prefills - prefills <= 3
 
 
 def _raw_stream(server, body: dict, rcvbuf: int | None = None) -> socket.socket:
