@@ -40,6 +40,7 @@ class ParallelModel:
     tied_group: Any = None
     loss_fn: Callable | None = None  # set per step by pipeline_step; the schedule calls it
     eval_schedule: Any = None  # forward-only, built by pipeline_eval on first use
+    router: Any = None  # a pipelined MoE model's PipelineRouterLosses (pipeline_step runs it)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def size(self, dim: str) -> int:
@@ -142,16 +143,21 @@ def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
 
 def _tied_group(mesh):
     """The process group of the first and last pipeline rank that share this rank's (dp, tp) coordinate."""
-    pp = mesh["pp"].size()
-    if pp == 2:
+    if mesh["pp"].size() == 2:
         return mesh["pp"].get_group()
-    grid = mesh.mesh.reshape(pp, -1)
+    return _pipeline_column_group(mesh, ends_only=True)[0]
+
+
+def _pipeline_column_group(mesh, ends_only: bool = False) -> tuple[Any, list[int]]:
+    """A new process group of the pipeline ranks that share this rank's (dp, tp) coordinate (only the first and
+    the last with ends_only), and its ranks."""
+    grid = mesh.mesh.reshape(mesh["pp"].size(), -1)
     mine = None
     for column in range(grid.shape[1]):  # every rank creates every group, in the same order
-        ranks = [int(grid[0, column]), int(grid[-1, column])]
+        ranks = [int(r) for r in (grid[[0, -1], column] if ends_only else grid[:, column])]
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
-            mine = group
+            mine = group, ranks
     return mine
 
 
@@ -207,6 +213,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
         def loss_fn(output, target):
             return pm.loss_fn(output, target)
 
+        if model.config.num_experts:
+            from lmforge.parallel.router import PipelineRouterLosses
+
+            group, ranks = _pipeline_column_group(mesh)
+            peers = [r for r in ranks if r != dist.get_rank()]
+            pm.router = PipelineRouterLosses(pm.parts, model.config, group, peers, device)
         _, pm.schedule = build_schedule(pm.parts, pm.stage_indices, pm.num_stages, cfg.pipeline_schedule,
                                         cfg.num_microbatches, loss_fn, mesh["pp"].get_group(), device, stage_shapes)
     log.info("parallelized: pp=%d (stages %s of %d) dp=%dx%d tp=%d sp=%s", pp, pm.stage_indices or [0],

@@ -100,9 +100,6 @@ class ParallelConfig:
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before any collective)."""
     tp, pp = cfg.tensor, cfg.pipeline
-    if model.num_experts and pp > 1:
-        raise UserError(f"a mixture-of-experts model ({model.family}, {model.num_experts} experts) trains with data "
-                        "and tensor parallelism only so far: set parallel.pipeline=1")
     if tp > 1:
         splits = ("num_heads", "num_kv_heads", "intermediate_size") + (("moe_intermediate_size",)
                                                                        if model.num_experts else ())

@@ -193,7 +193,8 @@ def pipeline_step(pm, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn, **
     scaled, so normalise inside loss_fn (e.g. summed cross-entropy / the step's global token count).
     kwargs (attention_mask, position_ids, token_type_ids) are split into microbatches with the batch
     and reach every stage. Without pipeline parallelism this is one forward and backward of the model.
-    Gradients of tied embeddings are summed between the first and the last stage before returning.
+    Gradients of tied embeddings are summed between the first and the last stage before returning. A mixture of
+    experts' router losses join the loss per microbatch, coef x loss / microbatches (router.PipelineRouterLosses).
     """
     if not pm.pipelined:
         with pm.loss_context():
@@ -205,8 +206,12 @@ def pipeline_step(pm, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn, **
     pm.loss_fn = loss_fn
     args = (input_ids,) if pm.has_first_stage else ()
     target = labels if pm.has_last_stage else None
+    if pm.router is not None:
+        pm.router.begin(pm.config.num_microbatches)
     with pm.loss_context():
         pm.schedule.step(*args, target=target, losses=losses, **kwargs)
+    if pm.router is not None:
+        pm.router.end()  # pm.router.losses: the step's router losses
     sync_tied_gradients(pm)
     return _sum_over_pipeline(pm, losses, input_ids.device)
 

@@ -243,6 +243,8 @@ class ParallelTraining:
             ids, labels, kwargs = self.task.inputs(self._inputs(micro))
             with self._autocast():
                 total += pipeline_step(pm, ids, labels, loss_fn, **kwargs)
+            if pm.router is not None:  # the step's router losses, means over the pipeline's microbatches
+                router = all_reduce_data_parallel(pm.router.losses.clone(), self.mesh) / dp
         else:
             router = torch.zeros(2, dtype=torch.float64, device=pm.device)  # aux and z-loss summed over micro-batches
             for i, batch in enumerate(micro):
@@ -261,7 +263,7 @@ class ParallelTraining:
         reduced = all_reduce_data_parallel(torch.cat([total.reshape(1), stats]), self.mesh)
         norm = clip_grad_norm_(pm, max_norm)
         tokens = counts.reshape(-1)[1:2]  # none where a caller gave the count alone
-        moe = router if not pm.pipelined and self.model_config.num_experts else total.new_zeros(0)
+        moe = router if self.model_config.num_experts else total.new_zeros(0)
         values = torch.cat([reduced, norm.reshape(1), tokens, moe]).tolist()  # the step's one host sync
         n = len(reduced)
         self.step_stats = values[1:n]  # the step's global count and task statistics (none under a pipeline)

@@ -68,6 +68,15 @@ TWO = {
     "tp_neox_lora_plain": {"model": "tiny-neox", "parallel": {"tensor": 2, "sequence_parallel": False,
                                                               "loss_parallel": False}, "lora": LORA},
     "pp_llama_lora_1f1b": {"model": "tiny-llama", "parallel": {"pipeline": 2, "microbatches": 2}, "lora": LORA},
+    # Pipelined: each microbatch's load-balancing loss couples the stages' layers (one f and P over all of them).
+    "pp_mixtral_1f1b": {"model": "tiny-mixtral", "parallel": {"pipeline": 2, "microbatches": 2},
+                        "model_overrides": {"router_aux_loss_coef": 0.5}},
+    "pp_qwen3_moe_gpipe": {"model": "tiny-qwen3-moe", "parallel": {"pipeline": 2, "pipeline_schedule": "gpipe"},
+                           "model_overrides": {"router_z_loss_coef": 0.01, "router_aux_loss_coef": 0.1}},
+    # Two stages per rank: a rank's stages send their sums together, once both have run the microbatch.
+    "pp_mixtral_interleaved": {"model": "tiny-mixtral", "model_overrides": {**L4, "router_aux_loss_coef": 0.5},
+                               "parallel": {"pipeline": 2, "pipeline_schedule": "interleaved_1f1b",
+                                            "virtual_stages": 2, "microbatches": 4}},
 }
 
 FOUR = {
@@ -89,6 +98,12 @@ FOUR = {
     "fsdp_tp_llama_lora": {"model": "tiny-llama", "parallel": {"tensor": 2, "data_shard": 2}, "lora": LORA},
     "tp_pp_qwen3_lora": {"model": "tiny-qwen3", "parallel": {"tensor": 2, "pipeline": 2, "microbatches": 2},
                          "lora": LORA},
+    # Mixtures of experts: both plans on one model; a pipeline per data-parallel rank, each its own router sums.
+    "tp_pp_mixtral": {"model": "tiny-mixtral", "model_overrides": {"router_aux_loss_coef": 0.5},
+                      "parallel": {"tensor": 2, "pipeline": 2, "microbatches": 2}},
+    "pp_fsdp_qwen3_moe": {"model": "tiny-qwen3-moe", "model_overrides": {"router_z_loss_coef": 0.01,
+                                                                         "router_aux_loss_coef": 0.1},
+                          "parallel": {"pipeline": 2, "data_shard": 2, "microbatches": 2}},
 }
 
 
@@ -123,6 +138,8 @@ def _check(r: dict, adam_tol: float = 1e-4) -> None:
     assert r["adamwsr_err"] < adam_tol, r  # and so does lmforge's AdamWSR, shard by shard
     assert r["missing"] == []  # every parameter of the model is held (and compared) by some rank
     assert r["flipped"] == []  # what one process trains is trained, what it freezes (a LoRA base) stays frozen
+    if "router_losses" in r:  # a pipelined MoE: the aux and z-loss it reports are one process's
+        assert r["router_losses"] == pytest.approx(r["ref_router_losses"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -99,12 +99,15 @@ def reference(cfg, batch, seed: int = 0, chunks: int = 1, case: dict | None = No
     count = (labels != -100).sum()
     if not cfg.num_experts:
         chunks = 1
-    total = 0.0
+    total, ref.router_means = 0.0, [0.0, 0.0]  # the aux and z-loss, means over the chunks
     for rows in torch.arange(BATCH).chunk(chunks):
         loss = ce_sum(ref(ids[rows], **{k: v[rows] for k, v in kwargs.items()}), labels[rows]) / count
         extra = router_losses(ref, cfg)
         (loss if extra is None else loss + extra.loss / chunks).backward()
         total += loss.item()
+        if extra is not None:
+            ref.router_means = [m + v.item() / chunks for m, v in zip(ref.router_means, (extra.aux_loss,
+                                                                                         extra.z_loss))]
     return ref, total
 
 
@@ -204,6 +207,9 @@ def run_case(case: dict, world: int) -> dict:
     result = {"loss": loss, "ref_loss": ref_loss, "eval_loss": eval_loss, "grad_err": worst, "flipped": flipped,
               "grad_norm": grad_norm(pm).item(), "ref_grad_norm": ref_norm,
               "missing": sorted({n for n, _ in ref.named_parameters()} - held)}
+    if pm.router is not None:  # a pipeline's router losses, means over the data-parallel ranks' microbatches
+        means = all_reduce_data_parallel(pm.router.losses.clone(), mesh) / data_parallel_rank(mesh)[1]
+        result["router_losses"], result["ref_router_losses"] = means.tolist(), ref.router_means
     # One AdamW step, then one of lmforge's AdamWSR (the bf16-sr optimizer; on fp32 weights its update is
     # AdamW's), which updates each rank's local shard: a gradient laid out unlike its parameter (a
     # sequence-parallel norm's partial sum, a vocabulary-parallel embedding's replicated gradient) must be

@@ -37,8 +37,11 @@ MOE = ("model.preset=tiny-mixtral", "model.router_aux_loss_coef=0.5")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("fsdp", ()), ("fsdp", LORA), ("fsdp", MOE),
-                                              ("fsdp parallel.tensor=2", MOE)],
-                         ids=["ddp", "fsdp", "fsdp-lora", "fsdp-moe", "tp-moe"])
+                                              ("fsdp parallel.tensor=2", MOE),
+                                              # Pipeline microbatches of one process's micro-batches (2 rows): the
+                                              # router losses are per forward, so the same ones.
+                                              ("fsdp parallel.pipeline=2 parallel.microbatches=4", MOE)],
+                         ids=["ddp", "fsdp", "fsdp-lora", "fsdp-moe", "tp-moe", "pp-moe"])
 def test_two_processes_train_like_one(strategy, extra, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, tmp_path / "one", *extra)], check=True,
