@@ -84,3 +84,28 @@ def test_rows_of_very_different_lengths_are_not_padded_into_one_batch(model):
     assert calls == [(2, 100), (1, 40)]
     expected = [reference(model, c, d, 128)[0] for c, d in requests]
     assert max(abs(g[0] - e) for g, e in zip(got, expected)) <= 1e-4
+
+
+@pytest.mark.parametrize("head", ["plain", "bias", "softcap"])
+def test_logits_buffer_reused_across_chunks_and_batches(model, monkeypatch, head):
+    """Scored positions over several head chunks and batches (the logits buffer reused, a partial last chunk,
+    logsumexp a few rows at a time) give the plain log-softmax's numbers, with a biased head and with a
+    soft-capped one (which makes its own logits)."""
+    import copy
+
+    from lmforge.eval import scoring
+    from lmforge.models.layers import SoftCappedVocabProjection
+
+    monkeypatch.setattr(scoring, "HEAD_CHUNK", 7)
+    monkeypatch.setattr(scoring, "LSE_ROWS", 3)
+    m = copy.deepcopy(model)
+    if head == "bias":
+        m.lm_head.bias = torch.nn.Parameter(torch.randn(m.lm_head.weight.shape[0]))
+    if head == "softcap":
+        m.vocab_projection = SoftCappedVocabProjection(m.vocab_projection.vocab_size, 5.0)
+    g = torch.Generator().manual_seed(1)
+    requests = [([2], torch.randint(0, 300, (n,), generator=g).tolist()) for n in (30, 19, 8, 1)]
+    expected = [reference(m, c, d, 128) for c, d in requests]
+    got = score_requests(m, requests, batch_size=2)
+    assert [g[1] for g in got] == [e[1] for e in expected]
+    assert max(abs(g[0] - e[0]) for g, e in zip(got, expected)) <= 1e-4
