@@ -69,7 +69,7 @@ def sources(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("sharded")
     for name, layers in (("gpt_neox", 4), ("llama_gqa", 4), ("gpt2", 2), ("bert", 4), ("phi3", 4), ("olmo2", 4),
-                         ("gemma3", 4)):
+                         ("gemma3", 4), ("mixtral", 4), ("qwen3_moe", 4)):
         _hf_model(name, layers).save_pretrained(root / name)
     for name in ("gpt_neox", "llama_gqa"):
         import_hf(root / name, root / f"{name}_lmforge")
@@ -144,6 +144,10 @@ def test_import_into_tensor_parallel(sources, tmp_path):
         "phi3_hf_tp2": _case(sources / "phi3", {"tensor": 2}),
         "olmo2_hf_tp2": _case(sources / "olmo2", {"tensor": 2}),
         "gemma3_hf_tp2": _case(sources / "gemma3", {"tensor": 2}),
+        # Mixtures of experts: each rank's intermediate rows of every expert, stacked from the per-expert tensors
+        # (Qwen3-MoE: one dense layer among them).
+        "mixtral_hf_tp2": _case(sources / "mixtral", {"tensor": 2}),
+        "qwen3_moe_hf_tp2": _case(sources / "qwen3_moe", {"tensor": 2}),
     }
     ranks = _launch(2, {"cases": cases}, tmp_path)
     for results in ranks:
@@ -162,6 +166,7 @@ def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
         "llama_gqa_hf_tp2pp2": _case(sources / "llama_gqa", tp_pp),
         "llama_gqa_lmforge_tp2pp2": _case(sources / "llama_gqa_lmforge", tp_pp),
         "gpt2_tied_hf_tp2pp2": _case(sources / "gpt2", tp_pp),
+        "mixtral_hf_tp2pp2": _case(sources / "mixtral", tp_pp),
         "neox_checkpoint_fsdp2_tp2": _case(ckpt, {"tensor": 2, "data_shard": 2}, reference=str(sources / "gpt_neox")),
     }
     args = [f"model.init_from={sources / 'llama_gqa'}", f"model.make_vocab_size_divisible_by={MULTIPLE}",
