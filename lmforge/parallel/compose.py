@@ -190,7 +190,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
     pm = ParallelModel([model], cfg, mesh, device=device)
     if pp == 1 and tp == 1 and cfg.data_shard == 1 and cfg.data_replicate > 1:
         compile_blocks(model)
-        pm.parts = [apply_ddp(model, mesh["dp_replicate"], device)]
+        if any(p.requires_grad for p in model.parameters()):  # a frozen model (DPO's reference): a replica as is
+            pm.parts = [apply_ddp(model, mesh["dp_replicate"], device)]
         log.info("parallelized: DDP over %d replicas", cfg.data_replicate)
         return pm
     if pp > 1:

@@ -167,6 +167,15 @@ class ParallelTraining:
                               compile_block=compile_block)
         if fill is not None:
             fill(self.pm)
+
+        def lay_out_frozen(other: torch.nn.Module, fill_other: Callable | None = None) -> ParallelModel:
+            other.requires_grad_(False)  # FSDP2 then gathers it and never reduces; DDP has nothing to do
+            laid = parallelize(other, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes)
+            if fill_other is not None:
+                fill_other(laid)
+            return laid.eval()
+
+        task.lay_out(lay_out_frozen)
         self.layout, self.task, self.seq_length = layout, task, seq_length
         self.model_config = mcfg
         self.router_metrics: dict[str, float] = {}  # a MoE model's router losses of the last step

@@ -7,7 +7,9 @@ import copy
 import json
 import math
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,8 +46,12 @@ def _direct_logps(model, batch) -> torch.Tensor:
 
 
 def _task(reference=None, beta=BETA):
+    from lmforge.parallel import ParallelConfig, parallelize
+
     task = get_task("dpo")
-    task.beta, task.reference, task.precomputed = beta, reference, False
+    # The reference laid out as one process lays it out (the trainer's ParallelTraining does this for any layout).
+    laid = None if reference is None else parallelize(reference.requires_grad_(False), ParallelConfig(), None)
+    task.beta, task.reference, task.precomputed = beta, laid, False
     return task
 
 
@@ -207,7 +213,6 @@ def test_a_killed_dpo_run_resumes_bit_exactly(dpo_setup, tmp_path):
     """A LoRA DPO run (the reference: the base without adapters; dropout on the adapters) killed with SIGKILL after
     its step-4 checkpoint continues, rerun with the same command, to the same curve as an uninterrupted run."""
     import signal
-    import subprocess
 
     from tests.train.runs import ENV, lmforge, metrics_steps, stop, wait_for
 
@@ -239,6 +244,59 @@ def test_a_killed_dpo_run_resumes_bit_exactly(dpo_setup, tmp_path):
                    timeout=600)
     whole = curve(tmp_path / "whole")
     assert len(whole) == 12 and curve(killed) == whole  # exact float equality, every step
+
+
+def _metrics(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process_dpo(dpo_setup, tmp_path_factory):
+    """A DPO run against a frozen copy of the initial model on one process: what every layout must equal."""
+    from lmforge.train.config import load_run_config
+    from lmforge.train.trainer import Trainer
+
+    run = tmp_path_factory.mktemp("dpo-one") / "run"
+    Trainer(load_run_config(None, _dpo_args(dpo_setup, run, "trainer.max_steps=4",
+                                            "trainer.val_check_interval=4"))).fit()
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("trainer.data_parallel=fsdp",),
+                                    ("parallel.tensor=2", "model.make_vocab_size_divisible_by=256")],
+                         ids=["fsdp2", "tp2"])
+def test_dpo_on_two_ranks_equals_one_process_with_the_reference_sharded_like_the_policy(
+        dpo_setup, one_process_dpo, tmp_path, layout):
+    """DPO against a frozen copy of the initial model on 2 gloo ranks (FSDP2, or tensor parallelism with sequence
+    parallelism and the vocabulary-parallel loss): every step's loss, gradient norm and reward statistics, and the
+    validation's, equal one process's; the reference is split exactly like the policy (each rank holds its shards
+    only), frozen, gradient-free and outside the optimizer."""
+    run, out = tmp_path / "run", tmp_path / "out.json"
+    args = _dpo_args(dpo_setup, run, "trainer.max_steps=4", "trainer.val_check_interval=4", *layout)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(Path(__file__).with_name("dpo_worker.py")), str(out), *args],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours, theirs = _metrics(run), _metrics(one_process_dpo)
+    assert len(ours) == len(theirs) == 4
+    keys = ("loss", "grad_norm", "reward_accuracy", "reward_margin", "rewards_chosen", "rewards_rejected",
+            "val_loss", "val_reward_accuracy", "val_reward_margin")
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.keys() >= set(keys) - {"val_loss", "val_reward_accuracy", "val_reward_margin"}
+        for k in keys:
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k)
+    assert theirs[-1]["reward_margin"] != 0  # the policy moved away from its reference
+    report = json.loads(out.read_text())
+    reference, policy = report["reference"], report["policy"]
+    assert reference.keys() == policy.keys()
+    assert all(placement == policy[n] and placement != "local" for n, (placement, _, _, _) in reference.items())
+    from lmforge.models.source import source_config
+
+    whole = sum(p.numel() for p in build(source_config(dpo_setup / "model"), device="meta").parameters())
+    assert sum(numel for _, numel, _, _ in reference.values()) < 0.75 * whole  # this rank's shards, not a copy
+    assert not any(trains or grad for _, _, trains, grad in reference.values()) and report["in_optimizer"] == 0
 
 
 def test_bad_preference_data_is_one_line_and_writes_nothing(dpo_setup, tmp_path, capsys):

@@ -59,6 +59,11 @@ class Task:
     def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
         """Called with the run's built model (adapters applied) before it is laid out over `layout`."""
 
+    def lay_out(self, lay_out: Callable) -> None:
+        """Called once the run's model is laid out, with `lay_out(model, fill)` -> ParallelModel, which lays out
+        another model of the task (DPO's frozen reference) as the run's: the same shards, no gradients, no
+        optimizer. `fill`: what init_model returned with a meta-device model, else None."""
+
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(input_ids, labels, keyword inputs) of a collated micro-batch: what the model is called with
         and what its output is scored against (logits_loss)."""

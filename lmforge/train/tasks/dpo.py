@@ -9,12 +9,13 @@ the reference (rc, rr), as TRL's DPOTrainer computes them (its default "sigmoid"
 reported as reward_accuracy (the share of pairs where the chosen reward is the larger), reward_margin (chosen
 minus rejected) and the mean rewards, every step and at validation (val_*). The reference is, in this order: the
 log-probabilities in the data file (ref_chosen_logps / ref_rejected_logps), the base model without its adapters
-under LoRA (no second model), or a frozen copy of model.init_from. It runs in eval mode: no dropout.
+under LoRA (no second model), or a frozen copy of the run's initial model (model.init_from), laid out like the
+policy (FSDP2 and tensor-parallel shards: each rank holds its own, without gradients or optimizer state). It runs
+in eval mode: no dropout.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -56,10 +57,12 @@ def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torc
             return -torch.stack([nll(h[i], weight, bias, labels[i]) for i in range(len(labels))])
 
         return model(input_ids, **inputs, head_fn=head_fn)
+    # Per-token cross-entropy, which loss_parallel computes on vocabulary-sharded logits (tensor parallelism):
+    # a replicated DTensor then, every rank's the same, whose local copy the rest of the loss takes.
     logits = model(input_ids, **inputs).float()
-    scored = labels != IGNORE_INDEX
-    logp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
-    return (logp * scored).sum(-1)
+    nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    logps = -nll.view(labels.shape).sum(-1)
+    return logps.to_local() if hasattr(logps, "to_local") else logps
 
 
 def scored_pairs(labels: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,7 @@ class DPO(Task):
     num_stats = 4  # chosen reward > rejected, and the sums of the margin, the chosen and the rejected rewards
 
     beta = 0.1
-    reference: torch.nn.Module | None = None
+    reference = None  # a frozen model laid out like the policy (lmforge.parallel.ParallelModel)
     lora_reference = False
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
@@ -98,21 +101,30 @@ class DPO(Task):
         return with_padding(data, cfg)
 
     def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
-        if layout.tensor > 1 or layout.pipeline > 1:
-            raise UserError("data.task=dpo with parallel.tensor or parallel.pipeline > 1 is not supported yet: use "
-                            "data parallelism (trainer.data_parallel=ddp or fsdp)")
+        if layout.pipeline > 1:
+            raise UserError("data.task=dpo with parallel.pipeline > 1 is not supported yet: use data or tensor "
+                            "parallelism (trainer.data_parallel=ddp or fsdp, parallel.tensor)")
         if self.precomputed:
             log.info("DPO reference: the log-probabilities in the data files")
         elif cfg.lora is not None:
             self.lora_reference = True
             log.info("DPO reference: the base model without its adapters")
         else:
-            from lmforge.models.source import load_pretrained
+            from lmforge.train.setup import init_model
 
-            init_from = cfg.model.init_from
-            reference = load_pretrained(init_from) if init_from else copy.deepcopy(model)
-            self.reference = reference.to(device, cfg.precision.param_dtype).eval().requires_grad_(False)
-            log.info("DPO reference: a frozen copy of %s", init_from or "the initial model")
+            # The run's initial model again, laid out like the policy in lay_out: under FSDP2 or tensor
+            # parallelism each rank builds it on the meta device and fills only its own shards.
+            dtype = cfg.precision_for(device).param_dtype
+            reference, fill = init_model(cfg, meta=layout.shards_model, device=device, dtype=dtype)
+            if fill is None:
+                reference.to(device, dtype)
+            self._unlaid = (reference.eval().requires_grad_(False), fill)
+            log.info("DPO reference: a frozen copy of %s, laid out like the policy",
+                     cfg.model.init_from or "the initial model")
+
+    def lay_out(self, lay_out) -> None:
+        if getattr(self, "_unlaid", None) is not None:
+            self.reference, self._unlaid = lay_out(*self._unlaid), None
 
     inputs = SFT.inputs
 
@@ -128,7 +140,9 @@ class DPO(Task):
             return batch["ref_logps"].float()
         ids, labels, inputs = self.inputs(batch)
         if self.reference is not None:
-            return sequence_logps(self.reference, ids, labels, inputs, fused)
+            logps = sequence_logps(self.reference.parts[0], ids, labels, inputs, fused)
+            self.reference.reshard()  # FSDP2's root unit stays gathered after a forward: free it
+            return logps
         from lmforge.models.lora import adapters_disabled
 
         inner = unwrap(model)  # not through DDP: a forward without a backward
