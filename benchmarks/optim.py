@@ -2,11 +2,14 @@
 
 The parameters have a preset's shapes (Pythia-70m by default) and its weight-decay groups. torch's AdamW
 steps fp32 weights (the fp32 and bf16-mixed recipes); AdamWSR steps bf16 weights and moments (bf16-sr) with
-stochastic rounding, and with round-to-nearest for comparison. Each optimizer takes turns, step by step,
+stochastic rounding (and round-to-nearest for comparison), three ways: its compiled CPU loop (optim_kernel.py,
+one pass per tensor), its eager update (foreach ops over chunks), and, for comparison, torch.compile of the
+same update written in torch ops (what Inductor generates for it). Each optimizer takes turns, step by step,
 so that load on the machine hits all alike; times are medians, and the ratio to fused AdamW is the median
 of the per-turn ratios. Before timing, one AdamWSR step is checked against torch's AdamW in fp32 on the
-same values (every result one of the two bf16 neighbours of the fp32 one). "ops/step" counts the aten ops
-one step dispatches (each a kernel launch or more on a GPU). `--help` lists the options.
+same values (every result one of the two bf16 neighbours of the fp32 one), and the three AdamWSR updates
+against each other (the same bits). "ops/step" counts the aten ops one step dispatches (each a kernel launch
+or more on a GPU). `--help` lists the options.
 """
 
 import argparse
@@ -23,7 +26,8 @@ from report import BENCHMARKS_MD, accelerator_description, write_block  # benchm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmforge.models import build
-from lmforge.train.optim import AdamWSR, param_groups
+from lmforge.train import optim_kernel
+from lmforge.train.optim import HASH_C1, HASH_C2, AdamWSR, _int32, param_groups
 
 SECTION = "## Optimizer step: stochastic-rounding AdamW vs torch's fused AdamW"
 INTRO = """\
@@ -31,8 +35,12 @@ INTRO = """\
 groups. torch's AdamW steps fp32 weights (the fp32 and bf16-mixed recipes); lmforge's `AdamWSR` steps bf16 weights
 and moments (bf16-sr), with stochastic rounding and with round-to-nearest. The optimizers take turns step by step;
 the ratio is the median of the per-turn ratios. Before timing, one AdamWSR step is checked against torch's fp32
-AdamW on the same values (every result one of its two bf16 neighbours). *ops/step*: aten ops one step dispatches,
-views included (on a GPU each non-view op is one kernel launch or a few).
+AdamW on the same values (every result one of its two bf16 neighbours). AdamWSR runs three ways, checked to give
+the same bits: its compiled CPU loop (`lmforge.train.optim_kernel`, one pass per tensor: the default from 4M
+parameters), its eager update (foreach ops over 256K-element chunks, ~30 passes), and torch.compile of the same
+update written in torch ops (Inductor's own C++ for it; not used by lmforge, shown for comparison). *ops/step*:
+aten ops one step dispatches, views included (on a GPU each non-view op is one kernel launch or a few); the
+compiled loop is one call per tensor, not an aten op.
 """
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -63,15 +71,68 @@ def make(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) ->
     return out
 
 
-def optimizers(model: str, device: torch.device) -> dict[str, torch.optim.Optimizer]:
+def inductor_update(w, g, m, v, s, k):
+    """AdamWSR's update of one flat bf16 tensor in torch ops, for torch.compile: the same fp32 arithmetic as
+    torch's eager kernels (fused multiply-adds where they have them) and the same counter-hash noise."""
+    from torch._inductor.inductor_prims import fma
+
+    g32, m32, v32, w32 = g.float(), m.float(), v.float(), w.float()
+    m_new = fma(s[0], g32 - m32, torch.where(s[7] != 0, g32, m32))
+    v_new = fma(s[2] * g32, g32, v32 * s[1])
+    w_new = w32 * s[3] + (s[6] * m_new) / (torch.sqrt(v_new) / s[4] + s[5])
+    base = torch.arange(w.numel(), dtype=torch.int32, device=w.device) * HASH_C1 + k[0]
+    for x, new, r in ((m, m_new, 1), (v, v_new, 2), (w, w_new, 3)):
+        noise = ((base ^ k[r]) * HASH_C2 >> 16) & 0xFFFF
+        x.copy_(((new.view(torch.int32) + noise) & -65536).view(torch.float32))
+
+
+class InductorAdamWSR(AdamWSR):
+    """AdamWSR whose bf16 tensors go through torch.compile(inductor_update), one call per tensor."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, compiled=False, **kw)
+        self.update_fn = torch.compile(inductor_update, dynamic=True)
+
+    def _update(self, rows, group, t, keys):
+        scalars = optim_kernel.kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t)
+        hash_keys = torch.tensor([0] + [_int32(k) for k in keys[1:4]], dtype=torch.int32)
+        for row in rows:
+            hash_keys[0] = _int32((self._counter + keys[0]) * HASH_C1)
+            if row[0].numel():
+                self.update_fn(*row, scalars, hash_keys)
+            self._counter += row[0].numel()
+
+
+SR = "lmforge AdamWSR, bf16, stochastic rounding"
+
+
+def optimizers(model: str, device: torch.device, inductor: bool) -> dict[str, torch.optim.Optimizer]:
     kw = dict(lr=LR, betas=BETAS, eps=EPS)
-    return {
+    cpu = device.type == "cpu"
+    opts = {
         "torch AdamW fused, fp32": torch.optim.AdamW(make(model, torch.float32, device), fused=True, **kw),
         "torch AdamW foreach, fp32": torch.optim.AdamW(make(model, torch.float32, device), foreach=True, **kw),
-        "lmforge AdamWSR, bf16, stochastic rounding": AdamWSR(make(model, torch.bfloat16, device), **kw),
-        "lmforge AdamWSR, bf16, round to nearest": AdamWSR(make(model, torch.bfloat16, device),
-                                                           stochastic_rounding=False, **kw),
     }
+    if cpu:
+        opts[f"{SR}, compiled loop"] = AdamWSR(make(model, torch.bfloat16, device), compiled=True, **kw)
+        opts["lmforge AdamWSR, bf16, round to nearest, compiled loop"] = AdamWSR(
+            make(model, torch.bfloat16, device), stochastic_rounding=False, compiled=True, **kw)
+    opts[f"{SR}, eager (foreach chunks)"] = AdamWSR(make(model, torch.bfloat16, device), compiled=False, **kw)
+    if inductor:
+        opts[f"{SR}, torch.compile of the update"] = InductorAdamWSR(make(model, torch.bfloat16, device), **kw)
+    return opts
+
+
+def same_bits(opts: dict[str, torch.optim.Optimizer]) -> None:
+    """The stochastic-rounding AdamWSRs, having taken the same steps from the same values, hold the same bits."""
+    ref_name = f"{SR}, eager (foreach chunks)"
+    ref = [p for g in opts[ref_name].param_groups for p in g["params"]]
+    for name, opt in opts.items():
+        if name.startswith(SR) and name != ref_name:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            for p, q in zip(params, ref, strict=True):
+                for a, b in ((p, q), (opt.state[p]["exp_avg"], opts[ref_name].state[q]["exp_avg"])):
+                    assert torch.equal(a, b), f"{name} does not give the eager update's bits"
 
 
 def check(device: torch.device) -> None:
@@ -97,17 +158,30 @@ def check(device: torch.device) -> None:
         assert bool(ok.all()), f"AdamWSR is not fp32 AdamW rounded to a bf16 neighbour at {int((~ok).sum())} values"
 
 
+def cold_build_seconds() -> float | None:
+    """Seconds to build the compiled loop with an empty Inductor cache (a fresh process): a new machine's first
+    run pays this once; later runs load it from the cache."""
+    import subprocess
+    import tempfile
+
+    code = "from lmforge.train.optim_kernel import build_kernel; k, s, why = build_kernel(); print(s if k else -1)"
+    with tempfile.TemporaryDirectory() as cache:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+    seconds = float(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout.split() else -1.0
+    return seconds if seconds >= 0 else None
+
+
 def run(args, device: torch.device) -> list[dict]:
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     check(device)
-    opts = optimizers(args.model, device)
-    for opt in opts.values():  # warm-up: state allocated, work buffers made
+    opts = optimizers(args.model, device, inductor=args.inductor and device.type == "cpu")
+    warmup = {}
+    for name, opt in opts.items():  # warm-up: state allocated, work buffers made, kernels compiled
+        start = time.perf_counter()
         opt.step()
-    ops = {}
-    for name, opt in opts.items():
-        with CountOps() as counter:
-            opt.step()
-        ops[name] = counter.ops
+        warmup[name] = time.perf_counter() - start
+    same_bits(opts)  # one step each from the same values
     times = {name: [] for name in opts}
     for _ in range(args.repeats):
         for name, opt in opts.items():
@@ -116,18 +190,23 @@ def run(args, device: torch.device) -> list[dict]:
             opt.step()
             sync()
             times[name].append(time.perf_counter() - start)
+    ops = {}
+    for name, opt in opts.items():  # last: under a dispatch mode, torch.compile's function runs eagerly from then on
+        with CountOps() as counter:
+            opt.step()
+        ops[name] = counter.ops
     base = times["torch AdamW fused, fp32"]
     numel = sum(p.numel() for g in next(iter(opts.values())).param_groups for p in g["params"])
-    return [dict(name=name, ms=statistics.median(t) * 1e3, ops=ops[name], numel=numel,
+    return [dict(name=name, ms=statistics.median(t) * 1e3, ops=ops[name], numel=numel, first_s=warmup[name],
                  ratio=statistics.median(a / b for a, b in zip(t, base, strict=True))) for name, t in times.items()]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| optimizer | ms/step | ns/parameter | ops/step | vs fused AdamW |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| optimizer | ms/step | ns/parameter | ops/step | first step (s) | vs fused AdamW |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for x in rows:
         lines.append(f"| {x['name']} | {x['ms']:.1f} | {x['ms'] * 1e6 / x['numel']:.2f} | {x['ops']} | "
-                     f"**{x['ratio']:.2f}x** |")
+                     f"{x['first_s']:.1f} | **{x['ratio']:.2f}x** |")
     return "\n".join(lines)
 
 
@@ -137,6 +216,8 @@ def main() -> None:
     p.add_argument("--model", default="pythia-70m", help="preset whose parameter shapes are stepped")
     p.add_argument("--repeats", type=int, default=11, help="timed steps per optimizer")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-inductor", dest="inductor", action="store_false",
+                   help="leave out the torch.compile row (its first step compiles for ~20 s)")
     p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -147,7 +228,11 @@ def main() -> None:
         machine = accelerator_description(device)
     else:
         cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-        machine = f"{cpu.group(1) if cpu else 'unknown CPU'}, {torch.get_num_threads()} threads"
+        from lmforge.devices import cpu_flags
+
+        isa = "AVX-512" if "avx512f" in cpu_flags() else "AVX2" if "avx2" in cpu_flags() else "no AVX2"
+        machine = f"{cpu.group(1) if cpu else 'unknown CPU'} ({isa}), {torch.get_num_threads()} threads"
+    cold = cold_build_seconds() if device.type == "cpu" else None
     t0 = time.perf_counter()
     rows = run(args, device)
     command = " ".join(["lmforge bench optim", *sys.argv[1:]])
@@ -155,6 +240,9 @@ def main() -> None:
             f"{args.model} shapes ({rows[0]['numel'] / 1e6:.1f}M parameters, its weight-decay groups); median "
             f"of {args.repeats} steps each, taking turns; {time.perf_counter() - t0:.0f} s in all, load average "
             f"{os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n")
+    if cold is not None:
+        body += (f"\nThe compiled loop's build: {cold:.1f} s with an empty Inductor cache (once per machine; logged "
+                 "once), then loaded from the cache (its first step above).\n")
     print(body)
     if args.write:
         label = f"CPU, --threads {args.threads}" if device.type == "cpu" else device.type.upper()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lmforge.train.config import OptimConfig, Precision
+from lmforge.train.optim_kernel import bf16_rows, cpu_kernel, kernel_scalars
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -35,6 +36,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 # chunk is large enough that launches are not the cost (~23 per chunk).
 CPU_CHUNK = 1 << 18
 ACCELERATOR_CHUNK = 1 << 24
+# With compiled=None, the compiled CPU update (optim_kernel.py) is used from this many parameters on: it costs
+# seconds to build once per machine, and below this a whole eager step takes milliseconds.
+KERNEL_MIN_PARAMS = 1 << 22
 
 
 # Noise for stochastic rounding: a counter-based hash, (((counter + k0) * C1) ^ k) * C2, whose top 16 bits are
@@ -89,6 +93,19 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
     dst.copy_(bits.view(torch.float32).view(dst.shape))  # exact in bf16
 
 
+def correct_sqrt(x: torch.Tensor, out: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
+    """out <- the fp32 square root of fp32 x, correctly rounded (IEEE), as the compiled update and CUDA compute it.
+
+    torch's CPU sqrt goes through MKL's vector math on x86 builds and is one fp32 ulp off for ~20% of inputs
+    (torch 2.13, AVX-512): AdamW's denominator would then depend on the build and the machine. In fp64 then
+    rounded to fp32 it is exact: 53 bits leave the double rounding no room to err for a square root. `work` is an
+    fp64 buffer like x (made when not given); on an accelerator torch's fp32 sqrt is correctly rounded already."""
+    if x.device.type != "cpu":
+        return torch.sqrt(x, out=out)
+    work = torch.empty_like(x, dtype=torch.float64) if work is None else work
+    return out.copy_(work.copy_(x).sqrt_())
+
+
 def _chunks(tensors: list[tuple[torch.Tensor, ...]], size: int, first_only: bool = False):
     """The flat tensors laid end to end, cut every `size` elements: per chunk, its pieces (slices of each
     tuple's tensors alike), in order."""
@@ -126,11 +143,17 @@ class AdamWSR(torch.optim.Optimizer):
     CPU a chunk is 256K elements, so the work buffers stay in cache: whole-tensor fp32 temporaries (which
     glibc maps afresh, page fault by page fault, for every op on
     a 50k-row embedding) made a Pythia-70m step ~4x slower.
+
+    On a CPU the update of each bf16 tensor is instead one compiled loop (lmforge.train.optim_kernel: one pass,
+    as torch's fused AdamW makes) giving the same bits: `compiled=True` always, `False` never, None (default)
+    from KERNEL_MIN_PARAMS parameters on. Where it cannot be built the eager update runs, with a warning.
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 stochastic_rounding: bool = True, seed: int = 0, chunk_size: int | None = None):
+                 stochastic_rounding: bool = True, seed: int = 0, chunk_size: int | None = None,
+                 compiled: bool | None = None):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.compiled = compiled
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.chunk_size = chunk_size  # None: CPU_CHUNK or ACCELERATOR_CHUNK by the parameters' device
@@ -143,6 +166,8 @@ class AdamWSR(torch.optim.Optimizer):
         if not self._work or self._work["g"].device != device or self._work["g"].numel() < n:
             self._work = {k: torch.empty(n, dtype=torch.float32, device=device) for k in ("g", "d")}
             self._work["mvw"] = torch.empty(3, n, dtype=torch.float32, device=device)  # rounded in one go
+            if device.type == "cpu":
+                self._work["d64"] = torch.empty(n, dtype=torch.float64, device=device)  # for correct_sqrt
             self._work |= _round_work(n, keys, device)
             self._work["base"] = self._work["d"].view(torch.int32)  # the denominator is spent by then
         else:
@@ -187,7 +212,32 @@ class AdamWSR(torch.optim.Optimizer):
             for x, c in copies:
                 x.copy_(c)
 
+    def _kernel(self, device: torch.device):
+        """The compiled CPU update where this step should use it, else None."""
+        if self.compiled is False or self.first_chunk_only or device.type != "cpu":
+            return None
+        if self.compiled is None and sum(p.numel() for g in self.param_groups for p in g["params"]) < KERNEL_MIN_PARAMS:
+            return None
+        return cpu_kernel()
+
     def _update(self, rows: list[tuple[torch.Tensor, ...]], group: dict, t: int, keys: list[int]) -> None:
+        """One AdamW step on flat (w, g, m, v) rows of one group and step count: each bf16 row by the compiled
+        CPU update where there is one, the others chunk by chunk (the noise's counters run on alike)."""
+        kernel = self._kernel(rows[0][0].device)
+        if kernel is None:
+            return self._update_chunks(rows, group, t, keys)
+        scalars = kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t)
+        hash_keys = torch.tensor([0] + [_int32(k) for k in keys[1:4]], dtype=torch.int32)
+        for row, fits in zip(rows, bf16_rows(rows), strict=True):
+            if not fits:
+                self._update_chunks([row], group, t, keys)
+                continue
+            n = row[0].numel()
+            hash_keys[0] = _int32((self._counter + keys[0]) * HASH_C1)  # the row's first counter, hashed
+            kernel(*row, scalars, hash_keys, n, int(self.stochastic_rounding))
+            self._counter += n
+
+    def _update_chunks(self, rows: list[tuple[torch.Tensor, ...]], group: dict, t: int, keys: list[int]) -> None:
         """One AdamW step on flat (w, g, m, v) rows of one group and step count, chunk by chunk."""
         beta1, beta2 = group["betas"]
         lr = group["lr"]
@@ -203,11 +253,12 @@ class AdamWSR(torch.optim.Optimizer):
             g32, d32 = work["g"][:n], work["d"][:n]
             for i, buf in ((0, w32), (1, g32), (2, m32), (3, v32)):  # gather: one foreach copy per operand
                 torch._foreach_copy_(list(buf.split(sizes)), [piece[i] for piece in pieces])
-            # torch's AdamW, op for op (its single-tensor form): the same fp32 results, bit for bit.
+            # torch's AdamW, op for op (its single-tensor form), with a correctly rounded square root.
             m32.lerp_(g32, 1 - beta1)
             v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
             w32.mul_(1 - lr * group["weight_decay"])
-            torch.sqrt(v32, out=d32).div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
+            correct_sqrt(v32, out=d32, work=work["d64"][:n] if "d64" in work else None)
+            d32.div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
             w32.addcdiv_(m32, d32, value=-lr / (1 - beta1**t))
             dsts = [[piece[i] for piece in pieces] for i in (2, 3, 0)]  # the moments, then the weights
             take = range(len(pieces))
