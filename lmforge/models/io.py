@@ -127,10 +127,18 @@ def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
         path = where[name]
         if path not in handles:
             handles[path] = safe_open(str(path), "pt")
-        return handles[path].get_tensor(name)
+        return stored_layout(name, handles[path].get_tensor(name))
 
     get.names = list(where)  # type: ignore[attr-defined]
     return get
+
+
+def stored_layout(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A tensor as this version lays it out: folders written before Experts.gate_up had its (experts, 2, inter,
+    hidden) shape hold it as (experts, 2 * inter, hidden), the same values in the same order."""
+    if name.endswith("experts.gate_up") and t.dim() == 3:
+        return t.unflatten(1, (2, -1))
+    return t
 
 
 def materialize(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.errors import UserError
 from lmforge.models.build import build, init_weights, local_piece
 from lmforge.models.config import ModelConfig
-from lmforge.models.io import is_model_dir, read_config, safetensors_index
+from lmforge.models.io import is_model_dir, read_config, safetensors_index, stored_layout
 from lmforge.models.source import RUN_OVERRIDES, is_checkpoint, load_checkpoint_model, source_config
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,8 @@ def _from_lmforge(folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tenso
         piece = handles[where[name]].get_slice(name)
         shape = tuple(piece.get_shape())
         box, local = local_box(t), _local(t)
+        if len(shape) == t.dim() - 1 and stored_layout(name, torch.empty(shape, device="meta")).shape == t.shape:
+            piece, shape = stored_layout(name, piece[:]), tuple(t.shape)  # an older folder's layout: read whole
         if name in vocab and shape[0] != t.shape[0]:  # padded to another multiple: real rows, then zeros
             if shape[0] < cfg.vocab_size or shape[1:] != tuple(t.shape[1:]):
                 raise UserError(f"tensor '{name}' has shape {shape} in '{folder}', the model expects "

@@ -133,3 +133,29 @@ def test_moe_layers_follow_moe_every_and_dense_layers():
     assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     model = build(cfg, device="meta")
     assert [type(layer.mlp).__name__ for layer in model.layers] == ["MLP", "MoE", "MLP", "MLP", "MLP", "MoE"]
+
+
+def test_a_folder_with_the_earlier_gate_up_layout_loads(tmp_path):
+    """lmforge folders written before gate_up had its (experts, 2, inter, hidden) shape hold it as (experts,
+    2 * inter, hidden), the same values in the same order: the whole-model reader and the sharded loader take
+    both, to the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from lmforge.models.io import save_model
+    from lmforge.parallel import ParallelConfig, load_sharded, meta_model, parallelize
+
+    model = build("tiny-qwen3-moe", seed=4)
+    folder = save_model(model, tmp_path / "m")
+    files = list(folder.glob("*.safetensors"))
+    for f in files:
+        state = load_file(f)
+        state = {n: t.flatten(1, 2) if n.endswith("experts.gate_up") else t for n, t in state.items()}
+        assert any(t.dim() == 3 for n, t in state.items() if n.endswith("experts.gate_up"))
+        save_file(state, f, metadata={"format": "pt"})
+    expected = dict(model.named_parameters())
+    whole = dict(load_pretrained(folder).named_parameters())
+    pm = parallelize(meta_model(folder), ParallelConfig(), None)
+    load_sharded(pm, folder)
+    sharded = dict(pm.parts[0].named_parameters())
+    for name, p in expected.items():
+        assert torch.equal(whole[name], p) and torch.equal(sharded[name], p), name

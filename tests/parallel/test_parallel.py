@@ -101,6 +101,11 @@ FOUR = {
     # Mixtures of experts: both plans on one model; a pipeline per data-parallel rank, each its own router sums.
     "tp_pp_mixtral": {"model": "tiny-mixtral", "model_overrides": {"router_aux_loss_coef": 0.5},
                       "parallel": {"tensor": 2, "pipeline": 2, "microbatches": 2}},
+    # Four stages: the middle ones exchange sums with both ends; Qwen3-MoE's dense layer 1 is a stage without
+    # experts, which still sends (zeros) and receives.
+    "pp4_qwen3_moe_1f1b": {"model": "tiny-qwen3-moe", "model_overrides": {**L4, "dense_layers": [1],
+                                                                          "router_aux_loss_coef": 0.5},
+                           "parallel": {"pipeline": 4, "microbatches": 4}},
     "pp_fsdp_qwen3_moe": {"model": "tiny-qwen3-moe", "model_overrides": {"router_z_loss_coef": 0.01,
                                                                          "router_aux_loss_coef": 0.1},
                           "parallel": {"pipeline": 2, "data_shard": 2, "microbatches": 2}},
