@@ -96,6 +96,15 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
                                      counts, act)
 
 
+def expert_rows(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int],
+                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Each row through its expert, unweighted: rows (n, hidden) already grouped by expert (counts[e] rows of
+    expert e, experts in order), gate_up/down the experts' stacked weights, all in one dtype. The GEMMs of
+    grouped_experts, for a caller that grouped the rows itself (expert parallelism, after the all-to-all)."""
+    order = torch.arange(rows.shape[0], device=rows.device)
+    return _GroupedExperts.apply(rows, rows.new_ones(rows.shape[0], 1), gate_up, down, order, counts, act)
+
+
 def _segments(counts: list[int]):
     start = 0
     for e, n in enumerate(counts):
@@ -152,7 +161,7 @@ class _GroupedExperts(torch.autograd.Function):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0], device=order.device)
         # Back to (token, k) order and summed over k: a gather and a sum, no scatter (deterministic on every device).
-        out = (y * w[:, None])[inverse].view(tokens, k, -1).sum(1)
+        out = (y * w[:, None])[inverse].view(tokens, k, y.shape[1]).sum(1)  # explicit: 0 tokens too
         ctx.save_for_backward(x, weights, gate_up, down, order, inverse, h, y)
         ctx.counts, ctx.act, ctx.offs = counts, act, offs
         return out
@@ -191,7 +200,8 @@ class _GroupedExperts(torch.autograd.Function):
         del grad_act, ga, act_g
         grad_gate_up = _per_expert_outer(gh, x.index_select(0, slot_token), counts, offs).view(ctx.gate_up_shape) \
             if need_gu else None
-        grad_x = _per_expert(gh, gate_up, counts, offs)[inverse].view(tokens, k, -1).sum(1) if need_x else None
+        grad_x = (_per_expert(gh, gate_up, counts, offs)[inverse].view(tokens, k, x.shape[1]).sum(1) if need_x
+                  else None)
         return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None
 
 

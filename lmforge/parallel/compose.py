@@ -18,8 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model
+from lmforge.parallel.expert import apply_expert_parallel, expert_parameters
+from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh
 from lmforge.parallel.pipeline import StageShapes, build_schedule, split_model, stage_ids
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
 
@@ -41,6 +43,7 @@ class ParallelModel:
     loss_fn: Callable | None = None  # set per step by pipeline_step; the schedule calls it
     eval_schedule: Any = None  # forward-only, built by pipeline_eval on first use
     router: Any = None  # a pipelined MoE model's PipelineRouterLosses (pipeline_step runs it)
+    expert_mesh: Any = None  # ("ep_replicate", "ep") under expert parallelism (lmforge.parallel.expert)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def size(self, dim: str) -> int:
@@ -107,10 +110,13 @@ class ParallelModel:
 
 def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_policy=None) -> None:
     """FSDP2 per block, then the rest (embeddings, final norm, head) as the root unit; a tied embedding
-    stays in the root unit with the head that reuses it."""
+    stays in the root unit with the head that reuses it. Experts laid out by expert parallelism are left to it."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": dp_mesh}
+    ignored = {p for p in expert_parameters(part) if isinstance(p, DTensor)}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in blocks(part):
@@ -137,6 +143,10 @@ def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
     """DDP over the replicate dim: one whole model per rank, gradients all-reduced in buckets during the backward."""
     from torch.nn.parallel import DistributedDataParallel
 
+    experts = expert_parameters(model)
+    ignored = [n for n, p in model.named_parameters() if p in experts and isinstance(p, DTensor)]
+    if ignored:  # laid out by expert parallelism, which reduces their gradients itself
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -188,6 +198,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
     cfg = cfg.resolved(mesh.size())
     check_model(cfg, model.config)
     pm = ParallelModel([model], cfg, mesh, device=device)
+    if cfg.expert > 1:
+        pm.expert_mesh = expert_mesh(mesh, cfg)
+        apply_expert_parallel(model, pm.expert_mesh, pm.data_parallel_size)
     if pp == 1 and tp == 1 and cfg.data_shard == 1 and cfg.data_replicate > 1:
         compile_blocks(model)
         if any(p.requires_grad for p in model.parameters()):  # a frozen model (DPO's reference): a replica as is

@@ -45,13 +45,16 @@ class ParallelConfig:
     # FSDP2 under bf16-mixed all-gathers bf16 parameters (half the bytes of fp32); gradients are reduce-scattered
     # in this dtype: fp32 (torchtitan's default: sums of many ranks' bf16 gradients lose bits) or bf16.
     fsdp_reduce_dtype: str = "fp32"
+    # Mixture-of-experts layers: each expert lives on one of this many data-parallel ranks (the others send it
+    # their tokens with all-to-all); 1 keeps every expert on every rank. See lmforge/parallel/expert.py.
+    expert: int = 1
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in SCHEDULES:
             hint = closest(self.pipeline_schedule, SCHEDULES)
             raise UserError(f"unknown parallel.pipeline_schedule '{self.pipeline_schedule}'{hint}: "
                             f"choose one of {', '.join(SCHEDULES)}")
-        for name in ("pipeline", "data_replicate", "tensor", "virtual_stages"):
+        for name in ("pipeline", "data_replicate", "tensor", "virtual_stages", "expert"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
@@ -100,6 +103,8 @@ class ParallelConfig:
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before any collective)."""
     tp, pp = cfg.tensor, cfg.pipeline
+    if cfg.expert > 1:
+        check_expert(cfg, model)
     if tp > 1:
         splits = ("num_heads", "num_kv_heads", "intermediate_size") + (("moe_intermediate_size",)
                                                                        if model.num_experts else ())
@@ -131,6 +136,36 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
         if model.num_labels:
             raise UserError("pipeline parallelism supports the LM/MLM heads only, the model has a classification "
                             "head: set parallel.pipeline=1")
+
+
+def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
+    """UserError when parallel.expert cannot split the model's experts over the data-parallel ranks."""
+    ep = cfg.expert
+    if not model.num_experts:
+        raise UserError(f"parallel.expert={ep} needs a mixture-of-experts model, {model.family} has no experts "
+                        "(model.num_experts=0): set parallel.expert=1")
+    if model.num_experts % ep:
+        raise UserError(f"model.num_experts={model.num_experts} is not divisible by parallel.expert={ep}: each "
+                        "expert-parallel rank holds the same number of experts; pick a degree that divides it")
+    if cfg.data_parallel % ep:
+        raise UserError(f"parallel.expert={ep} does not divide the data-parallel size {cfg.data_parallel} "
+                        f"(data_replicate={cfg.data_replicate} x data_shard={cfg.data_shard}): experts are split "
+                        "over data-parallel ranks; pick a degree that divides it")
+    if cfg.tensor > 1 or cfg.pipeline > 1:
+        raise UserError(f"parallel.expert={ep} does not combine with tensor or pipeline parallelism yet: set "
+                        "parallel.tensor=1 and parallel.pipeline=1")
+
+
+def expert_mesh(mesh, cfg: ParallelConfig):
+    """The DeviceMesh ("ep_replicate", "ep") of expert parallelism over `mesh`'s data-parallel ranks: "ep" groups
+    parallel.expert neighbouring ones (the innermost data dim's, the fastest links), "ep_replicate" the ranks
+    holding the same experts. Every rank must call this (it creates process groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = mesh.mesh.reshape(-1, cfg.expert)  # tensor = pipeline = 1: the mesh is its data-parallel ranks
+    ep = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("ep_replicate", "ep"))
+    _inherit_timeout(ep, mesh.device_type)
+    return ep
 
 
 def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size: int | None = None,
@@ -171,7 +206,7 @@ def _inherit_timeout(mesh, device_type: str) -> None:
 
     try:  # private torch API (2.6 ... 2.13): guarded, the groups keep torch's default without it
         timeout = c10d._get_default_group()._get_backend(torch.device(device_type)).options._timeout
-        for name in MESH_DIMS:
+        for name in mesh.mesh_dim_names:
             group = mesh[name].get_group()
             if group is not c10d._get_default_group():
                 c10d._set_pg_timeout(timeout, group)

@@ -19,16 +19,30 @@ from lmforge.train.optim_kernel import bf16_rows, cpu_kernel, kernel_scalars
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on 2-D weight matrices only: no decay on norms, biases or embeddings
-    (including their vocabulary padding rows), as in Megatron/GPT-NeoX."""
+    (including their vocabulary padding rows), as in Megatron/GPT-NeoX. Each kind is split further by
+    by_mesh (expert-parallel experts beside FSDP or DDP weights)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": part, "weight_decay": wd} for kind, wd in ((decay, weight_decay), (no_decay, 0.0))
+              for part in by_mesh(kind)]
     # A pipeline stage may hold no parameter of a kind; torch's state-dict helpers cannot name an empty group.
     return [g for g in groups if g["params"]]
+
+
+def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` split by the DeviceMesh they are DTensors on (plain tensors together), in order of first
+    appearance: torch's foreach and fused optimizer kernels take one list of tensors that must be all plain or all
+    DTensors of one mesh."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        out.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(out.values()) or [[]]
 
 
 # Elements per chunk of AdamWSR's fused update: on a CPU the work buffers (~36 bytes per element, ~9 MB) stay

@@ -29,14 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, args: list[str], timeout: float = 240.0) -> list[Rank]:
+def run_ranks(world: int, args: list[str], timeout: float = 240.0, script: Path = WORKER) -> list[Rank]:
     port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     out = []
     try:

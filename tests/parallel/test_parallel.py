@@ -77,6 +77,11 @@ TWO = {
     "pp_mixtral_interleaved": {"model": "tiny-mixtral", "model_overrides": {**L4, "router_aux_loss_coef": 0.5},
                                "parallel": {"pipeline": 2, "pipeline_schedule": "interleaved_1f1b",
                                             "virtual_stages": 2, "microbatches": 4}},
+    # Expert parallelism: each rank holds half the experts, tokens exchanged with all-to-all; the other weights
+    # under FSDP2, or DDP.
+    "ep_mixtral_fsdp": {"model": "tiny-mixtral", "parallel": {"expert": 2}},
+    "ep_qwen3_moe_ddp": {"model": "tiny-qwen3-moe", "parallel": {"expert": 2, "data_replicate": 2,
+                                                                "data_shard": 1}},
 }
 
 FOUR = {
@@ -109,6 +114,11 @@ FOUR = {
     "pp_fsdp_qwen3_moe": {"model": "tiny-qwen3-moe", "model_overrides": {"router_z_loss_coef": 0.01,
                                                                          "router_aux_loss_coef": 0.1},
                           "parallel": {"pipeline": 2, "data_shard": 2, "microbatches": 2}},
+    # Expert parallelism 2 inside 4 data-parallel ranks (HSDP 2 x 2): two ranks hold each expert and sum its
+    # gradient; its checkpoint loads at expert=4 (one expert per rank) and on one process, and back.
+    "ep2_hsdp_mixtral": {"model": "tiny-mixtral", "parallel": {"expert": 2, "data_replicate": 2, "data_shard": 2},
+                         "reshard": {"parallel": {"expert": 4}}},
+    "ep4_qwen3_moe_fsdp": {"model": "tiny-qwen3-moe", "parallel": {"expert": 4}},
 }
 
 
@@ -160,9 +170,11 @@ def test_four_processes_equal_one(four, layout):
 
 
 @pytest.mark.slow
-def test_checkpoint_reshards_between_layouts(four):
-    """Saved at (tp=2, pp=2), loaded at (dp=4) and on one process; saved at dp=4, loaded at (tp=2, pp=2)."""
-    r = four["tp_pp_llama"]
+@pytest.mark.parametrize("layout", ["tp_pp_llama", "ep2_hsdp_mixtral"])
+def test_checkpoint_reshards_between_layouts(four, layout):
+    """Saved at (tp=2, pp=2), loaded at (dp=4) and on one process; saved at dp=4, loaded at (tp=2, pp=2). Saved
+    at expert=2 over HSDP, loaded at expert=4 and on one process, and back."""
+    r = four[layout]
     assert r["reshard_loaded"] == pytest.approx(r["reshard_expected"], rel=1e-5)
     assert r["reshard_single"] == pytest.approx(r["reshard_expected"], rel=1e-6)
     assert r["reshard_back_loaded"] == pytest.approx(r["reshard_back_expected"], rel=1e-5)

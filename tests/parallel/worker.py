@@ -37,7 +37,7 @@ from lmforge.parallel import (
     pipeline_step,
     with_router_loss,
 )
-from lmforge.train.optim import AdamWSR
+from lmforge.train.optim import AdamWSR, by_mesh
 
 BATCH, SEQ = 8, 16
 
@@ -141,18 +141,24 @@ def parallel_eval(pm, mesh, batch) -> float:
     return all_reduce_data_parallel(loss.reshape(1), mesh).item()
 
 
+def named_parameters(pm):
+    """(model name, parameter) of this rank's parts; DDP's wrapper prefix left out."""
+    for part in pm.parts:
+        for name, p in part.named_parameters():
+            yield name.removeprefix("module."), p
+
+
 def compare_grads(pm, ref) -> tuple[float, list[str]]:
     """max over parameters of max|grad - ref grad| / max|ref grad|, and the names compared here."""
     ref_params = dict(ref.named_parameters())
     worst, names = 0.0, []
-    for part in pm.parts:
-        for name, p in part.named_parameters():
-            if ref_params[name].grad is None:  # frozen (a LoRA base): no gradient on either side (see run_case)
-                names.append(name)
-                continue
-            g, r = full(p.grad), ref_params[name].grad
-            worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+    for name, p in named_parameters(pm):
+        if ref_params[name].grad is None:  # frozen (a LoRA base): no gradient on either side (see run_case)
             names.append(name)
+            continue
+        g, r = full(p.grad), ref_params[name].grad
+        worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+        names.append(name)
     return worst, names
 
 
@@ -162,16 +168,16 @@ def adam_step_error(pm, ref, optimizer=None) -> float:
     `optimizer(params)`: another optimizer to step with (lmforge's AdamWSR)."""
     before = {n: p.detach().clone() for n, p in ref.named_parameters()}
     for params in (list(pm.parameters()), list(ref.parameters())):
+        params = [{"params": group} for group in by_mesh(params)]  # expert-parallel experts beside FSDP/DDP's
         if optimizer is None:
             torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1, foreach=True).step()
         else:
             optimizer(params).step()
     ref_params, worst = dict(ref.named_parameters()), 0.0
-    for part in pm.parts:
-        for name, p in part.named_parameters():
-            r = ref_params[name].detach()
-            step = (r - before[name]).abs().max().clamp_min(1e-12)
-            worst = max(worst, ((full(p.detach()) - r).abs().max() / step).item())
+    for name, p in named_parameters(pm):
+        r = ref_params[name].detach()
+        step = (r - before[name]).abs().max().clamp_min(1e-12)
+        worst = max(worst, ((full(p.detach()) - r).abs().max() / step).item())
     return worst
 
 

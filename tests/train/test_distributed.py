@@ -35,25 +35,31 @@ LORA = ("lora.rank=4", "lora.targets=all-linear")
 MOE = ("model.preset=tiny-mixtral", "model.router_aux_loss_coef=0.5")
 
 
+EP = ("parallel.expert=2",)  # the two processes only: each holds 2 of the 4 experts
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("fsdp", ()), ("fsdp", LORA), ("fsdp", MOE),
-                                              ("fsdp parallel.tensor=2", MOE),
-                                              # Pipeline microbatches of one process's micro-batches (2 rows): the
-                                              # router losses are per forward, so the same ones.
-                                              ("fsdp parallel.pipeline=2 parallel.microbatches=4", MOE)],
-                         ids=["ddp", "fsdp", "fsdp-lora", "fsdp-moe", "tp-moe", "pp-moe"])
-def test_two_processes_train_like_one(strategy, extra, tiny_corpus, tmp_path):
+@pytest.mark.parametrize("strategy, extra, layout", [
+    ("ddp", (), ()), ("fsdp", (), ()), ("fsdp", LORA, ()), ("fsdp", MOE, ()), ("fsdp parallel.tensor=2", MOE, ()),
+    # Pipeline microbatches of one process's micro-batches (2 rows): the router losses are per forward, so the
+    # same ones.
+    ("fsdp parallel.pipeline=2 parallel.microbatches=4", MOE, ()),
+    ("fsdp", MOE, EP), ("ddp", MOE, EP)],
+    ids=["ddp", "fsdp", "fsdp-lora", "fsdp-moe", "tp-moe", "pp-moe", "fsdp-moe-ep", "ddp-moe-ep"])
+def test_two_processes_train_like_one(strategy, extra, layout, tiny_corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, tmp_path / "one", *extra)], check=True,
                    env=env, capture_output=True, timeout=300)
     two = tmp_path / "two"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", *_args(tiny_corpus, two, *f"trainer.data_parallel={strategy}".split(), *extra)],
+                        "lmforge.cli", *_args(tiny_corpus, two, *f"trainer.data_parallel={strategy}".split(), *extra,
+                                              *layout)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     _close(_curve(two), _curve(tmp_path / "one"))
     before = _curve(two)
-    # The 2-process checkpoint (DCP) loads on one process and training continues from step 4.
+    # The 2-process checkpoint (DCP) loads on one process and training continues from step 4 (expert parallelism's
+    # experts, split over the two, whole again).
     r = subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, two, "trainer.max_steps=6", *extra)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
