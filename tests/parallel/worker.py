@@ -120,7 +120,7 @@ def parallel_step(pm, mesh, batch) -> float:
     # Normalised by the global count; x dp size because FSDP averages gradients over the dp ranks.
     loss_fn = lambda out, y: ce_sum(out, y) / count * size  # noqa: E731
     kwargs = {k: v[rows] for k, v in kwargs.items()}
-    cfg = pm.parts[0].config
+    cfg = getattr(pm.parts[0], "module", pm.parts[0]).config  # through DDP's wrapper
     if cfg.num_experts and not pm.pipelined:  # the router losses as the trainer adds them (ParallelTraining.step)
         with pm.loss_context():
             loss = loss_fn(pm(ids[rows], **kwargs), labels[rows])
