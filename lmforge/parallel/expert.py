@@ -94,18 +94,15 @@ class ExpertDispatch:
         tokens, k = chosen.shape
         flat = chosen.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # pairs by expert: rank 0's experts' rows first
-        counts = self._counts(flat)
-        received = torch.empty_like(counts)  # (source rank, local expert): the rows each rank sends each expert
-        dist.all_to_all_single(received, counts, group=self.group)
-        counts_host = counts.view(self.size, self.local).tolist()  # the layer's one host sync (two lists)
-        received_host = received.view(self.size, self.local).tolist()
+        counts_host, received_host = self._counts(flat)
         send = [sum(row) for row in counts_host]
         recv = [sum(row) for row in received_host]
         rows = _AllToAll.apply(x.index_select(0, order // k), recv, send, self.group)
         # Received by source rank, then local expert: regroup by local expert (each expert's rows one block,
         # sources in rank order) for the grouped GEMMs.
         expert_of_row = torch.repeat_interleave(torch.arange(self.local, device=x.device).repeat(self.size),
-                                                received.to(x.device).reshape(-1), output_size=sum(recv))
+                                                torch.tensor(received_host, device=x.device).reshape(-1),
+                                                output_size=sum(recv))
         by_expert = torch.sort(expert_of_row, stable=True).indices
         per_expert = [sum(received_host[s][e] for s in range(self.size)) for e in range(self.local)]
         y = expert_rows(rows.index_select(0, by_expert), gate_up, down, per_expert, act)
@@ -114,14 +111,22 @@ class ExpertDispatch:
         y = _AllToAll.apply(y.index_select(0, back), send, recv, self.group)  # in `order`, on the source rank
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0], device=order.device)
-        return (y.index_select(0, inverse).view(tokens, k, -1) * weights[..., None]).sum(1)
+        return (y.index_select(0, inverse).view(tokens, k, y.shape[1]) * weights[..., None]).sum(1)
 
-    def _counts(self, flat: torch.Tensor) -> torch.Tensor:
-        if is_fake(flat):  # lmforge plan traces on fake tensors: no routing to count, take it balanced
-            n = flat.numel()
-            return torch.tensor([n // self.num_experts + (e < n % self.num_experts) for e in range(self.num_experts)],
-                                device=flat.device)
-        return torch.bincount(flat, minlength=self.num_experts)
+    def _counts(self, flat: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        """(rows this rank sends each rank's experts, rows it receives from each rank for its experts), each
+        (ranks, local experts): one all-to-all of the counts, and the layer's one host sync."""
+        if is_fake(flat):  # lmforge plan traces on fake tensors: no routing to count, take it balanced everywhere
+            n, e = flat.numel(), self.num_experts
+            counts = [n // e + (i < n % e) for i in range(e)]
+            sent = [counts[r * self.local:(r + 1) * self.local] for r in range(self.size)]
+            rank = dist.get_rank(self.group)
+            return sent, [sent[rank]] * self.size
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        both = torch.stack([counts, received]).view(2, self.size, self.local).tolist()
+        return both[0], both[1]
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:

@@ -94,8 +94,14 @@ def reference(cfg, batch, seed: int = 0, chunks: int = 1, case: dict | None = No
     """The one-process model's loss and gradients on the global batch. A mixture of experts adds its router losses
     the trainer's way: per forward, here per `chunks` consecutive slices of the batch (the data-parallel ranks'
     pipeline microbatches), averaged over them."""
-    ids, labels, kwargs = batch
     ref = build_case(cfg, case or {}, seed)
+    return ref, ref_backward(ref, cfg, batch, chunks)
+
+
+def ref_backward(ref, cfg, batch, chunks: int = 1) -> float:
+    """Forward and backward of the one-process model `ref` on the global batch, router losses per `chunks` slices
+    as reference() adds them; the loss (without router losses)."""
+    ids, labels, kwargs = batch
     count = (labels != -100).sum()
     if not cfg.num_experts:
         chunks = 1
@@ -108,7 +114,7 @@ def reference(cfg, batch, seed: int = 0, chunks: int = 1, case: dict | None = No
         if extra is not None:
             ref.router_means = [m + v.item() / chunks for m, v in zip(ref.router_means, (extra.aux_loss,
                                                                                          extra.z_loss))]
-    return ref, total
+    return total
 
 
 def parallel_step(pm, mesh, batch) -> float:
@@ -233,12 +239,9 @@ def run_case(case: dict, world: int) -> dict:
     return result
 
 
-def _ref_loss(ref, batch, backward: bool = False) -> float:
+def _ref_loss(ref, batch) -> float:
     ids, labels, kwargs = batch
-    loss = ce_sum(ref(ids, **kwargs), labels) / (labels != -100).sum()
-    if backward:
-        loss.backward()
-    return loss.item()
+    return (ce_sum(ref(ids, **kwargs), labels) / (labels != -100).sum()).item()
 
 
 def reshard(case, cfg, pcfg, pm, ref, batch, world) -> dict:
@@ -250,10 +253,11 @@ def reshard(case, cfg, pcfg, pm, ref, batch, world) -> dict:
     path = case["reshard"]["dir"]
     sgd_(pm.parameters())
     sgd_(ref.parameters())
-    expected = _ref_loss(ref, batch, backward=True)
-    dcp.save(model_state_dict(pm), checkpoint_id=f"{path}/a")
     other = ParallelConfig(**case["reshard"]["parallel"])
     mesh2 = build_mesh(other, cfg)
+    # The gradients the next update takes, as the other layout computes them (a MoE's router losses per rank).
+    expected = ref_backward(ref, cfg, batch, chunks=data_parallel_rank(mesh2)[1])
+    dcp.save(model_state_dict(pm), checkpoint_id=f"{path}/a")
     pm2 = parallelize(build(cfg, seed=123), other, mesh2)
     state = model_state_dict(pm2)
     dcp.load(state, checkpoint_id=f"{path}/a")

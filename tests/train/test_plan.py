@@ -65,6 +65,8 @@ LAYOUTS = {
     "classification": _case(2, "data.task=classification", "trainer.data_parallel=fsdp"),
     # A mixture of experts: the routing of fake tensors cannot be counted, the trace takes it balanced.
     "moe_fsdp": _case(2, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp"),
+    # Expert parallelism over all 4 ranks: each holds 2 of the 8 experts whole, FSDP a quarter of the rest.
+    "moe_ep": _case(4, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp", "parallel.expert=4"),
 }
 CASES = {
     **LAYOUTS,
@@ -271,3 +273,18 @@ def test_fresh_model_is_initialised_shard_by_shard():
             for name, p in pm.parts[0].named_parameters():
                 local, box = local_piece(p)
                 assert torch.equal(local, reference[name].detach()[box]), (rank, name)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_sends_every_routed_row_through_all_to_all(planned):
+    """Per MoE layer and micro-batch: tokens x experts_per_token rows of the hidden size go out to the experts and
+    back in the forward, and their gradients both ways in the backward (4 all-to-alls; the plan's fake routing is
+    balanced, so each is the rank's whole routed rows)."""
+    from lmforge.models import preset
+
+    cfg = preset("tiny-qwen3-moe")
+    [rank] = planned["moe_ep"]["plan"]["ranks"]
+    micro_batches = 8 // (2 * 4)  # global batch / (micro batch x data-parallel size)
+    rows = 2 * 64 * cfg.experts_per_token  # micro batch x sequence length x experts per token
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert rank["collective_bytes"]["all_to_all"] == micro_batches * layers * 4 * rows * cfg.hidden_size * 4
