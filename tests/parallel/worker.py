@@ -214,7 +214,7 @@ def run_case(case: dict, world: int) -> dict:
     # Trainable here and frozen in one process, or the other way round, or frozen with a gradient (a LoRA base's
     # norms made trainable by a tensor-parallel style, its tied embedding given a zero gradient by a pipeline).
     ref_trainable = {n for n, p in ref.named_parameters() if p.requires_grad}
-    flipped = [n for part in pm.parts for n, p in part.named_parameters()
+    flipped = [n for n, p in named_parameters(pm)
                if p.requires_grad != (n in ref_trainable) or (n not in ref_trainable and p.grad is not None)]
     result = {"loss": loss, "ref_loss": ref_loss, "eval_loss": eval_loss, "grad_err": worst, "flipped": flipped,
               "grad_norm": grad_norm(pm).item(), "ref_grad_norm": ref_norm,
