@@ -155,12 +155,13 @@ def _tied_group(mesh):
     """The process group of the first and last pipeline rank that share this rank's (dp, tp) coordinate."""
     if mesh["pp"].size() == 2:
         return mesh["pp"].get_group()
-    return _pipeline_column_group(mesh, ends_only=True)[0]
+    found = _pipeline_column_group(mesh, ends_only=True)
+    return found[0] if found is not None else None  # a middle stage holds no tied weight
 
 
-def _pipeline_column_group(mesh, ends_only: bool = False) -> tuple[Any, list[int]]:
+def _pipeline_column_group(mesh, ends_only: bool = False) -> tuple[Any, list[int]] | None:
     """A new process group of the pipeline ranks that share this rank's (dp, tp) coordinate (only the first and
-    the last with ends_only), and its ranks."""
+    the last with ends_only), and its ranks; None for a rank outside it (a middle stage with ends_only)."""
     grid = mesh.mesh.reshape(mesh["pp"].size(), -1)
     mine = None
     for column in range(grid.shape[1]):  # every rank creates every group, in the same order
