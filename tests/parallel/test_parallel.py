@@ -104,6 +104,8 @@ FOUR = {
     "tp_pp_qwen3_lora": {"model": "tiny-qwen3", "parallel": {"tensor": 2, "pipeline": 2, "microbatches": 2},
                          "lora": LORA},
     # Mixtures of experts: both plans on one model; a pipeline per data-parallel rank, each its own router sums.
+    "fsdp_tp_qwen3_moe": {"model": "tiny-qwen3-moe", "parallel": {"tensor": 2, "data_shard": 2},
+                          "model_overrides": {"router_z_loss_coef": 0.01, "router_aux_loss_coef": 0.1}},
     "tp_pp_mixtral": {"model": "tiny-mixtral", "model_overrides": {"router_aux_loss_coef": 0.5},
                       "parallel": {"tensor": 2, "pipeline": 2, "microbatches": 2}},
     # Four stages: the middle ones exchange sums with both ends; Qwen3-MoE's dense layer 1 is a stage without
