@@ -6,8 +6,9 @@ requests in the order they came: one client's 1000 prompts take every other free
 1000, so a single request behind them waits a few rows rather than all of them. Between two decode steps
 the free slots (rows of one preallocated KVCache) take the next requests so chosen, and their prompts are
 prefilled together in one forward (at most `prefill_batch` requests and `max_prefill_tokens` padded tokens
-a forward): requests that arrive together, or while a step runs, get their first token after one prefill
-instead of one prefill each. The decode step then feeds every running row its last token at the row's own
+a forward; fewer on the CPU, where a few hundred tokens already fill the matmuls): requests that arrive
+together, or while a step runs, get their first token after one prefill instead of one prefill each. The
+decode step then feeds every running row its last token at the row's own
 position (rows hold different lengths, so the cache writes per-row slots). A request that arrives while
 others decode therefore joins at the next step instead of waiting for the batch to drain (iteration-level
 scheduling, Yu et al., Orca, OSDI 2022), and a finished or cancelled request frees its row at once.
@@ -51,8 +52,16 @@ class EngineConfig:
     max_context: int | None = None  # cache slots per row; default the model's max_position_embeddings
     max_queue: int = 1024  # waiting requests before submit raises EngineBusy
     prefill_batch: int | None = None  # most requests prefilled in one forward; None = max_batch, 1 = one at a time
-    max_prefill_tokens: int = 8192  # most padded tokens (requests x longest prompt) a prefill forward takes; a
-    # longer prompt still goes, alone
+    # Most padded tokens (requests x longest prompt) one prefill forward takes (a longer prompt still goes, alone);
+    # None: CPU_PREFILL_TOKENS on the CPU, ACCELERATOR_PREFILL_TOKENS elsewhere.
+    max_prefill_tokens: int | None = None
+
+
+# On the CPU a forward of a few hundred tokens already runs its matmuls at full rate: batching more prompts saves
+# no time and only delays the first ones' first token (benchmarks/prefill.py: 8 prompts of 16 tokens prefill 2x
+# faster together than one by one, 8 of 128 no faster). An accelerator's forward is far from full at that size.
+CPU_PREFILL_TOKENS = 256
+ACCELERATOR_PREFILL_TOKENS = 8192
 
 
 @dataclass
@@ -100,7 +109,6 @@ class Engine:
             raise UserError(f"max_batch must be >= 1, got {config.max_batch}")
         if config.prefill_batch is not None and config.prefill_batch < 1:
             raise UserError(f"prefill_batch must be >= 1, got {config.prefill_batch}")
-        self.prefill_batch = min(config.prefill_batch or config.max_batch, config.max_batch)
         limit = model.config.max_position_embeddings
         scaling = model.config.rope_scaling
         if scaling is not None and scaling.type == "longrope" and scaling.original_max_position_embeddings < limit:
@@ -113,6 +121,9 @@ class Engine:
         self.context = min(config.max_context or limit, limit)
         p = next(model.parameters())
         self.device = p.device
+        self.prefill_batch = min(config.prefill_batch or config.max_batch, config.max_batch)
+        self.prefill_tokens = config.max_prefill_tokens or (
+            CPU_PREFILL_TOKENS if p.device.type == "cpu" else ACCELERATOR_PREFILL_TOKENS)
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device)
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.slots: list[EngineRequest | None] = [None] * config.max_batch
@@ -238,7 +249,7 @@ class Engine:
             longest = 0
             while free and self.waiting and len(taken) < self.prefill_batch:
                 n = len(self.waiting[next(iter(self.waiting))][0].prompt_ids)
-                if taken and (len(taken) + 1) * max(longest, n) > self.config.max_prefill_tokens:
+                if taken and (len(taken) + 1) * max(longest, n) > self.prefill_tokens:
                     break
                 req = self._next_waiting()
                 if req.cancelled:
