@@ -3,7 +3,10 @@
 One random Pythia-70m-shaped model (GPT-NeoX config built in transformers), saved once and loaded
 by both; the same left-padded prompts; eos off so every row decodes exactly --new-tokens tokens.
 Sides: transformers with its default dynamic cache; transformers with a static cache and
-torch.compile (its own compiled decoding, forced on for CPU); lmforge eager; lmforge compile=True.
+torch.compile (its own compiled decoding: its default reduce-overhead mode, CUDA graphs, on CUDA; forced on
+for CPU in the default mode); lmforge eager; lmforge compile=True; lmforge compile="reduce-overhead" (the
+static-shape decode step, replayed as CUDA graphs on CUDA; on the CPU the same static graph without them).
+On CUDA the defaults are the issue's: batch 1, 8 and 32, 128-token prompts, 256 new tokens.
 Within every repeat the sides take turns in rotated order, together with two probes of the floor:
 the memory bandwidth (a large copy) and the decode step's matrix products alone. Batch-1 decoding
 reads every weight once per token, so bandwidth / bytes read per token bounds tokens/s for any
@@ -116,7 +119,9 @@ def run_hf(model, prompts, new_tokens, compile=False):
     if compile:  # transformers compiles its static-cache decoding by itself only on GPUs: ask for it on CPU too
         from transformers import CompileConfig
 
-        config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        # Its own default mode on CUDA (reduce-overhead: CUDA graphs); "default" on the CPU, which has none.
+        mode = "reduce-overhead" if model.device.type == "cuda" else "default"
+        config = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
         config._compile_all_devices = True
         kwargs = dict(cache_implementation="static", compile_config=config)
     ids, mask = left_pad(prompts, 0, model.device)
@@ -180,6 +185,7 @@ def measure_group(args, ours, ref, dtype: torch.dtype, batch: int, vocab: int) -
     if not args.no_compile:
         sides.insert(1, Side("transformers compile", lambda: run_hf(ref, prompts, n, compile=True)))
         sides.append(Side("lmforge compile", lambda: run_ours(ours, prompts, n, compile=True)))
+        sides.append(Side("lmforge reduce-overhead", lambda: run_ours(ours, prompts, n, compile="reduce-overhead")))
     for side in sides:  # warm-up, compilation included, and the tokens to compare
         synchronize(device)
         start = time.perf_counter()
@@ -256,8 +262,10 @@ def ceiling(rows: list[dict]) -> str:
     for r in rows:
         hf = r["tok_s"]["transformers"]
         best = max(v for k, v in r["tok_s"].items() if k.startswith("lmforge"))
+        compiled = r["tok_s"].get("transformers compile")
+        against = f" ({best / compiled:.2f}x transformers compile)" if compiled else ""
         parts.append(f"{r['shape']} {r['dtype']} batch {r['batch']}: matmuls alone {r['matmuls'] / hf:.2f}x "
-                     f"transformers, the faster lmforge side {best / hf:.2f}x")
+                     f"transformers, the faster lmforge side {best / hf:.2f}x{against}")
     return ("Ceiling on the speed-up (the decode step's matrix products alone, nothing else, against transformers' "
             "whole `generate`; no implementation calling these matmul kernels can beat it): " + "; ".join(parts) + ".")
 
@@ -276,9 +284,9 @@ def details(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="Pythia shapes to run")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 8 (CUDA: 1 8 32)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 32 (CUDA: 128)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 128 (CUDA: 256)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each side (median)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--force-bf16", action="store_true", help="run bf16 rows even on a CPU without bf16 matmuls")
@@ -292,6 +300,10 @@ def main() -> None:
         args.device = resolve_device(args.device)
     except UserError as e:
         raise SystemExit(f"error: {e}") from None
+    cuda = args.device.type == "cuda"
+    args.batch = args.batch or ([1, 8, 32] if cuda else [1, 8])
+    args.prompt_len = args.prompt_len or (128 if cuda else 32)
+    args.new_tokens = args.new_tokens or (256 if cuda else 128)
     if args.quick:
         if args.write:
             p.error("--quick numbers are not benchmark numbers: run without --quick to --write")
@@ -329,8 +341,11 @@ def main() -> None:
         "per row (eos off). tok/s = new tokens / wall time of the whole `generate` call (prefill included), median "
         f"of {args.repeats} runs, the sides taking turns in rotated order. *transformers*: its default dynamic cache "
         "and SDPA; *transformers compile*: `cache_implementation=\"static\"` with its compiled decoding forced on "
-        "for CPU; *lmforge compile*: `generate(..., compile=True)` (the decode step through torch.compile over the "
-        "preallocated cache). *matmuls alone*: the decode step's matrix products and nothing else, timed in the "
+        "for CPU (on CUDA its default reduce-overhead mode, CUDA graphs); *lmforge compile*: `generate(..., "
+        "compile=True)` (the decode step through torch.compile over the filled slots of the preallocated cache); "
+        "*lmforge reduce-overhead*: `compile=\"reduce-overhead\"`, the static-shape step over the whole cache, "
+        "replayed as CUDA graphs on CUDA (the same static graph without them on the CPU). "
+        "*matmuls alone*: the decode step's matrix products and nothing else, timed in the "
         "same turns; *bandwidth bound*: copy bandwidth (512 MB, read + write) / bytes one decode step reads "
         "(weights but the embedding table, plus the keys/values of the mean context): no implementation reading "
         "fp32 weights once per step exceeds it. *best / bound*: the faster lmforge side against that bound. "

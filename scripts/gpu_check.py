@@ -14,7 +14,8 @@ others still run; the exit code is 1 if any failed. The table is what BENCHMARKS
   environment  torch/CUDA/transformers versions, the device, which SDPA kernels run on it
   parity       every family's logits vs transformers on the device at positions up to 2047 (2048 tokens;
                --quick: the last 64 positions): fp32 tight, bf16 no worse than transformers' own bf16
-  generate     greedy generate, eager and compiled, token for token vs transformers' (long prompts)
+  generate     greedy generate, eager, compiled and static-shape under CUDA graphs (compile="reduce-overhead",
+               checked not skipped), token for token vs transformers' (long prompts)
   engine       the continuous-batching engine's greedy (requests joining mid-decode) = generate alone
   train        a Pythia-160m shape (tiny-neox under --quick) through the Trainer: fp32, bf16-mixed,
                bf16-sr, eager and compiled: loss finite and falling, compiled step 1 = eager's

@@ -26,9 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
     p.add_argument("--device", default="auto",
                    help="auto (the accelerator torch reports, else cpu; the default), cpu, cuda, cuda:1 ...")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   choices=["default", "reduce-overhead", "max-autotune"],
                    help="torch.compile the decode step: faster per token after a one-off compile (needs a C++ "
-                        "compiler on CPU); worth it for long generations")
+                        "compiler on CPU); worth it for long generations. MODE reduce-overhead: a static-shape step "
+                        "replayed as CUDA graphs on CUDA (default: plain compile)")
     p.set_defaults(func=run)
 
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     texts = generate_text(
         model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-        compile=args.compile,
+        compile=args.compile or False,
     )
     log.info("generated %d completion(s) in %.2f s", len(texts), time.perf_counter() - start)
     for i, text in enumerate(texts):

@@ -20,13 +20,22 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
+from lmforge.inference.decode_step import (
+    STATIC_MODES,
+    cache_slots,
+    check_static,
+    compile_mode,
+    compiled_decode_step,
+    decode_step,
+    length_dynamic,
+    static_cache,
+)
 from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
 from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
 
 log = logging.getLogger(__name__)
 
 Prompts = torch.Tensor | Sequence[Sequence[int]]
-MIN_COMPILED_SLOTS = 128  # the smallest cache under compile=True (see _cache_slots)
 SYNC_EVERY = 8  # off CPU, decode steps between two checks of "have all rows stopped?" (a host sync)
 
 
@@ -117,7 +126,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     pad_token_id: int | None = None,
     should_stop: Callable[[int, list[int]], bool] | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> list[list[int]]:
     """The generated ids of each prompt (prompt not included), a stop token ending a row kept last.
 
@@ -126,11 +135,17 @@ def generate(
     temperature 0 or do_sample=False is greedy. stop_token_ids: None = the model config's eos;
     [] = never stop early. seed makes sampling reproducible (a torch.Generator of its own; without
     it the global RNG is used). should_stop(row, ids_so_far) is asked after each new token of a
-    running row (stop strings in generate_text). compile=True runs each decode step through
-    torch.compile (see _decode_step): the first call compiles (seconds to a minute), later calls with the
-    same model, batch size and cache size (a power of two) reuse the graph; greedy tokens are those of eager.
+    running row (stop strings in generate_text). compile=True (or "default") runs each decode step through
+    torch.compile; compile="reduce-overhead" (or "max-autotune") compiles a static-shape step that CUDA graphs
+    capture on CUDA (lmforge.inference.decode_step). The first call compiles (seconds to a minute), later calls
+    with the same model, batch size and cache size (a power of two) reuse the graph; greedy tokens are those of
+    eager. Under "reduce-overhead" the model holds its cache between calls: one such call at a time per model.
     """
     check_can_generate(model)
+    mode = compile_mode(compile)
+    static = mode in STATIC_MODES
+    if static:
+        check_static(model)
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, do_sample)
     if max_new_tokens < 0:
         raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -148,13 +163,14 @@ def generate(
         seen = torch.zeros(b, cfg.vocab_size, dtype=torch.long, device=device).scatter_add_(1, ids, mask) > 0
 
     # The last generated token is never fed back, so the cache needs one slot less than the total.
-    cache = KVCache.for_model(model, b, _cache_slots(s + max_new_tokens - 1, compile))
+    slots = cache_slots(s + max_new_tokens - 1, mode)
+    cache = static_cache(model, b, slots) if static else KVCache.for_model(model, b, slots)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     prefill = cache.view(slice(None), s)  # attend over the prompt's slots only, not the whole buffer
     h = model.hidden_states(ids, mask, position_ids, prefill, torch.arange(s, device=device))
     logits = model.logits(h[:, -1])
     next_position, cache_position = position_ids[:, -1:] + 1, torch.tensor([s], device=device)
-    decode_step = _compiled_decode_step() if compile else _decode_step
+    step_fn = compiled_decode_step(mode) if mode else decode_step
     reencode_at = _reencode_length(cfg)
 
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -193,9 +209,13 @@ def generate(
             next_position, cache_position = next_position + 1, cache_position + 1
             continue
         start = time.perf_counter()
-        logits = decode_step(model, _length_dynamic(view) if compile else view, token[:, None], next_position,
+        if static:  # the whole cache: no shape changes from step to step (a CUDA graph replays it)
+            torch.compiler.cudagraph_mark_step_begin()
+            logits = step_fn(model, cache, token[:, None], next_position, cache_position)
+        else:
+            logits = step_fn(model, length_dynamic(view) if mode else view, token[:, None], next_position,
                              cache_position)
-        if compile and step == 0:
+        if mode and step == 0:
             log.info("first decode step (compiles it unless cached) took %.1f s", time.perf_counter() - start)
         next_position, cache_position = next_position + 1, cache_position + 1
     return _trim(out[:, :steps].tolist(), stop.tolist(), host)
@@ -216,48 +236,6 @@ def _reencode(model: nn.Module, cache: KVCache, ids: torch.Tensor, mask: torch.T
     full_mask = torch.cat([mask, torch.ones_like(new)], 1)
     position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
     h = model.hidden_states(full, full_mask, position_ids, cache, torch.arange(full.shape[1], device=full.device))
-    return model.logits(h[:, -1])
-
-
-COMPILED_GRAPHS = 64  # per process: models x batch sizes x cache sizes (torch's default limit is 8)
-
-
-def _compiled_decode_step():
-    """_decode_step under torch.compile. Dynamo keeps the graphs of one function together and, past its recompile
-    limit, fails under fullgraph=True: one process serving or testing several models and batch sizes needs more
-    than the default 8, so the limit is raised (once) to COMPILED_GRAPHS."""
-    config = torch._dynamo.config
-    if config.recompile_limit < COMPILED_GRAPHS:
-        config.recompile_limit = COMPILED_GRAPHS
-    return torch.compile(_decode_step, dynamic=False, fullgraph=True)
-
-
-def _cache_slots(needed: int, compile: bool) -> int:
-    """Cache length: exact in eager; under compile a power of two (at least MIN_COMPILED_SLOTS), because the
-    buffer's length is in the strides of every view of it, which the compiled graph is specialised to: calls
-    of different lengths share a graph, and a model/batch size needs at most a few."""
-    return max(MIN_COMPILED_SLOTS, 1 << (needed - 1).bit_length()) if compile else needed
-
-
-def _length_dynamic(view: KVCache) -> KVCache:
-    """Mark the number of filled slots (grows by one per step) as a symbolic size for torch.compile, so one
-    graph serves every step; everything else in the decode step has a fixed shape."""
-    for t in (*view.k, *view.v):
-        torch._dynamo.mark_dynamic(t, 2)
-    torch._dynamo.mark_dynamic(view.valid, 1)
-    return view
-
-
-def _decode_step(model: nn.Module, cache: KVCache, token: torch.Tensor, position_ids: torch.Tensor,
-                 cache_position: torch.Tensor) -> torch.Tensor:
-    """Logits (batch, vocab) after feeding one token per row: the function compile=True hands to torch.compile.
-
-    What changes from step to step (token, position ids, cache slot) is a tensor of fixed shape; the cache
-    view's length is the one symbolic size (_length_dynamic), so one graph serves every step and nothing
-    recompiles per step. Norms, rotary, the attention mask and residuals fuse into a few kernels between the
-    matmuls, where eager spends its per-op overhead.
-    """
-    h = model.hidden_states(token, None, position_ids, cache, cache_position)
     return model.logits(h[:, -1])
 
 

@@ -118,10 +118,13 @@ def compare_greedy(model, prompts: list[list[int]], got: list[list[int]], expect
 
 @check
 def check_generate(ctx: Context) -> tuple[str, dict]:
+    from torch._dynamo.utils import counters
+
     from lmforge.inference import generate, left_pad
     from lmforge.models import load_pretrained
 
     dev, models = ctx.device, tiny_models(ctx)
+    modes = {"eager": False, "compiled": True, "cuda graphs": "reduce-overhead"}  # the last: static-shape step
     compiled = ["gpt_neox"] if ctx.quick else ["gpt_neox", "llama_gqa", "gpt2"]
     lengths, new = ([9, 3, 6], 8) if ctx.quick else ([1900, 1500, 1000], 64)  # long prompts: late positions
     gen = torch.Generator().manual_seed(2)
@@ -137,9 +140,11 @@ def check_generate(ctx: Context) -> tuple[str, dict]:
                                eos_token_id=None)
         expected = out[:, ids.shape[1]:].tolist()
         ours = load_pretrained(folder, device=dev)
-        for side in ("eager", "compiled") if name in compiled else ("eager",):
-            start = time.perf_counter()
-            got = generate(ours, prompts, new, do_sample=False, stop_token_ids=[], compile=side == "compiled")
+        for side in modes if name in compiled else ("eager",):
+            start, skips = time.perf_counter(), counters["inductor"]["cudagraph_skips"]
+            got = generate(ours, prompts, new, do_sample=False, stop_token_ids=[], compile=modes[side])
+            if side == "cuda graphs" and dev.type == "cuda" and counters["inductor"]["cudagraph_skips"] > skips:
+                bad.append(f"{name} {side}: Inductor skipped CUDA graphs (run with TORCH_LOGS=perf_hints for why)")
             equal, tied, problems = compare_greedy(ours, prompts, got, expected, ctx.fp32_tol)
             fig[f"{name} {side}"] = {"rows_equal": equal, "rows_parting_at_a_tie": tied, "problems": problems,
                                      "seconds": time.perf_counter() - start}
@@ -148,7 +153,8 @@ def check_generate(ctx: Context) -> tuple[str, dict]:
     if bad:
         raise AssertionError("greedy tokens differ from transformers': " + "; ".join(bad))
     note = f" ({ties} rows part at a top-2 tie within {ctx.fp32_tol:g})" if ties else ""
-    return (f"{sum(k.endswith('eager') for k in fig)} families eager + {len(compiled)} compiled ({', '.join(compiled)})"
+    return (f"{sum(k.endswith('eager') for k in fig)} families eager + {len(compiled)} compiled and static-shape "
+            f"(compile='reduce-overhead'{', CUDA graphs' if dev.type == 'cuda' else ''}) ({', '.join(compiled)})"
             f": {len(prompts)} rows x {new} tokens equal{note}; prompts of {max(lengths)} to {min(lengths)} "
             "tokens"), fig
 

@@ -176,6 +176,48 @@ def test_compiled_decode_gives_transformers_tokens_without_recompiling_per_call(
     assert generate(ours, PROMPTS[:1], 20, do_sample=False, stop_token_ids=[], compile=True) == expected[:1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa", "mistral"])  # + a sliding window over the static cache
+def test_static_decode_for_cuda_graphs_equals_eager_in_one_graph(family, models_):
+    """compile="reduce-overhead": the static-shape step (the whole preallocated cache, positions as tensors) gives
+    eager's and transformers' greedy tokens; it compiles into one graph without a graph break, and nothing
+    recompiles across its steps (dynamic=False: a shape that changed would) nor across calls of other prompt and
+    generation lengths within the cache size, which replay into the cache the model keeps between calls."""
+    from torch._dynamo.utils import counters
+
+    from lmforge.inference.decode_step import HELD_CACHE
+
+    ours, ref = models_[family]
+    torch._dynamo.reset()
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    ids, mask = left_pad(PROMPTS, 0)
+    expected = ref.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0,
+                            eos_token_id=None)[:, ids.shape[1]:].tolist()
+    assert generate(ours, PROMPTS, 20, do_sample=False, stop_token_ids=[]) == expected
+    assert generate(ours, PROMPTS, 20, do_sample=False, stop_token_ids=[], compile="reduce-overhead") == expected
+    assert counters["stats"]["unique_graphs"] - graphs == 1 and sum(counters["graph_break"].values()) == breaks
+    cache = getattr(ours, HELD_CACHE)
+    assert cache.valid.shape == (3, 128)  # 9 + 20 slots rounded up to the smallest compiled cache
+    shorter = [p[:4] for p in PROMPTS]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompts, n, stop in ((shorter, 40, []), (PROMPTS, 30, [expected[1][3]])):
+            eager = generate(ours, prompts, n, do_sample=False, stop_token_ids=stop)
+            assert generate(ours, prompts, n, do_sample=False, stop_token_ids=stop, compile="reduce-overhead") == eager
+    assert getattr(ours, HELD_CACHE) is cache and counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def test_compile_modes_refused(models_):
+    ours, _ = models_["gpt_neox"]
+    with pytest.raises(UserError, match="compile must be True/False or one of default, reduce-overhead"):
+        generate(ours, PROMPTS, 4, compile="fast")
+    moe, _ = models_["mixtral"]
+    with pytest.raises(UserError, match="mixture-of-experts model cannot decode with compile='reduce-overhead'"):
+        generate(moe, PROMPTS, 4, compile="reduce-overhead")
+    args = _cli(["model", "--prompt", "x", "--compile"])
+    assert args.compile == "default" and _cli(["m", "--prompt", "x", "--compile", "reduce-overhead"]).compile \
+        == "reduce-overhead" and _cli(["m", "--prompt", "x"]).compile is None
+
+
 def test_default_stop_is_the_config_eos(models_):
     ours, _ = models_["gpt_neox"]
     greedy = generate(ours, PROMPTS, 12, do_sample=False, stop_token_ids=[])
