@@ -29,6 +29,9 @@ IGNORE_INDEX = -100
 # The batch key of a token loss's scored positions (labels != IGNORE_INDEX, as flat indices), found on the host
 # while the batch is still there (lmforge.train.step): dropping the others then needs no host sync.
 SCORED_ROWS = "scored_rows"
+# Beside it, how many of them each row has: a CPU tensor the batch keeps on the host (a per-row loss, DPO's, splits
+# SCORED_ROWS by it and knows its blank rows without reading the device).
+SCORED_PER_ROW = "scored_per_row"
 # fp32 softmax work per block of rows on CPU: small enough to stay in cache across the block's few
 # passes, large enough that a step runs few small parallel ops (each one waits for every thread).
 CPU_BLOCK_BYTES = 16 << 20

@@ -49,7 +49,7 @@ from lmforge.parallel.compose import fsdp_mixed_precision
 from lmforge.parallel.data_parallel import gradient_sync, unwrap
 from lmforge.parallel.pipeline import StageShapes
 from lmforge.train.config import OptimConfig, Precision
-from lmforge.train.loss import IGNORE_INDEX, SCORED_ROWS
+from lmforge.train.loss import IGNORE_INDEX, SCORED_PER_ROW, SCORED_ROWS
 from lmforge.train.optim import build_optimizer
 from lmforge.train.tasks import Task, count_tokens, logits_loss
 
@@ -102,6 +102,13 @@ def _device_scalar(value, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return _local(value).detach().to(torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+def scored_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A host batch's (rows, positions) labels -> SCORED_ROWS (flat indices of the scored labels, sent to the device
+    with the batch) and SCORED_PER_ROW (each row's count, kept on the host)."""
+    scored = labels != IGNORE_INDEX
+    return {SCORED_ROWS: scored.reshape(-1).nonzero().squeeze(1), SCORED_PER_ROW: scored.sum(1)}
 
 
 def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
@@ -200,8 +207,9 @@ class ParallelTraining:
     def _inputs(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Micro-batches as one batch on the device. A pipeline's stages keep the shapes of their first
         step, so its batches are padded to data.seq_length; sequence parallelism needs a multiple of TP.
-        The positions a token loss scores are found here, on the host (SCORED_ROWS), so the loss need not
-        ask the device; on CUDA the batch goes through pinned memory and the copies do not wait."""
+        The positions a token loss scores are found here, on the host (SCORED_ROWS, and SCORED_PER_ROW: each
+        row's count, left on the host), so the loss need not ask the device; on CUDA the batch goes through
+        pinned memory and the copies do not wait."""
         if self.pm.pipelined:
             length = self.seq_length
         else:
@@ -211,11 +219,12 @@ class ParallelTraining:
         batches = [pad_batch(b, length) for b in batches]
         batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]} if len(batches) > 1 else batches[0]
         labels = self.task.inputs(batch)[1]
-        if labels.dim() == 2 and labels.device.type == "cpu":
-            batch = {**batch, SCORED_ROWS: (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)}
+        host = scored_positions(labels) if labels.dim() == 2 and labels.device.type == "cpu" else {}
+        if SCORED_ROWS in host:
+            batch = {**batch, SCORED_ROWS: host.pop(SCORED_ROWS)}
         pin = self.pm.device.type == "cuda"
-        return {k: (v.pin_memory() if pin and not v.is_pinned() else v).to(self.pm.device, non_blocking=True)
-                for k, v in batch.items()}
+        return {**{k: (v.pin_memory() if pin and not v.is_pinned() else v).to(self.pm.device, non_blocking=True)
+                   for k, v in batch.items()}, **host}
 
     def global_counts(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """[labelled items, tokens] of the step's micro-batches summed over the data-parallel ranks, on the device

@@ -45,6 +45,14 @@ def _direct_logps(model, batch) -> torch.Tensor:
     return (logp * (labels != IGNORE_INDEX)).sum(-1)
 
 
+def _as_trained(task, batch):
+    """The batch as a training step hands it to the loss: each row's scored positions found on the host
+    (lmforge.train.step), so the fused per-row loss and the blank-pair check read nothing from the device."""
+    from lmforge.train.step import scored_positions
+
+    return {**batch, **scored_positions(task.inputs(batch)[1])}
+
+
 def _task(reference=None, beta=BETA):
     from lmforge.parallel import ParallelConfig, parallelize
 
@@ -65,8 +73,8 @@ def test_loss_rewards_and_accuracy_equal_trls_formula(preset):
     expected_loss = -F.logsigmoid(BETA * logits)
     chosen, rejected = BETA * (pc - rc), BETA * (pr - rr)
     task = _task(reference)
-    for fused in (True, False):
-        loss, count, (correct, margin, chosen_sum, rejected_sum) = task.loss(policy, batch, fused)
+    for fused, given in ((True, batch), (False, batch), (True, _as_trained(task, batch))):
+        loss, count, (correct, margin, chosen_sum, rejected_sum) = task.loss(policy, given, fused)
         assert count == 2 and task.count(batch) == 2
         torch.testing.assert_close(loss, expected_loss.sum(), rtol=1e-5, atol=1e-5)
         assert correct == int((chosen > rejected).sum())
@@ -101,10 +109,11 @@ def test_a_blank_pair_filling_up_validation_counts_nowhere():
               "attention_mask": torch.cat([batch["attention_mask"], batch["attention_mask"][:2]])}
     with torch.no_grad():
         loss, count, stats = task.loss(policy, batch)
-        loss_b, count_b, stats_b = task.loss(policy, padded)
-    assert count == count_b == task.count(padded) == 2
-    torch.testing.assert_close(loss_b, loss)
-    assert stats_b == pytest.approx(stats)
+        for given in (padded, _as_trained(task, padded)):
+            loss_b, count_b, stats_b = task.loss(policy, given)
+            assert count == count_b == task.count(padded) == 2
+            torch.testing.assert_close(loss_b, loss)
+            assert stats_b == pytest.approx(stats)
 
 
 def test_under_lora_the_reference_is_the_base_without_adapters():

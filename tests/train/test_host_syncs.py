@@ -87,7 +87,7 @@ def _step_reads(task_name: str, accumulation: int, corpus, tmp_path) -> list[str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task_name", ["pretrain", "sft"])
+@pytest.mark.parametrize("task_name", ["pretrain", "sft", "dpo"])
 def test_one_host_sync_per_step_whatever_the_accumulation(task_name, tiny_corpus, tmp_path):
     for accumulation in (1, 4):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:

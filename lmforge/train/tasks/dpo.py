@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from lmforge.errors import UserError
 from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
-from lmforge.train.loss import IGNORE_INDEX
+from lmforge.train.loss import IGNORE_INDEX, SCORED_PER_ROW, SCORED_ROWS
 from lmforge.train.tasks.base import (
     Batch,
     Epochs,
@@ -49,12 +49,14 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 
 
 def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, inputs: dict,
-                   fused: bool = True) -> torch.Tensor:
-    """Summed log-probability of each row's labels (-100: not scored), (rows,) in fp32."""
+                   fused: bool = True, scored: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Summed log-probability of each row's labels (-100: not scored), (rows,) in fp32. `scored`: each row's scored
+    positions where known (row_positions), so the fused loss need not find them on the device."""
     nll = fused_head_loss(model) if fused else None
     if nll is not None:
         def head_fn(h, weight, bias):  # the fused loss per row: no (rows, seq, vocab) logits
-            return -torch.stack([nll(h[i], weight, bias, labels[i]) for i in range(len(labels))])
+            return -torch.stack([nll(h[i], weight, bias, labels[i], scored_rows=scored[i] if scored else None)
+                                 for i in range(len(labels))])
 
         return model(input_ids, **inputs, head_fn=head_fn)
     # Per-token cross-entropy, which loss_parallel computes on vocabulary-sharded logits (tensor parallelism):
@@ -63,6 +65,16 @@ def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torc
     nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     logps = -nll.view(labels.shape).sum(-1)
     return logps.to_local() if hasattr(logps, "to_local") else logps
+
+
+def row_positions(batch: Batch) -> list[torch.Tensor] | None:
+    """Each row's scored positions, cut from the batch's flat SCORED_ROWS by the per-row counts the host found with
+    them (lmforge.train.step): no device read. None where the batch came without them."""
+    flat, counts = batch.get(SCORED_ROWS), batch.get(SCORED_PER_ROW)
+    if flat is None or counts is None:
+        return None
+    length = batch["input_ids"].shape[1]
+    return [part - i * length for i, part in enumerate(flat.split(counts.tolist()))]
 
 
 def scored_pairs(labels: torch.Tensor) -> torch.Tensor:
@@ -135,12 +147,13 @@ class DPO(Task):
         return {**example, "chosen_labels": torch.full_like(example["chosen_labels"], IGNORE_INDEX),
                 "rejected_labels": torch.full_like(example["rejected_labels"], IGNORE_INDEX)}
 
-    def reference_logps(self, model: torch.nn.Module, batch: Batch, fused: bool) -> torch.Tensor:
+    def reference_logps(self, model: torch.nn.Module, batch: Batch, fused: bool,
+                        scored: list[torch.Tensor] | None = None) -> torch.Tensor:
         if "ref_logps" in batch:
             return batch["ref_logps"].float()
         ids, labels, inputs = self.inputs(batch)
         if self.reference is not None:
-            logps = sequence_logps(self.reference.parts[0], ids, labels, inputs, fused)
+            logps = sequence_logps(self.reference.parts[0], ids, labels, inputs, fused, scored)
             self.reference.reshard()  # FSDP2's root unit stays gathered after a forward: free it
             return logps
         from lmforge.models.lora import adapters_disabled
@@ -150,19 +163,24 @@ class DPO(Task):
         inner.eval()
         try:
             with adapters_disabled(inner):
-                return sequence_logps(inner, ids, labels, inputs, fused)
+                return sequence_logps(inner, ids, labels, inputs, fused, scored)
         finally:
             inner.train(training)
 
     def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True):
         ids, labels, inputs = self.inputs(batch)
+        scored = row_positions(batch)
         with torch.no_grad():
-            ref = self.reference_logps(model, batch, fused)
-        policy = sequence_logps(model, ids, labels, inputs, fused)
+            ref = self.reference_logps(model, batch, fused, scored)
+        policy = sequence_logps(model, ids, labels, inputs, fused, scored)
         losses, chosen, rejected = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], self.beta)
-        keep = scored_pairs(labels)
-        if not bool(keep.all()):  # blank pairs filling up the last validation step: not counted
-            losses, chosen, rejected = losses[keep], chosen[keep], rejected[keep]
+        # Blank pairs filling up the last validation step are not counted: known on the host where the batch says
+        # how many labels each row scores, else read from the device.
+        per_row = batch.get(SCORED_PER_ROW)
+        keep = per_row[0::2] > 0 if per_row is not None else scored_pairs(labels)
+        if not bool(keep.all()):
+            kept = keep.nonzero().squeeze(1).to(losses.device)
+            losses, chosen, rejected = (t.index_select(0, kept) for t in (losses, chosen, rejected))
         stats = tuple(t.detach() for t in ((chosen > rejected).sum(), (chosen - rejected).sum(), chosen.sum(),
                                            rejected.sum()))
         return losses.sum(), len(losses), stats
