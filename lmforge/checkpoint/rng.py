@@ -10,6 +10,14 @@ import numpy as np
 import torch
 
 
+def seed_all(seed: int) -> None:
+    """Seed every generator rng_state keeps from a run's seed: lmforge's own draws use generators of their own, but a
+    library or a user's code reached from a step (a dataset, an evaluation task) may draw from the global ones."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # NumPy's legacy seed takes 32 bits
+    torch.manual_seed(seed)  # the device generators too
+
+
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from lmforge.chat_template import CHAT_TEMPLATE_FILE
 from lmforge.checkpoint.manager import DISK_FIX
+from lmforge.checkpoint.rng import seed_all
 from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write, out_of_space, remove_leftovers
@@ -100,7 +101,7 @@ class Trainer:
         if set_tf32(self.world.device, t.tf32) and self.world.is_main:
             log.info("fp32 matrix products on %s: %s", self.world.device.type,
                      "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")
-        torch.manual_seed(t.seed)  # dropout masks and data order: the same run draws the same (weights seed their own)
+        seed_all(t.seed)  # dropout, data order, Python, NumPy: the same run draws the same (weights seed their own)
         # A layout that shards the model gets it on the meta device: each rank fills only its own shards.
         # (LoRA wraps the whole model before it is laid out: no meta-device model then.)
         model, fill = init_model(cfg, self.data.num_labels, meta=layout.shards_model and cfg.lora is None,

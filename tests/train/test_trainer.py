@@ -91,6 +91,26 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_corpus, tmp_path, m
     assert all(torch.isfinite(p.detach()).all() for p in trainer.model.parameters())
 
 
+@pytest.mark.slow
+def test_the_python_and_numpy_generators_start_from_the_run_seed(tiny_corpus, tmp_path):
+    """Only torch's generator was seeded: Python's and NumPy's global ones (which a library or a user's dataset may
+    draw from) kept whatever the process had, so two runs with the same seed saved different RNG states in their
+    checkpoints. Now every generator a checkpoint keeps starts from trainer.seed."""
+    import random
+
+    import numpy as np
+
+    states = {}
+    for name, seed, before in [("a", 3, 1), ("b", 3, 2), ("c", 4, 1)]:
+        random.seed(before)  # whatever ran earlier in the process
+        np.random.seed(before)
+        Trainer(run_config(tiny_corpus, tmp_path / name, f"trainer.seed={seed}", "trainer.max_steps=1",
+                           "trainer.val_check_interval=0")).fit()
+        states[name] = json.loads((tmp_path / name / "checkpoints" / "step-00000001" / "rng-rank0.json").read_text())
+    assert states["a"] == states["b"]
+    assert all(states["a"][k] != states["c"][k] for k in ("python", "numpy", "torch"))
+
+
 def test_top_k_and_last_checkpoints_are_kept(tiny_corpus, tmp_path):
     cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=10", "trainer.val_check_interval=2",
                      "checkpoint.every_n_steps=2", "checkpoint.save_top_k=2")
