@@ -19,6 +19,11 @@ reduce-scatter (n-1)/n x the full (gathered) tensor. With those:
   rank holds an end of the pipeline, whose first stage sends no gradient and last no activation
   (2v - 1).
 
+- expert parallel (`expert_bytes`): each MoE layer sends every routed (token, expert) row whose expert lives on
+  another rank there and gets its output back (two all-to-alls forward), and the same rows' gradients both ways
+  in the backward; with balanced routing (E-1)/E of the rows leave the rank. The ranks holding the same experts
+  (data / E of them) all-reduce the experts' gradients after every backward.
+
 Counts are per step of `global_batch_size` sequences, for the busiest rank (the first pipeline
 stage carries the embedding). Payloads without the ring factor are given too (`payload_*`): they
 are what the collectives are handed, which tests check against a real run.
@@ -113,6 +118,24 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
     out.update(payload_data=payload_data, payload_tensor=payload_tensor, payload_pipeline=pipeline,
                micro_batches=micro_batches, block_parameters=blocks, end_parameters=ends)
     return out
+
+
+def expert_bytes(cfg: ModelConfig, expert: int, data: int, tokens: int, micro_batches: int = 1,
+                 activation_bytes: int = 2, grad_bytes: int = 4, routed: float | None = None) -> dict[str, float]:
+    """Bytes one rank sends per step under expert parallelism (parallel.expert=`expert` over `data` data-parallel
+    ranks): "all_to_all", the token rows the MoE layers exchange, and "expert_grads", the all-reduce of the experts'
+    gradients over the ranks holding the same ones. `tokens` per micro-batch. `routed`: the rows that left this rank
+    for other ranks' experts plus those that arrived from other ranks, over the step's MoE layers and micro-batches,
+    if known (a real routing); else balanced routing, tokens x experts_per_token x (E-1)/E each way."""
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    if routed is None:
+        routed = micro_batches * layers * 2 * tokens * cfg.experts_per_token * (expert - 1) / expert
+    # Forward: the rank's rows out and the others' outputs back; backward: the gradients of both, the other way.
+    all_to_all = 2 * routed * cfg.hidden_size * activation_bytes
+    replicas = data // expert
+    local = layers * (cfg.num_experts // expert) * 3 * cfg.hidden_size * (cfg.moe_intermediate_size or 0)
+    grads = micro_batches * 2 * (replicas - 1) / replicas * local * grad_bytes
+    return {"all_to_all": all_to_all, "expert_grads": grads}
 
 
 def bytes_sent() -> int | None:

@@ -4,6 +4,7 @@ analytic count. Run with torchrun:
 
     comm_worker.py ddp|fsdp MICRO_BATCHES OUT.json
     comm_worker.py mesh LAYOUTS.json OUT.json     each layout: tensor, pipeline, sequence_parallel, micro_batches
+    comm_worker.py expert OUT.json                expert parallelism over the ranks, DDP for the rest
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.models import build
-from lmforge.parallel.comm_volume import Layout, bytes_sent, step_bytes
+from lmforge.parallel.comm_volume import Layout, bytes_sent, expert_bytes, step_bytes
 from lmforge.parallel.data_parallel import gradient_sync, init_world
 
 
@@ -76,6 +77,53 @@ def mesh_layout(spec: dict, world) -> dict:
     return {"rank": world.rank, "layout": spec, "sent": sent, "expected": v["total"], "by_dim": v}
 
 
+def expert_layout(world) -> dict:
+    """One step of a Mixtral-shaped MoE (fp32) with its experts over the ranks (parallel.expert = world size) and
+    DDP for the other weights: bytes sent vs DDP's all-reduce plus the all-to-alls of the rows really routed."""
+    from dataclasses import replace
+
+    from lmforge.models import preset
+    from lmforge.models.moe import moe_layers
+    from lmforge.parallel import ParallelConfig, build_mesh, parallelize
+    from lmforge.parallel.expert import expert_parameters
+
+    # Rows of 256 fp32 values: large beside gloo's framing of the all-to-alls (four per layer and step).
+    cfg = replace(preset("tiny-mixtral"), hidden_size=256, head_dim=64, intermediate_size=256,
+                  moe_intermediate_size=256)
+    model = build(cfg, seed=0)
+    pcfg = ParallelConfig(expert=world.size, data_replicate=world.size, data_shard=1)
+    pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
+    routed = []  # rows sent to and received from other ranks, per MoE layer forward
+    for layer in moe_layers(model):
+        counts = layer.dispatch._counts
+
+        def recording(flat, counts=counts):
+            sent, received = counts(flat)
+            others = [r for r in range(world.size) if r != world.rank]
+            routed.append(sum(sum(sent[r]) + sum(received[r]) for r in others))
+            return sent, received
+        layer.dispatch._counts = recording
+    seq, micro = 64, 2
+    x = torch.randint(0, cfg.vocab_size, (micro, seq), generator=torch.Generator().manual_seed(world.rank))
+
+    def step() -> None:
+        pm(x).float().mean().backward()
+
+    step()  # DDP's buckets
+    routed.clear()
+    dist.barrier()
+    before = bytes_sent()
+    step()
+    dist.barrier()
+    sent = bytes_sent() - before
+    experts = expert_parameters(model)
+    dense = sum(p.numel() for p in model.parameters() if p not in experts)
+    ddp = 2 * (world.size - 1) / world.size * dense * 4
+    v = expert_bytes(cfg, world.size, world.size, micro * seq, activation_bytes=4, routed=sum(routed))
+    return {"rank": world.rank, "sent": sent, "expected": ddp + v["all_to_all"] + v["expert_grads"],
+            "all_to_all": v["all_to_all"], "ddp": ddp}
+
+
 def main(strategy: str, micro_batches: int, out: str) -> None:
     torch.set_num_threads(1)
     world = init_world()
@@ -112,4 +160,8 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
         w = init_world()
         _write(w, [mesh_layout(spec, w) for spec in json.loads(open(sys.argv[2]).read())], sys.argv[3])
+    if sys.argv[1] == "expert":
+        torch.set_num_threads(1)
+        w = init_world()
+        _write(w, expert_layout(w), sys.argv[2])
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.models.presets import PRESETS
-from lmforge.parallel.comm_volume import Layout, bytes_sent, step_bytes
+from lmforge.parallel.comm_volume import Layout, bytes_sent, expert_bytes, step_bytes
 
 WORKER = Path(__file__).with_name("comm_worker.py")
 
@@ -58,6 +58,31 @@ def test_tensor_and_pipeline_bytes_match_the_model(tmp_path):
         for result in rank:
             # Within 2%: gloo frames each collective and point-to-point message with a few hundred bytes.
             assert result["sent"] == pytest.approx(result["expected"], rel=0.02), result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
+def test_expert_parallel_bytes_match_the_model(tmp_path):
+    """parallel.expert=2 with DDP for the rest: the all-to-alls send every row routed across ranks four times
+    (out and back, forward and backward), nothing more; DDP all-reduces the other weights only."""
+    out = tmp_path / "sent.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(WORKER), "expert", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in json.loads(out.read_text()):
+        assert rank["all_to_all"] > 0.2 * rank["sent"], rank  # the all-to-alls are a real share of the bytes
+        assert rank["sent"] == pytest.approx(rank["expected"], rel=0.02), rank
+
+
+def test_balanced_expert_parallel_bytes():
+    cfg = PRESETS["mixtral-8x7b"]  # 32 MoE layers, 8 experts, 2 per token, hidden 4096
+    one = expert_bytes(cfg, expert=8, data=8, tokens=4096)
+    # 4096 tokens x 2 experts, 7/8 of them to other ranks, out and back, forward and backward, bf16 rows.
+    assert one["all_to_all"] == 32 * 4 * 4096 * 2 * 7 / 8 * 4096 * 2
+    assert one["expert_grads"] == 0  # one rank per expert: nothing to all-reduce
+    two = expert_bytes(cfg, expert=8, data=16, tokens=4096)
+    assert two["expert_grads"] == 32 * 1 * 3 * 4096 * 14336 * 4  # 2 (n-1)/n = 1 of one expert per layer, fp32
 
 
 def test_published_layouts():

@@ -38,6 +38,13 @@ def test_tensor_parallel_not_dividing_heads(tmp_path):
 
 
 @pytest.mark.slow
+def test_expert_parallelism_of_a_dense_model(tmp_path):
+    line = _one_error_line(_run(tmp_path, {"model": "tiny-llama", "parallel": {"expert": 2}}))
+    assert line == ("error: parallel.expert=2 needs a mixture-of-experts model, llama has no experts "
+                    "(model.num_experts=0): set parallel.expert=1")
+
+
+@pytest.mark.slow
 def test_a_hung_rank_makes_the_others_time_out(tmp_path, monkeypatch):
     """Rank 1 stalls before the step's tensor-parallel collectives (a mesh sub-group, not the default
     group): the others fail once the collective timeout (here 3 s) passes, and rank 1 fails when it
