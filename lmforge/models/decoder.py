@@ -160,14 +160,19 @@ class Decoder(nn.Module):
         cache_position: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         head_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
+        right_padded: bool = False,
     ) -> torch.Tensor:
         """Logits (batch, seq, vocab_size), or (batch, num_labels) for a classification model.
 
         head_fn(hidden, head weight, head bias), if given, is returned instead of the logits: a
         loss that never materialises them (lmforge.train.loss), run inside forward for DDP/FSDP.
         A pipeline stage that is not the last returns its hidden states (batch, seq, hidden).
+        right_padded: attention_mask pads on the right only (as the training collators do), where causal attention
+        alone is exact for every real token: SDPA runs is_causal, no (batch, 1, seq, seq) mask is built, and the
+        mask serves only to find each row's last token for the classification head.
         """
-        h = self.hidden_states(input_ids, attention_mask, position_ids, cache, cache_position, segment_ids)
+        mask = None if right_padded and cache is None else attention_mask
+        h = self.hidden_states(input_ids, mask, position_ids, cache, cache_position, segment_ids)
         if not self.is_last:
             return h
         if self.score is not None:

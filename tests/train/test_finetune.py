@@ -255,3 +255,37 @@ def test_fine_tuning_recipes_run_as_the_readme_says(recipe, tiny_pythia, tmp_pat
     assert (run / "hf-adapter" / "adapter_config.json").is_file() == recipe.startswith("lora")
     last = _rows(run)[-1]
     assert ("val_reward_accuracy" in last) == recipe.startswith("dpo") and "val_loss" in last
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-neox", "tiny-gpt2", "tiny-mistral", "tiny-gemma2"])
+def test_a_decoder_classifier_runs_causal_attention_without_a_padding_mask(preset, monkeypatch):
+    """The classification task pads on the right, where causal attention is exact for every real token: the decoder
+    runs SDPA's is_causal (or the capped path's own causal mask) instead of building a (batch, 1, seq, seq) padding
+    mask, and gives the class logits the masked model gives (sliding windows and Gemma 2's soft-capping included)."""
+    import torch.nn.functional as F
+
+    from lmforge.train.tasks import get_task
+
+    meta = build(preset, device="meta").config
+    model = build({**meta.__dict__, "num_labels": 3, "pad_token_id": 0, "sliding_window": 5
+                   if meta.sliding_window else None}, seed=0).eval()
+    ids = torch.randint(1, 200, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 7:], mask[2, 4:] = 0, 0  # right padding: rows of 7, 12 and 4 tokens
+    ids = ids.masked_fill(mask == 0, 0)
+    batch = {"input_ids": ids, "attention_mask": mask, "label": torch.tensor([0, 2, 1])}
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask)
+        masks = []
+        sdpa = F.scaled_dot_product_attention
+        monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: masks.append(k.get("attn_mask")) or
+                            sdpa(*a, **k))
+        loss, count, correct = get_task("classification").loss(model, batch)
+    assert all(m is None or m.dim() == 2 for m in masks)  # at most a sliding window's band, never one per row
+    assert masks or meta.attn_logit_softcapping  # Gemma 2's capped scores go their own way
+    torch.testing.assert_close(loss, F.cross_entropy(expected, batch["label"], reduction="sum"), rtol=1e-6, atol=1e-6)
+    assert int(count) == 3 and int(correct) == int((expected.argmax(-1) == batch["label"]).sum())
+    for row, n in enumerate((7, 12, 4)):  # each row's logits equal those of the row alone, unpadded
+        with torch.no_grad():
+            alone = model(ids[row : row + 1, :n])
+        torch.testing.assert_close(expected[row : row + 1], alone, rtol=1e-5, atol=1e-5)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.models.decoder import Decoder
+from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, logits_loss, require, total_samples, with_padding
@@ -44,6 +46,8 @@ class Classification(Task):
 
     def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True) -> tuple[torch.Tensor, ...]:
         input_ids, labels, inputs = self.inputs(batch)
+        if isinstance(unwrap(model), Decoder):  # the collator pads on the right: causal attention needs no mask
+            inputs = {**inputs, "right_padded": True}
         logits = model(input_ids, **inputs).float()
         # The counts as device scalars: read once per step with the rest (count() reads the host batch).
         return logits_loss(logits, labels), (labels != IGNORE_INDEX).sum(), self.correct(logits, labels)
