@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from report import BENCHMARKS_MD, read_section, write_section  # benchmarks/report.py
+from report import BENCHMARKS_MD, write_block  # benchmarks/report.py
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.rope import RotaryEmbedding, apply_rotary, rotary_permutation
@@ -141,15 +141,6 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def write_blocks(device_label: str, body: str) -> None:
-    """Replace this run's ### block in our section of BENCHMARKS.md; keep the other blocks."""
-    parts = re.split(r"^### (.+)\n", read_section(SECTION), flags=re.M)
-    blocks = dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
-    blocks[device_label] = body.strip()
-    body = "".join(f"### {k}\n\n{v}\n\n" for k, v in sorted(blocks.items()))
-    write_section(SECTION, f"{SECTION}\n\n{INTRO}\n{body}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -183,7 +174,7 @@ def main() -> None:
             f"{table(rows)}\n\n{summary(rows)}\n")
     print(body)
     if args.write:
-        write_blocks(label, body)
+        write_block(SECTION, INTRO, label, body)
         print(f"wrote '{SECTION}' ({label}) to {BENCHMARKS_MD}")
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from report import BENCHMARKS_MD, accelerator_description, read_section, write_section  # benchmarks/report.py
+from report import BENCHMARKS_MD, accelerator_description, write_block  # benchmarks/report.py
 
 from lmforge.data.indexed import IndexedDatasetWriter
 from lmforge.devices import max_memory_allocated, memory_allocated, reset_peak_memory_stats, resolve_device, synchronize
@@ -358,17 +358,8 @@ def main() -> None:
     print(body)
     if args.write:
         label = f"CPU, {desc}" if on_cpu else f"{args.device.type.upper()}, {desc}"
-        write_blocks(label + (f", {' '.join(malloc)}" if malloc else ""), body)
+        write_block(SECTION, INTRO, label + (f", {' '.join(malloc)}" if malloc else ""), body)
         print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
-
-
-def write_blocks(label: str, body: str) -> None:
-    """Replace this machine's ### block in our section; keep the others (and hand-written notes)."""
-    parts = re.split(r"^### (.+)\n", read_section(SECTION), flags=re.M)
-    blocks = dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
-    blocks[label] = body.strip()
-    text = "".join(f"### {k}\n\n{v}\n\n" for k, v in blocks.items())
-    write_section(SECTION, f"{SECTION}\n\n{INTRO}\n\n{text}")
 
 
 MEMORY = (" Peak GiB: the side's weights and optimizer state plus the most one of its steps allocated on top "
