@@ -442,3 +442,18 @@ def test_phi3_longrope_short_and_long_factors_match_transformers(tmp_path):
     after = tf.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
     assert after["rope_parameters"] == {**before["rope_parameters"], "factor": 4.0}  # made explicit: 64 / 16
     assert after["original_max_position_embeddings"] == before["original_max_position_embeddings"]
+
+
+@pytest.mark.parametrize("family", [f for f in DECODERS if f.startswith(("llama", "qwen", "mistral", "gemma", "olmo2",
+                                                                        "phi3", "mixtral"))])
+def test_a_null_attention_dropout_in_config_json_reads_as_no_dropout(family, hf_dirs):
+    """`"attention_dropout": null` (written by some conversions) read as 0.0 for Gemma but stopped the Llama-named
+    families with a TypeError (None <= 1.0) once their shared reader took the field as it was."""
+    from lmforge.models.hf import adapter_for, read_hf_config
+    from lmforge.models.hf.weights import HFWeights
+
+    hf = read_hf_config(hf_dirs[family])
+    keys = HFWeights(hf_dirs[family]).keys()
+    adapter = adapter_for(hf["model_type"])
+    assert adapter.config_from_hf({**hf, "attention_dropout": None}, keys) == adapter.config_from_hf(
+        {**hf, "attention_dropout": 0.0}, keys)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf.base import HFAdapter, Mapping, architecture, decoder_num_labels, require
-from lmforge.models.hf.llama import LLAMA_SWITCHES, llama_layout
-from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
+from lmforge.models.hf.base import HFAdapter, Mapping, architecture, require
+from lmforge.models.hf.llama import LLAMA_SWITCHES, llama_config, llama_layout
+from lmforge.models.hf.rope import rope_to_hf
 
 # What Gemma 2 and 3 hard-wire on top of Llama's block.
 GEMMA_SWITCHES = {**LLAMA_SWITCHES, "sliding_window": ..., "norm_position": "sandwich", "norm_scale_fp32": True,
@@ -62,25 +62,17 @@ def gemma_common(cfg: ModelConfig) -> dict:
     }
 
 
-def gemma_config(hf: dict, keys: list[str], family: str, pattern: int, **switches) -> ModelConfig:
+def gemma_config(hf: dict, keys: list[str], family: str, pattern: int, positions: int, **switches) -> ModelConfig:
+    """Llama's fields (llama_config) with what Gemma 2 and 3 read their own way or hard-wire; `pattern`: every how
+    many layers one is global where config.json gives no layer_types, `positions`: the family's default context."""
     bias = hf.get("attention_bias", False)
-    heads = hf["num_attention_heads"]
-    return ModelConfig(
-        family=family,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+    return llama_config(
+        hf, keys, family, positions=positions, eps=1e-6,
         head_dim=hf.get("head_dim") or 256,
-        intermediate_size=hf["intermediate_size"],
-        norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         norm_position="sandwich",
         norm_scale_fp32=True,
         norm_unit_offset=True,
         activation=gemma_activation(hf),
-        gated_mlp=True,
         sliding_window=hf.get("sliding_window"),
         layer_types=gemma_layer_types(hf, pattern) if hf.get("sliding_window") else None,
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
@@ -89,12 +81,6 @@ def gemma_config(hf: dict, keys: list[str], family: str, pattern: int, **switche
         mlp_bias=False,
         tie_embeddings=True,
         scale_embeddings=True,
-        init_std=hf.get("initializer_range", 0.02),
-        attention_dropout=hf.get("attention_dropout") or 0.0,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
-        num_labels=decoder_num_labels(hf, keys),
         **switches,
     )
 
@@ -103,11 +89,8 @@ class Gemma2Adapter(HFAdapter):
     model_type = "gemma2"
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
-        theta, pct, scaling = rope_from_hf(hf)
         return gemma_config(
-            hf, keys, "gemma2", pattern=2, max_position_embeddings=hf.get("max_position_embeddings", 8192),
-            rotary_pct=pct, rotary_base=theta, rope_scaling=scaling,
-            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            hf, keys, "gemma2", pattern=2, positions=8192, attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"))
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:

@@ -27,7 +27,7 @@ class Gemma3TextAdapter(HFAdapter):
             theta, pct, scaling = rope_from_hf(hf, {**(hf.get("rope_scaling") or {})}, default_theta=1e6)
             local = hf.get("rope_local_base_freq", 10000.0)
         return gemma_config(
-            hf, keys, "gemma3_text", pattern=6, max_position_embeddings=hf.get("max_position_embeddings", 131072),
+            hf, keys, "gemma3_text", pattern=6, positions=131072,
             rotary_pct=pct, rotary_base=theta, rope_scaling=scaling, rotary_base_local=local, qk_norm="head",
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"))

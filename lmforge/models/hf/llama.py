@@ -56,9 +56,14 @@ def hf_head_dim(hf: dict) -> int:
 def llama_config(hf: dict, keys: list[str], family: str, *, positions: int, eps: float, **fields) -> ModelConfig:
     """A ModelConfig from the config.json fields that every family with Llama's names reads alike (sizes, RMSNorm,
     gated MLP, rotary, ids); `positions` and `eps` are the family's defaults for a field its config may leave out,
-    and `fields` its own switches, which win over these."""
-    theta, pct, scaling = rope_from_hf(hf)
+    and `fields` its own switches, which win over these (a family giving its own activation or rotary settings
+    has config.json's read by its adapter, not here)."""
     heads = hf["num_attention_heads"]
+    if "activation" not in fields:
+        fields["activation"] = activation_from_hf(hf.get("hidden_act", "silu"))
+    if "rotary_base" not in fields:
+        theta, pct, scaling = rope_from_hf(hf)
+        fields = {"rotary_pct": pct, "rotary_base": theta, "rope_scaling": scaling, **fields}
     common = dict(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -70,14 +75,10 @@ def llama_config(hf: dict, keys: list[str], family: str, *, positions: int, eps:
         max_position_embeddings=hf.get("max_position_embeddings", positions),
         norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", eps),
-        activation=activation_from_hf(hf.get("hidden_act", "silu")),
         gated_mlp=True,
-        rotary_pct=pct,
-        rotary_base=theta,
-        rope_scaling=scaling,
         tie_embeddings=hf.get("tie_word_embeddings", False),
         init_std=hf.get("initializer_range", 0.02),
-        attention_dropout=hf.get("attention_dropout", 0.0),
+        attention_dropout=hf.get("attention_dropout") or 0.0,  # null in some config.json files
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
