@@ -131,7 +131,8 @@ def same_bits(opts: dict[str, torch.optim.Optimizer]) -> None:
         if name.startswith(SR) and name != ref_name:
             params = [p for g in opt.param_groups for p in g["params"]]
             for p, q in zip(params, ref, strict=True):
-                for a, b in ((p, q), (opt.state[p]["exp_avg"], opts[ref_name].state[q]["exp_avg"])):
+                pairs = [(p, q)] + [(opt.state[p][k], opts[ref_name].state[q][k]) for k in ("exp_avg", "exp_avg_sq")]
+                for a, b in pairs:
                     assert torch.equal(a, b), f"{name} does not give the eager update's bits"
 
 
