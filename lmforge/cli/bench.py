@@ -30,6 +30,7 @@ BENCHMARKS = {
     "eval": "lmforge eval vs lm-eval's hf backend on the same model and tasks, equal results first",
     "sft_attention": "packed SFT at seq 2048: per-document attention vs the dense (b, 1, s, s) mask, same loss",
     "activation_checkpointing": "step time of trainer.activation_checkpointing none / selective / full",
+    "sdpa_layout": "attention inputs on the CPU: strided q/k/v views vs copies made contiguous before SDPA",
     "softcap_loss": "Gemma's soft-capped cross-entropy: chunked vs full logits, peak memory and time",
 }
 
