@@ -22,7 +22,7 @@ reduce-scatter (n-1)/n x the full (gathered) tensor. With those:
 - expert parallel (`expert_bytes`): each MoE layer sends every routed (token, expert) row whose expert lives on
   another rank there and gets its output back (two all-to-alls forward), and the same rows' gradients both ways
   in the backward; with balanced routing (E-1)/E of the rows leave the rank. The ranks holding the same experts
-  (data / E of them) all-reduce the experts' gradients after every backward.
+  (data / E of them) all-reduce the experts' gradients once per step.
 
 Counts are per step of `global_batch_size` sequences, for the busiest rank (the first pipeline
 stage carries the embedding). Payloads without the ring factor are given too (`payload_*`): they
@@ -134,7 +134,7 @@ def expert_bytes(cfg: ModelConfig, expert: int, data: int, tokens: int, micro_ba
     all_to_all = 2 * routed * cfg.hidden_size * activation_bytes
     replicas = data // expert
     local = layers * (cfg.num_experts // expert) * 3 * cfg.hidden_size * (cfg.moe_intermediate_size or 0)
-    grads = micro_batches * 2 * (replicas - 1) / replicas * local * grad_bytes
+    grads = 2 * (replicas - 1) / replicas * local * grad_bytes  # once per step, after the last micro-batch
     return {"all_to_all": all_to_all, "expert_grads": grads}
 
 

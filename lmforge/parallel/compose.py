@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lmforge.parallel.expert import apply_expert_parallel, expert_parameters
 from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh
@@ -114,7 +113,7 @@ def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": dp_mesh}
-    ignored = {p for p in expert_parameters(part) if isinstance(p, DTensor)}
+    ignored = expert_parameters(part)
     if ignored:
         kwargs["ignored_params"] = ignored
     if mp_policy is not None:
@@ -144,7 +143,7 @@ def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     experts = expert_parameters(model)
-    ignored = [n for n, p in model.named_parameters() if p in experts and isinstance(p, DTensor)]
+    ignored = [n for n, p in model.named_parameters() if p in experts]
     if ignored:  # laid out by expert parallelism, which reduces their gradients itself
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),

@@ -53,9 +53,19 @@ def unwrap(model: nn.Module) -> nn.Module:
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """DDP: skip the gradient all-reduce on accumulation micro-batches but the last. FSDP2 reduce-scatters every
     micro-batch's gradients: skipping it would keep the whole model's unsharded gradients on every rank
-    between micro-batches (44 GiB for pythia-12b, lmforge plan shows), which is what FSDP exists to avoid."""
-    if not enabled and hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():
+    between micro-batches (44 GiB for pythia-12b, lmforge plan shows), which is what FSDP exists to avoid.
+    Expert parallelism's experts (each rank's own, not FSDP's) reduce their gradients on the last one only."""
+    from lmforge.models.moe import moe_layers
+
+    dispatchers = [m.dispatch for m in moe_layers(model) if hasattr(m.dispatch, "sync")]
+    for d in dispatchers:
+        d.sync = enabled
+    try:
+        if not enabled and hasattr(model, "no_sync"):  # DDP
+            with model.no_sync():
+                yield
+        else:
             yield
-    else:
-        yield
+    finally:
+        for d in dispatchers:
+            d.sync = True

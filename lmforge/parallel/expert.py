@@ -12,10 +12,11 @@ groups), so checkpoints and exports see whole weights. A MoE layer's forward, on
 4. send the outputs back the way they came (the inverse all-to-all) and weight and sum them per token there.
 
 The backward runs the same exchanges in reverse, so each rank's expert gradient holds the contributions of the
-tokens of its whole group. The ranks holding the same experts (one per group) sum their gradients, divided by
-the data-parallel size: with the loss of each rank scaled as data parallelism expects (its average over ranks
-is the step's loss), that is the gradient of one process on the global batch. DDP and FSDP2 leave the expert
-weights to this module (ignored there) and handle every other weight as before.
+tokens of its whole group. The ranks holding the same experts (one per group) sum their gradients (once per step,
+after the last gradient accumulation micro-batch), divided by the data-parallel size: with the loss of each rank
+scaled as data parallelism expects (its average over ranks is the step's loss), that is the gradient of one process
+on the global batch. DDP and FSDP2 leave the expert weights to this module (ignored there) and handle every other
+weight as before.
 """
 
 from __future__ import annotations
@@ -55,19 +56,26 @@ class _AllToAll(torch.autograd.Function):
 
 class _ReduceExpertGrad(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over the ranks holding the same experts and divides it by
-    the data-parallel size (what DDP/FSDP do for the other weights, over their whole group)."""
+    the data-parallel size (what DDP/FSDP do for the other weights, over their whole group). On a gradient
+    accumulation micro-batch but the last (dispatch.sync False: lmforge.parallel.data_parallel.gradient_sync) it
+    keeps the gradient aside instead and reduces it with the last one's: one all-reduce per step."""
 
     @staticmethod
-    def forward(ctx, w, group, data_parallel):
-        ctx.group, ctx.data_parallel = group, data_parallel
+    def forward(ctx, w, dispatch, key):
+        ctx.dispatch, ctx.key = dispatch, key
         return w.view_as(w)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        if ctx.group is not None:
-            dist.all_reduce(grad, group=ctx.group)
-        return grad / ctx.data_parallel, None, None
+        dispatch, key = ctx.dispatch, ctx.key
+        held = dispatch.pending.pop(key, None)
+        grad = grad.contiguous() if held is None else held + grad
+        if not dispatch.sync:
+            dispatch.pending[key] = grad
+            return None, None, None  # no gradient yet: the parameter's .grad stays as it is
+        if dispatch.replicate_group is not None:
+            dist.all_reduce(grad, group=dispatch.replicate_group)
+        return grad / dispatch.data_parallel, None, None
 
 
 class ExpertDispatch:
@@ -78,17 +86,19 @@ class ExpertDispatch:
         self.group, self.replicate_group, self.data_parallel = group, replicate_group, data_parallel
         self.size = dist.get_world_size(group)
         self.num_experts, self.local = num_experts, num_experts // self.size
+        self.sync = True  # reduce the experts' gradients in this backward (see _ReduceExpertGrad)
+        self.pending: dict[str, torch.Tensor] = {}  # gradients kept from accumulation micro-batches, by weight
 
     def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                  down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
-            return self._forward(x.to(dtype), chosen, weights.to(dtype), self._local(gate_up, dtype),
-                                 self._local(down, dtype), act)
+            return self._forward(x.to(dtype), chosen, weights.to(dtype), self._local(gate_up, "gate_up", dtype),
+                                 self._local(down, "down", dtype), act)
 
-    def _local(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _local(self, w: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
         local = w.to_local() if isinstance(w, DTensor) else w
-        return _ReduceExpertGrad.apply(local, self.replicate_group, self.data_parallel).to(dtype)
+        return _ReduceExpertGrad.apply(local, self, key).to(dtype)
 
     def _forward(self, x, chosen, weights, gate_up, down, act):
         tokens, k = chosen.shape
@@ -130,8 +140,10 @@ class ExpertDispatch:
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The stacked expert weights of every MoE layer: what expert parallelism lays out (and DDP/FSDP leave)."""
-    return {p for layer in moe_layers(model) for p in layer.experts.parameters()}
+    """The stacked expert weights that expert parallelism laid out (DDP/FSDP leave them to it); none without it
+    (tensor parallelism's expert slices are DTensors too, and stay FSDP's)."""
+    return {p for layer in moe_layers(model) if isinstance(layer.dispatch, ExpertDispatch)
+            for p in layer.experts.parameters()}
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int) -> None:

@@ -80,8 +80,9 @@ TWO = {
     # Expert parallelism: each rank holds half the experts, tokens exchanged with all-to-all; the other weights
     # under FSDP2, or DDP.
     "ep_mixtral_fsdp": {"model": "tiny-mixtral", "parallel": {"expert": 2}},
+    # Two micro-batches per rank: the experts' gradients are kept from the first and reduced with the last's.
     "ep_qwen3_moe_ddp": {"model": "tiny-qwen3-moe", "parallel": {"expert": 2, "data_replicate": 2,
-                                                                "data_shard": 1}},
+                                                                "data_shard": 1}, "accumulate": 2},
 }
 
 FOUR = {
@@ -121,6 +122,9 @@ FOUR = {
     "ep2_hsdp_mixtral": {"model": "tiny-mixtral", "parallel": {"expert": 2, "data_replicate": 2, "data_shard": 2},
                          "reshard": {"parallel": {"expert": 4}}},
     "ep4_qwen3_moe_fsdp": {"model": "tiny-qwen3-moe", "parallel": {"expert": 4}},
+    # Accumulation over two micro-batches with two ranks holding each expert: one all-reduce, after the last.
+    "ep2_hsdp_mixtral_accumulate": {"model": "tiny-mixtral", "accumulate": 2,
+                                    "parallel": {"expert": 2, "data_replicate": 2, "data_shard": 2}},
 }
 
 

@@ -37,6 +37,7 @@ from lmforge.parallel import (
     pipeline_step,
     with_router_loss,
 )
+from lmforge.parallel.data_parallel import gradient_sync
 from lmforge.train.optim import AdamWSR, by_mesh
 
 BATCH, SEQ = 8, 16
@@ -117,8 +118,9 @@ def ref_backward(ref, cfg, batch, chunks: int = 1) -> float:
     return total
 
 
-def parallel_step(pm, mesh, batch) -> float:
-    """One forward/backward of the global batch split over the data-parallel ranks; the global loss."""
+def parallel_step(pm, mesh, batch, accumulate: int = 1) -> float:
+    """One forward/backward of the global batch split over the data-parallel ranks; the global loss. A MoE model
+    (no pipeline) runs its rows as `accumulate` micro-batches, gradients synchronised on the last, as the trainer."""
     ids, labels, kwargs = batch
     count = (labels != -100).sum()
     rank, size = data_parallel_rank(mesh)
@@ -128,10 +130,14 @@ def parallel_step(pm, mesh, batch) -> float:
     kwargs = {k: v[rows] for k, v in kwargs.items()}
     cfg = getattr(pm.parts[0], "module", pm.parts[0]).config  # through DDP's wrapper
     if cfg.num_experts and not pm.pipelined:  # the router losses as the trainer adds them (ParallelTraining.step)
-        with pm.loss_context():
-            loss = loss_fn(pm(ids[rows], **kwargs), labels[rows])
-            with_router_loss(loss, router_losses(pm.parts[0], cfg).loss).backward()
-        loss = full(loss).detach().double()
+        total = 0.0
+        for i, micro in enumerate(torch.arange(rows.start, rows.stop).chunk(accumulate)):
+            with gradient_sync(pm.parts[0], i == accumulate - 1), pm.loss_context():
+                loss = loss_fn(pm(ids[micro], **{k: v[micro - rows.start] for k, v in kwargs.items()}),
+                               labels[micro])
+                with_router_loss(loss, router_losses(pm.parts[0], cfg).loss / accumulate).backward()
+            total = total + full(loss).detach().double()
+        loss = total
     else:
         loss = pipeline_step(pm, ids[rows], labels[rows], loss_fn, **kwargs)
     return all_reduce_data_parallel(loss.reshape(1), mesh).item() / size
@@ -200,10 +206,11 @@ def run_case(case: dict, world: int) -> dict:
     pcfg = ParallelConfig(**case["parallel"])
     mesh = build_mesh(pcfg, cfg)
     batch = make_batch(cfg, seed=1)
-    chunks = data_parallel_rank(mesh)[1] * (pcfg.num_microbatches if pcfg.pipeline > 1 else 1)
+    accumulate = case.get("accumulate", 1)
+    chunks = data_parallel_rank(mesh)[1] * (pcfg.num_microbatches if pcfg.pipeline > 1 else accumulate)
     ref, ref_loss = reference(cfg, batch, chunks=chunks, case=case)
     pm = parallelize(build_case(cfg, case), pcfg, mesh)
-    loss = parallel_step(pm, mesh, batch)
+    loss = parallel_step(pm, mesh, batch, accumulate)
     worst, names = compare_grads(pm, ref)
     eval_loss = parallel_eval(pm, mesh, batch)
     all_names: list = [None] * world
