@@ -1,6 +1,6 @@
 """LoRA fine-tuning tokens/s and peak memory: lmforge's Trainer vs PEFT + a plain transformers loop, in one run.
 
-One random Pythia-410m-shaped GPTNeoXForCausalLM is saved once; both sides start from it with rank-16 adapters
+One random Pythia-shaped GPTNeoXForCausalLM (--shape) is saved once; both sides start from it with rank-16 adapters
 (alpha 32, no dropout) on every linear layer of the blocks (PEFT: query_key_value, dense, dense_h_to_4h,
 dense_4h_to_h; lmforge: lora.targets=all-linear), the base frozen, AdamW on the adapters, gradient clipping at 1,
 fp32, the same batch of random tokens (loss on every position). PEFT side: `get_peft_model`, then
@@ -9,8 +9,9 @@ fp32, the same batch of random tokens (loss on every position). PEFT side: `get_
 so the first-step losses must agree before anything is timed.
 
 Each side runs in its own process (peak memory is the process's peak RSS, what the OS sees: weights, adapters,
-activations, optimizer state, the libraries), and the sides take turns: rounds of (PEFT, lmforge) then
-(lmforge, PEFT), each process one warm-up step and then timed steps; step time is the median over all rounds.
+activations, optimizer state, the libraries), and the sides take turns, the order rotating from round to round,
+each process one warm-up step (with --compile, the compilation) and then timed steps; step time is the median
+over all rounds.
 `--help` lists the options.
 """
 
