@@ -32,6 +32,7 @@ BENCHMARKS = {
     "activation_checkpointing": "step time of trainer.activation_checkpointing none / selective / full",
     "sdpa_layout": "attention inputs on the CPU: strided q/k/v views vs copies made contiguous before SDPA",
     "softcap_loss": "Gemma's soft-capped cross-entropy: chunked vs full logits, peak memory and time",
+    "kv_cache": "KV cache memory with rings for sliding-window layers vs a slot per position, and decode speed",
 }
 
 

@@ -65,7 +65,7 @@ def static_cache(model: nn.Module, batch: int, slots: int) -> KVCache:
         held.reset()
         return held
     cache = KVCache.for_model(model, batch, slots)
-    for t in (*cache.k, *cache.v, cache.valid):
+    for t in (*cache.k, *cache.v, cache.valid, *cache.ring_slots.values(), *cache.ring_real.values()):
         torch._dynamo.mark_static_address(t)
     object.__setattr__(model, HELD_CACHE, cache)  # a plain attribute: not a submodule, not in the state dict
     return cache
@@ -84,9 +84,10 @@ def compiled_decode_step(mode: str):
 
 def length_dynamic(view: KVCache) -> KVCache:
     """Mark the number of filled slots (grows by one per step) as a symbolic size for torch.compile, so one
-    graph serves every step; everything else in the decode step has a fixed shape."""
-    for t in (*view.k, *view.v):
-        torch._dynamo.mark_dynamic(t, 2)
+    graph serves every step; everything else in the decode step has a fixed shape (a ring's slots included)."""
+    for t, ring in zip((*view.k, *view.v), view.rings * 2, strict=True):
+        if not ring:
+            torch._dynamo.mark_dynamic(t, 2)
     torch._dynamo.mark_dynamic(view.valid, 1)
     return view
 

@@ -124,7 +124,9 @@ class Engine:
         self.prefill_batch = min(config.prefill_batch or config.max_batch, config.max_batch)
         self.prefill_tokens = config.max_prefill_tokens or (
             CPU_PREFILL_TOKENS if p.device.type == "cpu" else ACCELERATOR_PREFILL_TOKENS)
-        self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device)
+        # Every layer keeps a slot per position (no rings for sliding-window layers): a batched prefill is right-
+        # padded, and a ring keeps the last `window` slots of the forward, the padding's for a shorter prompt.
+        self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device, ring=False)
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.slots: list[EngineRequest | None] = [None] * config.max_batch
         # Waiting requests by group, the groups in the order they take turns (first = next to be served).
@@ -280,7 +282,7 @@ class Engine:
         contiguous = slots == list(range(first, first + k))
         # Rows next to each other are prefilled in place; others through a cache of their own, copied into theirs.
         cache = (self.cache.view(slice(first, first + k), longest) if contiguous
-                 else KVCache(self.model.config, k, longest, self.cache.k[0].dtype, self.device))
+                 else KVCache(self.model.config, k, longest, self.cache.k[0].dtype, self.device, ring=False))
         h = self.model.hidden_states(ids, mask, None, cache, torch.arange(longest, device=self.device))
         if not contiguous:
             for full, part in zip((*self.cache.k, *self.cache.v), (*cache.k, *cache.v)):

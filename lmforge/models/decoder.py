@@ -92,12 +92,9 @@ class Decoder(nn.Module):
         if cache is not None:
             if cache_position is None:
                 raise ValueError("a KV cache needs cache_position: the slots the new tokens are written to")
-            mask = cache.attention_mask(attention_mask, cache_position)
-            slots = torch.arange(mask.shape[-1], device=mask.device)
-            windowed = {w: mask & window_band(cache_position, slots, w) for w in self._windows()}
+            masks = cache.attention_masks(attention_mask, cache_position)
             for i, layer in enumerate(self.layers):
-                x = layer(x, ropes[self._rope_of(layer)], windowed.get(layer.attn.window, mask),
-                          cache.layer(i, cache_position))
+                x = layer(x, ropes[self._rope_of(layer)], masks[cache.mask_of(i)], cache.layer(i, cache_position))
             return self.norm(x)
         if segment_ids is not None:
             if attention_mask is not None:

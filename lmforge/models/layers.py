@@ -59,25 +59,46 @@ ACTIVATIONS = {
 
 
 class LayerCache(NamedTuple):
-    """One layer's view of a KV cache: key/value buffers (batch, kv_heads, max_len, head_dim) and the
-    slots (seq,) that the current tokens are written to (see lmforge.inference.cache)."""
+    """One layer's view of a KV cache: key/value buffers (batch, kv_heads, slots, head_dim) and the cache slots
+    (seq,) that the current tokens go to (see lmforge.inference.cache). `window`: the buffers are a ring of
+    `window` slots (a sliding-window layer), cache slot p held at p % window; None: one buffer slot per cache slot.
+    The slots of one forward are consecutive, as generation and the serving engine write them."""
 
     k: torch.Tensor
     v: torch.Tensor
     position: torch.Tensor
+    window: int | None = None
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's keys/values (batch, kv_heads, seq, head_dim) at their slots: `position` (seq,)
-        is shared by all rows; (batch, seq) gives each row its own slots (continuous batching, where
-        requests that joined at different times sit at different lengths)."""
-        if self.position.dim() == 1:
-            self.k.index_copy_(2, self.position, k)
-            self.v.index_copy_(2, self.position, v)
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys/values (batch, kv_heads, seq, head_dim); the keys/values to attend over, in the
+        order of the cache's mask for this layer (KVCache.attention_masks).
+
+        A full layer attends over its whole buffer. A ring of one new token writes it first (over slot p - window,
+        which is past its window) and attends over the ring; several new tokens (a prefill) attend over the ring
+        as it was followed by themselves, and then only their last `window` are kept."""
+        if self.window is None:
+            self._write(self.k, self.v, k, v, self.position)
+            return self.k, self.v
+        if k.shape[2] == 1:
+            self._write(self.k, self.v, k, v, self.position % self.window)
+            return self.k, self.v
+        keys, values = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
+        keep = min(k.shape[2], self.window)
+        self._write(self.k, self.v, k[:, :, -keep:], v[:, :, -keep:], self.position[..., -keep:] % self.window)
+        return keys, values
+
+    @staticmethod
+    def _write(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v at buffer `slots`: (seq,) shared by all rows; (batch, seq) gives each row its own slots
+        (continuous batching, where requests that joined at different times sit at different lengths)."""
+        if slots.dim() == 1:
+            k_buf.index_copy_(2, slots, k)
+            v_buf.index_copy_(2, slots, v)
             return
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
         # Indices split by a slice put their (batch, seq) dims first: (batch, seq, kv_heads, head_dim).
-        self.k[rows, :, self.position] = k.transpose(1, 2)
-        self.v[rows, :, self.position] = v.transpose(1, 2)
+        k_buf[rows, :, slots] = k.transpose(1, 2)
+        v_buf[rows, :, slots] = v.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -134,10 +155,9 @@ class Attention(nn.Module):
             y = mask.attend(q, k, v, self.window, self.scale, self.softcap, dropout)
             return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if cache is not None:
-            # Write this step's keys/values into their slots, then attend over the whole fixed-size
-            # buffer (the mask hides empty and padding slots): shapes never change from step to step.
-            cache.write(k, v)
-            k, v = cache.k, cache.v
+            # Write this step's keys/values into their slots, then attend over the whole fixed-size buffer
+            # (the mask hides empty and padding slots): shapes never change from one decode step to the next.
+            k, v = cache.update(k, v)
         y = attention(q, k, v, mask, self.causal and mask is None and cache is None, self.scale, self.softcap,
                       dropout)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))

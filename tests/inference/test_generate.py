@@ -46,11 +46,11 @@ def test_greedy_matches_transformers_single_and_batched(family, models_):
     assert generate(ours, ids, n, attention_mask=mask, temperature=0, stop_token_ids=[]) == batched
 
 
-def _cached_logits(model, ids, mask, new_tokens, spare_slots=3):
+def _cached_logits(model, ids, mask, new_tokens, spare_slots=3, ring=True):
     """Last-position logits after the prompt and after each teacher-forced new token, through the cache."""
     b, s = ids.shape
     n = new_tokens.shape[1]
-    cache = KVCache.for_model(model, b, s + n + spare_slots)  # empty slots past the end must stay masked
+    cache = KVCache.for_model(model, b, s + n + spare_slots, ring)  # empty slots past the end must stay masked
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         steps = [model(ids, mask, pos, cache, torch.arange(s))[:, -1]]
@@ -85,6 +85,80 @@ def test_cached_decode_equals_full_recomputation_and_transformers(family, models
     # transformers' own logits at each of its steps (the last token's logits are never computed there).
     hf_steps = torch.stack(out.logits, 1)
     assert (cached[:, :-1] - hf_steps).abs().max().item() <= TOL
+
+
+# Families with sliding-window layers (an 8-token window in the tiny configs): Mistral, Mixtral every layer,
+# Gemma 2/3 alternating local and global layers.
+WINDOWED = ["mistral", "mixtral", "gemma2", "gemma3"]
+# Prompts of 21, 13 and 3 tokens, left-padded, then 40 new ones: every row ends far past the window.
+LONG_PROMPTS = [[(7 * i + 3) % 290 + 5 for i in range(21)], [(11 * i + 1) % 290 + 5 for i in range(13)], [8, 9, 10]]
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_windowed_layers_keep_a_ring_of_window_slots(family, models_):
+    ours, _ = models_[family]
+    cache, flat = KVCache.for_model(ours, 3, 100), KVCache.for_model(ours, 3, 100, ring=False)
+    windows = [ours.config.window(i) for i in range(ours.config.num_layers)]
+    assert any(windows)
+    for k, v, w in zip(cache.k, cache.v, windows, strict=True):
+        assert k.shape[2] == v.shape[2] == (w or 100)
+    assert all(k.shape[2] == 100 for k in flat.k)
+    local = sum(w is not None for w in windows) / len(windows)
+    assert cache.nbytes == pytest.approx(flat.nbytes * (1 - local + local * 8 / 100))
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_greedy_far_past_the_window_matches_transformers(family, models_):
+    """A ring of 8 slots, prompts of up to 21 tokens (the prefill writes more than the ring holds) and 40 new
+    tokens: transformers' tokens, alone and left-padded in a batch."""
+    ours, ref = models_[family]
+    n = 40
+    ids, mask = left_pad(LONG_PROMPTS, 0)
+    expected = ref.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0,
+                            eos_token_id=None)[:, ids.shape[1]:].tolist()
+    assert generate(ours, LONG_PROMPTS, n, do_sample=False, stop_token_ids=[]) == expected
+    alone = ref.generate(torch.tensor(LONG_PROMPTS[1:2]), do_sample=False, max_new_tokens=n, pad_token_id=0,
+                         eos_token_id=None)[:, len(LONG_PROMPTS[1]):].tolist()
+    assert generate(ours, LONG_PROMPTS[1:2], n, do_sample=False, stop_token_ids=[]) == alone
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_ring_decode_equals_the_full_cache_and_recomputation(family, models_):
+    """Teacher-forced logits through the ring, through a cache of every slot, and recomputed without a cache."""
+    ours, _ = models_[family]
+    ids, mask = left_pad(LONG_PROMPTS, 0)
+    new_tokens = torch.randint(1, 300, (3, 30), generator=torch.Generator().manual_seed(0))
+    ring = _cached_logits(ours, ids, mask, new_tokens)
+    flat = _cached_logits(ours, ids, mask, new_tokens, ring=False)
+    full = _full_logits(ours, ids, mask, new_tokens)
+    assert (ring - flat).abs().max().item() <= TOL
+    assert (ring - full).abs().max().item() <= TOL
+
+
+def test_a_reused_ring_row_never_sees_its_previous_tokens(models_):
+    """A row used again from slot 0 (a server handing it to a new request, a throwaway token decoded at slot 0 in a
+    free row between): the ring's stale keys, at the new prompt's very slots included, stay unseen."""
+    ours, _ = models_["mistral"]
+
+    def run(cache, prompt, steps):
+        n, out = len(prompt), []
+        h = ours.hidden_states(torch.tensor([prompt]), None, None, cache.view(slice(0, 1), n), torch.arange(n))
+        for t in range(steps + 1):
+            out.append(ours.logits(h[:, -1]))
+            pos = torch.tensor([[n + t]])  # per-row slots, as the engine decodes
+            h = ours.hidden_states(out[-1].argmax(-1)[:, None], None, pos, cache.view(slice(0, 1), n + t + 1), pos)
+        return torch.stack(out)
+
+    with torch.no_grad():
+        fresh = run(KVCache.for_model(ours, 1, 64), [3, 4], 12)
+        cache = KVCache.for_model(ours, 1, 64)
+        run(cache, list(range(5, 25)), 5)
+        slot0 = torch.tensor([[0]])
+        ours.hidden_states(torch.tensor([[7]]), None, slot0, cache.view(slice(0, 1), 26), slot0)  # a throwaway
+        cache.valid[0].zero_()
+        assert torch.equal(run(cache, [3, 4], 12), fresh)
+        cache.reset()
+        assert torch.equal(run(cache, [3, 4], 12), fresh)
 
 
 def test_bf16_cached_decode_stays_close_to_recomputation(hf_dirs):
@@ -153,7 +227,8 @@ def test_eos_stops_a_row_and_all_rows_end_generation(models_):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa"])  # partial rotary + parallel residual; GQA + RMSNorm
+# partial rotary + parallel residual; GQA + RMSNorm; a ring of 8 slots beside a full layer
+@pytest.mark.parametrize("family", ["gpt_neox", "llama_gqa", "gemma2"])
 def test_compiled_decode_gives_transformers_tokens_without_recompiling_per_call(family, models_):
     """compile=True: the same greedy tokens as transformers, with and without padding, with stop tokens; one graph
     serves every step of a call and calls of other lengths within the same cache size (power of two)."""
