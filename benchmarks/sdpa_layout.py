@@ -1,5 +1,4 @@
-"""q/k/v as the attention layer hands them to SDPA (strided views of the fused qkv projection) vs made contiguous
-first, on the CPU.
+"""SDPA on the CPU: q/k/v as strided views of the fused qkv projection vs copies made contiguous first.
 
 lmforge.models.layers.Attention views the qkv projection's output (batch, seq, groups, q_per_kv + 2, head_dim) and
 transposes it to (batch, heads, seq, head_dim) without a copy; rotary makes new q and k in that same strided layout,
