@@ -51,7 +51,7 @@ from lmforge.parallel.pipeline import StageShapes
 from lmforge.train.config import OptimConfig, Precision
 from lmforge.train.loss import IGNORE_INDEX, SCORED_PER_ROW, SCORED_ROWS
 from lmforge.train.optim import build_optimizer
-from lmforge.train.tasks import Task, count_tokens, logits_loss
+from lmforge.train.tasks import Task, count_tokens
 
 log = logging.getLogger(__name__)
 
@@ -254,13 +254,21 @@ class ParallelTraining:
         total = torch.zeros((), dtype=torch.float64, device=pm.device)
         stats = torch.zeros(1 + self.task.num_stats, dtype=torch.float64, device=pm.device)  # count, task stats
         if pm.pipelined:
-            def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-                loss = logits_loss(logits, labels)
+            pieces: list[torch.Tensor] = []
+
+            def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                loss, items, task_stats = self.task.pipeline_loss(logits, target)
+                pieces.append(self._stats(items, task_stats))
                 return loss / counts[0].to(loss.dtype) * dp
 
-            ids, labels, kwargs = self.task.inputs(self._inputs(micro))
+            batch = self._inputs(micro)
+            ids, _, kwargs = self.task.inputs(batch)
             with self._autocast():
-                total += pipeline_step(pm, ids, labels, loss_fn, **kwargs)
+                target = self.task.pipeline_target(pm, batch)
+                total += pipeline_step(pm, ids, target, loss_fn, **kwargs)
+            # torch >= 2.13 infers the backward's shapes at the first step by calling loss_fn once more, first, on
+            # stand-in outputs: only the microbatches' own calls count.
+            stats += self._pipeline_stats(pieces[-self.layout.num_microbatches:])
             if pm.router is not None:  # the step's router losses, means over the pipeline's microbatches
                 router = all_reduce_data_parallel(pm.router.losses.clone(), self.mesh) / dp
         else:
@@ -284,7 +292,7 @@ class ParallelTraining:
         moe = router if self.model_config.num_experts else total.new_zeros(0)
         values = torch.cat([reduced, norm.reshape(1), tokens, moe]).tolist()  # the step's one host sync
         n = len(reduced)
-        self.step_stats = values[1:n]  # the step's global count and task statistics (none under a pipeline)
+        self.step_stats = values[1:n]  # the step's global count and task statistics
         self.step_tokens = values[n + 1] if len(tokens) else 0.0
         if len(moe):
             aux, z = values[-2:]
@@ -296,6 +304,14 @@ class ParallelTraining:
         """A micro-batch's (items, task statistics), numbers or device scalars, as one float64 vector on the
         device, without reading the device."""
         return torch.stack([_device_scalar(v, self.pm.device) for v in (items, *as_stats(task_stats))])
+
+    def _pipeline_stats(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The (items, task statistics) the last pipeline stage's loss_fn calls gathered, summed, on every pipeline
+        rank (the other stages computed none)."""
+        stats = torch.stack(pieces).sum(0) if pieces else torch.zeros(1 + self.task.num_stats, dtype=torch.float64,
+                                                                      device=self.pm.device)
+        dist.all_reduce(stats, group=self.pm.mesh["pp"].get_group())
+        return stats
 
     def _router_loss(self, batch: dict[str, torch.Tensor], sums: torch.Tensor, micro: int) -> torch.Tensor | None:
         """A MoE model's router losses of the micro-batch just run (added into `sums`), scaled for backward: the
@@ -325,26 +341,30 @@ class ParallelTraining:
                 continue
             batch, pending = self._inputs(pending), []
             if self.pm.pipelined:
-                loss, count, correct = self._pipeline_eval(batch)
+                loss, stats = self._pipeline_eval(batch)
             else:
                 with self.pm.loss_context():
                     loss, count, correct = self.micro_loss(batch)
-            sums += torch.cat([_local(loss).detach().double().reshape(1), self._stats(count, correct)])
+                stats = self._stats(count, correct)
+            sums += torch.cat([_local(loss).detach().double().reshape(1), stats])
         self.pm.reshard()
         self.pm.train()
         return all_reduce_data_parallel(sums, self.mesh)
 
-    def _pipeline_eval(self, batch: dict[str, torch.Tensor]) -> tuple:
-        ids, labels, kwargs = self.task.inputs(batch)
-        correct: list[int] = []
+    def _pipeline_eval(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, [items, task statistics]) of a validation batch through the pipeline, on every rank."""
+        ids, _, kwargs = self.task.inputs(batch)
+        pieces: list[torch.Tensor] = []
 
-        def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            correct.append(self.task.correct(logits, y))
-            return logits_loss(logits, y)
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss, items, task_stats = self.task.pipeline_loss(logits, target)
+            pieces.append(self._stats(items, task_stats))
+            return loss
 
         with self._autocast():
-            loss = pipeline_eval(self.pm, ids, labels, loss_fn, **kwargs)
-        return loss, self.task.count(batch), sum(correct)
+            target = self.task.pipeline_target(self.pm, batch)
+            loss = pipeline_eval(self.pm, ids, target, loss_fn, **kwargs)
+        return loss, self._pipeline_stats(pieces)
     # -- checkpoints and export -------------------------------------------------------------
 
     def state_dicts(self) -> tuple[dict, dict]:

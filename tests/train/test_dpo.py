@@ -259,35 +259,48 @@ def _metrics(run):
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+LORA_DPO = ("lora.rank=4", "lora.targets=all-linear", "optim.lr=3e-2")
+
+
 @pytest.fixture(scope="module")
 def one_process_dpo(dpo_setup, tmp_path_factory):
-    """A DPO run against a frozen copy of the initial model on one process: what every layout must equal."""
+    """DPO runs on one process, against a frozen copy of the initial model or (with LORA_DPO) the base without its
+    adapters: what every layout must equal. Each is run on first use."""
     from lmforge.train.config import load_run_config
     from lmforge.train.trainer import Trainer
 
-    run = tmp_path_factory.mktemp("dpo-one") / "run"
-    Trainer(load_run_config(None, _dpo_args(dpo_setup, run, "trainer.max_steps=4",
-                                            "trainer.val_check_interval=4"))).fit()
+    runs = {}
+
+    def run(*lora: str):
+        if lora not in runs:
+            runs[lora] = tmp_path_factory.mktemp("dpo-one") / "run"
+            Trainer(load_run_config(None, _dpo_args(dpo_setup, runs[lora], "trainer.max_steps=4",
+                                                    "trainer.val_check_interval=4", *lora))).fit()
+        return runs[lora]
+
     return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [("trainer.data_parallel=fsdp",),
-                                    ("parallel.tensor=2", "model.make_vocab_size_divisible_by=256")],
-                         ids=["fsdp2", "tp2"])
+                                    ("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
+                                    ("parallel.pipeline=2",), ("parallel.pipeline=2", *LORA_DPO)],
+                         ids=["fsdp2", "tp2", "pp2", "pp2-lora"])
 def test_dpo_on_two_ranks_equals_one_process_with_the_reference_sharded_like_the_policy(
         dpo_setup, one_process_dpo, tmp_path, layout):
-    """DPO against a frozen copy of the initial model on 2 gloo ranks (FSDP2, or tensor parallelism with sequence
-    parallelism and the vocabulary-parallel loss): every step's loss, gradient norm and reward statistics, and the
-    validation's, equal one process's; the reference is split exactly like the policy (each rank holds its shards
-    only), frozen, gradient-free and outside the optimizer."""
+    """DPO against a frozen copy of the initial model on 2 gloo ranks (FSDP2, tensor parallelism with sequence
+    parallelism and the vocabulary-parallel loss, or two pipeline stages): every step's loss, gradient norm and reward
+    statistics, and the validation's, equal one process's; the reference is split exactly like the policy (each rank
+    holds its shards, or its stage, only), frozen, gradient-free and outside the optimizer. Under LoRA (the reference:
+    the policy's stages with their adapters off) the same curve as one process's LoRA run."""
     run, out = tmp_path / "run", tmp_path / "out.json"
+    lora = tuple(a for a in layout if a in LORA_DPO)
     args = _dpo_args(dpo_setup, run, "trainer.max_steps=4", "trainer.val_check_interval=4", *layout)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(Path(__file__).with_name("dpo_worker.py")), str(out), *args],
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    ours, theirs = _metrics(run), _metrics(one_process_dpo)
+    ours, theirs = _metrics(run), _metrics(one_process_dpo(*lora))
     assert len(ours) == len(theirs) == 4
     keys = ("loss", "grad_norm", "reward_accuracy", "reward_margin", "rewards_chosen", "rewards_rejected",
             "val_loss", "val_reward_accuracy", "val_reward_margin")
@@ -298,13 +311,20 @@ def test_dpo_on_two_ranks_equals_one_process_with_the_reference_sharded_like_the
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k)
     assert theirs[-1]["reward_margin"] != 0  # the policy moved away from its reference
     report = json.loads(out.read_text())
+    if lora:
+        assert report["reference"] is None
+        return
     reference, policy = report["reference"], report["policy"]
     assert reference.keys() == policy.keys()
-    assert all(placement == policy[n] and placement != "local" for n, (placement, _, _, _) in reference.items())
+    assert all(placement == policy[n] for n, (placement, _, _, _) in reference.items())
     from lmforge.models.source import source_config
 
-    whole = sum(p.numel() for p in build(source_config(dpo_setup / "model"), device="meta").parameters())
-    assert sum(numel for _, numel, _, _ in reference.values()) < 0.75 * whole  # this rank's shards, not a copy
+    whole = dict(build(source_config(dpo_setup / "model"), device="meta").named_parameters())
+    if "parallel.pipeline=2" in layout:  # the first stage: the embeddings and the first block, no more
+        assert set(reference) < set(whole) and not any(n.startswith("layers.1.") for n in reference)
+    else:  # this rank's shards, not a copy
+        assert all(placement != "local" for placement, _, _, _ in reference.values())
+        assert sum(numel for _, numel, _, _ in reference.values()) < 0.75 * sum(p.numel() for p in whole.values())
     assert not any(trains or grad for _, _, trains, grad in reference.values()) and report["in_optimizer"] == 0
 
 

@@ -94,6 +94,15 @@ class Task:
         loss = lm_loss(model, {"input_ids": input_ids, **inputs}, labels, fused, batch.get(SCORED_ROWS))
         return loss, (labels != IGNORE_INDEX).sum(), 0
 
+    def pipeline_target(self, pm, batch: Batch) -> torch.Tensor:
+        """Under pipeline parallelism: what the last stage scores each microbatch's logits against (the schedule
+        splits it by rows with the batch), computed before the step from the local batch: the labels."""
+        return self.inputs(batch)[1]
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, Count, Count]:
+        """`loss` from the last pipeline stage's logits of one microbatch and its rows of pipeline_target."""
+        return logits_loss(logits, target), (target != IGNORE_INDEX).sum(), self.correct(logits, target)
+
     def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> Count:
         """Correct predictions among `logits` (pipeline validation scores the last stage's logits)."""
         return 0

@@ -10,12 +10,13 @@ reported as reward_accuracy (the share of pairs where the chosen reward is the l
 minus rejected) and the mean rewards, every step and at validation (val_*). The reference is, in this order: the
 log-probabilities in the data file (ref_chosen_logps / ref_rejected_logps), the base model without its adapters
 under LoRA (no second model), or a frozen copy of the run's initial model (model.init_from), laid out like the
-policy (FSDP2 and tensor-parallel shards: each rank holds its own, without gradients or optimizer state). It runs
-in eval mode: no dropout.
+policy (FSDP2 and tensor-parallel shards, pipeline stages: each rank holds its own, without gradients or optimizer
+state). It runs in eval mode: no dropout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -59,10 +60,16 @@ def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torc
                                  for i in range(len(labels))])
 
         return model(input_ids, **inputs, head_fn=head_fn)
-    # Per-token cross-entropy, which loss_parallel computes on vocabulary-sharded logits (tensor parallelism):
-    # a replicated DTensor then, every rank's the same, whose local copy the rest of the loss takes.
-    logits = model(input_ids, **inputs).float()
-    nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return row_logps(model(input_ids, **inputs), labels)
+
+
+def row_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed log-probability of each row's labels from (rows, seq, vocab) logits, (rows,) in fp32.
+
+    A per-token cross-entropy, which loss_parallel computes on vocabulary-sharded logits (tensor parallelism): a
+    replicated DTensor then, every rank's the same, whose local copy the rest of the loss takes."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                          reduction="none")
     logps = -nll.view(labels.shape).sum(-1)
     return logps.to_local() if hasattr(logps, "to_local") else logps
 
@@ -113,9 +120,6 @@ class DPO(Task):
         return with_padding(data, cfg)
 
     def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
-        if layout.pipeline > 1:
-            raise UserError("data.task=dpo with parallel.pipeline > 1 is not supported yet: use data or tensor "
-                            "parallelism (trainer.data_parallel=ddp or fsdp, parallel.tensor)")
         if self.precomputed:
             log.info("DPO reference: the log-probabilities in the data files")
         elif cfg.lora is not None:
@@ -173,10 +177,51 @@ class DPO(Task):
         with torch.no_grad():
             ref = self.reference_logps(model, batch, fused, scored)
         policy = sequence_logps(model, ids, labels, inputs, fused, scored)
+        return self.pair_loss(policy, ref, labels, batch.get(SCORED_PER_ROW))
+
+    # Under a pipeline the last stage scores each microbatch's logits against its rows of pipeline_target: the
+    # labels with each row's reference log-probability as one more column (the schedule splits one tensor by rows;
+    # a float64 column holds the labels exactly). The reference's log-probabilities come first, from a forward-only
+    # pass of the pipelined reference (or of the policy with its adapters off) over the whole local batch.
+
+    def pipeline_target(self, pm, batch: Batch) -> torch.Tensor:
+        labels = self.inputs(batch)[1]
+        ref = batch["ref_logps"] if "ref_logps" in batch else self._pipelined_reference_logps(pm, batch)
+        return torch.cat([labels.double(), ref.double()[:, None]], 1)
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor):
+        labels = target[:, :-1].long()
+        return self.pair_loss(row_logps(logits, labels), target[:, -1].float(), labels)
+
+    def _pipelined_reference_logps(self, pm, batch: Batch) -> torch.Tensor:
+        """Each row's reference log-probability on the pipeline's last stage (zeros on the other stages)."""
+        from lmforge.models.lora import adapters_disabled
+        from lmforge.parallel.pipeline import pipeline_eval
+
+        ids, labels, inputs = self.inputs(batch)
+        rows: list[torch.Tensor] = []
+
+        def collect(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            rows.append(row_logps(logits, y))
+            return torch.zeros((), device=y.device)
+
+        model = self.reference if self.reference is not None else pm
+        with contextlib.ExitStack() as stack:
+            if self.reference is None:  # LoRA: the policy's stages with their adapters off, in eval mode
+                for part in pm.parts:
+                    stack.enter_context(adapters_disabled(part))
+                stack.callback(pm.train, pm.parts[0].training)
+                pm.eval()
+            pipeline_eval(model, ids, labels, collect, **inputs)
+        return rows[-1] if rows else torch.zeros(len(ids), device=ids.device)
+
+    def pair_loss(self, policy: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor,
+                  per_row: torch.Tensor | None = None):
+        """(summed loss, pairs, reward statistics) from each row's policy and reference log-probabilities;
+        `per_row`: each row's count of scored labels, where the host knows it."""
         losses, chosen, rejected = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], self.beta)
         # Blank pairs filling up the last validation step are not counted: known on the host where the batch says
         # how many labels each row scores, else read from the device.
-        per_row = batch.get(SCORED_PER_ROW)
         keep = per_row[0::2] > 0 if per_row is not None else scored_pairs(labels)
         if not bool(keep.all()):
             kept = keep.nonzero().squeeze(1).to(losses.device)
