@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lmforge.models import documents
 from lmforge.models.config import ModelConfig
 from lmforge.models.documents import Documents
 from lmforge.models.kv_cache import KVCache
@@ -108,6 +109,11 @@ class Decoder(nn.Module):
             mask = attention_mask if attention_mask.dim() == 4 else padding_mask(attention_mask, True)
         # Under sequence parallelism x holds a slice of the sequence; the positions span all of it.
         s = position_ids.shape[-1] if position_ids is not None else x.shape[1]
+        if mask is None and self._flex_causal(x.device):
+            docs = Documents.causal(x.shape[0], s, [layer.attn.window for layer in self.layers], x.device)
+            for layer in self.layers:
+                x = layer(x, ropes[self._rope_of(layer)], docs)
+            return self.norm(x) if self.is_last else x
         windowed = {w: self._window_mask(mask, s, w, x.device) for w in self._windows() if w < s}
         for layer in self.layers:
             x = layer(x, ropes[self._rope_of(layer)], windowed.get(layer.attn.window, mask))
@@ -116,6 +122,12 @@ class Decoder(nn.Module):
     @staticmethod
     def _rope_of(layer: nn.Module) -> str | None:
         return "local" if layer.attn.window is not None else None
+
+    def _flex_causal(self, device: torch.device) -> bool:
+        """Whether a causal batch without padding attends through FlexAttention (lmforge.models.documents): on its
+        devices, for a model with sliding windows or soft-capped scores, which SDPA's is_causal cannot express."""
+        special = self._windows() or self.config.attn_logit_softcapping is not None
+        return bool(special) and documents.document_backend(device) == "flex"
 
     def _windows(self) -> set[int]:
         return {layer.attn.window for layer in self.layers if layer.attn.window is not None}

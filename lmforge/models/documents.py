@@ -20,6 +20,10 @@ Two ways to compute it without the dense mask (`document_backend` picks one by d
   on CUDA and XPU only, never the CPU. Not a default yet: on torch 2.13's CPU, FlexAttention compiled *inside* a
   larger graph gave wrong outputs (forward, no grad; the same call compiled alone was right), and no GPU has run
   it here. FLEX_DEVICES names the devices that get it once scripts/gpu_check.py's `documents` check passes there.
+
+On FLEX_DEVICES the unpacked causal batch goes through it too where a layer has a sliding window or soft-capped
+scores (Documents.causal: one document per row): the window as a block mask beside the causal one, the cap as a
+score_mod, where the dense path builds a (seq, seq) band mask or materialises the capped scores.
 """
 
 from __future__ import annotations
@@ -95,17 +99,25 @@ class Documents:
     segment_ids: torch.Tensor  # (batch, seq): 1, 2, ... per document, 0 on padding; each document contiguous
     backend: str = "split"
     min_chunk: int = MIN_CHUNK
+    one_per_row: bool = False  # Documents.causal: every row one document, no padding (block masks shared by rows)
     # Per window (None: none): its BlockMask ("flex") or per row its chunks ("split"); "runs": each row's runs of ids.
     plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, segment_ids: torch.Tensor, windows: Iterable[int | None] = (None,), backend: str | None = None,
-           min_chunk: int | None = None) -> Documents:
-        docs = cls(segment_ids, backend or document_backend(segment_ids.device), min_chunk or MIN_CHUNK)
+           min_chunk: int | None = None, one_per_row: bool = False) -> Documents:
+        docs = cls(segment_ids, backend or document_backend(segment_ids.device), min_chunk or MIN_CHUNK, one_per_row)
         seq = segment_ids.shape[1]
         for window in {w if w is not None and w < seq else None for w in windows}:
             docs.plans[window] = docs._block_mask(window) if docs.backend == "flex" else docs._chunks(window)
         return docs
+
+    @classmethod
+    def causal(cls, batch: int, seq: int, windows: Iterable[int | None], device: torch.device,
+               backend: str | None = None) -> Documents:
+        """An unpacked causal batch as one document per row, so that FlexAttention's block masks (the causal one,
+        narrowed to each window) and its soft-capping score_mod serve it without a dense mask."""
+        return cls.of(torch.ones(batch, seq, dtype=torch.long, device=device), windows, backend, one_per_row=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                scale: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
@@ -173,13 +185,16 @@ class Documents:
         ids = self.segment_ids
 
         def mask_mod(b, h, q_idx, kv_idx):
-            same = (ids[b, q_idx] == ids[b, kv_idx]) & (ids[b, kv_idx] != 0) & (q_idx >= kv_idx)
+            same = q_idx >= kv_idx
+            if not self.one_per_row:
+                same = same & (ids[b, q_idx] == ids[b, kv_idx]) & (ids[b, kv_idx] != 0)
             if window is not None:
                 same = same & (kv_idx > q_idx - window)
             return same | (q_idx == kv_idx)
 
         b, s = ids.shape
-        return create_block_mask(mask_mod, b, None, s, s, device=ids.device)
+        # One document per row: the same mask for every row, built once (batch None).
+        return create_block_mask(mask_mod, None if self.one_per_row else b, None, s, s, device=ids.device)
 
 
 def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, int]]]:

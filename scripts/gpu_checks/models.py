@@ -210,7 +210,9 @@ def check_engine(ctx: Context) -> tuple[str, dict]:
 def check_documents(ctx: Context) -> tuple[str, dict]:
     """Packed documents (lmforge.models.documents): logits and gradients of each backend the device can run
     ("split"; "flex" where FlexAttention trains: not the CPU), eager and in compiled blocks, against the dense
-    mask. Before lmforge.models.documents.FLEX_DEVICES names a device, this check must pass on it."""
+    mask; and an unpacked batch (flex: the causal block mask narrowed to each window, the cap as a score_mod)
+    against the dense band mask. Before lmforge.models.documents.FLEX_DEVICES names a device, this check must pass
+    on it."""
     from lmforge.models import documents, load_pretrained
     from lmforge.models.documents import document_mask, flex_available
 
@@ -232,13 +234,14 @@ def check_documents(ctx: Context) -> tuple[str, dict]:
         model = load_pretrained(models[name][1], device=dev).float()
         ids = torch.randint(1, 300, segments.shape, generator=gen).to(dev)
 
-        def run(model=model, ids=ids, **inputs):
+        def run(model=model, ids=ids, position_ids=positions, **inputs):
             model.zero_grad(set_to_none=True)
-            logits = model(ids, position_ids=positions, **inputs)
+            logits = model(ids, position_ids=position_ids, **inputs)
             logits.float().logsumexp(-1).sum().backward()
             return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
         ref, ref_grads = run(attention_mask=document_mask(segments))
+        causal_ref, causal_grads = run(position_ids=None)  # an unpacked batch: dense band mask / capped scores
         for compiled in (False, True):
             if compiled:
                 for block in model.layers:
@@ -246,18 +249,21 @@ def check_documents(ctx: Context) -> tuple[str, dict]:
             for backend in backends:
                 original = documents.document_backend  # what the decoder's Documents.of asks
                 documents.document_backend = lambda device, _b=backend: _b
-                try:
-                    logits, grads = run(segment_ids=segments)
+                try:  # packed documents; then the unpacked batch (flex: Documents.causal's block masks)
+                    results = {"": (run(segment_ids=segments), (ref, ref_grads)),
+                               "/causal": (run(position_ids=None), (causal_ref, causal_grads))}
                 finally:
                     documents.document_backend = original
-                err = (logits - ref).abs().max().item()
-                gerr = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-                           for g, r in zip(grads, ref_grads, strict=True))
-                key = f"{name}/{backend}{'/compiled' if compiled else ''}"
-                fig[key] = {"logits": err, "grads_rel": gerr}
-                if err > ctx.fp32_tol or gerr > 1e-3:
-                    bad.append(f"{key}: logits {err:.1e}, gradients {gerr:.1e} (relative)")
+                for kind, ((logits, grads), (want, want_grads)) in results.items():
+                    err = (logits - want).abs().max().item()
+                    gerr = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                               for g, r in zip(grads, want_grads, strict=True))
+                    key = f"{name}/{backend}{kind}{'/compiled' if compiled else ''}"
+                    fig[key] = {"logits": err, "grads_rel": gerr}
+                    if err > ctx.fp32_tol or gerr > 1e-3:
+                        bad.append(f"{key}: logits {err:.1e}, gradients {gerr:.1e} (relative)")
         torch.compiler.reset()
     if bad:
         raise AssertionError("packed documents differ from the dense mask: " + "; ".join(bad))
-    return f"{', '.join(backends)} = dense mask (logits, grads), eager and compiled, at {seq} tokens", fig
+    return (f"{', '.join(backends)} = dense mask (logits, grads), packed and unpacked, eager and compiled, at {seq} "
+            "tokens"), fig

@@ -132,6 +132,58 @@ def test_flex_block_masks_give_the_dense_mask_attention(window, softcap):
     assert (out - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("window,softcap", [(24, None), (None, 2.0), (24, 2.0), (200, None)])
+def test_flex_causal_block_masks_give_the_dense_causal_attention(window, softcap):
+    """An unpacked batch (Documents.causal): the causal block mask narrowed to the window, the cap as a score_mod,
+    against SDPA-shaped attention with the dense causal band mask. CPU, forward only, uncompiled."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from lmforge.models import documents
+    from lmforge.models.attention import attention
+
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 256, 16, generator=g)
+    k, v = torch.randn(2, 2, 256, 16, generator=g), torch.randn(2, 2, 256, 16, generator=g)
+    docs = Documents.causal(2, 256, [window], q.device, backend="flex")
+    slots = torch.arange(256)
+    dense = slots[None, :] <= slots[:, None]
+    if window is not None:
+        dense &= slots[None, :] > slots[:, None] - window
+    with torch.no_grad(), pytest.MonkeyPatch.context() as m:
+        m.setattr(documents, "compiled_flex_attention", lambda: flex_attention)
+        out = docs.attend(q, k, v, window, 0.3, softcap, 0.0)
+    expected = attention(q, k, v, dense, False, 0.3, softcap, 0.0)
+    assert (out - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "llama_gqa"])
+def test_on_a_flex_device_windowed_and_capped_families_attend_through_flex(family, models, monkeypatch):
+    """With the device among FLEX_DEVICES, an unpacked causal batch of a family with sliding windows or capped
+    scores attends through FlexAttention in every layer (no dense band mask) and gives the dense path's logits;
+    a family with neither keeps SDPA's is_causal. CPU: forward only (torch 2.13 has no CPU FlexAttention
+    backward, so the gradients are checked where scripts/gpu_check.py runs), uncompiled."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from lmforge.models import documents
+
+    model = models[family]
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(7))  # 5 windows of 8
+    with torch.no_grad():
+        dense = model(ids)
+    calls = []
+    monkeypatch.setattr(documents, "FLEX_DEVICES", ("cpu",))
+    monkeypatch.setattr(documents, "flex_available", lambda: True)
+    monkeypatch.setattr(documents, "compiled_flex_attention",
+                        lambda: lambda *a, **kw: calls.append(kw["block_mask"]) or flex_attention(*a, **kw))
+    with torch.no_grad():
+        flex = model(ids)
+    assert (flex - dense).abs().max().item() <= 1e-5
+    special = any(model.config.window(i) for i in range(model.config.num_layers))
+    special = special or model.config.attn_logit_softcapping is not None
+    assert len(calls) == (model.config.num_layers if special else 0)
+
+
 def test_split_attention_skips_the_scores_between_documents():
     """The point of it: per document a causal SDPA call on that document's slots only, no (seq, seq) scores."""
     segments, _ = packed([[300, 200, 12]], seq=512)
