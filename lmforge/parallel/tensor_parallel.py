@@ -154,6 +154,21 @@ class _ExpertSliceDispatch:
                                down.to_local(), act)
 
 
+class VocabParallelEmbedding(RowwiseParallel):
+    """torch's RowwiseParallel for an embedding (rows split by vocabulary), its partial sums reduced synchronously.
+
+    torch reduces them with async_op=True: the local output is then an AsyncCollectiveTensor, and one that enters a
+    compiled block (trainer.compile) as its input loses its gradient edge in AOTAutograd (torch 2.13; seen on CPU/gloo:
+    the embedding got no gradient, or the backward failed with "'Tensor' object has no attribute '_local_tensor'").
+    A plain tensor crosses into the block; the first block needs the whole embedding at once anyway."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def _block_plan(cfg: ModelConfig, block: nn.Module, sequence_parallel: bool) -> dict:
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     plan = {
@@ -192,7 +207,7 @@ def _to_sequence_shards() -> PrepareModuleOutput:
 
 def _top_plan(model: nn.Module, cfg: ModelConfig, sequence_parallel: bool) -> dict:
     seq = Shard(1) if sequence_parallel else Replicate()
-    embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)  # vocab-parallel: rows split
+    embed = VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=seq)  # rows split by vocabulary
     plan: dict = {}
     if cfg.family == "bert":
         plan["embeddings.word"] = embed

@@ -121,9 +121,6 @@ class Trainer:
         apply_activation_checkpointing(model, t.activation_checkpointing)
         compile_block = None
         if t.compile:  # each block this rank holds, once laid out (a pipeline stage's own blocks, before FSDP)
-            if layout.tensor > 1:  # torch 2.13 (CPU, gloo): DTensor's redistribute fails in the compiled backward
-                raise UserError("trainer.compile with parallel.tensor > 1 is not supported yet: set "
-                                "trainer.compile=false (pipeline and data parallelism compile)")
             use_compile_cache(Path(t.compile_cache_dir or self.run_dir / "compile_cache"))
 
             def compile_block(block: torch.nn.Module) -> None:

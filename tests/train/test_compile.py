@@ -37,11 +37,14 @@ def test_compile_step_then_run_step_hits_the_cache(tiny_corpus, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("parallel.pipeline=2",)], ids=["pipeline2"])
-def test_compiled_blocks_under_pipeline_parallelism_train_like_eager(layout, tiny_corpus, tmp_path):
-    """Two pipeline ranks, each compiling its own stage's blocks once laid out: the loss and gradient norm of every
-    step equal the eager run's to fp32 rounding (Inductor fuses the elementwise work, so not bit for bit). (Under
-    tensor parallelism torch 2.13's DTensor redistribute fails in the compiled backward on CPU: still refused.)"""
+@pytest.mark.parametrize("layout", [("parallel.pipeline=2",), ("parallel.tensor=2",),
+                                    ("parallel.tensor=2", "parallel.sequence_parallel=false")],
+                         ids=["pipeline2", "tensor2-sp", "tensor2"])
+def test_compiled_blocks_under_model_parallelism_train_like_eager(layout, tiny_corpus, tmp_path):
+    """Two pipeline or tensor-parallel ranks, each compiling the blocks it holds once laid out: the loss and gradient
+    norm of every step equal the eager run's to fp32 rounding (Inductor fuses the elementwise work, so not bit for
+    bit). Under tensor parallelism the blocks are traced with their DTensor plans; the embedding's gradient crosses
+    into the first compiled block (it was lost while torch's async embedding reduce fed it: VocabParallelEmbedding)."""
     import json
 
     args = ["pretrain", os.devnull, "model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]", "data.seq_length=32",
