@@ -158,9 +158,12 @@ class VocabParallelEmbedding(RowwiseParallel):
     """torch's RowwiseParallel for an embedding (rows split by vocabulary), its partial sums reduced synchronously.
 
     torch reduces them with async_op=True: the local output is then an AsyncCollectiveTensor, and one that enters a
-    compiled block (trainer.compile) as its input loses its gradient edge in AOTAutograd (torch 2.13; seen on CPU/gloo:
-    the embedding got no gradient, or the backward failed with "'Tensor' object has no attribute '_local_tensor'").
-    A plain tensor crosses into the block; the first block needs the whole embedding at once anyway."""
+    compiled block (trainer.compile) as its input loses its gradient edge in AOTAutograd: torch 2.13 unwraps such an
+    input with trigger_wait(), which drops requires_grad (pytorch/pytorch#179849; the fix is PR #191113). Seen on
+    CPU/gloo, but not device-specific: a bare ColwiseParallel Linear, compiled, fed `DTensor(Partial).redistribute(
+    Replicate, async_op=True).to_local()` gives its input no gradient; in the model the embedding's backward failed
+    with "'Tensor' object has no attribute '_local_tensor'". Here a plain tensor crosses into the first block, which
+    needs the whole embedding at once anyway."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
