@@ -73,8 +73,16 @@ class MoE(nn.Module):
         logits, weights, chosen = self.route(x)
         self.router_logits = logits if self.training and torch.is_grad_enabled() else None
         run = grouped_experts if self.dispatch is None else self.dispatch
-        out = run(x, chosen, weights, self.experts.gate_up, self.experts.down, self.act)
+        out = _outside_compile(run, x, chosen, weights, self.experts.gate_up, self.experts.down, self.act)
         return out.view(shape)
+
+
+@torch.compiler.disable
+def _outside_compile(run: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """The experts run eagerly inside a compiled block (trainer.compile): how many rows each expert gets is read on
+    the host and decides the GEMMs' shapes (and expert parallelism's all-to-all), and torch's fake kernel of
+    F.grouped_mm accepts bf16 only, so tracing them failed; the block's attention, norms and router still compile."""
+    return run(*args)
 
 
 def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
