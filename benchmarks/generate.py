@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from report import accelerator_description, publish  # benchmarks/report.py
+from train_sides import hf_shape  # benchmarks/train_sides.py
 
 from lmforge.devices import max_memory_allocated, memory_allocated, reset_peak_memory_stats, resolve_device, synchronize
 from lmforge.errors import UserError
@@ -40,15 +41,12 @@ from lmforge.inference import generate, left_pad
 from lmforge.models import load_pretrained
 
 SECTION = "## Generation: greedy decode vs transformers"
-# The two smallest Pythia models' shapes (EleutherAI/pythia-14m and -70m configs): the first is dominated by
-# per-token overhead (its weights are 31 MB in fp32, mostly the head), the second by reading 180 MB per token.
-PYTHIA_14M = dict(vocab_size=50304, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
-                  intermediate_size=512, rotary_pct=0.25, max_position_embeddings=2048)
-PYTHIA_70M = dict(vocab_size=50304, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
-                  intermediate_size=2048, rotary_pct=0.25, max_position_embeddings=2048)
+# Pythia shapes (lmforge's presets, as transformers' GPTNeoXConfig): pythia-14m is dominated by per-token overhead
+# (its weights are 31 MB in fp32, mostly the head), pythia-70m by reading 180 MB per token; pythia-1b is the GPU's
+# shape, where a batch-1 step reads 2 GB in bf16 and the kernel launches of an eager step still show.
+SHAPES = {name: hf_shape(name) for name in ("pythia-14m", "pythia-70m", "pythia-160m", "pythia-410m", "pythia-1b")}
 QUICK = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
              rotary_pct=0.25, max_position_embeddings=256)
-SHAPES = {"pythia-14m": PYTHIA_14M, "pythia-70m": PYTHIA_70M}
 BANDWIDTH_MB = 512  # copied per bandwidth probe: far past the last-level cache
 
 
@@ -283,7 +281,8 @@ def details(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="Pythia shapes to run")
+    p.add_argument("--shape", nargs="+", default=None, choices=list(SHAPES),
+                   help="Pythia shapes to run (default pythia-14m pythia-70m; CUDA: pythia-160m pythia-1b)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 8 (CUDA: 1 8 32)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 32 (CUDA: 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (CUDA: 256)")
@@ -304,6 +303,7 @@ def main() -> None:
     args.batch = args.batch or ([1, 8, 32] if cuda else [1, 8])
     args.prompt_len = args.prompt_len or (128 if cuda else 32)
     args.new_tokens = args.new_tokens or (256 if cuda else 128)
+    args.shape = args.shape or (["pythia-160m", "pythia-1b"] if cuda else ["pythia-14m", "pythia-70m"])
     if args.quick:
         if args.write:
             p.error("--quick numbers are not benchmark numbers: run without --quick to --write")
@@ -333,8 +333,10 @@ def main() -> None:
                 for row in measure(args, name, shape, Path(tmp) / name, dtypes)]
     command = "python benchmarks/generate.py" + "".join(f" {a}" for a in sys.argv[1:])
     what = "tiny GPT-NeoX (--quick)" if args.quick else (
-        "Pythia shapes, random weights: pythia-14m (d 128, 6 layers, 4 heads) and pythia-70m (d 512, 6 layers, "
-        "8 heads), both with the 50304-row vocabulary and 25% rotary")
+        "Pythia shapes, random weights: " + ", ".join(
+            f"{n} (d {SHAPES[n]['hidden_size']}, {SHAPES[n]['num_hidden_layers']} layers, "
+            f"{SHAPES[n]['num_attention_heads']} heads)" for n in args.shape)
+        + ", each with the 50304-row vocabulary and 25% rotary")
     body = (
         f"Command: `{command}` (or `lmforge bench generate`). {what}; greedy, batch of left-padded prompts of "
         f"{args.prompt_len} down to {args.prompt_len - args.prompt_len // 4} tokens, {args.new_tokens} new tokens "
