@@ -3,7 +3,8 @@
 One random Pythia-shaped GPTNeoXForCausalLM (--shape) is saved once; both sides start from it with rank-16 adapters
 (alpha 32, no dropout) on every linear layer of the blocks (PEFT: query_key_value, dense, dense_h_to_4h,
 dense_4h_to_h; lmforge: lora.targets=all-linear), the base frozen, AdamW on the adapters, gradient clipping at 1,
-fp32, the same batch of random tokens (loss on every position). PEFT side: `get_peft_model`, then
+fp32 (--precision bf16: the base in bf16, fp32 adapters, bf16 autocast on both sides), the same batch of random
+tokens (loss on every position). PEFT side: `get_peft_model`, then
 `model(input_ids, labels=input_ids).loss`, backward, clip, step. lmforge side: `lmforge finetune`'s own
 `Trainer.train_step` with `model.init_from` the same folder and a `lora:` section. Both adapters start with B = 0,
 so the first-step losses must agree before anything is timed.
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from report import publish  # benchmarks/report.py
+from report import BENCHMARKS_MD, write_block  # benchmarks/report.py
 
 SECTION = "## LoRA fine-tuning: lmforge vs PEFT + transformers"
 SHAPES = {
@@ -44,6 +45,7 @@ SHAPES = {
 }
 RANK, ALPHA, LR = 16, 32, 2e-4
 PEFT_TARGETS = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+PRECISIONS = {"fp32": "fp32", "bf16": "the base in bf16, fp32 adapters, bf16 autocast"}
 CPU_NOTE = " (CPU time of the step: at one thread the work, less the waits for the shared cores)"
 SIDES = {"peft": "PEFT {peft} + transformers loop", "lmforge": "lmforge finetune",
          "lmforge-compile": "lmforge finetune, trainer.compile=true"}
@@ -54,10 +56,13 @@ def batch_ids(args, vocab: int) -> torch.Tensor:
 
 
 def peft_step(args, folder: Path, vocab: int):
+    """bf16: the base loaded in bf16, the adapters in fp32 (get_peft_model's autocast_adapter_dtype), the step under
+    bf16 autocast: the usual PEFT recipe on one GPU."""
     import peft
     import transformers as tf
 
-    model = tf.GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    bf16 = args.precision == "bf16"
+    model = tf.GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if bf16 else torch.float32)
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                                        target_modules=PEFT_TARGETS)).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -65,7 +70,8 @@ def peft_step(args, folder: Path, vocab: int):
     ids = batch_ids(args, vocab)
 
     def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
@@ -92,6 +98,7 @@ def lmforge_step(args, folder: Path, vocab: int, tmp: Path, compile: bool = Fals
         "cost.peak_flops=1e12", "trainer.grad_clip=1.0", f"optim.lr={LR}", "optim.weight_decay=0.0",
         f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "lora.targets=all-linear", f"run_dir={tmp / 'run'}",
         f"trainer.compile={str(compile).lower()}",
+        *(["trainer.precision=bf16-mixed", "lora.base_dtype=bf16"] if args.precision == "bf16" else []),
     ])
     trainer = Trainer(cfg)
     ids = batch_ids(args, vocab)
@@ -134,7 +141,8 @@ def log(msg: str) -> None:
 
 def run_side(args, side: str, folder: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", side, "--folder", str(folder), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--steps", str(args.steps), "--threads", str(args.threads)]
+           "--seq", str(args.seq), "--steps", str(args.steps), "--threads", str(args.threads),
+           "--precision", args.precision]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"the {side} side failed:\n{out.stderr[-3000:]}")
@@ -152,6 +160,9 @@ def main() -> None:
                    help="torch threads per process (0: torch's default); at 1, CPU time measures the work and "
                         "not the other jobs on a shared machine")
     p.add_argument("--compile", action="store_true", help="add a side: lmforge with trainer.compile=true")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: the frozen base in bf16, fp32 adapters, bf16 autocast (PEFT: the base loaded in bf16; "
+                        "lmforge: trainer.precision=bf16-mixed, lora.base_dtype=bf16)")
     p.add_argument("--quick", action="store_true", help="a tiny model: checks that the script runs")
     p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
     p.add_argument("--child", choices=list(SIDES), help=argparse.SUPPRESS)
@@ -186,7 +197,7 @@ def main() -> None:
                     f"(load {os.getloadavg()[0]:.1f})")
     first = {side: runs[side][0]["first_loss"] for side in runs}
     for side in sides[1:]:
-        if abs(first[side] - first["peft"]) > 1e-4 * abs(first["peft"]):
+        if abs(first[side] - first["peft"]) > (1e-4 if args.precision == "fp32" else 2e-2) * abs(first["peft"]):
             raise SystemExit(f"first-step losses differ (PEFT {first['peft']:.6f}, {side} {first[side]:.6f}): "
                              "not benchmarking")
     tokens = args.batch * args.seq
@@ -216,13 +227,16 @@ def main() -> None:
     command = " ".join(["python", "benchmarks/lora.py", *sys.argv[1:]])
     body = (f"Command: `{command}`. CPU: {machine()[0]}; torch {torch.__version__}, transformers {tf.__version__}, "
             f"peft {peft.__version__}, {datetime.date.today()}. {args.shape} shape, LoRA rank {RANK} alpha {ALPHA} on "
-            f"every block linear, fp32, batch {args.batch} x {args.seq} tokens, torch threads per process: "
-            f"{args.threads or torch.get_num_threads()}. Median of {args.rounds} x {args.steps} steps per side"
-            f"{CPU_NOTE if clock == 'cpu' else ''}; {time.perf_counter() - t0:.0f} s in all, load average "
+            f"every block linear, {PRECISIONS[args.precision]}, batch {args.batch} x {args.seq} tokens, torch threads "
+            f"per process: {args.threads or torch.get_num_threads()}. Median of {args.rounds} x {args.steps} steps per "
+            f"side{CPU_NOTE if clock == 'cpu' else ''}; {time.perf_counter() - t0:.0f} s in all, load average "
             f"{load_start:.1f} at "
             f"the start and {os.getloadavg()[0]:.1f} at the end (a shared machine).\n\n" + "\n".join(lines) +
-            f"\n\n{goal}\n\n" + __doc__.split("\n\n", 1)[1].strip() + "\n")
-    publish(SECTION, body, args.write)
+            f"\n\n{goal}\n")
+    print(body)
+    if args.write:
+        write_block(SECTION, __doc__.split("\n\n", 1)[1].strip(), f"CPU, {args.precision}", body)
+        print(f"wrote '{SECTION}' to {BENCHMARKS_MD}")
 
 
 if __name__ == "__main__":
