@@ -60,7 +60,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None,
     vocab = set(getattr(model, "vocab_parameters", ()))
     done: set[int] = set()
     for name, module in model.named_modules():
-        name = _model_name(name)
+        name = unwrapped_name(name)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             key = f"{name}.weight"
             std = out_std if isinstance(module, nn.Linear) and name.endswith(("attn.proj", "mlp.down")) else \
@@ -77,7 +77,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None,
         else:
             continue
         done.update(id(p) for p in module.parameters(recurse=False))
-    left = [n for n, p in model.named_parameters() if id(p) not in done and not (skip and skip(_model_name(n)))]
+    left = [n for n, p in model.named_parameters() if id(p) not in done and not (skip and skip(unwrapped_name(n)))]
     if left:
         raise RuntimeError(f"init_weights does not know how to initialise {left[0]}: give its module "
                            "reset_parameters()")
@@ -90,7 +90,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None,
                 local[max(0, cfg.vocab_size - rows.start):].zero_()
 
 
-def _model_name(name: str) -> str:
+def unwrapped_name(name: str) -> str:
     """A module's name in the model, without the wrappers' prefixes (torch.compile, activation checkpointing)."""
     for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
         name = name.replace(wrapper, "")

@@ -287,10 +287,10 @@ def init_adapters(parts: list[nn.Module], lora: LoRAConfig, seed: int = 0) -> No
     (the modules of other pipeline stages too: their draws advance the generator), and each rank copies the rows and
     columns it holds (a DTensor's local piece under FSDP2 or tensor parallelism). An A is rank x in: a draw is small
     next to any weight."""
-    from lmforge.models.build import _model_name, build, local_piece
+    from lmforge.models.build import build, local_piece, unwrapped_name
 
     model = build(parts[0].config, device="meta")  # the whole model's targets, in apply_lora's order
-    held = {_model_name(n): p for part in parts for n, p in part.named_parameters() if is_adapter(n)}
+    held = {unwrapped_name(n): p for part in parts for n, p in part.named_parameters() if is_adapter(n)}
     generator = torch.Generator().manual_seed(seed)
     for name, names in target_modules(model, lora).items():
         # A meta twin of the module apply_lora makes: the order of its lora_A (sorted by nn.ParameterDict) is the
