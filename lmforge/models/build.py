@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +45,8 @@ def build(
     return model.to(dtype) if dtype is not None else model
 
 
-def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None) -> None:
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None,
+                 skip: Callable[[str], bool] | None = None) -> None:
     """Megatron/GPT-2 init: N(0, init_std), residual output projections scaled by 1/sqrt(2L),
     zero biases, unit norms, zero vocabulary padding rows.
 
@@ -52,12 +54,13 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None) ->
     weight has the same values whatever the device, and wherever it lives: whole in one process, or as
     the local pieces of DTensors (tensor-parallel, FSDP) or pipeline stages on many ranks, each rank
     filling only the pieces it holds (one whole weight is drawn at a time). Without `seed`, the global
-    CPU generator draws. Every parameter must be covered: a new kind of layer says how it starts."""
+    CPU generator draws. Every parameter must be covered: a new kind of layer says how it starts; `skip` names
+    those that start elsewhere (a LoRA-wrapped model's adapters: lmforge.models.lora.init_adapters)."""
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
     vocab = set(getattr(model, "vocab_parameters", ()))
     done: set[int] = set()
     for name, module in model.named_modules():
-        name = _model_name(name)
+        name = unwrapped_name(name)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             key = f"{name}.weight"
             std = out_std if isinstance(module, nn.Linear) and name.endswith(("attn.proj", "mlp.down")) else \
@@ -74,7 +77,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None) ->
         else:
             continue
         done.update(id(p) for p in module.parameters(recurse=False))
-    left = [n for n, p in model.named_parameters() if id(p) not in done]
+    left = [n for n, p in model.named_parameters() if id(p) not in done and not (skip and skip(unwrapped_name(n)))]
     if left:
         raise RuntimeError(f"init_weights does not know how to initialise {left[0]}: give its module "
                            "reset_parameters()")
@@ -87,7 +90,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None) ->
                 local[max(0, cfg.vocab_size - rows.start):].zero_()
 
 
-def _model_name(name: str) -> str:
+def unwrapped_name(name: str) -> str:
     """A module's name in the model, without the wrappers' prefixes (torch.compile, activation checkpointing)."""
     for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
         name = name.replace(wrapper, "")

@@ -82,7 +82,7 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
         copy_side_files(folder, Path(side), [CHAT_TEMPLATE_FILE])  # a fine-tuning run's, as its own export has it
         if lora is None:
             return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
-        base = checkpoint_run(folder).get("model", {}).get("init_from")
+        base = (checkpoint_run(folder) or {}).get("model", {}).get("init_from")
         existed = adapter_dir.exists()
         write_adapter_folder(whole, cfg, lora, adapter_dir, str(Path(base).resolve()) if base else None, Path(side))
         try:

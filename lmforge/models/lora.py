@@ -156,8 +156,8 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.adapters_enabled = True
         if device != "meta":
-            for a in self.lora_A.values():  # nn.Linear's (and PEFT's) init: kaiming_uniform_(a=sqrt(5))
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            for a in self.lora_A.values():
+                _draw_a(a, generator)
 
     def b_matrix(self) -> torch.Tensor:
         """Every part's B as one (out, R) matrix over the stacked parts' ranks: each part's rows (its rows of the
@@ -237,10 +237,23 @@ def _has(modules: dict[str, nn.Module], suffix: str) -> bool:
                for n, m in modules.items())
 
 
+def _draw_a(a: torch.Tensor, generator: torch.Generator | None) -> None:
+    """nn.Linear's (and PEFT's) init of an A matrix: kaiming_uniform_(a=sqrt(5)), from `generator`."""
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+
+
 def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     """Freeze `model` and wrap its targeted linears with adapters (fp32; the base in bf16 with lora.bf16_base).
-    Returns the number of trainable parameters."""
+    Returns the number of trainable parameters.
+
+    A model on the meta device (a layout that shards it) gets meta adapters: once it is laid out and its base
+    filled, init_adapters gives each rank its pieces of the adapters this call would have drawn."""
     targets = target_modules(model, lora)
+    if lora.base_dtype == "nf4" and any(p.is_meta for p in model.parameters()):
+        # NF4 quantizes the whole weights (one scale per 64 values of a row-major weight), which a meta model has
+        # not; QLoRA runs one process (lmforge.train.lora.check_qlora), where the base is built whole.
+        raise UserError("lora.base_dtype=nf4 (QLoRA) needs the base built whole on one process: set "
+                        "lora.base_dtype=bf16 to shard it")
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -263,6 +276,40 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
              lora.alpha, ",".join(sorted({p for parts in targets.values() for p in parts})), len(targets), trainable,
              total, 100 * trainable / total)
     return trainable
+
+
+@torch.no_grad()
+def init_adapters(parts: list[nn.Module], lora: LoRAConfig, seed: int = 0) -> None:
+    """Initialise the adapters of a meta-wrapped model once laid out (`parts`: a ParallelModel's, its tensors
+    allocated): each A as apply_lora(model, lora, seed) draws it on a whole model, B zeros, bit for bit.
+
+    A is drawn whole on the CPU in apply_lora's order, one CPU generator from `seed` over every target of the model
+    (the modules of other pipeline stages too: their draws advance the generator), and each rank copies the rows and
+    columns it holds (a DTensor's local piece under FSDP2 or tensor parallelism). An A is rank x in: a draw is small
+    next to any weight."""
+    from lmforge.models.build import build, local_piece, unwrapped_name
+
+    model = build(parts[0].config, device="meta")  # the whole model's targets, in apply_lora's order
+    held = {unwrapped_name(n): p for part in parts for n, p in part.named_parameters() if is_adapter(n)}
+    generator = torch.Generator().manual_seed(seed)
+    for name, names in target_modules(model, lora).items():
+        # A meta twin of the module apply_lora makes: the order of its lora_A (sorted by nn.ParameterDict) is the
+        # order its constructor draws in.
+        twin = LoRALinear(model.get_submodule(name), names, lora.rank, lora.alpha, 0.0, model.config)
+        for key, meta_a in twin.lora_A.items():
+            a = torch.empty(meta_a.shape)
+            _draw_a(a, generator)
+            for param, whole in ((held.pop(f"{name}.lora_A.{key}", None), a),
+                                 (held.pop(f"{name}.lora_B.{key}", None), None)):
+                if param is None:  # another pipeline stage's module
+                    continue
+                local, box = local_piece(param)
+                if whole is None:
+                    local.zero_()
+                else:
+                    local.copy_(whole[box])
+    if held:
+        raise RuntimeError(f"init_adapters: {sorted(held)[0]} is not an adapter apply_lora({lora}) adds")
 
 
 def nf4_api():

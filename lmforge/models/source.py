@@ -100,13 +100,14 @@ def tokenizer_source(folder: str | Path, fix: str = "set data.tokenizer in the r
     return found
 
 
-def checkpoint_run(folder: Path) -> dict:
-    """The run config a training checkpoint was written under (trainer.json's `run_config`), {} where it has none."""
+def checkpoint_run(folder: Path) -> dict | None:
+    """The run config a training checkpoint was written under (trainer.json's `run_config`), None where it has none
+    (checkpoints written before it carried one, an unreadable trainer.json)."""
     try:
         run = json.loads((Path(folder) / "trainer.json").read_text()).get("run_config")
     except (OSError, ValueError, AttributeError):
         run = None
-    return run if isinstance(run, dict) else {}
+    return run if isinstance(run, dict) else None
 
 
 def checkpoint_lora(folder: Path) -> LoRAConfig | None:
@@ -114,7 +115,7 @@ def checkpoint_lora(folder: Path) -> LoRAConfig | None:
     a UserError for a checkpoint that holds adapters without it."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    section = checkpoint_run(folder).get("lora")
+    section = (checkpoint_run(folder) or {}).get("lora")
     if section is not None:
         return LoRAConfig(**section)
     keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata

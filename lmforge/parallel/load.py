@@ -15,6 +15,9 @@ arithmetic DCP uses for its chunks). Sources:
   rank reads no other stage's layers); each is cut to the local piece and dropped;
 - a training checkpoint (DCP): dcp.load into the local shards reads only the overlapping chunks.
 
+A LoRA-wrapped meta model (lmforge.train.lora.apply_run_lora) gets its base filled here; its adapters,
+in no source, are drawn after (lmforge.models.lora.init_adapters).
+
 Peak memory per rank: its shards plus one source tensor and the copy its conversion makes (safetensors
 maps files: what a rank touches of them is page cache, shared by the ranks of a node). A
 tied embedding's copy on the last pipeline stage is read like the first stage's, so both hold the
@@ -39,6 +42,7 @@ from lmforge.errors import UserError
 from lmforge.models.build import build, init_weights, local_piece
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import is_model_dir, read_config, safetensors_index, stored_layout
+from lmforge.models.lora import is_adapter
 from lmforge.models.source import RUN_OVERRIDES, is_checkpoint, load_checkpoint_model, source_config
 
 log = logging.getLogger(__name__)
@@ -69,7 +73,7 @@ def load_sharded(pm, source: str | Path) -> LoadStats:
     cfg: ModelConfig = pm.parts[0].config
     for part in pm.parts:
         part.to_empty(device=pm.device)
-    targets = local_tensors(pm)
+    targets = {n: t for n, t in local_tensors(pm).items() if not is_adapter(n)}  # no source holds LoRA's
     with torch.no_grad():
         if is_checkpoint(source):
             read, total = _from_checkpoint(pm, source), _files_bytes(source, "*.distcp")
@@ -89,11 +93,12 @@ def init_sharded(pm, seed: int) -> int:
     pieces this rank holds, as build(config, seed=seed) initialises the whole model: each weight is
     drawn whole on the CPU, one at a time, from its own generator (lmforge.models.build.init_weights),
     and this rank keeps its rows and columns. Peak memory: this rank's shards plus one whole weight.
-    Returns the bytes this rank holds."""
+    A LoRA-wrapped model's adapters are left to lmforge.models.lora.init_adapters. Returns the bytes this
+    rank holds."""
     cfg: ModelConfig = pm.parts[0].config
     for part in pm.parts:
         part.to_empty(device=pm.device)
-        init_weights(part, cfg, seed)
+        init_weights(part, cfg, seed, skip=is_adapter)
     _recompute_buffers(pm)
     held = allocated_bytes(pm)
     log.info("initialised this rank's shards of a fresh model: %.1f MiB", held / MiB)
@@ -276,7 +281,8 @@ def _from_checkpoint(pm, folder: Path) -> None:
     from lmforge.parallel.state import load_model_state_dict, model_state_dict
 
     state = model_state_dict(pm)
-    load_checkpoint_model(state, folder)
+    # A LoRA-wrapped model's adapters are no part of the source (init_adapters): DCP fills the base's tensors in place.
+    load_checkpoint_model({k: t for k, t in state.items() if not is_adapter(k)}, folder)
     load_model_state_dict(pm, state)
 
 

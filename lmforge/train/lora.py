@@ -2,7 +2,10 @@
 
 The adapters are wrapped around the built model before it is laid out (lmforge.models.lora), so DDP and FSDP2
 see frozen base weights and trainable adapters, the optimizer holds only the adapters, and checkpoints (DCP)
-save and resume both as any run does. With `checkpoint.convert_to_hf=true` the run writes
+save and resume both as any run does. Under a layout that shards the model (FSDP2, tensor or pipeline parallelism)
+the model is wrapped on the meta device: each rank then reads only its shards of the base and draws its pieces of
+the adapters, never holding the whole base (QLoRA's NF4 base and a LoRA checkpoint as model.init_from are built
+whole). With `checkpoint.convert_to_hf=true` the run writes
 
     RUN_DIR/model/        the merged model, an lmforge folder (with the tokenizer and the chat template)
     RUN_DIR/hf/           the merged model as a Hugging Face folder
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,7 +25,7 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
-from lmforge.models.lora import apply_lora, merged_state
+from lmforge.models.lora import apply_lora, init_adapters, merged_state
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config import RunConfig
 
@@ -49,14 +53,27 @@ def check_qlora(lora, device: torch.device, layout: ParallelConfig) -> None:
                         "process, or set lora.base_dtype=bf16")
 
 
-def apply_run_lora(model: nn.Module, cfg: RunConfig) -> None:
+def apply_run_lora(model: nn.Module, cfg: RunConfig, fill: Callable | None = None) -> Callable | None:
     """Wrap the run's model with cfg.lora's adapters, before it is laid out (any layout: under tensor parallelism
     the adapters are split like their layers, lmforge.parallel.lora; under a pipeline each stage holds its blocks'
-    adapters)."""
-    lora = cfg.lora
+    adapters).
+
+    A model on the meta device (a layout that shards it, init_model's `fill`) gets meta adapters; the fill returned
+    gives each rank, once laid out, its shards of the base (`fill`) and then its pieces of the adapters, the same
+    values as a whole model wrapped here (lmforge.models.lora.init_adapters). Returns None for a whole model."""
+    lora, seed = cfg.lora, cfg.trainer.seed
     if getattr(model.config, "num_labels", 0):
         raise UserError("lora with data.task=classification is not supported yet: the new head would stay frozen")
-    apply_lora(model, lora, seed=cfg.trainer.seed)
+    apply_lora(model, lora, seed=seed)
+    if fill is None:
+        return None
+
+    def fill_with_adapters(pm):
+        stats = fill(pm)
+        init_adapters(pm.parts, lora, seed)
+        return stats
+
+    return fill_with_adapters
 
 
 def write_adapter(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConfig, out: Path,

@@ -41,7 +41,7 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import read_config
-from lmforge.models.source import RUN_OVERRIDES
+from lmforge.models.source import RUN_OVERRIDES, checkpoint_run
 from lmforge.train.config import RunConfig, run_dict
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,7 @@ class ConfigDiff:
 def saved_run_config(checkpoint: Path, run_dir: Path) -> dict | None:
     """The run config a checkpoint was written under: trainer.json's, else the run folder's config.yaml (older
     checkpoints), else None."""
-    try:
-        saved = json.loads((checkpoint / "trainer.json").read_text()).get("run_config")
-    except (OSError, ValueError, AttributeError):
-        saved = None
+    saved = checkpoint_run(checkpoint)
     if saved is None and (run_dir / "config.yaml").is_file():
         try:
             saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)

@@ -46,9 +46,10 @@ def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False, device: 
     `dtype`, and fill(pm), called with it laid out (lmforge.train.step.ParallelTraining), gives each rank
     its own shards only: initialised (init_sharded) or read from init_from (load_sharded). A new head, a
     checkpoint re-padded to another vocabulary multiple, or a LoRA run's checkpoint (merged) needs the whole
-    model first: those are built whole as without meta. Otherwise fill is None and a fresh model is initialised
-    straight on `device`, one weight drawn on the CPU at a time: no process ever holds a whole fp32 copy on the
-    CPU."""
+    model first: those are built whole as without meta. A LoRA run wraps the meta model with its adapters before
+    it is laid out, and its fill then draws them too (lmforge.train.lora.apply_run_lora). Otherwise fill is None
+    and a fresh model is initialised straight on `device`, one weight drawn on the CPU at a time: no process ever
+    holds a whole fp32 copy on the CPU."""
     from lmforge.parallel.load import init_sharded, load_sharded
 
     mcfg, section, seed = cfg.model.resolve(), cfg.model, cfg.trainer.seed

@@ -102,9 +102,10 @@ class Trainer:
             log.info("fp32 matrix products on %s: %s", self.world.device.type,
                      "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")
         seed_all(t.seed)  # dropout, data order, Python, NumPy: the same run draws the same (weights seed their own)
-        # A layout that shards the model gets it on the meta device: each rank fills only its own shards.
-        # (LoRA wraps the whole model before it is laid out: no meta-device model then.)
-        model, fill = init_model(cfg, self.data.num_labels, meta=layout.shards_model and cfg.lora is None,
+        # A layout that shards the model gets it on the meta device: each rank fills only its own shards (a LoRA
+        # run's adapters too). QLoRA quantizes whole weights: its base is built whole (one process, check_qlora).
+        nf4 = cfg.lora is not None and cfg.lora.base_dtype == "nf4"
+        model, fill = init_model(cfg, self.data.num_labels, meta=layout.shards_model and not nf4,
                                  device=self.world.device, dtype=precision.param_dtype)
         self.mcfg: ModelConfig = model.config
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
@@ -114,7 +115,7 @@ class Trainer:
         if fill is None:
             model.to(self.world.device, precision.param_dtype)
         if cfg.lora is not None:
-            apply_run_lora(model, cfg)
+            fill = apply_run_lora(model, cfg, fill)
         self.task.prepare(model, cfg, layout, self.world.device)
         if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
             convert_to_float8(model, t.float8_recipe)

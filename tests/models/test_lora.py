@@ -211,3 +211,36 @@ def test_an_nf4_base_trains_adapters_and_merges_close_to_the_bf16_base(hf_dirs):
     # Measured: 0.217 (NF4) and 0.212 (Int4) on this tiny random model, whose scales are themselves quantized in
     # 16-block groups; 10% room over Int4.
     assert rel(merged) <= 1.1 * rel(_logits(int4, ids).float())
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q,v", "k,o,down"])
+def test_adapters_of_a_meta_model_start_as_a_whole_models(targets):
+    """A model wrapped on the meta device (a layout that shards it), then allocated, its base initialised without
+    the adapters and init_adapters called, holds what apply_lora on the whole model holds, bit for bit: the same
+    A drawn from the seed in the same order (nn.ParameterDict sorts a fused qkv's parts: k before q), B zeros."""
+    from lmforge.models import init_weights
+    from lmforge.models.lora import init_adapters, is_adapter
+
+    lora = LoRAConfig(rank=3, targets=targets, base_dtype="bf16")
+    whole = build("tiny-llama", seed=5)
+    apply_lora(whole, lora, seed=11)
+    meta = build("tiny-llama", device="meta")
+    apply_lora(meta, lora, seed=11)
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match="does not know how to initialise .*lora_A"):
+        init_weights(meta, meta.config, seed=5)
+    init_weights(meta, meta.config, seed=5, skip=is_adapter)
+    init_adapters([meta], lora, seed=11)
+    assert meta.state_dict().keys() == whole.state_dict().keys()
+    for name, t in whole.state_dict().items():
+        got = meta.state_dict()[name]
+        assert got.dtype == t.dtype and torch.equal(got, t), name
+    a = [t for n, t in whole.state_dict().items() if ".lora_A." in n]
+    assert a and all(t.abs().max() > 0 for t in a) and len({t.sum().item() for t in a}) == len(a)
+
+
+def test_nf4_is_refused_on_a_meta_model():
+    """QLoRA quantizes whole weights: a meta-device model (a layout that shards it) is one line, never garbage."""
+    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) needs the base built whole on one process"):
+        apply_lora(build("tiny-llama", device="meta"), LoRAConfig(base_dtype="nf4"))

@@ -16,6 +16,10 @@ Every rank builds the model on the meta device, parallelizes it, and reads only 
   and slices read from an lmforge folder amount to no more than the rank's own shards.
 - the Trainer (4 processes, tp=2 x pp=2, from an HF folder, load_pretrained forbidden) trains like the
   same run forced onto the whole-model path (bit for bit) and like one process (fp32 tolerance).
+- LoRA: the meta model wrapped with adapters, laid out, its base read and its adapters drawn per rank
+  (init_adapters) equals apply_lora on the whole model bit for bit, in every layout that shards, fp32 and
+  bf16 base; a LoRA Trainer run sets up without load_pretrained, under the whole model's bytes, and trains
+  like the whole path bit for bit.
 """
 
 from __future__ import annotations
@@ -107,8 +111,8 @@ def _case(source: Path, parallel: dict, **extra) -> dict:
     return {"source": str(source), "parallel": parallel, "multiple": MULTIPLE, **extra}
 
 
-def _check(name: str, r: dict, pp: int, from_slices: bool) -> None:
-    """One rank's result of one case."""
+def _check(name: str, r: dict, pp: int, from_slices: bool, widening: int = 1) -> None:
+    """One rank's result of one case (`widening`: the source's bytes per byte held, 2 for fp32 read into bf16)."""
     assert r["mismatched"] == [], (name, r["mismatched"])
     assert r["all_held"] == r["expected_names"], name  # the ranks together hold the whole model
     assert r["allocated_elsewhere"] == [], (name, r["allocated_elsewhere"])  # other stages' layers stay meta
@@ -122,7 +126,7 @@ def _check(name: str, r: dict, pp: int, from_slices: bool) -> None:
     # About 1/TP of a stage's tensors, plus the replicated norms (and a tied embedding's second copy).
     assert r["local_bytes"] == r["local_bytes_measured"] < r["whole_bytes"] * (0.6 if pp == 1 else 0.4), name
     if from_slices:  # get_slice: only this rank's rows/columns (fewer where vocabulary padding is zeroed)
-        assert r["read_bytes"] <= r["local_bytes"], (name, r["read_bytes"], r["local_bytes"])
+        assert r["read_bytes"] <= widening * r["local_bytes"], (name, r["read_bytes"], r["local_bytes"])
     elif "_hf_" in name:  # the HF tensors read (recorded in HFWeights.get) belong to this rank's layers only
         def layers(names, pattern=r"^layers\.(\d+)\."):
             return {int(m) for n in names for m in re.findall(pattern, n)}
@@ -177,6 +181,7 @@ def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
                                         "dir": str(tmp_path / "runs")}}
     ranks = _launch(4, spec, tmp_path)
     for results in ranks:
+        results.pop("trainer")
         for name, r in results.items():
             _check(name, r, pp=2 if "pp2" in name else 1, from_slices="lmforge" in name)
     held = [set(results["gpt2_tied_hf_tp2pp2"]["held"]) for results in ranks]
@@ -184,21 +189,74 @@ def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
 
     sharded, whole = _curve(tmp_path / "runs" / "sharded"), _curve(tmp_path / "runs" / "whole")
     assert sharded == whole  # the same layout from the same weights: bit for bit
+    _like_one_process(sharded, args, tmp_path / "one")
+
+
+def _curve(run_dir: Path) -> list[tuple[float, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in rows]
+
+
+LORA = {"rank": 4, "alpha": 8.0, "targets": "all-linear"}
+
+
+@pytest.mark.slow
+def test_lora_runs_take_the_sharded_path(sources, tmp_path):
+    """A LoRA run under a layout that shards the model wraps the meta model with adapters, lays it out, reads each
+    rank's base shards and draws its pieces of the adapters: the base and the adapters (A from the seed, B zeros)
+    equal apply_lora on the whole model bit for bit, as do one step's loss and adapter gradients (B set non-zero
+    alike first, so that A trains too), in FSDP2, FSDP2 x TP (with SP), TP x PP (without SP), PP alone (one
+    layer a stage: the other stages' draws advance the generator), from HF and lmforge folders, a training
+    checkpoint and a fresh init, with the base in fp32 and bf16. Memory: each rank's peak while filling stays
+    under the whole model's bytes (_check). Then the Trainer, LoRA on FSDP2 x TP from an HF folder: set up with
+    load_pretrained forbidden and a peak under the whole model's bytes (the whole path's is above them), it trains
+    like the whole path bit for bit, and like one process to fp32 tolerance."""
+    ckpt = tmp_path / "ckpt"
+    bf16 = {**LORA, "base_dtype": "bf16", "targets": "q,v"}  # two of the three parts of the fused qkv
+    cases = {
+        "llama_gqa_hf_fsdp2tp2_lora": _case(sources / "llama_gqa", {"tensor": 2, "data_shard": 2}, lora=LORA,
+                                            save_checkpoint=str(ckpt)),
+        "neox_hf_tp2pp2_lora_nosp": _case(sources / "gpt_neox", {"tensor": 2, "pipeline": 2, "sequence_parallel":
+                                                                   False, "loss_parallel": False}, lora=LORA),
+        "llama_gqa_lmforge_fsdp4_lora_bf16": _case(sources / "llama_gqa_lmforge", {"data_shard": 4}, lora=bf16),
+        "llama_gqa_checkpoint_pp2fsdp2_lora": _case(ckpt, {"pipeline": 2, "data_shard": 2}, lora=LORA,
+                                                    reference=str(sources / "llama_gqa")),
+        "llama_gqa_fresh_pp4_lora": _case(sources / "llama_gqa", {"pipeline": 4}, lora=LORA, fresh=True),
+    }
+    args = [f"model.init_from={sources / 'llama_gqa'}", f"model.make_vocab_size_divisible_by={MULTIPLE}",
+            f"data.paths=[{sources / 'corpus_text_document'}]", "data.seq_length=32", "trainer.max_steps=2",
+            "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "trainer.val_check_interval=0",
+            "trainer.precision=fp32", "optim.lr=3e-2", "trainer.progress_bar=false", "cost.peak_flops=1e11",
+            "lora.rank=4", "lora.targets=all-linear"]
+    spec = {"cases": cases, "trainer": {"args": [*args, "parallel.tensor=2", "trainer.data_parallel=fsdp"],
+                                        "dir": str(tmp_path / "runs")}}
+    ranks = _launch(4, spec, tmp_path)
+    for results in ranks:
+        trainer = results.pop("trainer")
+        # The whole path builds the whole model on every rank; the sharded set-up never holds as much: its shards,
+        # one source tensor and its conversion, and what else a run's set-up allocates.
+        assert trainer["sharded_peak"] < trainer["whole_bytes"] <= trainer["whole_peak"], trainer
+        for name, r in results.items():
+            _check(name, r, pp=2 if "pp" in name else 1, from_slices="lmforge" in name,
+                   widening=2 if "bf16" in name else 1)
+            assert r["trained"] and all(".lora_" in n for n in r["trained"]) and r["zero_grads"] == [], name
+    sharded, whole = _curve(tmp_path / "runs" / "sharded"), _curve(tmp_path / "runs" / "whole")
+    assert sharded == whole  # the same layout from the same weights and seed: bit for bit
+    _like_one_process(sharded, args, tmp_path / "one")
+
+
+def _like_one_process(curve: list[tuple[float, float]], args: list[str], run_dir: Path) -> None:
+    """`curve` (a run of `args` on some layout) equals the same run in this process, to fp32 tolerance."""
     from lmforge.train.config import load_run_config
     from lmforge.train.trainer import Trainer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        Trainer(load_run_config(None, [*args, f"run_dir={tmp_path / 'one'}"])).fit()
+        Trainer(load_run_config(None, [*args, f"run_dir={run_dir}"])).fit()
     finally:
         torch.set_num_threads(threads)
-    one = _curve(tmp_path / "one")
-    assert len(one) == len(sharded) == 2
-    for (loss, norm), (loss1, norm1) in zip(sharded, one, strict=True):
-        assert loss == pytest.approx(loss1, rel=2e-5) and norm == pytest.approx(norm1, rel=2e-4), (sharded, one)
-
-
-def _curve(run_dir: Path) -> list[tuple[float, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows]
+    one = _curve(run_dir)
+    assert len(one) == len(curve) == 2
+    for (loss, norm), (loss1, norm1) in zip(curve, one, strict=True):
+        assert loss == pytest.approx(loss1, rel=2e-5) and norm == pytest.approx(norm1, rel=2e-4), (curve, one)
