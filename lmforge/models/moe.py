@@ -144,7 +144,6 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
                                      counts, act, *adapters)
 
 
-
 def expert_rows(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int],
                 act: Callable[[torch.Tensor], torch.Tensor], lora: ExpertLoRA | None = None) -> torch.Tensor:
     """Each row through its expert, unweighted: rows (n, hidden) already grouped by expert (counts[e] rows of
