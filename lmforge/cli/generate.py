@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files, or a "
                                      "training checkpoint (RUN_DIR/checkpoints/step-N: its run's tokenizer)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter folder (e.g. a run's hf-adapter/), merged into MODEL_DIR on load")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
@@ -35,10 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from lmforge.cli.serve import load_served
     from lmforge.devices import resolve_device
     from lmforge.inference import generate_text
     from lmforge.inference.generate import check_fits
-    from lmforge.models import load_pretrained
     from lmforge.models.io import parse_dtype
     from lmforge.models.source import tokenizer_source
     from lmforge.tokenizers import load_tokenizer
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"model folder '{args.model_dir}' does not exist")
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(tokenizer_source(args.model_dir))
-    model = load_pretrained(args.model_dir, device=device, dtype=parse_dtype(args.dtype))
+    model, _ = load_served(Path(args.model_dir), args.lora, device, parse_dtype(args.dtype))
     # generate() checks the same, but this line can name the flag.
     longest = max(len(ids) for ids in tokenizer.encode_batch(args.prompt, add_bos=tokenizer.add_bos_token))
     if longest and args.max_new_tokens > 0:

@@ -21,7 +21,8 @@ data.truncate        cut (default) or drop: examples longer than data.seq_length
 data.prompt_template Alpaca records' prompt without a chat template, e.g. "Q: {instruction} {input}\\nA:"
 lora.rank            turns LoRA on (8); lora.alpha (16), lora.dropout (0), lora.bf16_base (false),
                      lora.base_dtype (fp32; bf16; nf4: QLoRA, CUDA + torchao)
-lora.targets         default (PEFT's: q,v or the fused qkv), all-linear, or names from q,k,v,o,gate,up,down
+lora.targets         default (PEFT's: q,v or the fused qkv), all-linear, or names from q,k,v,o,gate,up,down,
+                     router, experts (experts.gate_up, experts.down): a mixture of experts' router and experts
 dpo.beta             0.1: how far the policy may move from the reference
 model.init_from      the HF or lmforge folder (or a training checkpoint) to start from; with a preset, it wins
 checkpoint.convert_to_hf  true: RUN_DIR/model, RUN_DIR/hf (merged), and RUN_DIR/hf-adapter (PEFT) under LoRA

@@ -11,13 +11,27 @@ default: q and v, or the fused qkv where Hugging Face fuses it):
 
     q, k, v        the query, key and value rows of the fused `attn.qkv` projection
     o              attn.proj
-    gate, up, down the MLP's projections (gate only in gated MLPs)
+    gate, up, down the MLP's projections (gate only in gated MLPs); on a mixture of experts, the experts' too
+    router         a mixture of experts' router (mlp.router)
+    experts        a mixture of experts' stacked expert weights, both (lmforge.models.lora_experts);
+                   experts.gate_up or experts.down for one
 
 Where Hugging Face keeps q, k and v as three projections (Llama, GPT-J, BERT) each gets its own adapter, as PEFT
 gives q_proj, k_proj and v_proj; where it fuses them (GPT-NeoX's query_key_value, GPT-2's c_attn) one adapter
 covers the fused projection, as PEFT's would, so q, k and v must then be targeted together. Either way an adapter
 converts exactly to PEFT's format (lmforge.models.peft). A part's B rows are in lmforge's row layout of its rows of
 qkv ([kv_heads, q_per_kv + 2, head_dim] groups, rotary pairs permuted), a row permutation of Hugging Face's.
+
+A mixture of experts (Mixtral, Qwen3-MoE) is adapted as PEFT 0.21 adapts transformers 5's, whose experts are
+stacked parameters (`mlp.experts.gate_up_proj`, `down_proj`) and whose router is no nn.Linear: PEFT's all-linear
+there adapts the attention, the router and the experts (as target_parameters), and it turns gate_proj/up_proj/
+down_proj (Mixtral's w1/w3/w2) into the experts' stacked weights, gate and up together at twice the rank. lmforge
+does the same for the same names, never only some of the MLPs: `experts` (or experts.gate_up / experts.down) at
+lora.rank; `gate,up,down` and all-linear on the experts with gate_up at rank 2r and alpha 2a (the scaling
+unchanged: what two rank-r adapters on a dense MLP's gate and up hold), and also on any dense MLP layer
+(Qwen3-MoE's mlp_only_layers, which PEFT's conversion leaves out; its export names them so PEFT loads them); gate or
+up alone is refused (one stacked weight), as PEFT refuses it. The router is in all-linear, as in PEFT's. PEFT
+refuses dropout on target_parameters, so lora.dropout > 0 with the experts or the router is refused too.
 """
 
 from __future__ import annotations
@@ -34,15 +48,15 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
+from lmforge.models.lora_experts import EXPERT_TARGETS, MLP_ON_EXPERTS, LoRAExperts, expert_delta, expert_ranks
+from lmforge.models.moe import Experts
 
 log = logging.getLogger(__name__)
 
-# Short target name -> the module (relative to a block) it adapts.
+# Short target name -> the linear module (relative to a block) it adapts.
 TARGETS = {"q": "attn.qkv", "k": "attn.qkv", "v": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate",
-           "up": "mlp.up", "down": "mlp.down"}
+           "up": "mlp.up", "down": "mlp.down", "router": "mlp.router"}
 QKV = ("q", "k", "v")
-# A mixture of experts' stacked weights (moe.Experts) by the names a user may try: refused in one line (not yet).
-EXPERT_TARGETS = ("experts", "experts.gate_up", "experts.down", "gate_up_proj", "down_proj", "w1", "w2", "w3")
 BASE_DTYPES = ("fp32", "bf16", "nf4")
 # QLoRA's NF4 (Dettmers et al. 2023): one absmax scale per 64 weights, the scales quantized again in blocks of 256.
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
@@ -74,15 +88,11 @@ class LoRAConfig:
             raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         names = self.targets.split(",") if isinstance(self.targets, str) else list(self.targets)
         names = [n.strip() for n in names if n.strip()]
-        experts = [n for n in names if n in EXPERT_TARGETS]
-        if experts:
-            raise UserError(f"lora.targets: {experts[0]}: LoRA on a mixture of experts' stacked expert weights is not "
-                            "supported yet (PEFT keeps such adapters as target_parameters); adapt the attention "
-                            "(q,k,v,o) or train the experts without lora")
-        unknown = [n for n in names if n not in TARGETS and names not in (["all-linear"], ["default"])]
+        unknown = [n for n in names if n not in TARGETS and n not in EXPERT_TARGETS
+                   and names not in (["all-linear"], ["default"])]
         if unknown or not names:
             raise UserError(f"lora.targets: unknown target {unknown[0] if unknown else '(none)'!r}: choose from "
-                            f"{', '.join(TARGETS)} (comma-separated), all-linear or default")
+                            f"{', '.join([*TARGETS, *EXPERT_TARGETS])} (comma-separated), all-linear or default")
         self.targets = list(dict.fromkeys(names))
         if self.base_dtype not in BASE_DTYPES:
             raise UserError(f"lora.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
@@ -198,28 +208,31 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, lora_rank={self.rank}, parts={list(self.lora_A)}"
 
 
-def target_modules(model: nn.Module, lora: LoRAConfig) -> dict[str, list[str]]:
-    """Module name -> the adapter parts to add there (a UserError naming the targets that match nothing)."""
+def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[str]], dict[str, dict[str, int]]]:
+    """(linear module -> the adapter parts to add there, experts module -> {stacked weight: rank}); a UserError
+    naming the targets that match nothing or cannot be adapted as asked."""
     cfg: ModelConfig = model.config
     modules = dict(model.named_modules())
+    experts = [name for name, m in modules.items() if isinstance(m, Experts)]
     fused = qkv_fused_in_hf(cfg)
     targets = lora.targets
-    if targets == ["all-linear"]:
-        targets = [t for t in TARGETS if _has(modules, TARGETS[t])]
+    if targets == ["all-linear"]:  # on a mixture of experts: the router and the experts too, as PEFT's all-linear
+        targets = [t for t in TARGETS if _has(modules, TARGETS[t]) or (experts and t in MLP_ON_EXPERTS)]
     elif targets == ["default"]:
         targets = list(QKV) if fused else ["q", "v"]
     wanted_qkv = [t for t in QKV if t in targets]
     if fused and wanted_qkv and len(wanted_qkv) < 3:
         raise UserError(f"lora.targets: {cfg.family} keeps q, k and v in one projection (as Hugging Face does), so "
                         f"one adapter covers all three: target q,k,v together, not {','.join(wanted_qkv)}")
+    ranks = expert_ranks(targets, lora.rank, cfg.family, bool(experts))
     out: dict[str, list[str]] = {}
-    matched = set()
+    matched = {t for t in targets if t in EXPERT_TARGETS or (experts and t in MLP_ON_EXPERTS)}
     for name, module in modules.items():
         if not isinstance(module, nn.Linear) or ".layers." not in f".{name}":
             continue
         suffix = name.split(".", 2)[-1]  # layers.N.<suffix>
         for target in targets:
-            if TARGETS[target] != suffix:
+            if TARGETS.get(target) != suffix:
                 continue
             matched.add(target)
             part = "qkv" if fused and target in QKV else target
@@ -229,7 +242,12 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> dict[str, list[str]]:
     if missing:
         raise UserError(f"lora.targets: {', '.join(missing)} match no module of this {cfg.family} model (it has "
                         f"{', '.join(t for t in TARGETS if t in matched or _has(modules, TARGETS[t]))}): drop them")
-    return out
+    on_params = sorted({*(f"experts.{w}" for w in ranks), *(t for t in targets if t == "router")})
+    if lora.dropout and on_params:
+        raise UserError(f"lora.dropout={lora.dropout} with adapters on {', '.join(on_params)}: PEFT adapts "
+                        "those as target_parameters, which take no dropout (its ParamWrapper refuses lora_dropout "
+                        "!= 0): set lora.dropout=0, or target the attention (q,k,v,o) only")
+    return out, {name: dict(ranks) for name in experts} if ranks else {}
 
 
 def _has(modules: dict[str, nn.Module], suffix: str) -> bool:
@@ -243,12 +261,12 @@ def _draw_a(a: torch.Tensor, generator: torch.Generator | None) -> None:
 
 
 def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
-    """Freeze `model` and wrap its targeted linears with adapters (fp32; the base in bf16 with lora.bf16_base).
-    Returns the number of trainable parameters.
+    """Freeze `model` and wrap its targeted linears (and stacked experts) with adapters (fp32; the base in bf16
+    with lora.bf16_base). Returns the number of trainable parameters.
 
     A model on the meta device (a layout that shards it) gets meta adapters: once it is laid out and its base
     filled, init_adapters gives each rank its pieces of the adapters this call would have drawn."""
-    targets = target_modules(model, lora)
+    targets, experts = target_modules(model, lora)
     if lora.base_dtype == "nf4" and any(p.is_meta for p in model.parameters()):
         # NF4 quantizes the whole weights (one scale per 64 values of a row-major weight), which a meta model has
         # not; QLoRA runs one process (lmforge.train.lora.check_qlora), where the base is built whole.
@@ -261,20 +279,28 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
         model.to(torch.bfloat16)
     if lora.base_dtype == "nf4":
         quantize_nf4(model)
-    for name, parts in targets.items():
+    wrappers = [(name, lambda base, parts=parts: LoRALinear(base, parts, lora.rank, lora.alpha, lora.dropout,
+                                                           model.config, generator))
+                for name, parts in targets.items()]
+    wrappers += [(name, lambda base, ranks=ranks: LoRAExperts(
+        base, ranks, {w: lora.alpha * r / lora.rank for w, r in ranks.items()}, generator))
+        for name, ranks in experts.items()]
+    for name, wrap in wrappers:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         base = getattr(parent, attr)
-        wrapped = LoRALinear(base, parts, lora.rank, lora.alpha, lora.dropout, model.config, generator)
-        if base.weight.device.type != "meta":  # adapters drawn on the CPU generator, then moved
-            wrapped.to(base.weight.device)
+        wrapped = wrap(base)
+        device = next(base.parameters()).device
+        if device.type != "meta":  # adapters drawn on the CPU generator, then moved
+            wrapped.to(device)
         wrapped.train(base.training)
         setattr(parent, attr, wrapped)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
+    adapted = sorted({p for parts in targets.values() for p in parts})
+    adapted += [f"experts.{w} (rank {r})" for w, r in next(iter(experts.values()), {}).items()]
     log.info("LoRA rank %d alpha %g on %s (%d modules): %d trainable parameters of %d (%.2f%%)", lora.rank,
-             lora.alpha, ",".join(sorted({p for parts in targets.values() for p in parts})), len(targets), trainable,
-             total, 100 * trainable / total)
+             lora.alpha, ",".join(adapted), len(targets) + len(experts), trainable, total, 100 * trainable / total)
     return trainable
 
 
@@ -292,13 +318,18 @@ def init_adapters(parts: list[nn.Module], lora: LoRAConfig, seed: int = 0) -> No
     model = build(parts[0].config, device="meta")  # the whole model's targets, in apply_lora's order
     held = {unwrapped_name(n): p for part in parts for n, p in part.named_parameters() if is_adapter(n)}
     generator = torch.Generator().manual_seed(seed)
-    for name, names in target_modules(model, lora).items():
-        # A meta twin of the module apply_lora makes: the order of its lora_A (sorted by nn.ParameterDict) is the
-        # order its constructor draws in.
-        twin = LoRALinear(model.get_submodule(name), names, lora.rank, lora.alpha, 0.0, model.config)
+    targets, experts = target_modules(model, lora)
+    # Meta twins of the modules apply_lora makes, in its order (the linears, then the experts): the order of a
+    # twin's lora_A (nn.ParameterDict's) is the order its constructor draws in, and each A is drawn as it draws it.
+    twins = [(name, LoRALinear(model.get_submodule(name), names, lora.rank, lora.alpha, 0.0, model.config),
+              lambda a: _draw_a(a, generator)) for name, names in targets.items()]
+    twins += [(name, LoRAExperts(model.get_submodule(name), ranks,
+                                 {w: lora.alpha * r / lora.rank for w, r in ranks.items()}),
+               lambda a: _draw_a(a.view(-1, a.shape[-1]), generator)) for name, ranks in experts.items()]
+    for name, twin, draw in twins:
         for key, meta_a in twin.lora_A.items():
             a = torch.empty(meta_a.shape)
-            _draw_a(a, generator)
+            draw(a)
             for param, whole in ((held.pop(f"{name}.lora_A.{key}", None), a),
                                  (held.pop(f"{name}.lora_B.{key}", None), None)):
                 if param is None:  # another pipeline stage's module
@@ -349,9 +380,9 @@ def dense(w: torch.Tensor) -> torch.Tensor:
     return w.get_original_weight() if hasattr(w, "get_original_weight") else w
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear | LoRAExperts]]:
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, LoRAExperts)):
             yield name, module
 
 
@@ -370,15 +401,21 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its weight and put plain nn.Linear modules back: the merged model."""
+    """Fold every adapter into its weight and put plain nn.Linear (and moe.Experts) modules back: the merged model."""
     for name, module in list(lora_modules(model)):
+        parent_name, _, attr = name.rpartition(".")
+        if isinstance(module, LoRAExperts):
+            for weight in module.rank:
+                w = getattr(module, weight)
+                w.copy_((w.float() + module.delta(weight).to(w.device)).to(w.dtype))
+            setattr(model.get_submodule(parent_name), attr, Experts.holding(module.gate_up, module.down))
+            continue
         w = dense(module.weight)  # an NF4 base merges into a new bf16 weight, any other in place
         merged = (w.float() + module.delta_weight().to(w.device)).to(w.dtype)
         weight = module.weight if w is module.weight else nn.Parameter(merged, requires_grad=False)
         weight.copy_(merged)
         plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
         plain.weight, plain.bias = weight, module.bias
-        parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, plain)
     return model
 
@@ -404,6 +441,11 @@ def merged_state(state: dict[str, torch.Tensor], cfg: ModelConfig, scaling: floa
     base, adapters = split_state(state)
     base = {name: dense(t) for name, t in base.items()}  # NF4 weights, adapted or not, leave as bf16
     for module, ab in adapters.items():
+        if module.endswith(".experts"):  # stacked experts: each weight's per-expert B A
+            for weight, a in ab["A"].items():
+                w = base[f"{module}.{weight}"]
+                base[f"{module}.{weight}"] = (w.float() + expert_delta(a, ab["B"][weight], scaling)).to(w.dtype)
+            continue
         parts = {p: ab["B"][p].float() @ ab["A"][p].float() for p in ab["A"]}
         split = set(parts) <= set(QKV)
         delta = fuse_parts({p: t.t() for p, t in parts.items()}, cfg).t() if split else next(iter(parts.values()))

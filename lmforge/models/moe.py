@@ -13,6 +13,10 @@ written once into its slice. The per-expert GEMMs are torch's grouped GEMM (F.gr
 2.13 has one: the same GEMMs as a loop, without a Python round trip per expert, which dominates with many small
 experts (Qwen3-MoE); on other devices a loop of torch.mm over the experts (F.grouped_mm there wants bf16 and
 alignment this code has not been checked against on a GPU yet).
+
+LoRA on the experts (lmforge.models.lora_experts) runs in the same grouped pass: an adapted weight adds, for expert
+e's rows x, scaling * (x A_e^T) B_e^T, two more grouped GEMMs through the rank (never the merged weight), with their
+gradients written out beside the experts' own.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 from lmforge.models.config import ModelConfig
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped GEMM takes
+_NO_LORA = ({}, None, None, None, None)  # _GroupedExperts' adapter arguments without adapters
 
 
 class Experts(nn.Module):
@@ -41,6 +46,38 @@ class Experts(nn.Module):
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up = nn.Parameter(torch.empty(e, 2, i, d))
         self.down = nn.Parameter(torch.empty(e, d, i))
+
+    @classmethod
+    def holding(cls, gate_up: nn.Parameter, down: nn.Parameter) -> Experts:
+        """Experts around these (stacked) weight tensors, as they are."""
+        experts = cls.__new__(cls)
+        nn.Module.__init__(experts)
+        experts.gate_up, experts.down = gate_up, down
+        return experts
+
+    def lora(self) -> ExpertLoRA | None:
+        """The LoRA factors to add in the grouped pass: none here (lmforge.models.lora_experts.LoRAExperts)."""
+        return None
+
+
+@dataclass
+class ExpertLoRA:
+    """LoRA factors of stacked experts: expert e's rows x through an adapted weight W give x W_e^T + scaling *
+    (x A_e^T) B_e^T. `factors` by name, those present of "lora_A.gate_up" (experts, rank, hidden), "lora_B.gate_up"
+    (experts, 2, moe_intermediate, rank: its rows like gate_up's), "lora_A.down" (experts, rank, moe_intermediate),
+    "lora_B.down" (experts, hidden, rank); `scaling` by weight ("gate_up", "down")."""
+
+    factors: dict[str, torch.Tensor]
+    scaling: dict[str, float]
+
+    def map(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> ExpertLoRA:
+        return ExpertLoRA({name: fn(name, t) for name, t in self.factors.items()}, self.scaling)
+
+    def args(self) -> tuple:
+        """_GroupedExperts' adapter arguments: the scalings, then A and B of gate_up and of down (None if absent)."""
+        f = self.factors
+        return (self.scaling, f.get("lora_A.gate_up"), f.get("lora_B.gate_up"), f.get("lora_A.down"),
+                f.get("lora_B.down"))
 
 
 class MoE(nn.Module):
@@ -73,7 +110,8 @@ class MoE(nn.Module):
         logits, weights, chosen = self.route(x)
         self.router_logits = logits if self.training and torch.is_grad_enabled() else None
         run = grouped_experts if self.dispatch is None else self.dispatch
-        out = _outside_compile(run, x, chosen, weights, self.experts.gate_up, self.experts.down, self.act)
+        out = _outside_compile(run, x, chosen, weights, self.experts.gate_up, self.experts.down, self.act,
+                               self.experts.lora())
         return out.view(shape)
 
 
@@ -86,10 +124,11 @@ def _outside_compile(run: Callable[..., torch.Tensor], *args) -> torch.Tensor:
 
 
 def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], lora: ExpertLoRA | None = None,
+                    ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for every token t: x (tokens, hidden), chosen and weights
-    (tokens, k), gate_up and down Experts' (or a slice of their experts or intermediate rows); the experts' GEMMs
-    in the compute dtype (autocast's, else x's)."""
+    (tokens, k), gate_up and down Experts' (or a slice of their experts or intermediate rows), with `lora`'s updates
+    (sliced alike); the experts' GEMMs in the compute dtype (autocast's, else x's)."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     num_experts = gate_up.shape[0]
     flat = chosen.reshape(-1)
@@ -99,18 +138,21 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
         counts = [flat.numel() // num_experts + (e < flat.numel() % num_experts) for e in range(num_experts)]
     else:
         counts = torch.bincount(flat, minlength=num_experts).tolist()
+    adapters = _NO_LORA if lora is None else lora.map(lambda _, t: t.to(dtype)).args()
     with torch.autocast(x.device.type, enabled=False):
         return _GroupedExperts.apply(x.to(dtype), weights.to(dtype), gate_up.to(dtype), down.to(dtype), order,
-                                     counts, act)
+                                     counts, act, *adapters)
 
 
 def expert_rows(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int],
-                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                act: Callable[[torch.Tensor], torch.Tensor], lora: ExpertLoRA | None = None) -> torch.Tensor:
     """Each row through its expert, unweighted: rows (n, hidden) already grouped by expert (counts[e] rows of
-    expert e, experts in order), gate_up/down the experts' stacked weights, all in one dtype. The GEMMs of
-    grouped_experts, for a caller that grouped the rows itself (expert parallelism, after the all-to-all)."""
+    expert e, experts in order), gate_up/down the experts' stacked weights (and `lora`'s factors), all in one dtype.
+    The GEMMs of grouped_experts, for a caller that grouped the rows itself (expert parallelism, after the
+    all-to-all)."""
     order = torch.arange(rows.shape[0], device=rows.device)
-    return _GroupedExperts.apply(rows, rows.new_ones(rows.shape[0], 1), gate_up, down, order, counts, act)
+    return _GroupedExperts.apply(rows, rows.new_ones(rows.shape[0], 1), gate_up, down, order, counts, act,
+                                 *(_NO_LORA if lora is None else lora.args()))
 
 
 def _segments(counts: list[int]):
@@ -126,6 +168,12 @@ def _grouped_offsets(t: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
     if t.device.type != "cpu" or not hasattr(F, "grouped_mm") or t.dtype not in GROUPED_MM_DTYPES:
         return None
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _rank_offsets(offs: torch.Tensor | None, a: torch.Tensor | None) -> torch.Tensor | None:
+    """offs for the GEMMs through LoRA factor `a`'s rank (a: (experts, rank, in)), or None (the loop over experts)
+    where a row of rank values is not a multiple of 16 bytes, which every stride of torch's grouped GEMM must be."""
+    return offs if offs is not None and a is not None and a.shape[1] * a.element_size() % 16 == 0 else None
 
 
 def _per_expert(a: torch.Tensor, b: torch.Tensor, counts: list[int], offs: torch.Tensor | None) -> torch.Tensor:
@@ -155,31 +203,44 @@ def _per_expert_outer(a: torch.Tensor, c: torch.Tensor, counts: list[int], offs:
 
 
 class _GroupedExperts(torch.autograd.Function):
+    """The experts' forward and backward over rows sorted by expert (see the module docstring). With LoRA factors
+    (`scaling` by weight; a_gu, b_gu, a_down, b_down, each None where absent), an adapted weight's rows also go
+    through its rank: u = scaling * x_e A_e^T, and u B_e^T joins the weight's output; backward, B's gradient is
+    gh_e^T u, the rank's gradient scaling * gh_e B_e gives A's (with x_e) and x's (through A)."""
+
     @staticmethod
-    def forward(ctx, x, weights, gate_up, down, order, counts, act):
+    def forward(ctx, x, weights, gate_up, down, order, counts, act, scaling, a_gu, b_gu, a_down, b_down):
         ctx.gate_up_shape = gate_up.shape
         gate_up = gate_up.flatten(1, 2)  # (experts, [gate; up] rows, hidden): one GEMM for both
+        b_gu = b_gu.flatten(1, 2) if b_gu is not None else None  # (experts, [gate; up] rows, rank) likewise
         tokens, k = weights.shape
         inter = down.shape[2]
         offs = _grouped_offsets(x, counts)
         slot_token = order // k  # the token of each sorted (token, expert) pair
-        h = _per_expert(x.index_select(0, slot_token), gate_up.transpose(1, 2), counts, offs)
-        y = _per_expert(act(h[:, :inter]) * h[:, inter:], down.transpose(1, 2), counts, offs)
+        rows = x.index_select(0, slot_token)
+        h = _per_expert(rows, gate_up.transpose(1, 2), counts, offs)
+        u_gu = _low_rank_into(h, rows, a_gu, b_gu, scaling.get("gate_up"), counts, offs)
+        a = act(h[:, :inter]) * h[:, inter:]
+        y = _per_expert(a, down.transpose(1, 2), counts, offs)
+        u_down = _low_rank_into(y, a, a_down, b_down, scaling.get("down"), counts, offs)
+        del rows, a
         w = weights.reshape(-1)[order]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0], device=order.device)
         # Back to (token, k) order and summed over k: a gather and a sum, no scatter (deterministic on every device).
         out = (y * w[:, None])[inverse].view(tokens, k, y.shape[1]).sum(1)  # explicit: 0 tokens too
-        ctx.save_for_backward(x, weights, gate_up, down, order, inverse, h, y)
-        ctx.counts, ctx.act, ctx.offs = counts, act, offs
+        ctx.save_for_backward(x, weights, gate_up, down, order, inverse, h, y, a_gu, b_gu, a_down, b_down, u_gu,
+                              u_down)
+        ctx.counts, ctx.act, ctx.offs, ctx.scaling = counts, act, offs, scaling
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, weights, gate_up, down, order, inverse, h, y = ctx.saved_tensors
-        counts, act, offs = ctx.counts, ctx.act, ctx.offs
+        x, weights, gate_up, down, order, inverse, h, y, a_gu, b_gu, a_down, b_down, u_gu, u_down = ctx.saved_tensors
+        counts, act, offs, scaling = ctx.counts, ctx.act, ctx.offs, ctx.scaling
         need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
+        need_lora = ctx.needs_input_grad[8:12]
         tokens, k = weights.shape
         inter = down.shape[2]
         slot_token = order // k
@@ -195,9 +256,12 @@ class _GroupedExperts(torch.autograd.Function):
                 g_leaf = g.detach().requires_grad_()
                 act_leaf = act(g_leaf)
             act_g = act_leaf.detach()
-        grad_down = _per_expert_outer(gy, act_g * up, counts, offs) if need_down else None
+        a = act_g * up if need_down or a_down is not None else None
+        grad_down = _per_expert_outer(gy, a, counts, offs) if need_down else None
         ga = _per_expert(gy, down, counts, offs)
-        del gy
+        grad_a_down, grad_b_down = _low_rank_grads(ga, gy, a, a_down, b_down, u_down, scaling.get("down"), counts,
+                                                   offs, need_lora[2:])
+        del gy, a
         gh = h.new_empty(h.shape)  # [d gate | d up], written in place (no concatenation)
         torch.mul(ga, act_g, out=gh[:, inter:])
         grad_act = ga.mul_(up)
@@ -206,11 +270,45 @@ class _GroupedExperts(torch.autograd.Function):
         else:
             gh[:, :inter] = torch.autograd.grad(act_leaf, g_leaf, grad_act)[0]
         del grad_act, ga, act_g
-        grad_gate_up = _per_expert_outer(gh, x.index_select(0, slot_token), counts, offs).view(ctx.gate_up_shape) \
-            if need_gu else None
-        grad_x = (_per_expert(gh, gate_up, counts, offs)[inverse].view(tokens, k, x.shape[1]).sum(1) if need_x
-                  else None)
-        return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None
+        need_rows = need_gu or (a_gu is not None and need_lora[0])
+        rows = x.index_select(0, slot_token) if need_rows else None
+        grad_gate_up = _per_expert_outer(gh, rows, counts, offs).view(ctx.gate_up_shape) if need_gu else None
+        grad_rows = _per_expert(gh, gate_up, counts, offs) if need_x else None
+        grad_a_gu, grad_b_gu = _low_rank_grads(grad_rows, gh, rows, a_gu, b_gu, u_gu, scaling.get("gate_up"), counts,
+                                               offs, need_lora[:2])
+        if grad_b_gu is not None:
+            grad_b_gu = grad_b_gu.view(*ctx.gate_up_shape[:3], -1)
+        grad_x = grad_rows[inverse].view(tokens, k, x.shape[1]).sum(1) if need_x else None
+        return (grad_x, grad_weights, grad_gate_up, grad_down, None, None, None, None, grad_a_gu, grad_b_gu,
+                grad_a_down, grad_b_down)
+
+
+def _low_rank_into(out: torch.Tensor, rows: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None,
+                   scaling: float | None, counts: list[int], offs: torch.Tensor | None) -> torch.Tensor | None:
+    """out += (scaling * rows_e A_e^T) B_e^T per expert, in place, where the weight has an adapter (a (experts,
+    rank, in), b (experts, out, rank)); returns u = scaling * rows A^T (the backward's), or None."""
+    if a is None:
+        return None
+    roffs = _rank_offsets(offs, a)
+    u = _per_expert(rows, a.transpose(1, 2), counts, roffs).mul_(scaling)
+    out.add_(_per_expert(u, b.transpose(1, 2), counts, roffs))
+    return u
+
+
+def _low_rank_grads(grad_rows: torch.Tensor | None, grad_out: torch.Tensor, rows: torch.Tensor | None,
+                    a: torch.Tensor | None, b: torch.Tensor | None, u: torch.Tensor | None, scaling: float | None,
+                    counts: list[int], offs: torch.Tensor | None, need: tuple[bool, bool]):
+    """The gradients of an adapter's A and B (each None unless needed) from grad_out, its weight's output gradient
+    (rows, out); its share of the input rows' gradient is added into grad_rows (in place, where given)."""
+    if a is None:
+        return None, None
+    roffs = _rank_offsets(offs, a)
+    grad_b = _per_expert_outer(grad_out, u, counts, roffs) if need[1] else None
+    grad_u = _per_expert(grad_out, b, counts, roffs).mul_(scaling)  # d(rows A^T): through u = scaling * rows A^T
+    grad_a = _per_expert_outer(grad_u, rows, counts, roffs) if need[0] else None
+    if grad_rows is not None:
+        grad_rows.add_(_per_expert(grad_u, a, counts, roffs))
+    return grad_a, grad_b
 
 
 @dataclass

@@ -144,6 +144,10 @@ def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
 
     experts = expert_parameters(model)
     ignored = [n for n, p in model.named_parameters() if p in experts]
+    if not any(p.requires_grad for p in model.parameters() if p not in experts):
+        # Nothing left for DDP to reduce (LoRA on the experts alone, under expert parallelism): torch refuses to
+        # wrap such a model, and the ranks already hold the same frozen weights (built alike).
+        return model
     if ignored:  # laid out by expert parallelism, which reduces their gradients itself
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),

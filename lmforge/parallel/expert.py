@@ -30,7 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lmforge.models.moe import expert_rows, moe_layers
+from lmforge.models.moe import ExpertLoRA, expert_rows, moe_layers
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +90,20 @@ class ExpertDispatch:
         self.pending: dict[str, torch.Tensor] = {}  # gradients kept from accumulation micro-batches, by weight
 
     def __call__(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                 down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], lora: ExpertLoRA | None = None,
+                 ) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        if lora is not None:  # the adapters' factors are split and reduced like the weights they adapt
+            lora = lora.map(lambda name, t: self._local(t, name, dtype))
         with torch.autocast(x.device.type, enabled=False):
             return self._forward(x.to(dtype), chosen, weights.to(dtype), self._local(gate_up, "gate_up", dtype),
-                                 self._local(down, "down", dtype), act)
+                                 self._local(down, "down", dtype), act, lora)
 
     def _local(self, w: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
         local = w.to_local() if isinstance(w, DTensor) else w
         return _ReduceExpertGrad.apply(local, self, key).to(dtype)
 
-    def _forward(self, x, chosen, weights, gate_up, down, act):
+    def _forward(self, x, chosen, weights, gate_up, down, act, lora):
         tokens, k = chosen.shape
         flat = chosen.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # pairs by expert: rank 0's experts' rows first
@@ -115,7 +118,7 @@ class ExpertDispatch:
                                                 output_size=sum(recv))
         by_expert = torch.sort(expert_of_row, stable=True).indices
         per_expert = [sum(received_host[s][e] for s in range(self.size)) for e in range(self.local)]
-        y = expert_rows(rows.index_select(0, by_expert), gate_up, down, per_expert, act)
+        y = expert_rows(rows.index_select(0, by_expert), gate_up, down, per_expert, act, lora)
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.shape[0], device=by_expert.device)
         y = _AllToAll.apply(y.index_select(0, back), send, recv, self.group)  # in `order`, on the source rank
@@ -140,8 +143,8 @@ class ExpertDispatch:
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The stacked expert weights that expert parallelism laid out (DDP/FSDP leave them to it); none without it
-    (tensor parallelism's expert slices are DTensors too, and stay FSDP's)."""
+    """The stacked expert weights (and their LoRA factors) that expert parallelism laid out (DDP/FSDP leave them to
+    it); none without it (tensor parallelism's expert slices are DTensors too, and stay FSDP's)."""
     return {p for layer in moe_layers(model) if isinstance(layer.dispatch, ExpertDispatch)
             for p in layer.experts.parameters()}
 
@@ -155,14 +158,16 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int) -> None
     placements = (Replicate(), Shard(0))
     layers = moe_layers(model)
     for layer in layers:
-        experts = layer.experts
-        for name, p in list(experts.named_parameters(recurse=False)):
+        # The stacked weights, and any LoRA factors of theirs (lmforge.models.lora_experts: expert dim first too).
+        for name, p in list(layer.experts.named_parameters()):
+            owner, _, attr = name.rpartition(".")
             size, rank = ep_mesh["ep"].size(), ep_mesh["ep"].get_local_rank()
             local = p.detach().chunk(size, dim=0)[rank].clone() if p.device.type != "meta" else \
                 torch.empty((p.shape[0] // size, *p.shape[1:]), device="meta", dtype=p.dtype)
             sharded = DTensor.from_local(local, ep_mesh, placements, run_check=False, shape=p.shape,
                                          stride=torch.empty(p.shape, device="meta").stride())
-            setattr(experts, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+            layer.experts.get_submodule(owner).register_parameter(attr, nn.Parameter(sharded,
+                                                                                     requires_grad=p.requires_grad))
         layer.dispatch = ExpertDispatch(layer.num_experts, group, replicate, data_parallel)
     if layers:
         log.info("expert parallel: %d experts per layer over %d ranks (%d each), %d replica groups",

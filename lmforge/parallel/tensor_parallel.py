@@ -124,10 +124,11 @@ class ExpertSlices(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         distribute_module(module.router, device_mesh, input_fn=_to_replicate, output_fn=_to_local)
         experts = module.experts
-        for key in ("gate_up", "down"):
-            param = getattr(experts, key)
-            experts.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(2)]),
-                                                         requires_grad=param.requires_grad))
+        for key, param in list(experts.named_parameters()):
+            owner, _, attr = key.rpartition(".")
+            placement = _EXPERT_LORA.get(key, Shard(2))
+            experts.get_submodule(owner).register_parameter(attr, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement]), requires_grad=param.requires_grad))
         module.dispatch = _ExpertSliceDispatch(device_mesh)
         layout = self.output_layout
 
@@ -139,8 +140,16 @@ class ExpertSlices(ParallelStyle):
         return module
 
 
+# LoRA factors of the experts (lmforge.models.lora_experts) split like a linear's (lmforge.parallel.lora): gate_up is
+# column-parallel (its A replicated, its B (experts, 2, inter, rank) split on inter like the weight), down
+# row-parallel (its A split on inter, its B replicated); every other expert tensor is Shard(2).
+_EXPERT_LORA = {"lora_A.gate_up": Replicate(), "lora_A.down": Shard(2), "lora_B.down": Replicate()}
+
+
 class _ExpertSliceDispatch:
-    """MoE.dispatch under ExpertSlices: grouped_experts on this rank's slice of every expert."""
+    """MoE.dispatch under ExpertSlices: grouped_experts on this rank's slice of every expert. Of a LoRA factor that
+    is replicated, each rank's gradient is its slice's share (gate_up's A sees only this rank's rows of its B,
+    down's B only this rank's partial sum through its A): summed over the ranks, as x's and the routing weights'."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -149,9 +158,12 @@ class _ExpertSliceDispatch:
         """t unchanged; its gradient from here summed over the ranks (identity forward, all-reduce backward)."""
         return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
-    def __call__(self, x, chosen, weights, gate_up, down, act):
+    def __call__(self, x, chosen, weights, gate_up, down, act, lora=None):
+        if lora is not None:
+            lora = lora.map(lambda name, t: self._grad_summed(t.to_local())
+                            if isinstance(_EXPERT_LORA.get(name), Replicate) else t.to_local())
         return grouped_experts(self._grad_summed(x), chosen, self._grad_summed(weights), gate_up.to_local(),
-                               down.to_local(), act)
+                               down.to_local(), act, lora)
 
 
 class VocabParallelEmbedding(RowwiseParallel):

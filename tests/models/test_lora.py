@@ -115,18 +115,6 @@ def test_bad_settings_are_one_line(setting, message, hf_dirs):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize(("targets", "message"), [
-    ("q,experts", "lora.targets: experts: LoRA on a mixture of experts' stacked expert weights is not supported yet"),
-    ("gate_up_proj", "lora.targets: gate_up_proj: LoRA on a mixture of experts'"),
-    # Mixtral has no dense MLP to adapt: the MLP names match nothing, and say so.
-    ("q,gate", "lora.targets: gate match no module of this mixtral model"),
-])
-def test_lora_on_the_experts_is_refused_in_one_line(targets, message):
-    with pytest.raises(UserError, match=message) as e:
-        apply_lora(build("tiny-mixtral", seed=0), LoRAConfig(targets=targets))
-    assert "\n" not in str(e.value)
-
-
 def test_a_bf16_base_trains_fp32_adapters(hf_dirs):
     model = load_pretrained(hf_dirs["llama_gqa"])
     apply_lora(model, LoRAConfig(rank=2, targets="all-linear", bf16_base=True), seed=0)
@@ -213,18 +201,22 @@ def test_an_nf4_base_trains_adapters_and_merges_close_to_the_bf16_base(hf_dirs):
     assert rel(merged) <= 1.1 * rel(_logits(int4, ids).float())
 
 
-@pytest.mark.parametrize("targets", ["all-linear", "q,v", "k,o,down"])
-def test_adapters_of_a_meta_model_start_as_a_whole_models(targets):
+@pytest.mark.parametrize("preset_name,targets", [("tiny-llama", "all-linear"), ("tiny-llama", "q,v"),
+                                                 ("tiny-llama", "k,o,down"), ("tiny-mixtral", "all-linear"),
+                                                 ("tiny-qwen3-moe", "q,experts.down"),
+                                                 ("tiny-qwen3-moe", "gate,up,down,router")])
+def test_adapters_of_a_meta_model_start_as_a_whole_models(preset_name, targets):
     """A model wrapped on the meta device (a layout that shards it), then allocated, its base initialised without
     the adapters and init_adapters called, holds what apply_lora on the whole model holds, bit for bit: the same
-    A drawn from the seed in the same order (nn.ParameterDict sorts a fused qkv's parts: k before q), B zeros."""
+    A drawn from the seed in the same order (nn.ParameterDict sorts a fused qkv's parts: k before q; the stacked
+    experts' adapters after every linear's), B zeros."""
     from lmforge.models import init_weights
     from lmforge.models.lora import init_adapters, is_adapter
 
     lora = LoRAConfig(rank=3, targets=targets, base_dtype="bf16")
-    whole = build("tiny-llama", seed=5)
+    whole = build(preset_name, seed=5)
     apply_lora(whole, lora, seed=11)
-    meta = build("tiny-llama", device="meta")
+    meta = build(preset_name, device="meta")
     apply_lora(meta, lora, seed=11)
     assert all(p.is_meta for p in meta.parameters())
     meta.to_empty(device="cpu")
