@@ -9,10 +9,12 @@ contiguous block of rows, and each expert is one GEMM over its block (a Python l
 tokens). _GroupedExperts does forward and backward itself: with autograd over `weight[e]` slices, each expert's
 weight gradient is a zero tensor of the whole stacked weight with one slice filled, summed expert by expert
 (num_experts whole-weight writes per expert: quadratic in the expert count); here each expert's gradient is
-written once into its slice. The per-expert GEMMs are torch's grouped GEMM (F.grouped_mm) on the CPU, where torch
-2.13 has one: the same GEMMs as a loop, without a Python round trip per expert, which dominates with many small
-experts (Qwen3-MoE); on other devices a loop of torch.mm over the experts (F.grouped_mm there wants bf16 and
-alignment this code has not been checked against on a GPU yet).
+written once into its slice. The per-expert GEMMs are torch's grouped GEMM (F.grouped_mm) on the devices and dtypes
+GROUPED_MM names: the same GEMMs as a loop, without a Python round trip (and on a GPU a kernel launch) per expert,
+which dominates with many small experts (Qwen3-MoE); elsewhere a loop of torch.mm over the experts. The CPU's
+grouped GEMM takes every float dtype and is checked against the loop here; CUDA's takes bf16 on SM80+ with every
+row stride a multiple of 16 bytes, and joins GROUPED_MM once scripts/gpu_check.py's `moe` check has passed on a GPU
+(it runs both ways there: outputs and gradients against an fp32 reference, and their times).
 
 LoRA on the experts (lmforge.models.lora_experts) runs in the same grouped pass: an adapted weight adds, for expert
 e's rows x, scaling * (x A_e^T) B_e^T, two more grouped GEMMs through the rank (never the merged weight), with their
@@ -31,7 +33,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from lmforge.models.config import ModelConfig
 
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped GEMM takes
+# Device type -> the dtypes whose experts' GEMMs go through torch's grouped GEMM (see the module docstring).
+GROUPED_MM: dict[str, tuple[torch.dtype, ...]] = {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
 _NO_LORA = ({}, None, None, None, None)  # _GroupedExperts' adapter arguments without adapters
 
 
@@ -162,12 +165,15 @@ def _segments(counts: list[int]):
         start += n
 
 
-def _grouped_offsets(t: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-    """The groups' end rows for torch's grouped GEMM where lmforge uses it (on the CPU, where torch has one and it
-    saves a Python loop per GEMM over many small experts), else None: the loop over experts."""
-    if t.device.type != "cpu" or not hasattr(F, "grouped_mm") or t.dtype not in GROUPED_MM_DTYPES:
+def _grouped_offsets(t: torch.Tensor, counts: list[int], *widths: int) -> torch.Tensor | None:
+    """The groups' end rows (on t's device) for torch's grouped GEMM where lmforge uses it (GROUPED_MM), else None:
+    the loop over experts. Off the CPU every row of every operand (`widths`: their column counts) must be a multiple
+    of 16 bytes long."""
+    if not hasattr(F, "grouped_mm") or t.dtype not in GROUPED_MM.get(t.device.type, ()):
         return None
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if t.device.type != "cpu" and any(w * t.element_size() % 16 for w in widths):
+        return None
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(t.device, non_blocking=True)
 
 
 def _rank_offsets(offs: torch.Tensor | None, a: torch.Tensor | None) -> torch.Tensor | None:
@@ -215,7 +221,7 @@ class _GroupedExperts(torch.autograd.Function):
         b_gu = b_gu.flatten(1, 2) if b_gu is not None else None  # (experts, [gate; up] rows, rank) likewise
         tokens, k = weights.shape
         inter = down.shape[2]
-        offs = _grouped_offsets(x, counts)
+        offs = _grouped_offsets(x, counts, x.shape[1], gate_up.shape[1], inter)
         slot_token = order // k  # the token of each sorted (token, expert) pair
         rows = x.index_select(0, slot_token)
         h = _per_expert(rows, gate_up.transpose(1, 2), counts, offs)
