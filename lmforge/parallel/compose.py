@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.parallel.expert import apply_expert_parallel, expert_parameters, shard_experts
+from lmforge.models.moe import moe_layers
+from lmforge.parallel.expert import apply_expert_parallel, expert_parameters, expert_shard_placement, shard_experts
 from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh
 from lmforge.parallel.pipeline import StageShapes, build_schedule, split_model, stage_ids
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
@@ -111,14 +112,20 @@ class ParallelModel:
 def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_policy=None) -> None:
     """FSDP2 per block, then the rest (embeddings, final norm, head) as the root unit; a tied embedding
     stays in the root unit with the head that reuses it. Experts laid out by expert parallelism are units of their
-    own on the expert mesh, nested in their blocks' (shard_experts), or left to it where it reduces them itself."""
+    own on the expert mesh, nested in their blocks' (shard_experts), or left to it where it reduces them itself;
+    other stacked experts are split evenly over the shards (expert_shard_placement)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     shard_experts(part, reshard_after_forward, mp_policy)
     kwargs = {"mesh": dp_mesh}
     ignored = expert_parameters(part)
     if ignored:
         kwargs["ignored_params"] = ignored
+    stacked = {id(p) for layer in moe_layers(part) for p in layer.experts.parameters() if not isinstance(p, DTensor)}
+    if stacked:  # (tensor parallelism's expert slices are DTensors split on their rows: FSDP2's Shard(0) as ever)
+        shards = dp_mesh.size(dp_mesh.ndim - 1)  # HSDP's second dim
+        kwargs["shard_placement_fn"] = lambda p: expert_shard_placement(p, shards) if id(p) in stacked else None
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in blocks(part):

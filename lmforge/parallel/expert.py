@@ -219,7 +219,7 @@ def shard_experts(part: nn.Module, reshard_after_forward: bool = True, mp_policy
         # (DDPMeshInfo) takes no shard_placement_fn.
         dims = DataParallelMeshDims(shard="ep_shard", replicate="ep_replicate" if replicate > 1 else None)
         kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
-        kwargs["shard_placement_fn"] = lambda p, n=shard: _expert_shard_dim(p, n)
+        kwargs["shard_placement_fn"] = lambda p, n=shard: expert_shard_placement(p, n)
         fully_shard(layer.experts, mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=reshard_after_forward,
                     **kwargs)
         layer.experts.set_gradient_divide_factor(float(dispatch.data_parallel))
@@ -228,10 +228,11 @@ def shard_experts(part: nn.Module, reshard_after_forward: bool = True, mp_policy
         layer.experts.set_force_sum_reduction_for_comms(shard > 1)
 
 
-def _expert_shard_dim(p: torch.Tensor, shards: int) -> Shard:
-    """FSDP2's split of one rank's stacked experts (experts, ...) over `shards` ranks: by expert where they divide
-    evenly, else (fewer local experts than shards) along the largest other dimension that does, so every rank
-    holds an equal piece (FSDP2 would pad dimension 0, leaving some ranks a whole expert and others nothing)."""
+def expert_shard_placement(p: torch.Tensor, shards: int) -> Shard:
+    """FSDP2's split of stacked experts (experts, ...; a rank's own under expert parallelism) over `shards` ranks:
+    by expert where they divide evenly, else (fewer experts than shards: Mixtral's 8 over 16 ranks) along the largest
+    other dimension that does, so every rank holds an equal piece (FSDP2 would pad dimension 0, leaving some ranks a
+    whole expert and others nothing: twice the expert bytes per rank)."""
     local = p.to_local().shape if isinstance(p, DTensor) else p.shape
     if local[0] % shards == 0:
         return Shard(0)

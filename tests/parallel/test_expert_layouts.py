@@ -8,7 +8,8 @@ the other layouts; one launch for all of them.
   replicated over the replicas and all-reduced;
 - gradient accumulation: the experts' gradients reduced once, after the last micro-batch, in both;
 - pipeline parallelism: the data-parallel ranks of each stage form the expert-parallel groups;
-- checkpoints saved under these layouts load bit for bit at parallel.expert 1, 2 and 4 and under a pipeline.
+- checkpoints saved under these layouts load bit for bit at parallel.expert 1, 2 and 4 and under a pipeline;
+- without expert parallelism, fewer experts than FSDP2 ranks are split along their rows, every rank an equal piece.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ FOUR = {
     "ep2_hsdp_mixtral_accumulate": {"model": "tiny-mixtral", "accumulate": 2,
                                     "parallel": {"expert": 2, "data_replicate": 2, "data_shard": 2}},
     "ep4_qwen3_moe_fsdp": {"model": "tiny-qwen3-moe", "parallel": {"expert": 4}},  # nothing to reduce
+    # No expert parallelism, 2 experts over 4 FSDP2 ranks: split along their rows too, not 1 expert on 2 ranks.
+    "fsdp_two_experts": {"model": "tiny-mixtral", "model_overrides": {"num_experts": 2}, "parallel": {}},
     # Pipelines: the router losses across stages, the all-to-alls within each stage's data ranks.
     "ep2_pp2_qwen3_moe_1f1b": {"model": "tiny-qwen3-moe", "model_overrides": ROUTER,
                                "parallel": {"pipeline": 2, "expert": 2, "microbatches": 2}},
@@ -74,7 +77,7 @@ def _expert_bytes(case: dict) -> int:
     ("ep2_fsdp_qwen3_moe", 4), ("ep2_fsdp_two_experts", 4), ("ep2_fsdp_mixtral_accumulate", 4),
     # Replicated where the ranks holding the same experts are replicas: half of them, as every layout before FSDP2
     # sharded the experts (4 ranks, expert=2).
-    ("ep2_hsdp_mixtral", 2), ("ep4_qwen3_moe_fsdp", 4), ("ep2_pp2_qwen3_moe_1f1b", 2 * 2)])
+    ("ep2_hsdp_mixtral", 2), ("ep4_qwen3_moe_fsdp", 4), ("ep2_pp2_qwen3_moe_1f1b", 2 * 2), ("fsdp_two_experts", 4)])
 def test_each_rank_holds_its_share_of_the_experts(four, layout, holders):
     """The most expert-weight bytes (and gradient bytes) any rank holds: the model's expert weights over the ranks
     they are split over (a pipeline stage holds half the layers, its 2 data ranks half of each layer's experts)."""
