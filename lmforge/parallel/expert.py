@@ -1,9 +1,9 @@
 """Expert parallelism: a mixture-of-experts layer's experts split over `parallel.expert` data-parallel ranks.
 
 Ranks are grouped in blocks of E neighbouring data-parallel ranks (an "ep" group; the mesh's innermost data
-ranks, the fastest links, as Megatron and torchtitan place it). Rank j of a group holds experts
-[j * L, (j + 1) * L), L = num_experts / E, as a DTensor Shard(0) over "ep", so checkpoints and exports see whole
-weights. A MoE layer's forward, on every rank of a group:
+ranks, the fastest links, as Megatron and torchtitan place it; a pipeline stage's own under pipeline parallelism).
+Rank j of a group holds experts [j * L, (j + 1) * L), L = num_experts / E, as a DTensor Shard(0) over "ep", so
+checkpoints and exports see whole weights. A MoE layer's forward, on every rank of a group:
 
 1. route its own tokens (the router is an ordinary, data-parallel weight);
 2. sort its (token, expert) pairs by expert, tell each rank how many rows it will get for each of its experts
