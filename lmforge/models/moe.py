@@ -50,6 +50,14 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2, i, d))
         self.down = nn.Parameter(torch.empty(e, d, i))
 
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor], run: Callable[..., torch.Tensor] | None = None,
+                ) -> torch.Tensor:
+        """grouped_experts (or `run`, MoE.dispatch) over these weights (and their LoRA factors, LoRAExperts): a
+        module call of its own, so that a plan applied to the experts alone (FSDP2 sharding them on a mesh of their
+        own, lmforge.parallel.expert) has a forward to hook."""
+        return (run or grouped_experts)(x, chosen, weights, self.gate_up, self.down, act, self.lora())
+
     @classmethod
     def holding(cls, gate_up: nn.Parameter, down: nn.Parameter) -> Experts:
         """Experts around these (stacked) weight tensors, as they are."""
@@ -112,9 +120,7 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits, weights, chosen = self.route(x)
         self.router_logits = logits if self.training and torch.is_grad_enabled() else None
-        run = grouped_experts if self.dispatch is None else self.dispatch
-        out = _outside_compile(run, x, chosen, weights, self.experts.gate_up, self.experts.down, self.act,
-                               self.experts.lora())
+        out = _outside_compile(self.experts, x, chosen, weights, self.act, self.dispatch)
         return out.view(shape)
 
 

@@ -21,8 +21,12 @@ reduce-scatter (n-1)/n x the full (gathered) tensor. With those:
 
 - expert parallel (`expert_bytes`): each MoE layer sends every routed (token, expert) row whose expert lives on
   another rank there and gets its output back (two all-to-alls forward), and the same rows' gradients both ways
-  in the backward; with balanced routing (E-1)/E of the rows leave the rank. The ranks holding the same experts
-  (data / E of them) all-reduce the experts' gradients once per step.
+  in the backward; with balanced routing (E-1)/E of the rows leave the rank. The data / E ranks holding the same
+  experts reduce the experts' gradients once per step: under DDP one all-reduce; under FSDP2 the experts are
+  sharded over F of them (lmforge.parallel.mesh.expert_shards) and replicated over the other R: all-gathers of
+  the rank's experts per micro batch (forward and backward; once per step in a pipeline, which keeps them
+  gathered), a reduce-scatter over F and an all-reduce of the shard over R once per step. Data parallelism's own
+  bytes (`step_bytes`, Layout.expert > 1) then leave the experts out, and its "expert" entry adds them.
 
 Counts are per step of `global_batch_size` sequences, for the busiest rank (the first pipeline
 stage carries the embedding). Payloads without the ring factor are given too (`payload_*`): they
@@ -44,36 +48,60 @@ class Layout:
     data_parallel: str = "ddp"  # ddp | fsdp
     virtual_stages: int = 1
     sequence_parallel: bool = True
+    expert: int = 1  # parallel.expert: a MoE model's experts split over this many data-parallel ranks
+    data_replicate: int = 1  # HSDP's replicas among `data` (FSDP): where the experts' copies are
 
     @property
     def world_size(self) -> int:
         return self.tensor * self.pipeline * self.data
 
 
-def stage_parameters(cfg: ModelConfig, layout: Layout) -> tuple[int, int]:
-    """(block parameters, embedding/head parameters) held by the busiest rank: its layers' share of
-    the blocks split by TP (norms replicated), and the vocabulary-parallel embedding, learned
-    positions and untied head (all on one rank when there is no pipeline; the first stage otherwise)."""
+def _layer_parameters(cfg: ModelConfig, layer: int, tensor: int, with_experts: bool) -> int:
+    """One block's parameters on a rank: attention and MLP split by TP, norms replicated. A MoE layer's MLP is its
+    router (replicated under TP) and its stacked experts (split on their intermediate rows), the latter left out
+    when expert parallelism holds them (`with_experts` False)."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
     attn = d * qkv + cfg.num_heads * hd * d + (qkv if cfg.qkv_bias else 0) + (d if cfg.attention_bias else 0)
-    mlp = d * f * (3 if cfg.gated_mlp else 2) + ((f * (2 if cfg.gated_mlp else 1) + d) if cfg.mlp_bias else 0)
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     norms = norm * (1 if cfg.shared_norm else 2)
-    layers = -(-cfg.num_layers // layout.pipeline)
+    if cfg.is_moe_layer(layer):
+        experts = expert_parameters(cfg, [layer]) if with_experts else 0
+        return (attn + experts) // tensor + d * cfg.num_experts + norms
+    mlp = d * f * (3 if cfg.gated_mlp else 2) + ((f * (2 if cfg.gated_mlp else 1) + d) if cfg.mlp_bias else 0)
+    return (attn + mlp) // tensor + norms
+
+
+def expert_parameters(cfg: ModelConfig, layers) -> int:
+    """The stacked experts' parameters (gate, up, down of every expert) of the MoE layers among `layers`."""
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    return moe * cfg.num_experts * 3 * cfg.hidden_size * (cfg.moe_intermediate_size or 0)
+
+
+def stage_parameters(cfg: ModelConfig, layout: Layout) -> tuple[int, int]:
+    """(block parameters, embedding/head parameters) held by the busiest rank and reduced by data parallelism: its
+    layers' share of the blocks split by TP (norms, MoE routers replicated), a MoE layer's experts counted as
+    experts, not a dense MLP (and left out under expert parallelism, which reduces them itself: expert_bytes), and
+    the vocabulary-parallel embedding, learned positions and untied head (all on one rank when there is no
+    pipeline; the first stage otherwise)."""
+    d = cfg.hidden_size
+    norm = d * (2 if cfg.norm == "layernorm" else 1)
+    layers = -(-cfg.num_layers // layout.pipeline)  # the first stage's
+    blocks = sum(_layer_parameters(cfg, i, layout.tensor, layout.expert == 1) for i in range(layers))
     ends = cfg.padded_vocab_size * d // layout.tensor + norm
     if cfg.position_embedding == "learned":
         ends += cfg.max_position_embeddings * d
     if not cfg.tie_embeddings and layout.pipeline == 1:
         ends += cfg.padded_vocab_size * d // layout.tensor
-    return layers * ((attn + mlp) // layout.tensor + norms), ends
+    return blocks, ends
 
 
 def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_size: int,
                micro_batch_size: int, param_bytes: int = 2, grad_bytes: int = 4,
                activation_bytes: int = 2, reduce_scatter_as_all_reduce: bool = False) -> dict[str, float]:
-    """Bytes the busiest rank sends per step, by dimension ("data", "tensor", "pipeline", "total"),
-    and the payloads handed to the collectives ("payload_data", ...).
+    """Bytes the busiest rank sends per step, by dimension ("data", "tensor", "pipeline", "expert", "total"),
+    and the payloads handed to the collectives ("payload_data", ...). "expert": expert parallelism's
+    (Layout.expert > 1; expert_bytes with balanced routing), whose experts "data" leaves out.
 
     reduce_scatter_as_all_reduce: gloo (CPU) runs a reduce-scatter as a full all-reduce, twice NCCL's
     bytes (measured: tests/parallel/test_comm_volume.py), FSDP's gradient reduce-scatter and sequence
@@ -113,7 +141,15 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
     boundary = act / t if layout.sequence_parallel and t > 1 else act
     sends = 2 * v if p > 2 else 2 * v - 1
     pipeline = micro_batches * sends * boundary if p > 1 else 0.0
-    out = {"data": data, "tensor": tensor, "pipeline": pipeline}
+    expert = 0.0
+    if layout.expert > 1:
+        tokens = micro_batch_size * seq_length
+        e = expert_bytes(cfg, layout.expert, n, tokens, micro_batches, activation_bytes, grad_bytes,
+                         data_parallel=layout.data_parallel, data_replicate=layout.data_replicate,
+                         param_bytes=param_bytes, pipeline=p,
+                         reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce)
+        expert = sum(e.values())
+    out = {"data": data, "tensor": tensor, "pipeline": pipeline, "expert": expert}
     out["total"] = sum(out.values())
     out.update(payload_data=payload_data, payload_tensor=payload_tensor, payload_pipeline=pipeline,
                micro_batches=micro_batches, block_parameters=blocks, end_parameters=ends)
@@ -121,21 +157,38 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
 
 
 def expert_bytes(cfg: ModelConfig, expert: int, data: int, tokens: int, micro_batches: int = 1,
-                 activation_bytes: int = 2, grad_bytes: int = 4, routed: float | None = None) -> dict[str, float]:
+                 activation_bytes: int = 2, grad_bytes: int = 4, routed: float | None = None,
+                 data_parallel: str = "ddp", data_replicate: int = 1, param_bytes: int = 2, pipeline: int = 1,
+                 reduce_scatter_as_all_reduce: bool = False) -> dict[str, float]:
     """Bytes one rank sends per step under expert parallelism (parallel.expert=`expert` over `data` data-parallel
-    ranks): "all_to_all", the token rows the MoE layers exchange, and "expert_grads", the all-reduce of the experts'
-    gradients over the ranks holding the same ones. `tokens` per micro-batch. `routed`: the rows that left this rank
-    for other ranks' experts plus those that arrived from other ranks, over the step's MoE layers and micro-batches,
-    if known (a real routing); else balanced routing, tokens x experts_per_token x (E-1)/E each way."""
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    ranks, `data_replicate` of them HSDP's replicas), by kind: "all_to_all", the token rows the MoE layers
+    exchange; "expert_grads", the reduction of the experts' gradients over the ranks holding the same ones (DDP:
+    an all-reduce; FSDP: a reduce-scatter, then an all-reduce of the shard over the replicas); "expert_gathers",
+    FSDP's all-gathers of the rank's experts (`param_bytes` each: bf16 under bf16-mixed). `tokens` per
+    micro-batch; `pipeline`: the rank holds the first of that many stages' layers and gathers its experts once per
+    step. `routed`: the rows that left this rank for other ranks' experts plus those that arrived from other ranks,
+    over the step's MoE layers and micro-batches, if known (a real routing); else balanced routing, tokens x
+    experts_per_token x (E-1)/E each way. reduce_scatter_as_all_reduce: gloo's (see step_bytes)."""
+    stage = range(-(-cfg.num_layers // pipeline))
+    layers = sum(cfg.is_moe_layer(i) for i in stage)
     if routed is None:
         routed = micro_batches * layers * 2 * tokens * cfg.experts_per_token * (expert - 1) / expert
     # Forward: the rank's rows out and the others' outputs back; backward: the gradients of both, the other way.
     all_to_all = 2 * routed * cfg.hidden_size * activation_bytes
-    replicas = data // expert
-    local = layers * (cfg.num_experts // expert) * 3 * cfg.hidden_size * (cfg.moe_intermediate_size or 0)
-    grads = 2 * (replicas - 1) / replicas * local * grad_bytes  # once per step, after the last micro-batch
-    return {"all_to_all": all_to_all, "expert_grads": grads}
+    local = expert_parameters(cfg, stage) // expert  # this rank's experts, whole
+    same = data // expert  # ranks holding the same experts
+    if data_parallel == "fsdp":  # lmforge.parallel.mesh.expert_shards
+        shard_dim = data // data_replicate
+        shard = shard_dim // expert if shard_dim % expert == 0 else 1
+    else:
+        shard = 1
+    replicas = same // shard
+    gathers_per_step = 1 if pipeline > 1 else 2 * micro_batches  # forward and backward of each micro batch
+    gathers = gathers_per_step * (shard - 1) / shard * local * param_bytes
+    scatter = (shard - 1) / shard * local * grad_bytes * (2 if reduce_scatter_as_all_reduce else 1)
+    # Once per step, after the last micro-batch: the shard's all-reduce over the replicas (every copy under DDP).
+    grads = scatter + 2 * (replicas - 1) / replicas * local / shard * grad_bytes
+    return {"all_to_all": all_to_all, "expert_grads": grads, "expert_gathers": gathers}
 
 
 def bytes_sent() -> int | None:

@@ -4,7 +4,8 @@ Order, as in torchtitan: split into pipeline stages first (each rank keeps its s
 then tensor-parallel plans on each stage, then data parallelism: FSDP2 over the data-shard dim (HSDP
 when data_replicate > 1), whose all-gathers then carry tensor-parallel DTensors (2-D sharding); a
 layout that only replicates whole models (no tensor, pipeline or shard dim) is DDP. One process
-(no mesh) gets the model as it is.
+(no mesh) gets the model as it is. Expert parallelism lays a MoE model's experts out before all of it, on the
+whole model; under FSDP2 they become units of their own, nested in their blocks' (lmforge.parallel.expert).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.parallel.expert import apply_expert_parallel, expert_parameters
+from lmforge.models.moe import moe_layers
+from lmforge.parallel.expert import apply_expert_parallel, expert_parameters, expert_shard_placement, shard_experts
 from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh
 from lmforge.parallel.pipeline import StageShapes, build_schedule, split_model, stage_ids
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
@@ -42,7 +44,7 @@ class ParallelModel:
     loss_fn: Callable | None = None  # set per step by pipeline_step; the schedule calls it
     eval_schedule: Any = None  # forward-only, built by pipeline_eval on first use
     router: Any = None  # a pipelined MoE model's PipelineRouterLosses (pipeline_step runs it)
-    expert_mesh: Any = None  # ("ep_replicate", "ep") under expert parallelism (lmforge.parallel.expert)
+    expert_mesh: Any = None  # ("ep_replicate", "ep", "ep_shard") under expert parallelism (lmforge.parallel.expert)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def size(self, dim: str) -> int:
@@ -109,13 +111,21 @@ class ParallelModel:
 
 def apply_fsdp(part: nn.Module, dp_mesh, reshard_after_forward: bool = True, mp_policy=None) -> None:
     """FSDP2 per block, then the rest (embeddings, final norm, head) as the root unit; a tied embedding
-    stays in the root unit with the head that reuses it. Experts laid out by expert parallelism are left to it."""
+    stays in the root unit with the head that reuses it. Experts laid out by expert parallelism are units of their
+    own on the expert mesh, nested in their blocks' (shard_experts), or left to it where it reduces them itself;
+    other stacked experts are split evenly over the shards (expert_shard_placement)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
+    shard_experts(part, reshard_after_forward, mp_policy)
     kwargs = {"mesh": dp_mesh}
     ignored = expert_parameters(part)
     if ignored:
         kwargs["ignored_params"] = ignored
+    stacked = {id(p) for layer in moe_layers(part) for p in layer.experts.parameters() if not isinstance(p, DTensor)}
+    if stacked:  # (tensor parallelism's expert slices are DTensors split on their rows: FSDP2's Shard(0) as ever)
+        shards = dp_mesh.size(dp_mesh.ndim - 1)  # HSDP's second dim
+        kwargs["shard_placement_fn"] = lambda p: expert_shard_placement(p, shards) if id(p) in stacked else None
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in blocks(part):
@@ -202,10 +212,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
     cfg = cfg.resolved(mesh.size())
     check_model(cfg, model.config)
     pm = ParallelModel([model], cfg, mesh, device=device)
+    ddp = pp == 1 and tp == 1 and cfg.data_shard == 1 and cfg.data_replicate > 1
     if cfg.expert > 1:
         pm.expert_mesh = expert_mesh(mesh, cfg)
-        apply_expert_parallel(model, pm.expert_mesh, pm.data_parallel_size)
-    if pp == 1 and tp == 1 and cfg.data_shard == 1 and cfg.data_replicate > 1:
+        apply_expert_parallel(model, pm.expert_mesh, pm.data_parallel_size, fsdp=not ddp)
+    if ddp:
         compile_blocks(model)
         if any(p.requires_grad for p in model.parameters()):  # a frozen model (DPO's reference): a replica as is
             pm.parts = [apply_ddp(model, mesh["dp_replicate"], device)]

@@ -54,12 +54,18 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """DDP: skip the gradient all-reduce on accumulation micro-batches but the last. FSDP2 reduce-scatters every
     micro-batch's gradients: skipping it would keep the whole model's unsharded gradients on every rank
     between micro-batches (44 GiB for pythia-12b, lmforge plan shows), which is what FSDP exists to avoid.
-    Expert parallelism's experts (each rank's own, not FSDP's) reduce their gradients on the last one only."""
+    Expert parallelism's experts reduce their gradients on the last one only, as DDP does, whether they reduce
+    them themselves or are FSDP2 units of their own (lmforge.parallel.expert): a rank keeps the unsharded gradient
+    of its own experts (1 / parallel.expert of them) between micro-batches and they are reduced once per step."""
     from lmforge.models.moe import moe_layers
 
-    dispatchers = [m.dispatch for m in moe_layers(model) if hasattr(m.dispatch, "sync")]
+    layers = moe_layers(model)
+    dispatchers = [m.dispatch for m in layers if hasattr(m.dispatch, "sync")]
+    sharded = [m.experts for m in layers if hasattr(m.experts, "set_requires_gradient_sync")]  # FSDP2 units
     for d in dispatchers:
         d.sync = enabled
+    for experts in sharded:
+        experts.set_requires_gradient_sync(enabled, recurse=False)
     try:
         if not enabled and hasattr(model, "no_sync"):  # DDP
             with model.no_sync():
@@ -69,3 +75,5 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     finally:
         for d in dispatchers:
             d.sync = True
+        for experts in sharded:
+            experts.set_requires_gradient_sync(True, recurse=False)

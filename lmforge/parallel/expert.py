@@ -1,9 +1,9 @@
 """Expert parallelism: a mixture-of-experts layer's experts split over `parallel.expert` data-parallel ranks.
 
 Ranks are grouped in blocks of E neighbouring data-parallel ranks (an "ep" group; the mesh's innermost data
-ranks, the fastest links, as Megatron and torchtitan place it). Rank j of a group holds experts
-[j * L, (j + 1) * L), L = num_experts / E, as a DTensor Shard(0) over "ep" (Replicate over "ep_replicate", the
-groups), so checkpoints and exports see whole weights. A MoE layer's forward, on every rank of a group:
+ranks, the fastest links, as Megatron and torchtitan place it; a pipeline stage's own under pipeline parallelism).
+Rank j of a group holds experts [j * L, (j + 1) * L), L = num_experts / E, as a DTensor Shard(0) over "ep", so
+checkpoints and exports see whole weights. A MoE layer's forward, on every rank of a group:
 
 1. route its own tokens (the router is an ordinary, data-parallel weight);
 2. sort its (token, expert) pairs by expert, tell each rank how many rows it will get for each of its experts
@@ -12,11 +12,20 @@ groups), so checkpoints and exports see whole weights. A MoE layer's forward, on
 4. send the outputs back the way they came (the inverse all-to-all) and weight and sum them per token there.
 
 The backward runs the same exchanges in reverse, so each rank's expert gradient holds the contributions of the
-tokens of its whole group. The ranks holding the same experts (one per group) sum their gradients (once per step,
-after the last gradient accumulation micro-batch), divided by the data-parallel size: with the loss of each rank
-scaled as data parallelism expects (its average over ranks is the step's loss), that is the gradient of one process
-on the global batch. DDP and FSDP2 leave the expert weights to this module (ignored there) and handle every other
-weight as before.
+tokens of its whole group. The D / E ranks holding the same experts (D the data-parallel size, one rank per group)
+sum their gradients once per step (after the last gradient accumulation micro-batch), divided by D: with the loss
+of each rank scaled as data parallelism expects (its average over ranks is the step's loss), that is the gradient
+of one process on the global batch. How they do it follows the rest of the model (lmforge.parallel.mesh.
+expert_mesh lays them out as ("ep_replicate", "ep", "ep_shard")):
+
+- under DDP every one of them holds its experts whole and all-reduces their gradients (_ReduceExpertGrad);
+- under FSDP2 / HSDP the experts are FSDP2 units of their own (torchtitan's "dp_shard_mod_ep"): their stacked
+  weights, gradients and optimizer state sharded over the "ep_shard" ranks holding the same experts (data_shard / E
+  of them; 1 where E does not divide data_shard) and replicated over "ep_replicate" (HSDP's replicas), gathered
+  for each forward and backward, gradients reduce-scattered (and all-reduced over the replicas). Through a
+  pipeline too: the schedule defers FSDP's reductions to the step's last backward.
+
+DDP and the other FSDP2 units leave the expert weights to this module and handle every other weight as before.
 """
 
 from __future__ import annotations
@@ -80,10 +89,13 @@ class _ReduceExpertGrad(torch.autograd.Function):
 
 class ExpertDispatch:
     """MoE.dispatch under expert parallelism: grouped_experts' arguments and result, the experts spread over
-    the ranks of `group` (this rank is `rank` of `size`, holding experts [rank * local, (rank + 1) * local))."""
+    the ranks of `group` (this rank is `rank` of `size`, holding experts [rank * local, (rank + 1) * local)).
+    `fsdp`: FSDP2 reduces the experts' gradients (shard_experts); else this rank does (_ReduceExpertGrad)."""
 
-    def __init__(self, num_experts: int, group, replicate_group, data_parallel: int):
+    def __init__(self, num_experts: int, group, replicate_group, data_parallel: int, mesh=None,
+                 fsdp: bool = False):
         self.group, self.replicate_group, self.data_parallel = group, replicate_group, data_parallel
+        self.mesh, self.fsdp = mesh, fsdp
         self.size = dist.get_world_size(group)
         self.num_experts, self.local = num_experts, num_experts // self.size
         self.sync = True  # reduce the experts' gradients in this backward (see _ReduceExpertGrad)
@@ -100,8 +112,8 @@ class ExpertDispatch:
                                  self._local(down, "down", dtype), act, lora)
 
     def _local(self, w: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
-        local = w.to_local() if isinstance(w, DTensor) else w
-        return _ReduceExpertGrad.apply(local, self, key).to(dtype)
+        local = w.to_local() if isinstance(w, DTensor) else w  # under FSDP2: the gathered experts of this rank
+        return (local if self.fsdp else _ReduceExpertGrad.apply(local, self, key)).to(dtype)
 
     def _forward(self, x, chosen, weights, gate_up, down, act, lora):
         tokens, k = chosen.shape
@@ -143,33 +155,92 @@ class ExpertDispatch:
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The stacked expert weights (and their LoRA factors) that expert parallelism laid out (DDP/FSDP leave them to
-    it); none without it (tensor parallelism's expert slices are DTensors too, and stay FSDP's)."""
-    return {p for layer in moe_layers(model) if isinstance(layer.dispatch, ExpertDispatch)
+    """The stacked expert weights (and their LoRA factors) whose gradients expert parallelism reduces itself
+    (DDP/FSDP leave them to it); none without it (tensor parallelism's expert slices are DTensors too, and stay
+    FSDP's), none where the experts are FSDP2 units of their own (shard_experts: the model's FSDP2 units then skip
+    them as nested units)."""
+    return {p for layer in moe_layers(model) if isinstance(layer.dispatch, ExpertDispatch) and not layer.dispatch.fsdp
             for p in layer.experts.parameters()}
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int) -> None:
-    """Lay each MoE layer's experts over `ep_mesh` (dims ("ep_replicate", "ep")): Shard(0) over "ep", replicated
-    over "ep_replicate"; its forward then dispatches tokens with all-to-all. `model` is built identically on every
-    rank (or on the meta device, filled afterwards by lmforge.parallel.load)."""
+def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int, fsdp: bool = False) -> None:
+    """Lay each MoE layer's experts over `ep_mesh` (lmforge.parallel.mesh.expert_mesh: ("ep_replicate", "ep",
+    "ep_shard")): Shard(0) over "ep", replicated over the other two (until shard_experts shards them over
+    "ep_shard"); its forward then dispatches tokens with all-to-all. `fsdp`: the rest of the model is FSDP2's, and
+    so will the experts be wherever other ranks hold the same ones (shard_experts, which apply_fsdp calls); else
+    their gradients are all-reduced here. `model` is built identically on every rank (or on the meta device,
+    filled afterwards by lmforge.parallel.load)."""
     group = ep_mesh["ep"].get_group()
-    replicate = ep_mesh["ep_replicate"].get_group() if ep_mesh["ep_replicate"].size() > 1 else None
-    placements = (Replicate(), Shard(0))
+    same = ep_mesh["ep_replicate"].size() * ep_mesh["ep_shard"].size()  # ranks holding the same experts
+    fsdp = fsdp and same > 1
+    if not fsdp and ep_mesh["ep_shard"].size() > 1:
+        raise RuntimeError("experts laid out for FSDP2 (ep_shard > 1) under a plan without it")
+    replicate = ep_mesh["ep_replicate"].get_group() if same > 1 and not fsdp else None
+    placements = (Replicate(), Shard(0), Replicate())
+    size, rank = ep_mesh["ep"].size(), ep_mesh["ep"].get_local_rank()
     layers = moe_layers(model)
     for layer in layers:
         # The stacked weights, and any LoRA factors of theirs (lmforge.models.lora_experts: expert dim first too).
-        for name, p in list(layer.experts.named_parameters()):
+        experts = layer.experts
+        for name, p in list(experts.named_parameters()):
             owner, _, attr = name.rpartition(".")
-            size, rank = ep_mesh["ep"].size(), ep_mesh["ep"].get_local_rank()
             local = p.detach().chunk(size, dim=0)[rank].clone() if p.device.type != "meta" else \
                 torch.empty((p.shape[0] // size, *p.shape[1:]), device="meta", dtype=p.dtype)
             sharded = DTensor.from_local(local, ep_mesh, placements, run_check=False, shape=p.shape,
                                          stride=torch.empty(p.shape, device="meta").stride())
-            layer.experts.get_submodule(owner).register_parameter(attr, nn.Parameter(sharded,
-                                                                                     requires_grad=p.requires_grad))
-        layer.dispatch = ExpertDispatch(layer.num_experts, group, replicate, data_parallel)
+            setattr(experts.get_submodule(owner), attr, _parameter(sharded, p.requires_grad))
+        layer.dispatch = ExpertDispatch(layer.num_experts, group, replicate, data_parallel, ep_mesh, fsdp)
     if layers:
-        log.info("expert parallel: %d experts per layer over %d ranks (%d each), %d replica groups",
-                 layers[0].num_experts, ep_mesh["ep"].size(), layers[0].num_experts // ep_mesh["ep"].size(),
-                 ep_mesh["ep_replicate"].size())
+        log.info("expert parallel: %d experts per layer over %d ranks (%d each); the same experts on %d ranks, %s",
+                 layers[0].num_experts, size, layers[0].num_experts // size, same,
+                 f"FSDP2 over {ep_mesh['ep_shard'].size()} x {ep_mesh['ep_replicate'].size()} replicas" if fsdp
+                 else "gradients all-reduced")
+
+
+def _parameter(t: DTensor, requires_grad: bool) -> nn.Parameter:
+    """nn.Parameter(t) on t's own mesh object. Parameter() detaches t, and DTensor answers the detach from its cache
+    of sharding decisions, whose mesh is whichever equal mesh came first: one of an earlier parallelize, or of an
+    earlier world in this process whose process groups are gone (lmforge plan's and the tests' fake worlds).
+    FSDP2's SPMD mode (shard_experts) requires the very mesh it is given and takes its process groups."""
+    param = nn.Parameter(t, requires_grad=requires_grad)
+    param._spec = t._spec
+    return param
+
+
+def shard_experts(part: nn.Module, reshard_after_forward: bool = True, mp_policy=None) -> None:
+    """FSDP2 on each MoE layer's experts in `part` that apply_expert_parallel left to it: a unit of its own on the
+    expert mesh, sharded over "ep_shard" and replicated over "ep_replicate" (HSDP), nested in its block's unit
+    (call this before fully_shard on the blocks). Gradients are summed over both and divided by the data-parallel
+    size, not FSDP's own (ep_shard x ep_replicate ranks): each rank's expert gradient holds its whole ep group's
+    tokens already. Sums and one division rather than NCCL's PREMUL_SUM, which gloo lacks."""
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+
+    for layer in moe_layers(part):
+        dispatch = layer.dispatch
+        if not isinstance(dispatch, ExpertDispatch) or not dispatch.fsdp:
+            continue
+        mesh = dispatch.mesh  # the weights' own (_parameter): FSDP2 wants that very object
+        shard, replicate = mesh["ep_shard"].size(), mesh["ep_replicate"].size()
+        # A shard dim always, of one rank where nothing divides (HSDP, replicated): torch 2.13's replicate-only mode
+        # (DDPMeshInfo) takes no shard_placement_fn.
+        dims = DataParallelMeshDims(shard="ep_shard", replicate="ep_replicate" if replicate > 1 else None)
+        kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+        kwargs["shard_placement_fn"] = lambda p, n=shard: expert_shard_placement(p, n)
+        fully_shard(layer.experts, mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=reshard_after_forward,
+                    **kwargs)
+        layer.experts.set_gradient_divide_factor(float(dispatch.data_parallel))
+        # Over one shard rank torch 2.13 divides by the factor when it copies the gradient in place of the
+        # reduce-scatter, and again after the replicas' all-reduce if sums are forced: there it uses no PREMUL_SUM.
+        layer.experts.set_force_sum_reduction_for_comms(shard > 1)
+
+
+def expert_shard_placement(p: torch.Tensor, shards: int) -> Shard:
+    """FSDP2's split of stacked experts (experts, ...; a rank's own under expert parallelism) over `shards` ranks:
+    by expert where they divide evenly, else (fewer experts than shards: Mixtral's 8 over 16 ranks) along the largest
+    other dimension that does, so every rank holds an equal piece (FSDP2 would pad dimension 0, leaving some ranks a
+    whole expert and others nothing: twice the expert bytes per rank)."""
+    local = p.to_local().shape if isinstance(p, DTensor) else p.shape
+    if local[0] % shards == 0:
+        return Shard(0)
+    even = [d for d in range(1, len(local)) if local[d] % shards == 0]
+    return Shard(max(even, key=lambda d: local[d])) if even else Shard(0)

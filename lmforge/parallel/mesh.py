@@ -151,21 +151,33 @@ def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
         raise UserError(f"parallel.expert={ep} does not divide the data-parallel size {cfg.data_parallel} "
                         f"(data_replicate={cfg.data_replicate} x data_shard={cfg.data_shard}): experts are split "
                         "over data-parallel ranks; pick a degree that divides it")
-    if cfg.tensor > 1 or cfg.pipeline > 1:
-        raise UserError(f"parallel.expert={ep} does not combine with tensor or pipeline parallelism yet: set "
-                        "parallel.tensor=1 and parallel.pipeline=1")
+    if cfg.tensor > 1:
+        raise UserError(f"parallel.expert={ep} does not combine with tensor parallelism yet: set parallel.tensor=1 "
+                        "(or parallel.expert=1 to split every expert over the tensor-parallel ranks instead)")
+
+
+def expert_shards(cfg: ParallelConfig) -> tuple[int, int]:
+    """(replicate, shard): how the data_parallel / expert ranks holding the same experts split under FSDP2. Sharded
+    over the data_shard ranks that hold them (data_shard / expert, where expert divides data_shard), replicated over
+    the rest (HSDP's replicas; all of them under DDP, data_shard = 1, or where an expert group spans replicas)."""
+    shard = cfg.data_shard // cfg.expert if cfg.data_shard % cfg.expert == 0 else 1
+    return cfg.data_parallel // cfg.expert // shard, shard
 
 
 def expert_mesh(mesh, cfg: ParallelConfig):
-    """The DeviceMesh ("ep_replicate", "ep") of expert parallelism over `mesh`'s data-parallel ranks: "ep" groups
-    parallel.expert neighbouring ones (the innermost data dim's, the fastest links), "ep_replicate" the ranks
-    holding the same experts. Every rank must call this (it creates process groups)."""
+    """This pipeline stage's DeviceMesh ("ep_replicate", "ep", "ep_shard") of expert parallelism over `mesh`'s
+    data-parallel ranks: "ep" groups parallel.expert neighbouring ones (the innermost data dim's, the fastest links),
+    "ep_shard" x "ep_replicate" are the ranks holding the same experts (expert_shards). "ep" comes before "ep_shard"
+    in the mesh (not in rank order) so that an expert weight sharded by both is Shard(0), Shard(0): each rank's
+    piece one box of the whole weight. Every rank must call this (it creates every stage's process groups)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = mesh.mesh.reshape(-1, cfg.expert)  # tensor = pipeline = 1: the mesh is its data-parallel ranks
-    ep = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("ep_replicate", "ep"))
-    _inherit_timeout(ep, mesh.device_type)
-    return ep
+    replicate, shard = expert_shards(cfg)
+    # tensor = 1: a stage's ranks are its data-parallel ranks, replicas outer, shards inner.
+    ranks = mesh.mesh.reshape(cfg.pipeline, replicate, shard, cfg.expert).transpose(2, 3)
+    full = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "ep_replicate", "ep", "ep_shard"))
+    _inherit_timeout(full, mesh.device_type)
+    return full["ep_replicate", "ep", "ep_shard"]
 
 
 def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size: int | None = None,

@@ -188,7 +188,7 @@ def _layout_dict(layout) -> dict:
     return {"pipeline": layout.pipeline, "data_replicate": layout.data_replicate, "data_shard": layout.data_shard,
             "tensor": layout.tensor, "sequence_parallel": layout.sequence_parallel and layout.tensor > 1,
             "pipeline_schedule": layout.pipeline_schedule if layout.pipeline > 1 else None,
-            "virtual_stages": layout.virtual_stages}
+            "virtual_stages": layout.virtual_stages, "expert": layout.expert}
 
 
 def _local_bytes(tensors) -> int:

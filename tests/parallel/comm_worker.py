@@ -4,7 +4,7 @@ analytic count. Run with torchrun:
 
     comm_worker.py ddp|fsdp MICRO_BATCHES OUT.json
     comm_worker.py mesh LAYOUTS.json OUT.json     each layout: tensor, pipeline, sequence_parallel, micro_batches
-    comm_worker.py expert OUT.json                expert parallelism over the ranks, DDP for the rest
+    comm_worker.py expert OUT.json                parallel.expert=2, the rest under DDP, then FSDP2
 """
 
 from __future__ import annotations
@@ -77,51 +77,59 @@ def mesh_layout(spec: dict, world) -> dict:
     return {"rank": world.rank, "layout": spec, "sent": sent, "expected": v["total"], "by_dim": v}
 
 
-def expert_layout(world) -> dict:
-    """One step of a Mixtral-shaped MoE (fp32) with its experts over the ranks (parallel.expert = world size) and
-    DDP for the other weights: bytes sent vs DDP's all-reduce plus the all-to-alls of the rows really routed."""
+def expert_layout(world, strategy: str) -> dict:
+    """One step (two accumulation micro-batches) of a Mixtral-shaped MoE (fp32) with parallel.expert=2 over the
+    ranks, the rest under DDP or FSDP2: bytes sent vs data parallelism's count for the other weights plus
+    expert_bytes with the rows really routed (all-to-alls) and the experts' own reduction: under DDP an all-reduce
+    over the ranks holding the same experts, under FSDP2 their all-gathers per micro-batch and one reduce-scatter
+    per step (4 ranks: each expert sharded over 2)."""
     from dataclasses import replace
 
     from lmforge.models import preset
     from lmforge.models.moe import moe_layers
     from lmforge.parallel import ParallelConfig, build_mesh, parallelize
-    from lmforge.parallel.expert import expert_parameters
 
-    # Rows of 256 fp32 values: large beside gloo's framing of the all-to-alls (four per layer and step).
+    # Rows of 256 fp32 values: large beside gloo's framing of the all-to-alls (four per layer and micro-batch).
     cfg = replace(preset("tiny-mixtral"), hidden_size=256, head_dim=64, intermediate_size=256,
                   moe_intermediate_size=256)
     model = build(cfg, seed=0)
-    pcfg = ParallelConfig(expert=world.size, data_replicate=world.size, data_shard=1)
+    expert, accumulate = 2, 2
+    pcfg = ParallelConfig(expert=expert, **({"data_replicate": world.size, "data_shard": 1} if strategy == "ddp"
+                                            else {}))
     pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
     routed = []  # rows sent to and received from other ranks, per MoE layer forward
+    group = dist.get_rank(moe_layers(model)[0].dispatch.group)
     for layer in moe_layers(model):
         counts = layer.dispatch._counts
 
         def recording(flat, counts=counts):
             sent, received = counts(flat)
-            others = [r for r in range(world.size) if r != world.rank]
+            others = [r for r in range(expert) if r != group]
             routed.append(sum(sum(sent[r]) + sum(received[r]) for r in others))
             return sent, received
         layer.dispatch._counts = recording
     seq, micro = 64, 2
-    x = torch.randint(0, cfg.vocab_size, (micro, seq), generator=torch.Generator().manual_seed(world.rank))
+    x = torch.randint(0, cfg.vocab_size, (accumulate, micro, seq), generator=torch.Generator().manual_seed(world.rank))
 
     def step() -> None:
-        pm(x).float().mean().backward()
+        for i in range(accumulate):
+            with gradient_sync(pm.parts[0], i == accumulate - 1):
+                pm(x[i]).float().mean().backward()
 
-    step()  # DDP's buckets
+    step()  # DDP's buckets, FSDP's buffers
     routed.clear()
     dist.barrier()
     before = bytes_sent()
     step()
     dist.barrier()
     sent = bytes_sent() - before
-    experts = expert_parameters(model)
-    dense = sum(p.numel() for p in model.parameters() if p not in experts)
-    ddp = 2 * (world.size - 1) / world.size * dense * 4
-    v = expert_bytes(cfg, world.size, world.size, micro * seq, activation_bytes=4, routed=sum(routed))
-    return {"rank": world.rank, "sent": sent, "expected": ddp + v["all_to_all"] + v["expert_grads"],
-            "all_to_all": v["all_to_all"], "ddp": ddp}
+    layout = Layout(data=world.size, data_parallel=strategy, expert=expert)
+    dense = step_bytes(cfg, layout, seq, micro * accumulate * world.size, micro, param_bytes=4, grad_bytes=4,
+                       reduce_scatter_as_all_reduce=True)["data"]
+    v = expert_bytes(cfg, expert, world.size, micro * seq, accumulate, activation_bytes=4, routed=sum(routed),
+                     data_parallel=strategy, param_bytes=4, reduce_scatter_as_all_reduce=True)
+    return {"rank": world.rank, "strategy": strategy, "sent": sent, "expected": dense + sum(v.values()),
+            "dense": dense, **v}
 
 
 def main(strategy: str, micro_batches: int, out: str) -> None:
@@ -163,5 +171,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "expert":
         torch.set_num_threads(1)
         w = init_world()
-        _write(w, expert_layout(w), sys.argv[2])
+        _write(w, [expert_layout(w, strategy) for strategy in ("ddp", "fsdp")], sys.argv[2])
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.models.presets import PRESETS
-from lmforge.parallel.comm_volume import Layout, bytes_sent, expert_bytes, step_bytes
+from lmforge.parallel.comm_volume import Layout, bytes_sent, expert_bytes, stage_parameters, step_bytes
 
 WORKER = Path(__file__).with_name("comm_worker.py")
 
@@ -63,16 +63,23 @@ def test_tensor_and_pipeline_bytes_match_the_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
 def test_expert_parallel_bytes_match_the_model(tmp_path):
-    """parallel.expert=2 with DDP for the rest: the all-to-alls send every row routed across ranks four times
-    (out and back, forward and backward), nothing more; DDP all-reduces the other weights only."""
+    """parallel.expert=2 on 4 ranks, two accumulation micro-batches: the all-to-alls send every row routed across
+    ranks four times (out and back, forward and backward). Under DDP the two ranks holding the same experts
+    all-reduce their gradients once; under FSDP2 they shard them: all-gathers per micro-batch, one reduce-scatter
+    per step. Data parallelism reduces the other weights only."""
     out = tmp_path / "sent.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                         str(WORKER), "expert", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(out.read_text()):
-        assert rank["all_to_all"] > 0.2 * rank["sent"], rank  # the all-to-alls are a real share of the bytes
-        assert rank["sent"] == pytest.approx(rank["expected"], rel=0.02), rank
+        ddp, fsdp = rank
+        assert ddp["strategy"] == "ddp" and fsdp["strategy"] == "fsdp"
+        for result in rank:
+            assert result["all_to_all"] > 0.05 * result["sent"], result  # a real share of the bytes
+            assert result["expert_grads"] > 0.1 * result["sent"], result
+            assert result["sent"] == pytest.approx(result["expected"], rel=0.02), result
+        assert ddp["expert_gathers"] == 0 < fsdp["expert_gathers"]
 
 
 def test_balanced_expert_parallel_bytes():
@@ -83,6 +90,29 @@ def test_balanced_expert_parallel_bytes():
     assert one["expert_grads"] == 0  # one rank per expert: nothing to all-reduce
     two = expert_bytes(cfg, expert=8, data=16, tokens=4096)
     assert two["expert_grads"] == 32 * 1 * 3 * 4096 * 14336 * 4  # 2 (n-1)/n = 1 of one expert per layer, fp32
+    # FSDP2: the expert sharded over the 2 ranks holding it; two micro-batches, each gathering it twice (bf16).
+    expert = 32 * 3 * 4096 * 14336
+    fsdp = expert_bytes(cfg, expert=8, data=16, tokens=4096, micro_batches=2, data_parallel="fsdp")
+    assert fsdp["expert_gathers"] == 2 * 2 * expert / 2 * 2 and fsdp["expert_grads"] == expert / 2 * 4
+    # HSDP 2 x 8: the ep group spans a whole replica, so each expert is replicated over the two: an all-reduce.
+    hsdp = expert_bytes(cfg, expert=8, data=16, tokens=4096, data_parallel="fsdp", data_replicate=2)
+    assert hsdp["expert_gathers"] == 0 and hsdp["expert_grads"] == two["expert_grads"]
+
+
+def test_moe_blocks_count_their_experts():
+    """The data-parallel bytes of a MoE model: its MLPs are routers plus experts (Mixtral-8x7B: 46.7 B parameters,
+    not a dense model's 7 B), and under expert parallelism the experts leave the data-parallel reduction for
+    expert parallelism's own."""
+    cfg = PRESETS["mixtral-8x7b"]
+    blocks, ends = stage_parameters(cfg, Layout(data=8))
+    assert 46.6e9 < blocks + ends < 46.8e9
+    ep_blocks, _ = stage_parameters(cfg, Layout(data=8, expert=8))
+    assert blocks - ep_blocks == 32 * 8 * 3 * 4096 * 14336
+    dense = step_bytes(cfg, Layout(data=8), 4096, 64, 1)
+    ep = step_bytes(cfg, Layout(data=8, expert=8), 4096, 64, 1)
+    assert ep["data"] == pytest.approx(dense["data"] * (ep_blocks + ends) / (blocks + ends))
+    assert ep["expert"] == sum(expert_bytes(cfg, 8, 8, 4096, 8).values()) > 0
+    assert ep["total"] == pytest.approx(ep["data"] + ep["expert"])
 
 
 def test_published_layouts():

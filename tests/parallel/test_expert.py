@@ -1,6 +1,7 @@
 """Expert parallelism (parallel.expert): the all-to-all dispatch against the dense expert-by-expert reference, on
-2 gloo processes, and the layout checks in one process. EP 2 = EP 1 over whole models (with DDP, FSDP, HSDP,
-checkpoints resharded between EP degrees) is in test_parallel.py's layouts."""
+2 gloo processes; the layout checks and each rank's expert shards of a fresh model in one process. Whole models
+under expert parallelism equal to one process (DDP, FSDP2 sharding the experts, HSDP, pipelines, checkpoints
+resharded between expert degrees) are in test_parallel.py's and test_expert_layouts.py's layouts."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def test_a_router_that_duplicates_an_expert_fails_the_comparison(dispatch):
     ("tiny-mixtral", ParallelConfig(expert=3), 3, r"^model.num_experts=4 is not divisible by parallel.expert=3"),
     ("tiny-qwen3-moe", ParallelConfig(expert=4, data_shard=2), 2,
      r"^parallel.expert=4 does not divide the data-parallel size 2 \(data_replicate=1 x data_shard=2\)"),
-    ("tiny-qwen3-moe", ParallelConfig(expert=2, data_shard=2, pipeline=2), 4, "set parallel.tensor=1 and "
-                                                                              "parallel.pipeline=1$"),
+    ("tiny-qwen3-moe", ParallelConfig(expert=2, data_shard=2, tensor=2), 4,
+     r"^parallel.expert=2 does not combine with tensor parallelism yet: set parallel.tensor=1 \(or parallel.expert=1"),
 ])
 def test_expert_layouts_that_do_not_fit(model, cfg, world, message):
     with pytest.raises(UserError, match=message):
@@ -58,3 +59,42 @@ def test_expert_layouts_that_do_not_fit(model, cfg, world, message):
 def test_expert_degree_must_be_positive():
     with pytest.raises(UserError, match="parallel.expert must be >= 1, got 0"):
         ParallelConfig(expert=0)
+
+
+@pytest.mark.parametrize(("layout", "holders", "placements"), [
+    # FSDP2 over 4, expert=2: the two ranks holding the same experts shard them, by expert (Shard(0) twice).
+    (ParallelConfig(expert=2), 4, "(Replicate(), Shard(dim=0), Shard(dim=0))"),
+    # HSDP 2 x 2: an ep group is a whole replica, the same experts are on two replicas: replicated.
+    (ParallelConfig(expert=2, data_replicate=2, data_shard=2), 2, "(Replicate(), Shard(dim=0), Shard(dim=0))"),
+    # Two pipeline stages over 2 data ranks each: expert=2 over a stage's 2, nothing to shard; half the layers.
+    (ParallelConfig(expert=2, pipeline=2), 4, "(Replicate(), Shard(dim=0), Replicate())"),
+])
+def test_a_fresh_model_is_initialised_in_its_expert_shards(layout, holders, placements):
+    """Each of 4 ranks (fake process group, one process) initialises only its pieces of a meta-built model (DDP takes
+    no meta model): they equal the one-process model's, and a rank holds the experts' elements over the ranks they
+    are split over. Four fake worlds in one process: the experts' mesh must be each world's own (_parameter)."""
+    import torch
+
+    from lmforge.models import build
+    from lmforge.models.build import local_piece
+    from lmforge.parallel import build_mesh, parallelize
+    from lmforge.parallel.fake import fake_world
+    from lmforge.parallel.load import init_sharded
+
+    cfg = preset("tiny-qwen3-moe")
+    whole = dict(build(cfg, seed=5).named_parameters())
+    experts = sum(p.numel() for n, p in whole.items() if ".experts." in n)
+    cpu = torch.device("cpu")
+    for rank in range(4):
+        with fake_world(cpu, 4, rank):
+            pm = parallelize(build(cfg, device="meta"), layout, build_mesh(layout, cfg, device_type="cpu"), device=cpu)
+            init_sharded(pm, seed=5)
+            held = 0
+            for part in pm.parts:
+                for name, p in part.named_parameters():
+                    local, box = local_piece(p)
+                    assert torch.equal(local, whole[name].detach()[box]), (rank, name)
+                    if ".experts." in name:
+                        held += local.numel()
+                        assert str(p.placements) == placements
+            assert held == experts // holders

@@ -161,8 +161,9 @@ def test_import_into_tensor_parallel(sources, tmp_path):
 
 @pytest.mark.slow
 def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
-    """tp=2 x pp=2 from HF and lmforge folders (GPT-2: the tied embedding on both end stages); a training
-    checkpoint of the imported weights loaded into FSDP x TP; then the Trainer on tp=2 x pp=2."""
+    """tp=2 x pp=2 from HF and lmforge folders (GPT-2: the tied embedding on both end stages), MoE models under
+    expert parallelism (with FSDP2 over 4, and pp=2); a training checkpoint of the imported weights loaded into
+    FSDP x TP; then the Trainer on tp=2 x pp=2."""
     tp_pp = {"tensor": 2, "pipeline": 2}
     ckpt = tmp_path / "ckpt"
     cases = {
@@ -171,6 +172,10 @@ def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
         "llama_gqa_lmforge_tp2pp2": _case(sources / "llama_gqa_lmforge", tp_pp),
         "gpt2_tied_hf_tp2pp2": _case(sources / "gpt2", tp_pp),
         "mixtral_hf_tp2pp2": _case(sources / "mixtral", tp_pp),
+        # Expert parallelism: each rank holds its ep rank's experts, and of those its FSDP2 shard (one of the two
+        # experts); under a pipeline, its stage's layers only.
+        "mixtral_hf_ep2": _case(sources / "mixtral", {"expert": 2}),
+        "qwen3_moe_hf_ep2pp2": _case(sources / "qwen3_moe", {"expert": 2, "pipeline": 2}),
         "neox_checkpoint_fsdp2_tp2": _case(ckpt, {"tensor": 2, "data_shard": 2}, reference=str(sources / "gpt_neox")),
     }
     args = [f"model.init_from={sources / 'llama_gqa'}", f"model.make_vocab_size_divisible_by={MULTIPLE}",

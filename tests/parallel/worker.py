@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
 from lmforge.models import build, preset
+from lmforge.models.build import local_piece
 from lmforge.models.moe import router_losses
 from lmforge.parallel import (
     ParallelConfig,
@@ -241,9 +242,29 @@ def run_case(case: dict, world: int) -> dict:
     if "lora" in case:  # each adapter's split on this rank, e.g. "layers.0.attn.qkv.lora_B.q": "S(0)"
         result["lora_layout"] = {n: "".join(map(str, p.placements)) if isinstance(p, DTensor) else "local"
                                  for part in pm.parts for n, p in part.named_parameters() if ".lora_" in n}
+    if cfg.num_experts:  # the most bytes of expert weights (and of their gradients) a rank holds
+        held = torch.tensor([sum(local_piece(t)[0].numel() * t.element_size() for t in ts) for ts in (
+            [p for n, p in named_parameters(pm) if ".experts." in n],
+            [p.grad for n, p in named_parameters(pm) if ".experts." in n and p.grad is not None])])
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        result["expert_bytes"], result["expert_grad_bytes"] = held.tolist()
     if "reshard" in case:
         result.update(reshard(case, cfg, pcfg, pm, ref, batch, world))
     return result
+
+
+def checkpoint_differs(pm, cfg, path: str) -> list[str]:
+    """The parameters of which this rank's pieces are not bit for bit the checkpoint's at `path` (read whole here,
+    on one process's terms), over every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    whole = build(cfg, seed=7).state_dict()
+    dcp.load(whole, checkpoint_id=path, no_dist=True)
+    differs = [n for n, p in named_parameters(pm) if not torch.equal(local_piece(p.detach())[0],
+                                                                     whole[n][local_piece(p)[1]])]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, differs)
+    return sorted({n for ns in every for n in ns})
 
 
 def _ref_loss(ref, batch) -> float:
@@ -262,13 +283,16 @@ def reshard(case, cfg, pcfg, pm, ref, batch, world) -> dict:
     sgd_(ref.parameters())
     other = ParallelConfig(**case["reshard"]["parallel"])
     mesh2 = build_mesh(other, cfg)
-    # The gradients the next update takes, as the other layout computes them (a MoE's router losses per rank).
-    expected = ref_backward(ref, cfg, batch, chunks=data_parallel_rank(mesh2)[1])
+    # The gradients the next update takes, as the other layout computes them (a MoE's router losses per rank, and
+    # per pipeline microbatch).
+    chunks = data_parallel_rank(mesh2)[1] * (other.num_microbatches if other.pipeline > 1 else 1)
+    expected = ref_backward(ref, cfg, batch, chunks=chunks)
     dcp.save(model_state_dict(pm), checkpoint_id=f"{path}/a")
     pm2 = parallelize(build(cfg, seed=123), other, mesh2)
     state = model_state_dict(pm2)
     dcp.load(state, checkpoint_id=f"{path}/a")
     load_model_state_dict(pm2, state)
+    differs = checkpoint_differs(pm, cfg, f"{path}/a") + checkpoint_differs(pm2, cfg, f"{path}/a")
     loaded = parallel_step(pm2, mesh2, batch)
     single = None
     dist.barrier()
@@ -288,9 +312,10 @@ def reshard(case, cfg, pcfg, pm, ref, batch, world) -> dict:
     state = model_state_dict(pm3)
     dcp.load(state, checkpoint_id=f"{path}/b")
     load_model_state_dict(pm3, state)
+    differs += checkpoint_differs(pm2, cfg, f"{path}/b") + checkpoint_differs(pm3, cfg, f"{path}/b")
     back = parallel_step(pm3, pm.mesh, batch)
     return {"reshard_expected": expected, "reshard_loaded": loaded, "reshard_single": single,
-            "reshard_back_expected": expected_back, "reshard_back_loaded": back}
+            "reshard_back_expected": expected_back, "reshard_back_loaded": back, "reshard_differs": differs}
 
 
 def finish(code: int) -> None:

@@ -1,5 +1,5 @@
-"""Data parallelism under torchrun (gloo, 2 CPU processes): the same training as one process
-with the same global batch, for DDP and FSDP2, and a checkpoint that resumes on one process."""
+"""Data parallelism under torchrun (gloo, 2 CPU processes; 4 for the sharded experts): the same training as one
+process with the same global batch, for DDP and FSDP2, and a checkpoint that resumes on one process (on 2 from 4)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ LORA = ("lora.rank=4", "lora.targets=all-linear")
 MOE = ("model.preset=tiny-mixtral", "model.router_aux_loss_coef=0.5")
 
 
-EP = ("parallel.expert=2",)  # the two processes only: each holds 2 of the 4 experts
+EP = ("parallel.expert=2",)  # each rank holds 2 of the 4 experts (4 ranks: sharded over the 2 holding them)
 MOE_HF = (*MOE, "checkpoint.convert_to_hf=true")  # the export gathers every expert
 
 
@@ -77,3 +77,28 @@ def test_two_processes_train_like_one(strategy, extra, layout, tiny_corpus, tmp_
     assert after[:4] == before and len(after) == 6
     # The resumed steps continue training, not restart it (adapters on a random base barely move the loss).
     assert after[4][0] < before[0][0] if not extra else after[4] != before[0]
+
+
+def _run(processes, args, env):
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
+    r = subprocess.run([sys.executable, *launch, "-m", "lmforge.cli", *args], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sharded_experts_train_and_resume_like_one_process(tiny_corpus, tmp_path):
+    """parallel.expert=2 on 4 FSDP2 processes (each expert sharded over the 2 ranks holding it), micro-batches of one
+    row (two per rank: the experts' gradients reduced once, after the second): one process's losses, gradient norms,
+    validation and router losses. Its checkpoint (weights and optimizer state, sharded) resumes on 2 processes at
+    expert=2 (each rank its half of the experts, whole) and continues as one process resumed from its own does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    small = ("trainer.micro_batch_size=1", *MOE)
+    one, four = tmp_path / "one", tmp_path / "four"
+    _run(1, _args(tiny_corpus, one, *small), env)
+    _run(4, _args(tiny_corpus, four, *small, "trainer.data_parallel=fsdp", *EP), env)
+    _close(_curve(four), _curve(one))
+    _run(1, _args(tiny_corpus, one, *small, "trainer.max_steps=6"), env)
+    _run(2, _args(tiny_corpus, four, *small, "trainer.data_parallel=fsdp", *EP, "trainer.max_steps=6"), env)
+    assert len(_curve(four)) == 6
+    _close(_curve(four), _curve(one))

@@ -67,6 +67,9 @@ LAYOUTS = {
     "moe_fsdp": _case(2, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp"),
     # Expert parallelism over all 4 ranks: each holds 2 of the 8 experts whole, FSDP a quarter of the rest.
     "moe_ep": _case(4, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp", "parallel.expert=4"),
+    # Expert parallelism 2 over 4 FSDP ranks: the 2 ranks holding each expert shard it, so a rank holds a quarter
+    # of the experts (replicated, half), like everything else.
+    "moe_ep_sharded": _case(4, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp", "parallel.expert=2"),
 }
 CASES = {
     **LAYOUTS,
@@ -95,6 +98,9 @@ PIPELINES = {  # each stage traced in a forked process; the stages built with st
                            "trainer.global_batch_size=16"),
     "pp_bf16_sr": _case(4, "parallel.pipeline=2", "model.num_layers=4", "trainer.precision=bf16-sr"),
     "pp_cpu_counts": _case(4, "parallel.pipeline=2", "model.num_layers=4", patch="cpu_counts"),
+    # Expert parallelism 2 within each stage's 4 FSDP ranks, the experts sharded over the 2 holding each.
+    "pp_moe_ep": _case(8, "parallel.pipeline=2", "model.num_layers=4", "model.preset=tiny-qwen3-moe",
+                       "trainer.data_parallel=fsdp", "parallel.expert=2", "trainer.global_batch_size=16"),
 }
 
 
