@@ -29,6 +29,8 @@ FOUR = {
     "ep2_hsdp_mixtral_lora_accumulate": {"model": "tiny-mixtral", "accumulate": 2, "lora": ALL,
                                          "parallel": {"expert": 2, "data_replicate": 2, "data_shard": 2}},
     "fsdp_tp_qwen3_moe_lora": {"model": "tiny-qwen3-moe", "parallel": {"tensor": 2, "data_shard": 2}, "lora": ALL},
+    # Two ranks hold each expert and FSDP2 shards the experts and their factors between them (ep_shard 2).
+    "ep2_fsdp4_qwen3_moe_lora": {"model": "tiny-qwen3-moe", "lora": ALL, "parallel": {"expert": 2, "data_shard": 4}},
 }
 
 
@@ -63,4 +65,6 @@ def test_expert_adapters_are_split_like_their_weights(results):
                   "mlp.experts.lora_A.down": "S(2)", "mlp.experts.lora_B.down": "R"}
     for layout in ("ep_mixtral_lora_fsdp", "ep_qwen3_moe_lora_ddp"):
         experts = {n: p for n, p in results[layout]["lora_layout"].items() if ".experts." in n}
-        assert experts and set(experts.values()) == {"RS(0)"}, experts  # ("ep_replicate", "ep")
+        # ("ep_replicate", "ep", "ep_shard"): split by expert; FSDP2 shards them further where other ranks hold the
+        # same experts (none here: 2 ranks, expert=2), so their placement stays Replicate on "ep_shard"
+        assert experts and set(experts.values()) == {"RS(0)R"}, experts
