@@ -29,16 +29,17 @@ def tiny_moe(shared_data, tmp_path_factory):
     GPT-2 tokenizer beside them."""
     common = dict(vocab_size=50257, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=128, bos_token_id=50256, eos_token_id=50256, num_experts_per_tok=2)
-    models = {
-        "mixtral": tf.MixtralForCausalLM(tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=4,
-                                                           router_aux_loss_coef=0.02)),
-        "qwen3_moe": tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common, head_dim=8, intermediate_size=64,
-                                                               moe_intermediate_size=16, num_experts=4,
-                                                               mlp_only_layers=[1], router_aux_loss_coef=0.01)),
+    configs = {
+        "mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=4,
+                                                             router_aux_loss_coef=0.02)),
+        "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(**common, head_dim=8, intermediate_size=64,
+                                                                 moe_intermediate_size=16, num_experts=4,
+                                                                 mlp_only_layers=[1], router_aux_loss_coef=0.01)),
     }
     out = {}
-    for name, model in models.items():
-        torch.manual_seed(0)
+    for name, (cls, config) in configs.items():
+        torch.manual_seed(0)  # the same weights in every session (they were drawn before the seed)
+        model = cls(config)
         folder = tmp_path_factory.mktemp(name) / "hf"
         model.save_pretrained(folder)
         shutil.copyfile(shared_data / "tokenizers" / "gpt2" / "tokenizer.json", folder / "tokenizer.json")
@@ -138,9 +139,17 @@ def test_a_moe_lora_run_resumes_bit_exactly_and_its_checkpoint_exports_the_same(
 
 @pytest.fixture(scope="module")
 def one_process(tiny_moe, chats, tmp_path_factory):
+    """The reference run, at one thread as each rank of the layouts runs: its sums then do not depend on how many
+    threads a loaded machine lends the GEMMs, which moved the trained adapters past the comparison's tolerance (Adam
+    turns noise-level gradient differences into whole steps on entries whose gradient is near zero)."""
     run = tmp_path_factory.mktemp("moe_lora") / "one"
-    Trainer(lora_config(tiny_moe["qwen3_moe"], chats, run, "checkpoint.convert_to_hf=true",
-                        "checkpoint.every_n_steps=2", "checkpoint.save_top_k=-1")).fit()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(lora_config(tiny_moe["qwen3_moe"], chats, run, "checkpoint.convert_to_hf=true",
+                            "checkpoint.every_n_steps=2", "checkpoint.save_top_k=-1")).fit()
+    finally:
+        torch.set_num_threads(threads)
     return run
 
 
@@ -171,11 +180,13 @@ def test_expert_and_tensor_parallel_moe_lora_runs_train_and_export_like_one_proc
     close(_curve(run), _curve(one_process))
     for name in ("hf/config.json", "hf-adapter/adapter_config.json"):
         assert json.loads((run / name).read_text()) == json.loads((one_process / name).read_text())
-    for name in ("hf-adapter/adapter_model.safetensors", "hf/model.safetensors"):
+    # The adapters after 4 AdamW steps: the layouts sum in another order, and Adam turns an entry's noise-level
+    # gradient difference into a difference of its step (seen: 3e-6 on an entry of 5e-3 of a B at most 2.5e-2).
+    for name, rel in (("hf-adapter/adapter_model.safetensors", 5e-4), ("hf/model.safetensors", 1e-4)):
         ours, theirs = load_file(run / name), load_file(one_process / name)
         assert ours.keys() == theirs.keys()
         for k, t in theirs.items():
-            torch.testing.assert_close(ours[k], t, rtol=1e-4, atol=1e-4 * t.abs().max().item(), msg=k)
+            torch.testing.assert_close(ours[k], t, rtol=1e-4, atol=rel * t.abs().max().item(), msg=k)
     if layout[0] == "parallel.expert=2":
         shutil.rmtree(run / "checkpoints" / "step-00000004")
         Trainer(lora_config(tiny_moe["qwen3_moe"], chats, run, "checkpoint.convert_to_hf=true",
