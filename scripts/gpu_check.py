@@ -23,6 +23,8 @@ others still run; the exit code is 1 if any failed. The table is what BENCHMARKS
   export       the run's export-hf loads in transformers on the device, with lmforge's logits
   text         the export's tokenizer reads alike in transformers; served text = generate_text
   two_ranks    torchrun, two processes on one device (gloo on a GPU), through the real training path
+  moe          a MoE layer (and expert adapters) with its experts looped and through torch's grouped GEMM on the
+               device: both against an fp32 reference, and their times (moe.GROUPED_MM lists a device after it)
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ killed at its limit still returns the others' results:
               bf16-mixed eager and compiled, bf16-sr compiled, Float8 (issue 14's MFU / 1.3x / bf16-sr goals)
     generate  benchmarks/generate.py --write: Pythia-1B bf16 greedy decode, batch 1 and 8, lmforge eager /
               compiled / CUDA graphs vs transformers' dynamic and compiled static cache (the 2x batch-1 goal)
+    moe       benchmarks/moe.py --device cuda --write: MoE layers (Mixtral's width, Qwen3-30B-A3B's 128 experts), bf16,
+              lmforge's experts looped and through the grouped GEMM vs transformers' grouped_mm (the 2x goal)
     optim     benchmarks/optim.py --device cuda --write: AdamWSR vs fused AdamW at Pythia-1B's shapes
     fp8       benchmarks/train.py --write at Pythia-1.4B: bf16-mixed vs Float8, both compiled (the 1.2x goal)
 
@@ -52,6 +54,8 @@ def stages(device: str, quick: bool) -> dict[str, tuple[list[str], int]]:
         "generate": ([py, "benchmarks/generate.py", "--device", device, *q, *write,
                       *([] if quick else ["--shape", "pythia-1b", "--dtype", "bfloat16", "--batch", "1", "8",
                                           "--repeats", "3"])], 240),
+        "moe": ([py, "benchmarks/moe.py", "--device", device, *write,
+                 *(["--tokens", "256", "--seq", "128", "--repeats", "1"] if quick else [])], 150),
         "optim": ([py, "benchmarks/optim.py", "--device", device, *write,
                    "--model", "tiny-neox" if quick else "pythia-1b", "--repeats", "1" if quick else "10"], 120),
         "fp8": ([py, "benchmarks/train.py", "--device", device, *q, *write, "--shape", "pythia-1.4b",
@@ -99,7 +103,7 @@ def run_stage(cmd: list[str], env: dict, log_file, limit: float) -> tuple[int | 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=480, help="seconds for all stages together (default 480)")
-    p.add_argument("--stages", default="check,train,generate,optim,fp8", help="comma-separated, in order")
+    p.add_argument("--stages", default="check,train,generate,moe,optim,fp8", help="comma-separated, in order")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a dry run of the flow on the CPU)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-session")),
