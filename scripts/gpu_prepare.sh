@@ -4,14 +4,15 @@
 #
 #   .gpu/whl/    wheels for its Python 3.12 (the packages lmforge needs that its image does not hold: omegaconf,
 #                fastapi and pydantic, uvicorn, torchao for trainer.float8; with --eval, lm-eval and its own needs)
-#   .gpu/data/   the GPT-NeoX tokenizer of ../shared/data (gpu_check's text check; never committed)
+#   .gpu/data/   from ../shared/data (never committed): the GPT-NeoX tokenizer (gpu_check's text check) and the Alpaca
+#                subset (benchmarks/sft_attention.py); with --eval, SST-2 and WikiText-2 (benchmarks/eval.py's tasks)
 #
 # The pins are the versions `pip install -e ".[test]"` resolved here on 2026-11-27 (torchao 0.18.0: the release
 # built against the GPU machine's torch 2.11). Usage: bash scripts/gpu_prepare.sh [--eval]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu/whl
-mkdir -p "$out" .gpu/data/tokenizers
+mkdir -p "$out" .gpu/data/tokenizers .gpu/data/instruct .gpu/data/classification .gpu/data/corpora
 pip_get() {  # pure-Python or manylinux wheels for CPython 3.12 on x86-64, without their dependencies
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
@@ -27,10 +28,14 @@ if [ "${1:-}" = "--eval" ]; then
     python3 -m pip wheel -q --no-deps -w "$out" rouge-score==0.1.2 sqlitedict==2.1.0 word2number==1.1
 fi
 shared="${LMFORGE_SHARED_DATA:-../shared/data}"
-if [ -d "$shared/tokenizers/gpt-neox-20b" ]; then
-    cp -r "$shared/tokenizers/gpt-neox-20b" .gpu/data/tokenizers/
-else
-    echo "no $shared/tokenizers/gpt-neox-20b: gpu_check's text check will skip"
-fi
+wanted="tokenizers/gpt-neox-20b instruct/alpaca"
+[ "${1:-}" = "--eval" ] && wanted="$wanted classification/sst-2 corpora/wikitext-2"
+for d in $wanted; do
+    if [ -d "$shared/$d" ]; then
+        cp -r "$shared/$d" ".gpu/data/$(dirname "$d")/"
+    else
+        echo "no $shared/$d: what needs it on the device will skip or fail"
+    fi
+done
 ls "$out" | wc -l | xargs echo "wheels in $out:"
 du -sh .gpu | cut -f1 | xargs echo ".gpu/ to carry:"

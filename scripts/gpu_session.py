@@ -20,6 +20,8 @@ killed at its limit still returns the others' results:
               lmforge's experts looped and through the grouped GEMM vs transformers' grouped_mm (the 2x goal)
     optim     benchmarks/optim.py --device cuda --write: AdamWSR vs fused AdamW at Pythia-1B's shapes
     fp8       benchmarks/train.py --write at Pythia-1.4B: bf16-mixed vs Float8, both compiled (the 1.2x goal)
+    eval      benchmarks/eval.py --device cuda --write: lmforge eval vs lm-eval's hf backend, fp32 (needs
+              gpu_prepare.sh --eval: lm-eval's wheels, SST-2 and WikiText-2)
 
 Back in $OUT: session.json (each stage's exit code, seconds, whether it hit its limit), session.log (everything
 the stages printed), gpu_check.json and BENCHMARKS.md (the benchmarks' --write blocks for the device): copy the
@@ -58,6 +60,8 @@ def stages(device: str, quick: bool) -> dict[str, tuple[list[str], int]]:
                  *(["--tokens", "256", "--seq", "128", "--repeats", "1"] if quick else [])], 150),
         "optim": ([py, "benchmarks/optim.py", "--device", device, *write,
                    "--model", "tiny-neox" if quick else "pythia-1b", "--repeats", "1" if quick else "10"], 120),
+        "eval": ([py, "benchmarks/eval.py", "--device", device, *write, "--repeats", "1" if quick else "3",
+                  *(["--quick"] if quick else [])], 240),
         "fp8": ([py, "benchmarks/train.py", "--device", device, *q, *write, "--shape", "pythia-1.4b",
                  "--precisions", "bf16", "--sides", "hf,bf16-mixed-compile,fp8,fp8-rowwise"], 240),
     }
@@ -103,7 +107,7 @@ def run_stage(cmd: list[str], env: dict, log_file, limit: float) -> tuple[int | 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=480, help="seconds for all stages together (default 480)")
-    p.add_argument("--stages", default="check,train,generate,moe,optim,fp8", help="comma-separated, in order")
+    p.add_argument("--stages", default="check,train,generate,moe,optim,fp8,eval", help="comma-separated, in order")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a dry run of the flow on the CPU)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-session")),

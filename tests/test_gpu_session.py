@@ -19,7 +19,7 @@ def test_the_dry_run_lists_each_stage_with_its_limit_and_an_unknown_stage_is_one
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["check", "train", "generate", "moe", "optim", "fp8"]
+    assert [line.split()[0] for line in lines] == ["check", "train", "generate", "moe", "optim", "fp8", "eval"]
     assert f"--out {tmp_path}/gpu_check.json" in lines[0]
     assert "--write" in lines[1] and "--device cuda" in lines[1]
     assert "--shape pythia-1.4b" in lines[5] and "fp8" in lines[5]
