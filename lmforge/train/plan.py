@@ -24,7 +24,9 @@ accumulate in place), so at most two are traced; under a pipeline the schedule r
 microbatch per stage (two under interleaved 1F1B): its steady state, where stage 0 holds the most in
 flight. GPipe keeps every microbatch's activations, so its activations are scaled to the step's count.
 The stages are built with static shapes (a fake process group carries no messages). Each trace runs
-in a forked process of its own, several at once.
+in a forked process of its own, several at once. A deep model is traced at two depths and each
+category extrapolated; the peak as the most of its phases' peaks (forward before, in and after the
+blocks, backward, optimizer step), each extrapolated alone (see _extrapolate).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class RankPlan:
     peak: int
     collectives: dict[str, int] = field(default_factory=dict)  # bytes per collective kind in the step (TraceMode)
     reference: int = 0  # of `params`: a frozen model the task holds beside the run's (DPO's reference)
+    phases: list[int] = field(default_factory=list)  # the peak of each forward/backward/optimizer phase (`peak`: most)
 
     def bytes(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in CATEGORIES}
@@ -183,8 +186,15 @@ def _extrapolate(traces: list[RankPlan], depths: list[int], layers: int) -> Rank
     def comm(k: str) -> int:  # a collective's bytes grow with the blocks alike
         return line(lo.collectives.get(k, 0), hi.collectives.get(k, 0))
 
-    return RankPlan(lo.rank, lo.stage, **{k: at(k) for k in CATEGORIES},
-                    collectives={k: comm(k) for k in {*lo.collectives, *hi.collectives}}, reference=at("reference"))
+    # The step's peak is the most of its phases' peaks, each linear in the blocks; which phase holds it can change
+    # with the depth (Llama-70B LoRA under FSDP: the forward's start at 3 blocks, the end of its last block at 80),
+    # so each phase is extrapolated alone: the straight line through the two peaks would miss it (by half there).
+    phases = [line(a, b) for a, b in zip(lo.phases, hi.phases)] if len(lo.phases) == len(hi.phases) else []
+    plan = RankPlan(lo.rank, lo.stage, **{k: at(k) for k in CATEGORIES},
+                    collectives={k: comm(k) for k in {*lo.collectives, *hi.collectives}}, reference=at("reference"),
+                    phases=phases)
+    plan.peak = max([plan.peak, *phases])
+    return plan
 
 
 def check_memory(plan: Plan, device_memory: int) -> None:
@@ -294,6 +304,7 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lmforge.models import build
+    from lmforge.parallel.data_parallel import unwrap
     from lmforge.parallel.fake import TraceMode, fake_world
     from lmforge.parallel.load import allocated_bytes, materialize_empty
     from lmforge.parallel.mesh import build_mesh
@@ -323,6 +334,10 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
             training = ParallelTraining(model, layout, mesh, task, cfg.optim, precision, t.seed, cfg.data.seq_length,
                                         device, fill=fill, pipeline_rows=t.micro_batch_size * task.rows_per_example)
             del model
+            for part in training.pm.parts:  # phases: before the blocks, the blocks, after them (see _extrapolate)
+                layers = list(unwrap(part).layers)
+                layers[0].register_forward_pre_hook(lambda *_: trace.new_phase())
+                layers[-1].register_forward_hook(lambda *_: trace.new_phase())
             reference = allocated_bytes(task.reference) if task.reference is not None else 0
             params = allocated_bytes(training.pm) + reference
             trace.reset_peak()
@@ -331,15 +346,18 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
                      for _ in range(n)]
             counts = training.global_counts(micro)
             training.step(micro, counts, t.grad_clip)
-            step_peak = trace.peak
+            step_peak, step_phases = trace.peak, list(trace.phase_peaks)
             grads = _local_bytes(p.grad for part in training.pm.parts for p in part.parameters())
             for o in training.optimizer.optimizers:
                 o.first_chunk_only = True  # AdamWSR (see there); others have no chunks
+            trace.new_phase()
             training.optimizer.step()
             optimizer = _local_bytes(v for o in training.optimizer.optimizers for state in o.state.values()
                                      for v in state.values())
             optimizer_peak = trace.peak
             training.optimizer.zero_grad(set_to_none=True)
     activations = max(0, (trace.at_backward or params) - params)
+    # From the second step on the optimizer state lives through the forward and backward.
+    phases = [p + optimizer for p in step_phases] + [trace.phase_peaks[-1]]
     return RankPlan(rank, stage, params, grads, optimizer, activations, max(step_peak + optimizer, optimizer_peak),
-                    dict(trace.collective_bytes), reference)
+                    dict(trace.collective_bytes), reference, phases)

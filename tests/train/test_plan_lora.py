@@ -30,6 +30,7 @@ TINY = ["model.preset=tiny-neox", "model.vocab_size=1024", "data.seq_length=32",
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=all-linear"]
 FSDP = ["trainer.data_parallel=fsdp"]
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+LLAMA_8B = ["model.preset=llama-3.1-8b", "lora.base_dtype=bf16", "trainer.micro_batch_size=1", *FSDP]
 WORDS = ["apples", "rivers", "stars", "music", "trains", "clouds", "cities", "forests"]
 
 
@@ -91,7 +92,9 @@ def sized_and_held(tiny_corpus, preferences, tmp_path_factory) -> dict[str, tupl
              "lora_bf16": {"config": None, "overrides": [*TINY, *LORA, "lora.base_dtype=bf16"], "world": 1},
              "qlora_without_torchao": {"config": None, "overrides": [*TINY, *LORA, "lora.base_dtype=nf4"],
                                        "world": 1, "patch": "no_torchao"},
-             "qlora_fsdp": {"config": None, "overrides": [*TINY, *LORA, *FSDP, "lora.base_dtype=nf4"], "world": 2}}
+             "qlora_fsdp": {"config": None, "overrides": [*TINY, *LORA, *FSDP, "lora.base_dtype=nf4"], "world": 2},
+             **{name: {"config": str(CONFIGS / "lora-pythia-410m.yaml"), "overrides": LLAMA_8B, "world": 2, **shallow}
+                for name, shallow in (("8b", {}), ("8b_whole", {"shallow": 16}))}}
     planned = _run({**{name: {"config": None, "overrides": overrides, "world": world}
                        for name, (world, overrides) in cases.items()}, **extra}, tmp)
     monkeypatch = pytest.MonkeyPatch()
@@ -170,3 +173,12 @@ def test_an_8b_lora_run_fits_one_80gib_device_where_full_training_does_not():
             "in bf16 has no gradients or optimizer state") in lora.stdout
     assert "fits --device-memory 80.0 GiB" in lora.stdout
 
+
+@pytest.mark.slow
+def test_a_deep_lora_plan_extrapolates_its_peak_to_the_whole_trace(sized_and_held):
+    """Llama-3.1-8B LoRA (bf16 base) under FSDP2 x 2, traced at 3 and 6 blocks and extrapolated to 32, against all
+    32 traced: the same bytes, peak included. The peak's phase moves with the depth (the forward at 3 blocks, the
+    backward at 32): the straight line through the two traces' peaks said 16.4 GiB, the whole trace 19.6."""
+    deep, whole = sized_and_held["8b"][0], sized_and_held["8b_whole"][0]
+    assert deep["traced_layers_per_chunk"] == [3, 6] and whole["traced_layers_per_chunk"] == [32]
+    assert deep["ranks"] == whole["ranks"]
