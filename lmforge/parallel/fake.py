@@ -145,14 +145,10 @@ class TraceMode(TorchDispatchMode):
         self.live = live
 
     def _weigh(self, out) -> None:
-        from torch.distributed.tensor import DTensor
         from torch.multiprocessing.reductions import StorageWeakRef
 
         added = False
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            local = t._local_tensor if isinstance(t, DTensor) else t
+        for local in (held for t in tree_leaves(out) if isinstance(t, torch.Tensor) for held in _held(t)):
             if local.device.type == "meta":
                 continue
             ref = StorageWeakRef(local.untyped_storage())
@@ -219,6 +215,21 @@ class TraceMode(TorchDispatchMode):
                 raise CollectiveDeviceError(f"{func} was given a {t.device.type} tensor on a process group for "
                                             f"{self.device.type} tensors{_caller()}: with NCCL this fails at "
                                             "step 1; create the tensor on the model's device")
+
+
+def _held(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors whose storage `t` holds on this rank: a DTensor's local piece; a wrapper tensor's (torchao's NF4
+    weight) inner tensors, its own fake storage being the size of the dense tensor it stands for, which a device never
+    allocates."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        yield from _held(t._local_tensor)
+    elif hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _held(getattr(t, name))
+    else:
+        yield t
 
 
 @contextlib.contextmanager

@@ -123,6 +123,9 @@ def test_the_plan_holds_what_the_real_run_holds(sized_and_held, name):
         assert plan["sized"]["reference"] == "frozen copy" and "a frozen copy of the model" in plan["notes"][-1]
     if name == "dpo_lora":  # the reference is the base with its adapters off: no second model
         assert rank["reference_bytes"] == 0 and plan["sized"]["reference"] == "base without adapters"
+    if name == "qlora":  # NF4 weights hold a quarter of bf16's bytes, and the step keeps no dequantized copy of them
+        bf16 = sized_and_held["lora_bf16"][0]["ranks"][0]
+        assert rank["params"] < bf16["params"] and rank["activations"] <= bf16["activations"] * 1.05
 
 
 @pytest.mark.slow
@@ -182,3 +185,23 @@ def test_a_deep_lora_plan_extrapolates_its_peak_to_the_whole_trace(sized_and_hel
     deep, whole = sized_and_held["8b"][0], sized_and_held["8b_whole"][0]
     assert deep["traced_layers_per_chunk"] == [3, 6] and whole["traced_layers_per_chunk"] == [32]
     assert deep["ranks"] == whole["ranks"]
+
+
+def test_a_wrapper_tensor_weighs_what_it_wraps():
+    """A tensor subclass that wraps others (torchao's NF4 weight) has a fake storage the size of the dense tensor it
+    stands for, which no device allocates: the trace counts the tensors inside, once."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from lmforge.parallel.fake import TraceMode
+    from lmforge.parallel.load import tensor_bytes
+
+    cpu = torch.device("cpu")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake, TraceMode(cpu, fake) as trace:
+        a, b = torch.empty(256, 64), torch.empty(256, 64)
+        pair = TwoTensor(a, b)
+        both = pair + a  # a wrapper made by an op (on a fake tensor: the trace's CPU shortcut is for real ones)
+        trace.reset_peak()
+        assert trace.live == 4 * a.numel() * 4 and tensor_bytes(both) == tensor_bytes(pair) == 2 * a.numel() * 4
