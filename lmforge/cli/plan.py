@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"layout: pipeline {lay['pipeline']} x data {lay['data_replicate']}x{lay['data_shard']} "
           f"(replicate x shard) x tensor {lay['tensor']}{' + sequence parallel' if lay['sequence_parallel'] else ''}"
           f"{schedule}; {plan.microbatches} micro-batches per step and data rank (traced {plan.traced_microbatches})")
+    for note in plan.notes:  # what was sized: full training or LoRA, DPO's reference
+        print(note)
     if len(plan.traced_layers) > 1:
         print(f"traced at {' and '.join(map(str, plan.traced_layers))} blocks per stage, extrapolated to {plan.layers}")
     print(f"{'rank':>6} {'stage':>5} " + " ".join(f"{k:>12}" for k in CATEGORIES) + "   (GiB)")

@@ -43,6 +43,7 @@ class ParallelModel:
     tied_group: Any = None
     loss_fn: Callable | None = None  # set per step by pipeline_step; the schedule calls it
     eval_schedule: Any = None  # forward-only, built by pipeline_eval on first use
+    stage_shapes: StageShapes | None = None  # static stages (lmforge plan): the eval schedule's too
     router: Any = None  # a pipelined MoE model's PipelineRouterLosses (pipeline_step runs it)
     expert_mesh: Any = None  # ("ep_replicate", "ep", "ep_shard") under expert parallelism (lmforge.parallel.expert)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -248,6 +249,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
             group, ranks = _pipeline_column_group(mesh)
             peers = [r for r in ranks if r != dist.get_rank()]
             pm.router = PipelineRouterLosses(pm.parts, model.config, group, peers, device)
+        pm.stage_shapes = stage_shapes
         _, pm.schedule = build_schedule(pm.parts, pm.stage_indices, pm.num_stages, cfg.pipeline_schedule,
                                         cfg.num_microbatches, loss_fn, mesh["pp"].get_group(), device, stage_shapes)
     log.info("parallelized: pp=%d (stages %s of %d) dp=%dx%d tp=%d sp=%s", pp, pm.stage_indices or [0],

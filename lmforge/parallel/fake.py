@@ -101,6 +101,11 @@ class TraceMode(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.at_backward: int | None = None  # live bytes when the first backward began (saved activations)
+        # The peak of each phase since reset_peak, a phase being a stretch of forward (or other non-autograd work)
+        # or of backward: at a larger depth each phase's peak grows with the blocks, while which phase holds the
+        # step's peak can change (lmforge.train.plan extrapolates them one by one).
+        self.phase_peaks: list[int] = [0]
+        self._in_backward = False
         # Bytes each kind of collective moved (see collective_kind), counted as its largest tensor: the
         # gathered output of an all-gather, the unreduced input of a reduce-scatter (nccl-tests' "size").
         self.collective_bytes: dict[str, int] = {}
@@ -120,6 +125,12 @@ class TraceMode(TorchDispatchMode):
     def reset_peak(self) -> None:
         self._prune()
         self.peak = self.live
+        self.phase_peaks, self._in_backward = [self.live], False
+
+    def new_phase(self) -> None:
+        """Start a phase here (the optimizer step, after the backward's work)."""
+        self._prune()
+        self.phase_peaks.append(self.live)
 
     def _prune(self) -> None:
         """Drop the storages that died and re-weigh the others: FSDP2 frees a gathered parameter by resizing
@@ -134,14 +145,10 @@ class TraceMode(TorchDispatchMode):
         self.live = live
 
     def _weigh(self, out) -> None:
-        from torch.distributed.tensor import DTensor
         from torch.multiprocessing.reductions import StorageWeakRef
 
         added = False
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            local = t._local_tensor if isinstance(t, DTensor) else t
+        for local in (held for t in tree_leaves(out) if isinstance(t, torch.Tensor) for held in _held(t)):
             if local.device.type == "meta":
                 continue
             ref = StorageWeakRef(local.untyped_storage())
@@ -151,6 +158,7 @@ class TraceMode(TorchDispatchMode):
         if added:  # the peak can only rise when a storage is added: frees are counted then
             self._prune()
             self.peak = max(self.peak, self.live)
+            self.phase_peaks[-1] = max(self.phase_peaks[-1], self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import FakeTensor
@@ -180,9 +188,13 @@ class TraceMode(TorchDispatchMode):
                 return self.fake_mode.from_tensor(t) if real_cpu else t
 
             args, kwargs = tree_map(fake, args), tree_map(fake, kwargs)
-        if self.at_backward is None and torch._C._current_graph_task_id() != -1:
+        backward = torch._C._current_graph_task_id() != -1
+        if backward != self._in_backward:
             self._prune()
-            self.at_backward = self.live
+            self._in_backward = backward
+            self.phase_peaks.append(self.live)
+            if backward and self.at_backward is None:
+                self.at_backward = self.live
         first = args[0] if args else None
         if isinstance(first, FakeTensor):
             if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
@@ -203,6 +215,21 @@ class TraceMode(TorchDispatchMode):
                 raise CollectiveDeviceError(f"{func} was given a {t.device.type} tensor on a process group for "
                                             f"{self.device.type} tensors{_caller()}: with NCCL this fails at "
                                             "step 1; create the tensor on the model's device")
+
+
+def _held(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors whose storage `t` holds on this rank: a DTensor's local piece; a wrapper tensor's (torchao's NF4
+    weight) inner tensors, its own fake storage being the size of the dense tensor it stands for, which a device never
+    allocates."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        yield from _held(t._local_tensor)
+    elif hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _held(getattr(t, name))
+    else:
+        yield t
 
 
 @contextlib.contextmanager

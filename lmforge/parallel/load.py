@@ -128,8 +128,18 @@ def allocated_bytes(pm) -> int:
     seen: dict[int, torch.Tensor] = {}
     for part in pm.parts:
         for t in [*part.parameters(), *part.buffers()]:
-            seen[id(t)] = _local(t)
-    return sum(t.numel() * t.element_size() for t in seen.values())
+            seen[id(t)] = t
+    return sum(map(tensor_bytes, seen.values()))
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds on this rank: a DTensor's local piece; a wrapper tensor (torchao's NF4 weight, whose
+    numel and dtype are the bf16 weight's) as the tensors it wraps."""
+    t = _local(t)
+    inner = getattr(t, "__tensor_flatten__", None)
+    if inner is not None:
+        return sum(tensor_bytes(getattr(t, name)) for name in inner()[0])
+    return t.numel() * t.element_size()
 
 
 def local_box(t: torch.Tensor) -> tuple[slice, ...]:

@@ -242,7 +242,8 @@ def _eval(pm, input_ids, labels, loss_fn, kwargs) -> torch.Tensor:
     kwargs = _stage_inputs(pm, input_ids, kwargs)
     if pm.eval_schedule is None:
         _, pm.eval_schedule = build_schedule(pm.parts, pm.stage_indices, pm.num_stages, pm.config.pipeline_schedule,
-                                             pm.config.num_microbatches, None, pm.mesh["pp"].get_group(), pm.device)
+                                             pm.config.num_microbatches, None, pm.mesh["pp"].get_group(), pm.device,
+                                             pm.stage_shapes)
     args = (input_ids,) if pm.has_first_stage else ()
     with pm.loss_context():
         logits = pm.eval_schedule.step(*args, **kwargs)

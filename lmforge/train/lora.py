@@ -38,15 +38,16 @@ LORA_FLOPS_FRACTION = 4 / 6
 QLORA_PIP = "pip install torchao"
 
 
-def check_qlora(lora, device: torch.device, layout: ParallelConfig) -> None:
+def check_qlora(lora, device: torch.device, layout: ParallelConfig, need_torchao: bool = True) -> None:
     """lora.base_dtype=nf4 (QLoRA) before the run builds anything: a UserError unless this is one process on a CUDA
-    GPU with torchao importable (NF4 training has run on the CPU only in a test of the model, not as a run)."""
+    GPU with torchao importable (NF4 training has run on the CPU only in a test of the model, not as a run).
+    need_torchao=False: lmforge plan, which sizes the base in bf16 where torchao is missing."""
     if lora is None or lora.base_dtype != "nf4":
         return
     if device.type != "cuda":
         raise UserError(f"lora.base_dtype=nf4 (QLoRA) needs a CUDA GPU; this run is on {device.type}: "
                         "set lora.base_dtype=bf16 (or fp32)")
-    if importlib.util.find_spec("torchao") is None:
+    if need_torchao and importlib.util.find_spec("torchao") is None:
         raise UserError(f"lora.base_dtype=nf4 (QLoRA) needs torchao, which is not installed: {QLORA_PIP}")
     if layout.data_parallel > 1 or layout.tensor > 1 or layout.pipeline > 1:
         raise UserError("lora.base_dtype=nf4 (QLoRA) with more than one process is not supported yet: run one "

@@ -4,14 +4,17 @@ The step is the run's own code (lmforge.train.step.ParallelTraining: parallelize
 count reduced over the data ranks, forward and backward through the task's loss or the pipeline
 schedule, global-norm clipping, the optimizer step) on fake tensors of the target device with a fake
 process group (lmforge.parallel.fake): nothing is computed or allocated, and a 20B-parameter layout
-over 128 ranks is traced on a laptop in seconds. What it tells:
+over 128 ranks is traced on a laptop in seconds. The model is the run's as the trainer sets it up: a
+LoRA run's adapters around a frozen base (bf16, or QLoRA's NF4 where torchao is importable), DPO's
+frozen reference laid out like the policy (none under LoRA) and its forward of chosen and rejected
+sequences after the reference's (lmforge.train.plan_sizing). What it tells:
 
-- per rank, the bytes of parameters (and buffers), gradients, optimizer state, activations (what the
-  forward and backward hold beyond parameters and gradients at their peak: saved activations,
-  temporaries, FSDP's gathered parameters) and the peak of all tensors alive at once, counted as the
-  device's caching allocator would hand them out (no fragmentation, no CUDA context, no NCCL buffers:
-  leave a few GiB of headroom). From the second step on the optimizer state lives through the
-  forward and backward: the peak counts it there;
+- per rank, the bytes of parameters (and buffers; a task's reference model's too), gradients, optimizer
+  state, activations (what the forward and backward hold beyond parameters and gradients at their peak:
+  saved activations, temporaries, FSDP's gathered parameters) and the peak of all tensors alive at once,
+  counted as the device's caching allocator would hand them out (no fragmentation, no CUDA context, no
+  NCCL buffers: leave a few GiB of headroom). From the second step on the optimizer state lives through
+  the forward and backward: the peak counts it there;
 - that the step runs on the device: a tensor on the wrong device in an op or in a collective fails
   here as it would at step 1 on the cluster.
 
@@ -21,7 +24,9 @@ accumulate in place), so at most two are traced; under a pipeline the schedule r
 microbatch per stage (two under interleaved 1F1B): its steady state, where stage 0 holds the most in
 flight. GPipe keeps every microbatch's activations, so its activations are scaled to the step's count.
 The stages are built with static shapes (a fake process group carries no messages). Each trace runs
-in a forked process of its own, several at once.
+in a forked process of its own, several at once. A deep model is traced at two depths and each
+category extrapolated; the peak as the most of its phases' peaks (forward before, in and after the
+blocks, backward, optimizer step), each extrapolated alone (see _extrapolate).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class RankPlan:
     activations: int
     peak: int
     collectives: dict[str, int] = field(default_factory=dict)  # bytes per collective kind in the step (TraceMode)
+    reference: int = 0  # of `params`: a frozen model the task holds beside the run's (DPO's reference)
+    phases: list[int] = field(default_factory=list)  # the peak of each forward/backward/optimizer phase (`peak`: most)
 
     def bytes(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in CATEGORIES}
@@ -77,6 +84,8 @@ class Plan:
     traced_layers: list[int]  # the depths traced (two: extrapolated to `layers`)
     seconds: float
     device_memory: int | None = None
+    sized: dict = field(default_factory=dict)  # what the trace held: parameters, trainable, LoRA, DPO's reference
+    notes: list[str] = field(default_factory=list)  # the same in words, a line each
 
     def per_rank_bytes(self) -> dict[str, int]:
         """Each category's most over the ranks (the rank that sizes the job)."""
@@ -84,8 +93,9 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "device": self.device, "per_rank_bytes": self.per_rank_bytes(),
-                "ranks": [{"rank": r.rank, "stage": r.stage, **r.bytes(), "collective_bytes": r.collectives}
-                          for r in self.ranks],
+                "ranks": [{"rank": r.rank, "stage": r.stage, **r.bytes(), "reference_bytes": r.reference,
+                           "collective_bytes": r.collectives} for r in self.ranks],
+                "sized": self.sized, "notes": self.notes,
                 "layout": self.layout, "microbatches": self.microbatches,
                 "traced_microbatches": self.traced_microbatches, "traced_on": self.traced_on,
                 "layers_per_chunk": self.layers, "traced_layers_per_chunk": self.traced_layers,
@@ -107,6 +117,8 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     """Trace one training step of `cfg` over `world_size` ranks computing on `device`; a UserError if a rank's
     peak exceeds `device_memory` bytes."""
     from lmforge.parallel.fake import trace_device
+    from lmforge.train.lora import check_qlora
+    from lmforge.train.plan_sizing import nf4_as_traced, notes, sized
     from lmforge.train.setup import check_fit
     from lmforge.train.step import check_pipeline_batch
     from lmforge.train.tasks import get_task
@@ -125,7 +137,10 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     t = cfg.trainer
     grad_accum = check_fit(cfg, mcfg, layout.data_parallel)
     layout = check_pipeline_batch(layout, grad_accum, t.micro_batch_size, t.global_batch_size, layout.data_parallel)
+    check_qlora(cfg.lora, torch.device(device_type), layout, need_torchao=False)  # the run's refusals
+    cfg, nf4_note = nf4_as_traced(cfg)
     traced, _ = trace_device(device_type)
+    what = sized(cfg, mcfg, task)
     if layout.pipeline > 1:
         # Enough microbatches for the schedule's steady state: 1F1B holds at most one per stage in flight (stage
         # 0: all of them); interleaved 1F1B warms up with up to (virtual - 1) x stages + 2 x (stages - 1) chunks.
@@ -150,7 +165,8 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
             r.activations += extra
             r.peak += extra
     result = Plan(world_size, device_type, traced.type, _layout_dict(layout), grad_accum, n, ranks, per_chunk, depths,
-                  time.perf_counter() - started, device_memory)
+                  time.perf_counter() - started, device_memory, what)
+    result.notes = notes(what, task, max(r.reference for r in ranks), nf4_note)
     if device_memory is not None:
         check_memory(result, device_memory)
     return result
@@ -161,16 +177,24 @@ def _extrapolate(traces: list[RankPlan], depths: list[int], layers: int) -> Rank
     tensors, so each category is a + b x blocks exactly."""
     (lo, hi), (d1, d2) = traces, depths
 
-    def at(k: str) -> int:
-        a, b = getattr(lo, k), getattr(hi, k)
+    def line(a: int, b: int) -> int:
         return a + (b - a) * (layers - d1) // (d2 - d1)
+
+    def at(k: str) -> int:
+        return line(getattr(lo, k), getattr(hi, k))
 
     def comm(k: str) -> int:  # a collective's bytes grow with the blocks alike
-        a, b = lo.collectives.get(k, 0), hi.collectives.get(k, 0)
-        return a + (b - a) * (layers - d1) // (d2 - d1)
+        return line(lo.collectives.get(k, 0), hi.collectives.get(k, 0))
 
-    return RankPlan(lo.rank, lo.stage, **{k: at(k) for k in CATEGORIES},
-                    collectives={k: comm(k) for k in {*lo.collectives, *hi.collectives}})
+    # The step's peak is the most of its phases' peaks, each linear in the blocks; which phase holds it can change
+    # with the depth (Llama-70B LoRA under FSDP: the forward's start at 3 blocks, the end of its last block at 80),
+    # so each phase is extrapolated alone: the straight line through the two peaks would miss it (by half there).
+    phases = [line(a, b) for a, b in zip(lo.phases, hi.phases)] if len(lo.phases) == len(hi.phases) else []
+    plan = RankPlan(lo.rank, lo.stage, **{k: at(k) for k in CATEGORIES},
+                    collectives={k: comm(k) for k in {*lo.collectives, *hi.collectives}}, reference=at("reference"),
+                    phases=phases)
+    plan.peak = max([plan.peak, *phases])
+    return plan
 
 
 def check_memory(plan: Plan, device_memory: int) -> None:
@@ -192,14 +216,10 @@ def _layout_dict(layout) -> dict:
 
 
 def _local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
+    from lmforge.parallel.load import tensor_bytes
 
-    seen: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            seen[id(t)] = local
-    return sum(t.numel() * t.element_size() for t in seen.values())
+    seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(map(tensor_bytes, seen.values()))
 
 
 def _trace_apart(jobs: list[tuple]) -> list[RankPlan]:
@@ -284,38 +304,60 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lmforge.models import build
+    from lmforge.parallel.data_parallel import unwrap
     from lmforge.parallel.fake import TraceMode, fake_world
     from lmforge.parallel.load import allocated_bytes, materialize_empty
     from lmforge.parallel.mesh import build_mesh
+    from lmforge.train.plan_sizing import wrap_as_trained
     from lmforge.train.setup import apply_activation_checkpointing
     from lmforge.train.step import ParallelTraining
 
     t, precision = cfg.trainer, cfg.precision
+
+    def init_model(run_cfg: RunConfig, num_labels: int = 0, meta: bool = False, device=None, dtype=None):
+        """lmforge.train.setup.init_model as traced: the model at the traced depth on the meta device, filled with
+        empty tensors on the traced device once laid out (whether the run builds it whole or shard by shard, a rank
+        holds the same tensors)."""
+        model = build(dataclasses.replace(mcfg, num_labels=num_labels), device="meta").to(dtype).train()
+        return model, materialize_empty
+
     with fake_world(device, world_size, rank):
         mesh = build_mesh(layout, mcfg, world_size=world_size, device_type=device.type)
-        model = build(mcfg, device="meta").to(precision.param_dtype).train()
+        # The trainer's steps: the model, its adapters, the task's preparation (DPO's reference), checkpointing.
+        model, fill = init_model(cfg, mcfg.num_labels, meta=True, dtype=precision.param_dtype)
+        if cfg.lora is not None:
+            fill = wrap_as_trained(model, cfg, fill, layout.shards_model)
+        task.prepare(model, cfg, layout, device, init_model=init_model)
         apply_activation_checkpointing(model, t.activation_checkpointing)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, TraceMode(device, fake) as trace:
             training = ParallelTraining(model, layout, mesh, task, cfg.optim, precision, t.seed, cfg.data.seq_length,
-                                        device, fill=materialize_empty, pipeline_rows=t.micro_batch_size)
+                                        device, fill=fill, pipeline_rows=t.micro_batch_size * task.rows_per_example)
             del model
-            params = allocated_bytes(training.pm)
+            for part in training.pm.parts:  # phases: before the blocks, the blocks, after them (see _extrapolate)
+                layers = list(unwrap(part).layers)
+                layers[0].register_forward_pre_hook(lambda *_: trace.new_phase())
+                layers[-1].register_forward_hook(lambda *_: trace.new_phase())
+            reference = allocated_bytes(task.reference) if task.reference is not None else 0
+            params = allocated_bytes(training.pm) + reference
             trace.reset_peak()
             trace.at_backward = None
             micro = [task.example_batch(t.micro_batch_size, cfg.data.seq_length, mcfg.vocab_size, device)
                      for _ in range(n)]
             counts = training.global_counts(micro)
             training.step(micro, counts, t.grad_clip)
-            step_peak = trace.peak
+            step_peak, step_phases = trace.peak, list(trace.phase_peaks)
             grads = _local_bytes(p.grad for part in training.pm.parts for p in part.parameters())
             for o in training.optimizer.optimizers:
                 o.first_chunk_only = True  # AdamWSR (see there); others have no chunks
+            trace.new_phase()
             training.optimizer.step()
             optimizer = _local_bytes(v for o in training.optimizer.optimizers for state in o.state.values()
                                      for v in state.values())
             optimizer_peak = trace.peak
             training.optimizer.zero_grad(set_to_none=True)
     activations = max(0, (trace.at_backward or params) - params)
+    # From the second step on the optimizer state lives through the forward and backward.
+    phases = [p + optimizer for p in step_phases] + [trace.phase_peaks[-1]]
     return RankPlan(rank, stage, params, grads, optimizer, activations, max(step_peak + optimizer, optimizer_peak),
-                    dict(trace.collective_bytes))
+                    dict(trace.collective_bytes), reference, phases)

@@ -1,8 +1,8 @@
 """Runs `lmforge plan` cases in a process of its own (the stand-in device it registers on a CPU-only torch must
 come before the process's first backward, and stays registered): plan_worker.py SPEC.json OUT.json.
 
-SPEC: {"cases": {name: {"config", "overrides", "world", "device_memory"?, "patch"?, "shallow"?}}}; OUT: per name
-{"plan": Plan.to_json()} or {"error": exception type, "message": first line}."""
+SPEC: {"cases": {name: {"config", "overrides", "world", "device_memory"?, "patch"?, "shallow"?}}} (patch: one of the
+functions here); OUT: per name {"plan": Plan.to_json()} or {"error": exception type, "message": first line}."""
 
 from __future__ import annotations
 
@@ -39,18 +39,28 @@ def cpu_term():
     Pretrain.loss = with_cpu_term
 
 
+def no_torchao():
+    """A machine without torchao (QLoRA's NF4 base is then sized in bf16)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+
+
 def main(spec_path: str, out_path: str) -> None:
     import lmforge.train.plan as plan_module
     from lmforge.train.config import load_run_config
 
     cases = json.loads(open(spec_path).read())["cases"]
     results = {}
+    import importlib.util
+
     from lmforge.train.step import ParallelTraining
     from lmforge.train.tasks.pretrain import Pretrain
 
-    originals = (ParallelTraining.global_counts, Pretrain.loss, plan_module.SHALLOW)
+    originals = (ParallelTraining.global_counts, Pretrain.loss, plan_module.SHALLOW, importlib.util.find_spec)
     for name, case in cases.items():
-        ParallelTraining.global_counts, Pretrain.loss, plan_module.SHALLOW = originals
+        ParallelTraining.global_counts, Pretrain.loss, plan_module.SHALLOW, importlib.util.find_spec = originals
         if case.get("patch"):
             globals()[case["patch"]]()
         if case.get("shallow"):
