@@ -19,7 +19,7 @@ def wrap_as_trained(model: torch.nn.Module, cfg: RunConfig, fill, sharded: bool)
     trainer wraps a whole model on the device (one process, DDP, QLoRA) the same tensors come from filling the meta
     wrapping (tensors moved onto a fake device would be swapped, which fake parameters refuse). QLoRA's base then is
     quantized on the device by the trainer's quantize_nf4, the adapters around the weights they share."""
-    from lmforge.models.lora import nf4_api, quantize_nf4
+    from lmforge.models.nf4 import nf4_api, quantize_nf4
     from lmforge.train.lora import apply_run_lora
 
     if cfg.lora.base_dtype != "nf4":

@@ -142,7 +142,7 @@ def test_an_nf4_base_trains_adapters_and_merges_close_to_the_bf16_base(hf_dirs):
     """QLoRA on the CPU: the blocks' linear weights in torchao's NF4, fp32 adapters that get gradients, and a merged
     model that computes what the NF4 base + adapter computes (to bf16 rounding) and stays close to the bf16 base."""
     pytest.importorskip("torchao")
-    from lmforge.models.lora import dense, nf4_api
+    from lmforge.models.nf4 import dense, nf4_api
 
     _, nf4_tensor = nf4_api()
     bf16 = load_pretrained(hf_dirs["llama_gqa"])
