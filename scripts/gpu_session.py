@@ -112,9 +112,16 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes (a dry run of the flow on the CPU)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-session")),
                    help="where results go (default $OUT, the device tool's folder)")
+    p.add_argument("--limit", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="a stage's own time limit instead of its default (repeatable), e.g. --limit train=420")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args()
     table = stages(args.device, args.quick)
+    for item in args.limit:
+        name, _, seconds = item.partition("=")
+        if name not in table or not seconds.replace(".", "", 1).isdigit():
+            p.error(f"--limit {item}: give STAGE=SECONDS with a stage of {', '.join(table)}")
+        table[name] = (table[name][0], float(seconds))
     names = [n.strip() for n in args.stages.split(",") if n.strip()]
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -153,7 +160,8 @@ def main() -> int:
                 shutil.copy(ROOT / "BENCHMARKS.md", args.out / "BENCHMARKS.md")
             (args.out / "session.json").write_text(json.dumps(report, indent=1) + "\n")
         (args.out / "session.json").write_text(json.dumps(report, indent=1) + "\n")
-    failed = [s["name"] for s in report["stages"] if s.get("rc") not in (0, None) or s.get("timed_out")]
+    failed = [s["name"] + (" (skipped)" if "skipped" in s else "") for s in report["stages"]
+              if s.get("rc") != 0 or s.get("timed_out")]
     print(f"stages not passed: {', '.join(failed)}" if failed else "every stage passed")
     return 1 if failed else 0
 

@@ -26,20 +26,26 @@ def test_the_dry_run_lists_each_stage_with_its_limit_and_an_unknown_stage_is_one
     r = subprocess.run([sys.executable, str(SCRIPT), "--stages", "train,nope", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown nope" in r.stderr.strip().splitlines()[-1]
+    r = subprocess.run([sys.executable, str(SCRIPT), "--limit", "train", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "give STAGE=SECONDS" in r.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
 def test_a_stage_past_its_limit_is_killed_with_its_children_and_the_rest_reported(tmp_path):
     out = tmp_path / "out"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--budget", "40", "--stages",
-                        "generate,optim", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert time.perf_counter() - t0 < 120  # not the ~3 minutes generate takes whole
-    assert r.returncode == 1 and "stages not passed: generate" in r.stdout
+    # The check stage limited to 20 s (its quick CPU round takes 25 s or more), the budget to 45: optim is left
+    # 25 s, under the 30 s a stage needs to start.
+    r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--budget", "45", "--limit",
+                        "check=20", "--stages", "check,optim", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert time.perf_counter() - t0 < 120
+    assert r.returncode == 1 and "stages not passed: check, optim (skipped)" in r.stdout
     report = json.loads((out / "session.json").read_text())
-    generate, optim = report["stages"]
-    assert generate["timed_out"] and generate["rc"] is None and 39 <= generate["seconds"] < 60
-    assert "skipped" in optim  # nothing left of the budget
-    assert "== generate" in (out / "session.log").read_text()
-    left = subprocess.run(["pgrep", "-f", "benchmarks/generate.py --device cpu --quick"], capture_output=True)
+    check, optim = report["stages"]
+    assert check["timed_out"] and check["rc"] is None and 19 <= check["seconds"] < 30
+    assert "skipped" in optim
+    assert "== check" in (out / "session.log").read_text()
+    left = subprocess.run(["pgrep", "-f", "scripts/gpu_check.py --device cpu"], capture_output=True)
     assert left.returncode == 1, left.stdout  # no process of the stage outlived it

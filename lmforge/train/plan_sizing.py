@@ -61,8 +61,9 @@ def sized(cfg: RunConfig, mcfg, task) -> dict:
         counted = cfg if cfg.lora.base_dtype != "nf4" else dataclasses.replace(
             cfg, lora=dataclasses.replace(cfg.lora, base_dtype="bf16"))
         order = ["qkv", *TARGETS]  # a fused qkv's one adapter is "qkv"
-        adapted = sorted({part for parts in target_modules(model, counted.lora).values() for part in parts},
-                         key=order.index)
+        linears, experts = target_modules(model, counted.lora)
+        adapted = sorted({part for parts in linears.values() for part in parts}, key=order.index)
+        adapted += [f"experts.{w}" for w in next(iter(experts.values()), {})]  # a MoE's stacked experts
         apply_run_lora(model, counted)
         base = cfg.lora.base_dtype if cfg.lora.base_dtype != "fp32" else _dtype_name(cfg.precision.param_dtype)
         lora = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": ",".join(cfg.lora.targets),

@@ -56,7 +56,10 @@ def _cases(corpus: Path, pairs: Path, runs: Path) -> dict[str, tuple[int, list[s
            "data.seq_length=32", "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.precision=fp32",
            "trainer.progress_bar=false", "trainer.val_check_interval=0", "cost.peak_flops=1e11"]
     cases = {"lora": (1, [*pretrain, *LORA]), "lora_fsdp_bf16": (2, [*pretrain, *LORA, *FSDP, "lora.base_dtype=bf16"]),
-             "dpo": (1, dpo), "dpo_lora": (1, [*dpo, *LORA]), "dpo_fsdp": (2, [*dpo, *FSDP])}
+             "dpo": (1, dpo), "dpo_lora": (1, [*dpo, *LORA]), "dpo_fsdp": (2, [*dpo, *FSDP]),
+             # adapters on a mixture of experts' stacked experts, split over two ranks by expert parallelism
+             "moe_lora_ep": (2, [*pretrain, "model.preset=tiny-qwen3-moe", *LORA, "lora.dropout=0", *FSDP,
+                                 "parallel.expert=2"])}
     if HAS_TORCHAO:
         cases["qlora"] = (1, [*pretrain, *LORA, "lora.base_dtype=nf4"])
     return {name: (world, [*overrides, f"run_dir={runs / name}"]) for name, (world, overrides) in cases.items()}
@@ -107,7 +110,7 @@ def sized_and_held(tiny_corpus, preferences, tmp_path_factory) -> dict[str, tupl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lora", "lora_fsdp_bf16", "dpo", "dpo_lora", "dpo_fsdp",
+@pytest.mark.parametrize("name", ["lora", "lora_fsdp_bf16", "dpo", "dpo_lora", "dpo_fsdp", "moe_lora_ep",
                                   pytest.param("qlora", marks=pytest.mark.skipif(not HAS_TORCHAO,
                                                                                  reason="torchao not installed"))])
 def test_the_plan_holds_what_the_real_run_holds(sized_and_held, name):
@@ -121,6 +124,8 @@ def test_the_plan_holds_what_the_real_run_holds(sized_and_held, name):
     if name.startswith("dpo") and "lora" not in name:  # a frozen copy laid out like the policy: half the params
         assert rank["reference_bytes"] * 2 == rank["params"] and rank["grads"] < rank["params"]
         assert plan["sized"]["reference"] == "frozen copy" and "a frozen copy of the model" in plan["notes"][-1]
+    if name == "moe_lora_ep":  # gate,up,down of all-linear adapt the stacked experts (gate_up at twice the rank)
+        assert plan["sized"]["lora"]["adapted"][-2:] == ["experts.gate_up", "experts.down"]
     if name == "dpo_lora":  # the reference is the base with its adapters off: no second model
         assert rank["reference_bytes"] == 0 and plan["sized"]["reference"] == "base without adapters"
     if name == "qlora":  # NF4 weights hold a quarter of bf16's bytes, and the step keeps no dequantized copy of them
