@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> None:
     lay = plan.layout
     print(f"plan: {args.config} on {plan.world_size} processes, {where}")
     schedule = f", {lay['pipeline_schedule']}" if lay["pipeline_schedule"] else ""
+    if lay.get("expert", 1) > 1:
+        schedule += f", experts over {lay['expert']} data ranks"
     print(f"layout: pipeline {lay['pipeline']} x data {lay['data_replicate']}x{lay['data_shard']} "
           f"(replicate x shard) x tensor {lay['tensor']}{' + sequence parallel' if lay['sequence_parallel'] else ''}"
           f"{schedule}; {plan.microbatches} micro-batches per step and data rank (traced {plan.traced_microbatches})")

@@ -26,7 +26,13 @@ reduce-scatter (n-1)/n x the full (gathered) tensor. With those:
   sharded over F of them (lmforge.parallel.mesh.expert_shards) and replicated over the other R: all-gathers of
   the rank's experts per micro batch (forward and backward; once per step in a pipeline, which keeps them
   gathered), a reduce-scatter over F and an all-reduce of the shard over R once per step. Data parallelism's own
-  bytes (`step_bytes`, Layout.expert > 1) then leave the experts out, and its "expert" entry adds them.
+  bytes (`step_bytes`, Layout.expert > 1) then leave the experts out, and its "expert" entry adds them. Beside
+  tensor parallelism (T ranks) every tensor-parallel rank routes the whole micro-batch and exchanges its rows with
+  the ranks of its own tensor coordinate: the all-to-all bytes per rank are those without TP, the experts' weights
+  and gradients per rank 1 / T of them.
+- a MoE layer under tensor parallelism also all-reduces its routing weights' gradient in the backward (tokens x
+  experts_per_token, fp32), and its input's gradient with an all-reduce, not a reduce-scatter, under sequence
+  parallelism (the same bytes on gloo, which runs a reduce-scatter as an all-reduce).
 
 Counts are per step of `global_batch_size` sequences, for the busiest rank (the first pipeline
 stage carries the embedding). Payloads without the ring factor are given too (`payload_*`): they
@@ -136,6 +142,13 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
         tensor = (t - 1) / t * payload_tensor * (1 + (2 if reduce_scatter_as_all_reduce else 1))
     else:
         tensor = 2 * (t - 1) / t * payload_tensor
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(layers)) if t > 1 else 0
+    if moe_layers:  # (module docstring) the routing weights' gradient; SP's all-reduce of the input's gradient
+        weights = micro_batches * moe_layers * micro_batch_size * seq_length * cfg.experts_per_token * 4
+        payload_tensor += weights
+        tensor += 2 * (t - 1) / t * weights
+        if layout.sequence_parallel and not reduce_scatter_as_all_reduce:
+            tensor += (t - 1) / t * micro_batches * moe_layers * act
     # Activations forward and gradients backward, across v boundaries per rank; sequence parallel
     # sends the rank's sequence shard only.
     boundary = act / t if layout.sequence_parallel and t > 1 else act
@@ -146,7 +159,7 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
         tokens = micro_batch_size * seq_length
         e = expert_bytes(cfg, layout.expert, n, tokens, micro_batches, activation_bytes, grad_bytes,
                          data_parallel=layout.data_parallel, data_replicate=layout.data_replicate,
-                         param_bytes=param_bytes, pipeline=p,
+                         param_bytes=param_bytes, pipeline=p, tensor=t,
                          reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce)
         expert = sum(e.values())
     out = {"data": data, "tensor": tensor, "pipeline": pipeline, "expert": expert}
@@ -159,23 +172,25 @@ def step_bytes(cfg: ModelConfig, layout: Layout, seq_length: int, global_batch_s
 def expert_bytes(cfg: ModelConfig, expert: int, data: int, tokens: int, micro_batches: int = 1,
                  activation_bytes: int = 2, grad_bytes: int = 4, routed: float | None = None,
                  data_parallel: str = "ddp", data_replicate: int = 1, param_bytes: int = 2, pipeline: int = 1,
-                 reduce_scatter_as_all_reduce: bool = False) -> dict[str, float]:
+                 tensor: int = 1, reduce_scatter_as_all_reduce: bool = False) -> dict[str, float]:
     """Bytes one rank sends per step under expert parallelism (parallel.expert=`expert` over `data` data-parallel
     ranks, `data_replicate` of them HSDP's replicas), by kind: "all_to_all", the token rows the MoE layers
     exchange; "expert_grads", the reduction of the experts' gradients over the ranks holding the same ones (DDP:
     an all-reduce; FSDP: a reduce-scatter, then an all-reduce of the shard over the replicas); "expert_gathers",
     FSDP's all-gathers of the rank's experts (`param_bytes` each: bf16 under bf16-mixed). `tokens` per
     micro-batch; `pipeline`: the rank holds the first of that many stages' layers and gathers its experts once per
-    step. `routed`: the rows that left this rank for other ranks' experts plus those that arrived from other ranks,
-    over the step's MoE layers and micro-batches, if known (a real routing); else balanced routing, tokens x
-    experts_per_token x (E-1)/E each way. reduce_scatter_as_all_reduce: gloo's (see step_bytes)."""
+    step; `tensor`: each expert's intermediate rows split over that many tensor-parallel ranks, each of which
+    exchanges the micro-batch's rows with the ranks of its tensor coordinate. `routed`: the rows that left this rank
+    for other ranks' experts plus those that arrived from other ranks, over the step's MoE layers and
+    micro-batches, if known (a real routing); else balanced routing, tokens x experts_per_token x (E-1)/E each way.
+    reduce_scatter_as_all_reduce: gloo's (see step_bytes)."""
     stage = range(-(-cfg.num_layers // pipeline))
     layers = sum(cfg.is_moe_layer(i) for i in stage)
     if routed is None:
         routed = micro_batches * layers * 2 * tokens * cfg.experts_per_token * (expert - 1) / expert
     # Forward: the rank's rows out and the others' outputs back; backward: the gradients of both, the other way.
     all_to_all = 2 * routed * cfg.hidden_size * activation_bytes
-    local = expert_parameters(cfg, stage) // expert  # this rank's experts, whole
+    local = expert_parameters(cfg, stage) // expert // tensor  # this rank's experts (its rows of them)
     same = data // expert  # ranks holding the same experts
     if data_parallel == "fsdp":  # lmforge.parallel.mesh.expert_shards
         shard_dim = data // data_replicate

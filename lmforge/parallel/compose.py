@@ -5,7 +5,9 @@ then tensor-parallel plans on each stage, then data parallelism: FSDP2 over the 
 when data_replicate > 1), whose all-gathers then carry tensor-parallel DTensors (2-D sharding); a
 layout that only replicates whole models (no tensor, pipeline or shard dim) is DDP. One process
 (no mesh) gets the model as it is. Expert parallelism lays a MoE model's experts out before all of it, on the
-whole model; under FSDP2 they become units of their own, nested in their blocks' (lmforge.parallel.expert).
+whole model (beside tensor parallelism by expert and on their intermediate rows at once: the tensor plans then
+leave them as they are); under FSDP2 they become units of their own, nested in their blocks'
+(lmforge.parallel.expert).
 """
 
 from __future__ import annotations

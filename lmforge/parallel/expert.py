@@ -26,6 +26,25 @@ expert_mesh lays them out as ("ep_replicate", "ep", "ep_shard")):
   pipeline too: the schedule defers FSDP's reductions to the step's last backward.
 
 DDP and the other FSDP2 units leave the expert weights to this module and handle every other weight as before.
+
+Beside tensor parallelism (T ranks; Megatron's expert-tensor parallelism with its size equal to TP, torchtitan's
+ETP = TP) the expert mesh is ("ep_replicate", "ep", "tp", "ep_shard"): an ep group is E data ranks of one
+tensor-parallel coordinate, and each expert's intermediate rows are split over "tp" as tensor parallelism alone
+splits them (gate_up and down Shard(2), LoRA factors as tensor_parallel.expert_tp_placement says). The router is
+replicated (tensor_parallel.ExpertSlices): the T ranks of a data rank see the same tokens and route them alike, so
+each dispatches the whole micro-batch to the ranks of its own tensor coordinate, which run their rows of their
+experts; the combined output is a partial sum over the T ranks, reduced by ExpertSlices' all-reduce (reduce-scatter
+under sequence parallelism) as without expert parallelism. Gradients:
+
+- the tokens' and the routing weights' from the experts are partial sums over "tp": all-reduced there in the
+  backward, every micro-batch, before they reach the attention and the router (as tensor parallelism alone does);
+- the router, a replicated weight on every tensor rank, is data parallelism's like the other replicated weights;
+- LoRA factors that hold no intermediate rows (gate_up's A, down's B) are whole on every tensor rank and their
+  gradient is each rank's share: summed over "tp" (every micro-batch), then reduced like the rest of the expert;
+- each expert slice's gradient is reduced over the D / E ranks holding the same slice, once per step, divided by D,
+  as above: "tp" takes no part in it. FSDP2 shards a slice over "ep_shard" by expert, or along its widest
+  dimension where a rank has fewer experts than shard ranks (its intermediate rows too: "tp" comes before
+  "ep_shard" in the mesh, so both splits of that dimension make one box).
 """
 
 from __future__ import annotations
@@ -40,6 +59,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lmforge.models.moe import ExpertLoRA, expert_rows, moe_layers
+from lmforge.parallel.tensor_parallel import expert_tp_placement, grad_summed
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +113,9 @@ class ExpertDispatch:
     `fsdp`: FSDP2 reduces the experts' gradients (shard_experts); else this rank does (_ReduceExpertGrad)."""
 
     def __init__(self, num_experts: int, group, replicate_group, data_parallel: int, mesh=None,
-                 fsdp: bool = False):
+                 fsdp: bool = False, tp_mesh=None):
         self.group, self.replicate_group, self.data_parallel = group, replicate_group, data_parallel
-        self.mesh, self.fsdp = mesh, fsdp
+        self.mesh, self.fsdp, self.tp_mesh = mesh, fsdp, tp_mesh
         self.size = dist.get_world_size(group)
         self.num_experts, self.local = num_experts, num_experts // self.size
         self.sync = True  # reduce the experts' gradients in this backward (see _ReduceExpertGrad)
@@ -107,13 +127,18 @@ class ExpertDispatch:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         if lora is not None:  # the adapters' factors are split and reduced like the weights they adapt
             lora = lora.map(lambda name, t: self._local(t, name, dtype))
+        if self.tp_mesh is not None:  # this rank's intermediate rows give partial sums of these gradients
+            x, weights = grad_summed(x, self.tp_mesh), grad_summed(weights, self.tp_mesh)
         with torch.autocast(x.device.type, enabled=False):
             return self._forward(x.to(dtype), chosen, weights.to(dtype), self._local(gate_up, "gate_up", dtype),
                                  self._local(down, "down", dtype), act, lora)
 
     def _local(self, w: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
         local = w.to_local() if isinstance(w, DTensor) else w  # under FSDP2: the gathered experts of this rank
-        return (local if self.fsdp else _ReduceExpertGrad.apply(local, self, key)).to(dtype)
+        local = local if self.fsdp else _ReduceExpertGrad.apply(local, self, key)
+        if self.tp_mesh is not None and isinstance(expert_tp_placement(key), Replicate):
+            local = grad_summed(local, self.tp_mesh)  # a LoRA factor whole on every tensor-parallel rank
+        return local.to(dtype)
 
     def _forward(self, x, chosen, weights, gate_up, down, act, lora):
         tokens, k = chosen.shape
@@ -165,34 +190,42 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int, fsdp: bool = False) -> None:
     """Lay each MoE layer's experts over `ep_mesh` (lmforge.parallel.mesh.expert_mesh: ("ep_replicate", "ep",
-    "ep_shard")): Shard(0) over "ep", replicated over the other two (until shard_experts shards them over
-    "ep_shard"); its forward then dispatches tokens with all-to-all. `fsdp`: the rest of the model is FSDP2's, and
-    so will the experts be wherever other ranks hold the same ones (shard_experts, which apply_fsdp calls); else
-    their gradients are all-reduced here. `model` is built identically on every rank (or on the meta device,
-    filled afterwards by lmforge.parallel.load)."""
+    "ep_shard"), with "tp" before "ep_shard" under tensor parallelism): Shard(0) over "ep", their intermediate rows
+    over "tp" as tensor parallelism alone splits them (tensor_parallel.expert_tp_placement), replicated over the
+    others (until shard_experts shards them over "ep_shard"); its forward then dispatches tokens with all-to-all.
+    `fsdp`: the rest of the model is FSDP2's, and so will the experts be wherever other ranks hold the same ones
+    (shard_experts, which apply_fsdp calls); else their gradients are all-reduced here. `model` is built identically
+    on every rank (or on the meta device, filled afterwards by lmforge.parallel.load). Under tensor parallelism the
+    router and the reduction after the combine are tensor_parallel.ExpertSlices', applied afterwards."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     group = ep_mesh["ep"].get_group()
     same = ep_mesh["ep_replicate"].size() * ep_mesh["ep_shard"].size()  # ranks holding the same experts
     fsdp = fsdp and same > 1
     if not fsdp and ep_mesh["ep_shard"].size() > 1:
         raise RuntimeError("experts laid out for FSDP2 (ep_shard > 1) under a plan without it")
     replicate = ep_mesh["ep_replicate"].get_group() if same > 1 and not fsdp else None
-    placements = (Replicate(), Shard(0), Replicate())
-    size, rank = ep_mesh["ep"].size(), ep_mesh["ep"].get_local_rank()
+    tp_mesh = ep_mesh["tp"] if "tp" in ep_mesh.mesh_dim_names else None
+    size = ep_mesh["ep"].size()
     layers = moe_layers(model)
     for layer in layers:
         # The stacked weights, and any LoRA factors of theirs (lmforge.models.lora_experts: expert dim first too).
         experts = layer.experts
         for name, p in list(experts.named_parameters()):
             owner, _, attr = name.rpartition(".")
-            local = p.detach().chunk(size, dim=0)[rank].clone() if p.device.type != "meta" else \
-                torch.empty((p.shape[0] // size, *p.shape[1:]), device="meta", dtype=p.dtype)
+            placements = tuple(Shard(0) if dim == "ep" else expert_tp_placement(name) if dim == "tp" else Replicate()
+                               for dim in ep_mesh.mesh_dim_names)
+            shape, offset = compute_local_shape_and_global_offset(p.shape, ep_mesh, placements)
+            local = torch.empty(shape, device="meta", dtype=p.dtype) if p.device.type == "meta" else \
+                p.detach()[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].clone()
             sharded = DTensor.from_local(local, ep_mesh, placements, run_check=False, shape=p.shape,
                                          stride=torch.empty(p.shape, device="meta").stride())
             setattr(experts.get_submodule(owner), attr, _parameter(sharded, p.requires_grad))
-        layer.dispatch = ExpertDispatch(layer.num_experts, group, replicate, data_parallel, ep_mesh, fsdp)
+        layer.dispatch = ExpertDispatch(layer.num_experts, group, replicate, data_parallel, ep_mesh, fsdp, tp_mesh)
     if layers:
-        log.info("expert parallel: %d experts per layer over %d ranks (%d each); the same experts on %d ranks, %s",
-                 layers[0].num_experts, size, layers[0].num_experts // size, same,
+        tp = f", each expert's rows over {tp_mesh.size()} tensor-parallel ranks" if tp_mesh is not None else ""
+        log.info("expert parallel: %d experts per layer over %d ranks (%d each%s); the same experts on %d ranks, %s",
+                 layers[0].num_experts, size, layers[0].num_experts // size, tp, same,
                  f"FSDP2 over {ep_mesh['ep_shard'].size()} x {ep_mesh['ep_replicate'].size()} replicas" if fsdp
                  else "gradients all-reduced")
 

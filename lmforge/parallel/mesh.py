@@ -46,7 +46,8 @@ class ParallelConfig:
     # in this dtype: fp32 (torchtitan's default: sums of many ranks' bf16 gradients lose bits) or bf16.
     fsdp_reduce_dtype: str = "fp32"
     # Mixture-of-experts layers: each expert lives on one of this many data-parallel ranks (the others send it
-    # their tokens with all-to-all); 1 keeps every expert on every rank. See lmforge/parallel/expert.py.
+    # their tokens with all-to-all; beside parallel.tensor its intermediate rows split over the tensor ranks as
+    # ever); 1 keeps every expert on every rank. See lmforge/parallel/expert.py.
     expert: int = 1
 
     def __post_init__(self) -> None:
@@ -151,9 +152,9 @@ def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
         raise UserError(f"parallel.expert={ep} does not divide the data-parallel size {cfg.data_parallel} "
                         f"(data_replicate={cfg.data_replicate} x data_shard={cfg.data_shard}): experts are split "
                         "over data-parallel ranks; pick a degree that divides it")
-    if cfg.tensor > 1:
-        raise UserError(f"parallel.expert={ep} does not combine with tensor parallelism yet: set parallel.tensor=1 "
-                        "(or parallel.expert=1 to split every expert over the tensor-parallel ranks instead)")
+    if cfg.tensor > 1 and cfg.pipeline > 1:
+        raise UserError(f"parallel.expert={ep} does not combine with tensor and pipeline parallelism together yet: "
+                        "set parallel.pipeline=1 or parallel.tensor=1 (each works with expert parallelism)")
 
 
 def expert_shards(cfg: ParallelConfig) -> tuple[int, int]:
@@ -169,15 +170,23 @@ def expert_mesh(mesh, cfg: ParallelConfig):
     data-parallel ranks: "ep" groups parallel.expert neighbouring ones (the innermost data dim's, the fastest links),
     "ep_shard" x "ep_replicate" are the ranks holding the same experts (expert_shards). "ep" comes before "ep_shard"
     in the mesh (not in rank order) so that an expert weight sharded by both is Shard(0), Shard(0): each rank's
-    piece one box of the whole weight. Every rank must call this (it creates every stage's process groups)."""
+    piece one box of the whole weight. Under tensor parallelism ("ep_replicate", "ep", "tp", "ep_shard"): an "ep"
+    group is the ranks of one tensor-parallel coordinate (they exchange tokens), "tp" splits each expert's
+    intermediate rows as tensor parallelism alone does, and comes before "ep_shard" for the same reason (FSDP2 may
+    shard the experts along those rows too: expert_shard_placement). Every rank must call this (it creates every
+    stage's process groups)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     replicate, shard = expert_shards(cfg)
-    # tensor = 1: a stage's ranks are its data-parallel ranks, replicas outer, shards inner.
-    ranks = mesh.mesh.reshape(cfg.pipeline, replicate, shard, cfg.expert).transpose(2, 3)
-    full = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "ep_replicate", "ep", "ep_shard"))
+    # A stage's data-parallel ranks: replicas outer, shards inner; each data rank's tensor-parallel ranks innermost.
+    ranks = mesh.mesh.reshape(cfg.pipeline, replicate, shard, cfg.expert, cfg.tensor)
+    names = ["pp", "ep_replicate", "ep", "tp", "ep_shard"]
+    ranks = ranks.permute(0, 1, 3, 4, 2)
+    if cfg.tensor == 1:
+        ranks, names = ranks[:, :, :, 0], [n for n in names if n != "tp"]
+    full = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
     _inherit_timeout(full, mesh.device_type)
-    return full["ep_replicate", "ep", "ep_shard"]
+    return full[tuple(names[1:])]
 
 
 def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size: int | None = None,

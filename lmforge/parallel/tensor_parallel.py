@@ -13,7 +13,8 @@ Per block (every decoder family and BERT):
     mlp (a mixture of experts: Mixtral, Qwen3-MoE) the router replicated (it sees every token, so its choices and
                losses are one process's); the stacked experts split on their intermediate rows, gate/up like
                column-parallel, down like row-parallel: each rank runs every expert on its slice, and one
-               all-reduce (reduce-scatter with SP) after the weighted combine sums the slices
+               all-reduce (reduce-scatter with SP) after the weighted combine sums the slices; beside expert
+               parallelism each rank runs its slice of its ep rank's experts (lmforge.parallel.expert)
 
 Embeddings are vocabulary-parallel (each rank holds padded_vocab / TP rows); the LM head, or the
 tied embedding, produces logits sharded over the vocabulary, and `loss_parallel` computes the
@@ -30,7 +31,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -115,7 +124,11 @@ class ExpertSlices(ParallelStyle):
 
     Backward: the experts' gradients with respect to the tokens and the routing weights are partial sums too (each
     rank's slice of the intermediate rows), summed over the ranks before they join the router's own path, which
-    every rank computes whole (from the router losses as well)."""
+    every rank computes whole (from the router losses as well).
+
+    Experts that expert parallelism laid out already (lmforge.parallel.expert, over a mesh with this "tp" dim:
+    split by expert and on the same intermediate rows) keep that layout and dispatch: the router and the reduction
+    after the combine are this style's, as without expert parallelism."""
 
     def __init__(self, output_layout):
         super().__init__()
@@ -124,12 +137,13 @@ class ExpertSlices(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         distribute_module(module.router, device_mesh, input_fn=_to_replicate, output_fn=_to_local)
         experts = module.experts
-        for key, param in list(experts.named_parameters()):
-            owner, _, attr = key.rpartition(".")
-            placement = _EXPERT_LORA.get(key, Shard(2))
-            experts.get_submodule(owner).register_parameter(attr, nn.Parameter(
-                distribute_tensor(param, device_mesh, [placement]), requires_grad=param.requires_grad))
-        module.dispatch = _ExpertSliceDispatch(device_mesh)
+        if not any(isinstance(p, DTensor) for p in experts.parameters()):
+            for key, param in list(experts.named_parameters()):
+                owner, _, attr = key.rpartition(".")
+                experts.get_submodule(owner).register_parameter(attr, nn.Parameter(
+                    distribute_tensor(param, device_mesh, [expert_tp_placement(key)]),
+                    requires_grad=param.requires_grad))
+            module.dispatch = _ExpertSliceDispatch(device_mesh)
         layout = self.output_layout
 
         def reduce(mod, inputs, out):
@@ -146,6 +160,18 @@ class ExpertSlices(ParallelStyle):
 _EXPERT_LORA = {"lora_A.gate_up": Replicate(), "lora_A.down": Shard(2), "lora_B.down": Replicate()}
 
 
+def expert_tp_placement(name: str) -> Placement:
+    """How tensor parallelism splits the stacked experts' tensor `name` (as Experts.named_parameters names it):
+    Shard(2), the intermediate rows, or Replicate() for the LoRA factors that hold none (gate_up's A, down's B)."""
+    return _EXPERT_LORA.get(name, Shard(2))
+
+
+def grad_summed(t: torch.Tensor, mesh) -> torch.Tensor:
+    """t unchanged; its gradient from here summed over the ranks of the 1-D `mesh` (identity forward, all-reduce
+    backward): for a tensor every rank holds whole whose gradient each rank has only its slice's share of."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
 class _ExpertSliceDispatch:
     """MoE.dispatch under ExpertSlices: grouped_experts on this rank's slice of every expert. Of a LoRA factor that
     is replicated, each rank's gradient is its slice's share (gate_up's A sees only this rank's rows of its B,
@@ -154,16 +180,12 @@ class _ExpertSliceDispatch:
     def __init__(self, mesh):
         self.mesh = mesh
 
-    def _grad_summed(self, t: torch.Tensor) -> torch.Tensor:
-        """t unchanged; its gradient from here summed over the ranks (identity forward, all-reduce backward)."""
-        return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
     def __call__(self, x, chosen, weights, gate_up, down, act, lora=None):
         if lora is not None:
-            lora = lora.map(lambda name, t: self._grad_summed(t.to_local())
-                            if isinstance(_EXPERT_LORA.get(name), Replicate) else t.to_local())
-        return grouped_experts(self._grad_summed(x), chosen, self._grad_summed(weights), gate_up.to_local(),
-                               down.to_local(), act, lora)
+            lora = lora.map(lambda name, t: grad_summed(t.to_local(), self.mesh)
+                            if isinstance(expert_tp_placement(name), Replicate) else t.to_local())
+        return grouped_experts(grad_summed(x, self.mesh), chosen, grad_summed(weights, self.mesh),
+                               gate_up.to_local(), down.to_local(), act, lora)
 
 
 class VocabParallelEmbedding(RowwiseParallel):

@@ -5,6 +5,7 @@ analytic count. Run with torchrun:
     comm_worker.py ddp|fsdp MICRO_BATCHES OUT.json
     comm_worker.py mesh LAYOUTS.json OUT.json     each layout: tensor, pipeline, sequence_parallel, micro_batches
     comm_worker.py expert OUT.json                parallel.expert=2, the rest under DDP, then FSDP2
+    comm_worker.py expert_tp OUT.json             parallel.expert=2 x tensor=2, with sequence parallelism and without
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ def expert_layout(world, strategy: str) -> dict:
     from dataclasses import replace
 
     from lmforge.models import preset
-    from lmforge.models.moe import moe_layers
     from lmforge.parallel import ParallelConfig, build_mesh, parallelize
 
     # Rows of 256 fp32 values: large beside gloo's framing of the all-to-alls (four per layer and micro-batch).
@@ -97,17 +97,7 @@ def expert_layout(world, strategy: str) -> dict:
     pcfg = ParallelConfig(expert=expert, **({"data_replicate": world.size, "data_shard": 1} if strategy == "ddp"
                                             else {}))
     pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
-    routed = []  # rows sent to and received from other ranks, per MoE layer forward
-    group = dist.get_rank(moe_layers(model)[0].dispatch.group)
-    for layer in moe_layers(model):
-        counts = layer.dispatch._counts
-
-        def recording(flat, counts=counts):
-            sent, received = counts(flat)
-            others = [r for r in range(expert) if r != group]
-            routed.append(sum(sum(sent[r]) + sum(received[r]) for r in others))
-            return sent, received
-        layer.dispatch._counts = recording
+    routed = record_routed(model, expert)  # rows sent to and received from other ranks, per MoE layer forward
     seq, micro = 64, 2
     x = torch.randint(0, cfg.vocab_size, (accumulate, micro, seq), generator=torch.Generator().manual_seed(world.rank))
 
@@ -130,6 +120,71 @@ def expert_layout(world, strategy: str) -> dict:
                      data_parallel=strategy, param_bytes=4, reduce_scatter_as_all_reduce=True)
     return {"rank": world.rank, "strategy": strategy, "sent": sent, "expected": dense + sum(v.values()),
             "dense": dense, **v}
+
+
+def record_routed(model, expert: int) -> list[int]:
+    """A list that receives, per MoE layer forward, the rows this rank sent to and received from the other ranks of
+    its ep group (from the dispatch's counts)."""
+    from lmforge.models.moe import moe_layers
+
+    routed: list[int] = []
+    for layer in moe_layers(model):
+        counts, me = layer.dispatch._counts, dist.get_rank(layer.dispatch.group)
+
+        def recording(flat, counts=counts, me=me):
+            sent, received = counts(flat)
+            routed.append(sum(sum(sent[r]) + sum(received[r]) for r in range(expert) if r != me))
+            return sent, received
+        layer.dispatch._counts = recording
+    return routed
+
+
+def expert_tensor_layout(world, sequence_parallel: bool) -> dict:
+    """One step (two accumulation micro-batches) of a Mixtral-shaped MoE (fp32) at parallel.expert=2 x tensor=2 on
+    4 ranks, the rest FSDP2 over the 2 data ranks: each expert on one data rank, nothing to reduce over ranks
+    holding the same ones; bytes sent vs the data, tensor and expert counts of step_bytes (the all-to-alls with the
+    rows really routed)."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from lmforge.models import preset
+    from lmforge.parallel import ParallelConfig, build_mesh, parallelize, pipeline_step
+
+    cfg = replace(preset("tiny-mixtral"), hidden_size=256, head_dim=64, intermediate_size=256,
+                  moe_intermediate_size=256)
+    model = build(cfg, seed=0)
+    expert, tensor, accumulate = 2, 2, 2
+    pcfg = ParallelConfig(expert=expert, tensor=tensor, sequence_parallel=sequence_parallel)
+    pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
+    routed = record_routed(model, expert)
+    seq, micro, data = 64, 2, world.size // tensor
+    g = torch.Generator().manual_seed(world.rank // tensor)  # a data rank's tensor-parallel ranks read the same
+    x = torch.randint(0, cfg.vocab_size, (accumulate, micro, seq), generator=g)
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def step() -> None:
+        for i in range(accumulate):
+            with gradient_sync(pm.parts[0], i == accumulate - 1):
+                pipeline_step(pm, x[i], x[i], loss_fn)
+
+    step()
+    routed.clear()
+    dist.barrier()
+    before = bytes_sent()
+    step()
+    dist.barrier()
+    sent = bytes_sent() - before
+    layout = Layout(tensor=tensor, data=data, data_parallel="fsdp", expert=expert,
+                    sequence_parallel=sequence_parallel)
+    v = step_bytes(cfg, layout, seq, micro * accumulate * data, micro, param_bytes=4, grad_bytes=4,
+                   activation_bytes=4, reduce_scatter_as_all_reduce=True)
+    e = expert_bytes(cfg, expert, data, micro * seq, accumulate, activation_bytes=4, routed=sum(routed),
+                     data_parallel="fsdp", param_bytes=4, tensor=tensor, reduce_scatter_as_all_reduce=True)
+    return {"rank": world.rank, "sequence_parallel": sequence_parallel, "sent": sent,
+            "expected": v["data"] + v["tensor"] + sum(e.values()), "data": v["data"], "tensor": v["tensor"], **e}
 
 
 def main(strategy: str, micro_batches: int, out: str) -> None:
@@ -172,4 +227,8 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
         w = init_world()
         _write(w, [expert_layout(w, strategy) for strategy in ("ddp", "fsdp")], sys.argv[2])
+    if sys.argv[1] == "expert_tp":
+        torch.set_num_threads(1)
+        w = init_world()
+        _write(w, [expert_tensor_layout(w, sp) for sp in (True, False)], sys.argv[2])
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -82,6 +82,25 @@ def test_expert_parallel_bytes_match_the_model(tmp_path):
         assert ddp["expert_gathers"] == 0 < fsdp["expert_gathers"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
+def test_expert_x_tensor_parallel_bytes_match_the_model(tmp_path):
+    """parallel.expert=2 x tensor=2 on 4 ranks, with sequence parallelism and without: each tensor-parallel rank
+    exchanges the whole micro-batch's routed rows with the rank of its own tensor coordinate; the tensor-parallel
+    exchanges are a dense model's plus the routing weights' gradient; FSDP2 reduces the other weights over the 2
+    data ranks (each expert on one: nothing else to reduce)."""
+    out = tmp_path / "sent.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                        str(WORKER), "expert_tp", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in json.loads(out.read_text()):
+        assert [result["sequence_parallel"] for result in rank] == [True, False]
+        for result in rank:
+            assert result["all_to_all"] > 0.1 * result["sent"] and result["tensor"] > 0.1 * result["sent"], result
+            assert result["sent"] == pytest.approx(result["expected"], rel=0.02), result
+
+
 def test_balanced_expert_parallel_bytes():
     cfg = PRESETS["mixtral-8x7b"]  # 32 MoE layers, 8 experts, 2 per token, hidden 4096
     one = expert_bytes(cfg, expert=8, data=8, tokens=4096)
@@ -97,6 +116,11 @@ def test_balanced_expert_parallel_bytes():
     # HSDP 2 x 8: the ep group spans a whole replica, so each expert is replicated over the two: an all-reduce.
     hsdp = expert_bytes(cfg, expert=8, data=16, tokens=4096, data_parallel="fsdp", data_replicate=2)
     assert hsdp["expert_gathers"] == 0 and hsdp["expert_grads"] == two["expert_grads"]
+    # Beside tensor parallelism 2: each rank still sends its micro-batch's rows, and holds (and reduces) half of
+    # each of its experts' rows.
+    tp = expert_bytes(cfg, expert=8, data=16, tokens=4096, micro_batches=2, data_parallel="fsdp", tensor=2)
+    assert tp["all_to_all"] == fsdp["all_to_all"]
+    assert tp["expert_gathers"] == fsdp["expert_gathers"] / 2 and tp["expert_grads"] == fsdp["expert_grads"] / 2
 
 
 def test_moe_blocks_count_their_experts():
@@ -113,6 +137,17 @@ def test_moe_blocks_count_their_experts():
     assert ep["data"] == pytest.approx(dense["data"] * (ep_blocks + ends) / (blocks + ends))
     assert ep["expert"] == sum(expert_bytes(cfg, 8, 8, 4096, 8).values()) > 0
     assert ep["total"] == pytest.approx(ep["data"] + ep["expert"])
+
+
+def test_moe_layers_under_tensor_parallelism():
+    """A MoE layer's tensor-parallel bytes: a dense layer's, plus the routing weights' gradient (all-reduced, fp32),
+    and under sequence parallelism its input's gradient all-reduced where a dense layer reduce-scatters."""
+    cfg = PRESETS["mixtral-8x7b"]
+    sp, plain = (step_bytes(cfg, Layout(tensor=8, data=8, sequence_parallel=s), 4096, 64, 1) for s in (True, False))
+    micro_batches, act = 64 // 8, 4096 * 4096 * 2
+    weights = micro_batches * 32 * 4096 * 2 * 4
+    assert plain["payload_tensor"] == micro_batches * (4 * 32 + 2) * act + weights
+    assert sp["tensor"] - plain["tensor"] == pytest.approx(7 / 8 * micro_batches * 32 * act)
 
 
 def test_published_layouts():

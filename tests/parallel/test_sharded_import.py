@@ -162,7 +162,7 @@ def test_import_into_tensor_parallel(sources, tmp_path):
 @pytest.mark.slow
 def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
     """tp=2 x pp=2 from HF and lmforge folders (GPT-2: the tied embedding on both end stages), MoE models under
-    expert parallelism (with FSDP2 over 4, and pp=2); a training checkpoint of the imported weights loaded into
+    expert parallelism (with FSDP2 over 4, pp=2, and tp=2); a training checkpoint of the imported weights loaded into
     FSDP x TP; then the Trainer on tp=2 x pp=2."""
     tp_pp = {"tensor": 2, "pipeline": 2}
     ckpt = tmp_path / "ckpt"
@@ -176,6 +176,10 @@ def test_import_into_tensor_x_pipeline_and_train(sources, tmp_path):
         # experts); under a pipeline, its stage's layers only.
         "mixtral_hf_ep2": _case(sources / "mixtral", {"expert": 2}),
         "qwen3_moe_hf_ep2pp2": _case(sources / "qwen3_moe", {"expert": 2, "pipeline": 2}),
+        # Beside tensor parallelism: its ep rank's experts, of each its tensor rank's intermediate rows.
+        "mixtral_hf_ep2tp2": _case(sources / "mixtral", {"expert": 2, "tensor": 2}),
+        "qwen3_moe_hf_ep2tp2_nosp": _case(sources / "qwen3_moe", {"expert": 2, "tensor": 2,
+                                                                  "sequence_parallel": False}),
         "neox_checkpoint_fsdp2_tp2": _case(ckpt, {"tensor": 2, "data_shard": 2}, reference=str(sources / "gpt_neox")),
     }
     args = [f"model.init_from={sources / 'llama_gqa'}", f"model.make_vocab_size_divisible_by={MULTIPLE}",
@@ -227,6 +231,8 @@ def test_lora_runs_take_the_sharded_path(sources, tmp_path):
         "llama_gqa_checkpoint_pp2fsdp2_lora": _case(ckpt, {"pipeline": 2, "data_shard": 2}, lora=LORA,
                                                     reference=str(sources / "llama_gqa")),
         "llama_gqa_fresh_pp4_lora": _case(sources / "llama_gqa", {"pipeline": 4}, lora=LORA, fresh=True),
+        # Adapters on the experts too (all-linear), under expert x tensor parallelism.
+        "qwen3_moe_hf_ep2tp2_lora": _case(sources / "qwen3_moe", {"expert": 2, "tensor": 2}, lora=LORA),
     }
     args = [f"model.init_from={sources / 'llama_gqa'}", f"model.make_vocab_size_divisible_by={MULTIPLE}",
             f"data.paths=[{sources / 'corpus_text_document'}]", "data.seq_length=32", "trainer.max_steps=2",

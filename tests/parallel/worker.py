@@ -119,9 +119,10 @@ def ref_backward(ref, cfg, batch, chunks: int = 1) -> float:
     return total
 
 
-def parallel_step(pm, mesh, batch, accumulate: int = 1) -> float:
+def parallel_step(pm, mesh, batch, accumulate: int = 1, router: list | None = None) -> float:
     """One forward/backward of the global batch split over the data-parallel ranks; the global loss. A MoE model
-    (no pipeline) runs its rows as `accumulate` micro-batches, gradients synchronised on the last, as the trainer."""
+    (no pipeline) runs its rows as `accumulate` micro-batches, gradients synchronised on the last, as the trainer;
+    `router` then receives the aux and z-loss, means over every rank's micro-batches (reference()'s chunks)."""
     ids, labels, kwargs = batch
     count = (labels != -100).sum()
     rank, size = data_parallel_rank(mesh)
@@ -131,14 +132,18 @@ def parallel_step(pm, mesh, batch, accumulate: int = 1) -> float:
     kwargs = {k: v[rows] for k, v in kwargs.items()}
     cfg = getattr(pm.parts[0], "module", pm.parts[0]).config  # through DDP's wrapper
     if cfg.num_experts and not pm.pipelined:  # the router losses as the trainer adds them (ParallelTraining.step)
-        total = 0.0
+        total, means = 0.0, torch.zeros(2, dtype=torch.float64)
         for i, micro in enumerate(torch.arange(rows.start, rows.stop).chunk(accumulate)):
             with gradient_sync(pm.parts[0], i == accumulate - 1), pm.loss_context():
                 loss = loss_fn(pm(ids[micro], **{k: v[micro - rows.start] for k, v in kwargs.items()}),
                                labels[micro])
-                with_router_loss(loss, router_losses(pm.parts[0], cfg).loss / accumulate).backward()
+                extra = router_losses(pm.parts[0], cfg)
+                with_router_loss(loss, extra.loss / accumulate).backward()
             total = total + full(loss).detach().double()
+            means += torch.stack([extra.aux_loss.detach(), extra.z_loss.detach()]).double() / accumulate
         loss = total
+        if router is not None:
+            router[:] = (all_reduce_data_parallel(means, mesh) / size).tolist()
     else:
         loss = pipeline_step(pm, ids[rows], labels[rows], loss_fn, **kwargs)
     return all_reduce_data_parallel(loss.reshape(1), mesh).item() / size
@@ -211,7 +216,8 @@ def run_case(case: dict, world: int) -> dict:
     chunks = data_parallel_rank(mesh)[1] * (pcfg.num_microbatches if pcfg.pipeline > 1 else accumulate)
     ref, ref_loss = reference(cfg, batch, chunks=chunks, case=case)
     pm = parallelize(build_case(cfg, case), pcfg, mesh)
-    loss = parallel_step(pm, mesh, batch, accumulate)
+    router: list = []
+    loss = parallel_step(pm, mesh, batch, accumulate, router)
     worst, names = compare_grads(pm, ref)
     eval_loss = parallel_eval(pm, mesh, batch)
     all_names: list = [None] * world
@@ -228,8 +234,9 @@ def run_case(case: dict, world: int) -> dict:
               "grad_norm": grad_norm(pm).item(), "ref_grad_norm": ref_norm,
               "missing": sorted({n for n, _ in ref.named_parameters()} - held)}
     if pm.router is not None:  # a pipeline's router losses, means over the data-parallel ranks' microbatches
-        means = all_reduce_data_parallel(pm.router.losses.clone(), mesh) / data_parallel_rank(mesh)[1]
-        result["router_losses"], result["ref_router_losses"] = means.tolist(), ref.router_means
+        router = (all_reduce_data_parallel(pm.router.losses.clone(), mesh) / data_parallel_rank(mesh)[1]).tolist()
+    if router:
+        result["router_losses"], result["ref_router_losses"] = router, ref.router_means
     # One AdamW step, then one of lmforge's AdamWSR (the bf16-sr optimizer; on fp32 weights its update is
     # AdamW's), which updates each rank's local shard: a gradient laid out unlike its parameter (a
     # sequence-parallel norm's partial sum, a vocabulary-parallel embedding's replicated gradient) must be

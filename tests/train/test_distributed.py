@@ -1,5 +1,6 @@
-"""Data parallelism under torchrun (gloo, 2 CPU processes; 4 for the sharded experts): the same training as one
-process with the same global batch, for DDP and FSDP2, and a checkpoint that resumes on one process (on 2 from 4)."""
+"""Data parallelism under torchrun (gloo, 2 CPU processes; 4 for the sharded experts and expert x tensor
+parallelism): the same training as one process with the same global batch, for DDP and FSDP2, and a checkpoint that
+resumes on one process (on 2 from 4)."""
 
 from __future__ import annotations
 
@@ -100,5 +101,23 @@ def test_sharded_experts_train_and_resume_like_one_process(tiny_corpus, tmp_path
     _close(_curve(four), _curve(one))
     _run(1, _args(tiny_corpus, one, *small, "trainer.max_steps=6"), env)
     _run(2, _args(tiny_corpus, four, *small, "trainer.data_parallel=fsdp", *EP, "trainer.max_steps=6"), env)
+    assert len(_curve(four)) == 6
+    _close(_curve(four), _curve(one))
+
+
+@pytest.mark.slow
+def test_expert_x_tensor_parallel_trains_and_resumes_like_one_process(tiny_corpus, tmp_path):
+    """parallel.expert=2 x tensor=2 (sequence parallel) on 4 processes, two micro-batches per data rank: one process's
+    losses, gradient norms, validation and router losses. Its checkpoint (the experts split by expert and by rows,
+    their optimizer state too) resumes on 2 processes under tensor parallelism alone (every expert on the one data
+    rank, split by rows) and continues as one process resumed from its own does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one, four = tmp_path / "one", tmp_path / "four"
+    _run(1, _args(tiny_corpus, one, *MOE), env)
+    _run(4, _args(tiny_corpus, four, *MOE, "trainer.data_parallel=fsdp", *EP, "parallel.tensor=2"), env)
+    _close(_curve(four), _curve(one))
+    _run(1, _args(tiny_corpus, one, *MOE, "trainer.max_steps=6"), env)
+    _run(2, _args(tiny_corpus, four, *MOE, "trainer.data_parallel=fsdp", "parallel.tensor=2", "trainer.max_steps=6"),
+         env)
     assert len(_curve(four)) == 6
     _close(_curve(four), _curve(one))

@@ -70,6 +70,12 @@ LAYOUTS = {
     # Expert parallelism 2 over 4 FSDP ranks: the 2 ranks holding each expert shard it, so a rank holds a quarter
     # of the experts (replicated, half), like everything else.
     "moe_ep_sharded": _case(4, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp", "parallel.expert=2"),
+    # Expert x tensor parallelism: half the experts per ep rank, half of each one's rows per tensor rank; on 8 ranks
+    # FSDP2 also shards them over the 2 data ranks holding the same experts.
+    "moe_ep_tp": _case(4, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp", "parallel.expert=2",
+                       "parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
+    "moe_ep_tp_sharded": _case(8, "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp", "parallel.expert=2",
+                               "parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
 }
 CASES = {
     **LAYOUTS,
@@ -294,3 +300,6 @@ def test_expert_parallelism_sends_every_routed_row_through_all_to_all(planned):
     rows = 2 * 64 * cfg.experts_per_token  # micro batch x sequence length x experts per token
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     assert rank["collective_bytes"]["all_to_all"] == micro_batches * layers * 4 * rows * cfg.hidden_size * 4
+    # Beside tensor parallelism 2 (2 data ranks): every tensor-parallel rank sends its data rank's whole micro-batch.
+    [rank] = planned["moe_ep_tp"]["plan"]["ranks"]
+    assert rank["collective_bytes"]["all_to_all"] == 2 * micro_batches * layers * 4 * rows * cfg.hidden_size * 4
