@@ -68,7 +68,7 @@ def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False, device: 
     whole = is_checkpoint(source) and (repadded or checkpoint_lora(source) is not None)
     if meta and mcfg.num_labels == num_labels and not whole:
         return build(mcfg, device="meta").to(dtype).train(), functools.partial(load_sharded, source=source)
-    model = with_config(load_pretrained(source), mcfg).train()
+    model = with_config(load_pretrained(source, dtype=dtype), mcfg).train()
     return with_head(model, num_labels, seed), None
 
 

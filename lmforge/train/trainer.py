@@ -105,15 +105,18 @@ class Trainer:
         # A layout that shards the model gets it on the meta device: each rank fills only its own shards (a LoRA
         # run's adapters too). QLoRA quantizes whole weights: its base is built whole (one process, check_qlora).
         nf4 = cfg.lora is not None and cfg.lora.base_dtype == "nf4"
+        # A LoRA run's frozen base in bf16 (lora.base_dtype bf16, nf4) is read in bf16: an fp32 copy first would
+        # double what the process holds while it starts (a one-process run's peak memory).
+        base_dtype = torch.bfloat16 if cfg.lora is not None and cfg.lora.bf16_base else precision.param_dtype
         model, fill = init_model(cfg, self.data.num_labels, meta=layout.shards_model and not nf4,
-                                 device=self.world.device, dtype=precision.param_dtype)
+                                 device=self.world.device, dtype=base_dtype)
         self.mcfg: ModelConfig = model.config
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
         layout = check_pipeline_batch(layout, self.grad_accum, t.micro_batch_size, t.global_batch_size,
                                       layout.data_parallel)
         check_tokenizer(self.tokenizer, self.mcfg)
         if fill is None:
-            model.to(self.world.device, precision.param_dtype)
+            model.to(self.world.device, base_dtype)
         if cfg.lora is not None:
             fill = apply_run_lora(model, cfg, fill)
         self.task.prepare(model, cfg, layout, self.world.device)

@@ -23,10 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from meter import AllocationMeter  # tests/parallel/meter.py, beside this file
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from worker import ce_sum, finish, make_batch, parallel_step  # tests/parallel/worker.py, beside this file
 
 from lmforge.models import build, load_pretrained
@@ -37,30 +35,6 @@ from lmforge.parallel import ParallelConfig, build_mesh, init_world, model_state
 from lmforge.parallel.load import LoadStats, init_sharded, load_sharded, local_tensors, source_config
 
 SEED = 1234  # the fresh weights' and the adapters' (a run's trainer.seed)
-
-
-class AllocationMeter(TorchDispatchMode):
-    """The peak bytes of tensor storage alive at once among the storages torch ops hand out while active
-    (a DTensor counts its local piece). Tensors that safetensors maps from a file count too, whole, from
-    the op that first returns them: an upper bound on what a load holds."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                local = t._local_tensor if isinstance(t, DTensor) else t
-                if local.device.type != "meta":
-                    storage = local.untyped_storage()
-                    ref = StorageWeakRef(storage)
-                    self.refs.setdefault(ref.cdata, (ref, storage.nbytes()))
-        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
-        return out
 
 
 def nbytes(t: torch.Tensor) -> int:
