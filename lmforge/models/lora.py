@@ -75,7 +75,7 @@ class LoRAConfig:
     # carries them as bytes, and only the fp32 adapters have gradients to reduce-scatter.
     bf16_base: bool = False
     # The frozen base's dtype: fp32 (the run's), bf16 (as bf16_base=true), or nf4: QLoRA, the blocks' linear weights
-    # in torchao's 4-bit NormalFloat (the rest of the base in bf16; a CUDA GPU and torchao, lmforge.train.lora).
+    # in torchao's 4-bit NormalFloat (the rest in bf16; torchao, on a CUDA GPU or the CPU: lmforge.train.lora).
     base_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -266,17 +266,14 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     A model on the meta device (a layout that shards it) gets meta adapters: once it is laid out and its base
     filled, init_adapters gives each rank its pieces of the adapters this call would have drawn."""
     targets, experts = target_modules(model, lora)
-    if lora.base_dtype == "nf4" and any(p.is_meta for p in model.parameters()):
-        # NF4 quantizes the whole weights (one scale per 64 values of a row-major weight), which a meta model has
-        # not; QLoRA runs one process (lmforge.train.lora.check_qlora), where the base is built whole.
-        raise UserError("lora.base_dtype=nf4 (QLoRA) needs the base built whole on one process: set "
-                        "lora.base_dtype=bf16 to shard it")
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.requires_grad_(False)
     if lora.bf16_base:
         model.to(torch.bfloat16)
-    if lora.base_dtype == "nf4":
+    # NF4 quantizes whole weights: a meta model's are read and quantized before it is laid out
+    # (lmforge.parallel.load.read_nf4_base).
+    if lora.base_dtype == "nf4" and not any(p.is_meta for p in model.parameters()):
         quantize_nf4(model)
     wrappers = [(name, lambda base, parts=parts: LoRALinear(base, parts, lora.rank, lora.alpha, lora.dropout,
                                                            model.config, generator))

@@ -5,7 +5,6 @@ absmax scale per 64 weights, the scales quantized again in blocks of 256 (lora.b
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch import nn
@@ -14,6 +13,9 @@ log = logging.getLogger(__name__)
 
 # QLoRA's NF4 (Dettmers et al. 2023): one absmax scale per 64 weights, the scales quantized again in blocks of 256.
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+# The scale groups of every NF4 weight come in multiples of this where its size allows (scaler_block): FSDP2 over up
+# to this many ranks shards them.
+NF4_SHARDS = 64
 
 
 def nf4_api():
@@ -25,29 +27,88 @@ def nf4_api():
     return nf4.to_nf4, nf4.NF4Tensor
 
 
-def quantize_nf4(model: nn.Module) -> int:
-    """Swap the blocks' (frozen, bf16) linear weights for torchao NF4 tensors, in place; a weight whose size has no
-    whole 64-weight blocks stays bf16. The scales' second-level block is 256 (QLoRA's), or the largest power of two
-    dividing the number of blocks in a weight too small for it. Returns how many weights were quantized."""
-    to_nf4, _ = nf4_api()
-    done, kept = 0, []
+def nf4_weights(model: nn.Module) -> tuple[dict[str, nn.Linear], list[str]]:
+    """The linear layers whose weights NF4 quantizes (the blocks', by module name) and those it keeps in bf16 (a
+    weight whose size has no whole 64-weight blocks)."""
+    quantized, kept = {}, []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or ".layers." not in f".{name}":
-            continue
-        w = module.weight
-        blocks = w.numel() // NF4_BLOCK
-        if w.numel() % NF4_BLOCK:
-            kept.append(name)
-            continue
-        scaler_block = math.gcd(blocks, NF4_SCALER_BLOCK)
-        module.weight = nn.Parameter(to_nf4(w.detach().to(torch.bfloat16), NF4_BLOCK, scaler_block),
-                                     requires_grad=False)
-        done += 1
+        if isinstance(module, nn.Linear) and ".layers." in f".{name}":
+            if module.weight.numel() % NF4_BLOCK:
+                kept.append(name)
+            else:
+                quantized[name] = module
+    return quantized, kept
+
+
+def scaler_block(blocks: int) -> int:
+    """The second-level block of a weight of `blocks` 64-weight blocks: QLoRA's 256 where the weight then has a
+    multiple of NF4_SHARDS scale groups, else the largest block under 256 that gives it one (the fewest groups a
+    multiple of 32, 16, ... where it has none). torchao's NF4 tensor splits along whole groups, so FSDP2 over any
+    power of two up to NF4_SHARDS ranks can shard every weight (its rows dividing too), and the quantized values
+    do not depend on the layout: one process and FSDP2 train the same numbers. Real models' large weights keep
+    256 (4096 x 4096: 1,024 groups); a smaller block only quantizes the scales more finely."""
+    shards = NF4_SHARDS
+    while blocks % shards:
+        shards //= 2
+    groups_of = blocks // shards  # the block divides this: the largest divisor up to 256
+    return next(d for d in range(min(NF4_SCALER_BLOCK, groups_of), 0, -1) if groups_of % d == 0)
+
+
+def to_nf4_parameter(w: torch.Tensor) -> nn.Parameter:
+    """A frozen weight in NF4 (QLoRA's 64-weight blocks, the scales quantized again in blocks: scaler_block)."""
+    to_nf4, _ = nf4_api()
+    return nn.Parameter(to_nf4(w.detach().to(torch.bfloat16), NF4_BLOCK, scaler_block(w.numel() // NF4_BLOCK)),
+                        requires_grad=False)
+
+
+def check_shardable(quantized: dict[str, nn.Linear], ranks: int) -> None:
+    """A UserError unless FSDP2 over `ranks` can split every NF4 weight: its rows and its scale groups (torchao
+    splits an NF4 tensor along whole groups) divisible by the ranks."""
+    from lmforge.errors import UserError
+
+    for name, module in quantized.items():
+        rows, blocks = module.weight.shape[0], module.weight.numel() // NF4_BLOCK
+        groups = blocks // scaler_block(blocks)
+        if rows % ranks or groups % ranks:
+            raise UserError(f"lora.base_dtype=nf4 (QLoRA) under FSDP2 over {ranks} ranks: '{name}.weight' "
+                            f"({rows} x {module.weight.shape[1]}, {groups} NF4 scale groups) cannot be split "
+                            f"{ranks} ways: use fewer ranks (parallel.data_shard), or lora.base_dtype=bf16")
+
+
+def quantize_nf4(model: nn.Module) -> int:
+    """Swap the blocks' (frozen, bf16) linear weights for torchao NF4 tensors, in place (nf4_weights). Returns how
+    many weights were quantized."""
+    quantized, kept = nf4_weights(model)
+    for module in quantized.values():
+        module.weight = to_nf4_parameter(module.weight)
+    log_quantized(len(quantized), kept)
+    return len(quantized)
+
+
+def log_quantized(done: int, kept: list[str]) -> None:
     log.info("lora.base_dtype=nf4: %d linear weights in NF4%s", done,
              f"; {len(kept)} kept in bf16 (size not a multiple of {NF4_BLOCK}): {', '.join(kept)}" if kept else "")
-    return done
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether `t` (or a DTensor's local piece) is a torchao NF4 weight."""
+    local = getattr(t, "_local_tensor", t)
+    return hasattr(local, "get_original_weight")
 
 
 def dense(w: torch.Tensor) -> torch.Tensor:
     """A weight as a plain tensor: an NF4 weight dequantized (bf16), any other as it is."""
     return w.get_original_weight() if hasattr(w, "get_original_weight") else w
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole tensor (full_tensor); QLoRA's NF4 pieces dequantized first, each rank its own blocks, and
+    gathered in bf16: torchao's NF4 tensor passes DTensor's gather on to its inner tensors without waiting for them
+    (an export read them unfinished, or hung). The same values as the whole NF4 weight dequantized."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local()
+    if is_nf4(local):
+        t = DTensor.from_local(local.get_original_weight(), t.device_mesh, t.placements, shape=t.shape,
+                               stride=t.stride())
+    return t.full_tensor()

@@ -193,17 +193,30 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None,
 
 def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None) -> nn.Module:
     """A training checkpoint's whole model as its run held it: a LoRA run's with its adapters (unmerged) around a
-    base in the run's dtype (lora.base_dtype)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    base in the run's dtype (lora.base_dtype). A QLoRA run's checkpoint holds no NF4 weights: they are read from the
+    run's model.init_from and quantized as the run quantized them (lmforge.parallel.load.read_nf4_base)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from lmforge.models.nf4 import is_nf4
 
     lora = checkpoint_lora(folder)
     model = build(read_config(folder), device="meta")
-    model.to_empty(device=device or "cpu")
-    if lora is not None:  # as the run wrapped it, so the checkpoint's names (and NF4 weights) have their places
+    if lora is not None:  # as the run wrapped it, so the checkpoint's names have their places
         apply_lora(model, lora)
-    state = get_model_state_dict(model)
+    from lmforge.parallel.load import materialize_meta, read_nf4_base
+
+    if lora is not None and lora.base_dtype == "nf4":
+        base = ((checkpoint_run(folder) or {}).get("model") or {}).get("init_from")
+        if base is None or not Path(base).is_dir():
+            raise UserError(f"checkpoint '{folder}' is a QLoRA run's: its NF4 base weights are not in it but read "
+                            f"from the run's model.init_from, {f'{base!r}, which is not there' if base else 'unset'}"
+                            ": put that folder back where the run read it")
+        read_nf4_base(model, base, torch.device(device or "cpu"))
+    materialize_meta(model, torch.device(device or "cpu"))
+    held = get_model_state_dict(model)
+    state = {k: t for k, t in held.items() if not is_nf4(t)}
     load_checkpoint_model(state, folder)
-    set_model_state_dict(model, state)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=len(state) == len(held)))
     for module in model.modules():  # non-persistent buffers (rotary frequencies) are not in the checkpoint
         if module._non_persistent_buffers_set and hasattr(module, "reset_parameters"):
             module.reset_parameters()

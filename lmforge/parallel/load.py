@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,14 @@ from lmforge.models.build import build, init_weights, local_piece
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import is_model_dir, read_config, safetensors_index, stored_layout
 from lmforge.models.lora import is_adapter
-from lmforge.models.source import RUN_OVERRIDES, is_checkpoint, load_checkpoint_model, source_config
+from lmforge.models.nf4 import check_shardable, is_nf4, log_quantized, nf4_weights, to_nf4_parameter
+from lmforge.models.source import (
+    RUN_OVERRIDES,
+    is_checkpoint,
+    load_checkpoint_model,
+    load_pretrained,
+    source_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +80,9 @@ def load_sharded(pm, source: str | Path) -> LoadStats:
     source = Path(source)
     cfg: ModelConfig = pm.parts[0].config
     for part in pm.parts:
-        part.to_empty(device=pm.device)
-    targets = {n: t for n, t in local_tensors(pm).items() if not is_adapter(n)}  # no source holds LoRA's
+        materialize_meta(part, pm.device)
+    # No source holds LoRA's adapters; QLoRA's NF4 weights were read before the layout (read_nf4_base).
+    targets = {n: t for n, t in local_tensors(pm).items() if not is_adapter(n) and not is_nf4(t)}
     with torch.no_grad():
         if is_checkpoint(source):
             read, total = _from_checkpoint(pm, source), _files_bytes(source, "*.distcp")
@@ -86,6 +95,46 @@ def load_sharded(pm, source: str | Path) -> LoadStats:
     log.info("loaded this rank's shards from %s: holds %.1f MiB, read %s of %.1f MiB", source, stats.local_bytes / MiB,
              "(DCP)" if read is None else f"{read / MiB:.1f} MiB", total / MiB)
     return stats
+
+
+def read_nf4_base(model: nn.Module, source: str | Path, device: torch.device, shards: int = 1) -> int:
+    """QLoRA's base (lora.base_dtype=nf4) for a model still on the meta device (LoRA-wrapped or not): each linear
+    weight NF4 quantizes (lmforge.models.nf4.nf4_weights) is read whole from `source`, an lmforge or Hugging Face
+    folder, in bf16 on `device`, one block's weights at a time, and quantized there. The rest of the model stays on
+    the meta device for load_sharded, which keeps these. Called before the model is laid out, so that FSDP2 shards
+    the NF4 weights themselves (torchao's NF4 tensor implements FSDP2's all-gather): a rank then holds its shards of
+    the NF4 base, never the base in bf16. Peak while reading: the NF4 weights plus one block's in bf16. Returns the
+    bytes read. `shards`: the FSDP2 ranks that will shard it (a UserError first where a weight cannot be split so).
+    """
+    source = Path(source)
+    cfg: ModelConfig = model.config
+    quantized, kept = nf4_weights(model)
+    check_shardable(quantized, shards)
+    blocks: dict[str, list[str]] = {}
+    for name in quantized:  # "layers.3.attention.qkv" -> "layers.3"
+        blocks.setdefault(re.match(r"(.*?layers\.\d+)\.", name).group(1), []).append(name)
+    read = 0
+    # A checkpoint (a QLoRA run's own base read again, load_checkpoint_whole) is read whole, in bf16, by one process.
+    whole = load_pretrained(source, dtype=torch.bfloat16).state_dict() if is_checkpoint(source) else None
+    with torch.no_grad():
+        for names in blocks.values():
+            targets = {f"{n}.weight": torch.empty(quantized[n].weight.shape, dtype=torch.bfloat16, device=device)
+                       for n in names}
+            if whole is not None:
+                for name, t in targets.items():
+                    t.copy_(whole.pop(name))
+            else:
+                read += (_from_lmforge if is_model_dir(source) else _from_hf)(source, cfg, targets)[0]
+            for n in names:
+                quantized[n].weight = to_nf4_parameter(targets.pop(f"{n}.weight"))
+    log_quantized(len(quantized), kept)
+    return read
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """to_empty for the tensors still on the meta device: what a model already holds (QLoRA's NF4 weights, read
+    before the layout) stays."""
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
 def init_sharded(pm, seed: int) -> int:
@@ -108,7 +157,7 @@ def init_sharded(pm, seed: int) -> int:
 def materialize_empty(pm) -> None:
     """Allocate `pm`'s parts on its device, uninitialised (a fake-tensor trace, which reads no values)."""
     for part in pm.parts:
-        part.to_empty(device=pm.device)
+        materialize_meta(part, pm.device)
 
 
 def local_tensors(pm) -> dict[str, torch.Tensor]:

@@ -78,10 +78,14 @@ def load_model_state_dict(pm, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy `state_dict` (e.g. filled in place by dcp.load) into this rank's parts."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+    from lmforge.models.nf4 import is_nf4
+
     for part in pm.parts:
-        names = set(get_model_state_dict(part).keys())  # the model's names, also through a DDP wrapper
+        held = get_model_state_dict(part)  # the model's names, also through a DDP wrapper
+        names = {k for k, t in held.items() if not is_nf4(t)}  # QLoRA's frozen NF4 base stays as read
         missing = names - state_dict.keys()
         if missing:
             raise KeyError(f"state dict lacks {sorted(missing)[:5]}")
-        set_model_state_dict(part, {k: state_dict[k] for k in names}, options=StateDictOptions(strict=True))
+        set_model_state_dict(part, {k: state_dict[k] for k in names},
+                             options=StateDictOptions(strict=len(names) == len(held)))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmforge.checkpoint import CheckpointManager
+from lmforge.models.nf4 import is_nf4
 from lmforge.train.step import ParallelTraining
 
 
@@ -36,6 +37,11 @@ class TrainCheckpoints(CheckpointManager):
         if optimizer is not None and _nested_optimizer_state(path):  # one part: the layouts of that time
             return super().state_dicts(model.pm.parts[0], model.optimizer.optimizers[0], path)
         model_sd, optim_sd = model.state_dicts()
+        # QLoRA's NF4 weights are frozen, read from model.init_from and quantized the same way by every layout: a
+        # checkpoint leaves them out (DCP would pickle torchao's tensor class, which a safe load refuses, and a
+        # resume under another layout could not fill them piece by piece); a resume keeps those it read, and
+        # export-hf / serve of the checkpoint read them from model.init_from again (load_checkpoint_whole).
+        model_sd = {k: t for k, t in model_sd.items() if not is_nf4(t)}
         return model_sd, optim_sd if optimizer is not None else None
 
     def load_state_dicts(self, model: ParallelTraining, optimizer, model_sd: dict, optim_sd: dict | None,

@@ -26,6 +26,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.lora import apply_lora, init_adapters, merged_state
+from lmforge.models.source import is_checkpoint
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config import RunConfig
 
@@ -38,20 +39,29 @@ LORA_FLOPS_FRACTION = 4 / 6
 QLORA_PIP = "pip install torchao"
 
 
-def check_qlora(lora, device: torch.device, layout: ParallelConfig, need_torchao: bool = True) -> None:
-    """lora.base_dtype=nf4 (QLoRA) before the run builds anything: a UserError unless this is one process on a CUDA
-    GPU with torchao importable (NF4 training has run on the CPU only in a test of the model, not as a run).
-    need_torchao=False: lmforge plan, which sizes the base in bf16 where torchao is missing."""
+def check_qlora(lora, device: torch.device, layout: ParallelConfig, init_from: str | Path | None = None,
+                need_torchao: bool = True) -> None:
+    """lora.base_dtype=nf4 (QLoRA) before the run builds anything: a UserError unless torchao is importable, the
+    device is a CUDA GPU or the CPU (torchao's NF4 is plain tensor code there: slow, but the same numbers), and the
+    layout is one process or FSDP2 alone, whose base comes from an lmforge or Hugging Face folder (read and
+    quantized before it is sharded: lmforge.parallel.load.read_nf4_base). need_torchao=False: lmforge plan, which
+    sizes the base in bf16 where torchao is missing."""
     if lora is None or lora.base_dtype != "nf4":
         return
-    if device.type != "cuda":
-        raise UserError(f"lora.base_dtype=nf4 (QLoRA) needs a CUDA GPU; this run is on {device.type}: "
-                        "set lora.base_dtype=bf16 (or fp32)")
+    if device.type not in ("cuda", "cpu"):
+        raise UserError(f"lora.base_dtype=nf4 (QLoRA) runs on a CUDA GPU or the CPU, not {device.type}: "
+                        "set lora.base_dtype=bf16")
     if need_torchao and importlib.util.find_spec("torchao") is None:
         raise UserError(f"lora.base_dtype=nf4 (QLoRA) needs torchao, which is not installed: {QLORA_PIP}")
-    if layout.data_parallel > 1 or layout.tensor > 1 or layout.pipeline > 1:
-        raise UserError("lora.base_dtype=nf4 (QLoRA) with more than one process is not supported yet: run one "
-                        "process, or set lora.base_dtype=bf16")
+    if layout.tensor > 1 or layout.pipeline > 1 or layout.data_replicate > 1 or layout.expert > 1:
+        raise UserError("lora.base_dtype=nf4 (QLoRA) shards its base with FSDP2 only (parallel.data_shard), not "
+                        "with tensor, pipeline or expert parallelism or replicas (parallel.data_replicate): "
+                        "set those to 1, or lora.base_dtype=bf16")
+    if layout.data_shard > 1 and (init_from is None or is_checkpoint(Path(init_from))):
+        raise UserError("lora.base_dtype=nf4 (QLoRA) under FSDP2 reads its base from model.init_from, an lmforge or "
+                        "Hugging Face folder" + (f", not the training checkpoint '{init_from}': export it first "
+                                                 "(lmforge export-hf CHECKPOINT OUT)" if init_from else
+                                                 ": set model.init_from"))
 
 
 def apply_run_lora(model: nn.Module, cfg: RunConfig, fill: Callable | None = None) -> Callable | None:

@@ -137,7 +137,8 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     t = cfg.trainer
     grad_accum = check_fit(cfg, mcfg, layout.data_parallel)
     layout = check_pipeline_batch(layout, grad_accum, t.micro_batch_size, t.global_batch_size, layout.data_parallel)
-    check_qlora(cfg.lora, torch.device(device_type), layout, need_torchao=False)  # the run's refusals
+    check_qlora(cfg.lora, torch.device(device_type), layout, cfg.model.init_from,  # the run's refusals
+                need_torchao=False)
     cfg, nf4_note = nf4_as_traced(cfg)
     traced, _ = trace_device(device_type)
     what = sized(cfg, mcfg, task)
@@ -308,7 +309,7 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
     from lmforge.parallel.fake import TraceMode, fake_world
     from lmforge.parallel.load import allocated_bytes, materialize_empty
     from lmforge.parallel.mesh import build_mesh
-    from lmforge.train.plan_sizing import wrap_as_trained
+    from lmforge.train.plan_sizing import quantize_as_read, wrap_as_trained
     from lmforge.train.setup import apply_activation_checkpointing
     from lmforge.train.step import ParallelTraining
 
@@ -331,6 +332,8 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
         apply_activation_checkpointing(model, t.activation_checkpointing)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, TraceMode(device, fake) as trace:
+            if cfg.lora is not None and cfg.lora.base_dtype == "nf4":
+                quantize_as_read(model, device)  # before the layout, as the trainer reads it (FSDP2 shards NF4)
             training = ParallelTraining(model, layout, mesh, task, cfg.optim, precision, t.seed, cfg.data.seq_length,
                                         device, fill=fill, pipeline_rows=t.micro_batch_size * task.rows_per_example)
             del model

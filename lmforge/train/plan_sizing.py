@@ -16,23 +16,25 @@ GiB = 1 << 30
 def wrap_as_trained(model: torch.nn.Module, cfg: RunConfig, fill, sharded: bool):
     """The meta `model` wrapped with the run's adapters (lmforge.train.lora.apply_run_lora), and what fills it once
     laid out. A layout that shards the model fills it as the trainer does (its shards, then init_adapters); where the
-    trainer wraps a whole model on the device (one process, DDP, QLoRA) the same tensors come from filling the meta
-    wrapping (tensors moved onto a fake device would be swapped, which fake parameters refuse). QLoRA's base then is
-    quantized on the device by the trainer's quantize_nf4, the adapters around the weights they share."""
-    from lmforge.models.nf4 import nf4_api, quantize_nf4
+    trainer wraps a whole model on the device (one process, DDP) the same tensors come from filling the meta
+    wrapping (tensors moved onto a fake device would be swapped, which fake parameters refuse). QLoRA's NF4 weights
+    are quantized before the layout (quantize_as_read) and kept by the fill."""
     from lmforge.train.lora import apply_run_lora
 
-    if cfg.lora.base_dtype != "nf4":
-        return apply_run_lora(model, cfg, fill if sharded else None) or fill
-    nf4_api()  # torchao imported before the trace (the stand-in device's patches would meet its import)
-    apply_run_lora(model, dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_dtype="bf16")))
+    if cfg.lora.base_dtype == "nf4":
+        from lmforge.models.nf4 import nf4_api
 
-    def fill_quantized(pm) -> None:
-        fill(pm)
-        for part in pm.parts:
-            quantize_nf4(part)
+        nf4_api()  # torchao imported before the trace (the stand-in device's patches would meet its import)
+    return apply_run_lora(model, cfg, fill if sharded else None) or fill
 
-    return fill_quantized
+
+def quantize_as_read(model: torch.nn.Module, device: torch.device) -> None:
+    """QLoRA's base as lmforge.parallel.load.read_nf4_base leaves it, traced: each weight NF4 quantizes made an NF4
+    tensor on `device` (fake, inside the trace) before the layout, the rest still on the meta device."""
+    from lmforge.models.nf4 import nf4_weights, to_nf4_parameter
+
+    for module in nf4_weights(model)[0].values():
+        module.weight = to_nf4_parameter(torch.empty(module.weight.shape, dtype=torch.bfloat16, device=device))
 
 
 def nf4_as_traced(cfg: RunConfig) -> tuple[RunConfig, str | None]:

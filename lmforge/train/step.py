@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.moe import router_losses
+from lmforge.models.nf4 import gathered
 from lmforge.parallel import (
     ParallelConfig,
     ParallelModel,
@@ -386,7 +387,7 @@ class ParallelTraining:
         Each pipeline stage gathers its sharded tensors (full_tensor, within the stage's ranks); then
         the first rank of every later stage sends rank 0 the tensors no earlier stage holds.
         """
-        local = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+        local = {name: (gathered(t) if isinstance(t, DTensor) else t).detach().cpu()
                  for name, t in model_state_dict(self.pm).items()}
         pp = self.pm.size("pp")
         if pp == 1:

@@ -23,7 +23,9 @@ from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write, out_of_space, remove_leftovers
 from lmforge.models.config import ModelConfig
+from lmforge.models.source import is_checkpoint
 from lmforge.parallel.data_parallel import init_world
+from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
@@ -85,7 +87,7 @@ class Trainer:
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
         if t.float8:
             check_float8(self.world.device, layout.tensor, cfg.lora is not None)
-        check_qlora(cfg.lora, self.world.device, layout)
+        check_qlora(cfg.lora, self.world.device, layout, cfg.model.init_from)
         # Batch and sequence length before the data: building it writes sample indices beside the data.
         check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
                              t.global_batch_size, layout.data_parallel)
@@ -103,12 +105,15 @@ class Trainer:
                      "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")
         seed_all(t.seed)  # dropout, data order, Python, NumPy: the same run draws the same (weights seed their own)
         # A layout that shards the model gets it on the meta device: each rank fills only its own shards (a LoRA
-        # run's adapters too). QLoRA quantizes whole weights: its base is built whole (one process, check_qlora).
+        # run's adapters too). So does QLoRA's from a folder, whose linear weights are read and quantized whole
+        # before the layout (FSDP2 then shards them: read_nf4_base); from a checkpoint or fresh it is built whole.
         nf4 = cfg.lora is not None and cfg.lora.base_dtype == "nf4"
+        nf4_from = cfg.model.init_from if nf4 and cfg.model.init_from and not is_checkpoint(
+            Path(cfg.model.init_from)) else None
         # A LoRA run's frozen base in bf16 (lora.base_dtype bf16, nf4) is read in bf16: an fp32 copy first would
         # double what the process holds while it starts (a one-process run's peak memory).
         base_dtype = torch.bfloat16 if cfg.lora is not None and cfg.lora.bf16_base else precision.param_dtype
-        model, fill = init_model(cfg, self.data.num_labels, meta=layout.shards_model and not nf4,
+        model, fill = init_model(cfg, self.data.num_labels, meta=(layout.shards_model and not nf4) or bool(nf4_from),
                                  device=self.world.device, dtype=base_dtype)
         self.mcfg: ModelConfig = model.config
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
@@ -119,6 +124,8 @@ class Trainer:
             model.to(self.world.device, base_dtype)
         if cfg.lora is not None:
             fill = apply_run_lora(model, cfg, fill)
+        if nf4_from and fill is not None:
+            read_nf4_base(model, nf4_from, self.world.device, shards=max(layout.data_shard, 1))
         self.task.prepare(model, cfg, layout, self.world.device)
         if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
             convert_to_float8(model, t.float8_recipe)

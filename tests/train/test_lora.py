@@ -214,49 +214,68 @@ def test_lora_under_tensor_and_pipeline_parallelism_trains_and_exports_like_one_
 
 
 def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_llama, chats, tmp_path, monkeypatch):
-    """lora.base_dtype=nf4 needs a CUDA GPU, torchao and one process: each missing piece is one line naming the fix,
-    before the run writes anything. (The NF4 model itself: tests/models/test_lora.py; a QLoRA run has not run.)"""
+    """lora.base_dtype=nf4 needs torchao, a CUDA GPU or the CPU, and one process or FSDP2 alone over a base read
+    from a folder: each missing piece is one line naming the fix, before the run writes anything."""
     import importlib.util
-    from types import SimpleNamespace
 
     from lmforge.errors import UserError
     from lmforge.models.lora import LoRAConfig
+    from lmforge.parallel.mesh import ParallelConfig
     from lmforge.train.lora import check_qlora
 
-    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) needs a CUDA GPU; this run is on cpu: set "
-                                        r"lora.base_dtype=bf16 \(or fp32\)$"):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else
+                        find_spec(name, *a))
+    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) needs torchao, which is not installed: pip "
+                                        r"install torchao$"):
         Trainer(lora_config(tiny_llama, chats, tmp_path / "run", "lora.base_dtype=nf4"))
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     with pytest.raises(UserError, match=r"^lora.base_dtype must be one of fp32, bf16, nf4, got 'int4'$"):
         lora_config(tiny_llama, chats, tmp_path / "run", "lora.base_dtype=int4")
-    cuda, one = torch.device("cuda", 0), SimpleNamespace(data_parallel=1, tensor=1, pipeline=1)
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else
-                        find_spec(name, *a))
-    nf4 = LoRAConfig(base_dtype="nf4")
-    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) needs torchao, which is not installed: pip "
-                                        r"install torchao$"):
-        check_qlora(nf4, cuda, one)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else
                         find_spec(name, *a))
-    check_qlora(nf4, cuda, one)  # a GPU with torchao: accepted
-    with pytest.raises(UserError, match="with more than one process is not supported yet"):
-        check_qlora(nf4, cuda, SimpleNamespace(data_parallel=2, tensor=1, pipeline=1))
-    check_qlora(LoRAConfig(base_dtype="bf16"), torch.device("cpu"), one)  # only nf4 is checked
+    nf4, cpu, cuda = LoRAConfig(base_dtype="nf4"), torch.device("cpu"), torch.device("cuda", 0)
+    one, fsdp = ParallelConfig().resolved(1), ParallelConfig().resolved(4)
+    for device in (cpu, cuda):
+        check_qlora(nf4, device, one)  # one process, fresh or from anything
+        check_qlora(nf4, device, fsdp, tiny_llama)  # FSDP2 over a folder's base
+    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) runs on a CUDA GPU or the CPU, not mps: "):
+        check_qlora(nf4, torch.device("mps"), one)
+    for layout in (ParallelConfig(tensor=2), ParallelConfig(pipeline=2), ParallelConfig(data_replicate=2),
+                   ParallelConfig(expert=2)):
+        with pytest.raises(UserError, match=r"shards its base with FSDP2 only \(parallel.data_shard\), .*: set those to "
+                                            r"1, or lora.base_dtype=bf16$"):
+            check_qlora(nf4, cuda, layout.resolved(4), tiny_llama)
+    with pytest.raises(UserError, match=r"under FSDP2 reads its base from model.init_from, an lmforge or Hugging Face "
+                                        r"folder: set model.init_from$"):
+        check_qlora(nf4, cuda, fsdp)
+    step = tmp_path / "step-00000004"
+    step.mkdir()
+    (step / "trainer.json").write_text("{}")
+    with pytest.raises(UserError, match=r"Hugging Face folder, not the training checkpoint '.*step-00000004': export it "
+                                        r"first \(lmforge export-hf CHECKPOINT OUT\)$"):
+        check_qlora(nf4, cuda, fsdp, step)
+    check_qlora(LoRAConfig(base_dtype="bf16"), torch.device("mps"), fsdp)  # only nf4 is checked
+    # torchao splits an NF4 weight along whole scale groups: one FSDP2 cannot split is named before anything is read.
+    from lmforge.models.nf4 import check_shardable
+
+    odd = {"layers.0.mlp.down": torch.nn.Linear(192, 2, bias=False, device="meta")}  # 6 blocks of 64: 2 groups
+    check_shardable(odd, 2)
+    with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) under FSDP2 over 4 ranks: 'layers.0.mlp.down."
+                                        r"weight' \(2 x 192, 2 NF4 scale groups\) cannot be split 4 ways: use fewer "
+                                        r"ranks \(parallel.data_shard\), or lora.base_dtype=bf16$"):
+        check_shardable(odd, 4)
     # bf16_base=true is the older spelling of base_dtype=bf16, and nf4 keeps the rest of the base in bf16.
     assert LoRAConfig(bf16_base=True).base_dtype == "bf16" and nf4.bf16_base
 
 
 @pytest.mark.slow
-def test_a_qlora_run_resumes_bit_exactly_and_exports(tiny_llama, chats, tmp_path, monkeypatch):
-    """A QLoRA run with the CUDA check lifted (NF4 runs on the CPU, slowly): it trains, its checkpoint (NF4 base
-    in it) resumes to the uninterrupted curve bit for bit, and its exports hold plain bf16 weights that transformers
-    and PEFT load. On a GPU, where the check lets it run, this has not been tried."""
+def test_a_qlora_run_resumes_bit_exactly_and_exports(tiny_llama, chats, tmp_path):
+    """A QLoRA run on the CPU (torchao's NF4 is plain tensor code there): it trains, its checkpoint (without the NF4
+    weights, read again from model.init_from) resumes to the uninterrupted curve bit for bit, and its exports hold
+    plain bf16 weights that transformers and PEFT load. On a GPU this has not been tried yet."""
     pytest.importorskip("torchao")
     peft = pytest.importorskip("peft")
-    import lmforge.train.trainer as trainer_module
-
-    monkeypatch.setattr(trainer_module, "check_qlora", lambda *a: None)
     extra = ("lora.base_dtype=nf4", "checkpoint.every_n_steps=2", "checkpoint.save_top_k=-1",
              "checkpoint.convert_to_hf=true")
     whole, cut = tmp_path / "whole", tmp_path / "cut"
@@ -270,6 +289,74 @@ def test_a_qlora_run_resumes_bit_exactly_and_exports(tiny_llama, chats, tmp_path
     hf = tf.AutoModelForCausalLM.from_pretrained(cut / "hf", torch_dtype=torch.float32).eval()
     assert (_logits(hf, ids) - ours).abs().max().item() <= TOL
     peft.PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tiny_llama), cut / "hf-adapter")
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp2_trains_like_one_process_and_resumes_under_any_layout(tiny_llama, chats, tmp_path):
+    """QLoRA over 2 gloo ranks of FSDP2: each rank reads the base's linear weights block by block, quantizes them
+    and keeps its half of every NF4 weight (torchao's NF4 tensor gathers itself for FSDP2). The losses and adapters
+    equal one process's; the checkpoint holds no NF4 weights (DCP would pickle torchao's class) and one process
+    resumes it onto the same curve; export-hf of it writes the run's own merged and PEFT folders."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lmforge.cli import main
+    from lmforge.errors import UserError
+
+    pytest.importorskip("torchao")
+    peft = pytest.importorskip("peft")
+    common = ["lora.base_dtype=nf4", "checkpoint.convert_to_hf=true", "checkpoint.every_n_steps=2",
+              "checkpoint.save_top_k=-1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    Trainer(lora_config(tiny_llama, chats, one, *common)).fit()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "lmforge.cli", "finetune", os.devnull, *lora_args(tiny_llama, chats, two, *common,
+                                                                          "trainer.data_parallel=fsdp")],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "lora.base_dtype=nf4: 10 linear weights in NF4" in r.stderr
+    for (la, ga), (lb, gb) in zip(_curve(two), _curve(one), strict=True):
+        assert la == pytest.approx(lb, rel=1e-6) and ga == pytest.approx(gb, rel=1e-5)
+    adapters_two, adapters_one = (load_file(run / "hf-adapter" / "adapter_model.safetensors") for run in (two, one))
+    assert adapters_two.keys() == adapters_one.keys()
+    for k, t in adapters_two.items():
+        torch.testing.assert_close(t, adapters_one[k], rtol=1e-4, atol=1e-6)
+    merged_two, merged_one = (load_file(run / "hf" / "model.safetensors") for run in (two, one))
+    for k, t in merged_two.items():  # the same NF4 base, dequantized, plus the same adapters (bf16 rounding)
+        torch.testing.assert_close(t.float(), merged_one[k].float(), rtol=1e-2, atol=1e-2)
+    step = two / "checkpoints" / "step-00000004"
+    saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    assert "model.layers.0.attn.qkv.lora_A.q" in saved and "model.layers.0.attn.qkv.weight" not in saved
+    assert "model.layers.0.norm1.weight" in saved and "model.embed.weight" in saved
+    assert not any(b"NF4Tensor" in f.read_bytes() for f in step.glob("*.distcp"))
+    # One process resumes the 2-rank checkpoint of step 2 (its own NF4 base, read from model.init_from).
+    three = tmp_path / "three"
+    shutil.copytree(two, three)
+    shutil.rmtree(three / "checkpoints" / "step-00000004")
+    Trainer(lora_config(tiny_llama, chats, three, *common)).fit()
+    for (la, ga), (lb, gb) in zip(_curve(three), _curve(two), strict=True):
+        assert la == pytest.approx(lb, rel=1e-6) and ga == pytest.approx(gb, rel=1e-5)
+    # export-hf of the 2-rank checkpoint: the run's own folders, byte for byte.
+    out = tmp_path / "export" / "hf"
+    assert main(["export-hf", str(step), str(out)]) == 0
+    for ours, theirs in [(out, two / "hf"), (out.with_name("hf-adapter"), two / "hf-adapter")]:
+        for name in sorted(p.name for p in theirs.iterdir()):
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    peft.PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tiny_llama), two / "hf-adapter")
+    # Without the base folder, the checkpoint cannot be read whole: one line naming it.
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_llama, moved)
+    shutil.rmtree(tiny_llama)
+    try:
+        with pytest.raises(UserError, match=r"is a QLoRA run's: its NF4 base weights are not in it but read from the "
+                                            r"run's model.init_from, '.*', which is not there: put that folder back"):
+            load_pretrained(step)
+    finally:
+        shutil.copytree(moved, tiny_llama)
 
 
 @pytest.mark.slow

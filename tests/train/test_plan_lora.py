@@ -1,12 +1,14 @@
 """`lmforge plan` of LoRA and DPO runs: it sizes what the run holds, which the real run's trainer says.
 
-- a LoRA run (one process; FSDP2 x 2 with a bf16 base; QLoRA's NF4 base where torchao is importable), a DPO run
+- a LoRA run (one process; FSDP2 x 2 with a bf16 base; QLoRA's NF4 base where torchao is importable, built whole
+  in one process and read from a folder under FSDP2 x 2 with DPO), a DPO run
   against a frozen copy of the model (one process, FSDP2 x 2) and a LoRA DPO run: the plan's per-rank parameter,
   gradient and optimizer bytes equal those a real Trainer holds after one step (held_bytes_worker.py), counted from
   its parameters, gradients and optimizer state;
 - the plan says what it sized (LoRA's rank, targets and trainable count; DPO's reference), in --json too;
 - an 8B model that does not fit one 80 GiB device at full training fits as a LoRA run;
-- QLoRA without torchao is sized in bf16 and says so; with more than one process it is refused as the run refuses it.
+- QLoRA without torchao is sized in bf16 and says so; under FSDP2 without a folder to read its base from it is
+  refused as the run refuses it.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def _cases(corpus: Path, pairs: Path, runs: Path) -> dict[str, tuple[int, list[s
              # adapters on a mixture of experts' stacked experts, split over two ranks by expert parallelism
              "moe_lora_ep": (2, [*pretrain, "model.preset=tiny-qwen3-moe", *LORA, "lora.dropout=0", *FSDP,
                                  "parallel.expert=2"])}
-    if HAS_TORCHAO:
+    if HAS_TORCHAO:  # a fresh base built whole, then quantized; a folder's read and quantized, then FSDP2-sharded
         cases["qlora"] = (1, [*pretrain, *LORA, "lora.base_dtype=nf4"])
+        cases["qlora_dpo_fsdp"] = (2, [*dpo, *LORA, *FSDP, "lora.base_dtype=nf4"])
     return {name: (world, [*overrides, f"run_dir={runs / name}"]) for name, (world, overrides) in cases.items()}
 
 
@@ -72,13 +75,11 @@ def _held(world: int, overrides: list[str], out: Path, monkeypatch) -> dict[str,
         from lmforge.train.config import load_run_config
         from tests.train.held_bytes_worker import held_bytes
 
-        with monkeypatch.context() as m:  # QLoRA on the CPU, as tests/train/test_lora.py runs it
-            m.setattr(trainer_module, "check_qlora", lambda *a: None)
-            trainer = trainer_module.Trainer(load_run_config(None, overrides))
-            try:
-                return held_bytes(trainer)
-            finally:
-                trainer.close()
+        trainer = trainer_module.Trainer(load_run_config(None, overrides))
+        try:
+            return held_bytes(trainer)
+        finally:
+            trainer.close()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                         str(WORKER), str(out), *overrides], env=ENV, capture_output=True, text=True,
                        timeout=600)
@@ -111,8 +112,9 @@ def sized_and_held(tiny_corpus, preferences, tmp_path_factory) -> dict[str, tupl
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora", "lora_fsdp_bf16", "dpo", "dpo_lora", "dpo_fsdp", "moe_lora_ep",
-                                  pytest.param("qlora", marks=pytest.mark.skipif(not HAS_TORCHAO,
-                                                                                 reason="torchao not installed"))])
+                                  *(pytest.param(name, marks=pytest.mark.skipif(not HAS_TORCHAO,
+                                                                                reason="torchao not installed"))
+                                    for name in ("qlora", "qlora_dpo_fsdp"))])
 def test_the_plan_holds_what_the_real_run_holds(sized_and_held, name):
     plan, held = sized_and_held[name]
     assert "ranks" in plan, plan
@@ -131,6 +133,8 @@ def test_the_plan_holds_what_the_real_run_holds(sized_and_held, name):
     if name == "qlora":  # NF4 weights hold a quarter of bf16's bytes, and the step keeps no dequantized copy of them
         bf16 = sized_and_held["lora_bf16"][0]["ranks"][0]
         assert rank["params"] < bf16["params"] and rank["activations"] <= bf16["activations"] * 1.05
+    if name == "qlora_dpo_fsdp":  # each rank holds half of every NF4 weight, and DPO's reference is the base
+        assert rank["reference_bytes"] == 0 and plan["sized"]["lora"]["base_dtype"] == "nf4"
 
 
 @pytest.mark.slow
@@ -158,9 +162,9 @@ def test_qlora_without_torchao_is_sized_in_bf16_and_refused_where_the_run_is(siz
     assert plan["ranks"][0]["params"] == bf16["ranks"][0]["params"]
     assert any(n.startswith("lora.base_dtype=nf4: torchao is not importable here, so the frozen base is sized in bf16")
                for n in plan["notes"])
-    refused = sized_and_held["qlora_fsdp"][0]
-    assert refused["error"] == "UserError" and "with more than one process is not supported yet" in refused[
-        "message"]
+    refused = sized_and_held["qlora_fsdp"][0]  # a fresh base: FSDP2 reads QLoRA's from a folder
+    assert refused["error"] == "UserError" and refused["message"].endswith(
+        "under FSDP2 reads its base from model.init_from, an lmforge or Hugging Face folder: set model.init_from")
 
 
 def _plan_cli(*args: str) -> subprocess.CompletedProcess:
