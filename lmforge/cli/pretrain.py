@@ -20,7 +20,7 @@ data.packing         true: several examples per sequence, attention kept inside 
 data.truncate        cut (default) or drop: examples longer than data.seq_length (counts in the log)
 data.prompt_template Alpaca records' prompt without a chat template, e.g. "Q: {instruction} {input}\\nA:"
 lora.rank            turns LoRA on (8); lora.alpha (16), lora.dropout (0), lora.bf16_base (false),
-                     lora.base_dtype (fp32; bf16; nf4: QLoRA, CUDA + torchao)
+                     lora.base_dtype (fp32; bf16; nf4: QLoRA through torchao, one process or FSDP2)
 lora.targets         default (PEFT's: q,v or the fused qkv), all-linear, or names from q,k,v,o,gate,up,down,
                      router, experts (experts.gate_up, experts.down): a mixture of experts' router and experts
 dpo.beta             0.1: how far the policy may move from the reference

@@ -4,8 +4,9 @@ The adapters are wrapped around the built model before it is laid out (lmforge.m
 see frozen base weights and trainable adapters, the optimizer holds only the adapters, and checkpoints (DCP)
 save and resume both as any run does. Under a layout that shards the model (FSDP2, tensor or pipeline parallelism)
 the model is wrapped on the meta device: each rank then reads only its shards of the base and draws its pieces of
-the adapters, never holding the whole base (QLoRA's NF4 base and a LoRA checkpoint as model.init_from are built
-whole). With `checkpoint.convert_to_hf=true` the run writes
+the adapters, never holding the whole base (a LoRA checkpoint as model.init_from is built whole). QLoRA's NF4
+weights are read and quantized whole, a block at a time, before the layout (lmforge.parallel.load.read_nf4_base), and
+FSDP2 shards them. With `checkpoint.convert_to_hf=true` the run writes
 
     RUN_DIR/model/        the merged model, an lmforge folder (with the tokenizer and the chat template)
     RUN_DIR/hf/           the merged model as a Hugging Face folder
@@ -40,12 +41,12 @@ QLORA_PIP = "pip install torchao"
 
 
 def check_qlora(lora, device: torch.device, layout: ParallelConfig, init_from: str | Path | None = None,
-                need_torchao: bool = True) -> None:
+                need_torchao: bool = True, need_source: bool = True) -> None:
     """lora.base_dtype=nf4 (QLoRA) before the run builds anything: a UserError unless torchao is importable, the
     device is a CUDA GPU or the CPU (torchao's NF4 is plain tensor code there: slow, but the same numbers), and the
     layout is one process or FSDP2 alone, whose base comes from an lmforge or Hugging Face folder (read and
-    quantized before it is sharded: lmforge.parallel.load.read_nf4_base). need_torchao=False: lmforge plan, which
-    sizes the base in bf16 where torchao is missing."""
+    quantized before it is sharded: lmforge.parallel.load.read_nf4_base). need_torchao=False, need_source=False:
+    lmforge plan, which sizes the base in bf16 where torchao is missing and sizes a preset without its folder."""
     if lora is None or lora.base_dtype != "nf4":
         return
     if device.type not in ("cuda", "cpu"):
@@ -57,7 +58,7 @@ def check_qlora(lora, device: torch.device, layout: ParallelConfig, init_from: s
         raise UserError("lora.base_dtype=nf4 (QLoRA) shards its base with FSDP2 only (parallel.data_shard), not "
                         "with tensor, pipeline or expert parallelism or replicas (parallel.data_replicate): "
                         "set those to 1, or lora.base_dtype=bf16")
-    if layout.data_shard > 1 and (init_from is None or is_checkpoint(Path(init_from))):
+    if layout.data_shard > 1 and (init_from is None and need_source or init_from and is_checkpoint(Path(init_from))):
         raise UserError("lora.base_dtype=nf4 (QLoRA) under FSDP2 reads its base from model.init_from, an lmforge or "
                         "Hugging Face folder" + (f", not the training checkpoint '{init_from}': export it first "
                                                  "(lmforge export-hf CHECKPOINT OUT)" if init_from else

@@ -138,8 +138,8 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     grad_accum = check_fit(cfg, mcfg, layout.data_parallel)
     layout = check_pipeline_batch(layout, grad_accum, t.micro_batch_size, t.global_batch_size, layout.data_parallel)
     check_qlora(cfg.lora, torch.device(device_type), layout, cfg.model.init_from,  # the run's refusals
-                need_torchao=False)
-    cfg, nf4_note = nf4_as_traced(cfg)
+                need_torchao=False, need_source=False)
+    cfg, nf4_note = nf4_as_traced(cfg, layout)
     traced, _ = trace_device(device_type)
     what = sized(cfg, mcfg, task)
     if layout.pipeline > 1:

@@ -37,13 +37,18 @@ def quantize_as_read(model: torch.nn.Module, device: torch.device) -> None:
         module.weight = to_nf4_parameter(torch.empty(module.weight.shape, dtype=torch.bfloat16, device=device))
 
 
-def nf4_as_traced(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+def nf4_as_traced(cfg: RunConfig, layout) -> tuple[RunConfig, str | None]:
     """The run as traced, and a line where that differs from it: QLoRA's NF4 base needs torchao, and without it the
-    base is traced in bf16 (what NF4 leaves in bf16 stays so; the quantized weights are overcounted ~3.8x)."""
+    base is traced in bf16 (what NF4 leaves in bf16 stays so; the quantized weights are overcounted ~3.8x); under
+    FSDP2 the run reads its base from model.init_from, which a plan of a preset has not."""
     import importlib.util
 
-    if cfg.lora is None or cfg.lora.base_dtype != "nf4" or importlib.util.find_spec("torchao") is not None:
+    if cfg.lora is None or cfg.lora.base_dtype != "nf4":
         return cfg, None
+    if importlib.util.find_spec("torchao") is not None:
+        return cfg, None if layout.data_shard <= 1 or cfg.model.init_from else (
+            "lora.base_dtype=nf4 under FSDP2: the run reads and quantizes its base from model.init_from (an lmforge or "
+            "Hugging Face folder), which this config does not set yet")
     note = ("lora.base_dtype=nf4: torchao is not importable here, so the frozen base is sized in bf16, an upper bound "
             "(NF4 holds the blocks' linear weights in ~0.53 bytes each): pip install torchao to size NF4")
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_dtype="bf16")), note

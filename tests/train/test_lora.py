@@ -243,8 +243,8 @@ def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_llama, chats, tmp
         check_qlora(nf4, torch.device("mps"), one)
     for layout in (ParallelConfig(tensor=2), ParallelConfig(pipeline=2), ParallelConfig(data_replicate=2),
                    ParallelConfig(expert=2)):
-        with pytest.raises(UserError, match=r"shards its base with FSDP2 only \(parallel.data_shard\), .*: set those to "
-                                            r"1, or lora.base_dtype=bf16$"):
+        with pytest.raises(UserError, match=r"shards its base with FSDP2 only \(parallel.data_shard\), .*: set those "
+                                            r"to 1, or lora.base_dtype=bf16$"):
             check_qlora(nf4, cuda, layout.resolved(4), tiny_llama)
     with pytest.raises(UserError, match=r"under FSDP2 reads its base from model.init_from, an lmforge or Hugging Face "
                                         r"folder: set model.init_from$"):
@@ -252,8 +252,8 @@ def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_llama, chats, tmp
     step = tmp_path / "step-00000004"
     step.mkdir()
     (step / "trainer.json").write_text("{}")
-    with pytest.raises(UserError, match=r"Hugging Face folder, not the training checkpoint '.*step-00000004': export it "
-                                        r"first \(lmforge export-hf CHECKPOINT OUT\)$"):
+    with pytest.raises(UserError, match=r"Hugging Face folder, not the training checkpoint '.*step-00000004': export "
+                                        r"it first \(lmforge export-hf CHECKPOINT OUT\)$"):
         check_qlora(nf4, cuda, fsdp, step)
     check_qlora(LoRAConfig(base_dtype="bf16"), torch.device("mps"), fsdp)  # only nf4 is checked
     # torchao splits an NF4 weight along whole scale groups: one FSDP2 cannot split is named before anything is read.

@@ -7,8 +7,8 @@
   its parameters, gradients and optimizer state;
 - the plan says what it sized (LoRA's rank, targets and trainable count; DPO's reference), in --json too;
 - an 8B model that does not fit one 80 GiB device at full training fits as a LoRA run;
-- QLoRA without torchao is sized in bf16 and says so; under FSDP2 without a folder to read its base from it is
-  refused as the run refuses it.
+- QLoRA without torchao is sized in bf16 and says so, on one process and under FSDP2 (a preset without the folder
+  the run will read its base from).
 """
 
 from __future__ import annotations
@@ -96,7 +96,10 @@ def sized_and_held(tiny_corpus, preferences, tmp_path_factory) -> dict[str, tupl
              "lora_bf16": {"config": None, "overrides": [*TINY, *LORA, "lora.base_dtype=bf16"], "world": 1},
              "qlora_without_torchao": {"config": None, "overrides": [*TINY, *LORA, "lora.base_dtype=nf4"],
                                        "world": 1, "patch": "no_torchao"},
-             "qlora_fsdp": {"config": None, "overrides": [*TINY, *LORA, *FSDP, "lora.base_dtype=nf4"], "world": 2},
+             "qlora_fsdp": {"config": None, "overrides": [*TINY, *LORA, *FSDP, "lora.base_dtype=nf4"], "world": 2,
+                            "patch": "no_torchao"},
+             **({"qlora_fsdp_nf4": {"config": None, "overrides": [*TINY, *LORA, *FSDP, "lora.base_dtype=nf4"],
+                                    "world": 2}} if HAS_TORCHAO else {}),
              **{name: {"config": str(CONFIGS / "lora-pythia-410m.yaml"), "overrides": LLAMA_8B, "world": 2, **shallow}
                 for name, shallow in (("8b", {}), ("8b_whole", {"shallow": 16}))}}
     planned = _run({**{name: {"config": None, "overrides": overrides, "world": world}
@@ -162,9 +165,15 @@ def test_qlora_without_torchao_is_sized_in_bf16_and_refused_where_the_run_is(siz
     assert plan["ranks"][0]["params"] == bf16["ranks"][0]["params"]
     assert any(n.startswith("lora.base_dtype=nf4: torchao is not importable here, so the frozen base is sized in bf16")
                for n in plan["notes"])
-    refused = sized_and_held["qlora_fsdp"][0]  # a fresh base: FSDP2 reads QLoRA's from a folder
-    assert refused["error"] == "UserError" and refused["message"].endswith(
-        "under FSDP2 reads its base from model.init_from, an lmforge or Hugging Face folder: set model.init_from")
+    # A preset without its folder is sized (the plan reads no weights), and says what the run will need.
+    fsdp, one = sized_and_held["qlora_fsdp"][0], sized_and_held["qlora_without_torchao"][0]
+    assert fsdp["ranks"][0]["params"] < one["ranks"][0]["params"]
+    assert any(n.startswith("lora.base_dtype=nf4: torchao is not importable here") for n in fsdp["notes"])
+    if HAS_TORCHAO:
+        nf4 = sized_and_held["qlora_fsdp_nf4"][0]
+        assert nf4["ranks"][0]["params"] < fsdp["ranks"][0]["params"]
+        assert "lora.base_dtype=nf4 under FSDP2: the run reads and quantizes its base from model.init_from (an " \
+               "lmforge or Hugging Face folder), which this config does not set yet" in nf4["notes"]
 
 
 def _plan_cli(*args: str) -> subprocess.CompletedProcess:
