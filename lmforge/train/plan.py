@@ -203,10 +203,17 @@ def check_memory(plan: Plan, device_memory: int) -> None:
     if worst.peak <= device_memory:
         return
     parts = ", ".join(f"{k} {getattr(worst, k) / GiB:.1f}" for k in CATEGORIES[:-1])
+    base = (plan.sized.get("lora") or {}).get("base_dtype")
+    # A LoRA run's frozen base can shrink: bf16 halves an fp32 one, NF4 (QLoRA) quarters a bf16 one, and QLoRA shards
+    # with FSDP2 alone.
+    shard = ("trainer.data_parallel=fsdp" if base == "nf4" else
+             "trainer.data_parallel=fsdp, parallel.tensor or parallel.pipeline")
+    smaller = {"fp32": ", hold the frozen base in lora.base_dtype=bf16 (or nf4, QLoRA)",
+               "bf16": ", hold the frozen base in NF4 (lora.base_dtype=nf4, QLoRA)"}.get(base, "")
     raise UserError(f"rank {worst.rank} (pipeline stage {worst.stage}) needs {worst.peak / GiB:.1f} GiB at its peak "
                     f"({parts} GiB), more than --device-memory {device_memory / GiB:.1f} GiB: shard the model "
-                    "(trainer.data_parallel=fsdp, parallel.tensor or parallel.pipeline), lower "
-                    "trainer.micro_batch_size, or set trainer.activation_checkpointing=selective (or full)")
+                    f"({shard}){smaller}, lower trainer.micro_batch_size, or set "
+                    "trainer.activation_checkpointing=selective (or full)")
 
 
 def _layout_dict(layout) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import resource
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from lmforge.models import build, init_weights
 from lmforge.models.config import ModelConfig
 from lmforge.models.source import checkpoint_lora, is_checkpoint, load_pretrained, source_config, tokenizer_folder
 from lmforge.train.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 def with_head(model: torch.nn.Module, num_labels: int, seed: int) -> torch.nn.Module:
@@ -122,6 +125,13 @@ def load_run_tokenizer(cfg: RunConfig, needed: bool):
         if needed:
             raise UserError(f"data.task={cfg.data.task} needs a tokenizer: set data.tokenizer or model.init_from")
         return None
+    if not needed and not cfg.data.tokenizer:
+        # Pretraining on tokenized data needs none: a model folder saved without one is no error.
+        try:
+            return load_tokenizer(path)
+        except UserError:
+            log.info("no tokenizer beside model.init_from '%s': pretraining on tokenized data needs none", path)
+            return None
     return load_tokenizer(path)
 
 

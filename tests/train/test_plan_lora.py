@@ -176,10 +176,10 @@ def test_qlora_without_torchao_is_sized_in_bf16_and_refused_where_the_run_is(siz
                "lmforge or Hugging Face folder), which this config does not set yet" in nf4["notes"]
 
 
-def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+def _plan_cli(*args: str, memory: str = "80GiB") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lmforge.cli", "plan", str(CONFIGS / "lora-pythia-410m.yaml"),
                            "model.preset=llama-3.1-8b", "trainer.micro_batch_size=2", *args, "--world-size", "1",
-                           "--device-memory", "80GiB"], env=ENV, capture_output=True, text=True, timeout=600)
+                           "--device-memory", memory], env=ENV, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -190,6 +190,12 @@ def test_an_8b_lora_run_fits_one_80gib_device_where_full_training_does_not():
     assert full.returncode == 1 and "needs " in full.stderr and "more than --device-memory 80.0 GiB" in full.stderr
     lora = _plan_cli("lora.base_dtype=bf16")
     assert lora.returncode == 0, lora.stderr[-2000:]
+    # Where a LoRA run does not fit, the advice names the smaller base: bf16 for an fp32 one, NF4 for a bf16 one.
+    for base, advice in (("fp32", "hold the frozen base in lora.base_dtype=bf16 (or nf4, QLoRA)"),
+                         ("bf16", "hold the frozen base in NF4 (lora.base_dtype=nf4, QLoRA)")):
+        tight = _plan_cli(f"lora.base_dtype={base}", memory="20GiB")
+        assert tight.returncode == 1 and "more than --device-memory 20.0 GiB: shard the model (trainer.data_parallel" \
+            f"=fsdp, parallel.tensor or parallel.pipeline), {advice}, lower trainer.micro_batch_size" in tight.stderr
     assert ("LoRA rank 16 on all-linear (q,k,v,o,gate,up,down): 41.9M trainable of 8.1B parameters; the frozen base "
             "in bf16 has no gradients or optimizer state") in lora.stdout
     assert "fits --device-memory 80.0 GiB" in lora.stdout
