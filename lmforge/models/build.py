@@ -137,3 +137,9 @@ def num_parameters(model: nn.Module, exclude_vocab_padding: bool = True) -> int:
                 p = params[name]
                 total -= (cfg.padded_vocab_size - cfg.vocab_size) * (p.numel() // p.shape[0])
     return total
+
+
+def materialize_meta(module: nn.Module, device: torch.device | str) -> None:
+    """to_empty for the tensors still on the meta device: what a model already holds (QLoRA's NF4 weights, read
+    before the layout: lmforge.parallel.load.read_nf4_base) stays."""
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)

@@ -75,12 +75,15 @@ def check_shardable(quantized: dict[str, nn.Linear], ranks: int) -> None:
                             f"{ranks} ways: use fewer ranks (parallel.data_shard), or lora.base_dtype=bf16")
 
 
-def quantize_nf4(model: nn.Module) -> int:
-    """Swap the blocks' (frozen, bf16) linear weights for torchao NF4 tensors, in place (nf4_weights). Returns how
-    many weights were quantized."""
+def quantize_nf4(model: nn.Module, weights: dict[str, torch.Tensor] | None = None,
+                 device: torch.device | str | None = None) -> int:
+    """Swap the blocks' (frozen, bf16) linear weights for torchao NF4 tensors, in place (nf4_weights), or quantize
+    them from `weights` (name -> tensor, a model on the meta device) onto `device`. Returns how many weights were
+    quantized."""
     quantized, kept = nf4_weights(model)
-    for module in quantized.values():
-        module.weight = to_nf4_parameter(module.weight)
+    for name, module in quantized.items():
+        w = module.weight if weights is None else weights[f"{name}.weight"].to(device)
+        module.weight = to_nf4_parameter(w)
     log_quantized(len(quantized), kept)
     return len(quantized)
 

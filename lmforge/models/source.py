@@ -197,22 +197,22 @@ def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None
     run's model.init_from and quantized as the run quantized them (lmforge.parallel.load.read_nf4_base)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from lmforge.models.nf4 import is_nf4
+    from lmforge.models.build import materialize_meta
+    from lmforge.models.nf4 import is_nf4, quantize_nf4
 
     lora = checkpoint_lora(folder)
     model = build(read_config(folder), device="meta")
     if lora is not None:  # as the run wrapped it, so the checkpoint's names have their places
         apply_lora(model, lora)
-    from lmforge.parallel.load import materialize_meta, read_nf4_base
-
     if lora is not None and lora.base_dtype == "nf4":
         base = ((checkpoint_run(folder) or {}).get("model") or {}).get("init_from")
         if base is None or not Path(base).is_dir():
             raise UserError(f"checkpoint '{folder}' is a QLoRA run's: its NF4 base weights are not in it but read "
                             f"from the run's model.init_from, {f'{base!r}, which is not there' if base else 'unset'}"
                             ": put that folder back where the run read it")
-        read_nf4_base(model, base, torch.device(device or "cpu"))
-    materialize_meta(model, torch.device(device or "cpu"))
+        # Read whole in bf16 (one process), the same values the run read a block at a time, quantized the same way.
+        quantize_nf4(model, load_pretrained(base, dtype=torch.bfloat16).state_dict(), device or "cpu")
+    materialize_meta(model, device or "cpu")
     held = get_model_state_dict(model)
     state = {k: t for k, t in held.items() if not is_nf4(t)}
     load_checkpoint_model(state, folder)

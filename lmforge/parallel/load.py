@@ -40,18 +40,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
-from lmforge.models.build import build, init_weights, local_piece
+from lmforge.models.build import build, init_weights, local_piece, materialize_meta
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import is_model_dir, read_config, safetensors_index, stored_layout
 from lmforge.models.lora import is_adapter
 from lmforge.models.nf4 import check_shardable, is_nf4, log_quantized, nf4_weights, to_nf4_parameter
-from lmforge.models.source import (
-    RUN_OVERRIDES,
-    is_checkpoint,
-    load_checkpoint_model,
-    load_pretrained,
-    source_config,
-)
+from lmforge.models.source import RUN_OVERRIDES, is_checkpoint, load_checkpoint_model, source_config
 
 log = logging.getLogger(__name__)
 
@@ -114,27 +108,15 @@ def read_nf4_base(model: nn.Module, source: str | Path, device: torch.device, sh
     for name in quantized:  # "layers.3.attention.qkv" -> "layers.3"
         blocks.setdefault(re.match(r"(.*?layers\.\d+)\.", name).group(1), []).append(name)
     read = 0
-    # A checkpoint (a QLoRA run's own base read again, load_checkpoint_whole) is read whole, in bf16, by one process.
-    whole = load_pretrained(source, dtype=torch.bfloat16).state_dict() if is_checkpoint(source) else None
     with torch.no_grad():
         for names in blocks.values():
             targets = {f"{n}.weight": torch.empty(quantized[n].weight.shape, dtype=torch.bfloat16, device=device)
                        for n in names}
-            if whole is not None:
-                for name, t in targets.items():
-                    t.copy_(whole.pop(name))
-            else:
-                read += (_from_lmforge if is_model_dir(source) else _from_hf)(source, cfg, targets)[0]
+            read += (_from_lmforge if is_model_dir(source) else _from_hf)(source, cfg, targets)[0]
             for n in names:
                 quantized[n].weight = to_nf4_parameter(targets.pop(f"{n}.weight"))
     log_quantized(len(quantized), kept)
     return read
-
-
-def materialize_meta(module: nn.Module, device: torch.device) -> None:
-    """to_empty for the tensors still on the meta device: what a model already holds (QLoRA's NF4 weights, read
-    before the layout) stays."""
-    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
 def init_sharded(pm, seed: int) -> int:

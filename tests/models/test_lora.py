@@ -238,8 +238,9 @@ def test_an_nf4_base_read_onto_a_meta_model_equals_the_whole_models_quantization
     weights are read block by block from an HF or lmforge folder and quantized, the rest filled after. Every NF4
     weight holds the same bits as apply_lora's quantization of the whole bf16 model, and the logits are equal."""
     pytest.importorskip("torchao")
+    from lmforge.models.build import materialize_meta
     from lmforge.models.nf4 import is_nf4, nf4_weights, scaler_block
-    from lmforge.parallel.load import materialize_meta, read_nf4_base
+    from lmforge.parallel.load import read_nf4_base
 
     lora = LoRAConfig(rank=2, targets="all-linear", base_dtype="nf4")
     whole = load_pretrained(hf_dirs["llama_gqa"], dtype=torch.bfloat16)
