@@ -152,9 +152,6 @@ def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
         raise UserError(f"parallel.expert={ep} does not divide the data-parallel size {cfg.data_parallel} "
                         f"(data_replicate={cfg.data_replicate} x data_shard={cfg.data_shard}): experts are split "
                         "over data-parallel ranks; pick a degree that divides it")
-    if cfg.tensor > 1 and cfg.pipeline > 1:
-        raise UserError(f"parallel.expert={ep} does not combine with tensor and pipeline parallelism together yet: "
-                        "set parallel.pipeline=1 or parallel.tensor=1 (each works with expert parallelism)")
 
 
 def expert_shards(cfg: ParallelConfig) -> tuple[int, int]:

@@ -167,10 +167,14 @@ class ParallelTraining:
             log.warning("dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
                         "(the presets train without dropout)")
         shapes = None
+        mp_policy = fsdp_mixed_precision(layout, precision.param_dtype, precision.autocast_dtype)
         if pipeline_rows is not None:
             shards = layout.tensor if layout.tensor > 1 and layout.sequence_parallel else 1
-            shapes = StageShapes(pipeline_rows, seq_length, precision.param_dtype, shards)
-        mp_policy = fsdp_mixed_precision(layout, precision.param_dtype, precision.autocast_dtype)
+            # FSDP2's mixed precision computes each stage with bf16 weights and casts its inputs: the stages then
+            # exchange bf16 hidden states (fp32 under autocast alone, whose residual stream stays fp32).
+            hidden = mp_policy.param_dtype if mp_policy is not None and layout.data_parallel > 1 else (
+                precision.param_dtype)
+            shapes = StageShapes(pipeline_rows, seq_length, hidden, shards)
         self.pm = parallelize(model, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes,
                               compile_block=compile_block)
         if fill is not None:

@@ -48,9 +48,6 @@ def test_a_router_that_duplicates_an_expert_fails_the_comparison(dispatch):
     ("tiny-mixtral", ParallelConfig(expert=3), 3, r"^model.num_experts=4 is not divisible by parallel.expert=3"),
     ("tiny-qwen3-moe", ParallelConfig(expert=4, data_shard=2), 2,
      r"^parallel.expert=4 does not divide the data-parallel size 2 \(data_replicate=1 x data_shard=2\)"),
-    ("tiny-qwen3-moe", ParallelConfig(expert=2, data_shard=2, tensor=2, pipeline=2), 8,
-     r"^parallel.expert=2 does not combine with tensor and pipeline parallelism together yet: set "
-     r"parallel.pipeline=1 or parallel.tensor=1"),
 ])
 def test_expert_layouts_that_do_not_fit(model, cfg, world, message):
     with pytest.raises(UserError, match=message):

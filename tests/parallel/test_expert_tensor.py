@@ -1,8 +1,9 @@
-"""Expert parallelism beside tensor parallelism (parallel.expert=2 x parallel.tensor=2 on 4 gloo processes), every
-layout equal to one process on the same global batch: loss, eval loss, every gradient, the gradient norm, the
-router's aux and z-loss, an AdamW and an AdamWSR step (tests/parallel/worker.py), with sequence parallelism and
-without, with gradient accumulation, and with LoRA on the experts; checkpoints saved under EP2 x TP2 load bit for bit
-on one process, under TP alone and under expert parallelism alone, and back. One launch for all of them.
+"""Expert parallelism beside tensor parallelism (parallel.expert=2 x parallel.tensor=2 on 4 gloo processes; with
+parallel.pipeline=2 too on 8), every layout equal to one process on the same global batch: loss, eval loss, every
+gradient, the gradient norm, the router's aux and z-loss, an AdamW and an AdamWSR step (tests/parallel/worker.py),
+with sequence parallelism and without, with gradient accumulation, and with LoRA on the experts; checkpoints saved
+under EP2 x TP2 load bit for bit on one process, under TP alone and under expert parallelism alone, and back. One
+launch for all of them.
 
 Each expert lives on one rank of its ep group (the data-parallel ranks of one tensor-parallel coordinate) and its
 intermediate rows are split over the tensor-parallel ranks: a rank holds a quarter of the expert weights.
@@ -40,9 +41,24 @@ FOUR = {
 }
 
 
+# Expert x tensor x pipeline, its smallest layout: 2 stages of 4 ranks, each stage's 2 data ranks an ep group per
+# tensor coordinate. Mixtral (a layer per stage) with the router losses; Qwen3-MoE's experts with LoRA.
+EIGHT = {
+    "ep2_tp2_pp2_sp_mixtral": {"model": "tiny-mixtral", "parallel": {**EP_TP, "pipeline": 2},
+                               "model_overrides": ROUTER},
+    "ep2_tp2_pp2_qwen3_moe_lora_plain": {"model": "tiny-qwen3-moe", "parallel": {**PLAIN, "pipeline": 2},
+                                         "lora": EXPERTS},
+}
+
+
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     return _launch(4, FOUR, tmp_path_factory.mktemp("ep_tp"))
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    return _launch(8, EIGHT, tmp_path_factory.mktemp("ep_tp_pp"))
 
 
 @pytest.mark.slow
@@ -78,3 +94,14 @@ def test_expert_adapters_are_split_by_expert_and_rows(four):
 @pytest.mark.parametrize("layout", [name for name, case in FOUR.items() if "reshard" in case])
 def test_checkpoints_reshard_to_and_from_expert_x_tensor(four, layout):
     check_reshard(four[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(EIGHT))
+def test_expert_x_tensor_x_pipeline_equals_one_process(eight, layout):
+    """8 gloo processes: each pipeline stage's experts split over its ep groups and their rows over its tensor
+    ranks, the router losses summed over the stages; loss, gradients, AdamW/AdamWSR steps and router losses equal
+    one process's."""
+    r = eight[layout]
+    _check(r)
+    assert r["router_losses"] == pytest.approx(r["ref_router_losses"], rel=1e-5)

@@ -103,10 +103,18 @@ PIPELINES = {  # each stage traced in a forked process; the stages built with st
                            "trainer.data_parallel=fsdp", "model.num_layers=4", "model.make_vocab_size_divisible_by=256",
                            "trainer.global_batch_size=16"),
     "pp_bf16_sr": _case(4, "parallel.pipeline=2", "model.num_layers=4", "trainer.precision=bf16-sr"),
+    # bf16-mixed under FSDP2: the stages compute with bf16 weights and exchange bf16 hidden states (planned as
+    # fp32, every such plan failed at the first microbatch's dtype check).
+    "pp_bf16_mixed_fsdp": _case(4, "parallel.pipeline=2", "model.num_layers=4", "trainer.precision=bf16-mixed",
+                                "trainer.data_parallel=fsdp"),
     "pp_cpu_counts": _case(4, "parallel.pipeline=2", "model.num_layers=4", patch="cpu_counts"),
     # Expert parallelism 2 within each stage's 4 FSDP ranks, the experts sharded over the 2 holding each.
     "pp_moe_ep": _case(8, "parallel.pipeline=2", "model.num_layers=4", "model.preset=tiny-qwen3-moe",
                        "trainer.data_parallel=fsdp", "parallel.expert=2", "trainer.global_batch_size=16"),
+    # Expert x tensor x pipeline: each stage's experts split over its 2 data ranks and their rows over 2 tensor ranks.
+    "pp_moe_ep_tp": _case(8, "parallel.pipeline=2", "parallel.tensor=2", "model.num_layers=4",
+                          "model.preset=tiny-qwen3-moe", "trainer.data_parallel=fsdp", "parallel.expert=2",
+                          "model.make_vocab_size_divisible_by=256", "trainer.global_batch_size=16"),
 }
 
 
