@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -234,7 +235,9 @@ def tiny_pythia(shared_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["sft-pythia-160m", "lora-pythia-410m", "dpo-pythia-160m"])
+@pytest.mark.parametrize("recipe", ["sft-pythia-160m", "lora-pythia-410m", "dpo-pythia-160m",
+                                    pytest.param("qlora-llama-3.1-8b", marks=pytest.mark.skipif(
+                                        importlib.util.find_spec("torchao") is None, reason="torchao not installed"))])
 def test_fine_tuning_recipes_run_as_the_readme_says(recipe, tiny_pythia, tmp_path):
     """Each recipe, with the README's command and a tiny model, trains and writes what the README says."""
     from pathlib import Path
@@ -252,7 +255,7 @@ def test_fine_tuning_recipes_run_as_the_readme_says(recipe, tiny_pythia, tmp_pat
                  "checkpoint.every_n_steps=0", "trainer.progress_bar=false", "cost.peak_flops=1e11", f"run_dir={run}"])
     assert code == 0
     assert (run / "hf" / "config.json").is_file() and (run / "hf" / "chat_template.jinja").is_file()
-    assert (run / "hf-adapter" / "adapter_config.json").is_file() == recipe.startswith("lora")
+    assert (run / "hf-adapter" / "adapter_config.json").is_file() == recipe.startswith(("lora", "qlora"))
     last = _rows(run)[-1]
     assert ("val_reward_accuracy" in last) == recipe.startswith("dpo") and "val_loss" in last
 
