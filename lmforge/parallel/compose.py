@@ -155,13 +155,17 @@ def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
     """DDP over the replicate dim: one whole model per rank, gradients all-reduced in buckets during the backward."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from lmforge.models.nf4 import is_nf4
+
     experts = expert_parameters(model)
-    ignored = [n for n, p in model.named_parameters() if p in experts]
+    # Experts laid out by expert parallelism reduce their gradients themselves; QLoRA's NF4 weights are frozen and
+    # quantized alike on every rank (DDP's broadcast of them at the start would meet torchao's tensor class).
+    ignored = [n for n, p in model.named_parameters() if p in experts or is_nf4(p)]
     if not any(p.requires_grad for p in model.parameters() if p not in experts):
         # Nothing left for DDP to reduce (LoRA on the experts alone, under expert parallelism): torch refuses to
         # wrap such a model, and the ranks already hold the same frozen weights (built alike).
         return model
-    if ignored:  # laid out by expert parallelism, which reduces their gradients itself
+    if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None)

@@ -24,6 +24,7 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write, out_of_space, remove_leftovers
 from lmforge.models.config import ModelConfig
 from lmforge.models.source import is_checkpoint
+from lmforge.parallel.compose import ParallelModel
 from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import build_mesh
@@ -126,6 +127,9 @@ class Trainer:
             fill = apply_run_lora(model, cfg, fill)
         if nf4_from and fill is not None:
             read_nf4_base(model, nf4_from, self.world.device, shards=max(layout.data_shard, 1))
+            if not layout.shards_model:  # one process or DDP replicas: the rest filled now, DDP wraps a whole model
+                fill(ParallelModel([model], layout, device=self.world.device))
+                fill = None
         self.task.prepare(model, cfg, layout, self.world.device)
         if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
             convert_to_float8(model, t.float8_recipe)

@@ -214,8 +214,8 @@ def test_lora_under_tensor_and_pipeline_parallelism_trains_and_exports_like_one_
 
 
 def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_llama, chats, tmp_path, monkeypatch):
-    """lora.base_dtype=nf4 needs torchao, a CUDA GPU or the CPU, and one process or FSDP2 alone over a base read
-    from a folder: each missing piece is one line naming the fix, before the run writes anything."""
+    """lora.base_dtype=nf4 needs torchao, a CUDA GPU or the CPU, and one process, DDP, or FSDP2 alone over a base
+    read from a folder: each missing piece is one line naming the fix, before the run writes anything."""
     import importlib.util
 
     from lmforge.errors import UserError
@@ -237,14 +237,16 @@ def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_llama, chats, tmp
     nf4, cpu, cuda = LoRAConfig(base_dtype="nf4"), torch.device("cpu"), torch.device("cuda", 0)
     one, fsdp = ParallelConfig().resolved(1), ParallelConfig().resolved(4)
     for device in (cpu, cuda):
-        check_qlora(nf4, device, one)  # one process, fresh or from anything
+        check_qlora(nf4, device, one)  # one process or DDP, fresh or from anything
+        check_qlora(nf4, device, ParallelConfig(data_replicate=4).resolved(4))
         check_qlora(nf4, device, fsdp, tiny_llama)  # FSDP2 over a folder's base
     with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) runs on a CUDA GPU or the CPU, not mps: "):
         check_qlora(nf4, torch.device("mps"), one)
     for layout in (ParallelConfig(tensor=2), ParallelConfig(pipeline=2), ParallelConfig(data_replicate=2),
                    ParallelConfig(expert=2)):
-        with pytest.raises(UserError, match=r"shards its base with FSDP2 only \(parallel.data_shard\), .*: set those "
-                                            r"to 1, or lora.base_dtype=bf16$"):
+        with pytest.raises(UserError, match=r"runs on one process, DDP replicas or FSDP2 \(trainer.data_parallel="
+                                            r"ddp or fsdp\), not with .* or HSDP: set those to 1, or lora.base_dtype="
+                                            r"bf16$"):
             check_qlora(nf4, cuda, layout.resolved(4), tiny_llama)
     with pytest.raises(UserError, match=r"under FSDP2 reads its base from model.init_from, an lmforge or Hugging Face "
                                         r"folder: set model.init_from$"):
@@ -357,6 +359,30 @@ def test_qlora_under_fsdp2_trains_like_one_process_and_resumes_under_any_layout(
             load_pretrained(step)
     finally:
         shutil.copytree(moved, tiny_llama)
+
+
+@pytest.mark.slow
+def test_qlora_under_ddp_trains_like_one_process(tiny_llama, chats, tmp_path):
+    """QLoRA over 2 DDP replicas: each reads and quantizes the whole base (the same bits: DDP leaves the NF4 weights
+    out of its start-up broadcast, which would meet torchao's class) and reduces only the adapters' gradients. The
+    losses equal one process's and the merged export is byte for byte the same."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["lora.base_dtype=nf4", "checkpoint.convert_to_hf=true"]
+    Trainer(lora_config(tiny_llama, chats, one, *common)).fit()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "lmforge.cli", "finetune", os.devnull, *lora_args(tiny_llama, chats, two, *common,
+                                                                          "trainer.data_parallel=ddp")],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "parallelized: DDP over 2 replicas" in r.stderr
+    for (la, ga), (lb, gb) in zip(_curve(two), _curve(one), strict=True):
+        assert la == pytest.approx(lb, rel=1e-6) and ga == pytest.approx(gb, rel=1e-5)
+    assert (two / "hf" / "model.safetensors").read_bytes() == (one / "hf" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow
