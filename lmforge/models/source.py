@@ -206,10 +206,14 @@ def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None
         apply_lora(model, lora)
     if lora is not None and lora.base_dtype == "nf4":
         base = ((checkpoint_run(folder) or {}).get("model") or {}).get("init_from")
-        if base is None or not Path(base).is_dir():
+        if base is None:
+            raise UserError(f"checkpoint '{folder}' is a QLoRA run's over a fresh base (no model.init_from): its NF4 "
+                            "weights are not in it, so it cannot be read whole; the run's own export "
+                            "(checkpoint.convert_to_hf=true) holds them")
+        if not Path(base).is_dir():
             raise UserError(f"checkpoint '{folder}' is a QLoRA run's: its NF4 base weights are not in it but read "
-                            f"from the run's model.init_from, {f'{base!r}, which is not there' if base else 'unset'}"
-                            ": put that folder back where the run read it")
+                            f"from the run's model.init_from, {base!r}, which is not there: put that folder back "
+                            "where the run read it")
         # Read whole in bf16 (one process), the same values the run read a block at a time, quantized the same way.
         quantize_nf4(model, load_pretrained(base, dtype=torch.bfloat16).state_dict(), device or "cpu")
     materialize_meta(model, device or "cpu")
