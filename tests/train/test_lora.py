@@ -291,6 +291,17 @@ def test_a_qlora_run_resumes_bit_exactly_and_exports(tiny_llama, chats, tmp_path
     hf = tf.AutoModelForCausalLM.from_pretrained(cut / "hf", torch_dtype=torch.float32).eval()
     assert (_logits(hf, ids) - ours).abs().max().item() <= TOL
     peft.PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tiny_llama), cut / "hf-adapter")
+    # A checkpoint of a QLoRA run over a fresh base (no model.init_from) cannot be read whole: one line says why.
+    from lmforge.errors import UserError
+
+    fresh = tmp_path / "fresh" / "step-00000004"
+    shutil.copytree(whole / "checkpoints" / "step-00000004", fresh)
+    state = json.loads((fresh / "trainer.json").read_text())
+    state["run_config"]["model"]["init_from"] = None
+    (fresh / "trainer.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match=r"is a QLoRA run's over a fresh base \(no model.init_from\): its NF4 weights "
+                                        r"are not in it, so it cannot be read whole; the run's own export"):
+        load_pretrained(fresh)
 
 
 @pytest.mark.slow
