@@ -44,7 +44,7 @@ def check_qlora(lora, device: torch.device, layout: ParallelConfig, init_from: s
                 need_torchao: bool = True, need_source: bool = True) -> None:
     """lora.base_dtype=nf4 (QLoRA) before the run builds anything: a UserError unless torchao is importable, the
     device is a CUDA GPU or the CPU (torchao's NF4 is plain tensor code there: slow, but the same numbers), and the
-    layout is one process, DDP replicas (each holding the whole NF4 base), or FSDP2 alone, whose base comes from an
+    layout is one process, DDP replicas (each holding the whole NF4 base), or FSDP2 (HSDP too), whose base comes from an
     lmforge or Hugging Face folder (read and quantized before it is sharded: lmforge.parallel.load.read_nf4_base).
     need_torchao=False, need_source=False: lmforge plan, which sizes the base in bf16 where torchao is missing and
     sizes a preset without its folder."""
@@ -55,11 +55,10 @@ def check_qlora(lora, device: torch.device, layout: ParallelConfig, init_from: s
                         "set lora.base_dtype=bf16")
     if need_torchao and importlib.util.find_spec("torchao") is None:
         raise UserError(f"lora.base_dtype=nf4 (QLoRA) needs torchao, which is not installed: {QLORA_PIP}")
-    if layout.tensor > 1 or layout.pipeline > 1 or layout.expert > 1 or (
-            layout.data_replicate > 1 and layout.data_shard > 1):
-        raise UserError("lora.base_dtype=nf4 (QLoRA) runs on one process, DDP replicas or FSDP2 "
-                        "(trainer.data_parallel=ddp or fsdp), not with tensor, pipeline or expert parallelism or "
-                        "HSDP: set those to 1, or lora.base_dtype=bf16")
+    if layout.tensor > 1 or layout.pipeline > 1 or layout.expert > 1:
+        raise UserError("lora.base_dtype=nf4 (QLoRA) runs on one process, DDP replicas, FSDP2 or HSDP "
+                        "(trainer.data_parallel, parallel.data_replicate/data_shard), not with tensor, pipeline or "
+                        "expert parallelism: set those to 1, or lora.base_dtype=bf16")
     if layout.data_shard > 1 and (init_from is None and need_source or init_from and is_checkpoint(Path(init_from))):
         raise UserError("lora.base_dtype=nf4 (QLoRA) under FSDP2 reads its base from model.init_from, an lmforge or "
                         "Hugging Face folder" + (f", not the training checkpoint '{init_from}': export it first "
