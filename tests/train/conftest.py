@@ -1,9 +1,13 @@
-"""A tiny learnable corpus in Megatron format, and a helper to make run configs."""
+"""A tiny learnable corpus in Megatron format, a helper to make run configs, and a tiny Llama with chat data.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
+import torch
 
 from lmforge.data.indexed import IndexedDatasetWriter
 from lmforge.train.config import load_run_config
@@ -46,3 +50,29 @@ def tiny_gpt2(shared_data, tmp_path_factory):
                    "max_position_embeddings": 128}, seed=0)
     save_model(model, out, tokenizer_from=shared_data / "tokenizers" / "gpt2" / "tokenizer.json")
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(shared_data, tmp_path_factory):
+    """A small random Llama (a Hugging Face folder) with the real GPT-2 tokenizer beside it (the LoRA and QLoRA
+    tests)."""
+    tf = pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("llama") / "hf"
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=50257, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                            bos_token_id=50256, eos_token_id=50256)
+    tf.LlamaForCausalLM(config).save_pretrained(out)
+    shutil.copyfile(shared_data / "tokenizers" / "gpt2" / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    """64 chat records, a sum each (the LoRA and QLoRA tests)."""
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
+            for a in range(8) for b in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
