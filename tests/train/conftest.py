@@ -1,4 +1,4 @@
-"""A tiny learnable corpus in Megatron format, a helper to make run configs, and a tiny Llama with chat data.
+"""A tiny learnable corpus in Megatron format, a helper to make run configs, and a tiny Llama with chat data."""
 
 from __future__ import annotations
 
