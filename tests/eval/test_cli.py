@@ -123,7 +123,8 @@ def test_a_training_checkpoint_evaluates_as_its_export(eval_models, shared_data,
                          load_tasks(["sst2_local", "wikitext2_local"], data_dir=shared_data), limit=2)["results"]
     for task, metrics in direct.items():
         for key, value in metrics.items():
-            assert value == pytest.approx(reference[task][key], rel=1e-5), (task, key)
+            expected = reference[task][key]  # a string ("N/A") where lm-eval computes none: approx refuses it
+            assert value == (expected if isinstance(expected, str) else pytest.approx(expected, rel=1e-5)), (task, key)
 
 
 def _results_of_untrained(lm_dir, args, tmp_path) -> dict:

@@ -111,4 +111,6 @@ def test_whole_tasks_match_the_hf_backend(family, ours, hf_backend, shared_data,
         for task in tasks:
             assert ref[task] and mine[task].keys() == ref[task].keys()
             for metric, value in ref[task].items():
-                assert mine[task][metric] == pytest.approx(value, rel=1e-5), (shots, task, metric)
+                # A metric lm-eval cannot compute is a string ("N/A"): pytest 9.2's approx refuses strings.
+                expected = value if isinstance(value, str) else pytest.approx(value, rel=1e-5)
+                assert mine[task][metric] == expected, (shots, task, metric)
