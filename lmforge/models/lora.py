@@ -49,7 +49,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.lora_experts import EXPERT_TARGETS, MLP_ON_EXPERTS, LoRAExperts, expert_delta, expert_ranks
-from lmforge.models.moe import Experts
+from lmforge.models.moe import Experts, stacked
 from lmforge.models.nf4 import dense, quantize_nf4
 
 log = logging.getLogger(__name__)
@@ -364,10 +364,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for name, module in list(lora_modules(model)):
         parent_name, _, attr = name.rpartition(".")
         if isinstance(module, LoRAExperts):
+            # In place; QLoRA's NF4 experts merge into new stacked bf16 weights.
+            held = dict(zip(("gate_up", "down"), stacked(module.gate_up, module.down), strict=True))
             for weight in module.rank:
-                w = getattr(module, weight)
+                w = held[weight]
                 w.copy_((w.float() + module.delta(weight).to(w.device)).to(w.dtype))
-            setattr(model.get_submodule(parent_name), attr, Experts.holding(module.gate_up, module.down))
+            params = [getattr(module, k) if w is getattr(module, k) else nn.Parameter(w, requires_grad=False)
+                      for k, w in held.items()]
+            setattr(model.get_submodule(parent_name), attr, Experts.holding(*params))
             continue
         w = dense(module.weight)  # an NF4 base merges into a new bf16 weight, any other in place
         merged = (w.float() + module.delta_weight().to(w.device)).to(w.dtype)
@@ -399,6 +403,9 @@ def merged_state(state: dict[str, torch.Tensor], cfg: ModelConfig, scaling: floa
     """A LoRA model's state dict (plain tensors, e.g. gathered for export) with the adapters folded into the base."""
     base, adapters = split_state(state)
     base = {name: dense(t) for name, t in base.items()}  # NF4 weights, adapted or not, leave as bf16
+    for name in [n for n in base if n.endswith(".experts.gate_up")]:  # QLoRA's 2-D experts, stacked again
+        down = name.removesuffix("gate_up") + "down"
+        base[name], base[down] = stacked(base[name], base[down])
     for module, ab in adapters.items():
         if module.endswith(".experts"):  # stacked experts: each weight's per-expert B A
             for weight, a in ab["A"].items():

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
-from lmforge.models.moe import ExpertLoRA, Experts
+from lmforge.models.moe import ExpertLoRA, Experts, stacked
 
 WEIGHTS = ("gate_up", "down")
 # Target names (lora.targets) of the stacked weights, each adapted at lora.rank.
@@ -42,7 +42,7 @@ class LoRAExperts(Experts):
                  generator: torch.Generator | None = None):
         nn.Module.__init__(self)
         self.gate_up, self.down = base.gate_up, base.down
-        experts, _, inter, hidden = base.gate_up.shape
+        experts, _, inter, hidden = stacked(base.gate_up, base.down)[0].shape  # QLoRA's NF4 ones are 2-D
         self.rank = {w: ranks[w] for w in WEIGHTS if w in ranks}
         self.scaling = {w: alphas[w] / r for w, r in self.rank.items()}
         inputs, outputs = {"gate_up": hidden, "down": inter}, {"gate_up": (2, inter), "down": (hidden,)}

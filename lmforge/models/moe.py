@@ -19,6 +19,10 @@ row stride a multiple of 16 bytes, and joins GROUPED_MM once scripts/gpu_check.p
 LoRA on the experts (lmforge.models.lora_experts) runs in the same grouped pass: an adapted weight adds, for expert
 e's rows x, scaling * (x A_e^T) B_e^T, two more grouped GEMMs through the rank (never the merged weight), with their
 gradients written out beside the experts' own.
+
+QLoRA (lora.base_dtype=nf4) holds gate_up and down as 2-D NF4 tensors (lmforge.models.nf4): the grouped pass
+dequantizes them in the compute dtype (stacked) and keeps only the NF4 tensors for backward, where it dequantizes
+them again, as torchao's NF4 linear does: a layer's experts are never held in bf16 between forward and backward.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from lmforge.models.config import ModelConfig
+from lmforge.models.nf4 import dequantize, is_nf4
 
 # Device type -> the dtypes whose experts' GEMMs go through torch's grouped GEMM (see the module docstring).
 GROUPED_MM: dict[str, tuple[torch.dtype, ...]] = {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
@@ -69,6 +74,31 @@ class Experts(nn.Module):
     def lora(self) -> ExpertLoRA | None:
         """The LoRA factors to add in the grouped pass: none here (lmforge.models.lora_experts.LoRAExperts)."""
         return None
+
+
+def expert_dims(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int, int]:
+    """(experts, moe_intermediate, hidden) of stacked experts' weights, or of the 2-D forms QLoRA holds them in
+    (lmforge.models.nf4)."""
+    if gate_up.dim() > 2:
+        experts, _, inter, hidden = gate_up.shape
+        return experts, inter, hidden
+    hidden, inter = gate_up.shape[1], down.shape[1]
+    return down.shape[0] // hidden, inter, hidden
+
+
+def stacked(gate_up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts' gate_up (experts, 2, moe_intermediate, hidden) and down (experts, hidden, moe_intermediate): the
+    tensors themselves where they are stacked, else from the 2-D forms QLoRA holds them in (NF4, dequantized into new
+    tensors of `dtype`, bf16 by default; or already dense)."""
+    if gate_up.dim() > 2:
+        return gate_up, down
+    experts, inter, hidden = expert_dims(gate_up, down)
+    return _stacked(gate_up, (experts, 2, inter, hidden), dtype), _stacked(down, (experts, hidden, inter), dtype)
+
+
+def _stacked(w: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+    return (dequantize(w, dtype) if is_nf4(w) else w).view(shape)
 
 
 @dataclass
@@ -139,7 +169,8 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     (tokens, k), gate_up and down Experts' (or a slice of their experts or intermediate rows), with `lora`'s updates
     (sliced alike); the experts' GEMMs in the compute dtype (autocast's, else x's)."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    num_experts = gate_up.shape[0]
+    nf4 = is_nf4(gate_up)  # QLoRA's 2-D NF4 experts: dequantized inside the pass (module docstring)
+    num_experts = down.shape[0] // gate_up.shape[1] if nf4 else gate_up.shape[0]
     flat = chosen.reshape(-1)
     # Stable, so each expert's rows keep token order (the same GEMM rows whatever the sort's implementation).
     order = torch.sort(flat, stable=True).indices
@@ -148,9 +179,10 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     else:
         counts = torch.bincount(flat, minlength=num_experts).tolist()
     adapters = _NO_LORA if lora is None else lora.map(lambda _, t: t.to(dtype)).args()
+    if not nf4:
+        gate_up, down = gate_up.to(dtype), down.to(dtype)
     with torch.autocast(x.device.type, enabled=False):
-        return _GroupedExperts.apply(x.to(dtype), weights.to(dtype), gate_up.to(dtype), down.to(dtype), order,
-                                     counts, act, *adapters)
+        return _GroupedExperts.apply(x.to(dtype), weights.to(dtype), gate_up, down, order, counts, act, *adapters)
 
 
 def expert_rows(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int],
@@ -222,17 +254,23 @@ class _GroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, order, counts, act, scaling, a_gu, b_gu, a_down, b_down):
-        ctx.gate_up_shape = gate_up.shape
+        ctx.nf4 = is_nf4(gate_up)
+        held = (gate_up, down)  # what backward gets: QLoRA's NF4 tensors, not their dequantized copies
+        experts, inter, hidden = expert_dims(gate_up, down)
+        ctx.gate_up_shape = (experts, 2, inter, hidden)
+        if ctx.nf4:  # each dequantized where it is used: one layer's weights in the compute dtype at a time
+            gate_up = _stacked(gate_up, ctx.gate_up_shape, x.dtype)
         gate_up = gate_up.flatten(1, 2)  # (experts, [gate; up] rows, hidden): one GEMM for both
         b_gu = b_gu.flatten(1, 2) if b_gu is not None else None  # (experts, [gate; up] rows, rank) likewise
         tokens, k = weights.shape
-        inter = down.shape[2]
         offs = _grouped_offsets(x, counts, x.shape[1], gate_up.shape[1], inter)
         slot_token = order // k  # the token of each sorted (token, expert) pair
         rows = x.index_select(0, slot_token)
         h = _per_expert(rows, gate_up.transpose(1, 2), counts, offs)
         u_gu = _low_rank_into(h, rows, a_gu, b_gu, scaling.get("gate_up"), counts, offs)
         a = act(h[:, :inter]) * h[:, inter:]
+        if ctx.nf4:
+            gate_up, down = None, _stacked(down, (experts, hidden, inter), x.dtype)
         y = _per_expert(a, down.transpose(1, 2), counts, offs)
         u_down = _low_rank_into(y, a, a_down, b_down, scaling.get("down"), counts, offs)
         del rows, a
@@ -241,8 +279,8 @@ class _GroupedExperts(torch.autograd.Function):
         inverse[order] = torch.arange(order.shape[0], device=order.device)
         # Back to (token, k) order and summed over k: a gather and a sum, no scatter (deterministic on every device).
         out = (y * w[:, None])[inverse].view(tokens, k, y.shape[1]).sum(1)  # explicit: 0 tokens too
-        ctx.save_for_backward(x, weights, gate_up, down, order, inverse, h, y, a_gu, b_gu, a_down, b_down, u_gu,
-                              u_down)
+        ctx.save_for_backward(x, weights, *(held if ctx.nf4 else (gate_up, down)), order, inverse, h, y, a_gu, b_gu,
+                              a_down, b_down, u_gu, u_down)
         ctx.counts, ctx.act, ctx.offs, ctx.scaling = counts, act, offs, scaling
         return out
 
@@ -251,10 +289,14 @@ class _GroupedExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weights, gate_up, down, order, inverse, h, y, a_gu, b_gu, a_down, b_down, u_gu, u_down = ctx.saved_tensors
         counts, act, offs, scaling = ctx.counts, ctx.act, ctx.offs, ctx.scaling
+        if ctx.nf4:  # QLoRA's NF4 experts, dequantized again where each is used
+            experts, _, inter, hidden = ctx.gate_up_shape
+            nf4_gate_up, gate_up = gate_up, None
+            down = _stacked(down, (experts, hidden, inter), x.dtype)
         need_x, need_w, need_gu, need_down = ctx.needs_input_grad[:4]
         need_lora = ctx.needs_input_grad[8:12]
         tokens, k = weights.shape
-        inter = down.shape[2]
+        inter = ctx.gate_up_shape[2]
         slot_token = order // k
         go = grad_out.index_select(0, slot_token)  # each pair's share of the gradient, before its routing weight
         grad_weights = (go * y).sum(-1)[inverse].view(tokens, k) if need_w else None
@@ -285,6 +327,9 @@ class _GroupedExperts(torch.autograd.Function):
         need_rows = need_gu or (a_gu is not None and need_lora[0])
         rows = x.index_select(0, slot_token) if need_rows else None
         grad_gate_up = _per_expert_outer(gh, rows, counts, offs).view(ctx.gate_up_shape) if need_gu else None
+        if ctx.nf4:
+            del down
+            gate_up = _stacked(nf4_gate_up, ctx.gate_up_shape, x.dtype).flatten(1, 2) if need_x else None
         grad_rows = _per_expert(gh, gate_up, counts, offs) if need_x else None
         grad_a_gu, grad_b_gu = _low_rank_grads(grad_rows, gh, rows, a_gu, b_gu, u_gu, scaling.get("gate_up"), counts,
                                                offs, need_lora[:2])

@@ -1,5 +1,11 @@
-"""QLoRA's frozen base (Dettmers et al. 2023): the blocks' linear weights in 4-bit NormalFloat through torchao, one
-absmax scale per 64 weights, the scales quantized again in blocks of 256 (lora.base_dtype=nf4, lmforge.models.lora).
+"""QLoRA's frozen base (Dettmers et al. 2023): the blocks' linear weights, and a mixture of experts' stacked expert
+weights, in 4-bit NormalFloat through torchao, one absmax scale per 64 weights, the scales quantized again in blocks
+of 256 (lora.base_dtype=nf4, lmforge.models.lora).
+
+torchao's NF4 tensor is 2-D, so a stacked expert weight is held as one: gate_up (experts, 2, moe_intermediate,
+hidden) as (experts * 2 * moe_intermediate, hidden), down (experts, hidden, moe_intermediate) as (experts * hidden,
+moe_intermediate). NF4's blocks run over the flattened weight either way; lmforge.models.moe.stacked gives the
+stacked view back, dequantized, where the experts compute.
 """
 
 from __future__ import annotations
@@ -27,16 +33,22 @@ def nf4_api():
     return nf4.to_nf4, nf4.NF4Tensor
 
 
-def nf4_weights(model: nn.Module) -> tuple[dict[str, nn.Linear], list[str]]:
-    """The linear layers whose weights NF4 quantizes (the blocks', by module name) and those it keeps in bf16 (a
-    weight whose size has no whole 64-weight blocks)."""
+def nf4_weights(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str]], list[str]]:
+    """The frozen weights NF4 quantizes, parameter name -> (module, attribute): the blocks' linear weights and their
+    stacked experts' gate_up and down (lmforge.models.moe.Experts, a LoRA-wrapped one too); and the modules whose
+    weights it keeps in bf16 (a size with no whole 64-weight blocks)."""
+    from lmforge.models.moe import Experts
+
     quantized, kept = {}, []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and ".layers." in f".{name}":
-            if module.weight.numel() % NF4_BLOCK:
-                kept.append(name)
-            else:
-                quantized[name] = module
+        if ".layers." not in f".{name}":
+            continue
+        attrs = ("weight",) if isinstance(module, nn.Linear) else ("gate_up", "down") if isinstance(
+            module, Experts) else ()
+        if any(getattr(module, a).numel() % NF4_BLOCK for a in attrs):
+            kept.append(name)
+        else:
+            quantized.update({f"{name}.{a}": (module, a) for a in attrs})
     return quantized, kept
 
 
@@ -55,41 +67,45 @@ def scaler_block(blocks: int) -> int:
 
 
 def to_nf4_parameter(w: torch.Tensor) -> nn.Parameter:
-    """A frozen weight in NF4 (QLoRA's 64-weight blocks, the scales quantized again in blocks: scaler_block)."""
+    """A frozen weight in NF4 (QLoRA's 64-weight blocks, the scales quantized again in blocks: scaler_block); a
+    stacked one (experts, ..., columns) as the 2-D (rows, columns) torchao holds (module docstring)."""
     to_nf4, _ = nf4_api()
-    return nn.Parameter(to_nf4(w.detach().to(torch.bfloat16), NF4_BLOCK, scaler_block(w.numel() // NF4_BLOCK)),
-                        requires_grad=False)
+    w = w.detach().to(torch.bfloat16).reshape(-1, w.shape[-1])
+    return nn.Parameter(to_nf4(w, NF4_BLOCK, scaler_block(w.numel() // NF4_BLOCK)), requires_grad=False)
 
 
-def check_shardable(quantized: dict[str, nn.Linear], ranks: int) -> None:
-    """A UserError unless FSDP2 over `ranks` can split every NF4 weight: its rows and its scale groups (torchao
-    splits an NF4 tensor along whole groups) divisible by the ranks."""
+def check_shardable(quantized: dict[str, tuple[nn.Module, str]], ranks: int) -> None:
+    """A UserError unless FSDP2 over `ranks` can split every NF4 weight (nf4_weights' `quantized`): its rows as NF4
+    holds it and its scale groups (torchao splits an NF4 tensor along whole groups) divisible by the ranks."""
     from lmforge.errors import UserError
 
-    for name, module in quantized.items():
-        rows, blocks = module.weight.shape[0], module.weight.numel() // NF4_BLOCK
+    for name, site in quantized.items():
+        w = getattr(*site)
+        columns = w.shape[-1]
+        rows, blocks = w.numel() // columns, w.numel() // NF4_BLOCK
         groups = blocks // scaler_block(blocks)
         if rows % ranks or groups % ranks:
-            raise UserError(f"lora.base_dtype=nf4 (QLoRA) under FSDP2 over {ranks} ranks: '{name}.weight' "
-                            f"({rows} x {module.weight.shape[1]}, {groups} NF4 scale groups) cannot be split "
-                            f"{ranks} ways: use fewer ranks (parallel.data_shard), or lora.base_dtype=bf16")
+            raise UserError(f"lora.base_dtype=nf4 (QLoRA) under FSDP2 over {ranks} ranks: '{name}' ({rows} x "
+                            f"{columns}, {groups} NF4 scale groups) cannot be split {ranks} ways: use fewer ranks "
+                            "(parallel.data_shard), or lora.base_dtype=bf16")
 
 
 def quantize_nf4(model: nn.Module, weights: dict[str, torch.Tensor] | None = None,
                  device: torch.device | str | None = None) -> int:
-    """Swap the blocks' (frozen, bf16) linear weights for torchao NF4 tensors, in place (nf4_weights), or quantize
-    them from `weights` (name -> tensor, a model on the meta device) onto `device`. Returns how many weights were
-    quantized."""
+    """Swap the blocks' frozen bf16 weights (nf4_weights) for torchao NF4 tensors, in place, or quantize them from
+    `weights` (name -> tensor, a model on the meta device) onto `device`. Returns how many weights were quantized."""
     quantized, kept = nf4_weights(model)
-    for name, module in quantized.items():
-        w = module.weight if weights is None else weights[f"{name}.weight"].to(device)
-        module.weight = to_nf4_parameter(w)
-    log_quantized(len(quantized), kept)
+    for name, (module, attr) in quantized.items():
+        w = getattr(module, attr) if weights is None else weights[name].to(device)
+        setattr(module, attr, to_nf4_parameter(w))
+    log_quantized(quantized, kept)
     return len(quantized)
 
 
-def log_quantized(done: int, kept: list[str]) -> None:
-    log.info("lora.base_dtype=nf4: %d linear weights in NF4%s", done,
+def log_quantized(quantized: dict[str, tuple[nn.Module, str]], kept: list[str]) -> None:
+    stacked = sum(attr != "weight" for _, attr in quantized.values())
+    log.info("lora.base_dtype=nf4: %d linear weights in NF4%s%s", len(quantized) - stacked,
+             f" and {stacked} stacked expert weights" if stacked else "",
              f"; {len(kept)} kept in bf16 (size not a multiple of {NF4_BLOCK}): {', '.join(kept)}" if kept else "")
 
 
@@ -97,6 +113,28 @@ def is_nf4(t: torch.Tensor) -> bool:
     """Whether `t` (or a DTensor's local piece) is a torchao NF4 weight."""
     local = getattr(t, "_local_tensor", t)
     return hasattr(local, "get_original_weight")
+
+
+# dequantize's chunk, in bytes of NF4 data (two weights each): a multiple of every block's 32 bytes.
+DEQUANTIZE_CHUNK = 1 << 23
+
+
+def dequantize(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A torchao NF4 weight dequantized into one new tensor of `dtype` (its own, bf16, by default), the values of its
+    get_original_weight bit for bit, a chunk of DEQUANTIZE_CHUNK bytes at a time. get_original_weight's intermediates
+    hold ~14 bytes a weight (int64 indices among them): for one layer's stacked experts (Mixtral 8x7B's gate_up:
+    0.94 billion weights) that is 13 GB beside the 1.9 GB result; here they are a chunk's."""
+    out = torch.empty(w.shape, dtype=dtype or w.dtype, device=w.device)
+    pairs = out.view(-1, 2)  # each byte of NF4 data holds two consecutive weights: its high then its low 4 bits
+    scalers = w.dequantize_scalers(w.quantized_scalers, w.quantization_factor, w.scaler_block_size)
+    half = w.block_size // 2  # a block's bytes
+    data = w.quantized_data
+    for start in range(0, data.numel(), DEQUANTIZE_CHUNK):
+        q = data[start:start + DEQUANTIZE_CHUNK]
+        scale = scalers[start // half:(start + q.numel()) // half].repeat_interleave(half)
+        pairs[start:start + q.numel(), 0] = w.nf4[(q >> 4).long()] * scale
+        pairs[start:start + q.numel(), 1] = w.nf4[(q & 0b1111).long()] * scale
+    return out
 
 
 def dense(w: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,8 @@ def load_sharded(pm, source: str | Path) -> LoadStats:
 
 
 def read_nf4_base(model: nn.Module, source: str | Path, device: torch.device, shards: int = 1) -> int:
-    """QLoRA's base (lora.base_dtype=nf4) for a model still on the meta device (LoRA-wrapped or not): each linear
-    weight NF4 quantizes (lmforge.models.nf4.nf4_weights) is read whole from `source`, an lmforge or Hugging Face
+    """QLoRA's base (lora.base_dtype=nf4) for a model still on the meta device (LoRA-wrapped or not): each weight
+    NF4 quantizes (lmforge.models.nf4.nf4_weights) is read whole from `source`, an lmforge or Hugging Face
     folder, in bf16 on `device`, one block's weights at a time, and quantized there. The rest of the model stays on
     the meta device for load_sharded, which keeps these. Called before the model is laid out, so that FSDP2 shards
     the NF4 weights themselves (torchao's NF4 tensor implements FSDP2's all-gather): a rank then holds its shards of
@@ -105,17 +105,16 @@ def read_nf4_base(model: nn.Module, source: str | Path, device: torch.device, sh
     quantized, kept = nf4_weights(model)
     check_shardable(quantized, shards)
     blocks: dict[str, list[str]] = {}
-    for name in quantized:  # "layers.3.attention.qkv" -> "layers.3"
+    for name in quantized:  # "layers.3.attention.qkv.weight" -> "layers.3"
         blocks.setdefault(re.match(r"(.*?layers\.\d+)\.", name).group(1), []).append(name)
     read = 0
     with torch.no_grad():
         for names in blocks.values():
-            targets = {f"{n}.weight": torch.empty(quantized[n].weight.shape, dtype=torch.bfloat16, device=device)
-                       for n in names}
+            targets = {n: torch.empty(getattr(*quantized[n]).shape, dtype=torch.bfloat16, device=device) for n in names}
             read += (_from_lmforge if is_model_dir(source) else _from_hf)(source, cfg, targets)[0]
             for n in names:
-                quantized[n].weight = to_nf4_parameter(targets.pop(f"{n}.weight"))
-    log_quantized(len(quantized), kept)
+                setattr(*quantized[n], to_nf4_parameter(targets.pop(n)))
+    log_quantized(quantized, kept)
     return read
 
 

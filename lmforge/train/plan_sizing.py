@@ -33,8 +33,9 @@ def quantize_as_read(model: torch.nn.Module, device: torch.device) -> None:
     tensor on `device` (fake, inside the trace) before the layout, the rest still on the meta device."""
     from lmforge.models.nf4 import nf4_weights, to_nf4_parameter
 
-    for module in nf4_weights(model)[0].values():
-        module.weight = to_nf4_parameter(torch.empty(module.weight.shape, dtype=torch.bfloat16, device=device))
+    for module, attr in nf4_weights(model)[0].values():
+        setattr(module, attr, to_nf4_parameter(torch.empty(getattr(module, attr).shape, dtype=torch.bfloat16,
+                                                           device=device)))
 
 
 def nf4_as_traced(cfg: RunConfig, layout) -> tuple[RunConfig, str | None]:
@@ -50,7 +51,7 @@ def nf4_as_traced(cfg: RunConfig, layout) -> tuple[RunConfig, str | None]:
             "lora.base_dtype=nf4 under FSDP2: the run reads and quantizes its base from model.init_from (an lmforge or "
             "Hugging Face folder), which this config does not set yet")
     note = ("lora.base_dtype=nf4: torchao is not importable here, so the frozen base is sized in bf16, an upper bound "
-            "(NF4 holds the blocks' linear weights in ~0.53 bytes each): pip install torchao to size NF4")
+            "(NF4 holds the blocks' linear and expert weights in ~0.53 bytes each): pip install torchao to size NF4")
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_dtype="bf16")), note
 
 

@@ -192,3 +192,55 @@ def test_expert_and_tensor_parallel_moe_lora_runs_train_and_export_like_one_proc
         Trainer(lora_config(tiny_moe["qwen3_moe"], chats, run, "checkpoint.convert_to_hf=true",
                             "checkpoint.every_n_steps=2", "checkpoint.save_top_k=-1")).fit()
         close(_curve(run), _curve(one_process))
+
+
+@pytest.mark.slow
+def test_a_moe_qlora_run_holds_its_experts_in_nf4_and_trains_like_one_process_under_fsdp2(tiny_moe, chats, tmp_path):
+    """QLoRA on Mixtral (lora.base_dtype=nf4): the stacked experts are NF4 too (torchao's 2-D tensor), read a block at
+    a time and sharded by FSDP2. Over 2 gloo ranks the losses and adapters equal one process's; the checkpoint holds
+    no base weights, and export-hf of it writes the run's own folders; the merged hf/ holds the experts in bf16 and
+    computes what lmforge's merged model does, and PEFT loads hf-adapter/ onto the base."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    pytest.importorskip("torchao")
+    peft = pytest.importorskip("peft")
+    common = ["lora.base_dtype=nf4", "lora.targets=all-linear", "checkpoint.convert_to_hf=true"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs (the one_process fixture says why)
+    try:
+        Trainer(lora_config(tiny_moe["mixtral"], chats, one, *common)).fit()
+    finally:
+        torch.set_num_threads(threads)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "lmforge.cli", "finetune", os.devnull, *lora_args(tiny_moe["mixtral"], chats, two, *common,
+                                                                          "trainer.data_parallel=fsdp")],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "lora.base_dtype=nf4: 6 linear weights in NF4 and 4 stacked expert weights" in r.stderr, r.stderr[-3000:]
+    for (la, ga), (lb, gb) in zip(_curve(two), _curve(one), strict=True):
+        assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+    adapters = [load_file(run / "hf-adapter" / "adapter_model.safetensors") for run in (two, one)]
+    assert adapters[0].keys() == adapters[1].keys() and any("experts" in k for k in adapters[0])
+    for k, t in adapters[1].items():
+        torch.testing.assert_close(adapters[0][k], t, rtol=1e-4, atol=5e-4 * t.abs().max().item(), msg=k)
+    step = sorted((two / "checkpoints").glob("step-*"))[-1]
+    saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    assert "model.layers.0.mlp.experts.lora_A.gate_up" in saved
+    assert not any(k.endswith((".experts.gate_up", ".experts.down", "qkv.weight")) for k in saved)
+    from lmforge.cli import main  # export-hf of the 2-rank checkpoint (its base read again): the run's own folders
+
+    out = tmp_path / "export" / "hf"
+    assert main(["export-hf", str(step), str(out)]) == 0
+    for ours, theirs in [(out, two / "hf"), (out.with_name("hf-adapter"), two / "hf-adapter")]:
+        for name in sorted(p.name for p in theirs.iterdir()):
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    merged = load_file(one / "hf" / "model.safetensors")
+    experts = [t for k, t in merged.items() if "experts" in k]
+    assert len(experts) == 2 * 4 * 3 and all(t.dtype == torch.bfloat16 for t in experts)  # Mixtral's w1, w2, w3
+    ids = _ids()
+    ours = _logits(load_pretrained(one / "model", dtype=torch.float32), ids)
+    hf = tf.AutoModelForCausalLM.from_pretrained(one / "hf", torch_dtype=torch.float32).eval()
+    assert (_logits(hf, ids) - ours).abs().max().item() <= TOL
+    peft.PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tiny_moe["mixtral"]), one / "hf-adapter")

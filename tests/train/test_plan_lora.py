@@ -65,6 +65,9 @@ def _cases(corpus: Path, pairs: Path, runs: Path) -> dict[str, tuple[int, list[s
     if HAS_TORCHAO:  # a fresh base built whole, then quantized; a folder's read and quantized, then FSDP2-sharded
         cases["qlora"] = (1, [*pretrain, *LORA, "lora.base_dtype=nf4"])
         cases["qlora_dpo_fsdp"] = (2, [*dpo, *LORA, *FSDP, "lora.base_dtype=nf4"])
+        # the stacked experts in NF4 too
+        cases["moe_qlora"] = (1, [*pretrain, "model.preset=tiny-qwen3-moe", *LORA, "lora.dropout=0",
+                                  "lora.base_dtype=nf4"])
     return {name: (world, [*overrides, f"run_dir={runs / name}"]) for name, (world, overrides) in cases.items()}
 
 
@@ -117,7 +120,7 @@ def sized_and_held(tiny_corpus, preferences, tmp_path_factory) -> dict[str, tupl
 @pytest.mark.parametrize("name", ["lora", "lora_fsdp_bf16", "dpo", "dpo_lora", "dpo_fsdp", "moe_lora_ep",
                                   *(pytest.param(name, marks=pytest.mark.skipif(not HAS_TORCHAO,
                                                                                 reason="torchao not installed"))
-                                    for name in ("qlora", "qlora_dpo_fsdp"))])
+                                    for name in ("qlora", "qlora_dpo_fsdp", "moe_qlora"))])
 def test_the_plan_holds_what_the_real_run_holds(sized_and_held, name):
     plan, held = sized_and_held[name]
     assert "ranks" in plan, plan
@@ -136,6 +139,11 @@ def test_the_plan_holds_what_the_real_run_holds(sized_and_held, name):
     if name == "qlora":  # NF4 weights hold a quarter of bf16's bytes, and the step keeps no dequantized copy of them
         bf16 = sized_and_held["lora_bf16"][0]["ranks"][0]
         assert rank["params"] < bf16["params"] and rank["activations"] <= bf16["activations"] * 1.05
+    if name == "moe_qlora":  # the experts hold NF4's ~0.53 bytes a weight, not bf16's 2
+        experts = sum(m.experts.gate_up.numel() + m.experts.down.numel() for m in _tiny_moe_layers())
+        trainable = plan["sized"]["trainable_parameters"]
+        in_bf16 = 2 * (plan["sized"]["parameters"] - trainable) + 4 * trainable  # the base in bf16, adapters fp32
+        assert rank["params"] <= in_bf16 - 1.4 * experts
     if name == "qlora_dpo_fsdp":  # each rank holds half of every NF4 weight, and DPO's reference is the base
         assert rank["reference_bytes"] == 0 and plan["sized"]["lora"]["base_dtype"] == "nf4"
 
@@ -229,3 +237,10 @@ def test_a_wrapper_tensor_weighs_what_it_wraps():
         both = pair + a  # a wrapper made by an op (on a fake tensor: the trace's CPU shortcut is for real ones)
         trace.reset_peak()
         assert trace.live == 4 * a.numel() * 4 and tensor_bytes(both) == tensor_bytes(pair) == 2 * a.numel() * 4
+
+
+def _tiny_moe_layers():
+    from lmforge.models import build
+    from lmforge.models.moe import moe_layers
+
+    return moe_layers(build("tiny-qwen3-moe", device="meta"))

@@ -66,7 +66,7 @@ def test_qlora_is_refused_in_one_line_where_it_cannot_run(tiny_llama, chats, tmp
     # torchao splits an NF4 weight along whole scale groups: one FSDP2 cannot split is named before anything is read.
     from lmforge.models.nf4 import check_shardable
 
-    odd = {"layers.0.mlp.down": torch.nn.Linear(192, 2, bias=False, device="meta")}  # 6 blocks of 64: 2 groups
+    odd = {"layers.0.mlp.down.weight": (torch.nn.Linear(192, 2, bias=False, device="meta"), "weight")}  # 2 groups
     check_shardable(odd, 2)
     with pytest.raises(UserError, match=r"^lora.base_dtype=nf4 \(QLoRA\) under FSDP2 over 4 ranks: 'layers.0.mlp.down."
                                         r"weight' \(2 x 192, 2 NF4 scale groups\) cannot be split 4 ways: use fewer "
