@@ -49,6 +49,8 @@ class Experts(nn.Module):
     of their own so that one split of the intermediate dimension (Shard(2), tensor parallelism) hands every rank
     the same rows of both, as a plain box of the tensor: what DCP, sharded loading and initialisation cut."""
 
+    STACKED_WEIGHTS = ("gate_up", "down")  # what QLoRA quantizes here (lmforge.models.nf4.nf4_weights)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size

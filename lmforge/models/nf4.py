@@ -35,16 +35,13 @@ def nf4_api():
 
 def nf4_weights(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str]], list[str]]:
     """The frozen weights NF4 quantizes, parameter name -> (module, attribute): the blocks' linear weights and their
-    stacked experts' gate_up and down (lmforge.models.moe.Experts, a LoRA-wrapped one too); and the modules whose
-    weights it keeps in bf16 (a size with no whole 64-weight blocks)."""
-    from lmforge.models.moe import Experts
-
+    stacked experts' gate_up and down (lmforge.models.moe.Experts, a LoRA-wrapped one too: its STACKED_WEIGHTS); and
+    the modules whose weights it keeps in bf16 (a size with no whole 64-weight blocks)."""
     quantized, kept = {}, []
     for name, module in model.named_modules():
         if ".layers." not in f".{name}":
             continue
-        attrs = ("weight",) if isinstance(module, nn.Linear) else ("gate_up", "down") if isinstance(
-            module, Experts) else ()
+        attrs = ("weight",) if isinstance(module, nn.Linear) else getattr(module, "STACKED_WEIGHTS", ())
         if any(getattr(module, a).numel() % NF4_BLOCK for a in attrs):
             kept.append(name)
         else:
