@@ -311,3 +311,32 @@ def test_expert_parallelism_sends_every_routed_row_through_all_to_all(planned):
     # Beside tensor parallelism 2 (2 data ranks): every tensor-parallel rank sends its data rank's whole micro-batch.
     [rank] = planned["moe_ep_tp"]["plan"]["ranks"]
     assert rank["collective_bytes"]["all_to_all"] == 2 * micro_batches * layers * 4 * rows * cfg.hidden_size * 4
+
+
+@pytest.mark.parametrize(("layout", "trainer", "base", "advice"), [
+    ({}, {}, None, "shard the model (trainer.data_parallel=fsdp, parallel.tensor or parallel.pipeline), lower "
+                   "trainer.micro_batch_size, or set trainer.activation_checkpointing=selective (or full)"),
+    # Already sharded, one sequence per micro-batch, selective checkpointing (a 70B QLoRA run over 2 ranks): what
+    # is left is more ranks and full checkpointing.
+    ({"data_shard": 2}, {"micro_batch_size": 1, "activation_checkpointing": "selective"}, "nf4",
+     "spread the model over more ranks (parallel.data_shard), or set trainer.activation_checkpointing=full"),
+    ({"tensor": 2}, {"micro_batch_size": 4, "activation_checkpointing": "full"}, "bf16",
+     "spread the model over more ranks (parallel.data_shard, parallel.tensor or parallel.pipeline), hold the frozen "
+     "base in NF4 (lora.base_dtype=nf4, QLoRA), or lower trainer.micro_batch_size"),
+    ({}, {"micro_batch_size": 1, "activation_checkpointing": "full"}, "nf4", "shard the model "
+                                                                             "(trainer.data_parallel=fsdp)"),
+])
+def test_the_does_not_fit_advice_names_only_what_the_run_does_not_do_yet(layout, trainer, base, advice):
+    from types import SimpleNamespace
+
+    from lmforge.train.plan import Plan, RankPlan, check_memory
+
+    rank = RankPlan(0, 0, params=10 * GiB, grads=GiB, optimizer=2 * GiB, activations=60 * GiB, peak=84 * GiB)
+    plan = Plan(2, "cuda", "fakegpu", {"data_shard": 1, "tensor": 1, "pipeline": 1, **layout}, 1, 1, [rank], 80, [3, 6],
+                1.0, sized={"lora": {"base_dtype": base}} if base else {})
+    t = SimpleNamespace(**{"micro_batch_size": 2, "activation_checkpointing": "none", **trainer})
+    with pytest.raises(UserError) as e:
+        check_memory(plan, 80 * GiB, t)
+    assert str(e.value) == ("rank 0 (pipeline stage 0) needs 84.0 GiB at its peak (params 10.0, grads 1.0, optimizer "
+                            f"2.0, activations 60.0 GiB), more than --device-memory 80.0 GiB: {advice}")
+    check_memory(plan, 84 * GiB, t)  # fits: nothing to say
