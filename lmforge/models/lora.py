@@ -50,7 +50,7 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.lora_experts import EXPERT_TARGETS, MLP_ON_EXPERTS, LoRAExperts, expert_delta, expert_ranks
 from lmforge.models.moe import Experts, stacked
-from lmforge.models.nf4 import dense, quantize_nf4
+from lmforge.models.nf4 import dense, is_nf4, nf4_linear, quantize_nf4
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,8 @@ class LoRALinear(nn.Linear):
         return fuse_parts(blocks, self.model_config).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        # QLoRA's NF4 base: dequantized a chunk at a time (torchao's own dequantization holds ~14 bytes a weight).
+        y = (nf4_linear if is_nf4(self.weight) else F.linear)(x, self.weight, self.bias)
         if not self.adapters_enabled:
             return y
         # Scale the rank-sized activations, not the output, and add B's product into y in one GEMM (addmm's

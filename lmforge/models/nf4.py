@@ -134,6 +134,31 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return out
 
 
+class _LinearNF4(torch.autograd.Function):
+    """torchao's LinearNF4 (x W^T forward, g W backward, W dequantized in the input's dtype each time; W keeps no
+    gradient), its products bit for bit, with dequantize's chunked dequantization: torchao's holds ~14 bytes a weight
+    of intermediates, 3.3 GB for one of Llama-3.1-70B's 8192 x 28672 MLP weights."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w)
+        return torch.nn.functional.linear(x, dequantize(w, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (w,) = ctx.saved_tensors
+        return grad @ dequantize(w, grad.dtype), None
+
+
+def nf4_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over an NF4 weight (and a frozen bias) as torchao computes it, dequantized a chunk at a time
+    (_LinearNF4). Inside torch.compile, torchao's own: Inductor fuses its dequantization into few kernels."""
+    if torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, w, bias)
+    out = _LinearNF4.apply(x, w)
+    return out if bias is None else out + bias
+
+
 def dense(w: torch.Tensor) -> torch.Tensor:
     """A weight as a plain tensor: an NF4 weight dequantized (bf16), any other as it is."""
     return w.get_original_weight() if hasattr(w, "get_original_weight") else w

@@ -1,7 +1,8 @@
-"""QLoRA on a mixture of experts (lora.base_dtype=nf4): the stacked expert weights in torchao's NF4 (held 2-D) compute
-exactly what their dequantized bf16 weights compute, forward and backward, without keeping a dequantized copy for
-backward; the merged export holds them stacked in bf16; a meta model read a block at a time holds the same bits as
-quantizing the whole model."""
+"""QLoRA's NF4 base (lora.base_dtype=nf4) beyond the linears of tests/models/test_lora.py: lmforge's chunked
+dequantization and NF4 linear give torchao's values and products bit for bit; on a mixture of experts the stacked
+expert weights in NF4 (held 2-D) compute exactly what their dequantized bf16 weights compute, forward and backward,
+without keeping a dequantized copy for backward; the merged export holds them stacked in bf16; a meta model read a
+block at a time holds the same bits as quantizing the whole model."""
 
 from __future__ import annotations
 
@@ -125,3 +126,37 @@ def test_dequantize_gives_torchaos_values_a_chunk_at_a_time(monkeypatch):
             ours = nf4.dequantize(w)
             assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs), (shape, chunk)
             assert torch.equal(nf4.dequantize(w, torch.float32), theirs.float())
+
+
+@pytest.mark.slow  # torchao's import
+def test_the_nf4_linear_computes_torchaos_products_bit_for_bit():
+    """lmforge.models.nf4.nf4_linear (LoRALinear's frozen NF4 base) against F.linear on torchao's NF4 weight: the
+    output and the input's gradient equal, fp32 and under bf16 autocast, with a bias too; and a LoRA-wrapped QLoRA
+    model takes it (its forward never calls torchao's dequantization)."""
+    pytest.importorskip("torchao")
+    from lmforge.models import nf4
+
+    g = torch.Generator().manual_seed(1)
+    w = nf4.to_nf4_parameter(torch.randn(96, 64, generator=g).to(torch.bfloat16))
+    bias = torch.randn(96, generator=g).to(torch.bfloat16)
+    for autocast in (False, True):
+        for b in (None, bias):
+            outs = []
+            for linear in (torch.nn.functional.linear, nf4.nf4_linear):
+                x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    y = linear(x, w, b)
+                y.float().pow(2).sum().backward()
+                outs.append((y, x.grad))
+            assert outs[0][0].dtype == outs[1][0].dtype
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (autocast, b)
+    calls = []
+    original = type(w.data).get_original_weight
+    model = build("tiny-llama", seed=0)
+    apply_lora(model, QLORA, seed=0)
+    type(w.data).get_original_weight = lambda self: calls.append(1) or original(self)
+    try:
+        model(torch.randint(0, 100, (1, 7))).sum().backward()
+    finally:
+        type(w.data).get_original_weight = original
+    assert not calls
