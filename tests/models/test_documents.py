@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.models import load_pretrained
-from lmforge.models.documents import Documents, document_backend, document_mask
+from lmforge.models.documents import MIN_CHUNK_BY_DEVICE, Documents, document_backend, document_mask
 from lmforge.models.hf import import_hf
 from tests.conftest import make_hf_model
 
@@ -52,7 +52,7 @@ def _logits_and_grads(model, ids, **inputs):
 def test_packed_logits_and_gradients_equal_the_dense_mask(family, min_chunk, models, monkeypatch):
     """min_chunk 1: every document its own SDPA call; 32: short documents grouped under a block-diagonal mask;
     each must give the dense mask's logits and gradients (fp32)."""
-    monkeypatch.setattr("lmforge.models.documents.MIN_CHUNK", min_chunk)
+    monkeypatch.setitem(MIN_CHUNK_BY_DEVICE, "cpu", min_chunk)
     model = models[family].eval()  # gradients still flow; GPT-2 imports its dropout, which eval turns off
     segments, positions = packed(LENGTHS)
     ids = torch.randint(1, 300, segments.shape, generator=torch.Generator().manual_seed(3))
