@@ -10,6 +10,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.errors import UserError
+from tests.parallel.launch import torchrun
 
 pytest.importorskip("lm_eval")
 
@@ -123,8 +124,6 @@ def test_evals_of_a_sharded_model_equal_lmforge_eval_in_one_process(layout, eval
     eval` of the checkpoint of that step in this one process: a gather that mixed up shards would score another
     model."""
     import os
-    import subprocess
-    import sys
 
     lm_dir, run = eval_models["gpt_neox"][1], tmp_path / "run"
     tasks = ["--tasks", "sst2_local,wikitext2_local", "--limit", "2", "--num-fewshot", "1"]
@@ -134,9 +133,7 @@ def test_evals_of_a_sharded_model_equal_lmforge_eval_in_one_process(layout, eval
             "trainer.device=cpu", "optim.lr=1e-2", "optim.warmup_steps=1", "checkpoint.every_n_steps=2",
             "cost.peak_flops=1e11", f"run_dir={run}", "eval.tasks=[sst2_local,wikitext2_local]", "eval.limit=2",
             "eval.num_fewshot=1", f"eval.data_dir={shared_data}", *layout]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "pretrain", os.devnull, *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=420)
+    r = torchrun(2, ["-m", "lmforge.cli", "pretrain", os.devnull, *args], timeout=420)
     assert r.returncode == 0, r.stderr[-4000:]
     logged = {k: v for k, v in _rows(run)[-1].items() if k.startswith("eval/")}
     assert len(logged) == 4

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lmforge.models.presets import PRESETS
 from lmforge.parallel.comm_volume import Layout, bytes_sent, expert_bytes, stage_parameters, step_bytes
+from tests.parallel.launch import torchrun
 
 WORKER = Path(__file__).with_name("comm_worker.py")
 
@@ -24,9 +23,7 @@ WORKER = Path(__file__).with_name("comm_worker.py")
 def test_data_parallel_bytes_match_the_model(strategy, micro_batches, tmp_path):
     out = tmp_path / "sent.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(WORKER), strategy, str(micro_batches), str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = torchrun(2, [str(WORKER), strategy, str(micro_batches), str(out)], env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(out.read_text()):
         # Within 3%: FSDP pads shards to a multiple of the world size; the barriers add a few bytes.
@@ -49,9 +46,7 @@ def test_tensor_and_pipeline_bytes_match_the_model(tmp_path):
     layouts, out = tmp_path / "layouts.json", tmp_path / "sent.json"
     layouts.write_text(json.dumps(MESH_LAYOUTS))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(WORKER), "mesh", str(layouts), str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = torchrun(2, [str(WORKER), "mesh", str(layouts), str(out)], env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(out.read_text()):
         assert [r["layout"] for r in rank] == MESH_LAYOUTS
@@ -69,8 +64,7 @@ def test_expert_parallel_bytes_match_the_model(tmp_path):
     per step. Data parallelism reduces the other weights only."""
     out = tmp_path / "sent.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                        str(WORKER), "expert", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    r = torchrun(4, [str(WORKER), "expert", str(out)], env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(out.read_text()):
         ddp, fsdp = rank
@@ -91,8 +85,7 @@ def test_expert_x_tensor_parallel_bytes_match_the_model(tmp_path):
     data ranks (each expert on one: nothing else to reduce)."""
     out = tmp_path / "sent.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                        str(WORKER), "expert_tp", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    r = torchrun(4, [str(WORKER), "expert_tp", str(out)], env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in json.loads(out.read_text()):
         assert [result["sequence_parallel"] for result in rank] == [True, False]

@@ -15,6 +15,7 @@ import pytest
 
 from lmforge.errors import UserError
 from lmforge.train.trainer import Trainer
+from tests.parallel.launch import torchrun
 from tests.train.conftest import run_config
 
 SAVE_EVERY_4 = ("checkpoint.every_n_steps=4", "checkpoint.save_top_k=-1", "model.dropout=0.1")
@@ -333,9 +334,7 @@ def test_export_hf_on_a_full_disk_is_one_line(disk, tmp_path):
 def _torchrun(run_dir: Path, corpus, *extra, preexec_fn=None) -> subprocess.CompletedProcess:
     args = _pretrain(corpus, run_dir, "trainer.data_parallel=fsdp", "checkpoint.every_n_steps=4",
                      "checkpoint.save_top_k=-1", *extra)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "lmforge.cli", *args], env=ENV, capture_output=True, text=True, timeout=420,
-                          preexec_fn=preexec_fn)
+    return torchrun(2, ["-m", "lmforge.cli", *args], env=ENV, timeout=420, preexec_fn=preexec_fn)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmforge.train.trainer import Trainer
+from tests.parallel.launch import torchrun
 from tests.train.conftest import run_config
 
 
@@ -75,10 +76,8 @@ def test_compiled_blocks_under_model_parallelism_train_like_eager(layout, tiny_c
     bit). Under tensor parallelism the blocks are traced with their DTensor plans; the embedding's gradient crosses
     into the first compiled block (it was lost while torch's async embedding reduce fed it: VocabParallelEmbedding)."""
     run = tmp_path / "compiled"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "pretrain", os.devnull, *MODEL_PARALLEL, f"data.paths=[{tiny_corpus}]",
-                        *layout, "trainer.compile=true", f"run_dir={run}"],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    r = torchrun(2, ["-m", "lmforge.cli", "pretrain", os.devnull, *MODEL_PARALLEL, f"data.paths=[{tiny_corpus}]",
+                     *layout, "trainer.compile=true", f"run_dir={run}"], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert any((run / "compile_cache").rglob("*.py"))  # Inductor's kernels: it compiled
     compiled = _curve(run)

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.parallel.launch import torchrun
+
 
 def _args(corpus, run_dir, *extra):
     return ["pretrain", os.devnull, "model.preset=tiny-neox", f"data.paths=[{corpus}]", "data.seq_length=32",
@@ -53,10 +55,8 @@ def test_two_processes_train_like_one(strategy, extra, layout, tiny_corpus, tmp_
     subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, tmp_path / "one", *extra)], check=True,
                    env=env, capture_output=True, timeout=300)
     two = tmp_path / "two"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", *_args(tiny_corpus, two, *f"trainer.data_parallel={strategy}".split(), *extra,
-                                              *layout)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = torchrun(2, ["-m", "lmforge.cli", *_args(tiny_corpus, two, *f"trainer.data_parallel={strategy}".split(),
+                                                  *extra, *layout)], env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     _close(_curve(two), _curve(tmp_path / "one"))
     if MOE_HF == extra:  # the two processes' export holds the one process's weights, every expert whole
@@ -81,9 +81,9 @@ def test_two_processes_train_like_one(strategy, extra, layout, tiny_corpus, tmp_
 
 
 def _run(processes, args, env):
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
-    r = subprocess.run([sys.executable, *launch, "-m", "lmforge.cli", *args], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = (torchrun(processes, ["-m", "lmforge.cli", *args], env=env, timeout=300) if processes > 1 else
+         subprocess.run([sys.executable, "-m", "lmforge.cli", *args], env=env, capture_output=True, text=True,
+                        timeout=300))
     assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -20,6 +20,7 @@ from lmforge.errors import UserError
 from lmforge.models import build
 from lmforge.models.lora import LoRAConfig, apply_lora
 from lmforge.train.tasks import get_task
+from tests.parallel.launch import torchrun
 
 BETA = 0.3
 
@@ -297,9 +298,7 @@ def test_dpo_on_two_ranks_equals_one_process_with_the_reference_sharded_like_the
     run, out = tmp_path / "run", tmp_path / "out.json"
     lora = tuple(a for a in layout if a in LORA_DPO)
     args = _dpo_args(dpo_setup, run, "trainer.max_steps=4", "trainer.val_check_interval=4", *layout)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(Path(__file__).with_name("dpo_worker.py")), str(out), *args],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    r = torchrun(2, [str(Path(__file__).with_name("dpo_worker.py")), str(out), *args])
     assert r.returncode == 0, r.stderr[-3000:]
     ours, theirs = _metrics(run), _metrics(one_process_dpo(*lora))
     assert len(ours) == len(theirs) == 4

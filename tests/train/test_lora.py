@@ -12,6 +12,7 @@ from lmforge.models import load_pretrained
 from lmforge.models.peft import load_peft_adapter
 from lmforge.train.config import load_run_config
 from lmforge.train.trainer import Trainer
+from tests.parallel.launch import torchrun
 
 tf = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -100,8 +101,6 @@ def test_a_bf16_base_under_fsdp2_trains_like_one_process(tiny_llama, chats, tmp_
     """lora.bf16_base with FSDP2 over 2 gloo ranks: the same losses and adapter updates as one process (FSDP2
     gathers the bf16 base and the fp32 adapters of a block together, as bytes), and the PEFT export loads in peft."""
     import os
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -112,9 +111,7 @@ def test_a_bf16_base_under_fsdp2_trains_like_one_process(tiny_llama, chats, tmp_
     Trainer(lora_config(tiny_llama, chats, one, *common)).fit()
     two = tmp_path / "two"
     args = lora_args(tiny_llama, chats, two, *common, "trainer.data_parallel=fsdp")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "finetune", os.devnull, *args], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = torchrun(2, ["-m", "lmforge.cli", "finetune", os.devnull, *args], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     # The same bf16 forward on the same rows: equal losses; the adapter gradients are summed over ranks in another
     # order, so their norm (and the Adam updates) agree to fp32 rounding, far inside bf16's 2^-8.
@@ -162,16 +159,12 @@ def test_lora_under_tensor_and_pipeline_parallelism_trains_and_exports_like_one_
     """2 gloo ranks, the adapters split like their layers (TP) or held by their stage (PP): the same losses and
     gradient norms as one process, and the same hf/ (merged) and hf-adapter/ (PEFT) folders."""
     import os
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
     run, one = tmp_path / "run", one_process_export
     args = lora_args(tiny_llama, chats, run, "checkpoint.convert_to_hf=true", *layout)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "finetune", os.devnull, *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=600)
+    r = torchrun(2, ["-m", "lmforge.cli", "finetune", os.devnull, *args])
     assert r.returncode == 0, r.stderr[-3000:]
     for (la, ga), (lb, gb) in zip(_curve(run), _curve(one), strict=True):
         assert la == pytest.approx(lb, rel=1e-6) and ga == pytest.approx(gb, rel=1e-5)

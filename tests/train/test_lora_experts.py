@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import torch
 from lmforge.models import load_pretrained
 from lmforge.models.peft import load_peft_adapter
 from lmforge.train.trainer import Trainer
+from tests.parallel.launch import torchrun
 from tests.train.test_lora import _curve, _logits, lora_args, lora_config
 
 tf = pytest.importorskip("transformers")
@@ -168,9 +167,7 @@ def test_expert_and_tensor_parallel_moe_lora_runs_train_and_export_like_one_proc
     run = tmp_path / "run"
     args = lora_args(tiny_moe["qwen3_moe"], chats, run, "checkpoint.convert_to_hf=true", "checkpoint.every_n_steps=2",
                      "checkpoint.save_top_k=-1", *layout)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "finetune", os.devnull, *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=600)
+    r = torchrun(2, ["-m", "lmforge.cli", "finetune", os.devnull, *args])
     assert r.returncode == 0, r.stderr[-3000:]
 
     def close(a, b):
@@ -213,10 +210,8 @@ def test_a_moe_qlora_run_holds_its_experts_in_nf4_and_trains_like_one_process_un
         Trainer(lora_config(tiny_moe["mixtral"], chats, one, *common)).fit()
     finally:
         torch.set_num_threads(threads)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "finetune", os.devnull, *lora_args(tiny_moe["mixtral"], chats, two, *common,
-                                                                          "trainer.data_parallel=fsdp")],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    r = torchrun(2, ["-m", "lmforge.cli", "finetune", os.devnull,
+                     *lora_args(tiny_moe["mixtral"], chats, two, *common, "trainer.data_parallel=fsdp")])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "lora.base_dtype=nf4: 6 linear weights in NF4 and 4 stacked expert weights" in r.stderr, r.stderr[-3000:]
     for (la, ga), (lb, gb) in zip(_curve(two), _curve(one), strict=True):

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from lmforge.checkpoint import load_model_weights
 from lmforge.models import build
 from lmforge.train.config import load_run_config
 from lmforge.train.trainer import Trainer
+from tests.parallel.launch import torchrun
 
 # 4 layers: two pipeline ranks x two virtual stages. decay_steps fixes the schedule, so a 4-step run
 # and the first 4 steps of a 6-step run train alike (and resume to 6 like the 6-step run).
@@ -46,9 +45,7 @@ def _close(a, b, loss=2e-5, grad=2e-4):
 
 def _torchrun(processes: int, verb: str, *overrides: str):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={processes}", "-m", "lmforge.cli", verb, os.devnull, *overrides],
-                       env=env, capture_output=True, text=True, timeout=420)
+    r = torchrun(processes, ["-m", "lmforge.cli", verb, os.devnull, *overrides], env=env, timeout=420)
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -126,9 +123,8 @@ def test_a_checkpoint_of_another_shape_is_one_clear_error_on_every_rank(neox, tm
     run = tmp_path / "run"
     _one(*args, "trainer.max_steps=2", f"run_dir={run}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "pretrain", os.devnull, *args, "model.intermediate_size=96", "parallel.tensor=2",
-                        f"run_dir={run}"], env=env, capture_output=True, text=True, timeout=300)
+    r = torchrun(2, ["-m", "lmforge.cli", "pretrain", os.devnull, *args, "model.intermediate_size=96",
+                     "parallel.tensor=2", f"run_dir={run}"], env=env, timeout=300)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "with another model: model.intermediate_size 256 -> 96" in errors[0], r.stderr[-3000:]

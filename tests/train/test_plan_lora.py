@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel.launch import torchrun
 from tests.train.test_plan import CONFIGS, _run
 
 WORKER = Path(__file__).with_name("held_bytes_worker.py")
@@ -83,9 +84,7 @@ def _held(world: int, overrides: list[str], out: Path, monkeypatch) -> dict[str,
             return held_bytes(trainer)
         finally:
             trainer.close()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                        str(WORKER), str(out), *overrides], env=ENV, capture_output=True, text=True,
-                       timeout=600)
+    r = torchrun(world, [str(WORKER), str(out), *overrides], env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 

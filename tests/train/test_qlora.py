@@ -12,6 +12,7 @@ import torch
 
 from lmforge.models import load_pretrained
 from lmforge.train.trainer import Trainer
+from tests.parallel.launch import torchrun
 from tests.train.test_lora import TOL, _curve, _logits, lora_args, lora_config
 
 tf = pytest.importorskip("transformers")
@@ -116,8 +117,6 @@ def test_qlora_under_fsdp2_trains_like_one_process_and_resumes_under_any_layout(
     equal one process's; the checkpoint holds no NF4 weights (DCP would pickle torchao's class) and one process
     resumes it onto the same curve; export-hf of it writes the run's own merged and PEFT folders."""
     import os
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
@@ -131,10 +130,8 @@ def test_qlora_under_fsdp2_trains_like_one_process_and_resumes_under_any_layout(
               "checkpoint.save_top_k=-1"]
     one, two = tmp_path / "one", tmp_path / "two"
     Trainer(lora_config(tiny_llama, chats, one, *common)).fit()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "finetune", os.devnull, *lora_args(tiny_llama, chats, two, *common,
-                                                                          "trainer.data_parallel=fsdp")],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    r = torchrun(2, ["-m", "lmforge.cli", "finetune", os.devnull,
+                     *lora_args(tiny_llama, chats, two, *common, "trainer.data_parallel=fsdp")])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "lora.base_dtype=nf4: 10 linear weights in NF4" in r.stderr
     for (la, ga), (lb, gb) in zip(_curve(two), _curve(one), strict=True):
@@ -185,8 +182,6 @@ def test_qlora_on_replicas_trains_like_one_process(layout, world, tiny_llama, ch
     losses and gradient norms of one process at the same micro-batch, the merged export the same (DDP: byte for
     byte)."""
     import os
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -196,10 +191,8 @@ def test_qlora_on_replicas_trains_like_one_process(layout, world, tiny_llama, ch
     Trainer(lora_config(tiny_llama, chats, one, *common)).fit()
     parallel = ["trainer.data_parallel=ddp"] if layout == "ddp" else ["parallel.data_replicate=2",
                                                                        "parallel.data_shard=2"]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                        "-m", "lmforge.cli", "finetune", os.devnull, *lora_args(tiny_llama, chats, many, *common,
-                                                                                *parallel)],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    r = torchrun(world, ["-m", "lmforge.cli", "finetune", os.devnull,
+                         *lora_args(tiny_llama, chats, many, *common, *parallel)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("parallelized: DDP over 2 replicas" if layout == "ddp" else "dp=2x2") in r.stderr
     for (la, ga), (lb, gb) in zip(_curve(many), _curve(one), strict=True):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from lmforge.train.config import load_run_config
 from lmforge.train.tasks import get_task
 from lmforge.train.tasks.base import Blanks
 from lmforge.train.trainer import Trainer
+from tests.parallel.launch import torchrun
 
 
 def _sst2(shared_data, tmp_path, rows):
@@ -100,11 +99,10 @@ def test_every_example_is_scored_once_on_two_ranks(layout, tiny_gpt2, shared_dat
     valid = _sst2(shared_data, tmp_path, 33)
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "lmforge.cli", "finetune", os.devnull,
-                        *_args(tiny_gpt2, valid, valid, run, "trainer.max_steps=1", "trainer.val_check_interval=1",
-                               "trainer.micro_batch_size=4", "trainer.global_batch_size=8", *layout)],
-                       env=env, capture_output=True, text=True, timeout=400)
+    r = torchrun(2, ["-m", "lmforge.cli", "finetune", os.devnull,
+                     *_args(tiny_gpt2, valid, valid, run, "trainer.max_steps=1", "trainer.val_check_interval=1",
+                            "trainer.micro_batch_size=4", "trainer.global_batch_size=8", *layout)],
+                 env=env, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     loss, accuracy, n = _direct(load_pretrained(run / "checkpoints" / "step-00000001"), valid, tiny_gpt2)
