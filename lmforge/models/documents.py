@@ -9,11 +9,12 @@ paths are tested against, and what every layer received before them.
 Two ways to compute it without the dense mask (`document_backend` picks one by device):
 
 * "split", the default everywhere: the row is cut at document boundaries into chunks of at least `min_chunk`
-  tokens (MIN_CHUNK; on the CPU each document alone), one scaled_dot_product_attention call each: is_causal for a chunk holding one document (the fused
-  kernel skips the blocks above the diagonal), the chunk's own small block-diagonal mask for a chunk of several
-  short documents (which bounds the number of calls). Attention is computed over sum(chunk^2) scores instead of
-  seq^2. The boundaries are read on the host once per forward (one device sync; on the CPU none). Under
-  torch.compile the call runs between a block's graphs (its shapes change with every batch).
+  tokens (MIN_CHUNK; on the CPU each document alone), one scaled_dot_product_attention call each: is_causal for a
+  chunk holding one document (the fused kernel skips the blocks above the diagonal), the chunk's own small
+  block-diagonal mask for a chunk of several short documents (which bounds the number of calls). Attention is
+  computed over sum(chunk^2) scores instead of seq^2. The boundaries are read on the host once per forward (one
+  device sync; on the CPU none). Under torch.compile the call runs between a block's graphs (its shapes change with
+  every batch).
 * "flex": FlexAttention (torch.nn.attention.flex_attention) with one BlockMask per window per forward, whose fully
   masked 128 x 128 blocks are never computed; the call is compiled once per process (eager FlexAttention
   materialises every score), traced by Dynamo inside a compiled block. Torch 2.6-2.13 has FlexAttention's backward

@@ -269,12 +269,12 @@ class _GroupedExperts(torch.autograd.Function):
         slot_token = order // k  # the token of each sorted (token, expert) pair
         rows = x.index_select(0, slot_token)
         h = _per_expert(rows, gate_up.transpose(1, 2), counts, offs)
-        u_gu = _low_rank_into(h, rows, a_gu, b_gu, scaling.get("gate_up"), counts, offs)
+        h, u_gu = _low_rank_into(h, rows, a_gu, b_gu, scaling.get("gate_up"), counts, offs)
         a = act(h[:, :inter]) * h[:, inter:]
         if ctx.nf4:
             gate_up, down = None, _stacked(down, (experts, hidden, inter), x.dtype)
         y = _per_expert(a, down.transpose(1, 2), counts, offs)
-        u_down = _low_rank_into(y, a, a_down, b_down, scaling.get("down"), counts, offs)
+        y, u_down = _low_rank_into(y, a, a_down, b_down, scaling.get("down"), counts, offs)
         del rows, a
         w = weights.reshape(-1)[order]
         inverse = torch.empty_like(order)
@@ -343,15 +343,17 @@ class _GroupedExperts(torch.autograd.Function):
 
 
 def _low_rank_into(out: torch.Tensor, rows: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None,
-                   scaling: float | None, counts: list[int], offs: torch.Tensor | None) -> torch.Tensor | None:
-    """out += (scaling * rows_e A_e^T) B_e^T per expert, in place, where the weight has an adapter (a (experts,
-    rank, in), b (experts, out, rank)); returns u = scaling * rows A^T (the backward's), or None."""
+                   scaling: float | None, counts: list[int], offs: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out + (scaling * rows_e A_e^T) B_e^T per expert, u = scaling * rows A^T for the backward) where the weight has
+    an adapter (a (experts, rank, in), b (experts, out, rank)), else (out, None). Out of place: selective activation
+    checkpointing keeps the grouped GEMMs' outputs for the recompute and refuses a kept tensor changed in place (an
+    adapter on the experts failed every selective run)."""
     if a is None:
-        return None
+        return out, None
     roffs = _rank_offsets(offs, a)
-    u = _per_expert(rows, a.transpose(1, 2), counts, roffs).mul_(scaling)
-    out.add_(_per_expert(u, b.transpose(1, 2), counts, roffs))
-    return u
+    u = _per_expert(rows, a.transpose(1, 2), counts, roffs) * scaling
+    return out + _per_expert(u, b.transpose(1, 2), counts, roffs), u
 
 
 def _low_rank_grads(grad_rows: torch.Tensor | None, grad_out: torch.Tensor, rows: torch.Tensor | None,

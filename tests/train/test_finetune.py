@@ -234,13 +234,36 @@ def tiny_pythia(shared_data, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(shared_data, tmp_path_factory):
+    """A random Qwen3-MoE Hugging Face folder (4 experts, 2 per token) with the GPT-NeoX-20B tokenizer: what the MoE
+    recipe takes."""
+    import shutil
+
+    tf = pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("qwen3_moe") / "hf"
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(vocab_size=50304, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                             intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, max_position_embeddings=256)).save_pretrained(out)
+    shutil.copyfile(shared_data / "tokenizers" / "gpt-neox-20b" / "20B_tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+NO_TORCHAO = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["sft-pythia-160m", "lora-pythia-410m", "dpo-pythia-160m",
-                                    pytest.param("qlora-llama-3.1-8b", marks=pytest.mark.skipif(
-                                        importlib.util.find_spec("torchao") is None, reason="torchao not installed"))])
-def test_fine_tuning_recipes_run_as_the_readme_says(recipe, tiny_pythia, tmp_path):
-    """Each recipe, with the README's command and a tiny model, trains and writes what the README says."""
+                                    pytest.param("qlora-llama-3.1-8b", marks=NO_TORCHAO),
+                                    pytest.param("qlora-qwen3-30b-a3b", marks=NO_TORCHAO)])
+def test_fine_tuning_recipes_run_as_the_readme_says(recipe, request, tmp_path):
+    """Each recipe, with the README's command and a tiny model (a mixture of experts for the MoE one), trains and
+    writes what the README says."""
     from pathlib import Path
+
+    base = request.getfixturevalue("tiny_qwen3_moe" if "qwen3" in recipe else "tiny_pythia")
 
     chats = [{"messages": [{"role": "user", "content": f"Spell {w}."}, {"role": "assistant", "content": " ".join(w)}]}
              for w in ("cat", "dog", "owl", "bee", "elk", "ant")]
@@ -249,7 +272,7 @@ def test_fine_tuning_recipes_run_as_the_readme_says(recipe, tiny_pythia, tmp_pat
     data.write_text("".join(json.dumps(r) + "\n" for r in (pairs if recipe.startswith("dpo") else chats)))
     run = tmp_path / "run"
     path = Path(__file__).resolve().parents[2] / "configs" / f"{recipe}.yaml"
-    code = main(["finetune", str(path), f"model.init_from={tiny_pythia}", f"data.train_file={data}",
+    code = main(["finetune", str(path), f"model.init_from={base}", f"data.train_file={data}",
                  f"data.valid_file={data}", "data.seq_length=64", "trainer.max_steps=2", "trainer.global_batch_size=4",
                  "trainer.micro_batch_size=2", "trainer.val_check_interval=2", "trainer.precision=fp32",
                  "checkpoint.every_n_steps=0", "trainer.progress_bar=false", "cost.peak_flops=1e11", f"run_dir={run}"])
