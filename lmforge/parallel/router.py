@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from lmforge.models.moe import RouterSums, router_sums, take_router_logits
+from lmforge.models.router_losses import RouterSums, router_sums, take_router_logits
 
 
 def with_router_loss(loss: torch.Tensor, router_loss: torch.Tensor | None) -> torch.Tensor:

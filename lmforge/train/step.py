@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
-from lmforge.models.moe import router_losses
 from lmforge.models.nf4 import gathered
+from lmforge.models.router_losses import router_losses
 from lmforge.parallel import (
     ParallelConfig,
     ParallelModel,

@@ -8,7 +8,8 @@ import torch
 
 from lmforge.errors import UserError
 from lmforge.models import ModelConfig, build, load_pretrained
-from lmforge.models.moe import dense_reference, grouped_experts, router_losses
+from lmforge.models.moe import dense_reference, grouped_experts
+from lmforge.models.router_losses import router_losses
 from tests.conftest import make_hf_model
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from lmforge.errors import UserError
 from lmforge.models import build, preset
 from lmforge.models.build import local_piece
-from lmforge.models.moe import router_losses
+from lmforge.models.router_losses import router_losses
 from lmforge.parallel import (
     ParallelConfig,
     all_reduce_data_parallel,

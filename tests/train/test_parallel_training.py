@@ -195,7 +195,7 @@ def test_a_moe_step_trains_on_the_loss_plus_coef_times_the_router_losses(micro):
     import dataclasses
 
     from lmforge.models import build, preset
-    from lmforge.models.moe import router_losses
+    from lmforge.models.router_losses import router_losses
     from lmforge.parallel import ParallelConfig
     from lmforge.train.config import OptimConfig, Precision
     from lmforge.train.step import ParallelTraining
