@@ -172,7 +172,7 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     (sliced alike); the experts' GEMMs in the compute dtype (autocast's, else x's)."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     nf4 = is_nf4(gate_up)  # QLoRA's 2-D NF4 experts: dequantized inside the pass (module docstring)
-    num_experts = down.shape[0] // gate_up.shape[1] if nf4 else gate_up.shape[0]
+    num_experts = expert_dims(gate_up, down)[0]
     flat = chosen.reshape(-1)
     # Stable, so each expert's rows keep token order (the same GEMM rows whatever the sort's implementation).
     order = torch.sort(flat, stable=True).indices
