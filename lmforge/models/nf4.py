@@ -160,8 +160,8 @@ def nf4_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def dense(w: torch.Tensor) -> torch.Tensor:
-    """A weight as a plain tensor: an NF4 weight dequantized (bf16), any other as it is."""
-    return w.get_original_weight() if hasattr(w, "get_original_weight") else w
+    """A weight as a plain tensor: an NF4 weight dequantized (bf16, a chunk at a time), any other as it is."""
+    return dequantize(w) if hasattr(w, "get_original_weight") else w  # a DTensor (sharded) as it is
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -172,6 +172,6 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
 
     local = t.to_local()
     if is_nf4(local):
-        t = DTensor.from_local(local.get_original_weight(), t.device_mesh, t.placements, shape=t.shape,
+        t = DTensor.from_local(dequantize(local), t.device_mesh, t.placements, shape=t.shape,
                                stride=t.stride())
     return t.full_tensor()
