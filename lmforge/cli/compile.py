@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from lmforge.cli.pretrain import leave_process_group
     from lmforge.train.config import load_run_config
     from lmforge.train.trainer import Trainer
 
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     trainer.fit()
+    leave_process_group()
     if trainer.world.is_main:
         shutil.rmtree(job, ignore_errors=True)
         print(f"compiled {steps} step(s) in {time.perf_counter() - t0:.1f} s; cache {cache}: run the same "

@@ -55,5 +55,16 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"`lmforge {args.verb}` got data.task={cfg.data.task}: {fix}")
     trainer = Trainer(cfg)
     last = trainer.fit()
+    leave_process_group()
     if trainer.world.is_main:
         print(f"{trainer.summary(last)}; run folder {cfg.run_dir}")
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group once the run is done (every rank gets here after its last collective), as
+    torch asks: left alive, its threads meet the interpreter's teardown, and a finished 2-rank gloo run had one
+    rank abort at exit ("terminate called without an active exception"), which torchrun reports as a failure."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
