@@ -205,7 +205,7 @@ def _extrapolate(traces: list[RankPlan], depths: list[int], layers: int) -> Rank
     return plan
 
 
-def check_memory(plan: Plan, device_memory: int, trainer=None) -> None:
+def check_memory(plan: Plan, device_memory: int, trainer) -> None:
     """A UserError where a rank's peak exceeds `device_memory`, its advice what the run (`trainer`, its
     TrainerConfig) does not do yet: a layout that shards the model or more ranks for one that does, a smaller
     frozen base, a smaller micro-batch, more activation checkpointing."""
@@ -215,21 +215,16 @@ def check_memory(plan: Plan, device_memory: int, trainer=None) -> None:
     parts = ", ".join(f"{k} {getattr(worst, k) / GiB:.1f}" for k in CATEGORIES[:-1])
     base = (plan.sized.get("lora") or {}).get("base_dtype")
     layout = plan.layout
-    # QLoRA shards with FSDP2 alone.
-    ways = "parallel.data_shard" if base == "nf4" else "parallel.data_shard, parallel.tensor or parallel.pipeline"
-    if layout["data_shard"] > 1 or layout["tensor"] > 1 or layout["pipeline"] > 1:
-        advice = [f"spread the model over more ranks ({ways})"]
-    else:
-        advice = ["shard the model (trainer.data_parallel=fsdp" + (")" if base == "nf4" else
-                                                                    ", parallel.tensor or parallel.pipeline)")]
+    model_parallel = "" if base == "nf4" else ", parallel.tensor or parallel.pipeline"  # QLoRA shards with FSDP2 alone
+    advice = [f"spread the model over more ranks (parallel.data_shard{model_parallel})"
+              if layout["data_shard"] > 1 or layout["tensor"] > 1 or layout["pipeline"] > 1 else
+              f"shard the model (trainer.data_parallel=fsdp{model_parallel})"]
     # A LoRA run's frozen base can shrink: bf16 halves an fp32 one, NF4 (QLoRA) quarters a bf16 one.
     advice += {"fp32": ["hold the frozen base in lora.base_dtype=bf16 (or nf4, QLoRA)"],
                "bf16": ["hold the frozen base in NF4 (lora.base_dtype=nf4, QLoRA)"]}.get(base, [])
-    micro = getattr(trainer, "micro_batch_size", 2)
-    checkpointing = getattr(trainer, "activation_checkpointing", "none")
-    advice += ["lower trainer.micro_batch_size"] if micro > 1 else []
+    advice += ["lower trainer.micro_batch_size"] if trainer.micro_batch_size > 1 else []
     advice += {"none": ["set trainer.activation_checkpointing=selective (or full)"],
-               "selective": ["set trainer.activation_checkpointing=full"]}.get(checkpointing, [])
+               "selective": ["set trainer.activation_checkpointing=full"]}.get(trainer.activation_checkpointing, [])
     raise UserError(f"rank {worst.rank} (pipeline stage {worst.stage}) needs {worst.peak / GiB:.1f} GiB at its peak "
                     f"({parts} GiB), more than --device-memory {device_memory / GiB:.1f} GiB: "
                     + (", ".join(advice[:-1]) + ", or " + advice[-1] if len(advice) > 1 else advice[0]))
