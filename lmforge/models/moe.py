@@ -269,10 +269,12 @@ class _GroupedExperts(torch.autograd.Function):
         slot_token = order // k  # the token of each sorted (token, expert) pair
         rows = x.index_select(0, slot_token)
         h = _per_expert(rows, gate_up.transpose(1, 2), counts, offs)
+        if ctx.nf4:  # the dequantized gate_up dropped as soon as its GEMM is done: before h's adapter update and
+            gate_up = None  # down's dequantization, which would otherwise hold it too
         h, u_gu = _low_rank_into(h, rows, a_gu, b_gu, scaling.get("gate_up"), counts, offs)
         a = act(h[:, :inter]) * h[:, inter:]
         if ctx.nf4:
-            gate_up, down = None, _stacked(down, (experts, hidden, inter), x.dtype)
+            down = _stacked(down, (experts, hidden, inter), x.dtype)
         y = _per_expert(a, down.transpose(1, 2), counts, offs)
         y, u_down = _low_rank_into(y, a, a_down, b_down, scaling.get("down"), counts, offs)
         del rows, a

@@ -43,8 +43,11 @@ def _saved(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[bool, torch.
 
 @pytest.mark.slow  # torchao's import and NF4's Python-level ops
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_backward(family, hf_dirs):
+def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_backward(family, hf_dirs, monkeypatch):
     pytest.importorskip("torchao")
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from lmforge.models import moe
     from lmforge.models.moe import stacked
     from lmforge.models.nf4 import is_nf4
 
@@ -59,8 +62,21 @@ def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_bac
     sizes = {m.gate_up.shape[0] * 2 * m.gate_up.shape[2] * m.gate_up.shape[3] for m in plain.modules()
              if isinstance(m, LoRAExperts)} | {m.down.numel() for m in plain.modules() if isinstance(m, LoRAExperts)}
     ids = _ids()
+    # A layer's experts are dequantized one weight at a time, forward and backward: each dequantized copy is gone
+    # before the next is made (a stacked weight is most of a layer: Mixtral 8x7B's gate_up is 1.75 GiB in bf16).
+    made, dequantize = [], moe.dequantize
+
+    def one_at_a_time(w, dtype=None):
+        assert all(ref.expired() for ref in made), "a dequantized expert weight is still alive"
+        out = dequantize(w, dtype)
+        made.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    monkeypatch.setattr(moe, "dequantize", one_at_a_time)
     # Forward and backward bit for bit: the logits and every adapter's gradient (the experts' and the linears').
     kept = {name: _saved(model, ids) for name, model in (("nf4", quantized), ("bf16", plain))}
+    assert len(made) == 4 * len(experts)  # gate_up and down, forward and backward
+    monkeypatch.undo()
     assert torch.equal(_logits(quantized, ids), _logits(plain, ids))
     grads = [{n: p.grad for n, p in model.named_parameters() if p.requires_grad} for model in (quantized, plain)]
     assert grads[0].keys() == grads[1].keys() and any(".experts.lora_" in n for n in grads[0])
@@ -160,3 +176,17 @@ def test_the_nf4_linear_computes_torchaos_products_bit_for_bit():
     finally:
         type(w.data).get_original_weight = original
     assert not calls
+
+
+def test_a_torchao_that_does_not_import_is_one_line(monkeypatch):
+    """Installed but built for another torch (or damaged): its ImportError became a traceback."""
+    import sys
+
+    from lmforge.errors import UserError
+    from lmforge.models.nf4 import nf4_api
+
+    for module in ("torchao.quantization.quantize_.workflows.nf4", "torchao.dtypes"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError
+    with pytest.raises(UserError, match=r"^torchao does not import \(.*\): pip install a torchao release built for "
+                                        r"torch \d+\.\d+"):
+        nf4_api()
