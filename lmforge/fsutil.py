@@ -1,5 +1,5 @@
 """Writes that never leave a half-written result under the final name; checksums of what was written; one
-line for a full disk."""
+line for a full disk, or for a weights file that cannot be read."""
 
 from __future__ import annotations
 
@@ -174,6 +174,17 @@ _FULL = {errno.ENOSPC, errno.EDQUOT}
 _FULL_TEXT = ("No space left on device", "StorageFull", "Disk quota exceeded")
 _LIMIT_TEXT = ("File too large", "FileTooLarge")
 _SHORT_WRITE = "unexpected pos"
+
+
+def open_safetensors(path: str | Path):
+    """safetensors' safe_open of `path` (a context manager too); a damaged or truncated file is one UserError naming
+    it, not safetensors' own exception."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read '{path}' ({e}): the file is damaged or incomplete: copy it again") from None
 
 
 def _causes(e: BaseException) -> Iterator[BaseException]:

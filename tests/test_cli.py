@@ -67,6 +67,10 @@ def _bad_inputs(hf_dirs, tmp):
     (pickled / "config.json").write_text((neox / "config.json").read_text())
     torch.save({"w": torch.zeros(1), "x": Evil()}, pickled / "pytorch_model.bin")
     yield "is not a weights-only PyTorch file", pickled
+    truncated = edited_copy(neox, tmp / "truncated", lambda c: None)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a download cut short
+    yield f"cannot read '{weights}' (", truncated
     empty = tmp / "empty"
     empty.mkdir()
     yield "no config.json", empty
@@ -107,3 +111,30 @@ def test_debug_shows_the_traceback(tmp_path):
 
     with pytest.raises(UserError):
         main(["--debug", "import-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize(("config", "overrides", "expected"), [
+    ("trainer:\n  max_steps: 3\n   bad_indent: 1\n", [],
+     "is not valid YAML (mapping values are not allowed in this context at line 3, column 14): fix that line"),
+    ("- model\n- trainer\n", [], "holds a list, not sections: write it as model:, data:, trainer:"),
+    ("model:\n  preset: tiny-neox\n", ["lora.targets=[q,v"],
+     "override 'lora.targets=[q,v' is not valid YAML after the '=' (did not find expected ',' or ']')"),
+])
+def test_a_config_that_does_not_parse_is_one_line(config, overrides, expected, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(config)
+    assert main(["finetune", str(recipe), f"run_dir={tmp_path / 'run'}", *overrides]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_overrides_may_follow_a_verbs_options(tmp_path, capsys):
+    """`lmforge plan cfg.yaml --world-size 8 parallel.tensor=8` read the override as an unknown argument (exit 2)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  preset: tiny-neox\n")
+    assert main(["plan", str(recipe), "--world-size", "1", "trainer.max_stpes=3"]) == 1  # read, and checked
+    assert "unknown config key 'trainer.max_stpes' (did you mean 'trainer.max_steps'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(recipe), "--world-size", "1", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -68,7 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     end_with_launcher()  # first: a torchrun worker whose launcher is killed must not train on alone
     argv = sys.argv[1:] if argv is None else argv
     verb = next((a for a in argv if not a.startswith("-")), None)  # top-level options take no value
-    args = parser(verb if verb in VERBS else None).parse_args(argv)
+    p = parser(verb if verb in VERBS else None)
+    args, extra = p.parse_known_args(argv)
+    # key=value overrides after the verb's options (`lmforge plan cfg.yaml --world-size 8 parallel.tensor=8`): argparse
+    # takes a positional list only before them, so those that follow are the overrides' too.
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in a and not a.startswith("-") for a in extra):
+        args.overrides += extra
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.verb is None:
         parser().print_help()
         return 2

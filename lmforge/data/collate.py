@@ -55,7 +55,7 @@ def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
                         continue
                     where = f"{path}:{lineno}"
                     try:
-                        rec = json.loads(line)
+                        rec = json.loads(line.rstrip("\r\n"))  # a column on this line, not the next
                     except json.JSONDecodeError as e:
                         raise UserError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
                     count += 1

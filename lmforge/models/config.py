@@ -245,7 +245,8 @@ class ModelConfig:
             return
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise UserError(f"experts_per_token {self.experts_per_token} must be between 1 and num_experts "
-                            f"{self.num_experts}: each token goes to that many different experts")
+                            f"{self.num_experts} (each token goes to that many different experts): set it within "
+                            "(a Hugging Face config.json: num_experts_per_tok, and num_local_experts or num_experts)")
         if not self.gated_mlp or self.mlp_bias:
             raise UserError("experts are SwiGLU MLPs without biases: a model with num_experts > 0 needs "
                             "gated_mlp=true and mlp_bias=false")
@@ -330,4 +331,5 @@ def _indivisible(hidden: int, heads: int, note: str, other: str = "") -> str:
     """One line for a hidden_size that num_heads does not divide, with two shapes that fit (the second with an
     even head_dim, which rotary embeddings need)."""
     return (f"hidden_size {hidden} is not divisible by num_heads {heads}{note}: use num_heads="
-            f"{_nearest_divisor(hidden, heads)} or hidden_size={max(2, round(hidden / heads / 2) * 2) * heads}{other}")
+            f"{_nearest_divisor(hidden, heads)} or hidden_size={max(2, round(hidden / heads / 2) * 2) * heads}{other} "
+            "(a Hugging Face config.json: num_attention_heads)")

@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from lmforge.config import from_dict, to_dict
 from lmforge.errors import UserError
+from lmforge.fsutil import open_safetensors
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.rope import RotaryEmbedding
@@ -112,7 +112,7 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
     single = folder / "model.safetensors"
     if not single.is_file():
         raise UserError(f"no model.safetensors in '{folder}': is it an lmforge model folder?")
-    with safe_open(str(single), "pt") as f:
+    with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)
 
 
@@ -126,7 +126,7 @@ def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
             raise UserError(f"tensor '{name}' is missing from '{folder}': the folder is incomplete")
         path = where[name]
         if path not in handles:
-            handles[path] = safe_open(str(path), "pt")
+            handles[path] = open_safetensors(path)
         return stored_layout(name, handles[path].get_tensor(name))
 
     get.names = list(where)  # type: ignore[attr-defined]

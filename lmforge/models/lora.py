@@ -240,8 +240,10 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[s
                 out[name].append(part)
     missing = [t for t in targets if t not in matched]
     if missing:
-        raise UserError(f"lora.targets: {', '.join(missing)} match no module of this {cfg.family} model (it has "
-                        f"{', '.join(t for t in TARGETS if t in matched or _has(modules, TARGETS[t]))}): drop them")
+        raise UserError(f"lora.targets: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module "
+                        f"of this {cfg.family} model (it has "
+                        f"{', '.join(t for t in TARGETS if t in matched or _has(modules, TARGETS[t]))}): drop "
+                        f"{'it' if len(missing) == 1 else 'them'}")
     on_params = sorted({*(f"experts.{w}" for w in ranks), *(t for t in targets if t == "router")})
     if lora.dropout and on_params:
         raise UserError(f"lora.dropout={lora.dropout} with adapters on {', '.join(on_params)}: PEFT adapts "

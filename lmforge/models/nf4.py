@@ -15,6 +15,8 @@ import logging
 import torch
 from torch import nn
 
+from lmforge.errors import UserError
+
 log = logging.getLogger(__name__)
 
 # QLoRA's NF4 (Dettmers et al. 2023): one absmax scale per 64 weights, the scales quantized again in blocks of 256.
@@ -29,7 +31,11 @@ def nf4_api():
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor as nf4
     except ImportError:
-        from torchao.dtypes import nf4tensor as nf4
+        try:
+            from torchao.dtypes import nf4tensor as nf4
+        except ImportError as e:  # installed, but built for another torch or damaged
+            raise UserError(f"torchao does not import ({e}): pip install a torchao release built for torch "
+                            f"{torch.__version__.split('+')[0]} (pip install -U torchao)") from None
     return nf4.to_nf4, nf4.NF4Tensor
 
 

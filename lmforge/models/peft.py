@@ -35,11 +35,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from lmforge.errors import UserError
+from lmforge.fsutil import open_safetensors
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for
 from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
@@ -247,7 +247,7 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise UserError(f"no {WEIGHTS} in '{folder}'")
-    with safe_open(str(weights), "pt") as f:
+    with open_safetensors(weights) as f:
         stored = {k.removeprefix(PREFIX).replace(".default.", "."): f.get_tensor(k) for k in f.keys()}
     used: set[str] = set()
 

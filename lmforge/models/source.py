@@ -41,6 +41,8 @@ def is_checkpoint(folder: Path) -> bool:
 def source_kind(folder: str | Path) -> str:
     """'checkpoint', 'lmforge' or 'hf'; a UserError for anything else."""
     folder = Path(folder)
+    if folder.is_file():
+        raise UserError(f"'{folder}' is a file: give the model folder that holds it")
     if not folder.is_dir():
         raise UserError(f"model folder '{folder}' does not exist")
     if is_checkpoint(folder):
@@ -49,8 +51,26 @@ def source_kind(folder: str | Path) -> str:
         return "lmforge"
     if is_hf_dir(folder):
         return "hf"
+    inside = _model_inside(folder)
     raise UserError(f"'{folder}' is neither an lmforge model folder ({CONFIG_NAME}), a Hugging Face one "
-                    "(config.json) nor a training checkpoint (trainer.json)")
+                    "(config.json) nor a training checkpoint (trainer.json)"
+                    + (f": give '{inside}'" if inside else ""))
+
+
+def _model_inside(folder: Path) -> Path | None:
+    """What a user most likely meant by a folder that holds models (a run folder, its checkpoints/): its exported
+    model, else its latest checkpoint, else any model one or two levels down (by name)."""
+    def kind(p: Path) -> bool:
+        return p.is_dir() and (is_checkpoint(p) or is_model_dir(p) or is_hf_dir(p))
+
+    for name in ("hf", "model"):
+        if kind(folder / name):
+            return folder / name
+    for pattern in ("step-*", "checkpoints/step-*", "*", "*/*"):
+        found = sorted(p for p in folder.glob(pattern) if kind(p))
+        if found:
+            return found[-1]
+    return None
 
 
 def source_config(folder: str | Path) -> ModelConfig:

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
+from lmforge.fsutil import open_safetensors
 from lmforge.models.build import build, init_weights, local_piece, materialize_meta
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import is_model_dir, read_config, safetensors_index, stored_layout
@@ -218,7 +218,7 @@ def _from_lmforge(folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tenso
         if name not in where:
             continue
         if where[name] not in handles:
-            handles[where[name]] = safe_open(str(where[name]), "pt")
+            handles[where[name]] = open_safetensors(where[name])
         piece = handles[where[name]].get_slice(name)
         shape = tuple(piece.get_shape())
         box, local = local_box(t), _local(t)

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lmforge.config import check_types, closest, from_dict, unknown_key_error
@@ -365,13 +366,32 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise UserError(f"{key}='{value}' is not valid{hint}: choose one of {', '.join(choices)}")
 
 
+def _yaml_problem(e: yaml.YAMLError, where: bool = True) -> str:
+    """PyYAML's error as one phrase: what is wrong and (`where`) its line and column, 1-based."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if where and mark is not None else problem
+
+
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML recipe and apply `a.b=value` overrides (OmegaConf dotlist syntax)."""
     try:
-        base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
+        try:
+            base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
+        except yaml.YAMLError as e:
+            raise UserError(f"config file '{path}' is not valid YAML ({_yaml_problem(e)}): fix that line") from None
+        if not isinstance(base, DictConfig):
+            raise UserError(f"config file '{path}' holds a {type(base).__name__.removesuffix('Config').lower()}, not "
+                            "sections: write it as model:, data:, trainer: ... (see configs/)")
         for item in overrides:
             if "=" not in item:
                 raise UserError(f"override '{item}' is not key=value: write e.g. trainer.max_steps=100")
+            try:
+                OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as e:
+                raise UserError(f"override '{item}' is not valid YAML after the '=' "
+                                f"({_yaml_problem(e, where=False)}): write e.g. lora.targets=[q,v], and quote it for "
+                                "the shell") from None
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
     except FileNotFoundError:

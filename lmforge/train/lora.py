@@ -76,7 +76,8 @@ def apply_run_lora(model: nn.Module, cfg: RunConfig, fill: Callable | None = Non
     values as a whole model wrapped here (lmforge.models.lora.init_adapters). Returns None for a whole model."""
     lora, seed = cfg.lora, cfg.trainer.seed
     if getattr(model.config, "num_labels", 0):
-        raise UserError("lora with data.task=classification is not supported yet: the new head would stay frozen")
+        raise UserError("lora with data.task=classification is not supported yet (the new head would stay frozen): "
+                        "drop the lora section to fine-tune the whole model")
     apply_lora(model, lora, seed=seed)
     if fill is None:
         return None

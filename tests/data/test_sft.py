@@ -225,7 +225,8 @@ def test_user_prompt_template(tmp_path, gpt2):
 
 
 @pytest.mark.parametrize("content, match", [
-    ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"\n', r"bad\.jsonl:2: malformed JSON"),
+    ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"\n',
+     r"bad\.jsonl:2: malformed JSON \(Expecting ',' delimiter at column 35\)"),  # the column on its own line
     ('{"instruction": "a", "answer": "b"}\n', r"bad\.jsonl:1: unknown record kind with keys \['answer', 'instr"),
     ('{"instruction": "a", "output": 3}\n', r"bad\.jsonl:1: .* must be strings"),
     ("\n\n", r"holds no records"),

@@ -54,8 +54,16 @@ def test_lm_eval_not_installed_says_the_pip_command(eval_models, monkeypatch, ca
 
 def test_bad_paths_and_numbers_are_one_line_errors(eval_models, shared_data, tmp_path, capsys):
     model = str(eval_models["gpt_neox"][1])
+    run = tmp_path / "run"  # a run folder where a checkpoint was meant: the latest checkpoint is named
+    for step in ("step-00000002", "step-00000010"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+        (run / "checkpoints" / step / "trainer.json").write_text("{}")
+    (tmp_path / "file.jsonl").write_text("{}\n")
     cases = [
         ([str(tmp_path / "nope"), "--tasks", "sst2_local"], "does not exist"),
+        ([str(tmp_path / "file.jsonl"), "--tasks", "sst2_local"], "is a file: give the model folder that holds it"),
+        ([str(run), "--tasks", "sst2_local"], f"nor a training checkpoint (trainer.json): give "
+                                              f"'{run / 'checkpoints' / 'step-00000010'}'"),
         ([model, "--tasks", "sst2_local", "--include-path", str(tmp_path / "none")], "is not a folder"),
         ([model, "--tasks", " , "], "no tasks given"),
         ([model, "--tasks", "sst2_local", "--output-path", str(tmp_path)], "is a folder"),

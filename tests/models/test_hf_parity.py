@@ -337,7 +337,7 @@ def test_a_config_transformers_would_reject_fails_when_read(hf_dirs, tmp_path):
     folder = edited_copy(hf_dirs["gemma2"], tmp_path / "odd", lambda c: c.update(num_attention_heads=3))
     with pytest.raises(UserError, match=r"^hidden_size 64 is not divisible by num_heads 3 \(transformers rejects such "
                                         r"a gemma2 config, even with head_dim set\): use num_heads=4 or "
-                                        r"hidden_size=66$"):
+                                        r"hidden_size=66 \(a Hugging Face config.json: num_attention_heads\)$"):
         import_hf(folder, tmp_path / "lm")
 
 

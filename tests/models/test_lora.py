@@ -106,7 +106,7 @@ def test_targets_and_trainable_parameters(hf_dirs):
 @pytest.mark.parametrize("setting, message", [
     ({"rank": 0}, "lora.rank must be >= 1, got 0"),
     ({"targets": "q,query"}, "lora.targets: unknown target 'query'"),
-    ({"targets": "gate"}, "lora.targets: gate match no module of this gpt_neox model"),
+    ({"targets": "gate"}, "lora.targets: gate matches no module of this gpt_neox model"),
     ({"targets": "q,v"}, "gpt_neox keeps q, k and v in one projection"),
 ])
 def test_bad_settings_are_one_line(setting, message, hf_dirs):

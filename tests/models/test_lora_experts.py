@@ -199,7 +199,7 @@ def test_peft_all_linear_adapters_load_and_lmforge_all_linear_has_their_shapes(f
 @pytest.mark.parametrize(("model", "setting", "message"), [
     ("tiny-llama", {"targets": "q,experts"}, r"^lora.targets: experts names a mixture of experts' stacked experts, "
                                             r"and this llama model has none \(model.num_experts=0\): drop it$"),
-    ("tiny-llama", {"targets": "router"}, "^lora.targets: router match no module of this llama model"),
+    ("tiny-llama", {"targets": "router"}, "^lora.targets: router matches no module of this llama model"),
     ("tiny-mixtral", {"targets": "q,gate"}, r"^lora.targets: mixtral's experts keep gate and up in one stacked "
                                             r"weight .*: target gate,up together, not gate alone$"),
     ("tiny-qwen3-moe", {"targets": "experts,gate,up"}, "^lora.targets: experts and gate both adapt the experts' "

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from lmforge.errors import UserError
+from lmforge.fsutil import open_safetensors
 
 
 class HFWeights:
@@ -43,7 +43,7 @@ class HFWeights:
     def _file(self, path: Path):
         if path not in self._open:
             if path.suffix == ".safetensors":
-                self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+                self._open[path] = open_safetensors(path)
             else:
                 self._open[path] = _load_weights_only(path)
         return self._open[path]
