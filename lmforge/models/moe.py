@@ -151,9 +151,17 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits, weights, chosen = self.route(x)
-        self.router_logits = logits if self.training and torch.is_grad_enabled() else None
+        if not _recomputing():  # activation checkpointing's recompute in backward: the loss has its logits already
+            self.router_logits = logits if self.training and torch.is_grad_enabled() else None
         out = _outside_compile(self.experts, x, chosen, weights, self.act, self.dispatch)
         return out.view(shape)
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward: activation checkpointing recomputing a block. Its router logits
+    must not be kept then: they would hold the recomputed block's graph, and so its activations, until the next
+    forward, every layer's at once by the end of backward (what checkpointing exists to free)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @torch.compiler.disable
