@@ -29,6 +29,7 @@ from lmforge.models.source import (
     is_checkpoint,
     load_checkpoint_whole,
     load_pretrained,
+    run_path,
     run_tokenizer_source,
 )
 
@@ -83,6 +84,7 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
         if lora is None:
             return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
         base = (checkpoint_run(folder) or {}).get("model", {}).get("init_from")
+        base = run_path(folder, base) if base else None
         existed = adapter_dir.exists()
         write_adapter_folder(whole, cfg, lora, adapter_dir, str(Path(base).resolve()) if base else None, Path(side))
         try:

@@ -14,6 +14,7 @@ lmforge.parallel.load.load_sharded; it uses the same config, index and checkpoin
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -105,7 +106,38 @@ def run_tokenizer_source(checkpoint: Path) -> Path | None:
         return None
     tokenizer = (run.get("data") or {}).get("tokenizer")
     init_from = (run.get("model") or {}).get("init_from")
-    return Path(tokenizer) if tokenizer else Path(init_from) if init_from else None
+    return run_path(checkpoint, tokenizer) if tokenizer else run_path(checkpoint, init_from) if init_from else None
+
+
+def run_path(checkpoint: str | Path, recorded: str) -> Path:
+    """A path a training checkpoint's run config records (model.init_from, data.tokenizer), for a reader anywhere:
+    a relative one is the run's, from the folder the run was started in (trainer.json's `working_dir`; for older
+    checkpoints the folder a relative run_dir leads back to), where it is there; else as recorded."""
+    path = Path(recorded)
+    if path.is_absolute() or path.exists():
+        return path
+    base = run_working_dir(checkpoint)
+    return base / path if base is not None and (base / path).exists() else path
+
+
+def run_working_dir(checkpoint: str | Path) -> Path | None:
+    """The folder a checkpoint's run was started in, where it can be told (see run_path)."""
+    try:
+        state = json.loads((Path(checkpoint) / "trainer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    if isinstance(state.get("working_dir"), str):
+        return Path(state["working_dir"])
+    run_dir = (state.get("run_config") or {}).get("run_dir") if isinstance(state.get("run_config"), dict) else None
+    if not isinstance(run_dir, str) or Path(run_dir).is_absolute():
+        return None
+    parts = Path(os.path.normpath(run_dir)).parts  # RUN_DIR/checkpoints/step-N, RUN_DIR as the run spelled it
+    root = Path(checkpoint).resolve().parent.parent
+    if ".." in parts or root.parts[-len(parts):] != parts:
+        return None
+    return Path(*root.parts[:-len(parts)])
 
 
 def tokenizer_source(folder: str | Path, fix: str = "set data.tokenizer in the run's config.yaml") -> Path:
@@ -226,6 +258,7 @@ def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None
         apply_lora(model, lora)
     if lora is not None and lora.base_dtype == "nf4":
         base = ((checkpoint_run(folder) or {}).get("model") or {}).get("init_from")
+        base = str(run_path(folder, base)) if base is not None else None
         if base is None:
             raise UserError(f"checkpoint '{folder}' is a QLoRA run's over a fresh base (no model.init_from): its NF4 "
                             "weights are not in it, so it cannot be read whole; the run's own export "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -159,6 +160,7 @@ class Trainer:
         if resumed is not None:
             self.resumed_from, state = resumed
             state.pop("run_config", None)
+            state.pop("working_dir", None)
             self.state = {"elapsed": 0.0, **state}
             log.info("resumed from %s at step %d", self.resumed_from, self.state["step"])
         self.finished = resumed is not None and self.state["step"] >= t.max_steps  # a rerun: fit() does nothing
@@ -359,7 +361,9 @@ class Trainer:
     def save(self, wait: bool = True) -> Path:
         """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written."""
         self.state["elapsed"] = self.elapsed()
-        state = {**self.state, "run_config": run_dict(self.cfg)}  # what a resume compares its config with
+        # What a resume compares its config with, and the folder its relative paths are from (a checkpoint read from
+        # elsewhere finds its model.init_from and tokenizer: lmforge.models.source.run_path).
+        state = {**self.state, "run_config": run_dict(self.cfg), "working_dir": os.getcwd()}
         # The chat template the examples were rendered with: an export or `serve` of the checkpoint prompts as trained.
         template = {CHAT_TEMPLATE_FILE: self.data.chat_template} if self.data.chat_template is not None else None
         path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg, template)

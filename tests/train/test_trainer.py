@@ -302,3 +302,28 @@ def test_a_run_sets_tf32_for_its_device_from_trainer_tf32(key, tiny_corpus, tmp_
     Trainer(run_config(tiny_corpus, tmp_path / "run", f"trainer.tf32={key}", "trainer.max_steps=1"))
     assert calls == [("cpu", key == "true")]
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+
+
+def test_a_checkpoint_finds_its_runs_relative_paths_from_any_folder(tiny_corpus, shared_data, tmp_path, monkeypatch):
+    """A run started with relative paths (data.tokenizer=tok, run_dir=runs/x: the README's spelling) wrote them as
+    given, and its checkpoint's tokenizer (and a QLoRA run's model.init_from) was found only from the folder the run
+    was started in: `lmforge generate/serve/export-hf RUN/checkpoints/step-N` failed from anywhere else."""
+    from pathlib import Path
+
+    from lmforge.models.source import run_path, tokenizer_source
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    (work / "tok").symlink_to(shared_data / "tokenizers" / "gpt-neox-20b")
+    monkeypatch.chdir(work)
+    Trainer(run_config(tiny_corpus, "runs/x", "trainer.max_steps=1", "trainer.val_check_interval=0",
+                       "data.tokenizer=tok", "model.vocab_size=50277")).fit()
+    step = work / "runs" / "x" / "checkpoints" / "step-00000001"
+    monkeypatch.chdir(elsewhere)
+    assert tokenizer_source(step) == work / "tok" and run_path(step, "tok") == work / "tok"
+    # A checkpoint from before trainer.json recorded the working folder: the one its relative run_dir leads back to.
+    state = json.loads((step / "trainer.json").read_text())
+    assert state.pop("working_dir") == str(work)
+    (step / "trainer.json").write_text(json.dumps(state))
+    assert tokenizer_source(step) == work / "tok"
+    assert run_path(step, "nowhere") == Path("nowhere")  # not there either way: as recorded, for the error to name
