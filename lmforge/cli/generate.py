@@ -16,9 +16,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files, or a "
                                      "training checkpoint (RUN_DIR/checkpoints/step-N: its run's tokenizer)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template (its "
+                        "chat_template.jinja or tokenizer_config.json; a fine-tuning run's export and checkpoints "
+                        "carry the one it trained with), as /v1/chat/completions renders it; the completion is the "
+                        "assistant's reply")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each prompt")
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter folder (e.g. a run's hf-adapter/), merged into MODEL_DIR on load")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass >= p")
@@ -47,16 +53,23 @@ def run(args: argparse.Namespace) -> None:
 
     if not Path(args.model_dir).is_dir():
         raise UserError(f"model folder '{args.model_dir}' does not exist")
+    if args.system is not None and not args.chat:
+        raise UserError("--system is a chat message: add --chat")
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(tokenizer_source(args.model_dir))
-    model, _ = load_served(Path(args.model_dir), args.lora, device, parse_dtype(args.dtype))
+    model, chat_folder = load_served(Path(args.model_dir), args.lora, device, parse_dtype(args.dtype))
+    prompts, stop = args.prompt, list(args.stop)
+    if args.chat:
+        prompts, chat_stop = chat_prompts(tokenizer, chat_folder, args.prompt, args.system)
+        stop += chat_stop
     # generate() checks the same, but this line can name the flag.
-    longest = max(len(ids) for ids in tokenizer.encode_batch(args.prompt, add_bos=tokenizer.add_bos_token))
+    longest = max(len(ids) for ids in (prompts if args.chat else
+                                       tokenizer.encode_batch(prompts, add_bos=tokenizer.add_bos_token)))
     if longest and args.max_new_tokens > 0:
         check_fits(longest, args.max_new_tokens, model.config.max_position_embeddings, "--max-new-tokens")
     start = time.perf_counter()
     texts = generate_text(
-        model, tokenizer, args.prompt, args.max_new_tokens, stop=args.stop, temperature=args.temperature,
+        model, tokenizer, prompts, args.max_new_tokens, stop=stop, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
         compile=args.compile or False,
     )
@@ -65,3 +78,20 @@ def run(args: argparse.Namespace) -> None:
         if len(texts) > 1:
             print(f"--- completion {i + 1} of {len(texts)} ---")
         print(text)
+
+
+def chat_prompts(tokenizer, folder: Path, prompts: list[str], system: str | None) -> tuple[list[list[int]], list[str]]:
+    """(each prompt as a user message after `system`, rendered to ids with `folder`'s chat template as the server
+    renders a chat; the stop strings that format needs)."""
+    from lmforge.serve.chat import ChatFormat
+    from lmforge.serve.protocol import APIError
+
+    chat = ChatFormat(tokenizer, folder)
+    if chat.chat is None:
+        log.warning("'%s' has no chat template: the prompts are rendered as plain 'User: ... Assistant:' turns", folder)
+    head = [("system", system)] if system is not None else []
+    try:
+        return [chat.encode([*head, ("user", p)]) for p in prompts], list(chat.stop)
+    except APIError as e:
+        fix = "drop --system if it takes no system message" if system is not None else "prompt without --chat"
+        raise UserError(f"{e.message}: {fix}") from None

@@ -253,7 +253,7 @@ def _trim(rows: list[list[int]], stop: list[int], host: list[list[int]] | None) 
 def generate_text(
     model: nn.Module,
     tokenizer,
-    prompts: str | Sequence[str],
+    prompts: str | Sequence[str] | Sequence[Sequence[int]],
     max_new_tokens: int = 64,
     *,
     stop: str | Sequence[str] | None = None,
@@ -261,7 +261,8 @@ def generate_text(
     stop_token_ids: int | Iterable[int] | None = None,
     **kwargs,
 ) -> list[str]:
-    """Completions (prompt not included) of text prompts; keyword arguments as for generate.
+    """Completions (prompt not included) of text prompts, or of prompts already token ids (a chat template's);
+    keyword arguments as for generate.
 
     Generation of a row stops at eos (the model's and the tokenizer's) or once its text contains a
     stop string, and the text is cut before the first stop string (as OpenAI's API does).
@@ -269,7 +270,10 @@ def generate_text(
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-    encoded = tokenizer.encode_batch(prompts, add_bos=tokenizer.add_bos_token if add_bos is None else add_bos)
+    if all(isinstance(p, str) for p in prompts):
+        encoded = tokenizer.encode_batch(prompts, add_bos=tokenizer.add_bos_token if add_bos is None else add_bos)
+    else:
+        encoded = [list(p) for p in prompts]
     stop_ids = eos_token_ids(model, tokenizer) if stop_token_ids is None else token_ids(stop_token_ids)
     streams = [TextStream(tokenizer, ids, stops) for ids in encoded]
 
