@@ -138,3 +138,35 @@ def test_overrides_may_follow_a_verbs_options(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", str(recipe), "--world-size", "1", "--bogus"])
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_the_keys_pretrain_and_finetune_help_names_exist():
+    """`lmforge pretrain --help` / `finetune --help` list keys by name: each one is a field of the run config."""
+    import dataclasses
+    import re
+
+    from lmforge.cli.pretrain import FINETUNE_KEYS, RUN_KEYS
+    from lmforge.train.config import ModelSection, RunConfig
+
+    named = set(re.findall(r"\b(model|data|trainer|optim|checkpoint|eval|cost|parallel|lora|dpo)\.([a-z_0-9]+)",
+                           RUN_KEYS + FINETUNE_KEYS))
+    assert len(named) > 30
+    for section, key in named:
+        if section == "model":
+            assert key in {f.name for f in dataclasses.fields(ModelSection)}, key
+            continue
+        config = RunConfig()
+        held = getattr(config, section) or {"lora": _lora, "dpo": _dpo}[section]()
+        assert hasattr(held, key), f"{section}.{key}"
+
+
+def _lora():
+    from lmforge.models.lora import LoRAConfig
+
+    return LoRAConfig()
+
+
+def _dpo():
+    from lmforge.train.config import DPOConfig
+
+    return DPOConfig()

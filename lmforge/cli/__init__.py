@@ -33,7 +33,7 @@ VERBS = {
     "data": Verb("data", "tokenized datasets: `lmforge data merge` joins shards, `lmforge data inspect` describes one"),
     "tokenizer": Verb("tokenizer", "tokenizer tools: `lmforge tokenizer train` trains a byte-level BPE tokenizer"),
     "pretrain": Verb("pretrain", "pretrain or continue pretraining from a YAML recipe"),
-    "finetune": Verb("pretrain", "fine-tune (SFT, classification, MLM) from a YAML recipe"),
+    "finetune": Verb("pretrain", "fine-tune (SFT, LoRA/QLoRA, DPO, classification, MLM) from a YAML recipe"),
     "plan": Verb("plan", "trace one training step for N ranks on fake tensors: memory per device, device bugs"),
     "compile": Verb("compile", "warm the torch.compile cache that a following run reuses"),
     "import-hf": Verb("import_hf", "convert a Hugging Face model folder into an lmforge model folder"),

@@ -31,12 +31,37 @@ recipes: configs/sft-pythia-160m.yaml, configs/lora-pythia-410m.yaml, configs/dp
 """
 
 
+RUN_KEYS = """\
+model.preset         a built-in architecture (pythia-1b, llama-3.1-8b, qwen3-0.6b, mixtral-8x7b, ...)
+model.init_from      an HF or lmforge folder, or a training checkpoint, to start from (continued pretraining)
+data.paths           Megatron .bin/.idx prefixes (lmforge preprocess), or a blend [w1, prefix1, w2, prefix2]
+data.split           train,valid,test weights, e.g. 969,30,1; data.seq_length tokens per sample
+data.tokenizer       tokenizer.json or its folder (default: model.init_from's)
+trainer.max_steps    optimizer steps; trainer.max_minutes stops (validates, saves) after that long
+trainer.global_batch_size / micro_batch_size   samples per step / per forward on one data rank
+trainer.precision    auto, fp32, bf16-mixed, bf16-sr (bf16 weights, stochastic rounding), bf16
+trainer.compile      true: torch.compile each block; trainer.activation_checkpointing none|selective|full
+trainer.data_parallel  ddp or fsdp; parallel.tensor, parallel.pipeline, parallel.expert, parallel.sequence_parallel
+trainer.float8       true: Float8 matmuls through torchao on a GPU with FP8 units
+optim.lr             peak learning rate; optim.min_lr, optim.warmup_steps, optim.schedule (cosine, linear,
+                     constant), optim.weight_decay, optim.betas
+checkpoint.every_n_steps  and save_top_k, monitor, save_last, async_save; convert_to_hf: HF folder at the end
+eval.tasks           lm-eval tasks run on the live model every eval.every_n_steps (eval.limit, eval.data_dir)
+cost.usd_per_hour    the price of the run's devices: tokens per dollar in the log
+run_dir              where config.yaml, metrics.jsonl, tensorboard/ and checkpoints/ go (a rerun resumes)
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML recipe (see configs/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     if p.prog.endswith("finetune"):
-        p.formatter_class = argparse.RawDescriptionHelpFormatter
-        p.epilog = "task keys (key=value overrides or YAML):\n" + FINETUNE_KEYS
+        p.epilog = "task keys (key=value overrides or YAML):\n" + FINETUNE_KEYS + "\nrun keys, as for pretraining " \
+                   "(lmforge pretrain --help): trainer.*, optim.*, checkpoint.*, parallel.*, eval.*, run_dir"
+    else:
+        p.epilog = "common keys (key=value overrides or YAML; every key: the dataclasses in " \
+                   "lmforge/train/config.py):\n" + RUN_KEYS
     p.set_defaults(func=run)
 
 
