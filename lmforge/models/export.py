@@ -21,7 +21,7 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import export_hf, is_hf_dir, write_hf
 from lmforge.models.lora import merged_state
-from lmforge.models.peft import write_adapter_folder
+from lmforge.models.peft import peft_base, write_adapter_folder
 from lmforge.models.source import (
     checkpoint_dtype,
     checkpoint_lora,
@@ -86,7 +86,7 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
         base = (checkpoint_run(folder) or {}).get("model", {}).get("init_from")
         base = run_path(folder, base) if base else None
         existed = adapter_dir.exists()
-        write_adapter_folder(whole, cfg, lora, adapter_dir, str(Path(base).resolve()) if base else None, Path(side))
+        write_adapter_folder(whole, cfg, lora, adapter_dir, peft_base(base), Path(side))
         try:
             return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
         except BaseException:

@@ -201,6 +201,24 @@ def write_adapter_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, lora:
     log.info("wrote PEFT adapter %s", out)
 
 
+def peft_base(base: str | Path | None) -> str | None:
+    """adapter_config.json's base_model_name_or_path for an adapter trained on `base` (the run's model.init_from):
+    its absolute path where transformers can load it; for an lmforge model folder written beside a Hugging Face one
+    (a run's model/ and hf/, the same weights) that one, so peft.AutoPeftModelForCausalLM finds a base it reads."""
+    from lmforge.models.hf import is_hf_dir
+    from lmforge.models.io import is_model_dir
+
+    if not base:
+        return None
+    path = Path(base).resolve()
+    if not is_hf_dir(path) and is_model_dir(path) and is_hf_dir(path.parent / "hf"):
+        return str(path.parent / "hf")
+    if not is_hf_dir(path):
+        log.warning("the adapter's base_model_name_or_path, %s, is not a Hugging Face folder: load it with "
+                    "PeftModel.from_pretrained(base, ADAPTER) over an export of it (lmforge export-hf)", path)
+    return str(path)
+
+
 def read_peft_config(folder: Path) -> dict:
     path = Path(folder) / CONFIG
     if not path.is_file():

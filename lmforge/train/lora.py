@@ -94,10 +94,10 @@ def write_adapter(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConf
                   side_files_from: Path | None = None) -> None:
     """Write the PEFT adapter folder `out` from a LoRA run's gathered state dict, with the tokenizer and chat
     template files of `side_files_from` (the run's model folder) beside it."""
-    from lmforge.models.peft import write_adapter_folder
+    from lmforge.models.peft import peft_base, write_adapter_folder
 
     base = cfg.model.init_from
-    write_adapter_folder(full, mcfg, cfg.lora, out, str(Path(base).resolve()) if base else None, side_files_from)
+    write_adapter_folder(full, mcfg, cfg.lora, out, peft_base(base), side_files_from)
 
 
 def merged(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -235,3 +235,21 @@ def test_a_bf16_base_is_read_in_bf16_never_as_a_whole_fp32_copy(tiny_llama, chat
     held = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert meter.peak <= whole_fp32 + held + 0.05 * whole_fp32, (held, meter.peak, whole_fp32)
     trainer.close()
+
+
+def test_an_adapters_base_is_a_folder_transformers_loads(tmp_path, caplog):
+    """A LoRA run from a run's lmforge model/ (DPO after SFT) named that folder as the adapter's
+    base_model_name_or_path, which peft.AutoPeftModelForCausalLM cannot read: the run's hf/ beside it holds the same
+    weights."""
+    from lmforge.models.peft import peft_base
+
+    run = tmp_path / "sft"
+    for name, config in (("model", "lmforge.json"), ("hf", "config.json")):
+        (run / name).mkdir(parents=True)
+        (run / name / config).write_text("{}")
+    assert peft_base(run / "hf") == str((run / "hf").resolve())
+    assert peft_base(run / "model") == str((run / "hf").resolve())
+    assert peft_base(None) is None
+    (run / "hf" / "config.json").unlink()  # no Hugging Face folder beside it: kept, and said
+    assert peft_base(run / "model") == str((run / "model").resolve())
+    assert "is not a Hugging Face folder" in caplog.text
