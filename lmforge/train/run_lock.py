@@ -48,7 +48,7 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self.fd: int | None = None
-        self.made_dir = False
+        self.made_dirs: list[Path] = []  # the run folder and the parents it took, where acquire made them
 
     @property
     def held(self) -> bool:
@@ -60,8 +60,9 @@ class RunLock:
         deadline = time.monotonic() + wait
         while True:
             if not self.run_dir.exists():  # (again where a holder that had made it empty removed it)
+                made = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]  # deepest first
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                self.made_dir = True
+                self.made_dirs = made if not self.made_dirs else self.made_dirs
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:
@@ -116,17 +117,18 @@ class RunLock:
 
     def release(self) -> None:
         """Remove the lock file, then let go of it (in that order: a run waiting on the old file sees it gone and
-        tries again). A run folder this lock created and nothing else filled is removed too."""
+        tries again). A run folder this lock created and nothing else filled is removed too, with the parents made
+        for it (runs/ of runs/x), so a run that failed before writing leaves nothing."""
         if self.fd is not None:
             self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
-        if self.made_dir:
-            self.made_dir = False
+        made, self.made_dirs = self.made_dirs, []
+        for folder in made:
             try:
-                self.run_dir.rmdir()
-            except OSError:  # the run wrote something: it stays
-                pass
+                folder.rmdir()
+            except OSError:  # the run wrote something there (or another run did): it stays, and so do its parents
+                break
 
 
 def hold_run_dir(run_dir: str | Path, wait: float) -> RunLock | None:

@@ -199,6 +199,18 @@ def test_bad_configs_fail_before_compute(overrides, message, tiny_corpus, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_that_fails_before_writing_leaves_no_folders(tiny_corpus, tmp_path):
+    """A walkthrough's first failed run (a missing data file) left an empty runs/ behind run_dir=runs/x."""
+    with pytest.raises(UserError):
+        Trainer(run_config(tiny_corpus, tmp_path / "runs" / "deep" / "x", "data.paths=[/nonexistent/prefix]"))
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "other").mkdir()  # a folder that was there stays, with what it holds
+    with pytest.raises(UserError):
+        Trainer(run_config(tiny_corpus, tmp_path / "runs" / "deep" / "x", "data.paths=[/nonexistent/prefix]"))
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other"]
+
+
 def test_a_token_id_past_the_model_vocabulary_fails_before_training(tiny_corpus, tmp_path):
     """Issue 18 item 6: ids up to 999 on a 500-id model crashed with an IndexError at the first step and left a
     run folder behind."""
