@@ -245,8 +245,9 @@ class ModelConfig:
             return
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise UserError(f"experts_per_token {self.experts_per_token} must be between 1 and num_experts "
-                            f"{self.num_experts} (each token goes to that many different experts): set it within "
-                            "(a Hugging Face config.json: num_experts_per_tok, and num_local_experts or num_experts)")
+                            f"{self.num_experts}: each token goes to that many different experts; set it from 1 to "
+                            f"{self.num_experts} (in a Hugging Face config.json: num_experts_per_tok, against "
+                            "num_local_experts or num_experts)")
         if not self.gated_mlp or self.mlp_bias:
             raise UserError("experts are SwiGLU MLPs without biases: a model with num_experts > 0 needs "
                             "gated_mlp=true and mlp_bias=false")

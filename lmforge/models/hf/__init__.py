@@ -148,10 +148,18 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
         cfg = with_special_ids(cfg, tokenizer)
     hf = adapter.config_to_hf(cfg)
     model = build(cfg, device="meta")
+    floats: set[torch.dtype] = set()
+
+    def noted(tensors):  # the dtypes written, for config.json
+        for name, t in tensors:
+            if t.is_floating_point():
+                floats.add(dtype or t.dtype)
+            yield name, t
+
     with atomic_dir(out_dir, overwrite, needed) as tmp:
-        write_safetensors(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get), tmp, dtype)
-        if dtype is not None:
-            hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+        write_safetensors(noted(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get)), tmp, dtype)
+        if len(floats) == 1:  # what save_pretrained writes: transformers 4 and vLLM read an absent one as float32
+            hf["torch_dtype"] = str(floats.pop()).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         copy_side_files(side_dir, tmp, SIDE_FILES)
         own = sorted(side_dir.glob("*tokenizer.json"))
