@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping and the page "
                         "(default $LMFORGE_API_KEY; the variable keeps the key out of `ps`)")
-    p.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the folder name)")
+    p.add_argument("--model-name", default=None,
+                   help="the id clients pass as `model` (default: the folder name, with its run's for a run's hf/, "
+                        "model/ or a checkpoint: sft-run/hf, sft-run/step-00000400)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument("--prefill-batch", type=int, default=None,
                    help="most waiting requests prefilled in one forward (default: --max-batch; 1 = one at a time)")
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
         engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue,
                                                          prefill_batch=args.prefill_batch))
         chat = ChatFormat(tokenizer, chat_folder)
-        name = args.model_name or folder.resolve().name
+        name = args.model_name or served_name(folder)
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,
                              args.max_choices, args.read_timeout, args.keep_alive_timeout)
         app = create_app(engine, tokenizer, chat, config)
@@ -121,3 +123,14 @@ def load_served(folder: Path, lora: str | None, device, dtype):
         return model, folder
     load_peft_adapter(model, lora)
     return merge_lora(model), Path(lora) if read_chat_template(lora) else folder
+
+
+def served_name(folder: Path) -> str:
+    """The model id a folder is served under by default: its name, and for the folders every run names alike (a run's
+    hf/ and model/, its checkpoints' step-N) the run's name before it, so two runs served side by side differ."""
+    folder = folder.resolve()
+    if folder.name in ("hf", "model") and folder.parent.name:
+        return f"{folder.parent.name}/{folder.name}"
+    if folder.name.startswith("step-") and folder.parent.name == "checkpoints" and folder.parent.parent.name:
+        return f"{folder.parent.parent.name}/{folder.name}"
+    return folder.name

@@ -30,6 +30,17 @@ def test_listen_address(monkeypatch):
     assert listen_address("127.0.0.1", 9000) == ("127.0.0.1", 9000)  # explicit flags win
 
 
+def test_the_default_model_id_names_the_run_of_a_runs_folders(tmp_path):
+    """Every run exports hf/ and model/ and checkpoints step-N: served under those names alone, two runs collided and
+    a client could not tell which model answered."""
+    from lmforge.cli.serve import served_name
+
+    run = tmp_path / "sft-qwen"
+    assert served_name(run / "hf") == "sft-qwen/hf" and served_name(run / "model") == "sft-qwen/model"
+    assert served_name(run / "checkpoints" / "step-00000400") == "sft-qwen/step-00000400"
+    assert served_name(tmp_path / "Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
+
+
 def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT", raising=False)
     assert main(["serve", str(tmp_path / "missing")]) == 1
