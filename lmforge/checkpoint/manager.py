@@ -51,7 +51,7 @@ from lmforge.errors import UserError
 from lmforge.fsutil import CHECKSUMS, atomic_write, checksum_problems, file_checksums, out_of_space
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import write_config
-from lmforge.models.source import dcp_error_line, load_checkpoint_model
+from lmforge.models.source import dcp_error_line, load_checkpoint_model, one_process_quietly
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,8 @@ class CheckpointManager:
             files.update(side_files or {})
         if self._writer is None:
             try:
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+                with one_process_quietly():
+                    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
                 error = None
             # DCP gathers every rank's failure into a CheckpointException, a BaseException (not an Exception).
             except (Exception, CheckpointException) as e:
@@ -333,7 +334,8 @@ class CheckpointManager:
         model_sd, optim_sd = self.state_dicts(model, optimizer, path)
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            with one_process_quietly():
+                dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
         # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
         except (Exception, CheckpointException) as e:

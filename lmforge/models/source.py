@@ -13,8 +13,10 @@ lmforge.parallel.load.load_sharded; it uses the same config, index and checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,6 +35,15 @@ from lmforge.models.lora import LoRAConfig, apply_lora, is_adapter, merge_lora
 # rows are re-padded on load).
 RUN_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by", "router_aux_loss_coef",
                  "router_z_loss_coef")
+
+
+@contextlib.contextmanager
+def one_process_quietly():
+    """DCP in one process (no process group, no_dist=True, as asked): without torch's warning that it assumes so,
+    which every read of a checkpoint by export-hf, serve or eval printed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def is_checkpoint(folder: Path) -> bool:
@@ -196,7 +207,8 @@ def load_checkpoint_model(state: dict[str, torch.Tensor], folder: Path) -> None:
 
     check_checkpoint_files(folder)
     try:
-        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+        with one_process_quietly():
+            dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
     # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
     except (Exception, CheckpointException) as e:
