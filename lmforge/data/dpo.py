@@ -45,8 +45,10 @@ def pair_examples(rec: dict, where: str) -> tuple[list, list[int]]:
     """The chosen and rejected examples of one record (kind, messages, where) and their context answer counts."""
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in rec]
     if missing:
+        sft = [k for k in ("messages", "instruction", "completion") if k in rec]
         raise UserError(f"{where}: a preference record needs 'prompt', 'chosen' and 'rejected'; "
-                        f"{' and '.join(repr(k) for k in missing)} {'is' if len(missing) == 1 else 'are'} missing")
+                        f"{', '.join(repr(k) for k in missing)} {'is' if len(missing) == 1 else 'are'} missing"
+                        + (f" (its '{sft[0]}' is SFT data: set data.task=sft)" if sft and len(missing) > 1 else ""))
     prompt = _messages(rec["prompt"], "user", "prompt", where)
     plain = isinstance(rec["prompt"], str) and isinstance(rec["chosen"], str) and isinstance(rec["rejected"], str)
     context = sum(m.get("role") == "assistant" for m in prompt if isinstance(m, dict))

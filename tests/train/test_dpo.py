@@ -165,6 +165,10 @@ def test_preference_data(shared_data, tmp_path):
     bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
     with pytest.raises(UserError, match=r"bad\.jsonl:2: a preference record needs .*'rejected' is missing"):
         PreferenceDataset(bad, gpt2, 64)
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n")  # SFT data given to DPO
+    with pytest.raises(UserError, match=r"bad\.jsonl:1: .*'prompt', 'chosen', 'rejected' are missing \(its "
+                                        r"'messages' is SFT data: set data.task=sft\)$"):
+        PreferenceDataset(bad, gpt2, 64)
     bad.write_text(json.dumps({**rows[0], "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}) + "\n" +
                    json.dumps(rows[0]) + "\n")
     with pytest.raises(UserError, match="1 of 2 records have ref_chosen_logps"):
