@@ -170,3 +170,16 @@ def _dpo():
     from lmforge.train.config import DPOConfig
 
     return DPOConfig()
+
+
+def test_import_of_an_lmforge_folder_and_export_of_a_run_folder_say_what_to_give(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "lmforge.json").write_text("{}")
+    (run / "hf").mkdir()
+    (run / "hf" / "config.json").write_text("{}")
+    assert main(["import-hf", str(run / "model"), str(tmp_path / "out")]) == 1
+    assert f"'{run / 'model'}' is an lmforge model folder already (lmforge.json)" in capsys.readouterr().err
+    assert main(["export-hf", str(run), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"(RUN_DIR/checkpoints/step-N): give '{run / 'model'}'")
+    assert not (tmp_path / "out").exists()

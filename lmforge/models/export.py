@@ -48,9 +48,12 @@ def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | 
         return export_hf(source, out_dir, dtype, overwrite)
     if not source.is_dir():
         raise UserError(f"model folder '{source}' does not exist")
+    from lmforge.models.source import model_inside
+
     what = "a Hugging Face folder already" if is_hf_dir(source) else "not a model folder"
+    inside = None if is_hf_dir(source) else model_inside(source, hf=False)
     raise UserError(f"'{source}' is {what}: export-hf reads an lmforge model folder (lmforge.json) or a training "
-                    "checkpoint (RUN_DIR/checkpoints/step-N)")
+                    "checkpoint (RUN_DIR/checkpoints/step-N)" + (f": give '{inside}'" if inside else ""))
 
 
 def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool) -> dict:

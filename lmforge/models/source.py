@@ -63,19 +63,20 @@ def source_kind(folder: str | Path) -> str:
         return "lmforge"
     if is_hf_dir(folder):
         return "hf"
-    inside = _model_inside(folder)
+    inside = model_inside(folder)
     raise UserError(f"'{folder}' is neither an lmforge model folder ({CONFIG_NAME}), a Hugging Face one "
                     "(config.json) nor a training checkpoint (trainer.json)"
                     + (f": give '{inside}'" if inside else ""))
 
 
-def _model_inside(folder: Path) -> Path | None:
+def model_inside(folder: Path, hf: bool = True) -> Path | None:
     """What a user most likely meant by a folder that holds models (a run folder, its checkpoints/): its exported
-    model, else its latest checkpoint, else any model one or two levels down (by name)."""
+    model, else its latest checkpoint, else any model one or two levels down (by name); `hf`: Hugging Face folders
+    count."""
     def kind(p: Path) -> bool:
-        return p.is_dir() and (is_checkpoint(p) or is_model_dir(p) or is_hf_dir(p))
+        return p.is_dir() and (is_checkpoint(p) or is_model_dir(p) or hf and is_hf_dir(p))
 
-    for name in ("hf", "model"):
+    for name in ("hf", "model") if hf else ("model",):
         if kind(folder / name):
             return folder / name
     for pattern in ("step-*", "checkpoints/step-*", "*", "*/*"):

@@ -68,6 +68,9 @@ def read_hf_config(folder: Path) -> dict:
     if not folder.is_dir():
         raise UserError(f"model folder '{folder}' does not exist")
     if not path.is_file():
+        if (folder / "lmforge.json").is_file():
+            raise UserError(f"'{folder}' is an lmforge model folder already (lmforge.json): use it as it is "
+                            "(model.init_from, generate, serve, eval), or export-hf it to a Hugging Face one")
         raise UserError(f"no config.json in '{folder}': point at a Hugging Face model folder")
     try:
         hf = json.loads(path.read_text())
