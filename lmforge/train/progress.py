@@ -17,8 +17,10 @@ class Progress:
     """Steps `initial` .. `total`; `update(step, metrics)` after each (step = steps done so far)."""
 
     def __init__(self, total: int, initial: int = 0, terminal: bool | None = None,
-                 interval: float = PLAIN_INTERVAL):
-        self.total, self.initial, self.interval = total, initial, interval
+                 interval: float = PLAIN_INTERVAL, max_seconds: float | None = None):
+        """`max_seconds`: the run stops (trainer.max_minutes) that long after it started, at whatever step: the ETA
+        is the sooner of that and the steps' own."""
+        self.total, self.initial, self.interval, self.max_seconds = total, initial, interval, max_seconds
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self.started = time.perf_counter()
         self.logged_at: float | None = None  # when the last plain line was written
@@ -52,7 +54,11 @@ class Progress:
             parts.append(f"val_loss {metrics['val_loss']:.4f}")
         parts.append(f"{metrics['tokens_per_second']:,.0f} tokens/s")
         if step < self.total and rate > 0:
-            parts.append(f"ETA {_clock(rate * (self.total - step))}")
+            eta = rate * (self.total - step)
+            if self.max_seconds is not None and self.max_seconds - (now - self.started) < eta:
+                parts.append(f"ETA {_clock(max(0.0, self.max_seconds - (now - self.started)))} (trainer.max_minutes)")
+            else:
+                parts.append(f"ETA {_clock(eta)}")
         log.info("%s", ", ".join(parts))
         self.logged_at, self.pending = now, None
 

@@ -267,7 +267,8 @@ class Trainer:
                                 loader_workers(cfg.data.num_workers, world.device), self.data.collate,
                                 pin_memory=world.device.type == "cuda")
         # A bar on a terminal, plain lines in a log file.
-        progress = Progress(t.max_steps, start) if world.is_main and t.progress_bar else None
+        progress = (Progress(t.max_steps, start, max_seconds=60 * t.max_minutes if t.max_minutes else None)
+                    if world.is_main and t.progress_bar else None)
         self.model.train()
         last: dict[str, float] = {}
         stopped: Stopped | None = None

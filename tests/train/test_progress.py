@@ -31,3 +31,21 @@ def test_on_a_terminal_it_is_a_bar(capsys):
         shown.update(step, {"loss": 1.0, "tokens_per_second": 10.0})
     shown.close()
     assert "3/3" in capsys.readouterr().err
+
+
+def test_the_eta_of_a_run_with_max_minutes_is_the_sooner_end(monkeypatch, caplog):
+    """quickstart --minutes 1 showed the 600-step maximum's ETA (2:18) while the run would stop after a minute."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    shown = Progress(total=600, terminal=False, interval=0.0, max_seconds=60.0)
+    with caplog.at_level(logging.INFO, logger="lmforge.train.progress"):
+        for step in (1, 2):
+            now[0] += 0.25
+            shown.update(step, {"loss": 2.5, "tokens_per_second": 100.0})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[-1] == "step 2/600 (0%), loss 2.5000, 100 tokens/s, ETA 1:00 (trainer.max_minutes)"  # 59.5 s left
+    short = Progress(total=10, terminal=False, interval=0.0, max_seconds=60.0)  # the steps end first
+    with caplog.at_level(logging.INFO, logger="lmforge.train.progress"):
+        now[0] += 1.0
+        short.update(1, {"loss": 2.5, "tokens_per_second": 100.0})
+    assert caplog.records[-1].getMessage().endswith("ETA 0:09")
