@@ -154,7 +154,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
     """Recompute each block's activations in the backward pass instead of keeping them: all of them ("full": a
     block keeps only its inputs), or all but the outputs of its matrix products and attention ("selective": the
     norms, activations, rotary and residual adds are recomputed, cheap next to the matmuls they sit between, whose
-    outputs are most of what "none" keeps once those are gone). "none" leaves the model as it is."""
+    outputs are most of what "none" keeps once those are gone; so are products from a narrow input, see
+    _keep_matmuls). "none" leaves the model as it is."""
     if mode == "none":
         return
     context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
@@ -165,8 +166,29 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing's policy: save what the matrix units computed, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in _matmul_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective checkpointing's policy: save what the matrix units computed, recompute the rest, and recompute the
+    products of a narrow input too (a LoRA adapter's B, whose rank-r input makes a full-width output at 2r FLOPs an
+    element: saved, each adapted linear kept two outputs of its width, its own and the adapter's)."""
+    if op in _matmul_ops() and not _widening(op, args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# A product whose inner dimension is at most 1/WIDENING of its output width costs little more to recompute than the
+# elementwise ops selective checkpointing recomputes anyway, and saving it costs a full-width activation.
+WIDENING = 8
+# Where each matmul op takes its operands: (the left factor's index; its columns are the inner dimension), the right
+# factor's index (its last dimension is the output width).
+_FACTORS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "_grouped_mm": (0, 1),
+            "_scaled_mm": (0, 1)}
+
+
+def _widening(op, args) -> bool:
+    where = _FACTORS.get(op.__name__.split(".")[0])
+    if where is None or len(args) <= max(where):
+        return False
+    a, b = args[where[0]], args[where[1]]
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and WIDENING * a.shape[-1] <= b.shape[-1]
 
 
 @functools.cache
