@@ -201,10 +201,18 @@ def _checkpointing_label(mode) -> str:
     return {"none": "no-ckpt", "full": "act-ckpt"}.get(mode, f"act-ckpt-{mode}")
 
 
+def _lora_label(lora) -> str:
+    """The lora section as a label part: full fine-tuning, or the adapters' rank (QLoRA over an NF4 base)."""
+    if not isinstance(lora, dict):
+        return "full-weights"
+    return f"{'qlora' if lora.get('base_dtype') == 'nf4' else 'lora'}-r{lora.get('rank')}"
+
+
 # What tells runs apart, in the order a label names it.
 LABEL_FIELDS = (
     ("model", _model_name),
     ("task", lambda c: _get(c, "data", "task")),
+    ("lora", lambda c: _lora_label(c.get("lora"))),
     ("precision", lambda c: _get(c, "trainer", "precision")),
     ("compile", lambda c: "compiled" if _get(c, "trainer", "compile") else "eager"),
     ("activation_checkpointing", lambda c: _checkpointing_label(_get(c, "trainer", "activation_checkpointing"))),

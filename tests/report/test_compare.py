@@ -168,6 +168,10 @@ def test_labels_come_from_what_differs_in_the_configs(tmp_path):
     assert labels(_config(compile=True, micro_batch_size=8), _config(micro_batch_size=4)) == [
         "compiled micro=8", "eager micro=4"]
     assert labels(_config()) == ["tiny-neox fp32"]  # one run: its model and precision
+    lora, qlora = _config(), _config()
+    lora["lora"] = {"rank": 16, "alpha": 32, "base_dtype": "fp32"}
+    qlora["lora"] = {"rank": 8, "alpha": 16, "base_dtype": "nf4"}
+    assert labels(_config(), lora, qlora) == ["full-weights", "lora-r16", "qlora-r8"]  # fine-tuned the same way
     assert labels(_config(compile=True)) == ["tiny-neox fp32 compiled"]
     same = labels(_config(), _config())
     assert same[0] != same[1] and all(s.startswith("tiny-neox fp32 (r") for s in same)
