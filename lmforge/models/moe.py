@@ -151,8 +151,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits, weights, chosen = self.route(x)
-        if not _recomputing():  # activation checkpointing's recompute in backward: the loss has its logits already
-            self.router_logits = logits if self.training and torch.is_grad_enabled() else None
+        if not (self.training and torch.is_grad_enabled()):
+            self.router_logits = None
+        elif not _recomputing():  # activation checkpointing's recompute in backward: the loss has its logits already
+            self.router_logits = logits
         out = _outside_compile(self.experts, x, chosen, weights, self.act, self.dispatch)
         return out.view(shape)
 
