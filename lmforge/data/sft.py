@@ -37,6 +37,7 @@ so attention can be kept within an example.
 
 from __future__ import annotations
 
+import collections
 import logging
 import string
 from collections.abc import Sequence
@@ -259,9 +260,14 @@ class SFTDataset(Dataset):
         if chat_template is not None:
             self.export_template = chat_template.source
         else:  # the built-in that serves the most common kind as it was trained (chats first)
-            kinds = {kind for kind, _, _ in examples}
+            kinds = collections.Counter(kind for kind, _, _ in examples)
             kind = next(k for k in ("chat", "alpaca", "plain") if k in kinds)
             self.export_template = builtin_template(KIND_EXPORT[kind], tok.add_bos_token, prompt_template)
+            if len(kinds) > 1:
+                logger.warning("%s mixes record kinds (%s), each rendered by its own built-in template; the export "
+                            "carries %s's (%s), so the others are served in a format they were not trained in: set "
+                            "data.chat_template=NAME to render every record alike", self.path,
+                            ", ".join(f"{n} {k}" for k, n in kinds.most_common()), kind, KIND_EXPORT[kind])
         self.num_dropped = self.num_cut = 0
         self.examples: list[tuple[np.ndarray, np.ndarray]] = []
         for ids, labels in tokenize_examples(examples, tok, chat_template, assistant_only_loss, prompt_template):

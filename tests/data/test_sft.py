@@ -5,6 +5,7 @@ change to the library's copy shows up as a failure, not as a silently different 
 """
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -302,3 +303,19 @@ def test_prompt_completion_without_a_template_is_plain_text(tmp_path, gpt2):
     assert ds[0]["input_ids"].tolist() == gpt2.encode("2+2=") + gpt2.encode("4") + [50256]
     assert ds[0]["labels"].tolist() == [IGNORE_INDEX] * len(gpt2.encode("2+2=")) + gpt2.encode("4") + [50256]
     assert ChatTemplate(ds.export_template, gpt2).prompt_ids([("user", "2+2=")]) == gpt2.encode("2+2=")
+
+
+def test_mixed_record_kinds_without_a_template_say_which_one_the_export_serves(tmp_path, gpt2, caplog):
+    """A walkthrough mixed Alpaca records and chats: each trained in its own built-in, the export carried the chats'
+    alone, and nothing said so."""
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 2 + [
+        {"instruction": "Add 2 and 2.", "output": "4"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="lmforge.data.sft"):
+        SFTDataset(path, gpt2, 128)
+    assert "mixes record kinds (2 chat, 1 alpaca)" in caplog.text and "set data.chat_template=NAME" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmforge.data.sft"):
+        SFTDataset(path, gpt2, 128, chat_template="chatml")  # one template renders all: nothing to say
+    assert "mixes" not in caplog.text
