@@ -25,6 +25,8 @@ others still run; the exit code is 1 if any failed. The table is what BENCHMARKS
   two_ranks    torchrun, two processes on one device (gloo on a GPU), through the real training path
   moe          a MoE layer (and expert adapters) with its experts looped and through torch's grouped GEMM on the
                device: both against an fp32 reference, and their times (moe.GROUPED_MM lists a device after it)
+  plan_memory  lmforge plan's peak memory against the allocator's measured peak of the same 2-step runs: a dense
+               model in each activation-checkpointing mode, a mixture of experts, LoRA (CUDA only)
 """
 
 from __future__ import annotations
