@@ -124,9 +124,10 @@ def run_tokenizer_source(checkpoint: Path) -> Path | None:
 def run_path(checkpoint: str | Path, recorded: str) -> Path:
     """A path a training checkpoint's run config records (model.init_from, data.tokenizer), for a reader anywhere:
     a relative one is the run's, from the folder the run was started in (trainer.json's `working_dir`; for older
-    checkpoints the folder a relative run_dir leads back to), where it is there; else as recorded."""
+    checkpoints the folder a relative run_dir leads back to) where it is there, before one this reader's folder
+    happens to hold; else as recorded."""
     path = Path(recorded)
-    if path.is_absolute() or path.exists():
+    if path.is_absolute():
         return path
     base = run_working_dir(checkpoint)
     return base / path if base is not None and (base / path).exists() else path
