@@ -115,6 +115,7 @@ class CheckpointManager:
         """Every rank builds it, at the same point (with `async_save` it creates a process group)."""
         self.root = Path(root)
         self.save_top_k, self.monitor, self.mode, self.save_last = save_top_k, monitor, mode, save_last
+        self._said_unmonitored = False
         self.async_save = async_save
         self._in_flight: Future | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lmforge-checkpoint") if async_save else None
@@ -366,10 +367,15 @@ class CheckpointManager:
     # -- retention ----------------------------------------------------------------------------
 
     def _metric(self, path: Path) -> float | None:
+        return self._metrics(path).get(self.monitor)
+
+    @staticmethod
+    def _metrics(path: Path) -> dict:
         try:
-            return json.loads((path / "trainer.json").read_text()).get("metrics", {}).get(self.monitor)
-        except (OSError, ValueError):
-            return None
+            metrics = json.loads((path / "trainer.json").read_text()).get("metrics", {})
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return metrics if isinstance(metrics, dict) else {}
 
     def _apply_retention(self) -> None:
         found = self.checkpoints()
@@ -377,6 +383,12 @@ class CheckpointManager:
             return
         keep = {found[-1][1]} if self.save_last else set()
         scored = [(value, path) for _, path in found if (value := self._metric(path)) is not None]
+        if not scored and not self._said_unmonitored:
+            held = self._metrics(found[-1][1])
+            if held:  # metrics were recorded, the monitored one is not among them: a typo, or never measured
+                self._said_unmonitored = True
+                log.warning("checkpoint.monitor=%s is not among the metrics the checkpoints record (%s): retention "
+                            "keeps the newest", self.monitor, ", ".join(sorted(held)))
         scored.sort(key=lambda x: x[0], reverse=self.mode == "max")
         keep |= {path for _, path in scored[: self.save_top_k]}
         if not scored and not self.save_last:

@@ -104,7 +104,7 @@ def summarize(run: Run) -> dict[str, Any]:
       the only step; MFU is weighted by step time, i.e. model FLOPs done / (peak x time).
     * time = start-up (`time_to_first_step` minus that step) + the sum of step times; validation and
       checkpoint writes are not timed by the trainer and are not included.
-    * cost = cost.usd_per_hour x time; tokens per dollar = tokens / cost.
+    * cost = the run's price an hour (usd_per_hour: every node's) x time; tokens per dollar = tokens / cost.
     When rows were logged every N > 1 steps, tokens and time are scaled from the logged steps
     (`estimated` is then True).
     """
@@ -159,14 +159,15 @@ def summarize(run: Run) -> dict[str, Any]:
 
 
 def usd_per_hour(run: Run) -> float | None:
-    """The configured price, else the one implied by a logged tokens_per_dollar (a run whose config is
-    missing); None when no price was configured."""
-    price = ((run.config or {}).get("cost") or {}).get("usd_per_hour")
-    if _num(price) and price > 0:
-        return float(price)
+    """What the run's machines cost an hour: the price its logged tokens_per_dollar implies (the trainer's, which
+    counts every node: cost.usd_per_hour prices one), else the configured price (one node); None when no price was
+    configured."""
     for r in run.rows:
         if _num(r.get("tokens_per_dollar")) and _num(r.get("tokens_per_second")) and r["tokens_per_dollar"] > 0:
             return r["tokens_per_second"] * 3600 / r["tokens_per_dollar"]
+    price = ((run.config or {}).get("cost") or {}).get("usd_per_hour")
+    if _num(price) and price > 0:
+        return float(price)
     return None
 
 

@@ -167,9 +167,12 @@ def refusal(refused: dict[str, tuple[Any, Any]], run_dir: Path, checkpoint: Path
         return REFUSED[key]
 
     reasons = sorted({reason(k) for k in refused})
-    model = "another model" in reasons
+    # Only the vocabulary's padding (a tensor-parallel degree it does not divide): the weights carry over re-padded.
+    padding = set(refused) == {"model.make_vocab_size_divisible_by"}
+    model = "another model" in reasons and not padding
     fix = ("give a new run_dir to train the changed model" if model else
-           f"continue from its weights in a new run_dir with model.init_from={checkpoint}")
+           f"continue from its weights in a new run_dir with model.init_from={checkpoint}"
+           + (" (it re-pads the vocabulary)" if padding else ""))
     them = "it" if len(refused) == 1 else "them"
     return (f"cannot resume '{run_dir}' from {checkpoint.name} with {' and '.join(reasons)}: {listing(refused)}. "
             f"Set {them} back to resume this run, or {fix}")

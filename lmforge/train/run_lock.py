@@ -58,6 +58,9 @@ class RunLock:
     def acquire(self, wait: float = 5.0, poll: float = 0.1) -> RunLock:
         """Take the lock, waiting up to `wait` seconds for a holder to end; a UserError names the holder."""
         deadline = time.monotonic() + wait
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"run_dir '{self.run_dir}' is a file: give a folder for the run (a new one, or a run's "
+                            "to resume it)")
         while True:
             if not self.run_dir.exists():  # (again where a holder that had made it empty removed it)
                 made = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]  # deepest first

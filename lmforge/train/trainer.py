@@ -389,6 +389,9 @@ class Trainer:
                 atomic_write(model_dir / CHAT_TEMPLATE_FILE, self.data.chat_template)
             export_hf(model_dir, out, overwrite=True)
             log.info("wrote Hugging Face folder %s", out)
+            if tokenizer is None:  # transformers' AutoTokenizer then loads an empty tokenizer without a word
+                log.warning("the run names no tokenizer (data.tokenizer, or one beside model.init_from): %s has none; "
+                            "copy the tokenizer the data was made with into it", out)
             if adapters is not None:
                 write_adapter(adapters, self.cfg, self.mcfg, out.with_name(out.name + "-adapter"), model_dir)
         if dist.is_initialized():

@@ -89,6 +89,18 @@ def test_table_numbers_equal_the_jsonl_computed_by_hand(tmp_path):
     assert cells["cost ($)"] == "0.0075" and cells["tokens/$"] == "53,333" and cells["val acc"] == "-"
 
 
+def test_the_cost_of_a_multi_node_run_counts_every_node(tmp_path):
+    """cost.usd_per_hour prices one node and the trainer's tokens_per_dollar pays for every node; compare priced the
+    run at one node's rate (a 2-node run at half its cost)."""
+    cfg = _config()
+    cfg["cost"]["usd_per_hour"] = 3.6
+    rows = _rows([2.0, 1.0, 1.0, 0.5])
+    for r in rows:  # as the trainer logs it on 2 nodes: $7.2/h in all
+        r["tokens_per_dollar"] = r["tokens_per_second"] * 3600 / 7.2
+    s = summarize(load_run(_write_run(tmp_path / "a", rows, cfg)))
+    assert s["usd_per_hour"] == pytest.approx(7.2) and s["cost_usd"] == pytest.approx(0.015)
+
+
 def test_mfu_against_the_fp8_peak_is_a_column_only_where_a_run_logged_it(tmp_path):
     """trainer.float8 runs log mfu_fp8 beside mfu: summed the same way (FLOPs done / (peak x time)), shown in
     its own column, which other runs' tables leave out."""

@@ -155,3 +155,16 @@ def test_a_finished_run_rerun_says_so_and_writes_nothing(finished, tiny_corpus, 
     assert main(["pretrain", os.devnull, *run_args(tiny_corpus, run, *FINISHED, "trainer.max_steps=3")]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_a_resume_under_another_vocabulary_padding_points_at_init_from():
+    """Resuming under tensor parallelism a run padded for fewer ranks (make_vocab_size_divisible_by 128 -> 256) is
+    refused; the weights carry over through model.init_from, which re-pads, not only through a new model."""
+    from pathlib import Path
+
+    from lmforge.train.resume import refusal
+
+    checkpoint = Path("runs/x/checkpoints/step-00000010")
+    line = refusal({"model.make_vocab_size_divisible_by": (128, 256)}, Path("runs/x"), checkpoint)
+    assert line.endswith(f"continue from its weights in a new run_dir with model.init_from={checkpoint} (it re-pads "
+                         "the vocabulary)"), line

@@ -339,3 +339,22 @@ def test_a_checkpoint_finds_its_runs_relative_paths_from_any_folder(tiny_corpus,
     (step / "trainer.json").write_text(json.dumps(state))
     assert tokenizer_source(step) == work / "tok"
     assert run_path(step, "nowhere") == Path("nowhere")  # not there either way: as recorded, for the error to name
+
+
+def test_run_dir_that_is_a_file_is_one_line(tiny_corpus, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"run_dir '.*notes\.txt' is a file: give a folder for the run"):
+        Trainer(run_config(tiny_corpus, tmp_path / "notes.txt"))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_monitored_metric_the_run_never_records_is_said_once(tiny_corpus, tmp_path, caplog):
+    """checkpoint.monitor=val_los (a typo) kept the newest checkpoints without a word: Lightning and NeMo say so."""
+    import logging
+
+    cfg = run_config(tiny_corpus, tmp_path / "run", "checkpoint.every_n_steps=4", "checkpoint.monitor=val_los")
+    with caplog.at_level(logging.WARNING, logger="lmforge.checkpoint.manager"):
+        Trainer(cfg).fit()
+    said = [r.getMessage() for r in caplog.records if "checkpoint.monitor" in r.getMessage()]
+    assert said == ["checkpoint.monitor=val_los is not among the metrics the checkpoints record (val_loss, val_ppl): "
+                    "retention keeps the newest"]
