@@ -426,28 +426,3 @@ def test_cli_user_errors(text_model, hf_dirs, tmp_path):
         run(_cli([str(folder), "--prompt", "t5", "--temperature", "-1"]))
     with pytest.raises(UserError, match="empty"):
         run(_cli([str(folder), "--prompt", ""]))
-
-
-def test_cli_chat_prompts_as_the_server_renders_a_chat(text_model, tmp_path, capsys):
-    """`generate --chat`: each prompt a user message (after --system), rendered with the folder's chat template
-    into the ids /v1/chat/completions would send, and completed from there."""
-    import shutil
-
-    from lmforge.serve.chat import ChatFormat
-    from lmforge.tokenizers import load_tokenizer
-
-    folder, model, tok = text_model
-    chat = tmp_path / "chat"
-    shutil.copytree(folder, chat)
-    (chat / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ 't3' if m.role == 'system' else 't4' }} {{ m.content }} {% endfor %}"
-        "{% if add_generation_prompt %}t2 {% endif %}")
-    ids = ChatFormat(load_tokenizer(chat), chat).encode([("system", "t9"), ("user", "t5 t17")])
-    assert ids == tok.encode("t3 t9 t4 t5 t17 t2")
-    expected = generate_text(model, tok, [ids], 6, do_sample=False)
-    assert expected != generate_text(model, tok, ["t5 t17"], 6, do_sample=False)
-    run(_cli([str(chat), "--chat", "--system", "t9", "--prompt", "t5 t17", "--max-new-tokens", "6",
-              "--temperature", "0"]))
-    assert capsys.readouterr().out == f"{expected[0]}\n"
-    with pytest.raises(UserError, match="--system is a chat message: add --chat"):
-        run(_cli([str(chat), "--system", "t9", "--prompt", "t5"]))

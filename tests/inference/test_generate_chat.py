@@ -1,0 +1,34 @@
+"""`lmforge generate --chat`: prompts rendered with the model's chat template, as the server renders a chat."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmforge.errors import UserError
+from lmforge.inference import generate_text
+from tests.inference.test_generate import _cli, run, text_model  # noqa: F401 (the fixture, shared)
+
+
+def test_cli_chat_prompts_as_the_server_renders_a_chat(text_model, tmp_path, capsys):  # noqa: F811 (the fixture)
+    """`generate --chat`: each prompt a user message (after --system), rendered with the folder's chat template
+    into the ids /v1/chat/completions would send, and completed from there."""
+    import shutil
+
+    from lmforge.serve.chat import ChatFormat
+    from lmforge.tokenizers import load_tokenizer
+
+    folder, model, tok = text_model
+    chat = tmp_path / "chat"
+    shutil.copytree(folder, chat)
+    (chat / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ 't3' if m.role == 'system' else 't4' }} {{ m.content }} {% endfor %}"
+        "{% if add_generation_prompt %}t2 {% endif %}")
+    ids = ChatFormat(load_tokenizer(chat), chat).encode([("system", "t9"), ("user", "t5 t17")])
+    assert ids == tok.encode("t3 t9 t4 t5 t17 t2")
+    expected = generate_text(model, tok, [ids], 6, do_sample=False)
+    assert expected != generate_text(model, tok, ["t5 t17"], 6, do_sample=False)
+    run(_cli([str(chat), "--chat", "--system", "t9", "--prompt", "t5 t17", "--max-new-tokens", "6",
+              "--temperature", "0"]))
+    assert capsys.readouterr().out == f"{expected[0]}\n"
+    with pytest.raises(UserError, match="--system is a chat message: add --chat"):
+        run(_cli([str(chat), "--system", "t9", "--prompt", "t5"]))
