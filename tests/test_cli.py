@@ -183,3 +183,22 @@ def test_import_of_an_lmforge_folder_and_export_of_a_run_folder_say_what_to_give
     assert main(["export-hf", str(run), str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err.strip().endswith(f"(RUN_DIR/checkpoints/step-N): give '{run / 'model'}'")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun_only_rank_0_logs_info(tmp_path):
+    """Every rank printed the same INFO lines (8 GPUs: each line 8 times); warnings and errors still come from all."""
+    import os
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  preset: tiny-neox\n")
+
+    def info_lines(**env) -> int:
+        r = subprocess.run([sys.executable, "-m", "lmforge.cli", "plan", str(recipe), "--world-size", "1",
+                            "data.seq_length=64"], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return sum(line.startswith("INFO ") for line in r.stderr.splitlines())
+
+    assert info_lines(RANK="0") > 0 and info_lines(RANK="1") == 0
+    assert info_lines(RANK="1", LMFORGE_LOG_ALL_RANKS="1") > 0

@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser().print_help()
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Under torchrun every rank would print the same INFO lines: rank 0 says them, the others only warnings and
+    # errors (as Lightning/NeMo's rank-zero logging); LMFORGE_LOG_ALL_RANKS=1 brings every rank's back.
+    quiet = os.environ.get("RANK", "0") != "0" and os.environ.get("LMFORGE_LOG_ALL_RANKS", "0") in ("0", "")
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except UserError as e:

@@ -177,12 +177,14 @@ def test_training_goes_on_while_a_checkpoint_is_written_one_save_at_a_time(tiny_
     monkeypatch.setattr(Trainer, "train_step", train_step)
     logger = logging.getLogger("lmforge.checkpoint.manager")
     logger.addHandler(events)
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # (setLevel, not the attribute: it clears the cached answer of an earlier test's)
     try:
         Trainer(run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=6", "checkpoint.every_n_steps=2",
                            "checkpoint.save_top_k=-1", "checkpoint.async_save=true")).fit()
     finally:
         logger.removeHandler(events)
+        logger.setLevel(level)
     seen = events.seen
     assert waited == [True]
     assert seen.index("writing .step-00000002.tmp") < seen.index("trained 3") < seen.index("sealed step-00000002")
