@@ -211,11 +211,12 @@ def peft_base(base: str | Path | None) -> str | None:
     if not base:
         return None
     path = Path(base).resolve()
-    if not is_hf_dir(path) and is_model_dir(path) and is_hf_dir(path.parent / "hf"):
+    if is_hf_dir(path):
+        return str(path)
+    if is_model_dir(path) and is_hf_dir(path.parent / "hf"):
         return str(path.parent / "hf")
-    if not is_hf_dir(path):
-        log.warning("the adapter's base_model_name_or_path, %s, is not a Hugging Face folder: load it with "
-                    "PeftModel.from_pretrained(base, ADAPTER) over an export of it (lmforge export-hf)", path)
+    log.warning("the adapter's base_model_name_or_path, %s, is not a Hugging Face folder: load it with "
+                "PeftModel.from_pretrained(base, ADAPTER) over an export of it (lmforge export-hf)", path)
     return str(path)
 
 

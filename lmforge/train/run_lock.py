@@ -65,7 +65,7 @@ class RunLock:
             if not self.run_dir.exists():  # (again where a holder that had made it empty removed it)
                 made = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]  # deepest first
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                self.made_dirs = made if not self.made_dirs else self.made_dirs
+                self.made_dirs = self.made_dirs or made  # the first making names them all
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:
