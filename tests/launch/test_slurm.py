@@ -103,3 +103,20 @@ def test_run_job_requeues_itself_before_the_time_limit(tiny_corpus, slurm_env, t
 def test_scripts_parse():
     for script in (*SLURM.glob("*.sbatch"), SLURM / "common.sh"):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+
+
+@pytest.mark.parametrize("script", ["compile.sbatch", "pretrain.sbatch"])
+def test_overrides_with_spaces_reach_lmforge_whole(slurm_env, tmp_path, script):
+    # bash -c re-splits what it is given: an override such as a system prompt must still arrive as one argument.
+    shims = Path(slurm_env["PATH"].split(":")[0])
+    (shims / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$ARGV_LOG"\n')
+    (shims / "torchrun").chmod(0o755)
+    env = dict(slurm_env, ARGV_LOG=str(tmp_path / "argv"), COMPILE_CACHE=str(tmp_path / "a cache"))
+    args = ["my config.yaml", "sft.system=You are terse.", "data.paths=[a, b]", "x='quoted'"]
+    r = subprocess.run(["bash", str(SLURM / script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    start = argv.index("lmforge.cli") + 2  # after the verb
+    assert argv[start:start + 4] == args
+    assert f"trainer.compile_cache_dir={tmp_path / 'a cache'}" in argv
