@@ -58,7 +58,7 @@ def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | 
 
 def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool) -> dict:
     from lmforge.chat_template import CHAT_TEMPLATE_FILE
-    from lmforge.models.io import copy_side_files
+    from lmforge.models.io import copy_licenses, copy_side_files
     from lmforge.tokenizers import load_tokenizer
 
     lora = checkpoint_lora(folder)
@@ -84,10 +84,11 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
             log.warning("the run of '%s' names no tokenizer (no data.tokenizer or model.init_from in its config.yaml): "
                         "the export has none", folder)
         copy_side_files(folder, Path(side), [CHAT_TEMPLATE_FILE])  # a fine-tuning run's, as its own export has it
-        if lora is None:
-            return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
         base = (checkpoint_run(folder) or {}).get("model", {}).get("init_from")
         base = run_path(folder, base) if base else None
+        copy_licenses(base, Path(side))  # the source model's terms go with its derivative
+        if lora is None:
+            return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
         existed = adapter_dir.exists()
         write_adapter_folder(whole, cfg, lora, adapter_dir, peft_base(base), Path(side))
         try:

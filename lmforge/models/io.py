@@ -85,6 +85,19 @@ def copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+# A model's license and notice files (Llama's LICENSE and USE_POLICY.md, an Apache NOTICE): their terms ask that they
+# go with every copy and derivative, so imports, exports and adapters carry them from the folder they came from.
+LICENSE_STEMS = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY", "COPYING")
+
+
+def copy_licenses(src: str | Path | None, dst: Path) -> None:
+    if src is None or not Path(src).is_dir():
+        return
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and f.name.upper().startswith(LICENSE_STEMS):
+            shutil.copy2(f, dst / f.name)
+
+
 def write_config(folder: Path, cfg: ModelConfig, **extra) -> None:
     meta = {"format": FORMAT, "version": 1, "model": to_dict(cfg), **extra}
     (folder / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")

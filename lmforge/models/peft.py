@@ -191,13 +191,14 @@ def write_adapter_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, lora:
     chat template files of `side_files_from` (the merged model's folder) beside it."""
     from lmforge.fsutil import atomic_dir
     from lmforge.models.hf.base import SIDE_FILES
-    from lmforge.models.io import copy_side_files
+    from lmforge.models.io import copy_licenses, copy_side_files
 
     _, adapters = split_state(state)
     with atomic_dir(out, overwrite=True) as tmp:
         write_peft_adapter(adapters, cfg, lora.rank, lora.alpha, lora.dropout, tmp, base_model)
         if side_files_from is not None:
             copy_side_files(side_files_from, tmp, [n for n in SIDE_FILES if n != "generation_config.json"])
+            copy_licenses(side_files_from, tmp)  # the base's terms go with a derivative of it
     log.info("wrote PEFT adapter %s", out)
 
 

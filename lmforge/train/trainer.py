@@ -376,7 +376,7 @@ class Trainer:
         """Write the final weights as an lmforge model folder and a Hugging Face folder beside it. Every rank
         takes part (sharded tensors are gathered); rank 0 writes."""
         from lmforge.models.hf import export_hf
-        from lmforge.models.io import materialize, save_model
+        from lmforge.models.io import copy_licenses, materialize, save_model
 
         full = self.training.full_state_dict()
         if self.world.is_main:
@@ -385,6 +385,7 @@ class Trainer:
             model_dir = self.run_dir / "model"
             tokenizer = self.tokenizer.files[0] if self.tokenizer is not None else None
             save_model(model, model_dir, tokenizer_from=tokenizer, overwrite=True)
+            copy_licenses(self.cfg.model.init_from, model_dir)  # the source model's terms go with its derivative
             if self.data.chat_template is not None:  # served as trained (chat_template.jinja wins over the config's)
                 atomic_write(model_dir / CHAT_TEMPLATE_FILE, self.data.chat_template)
             export_hf(model_dir, out, overwrite=True)

@@ -52,6 +52,9 @@ def tiny_gpt2(shared_data, tmp_path_factory):
     return out
 
 
+LICENSES = ("LICENSE", "USE_POLICY.md")
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(shared_data, tmp_path_factory):
     """A small random Llama (a Hugging Face folder) with the real GPT-2 tokenizer beside it (the LoRA and QLoRA
@@ -64,6 +67,8 @@ def tiny_llama(shared_data, tmp_path_factory):
                             bos_token_id=50256, eos_token_id=50256)
     tf.LlamaForCausalLM(config).save_pretrained(out)
     shutil.copyfile(shared_data / "tokenizers" / "gpt2" / "tokenizer.json", out / "tokenizer.json")
+    for name in LICENSES:  # what a Llama folder carries beside its weights; every export of a derivative keeps them
+        (out / name).write_text(f"{name}: the terms this test model is distributed under\n")
     return out
 
 

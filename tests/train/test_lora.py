@@ -79,6 +79,9 @@ def test_a_lora_run_trains_adapters_only_and_exports_what_peft_loads(tiny_llama,
     config = json.loads((run / "hf-adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tiny_llama.resolve()) and config["r"] == 4
     assert (run / "hf-adapter" / "chat_template.jinja").is_file()
+    for folder in ("model", "hf", "hf-adapter"):  # the base model's license files go with its derivatives
+        for name in ("LICENSE", "USE_POLICY.md"):
+            assert (run / folder / name).read_text() == (tiny_llama / name).read_text(), folder
 
 
 def test_bad_lora_settings_fail_before_anything_is_written(tiny_llama, chats, tmp_path):

@@ -33,6 +33,7 @@ from lmforge.models.hf.qwen3_moe import Qwen3MoeAdapter
 from lmforge.models.hf.tokenizer import write_tokenizer_files
 from lmforge.models.hf.weights import HFWeights, Source
 from lmforge.models.io import (
+    copy_licenses,
     copy_side_files,
     is_model_dir,
     read_config,
@@ -120,6 +121,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     with atomic_dir(out_dir, overwrite) as tmp:
         write_safetensors(tensors, tmp, dtype)
         copy_side_files(hf_dir, tmp, SIDE_FILES)
+        copy_licenses(hf_dir, tmp)
         write_config(tmp, cfg, source={"hf_dir": str(hf_dir.resolve()), "model_type": cfg.family})
     return cfg
 
@@ -165,6 +167,7 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
             hf["torch_dtype"] = str(floats.pop()).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         copy_side_files(side_dir, tmp, SIDE_FILES)
+        copy_licenses(side_dir, tmp)
         own = sorted(side_dir.glob("*tokenizer.json"))
         if not (tmp / "tokenizer.json").exists() and len(own) == 1:
             # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which transformers never looks
