@@ -31,10 +31,14 @@ from lmforge.models.hf.weights import HFWeights
 from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, read_config, read_tensors
 from lmforge.models.lora import LoRAConfig, apply_lora, is_adapter, merge_lora
 
+# A rotary model's context: no weight depends on it, so a run may extend it (continued pretraining at a longer
+# seq_length, with a larger rotary base or a rope_scaling, as Code Llama and Llama 3.1 did); learned positions are
+# weights and keep the source's (ModelSection.resolve).
+CONTEXT_OVERRIDES = ("max_position_embeddings", "rotary_base", "rope_scaling")
 # Model fields a run may change on top of its source's config: no weights depend on them (the vocabulary
 # rows are re-padded on load).
 RUN_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by", "router_aux_loss_coef",
-                 "router_z_loss_coef")
+                 "router_z_loss_coef", *CONTEXT_OVERRIDES)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from lmforge.config import check_types, closest, from_dict, unknown_key_error
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.lora import LoRAConfig
-from lmforge.models.source import RUN_OVERRIDES
+from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -267,14 +267,21 @@ class ModelSection:
         from lmforge.models.source import source_config  # reads the folder's config.json / lmforge.json
 
         source = source_config(self.init_from)
+        # A preset's recipe was written for another model: its context is not a request to extend this one's.
+        allowed = [k for k in RUN_OVERRIDES if not (self.preset and k in CONTEXT_OVERRIDES)]
         if self.config is not None and self.config != source:
             # A recipe written for training from scratch, pointed at a checkpoint: the source's architecture wins.
-            differ = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RUN_OVERRIDES
+            differ = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in allowed
                       and getattr(self.config, f.name) != getattr(source, f.name)]
             shown = ", ".join(differ[:6]) + (" ..." if len(differ) > 6 else "")
             log.info("model.init_from '%s' defines the model: model.preset %s and its fields are not used (%s "
                      "differ)", self.init_from, self.preset, shown)
-        return dataclasses.replace(source, **{k: v for k, v in self.overrides.items() if k in RUN_OVERRIDES})
+        changed = {k: v for k, v in self.overrides.items() if k in allowed}
+        learned = [k for k in CONTEXT_OVERRIDES if k in changed and source.position_embedding != "rotary"]
+        if learned and any(changed[k] != getattr(source, k) for k in learned):
+            raise UserError(f"model.{learned[0]}: '{self.init_from}' has learned position embeddings, weights for "
+                            f"its {source.max_position_embeddings} positions: keep data.seq_length within them")
+        return dataclasses.replace(source, **changed)
 
     def to_dict(self) -> dict[str, Any]:
         """The section as written (what config.yaml records)."""

@@ -41,16 +41,17 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import read_config
-from lmforge.models.source import RUN_OVERRIDES, checkpoint_run
+from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES, checkpoint_run
 from lmforge.train.config import RunConfig, run_dict
 
 log = logging.getLogger(__name__)
 
 # ModelConfig fields a resume may change: no weight's shape or meaning depends on them. Those a run may set on top
 # of model.init_from (dropout, the router losses' coefficients) but the vocabulary padding, which shapes the
-# embedding; and those used only at initialisation or by generation.
-RESUMABLE_MODEL_FIELDS = (*(f for f in RUN_OVERRIDES if f != "make_vocab_size_divisible_by"), "init_std",
-                          "bos_token_id", "eos_token_id", "pad_token_id")
+# embedding, and the rotary context, which changes what the model computes; and those used only at initialisation
+# or by generation.
+RESUMABLE_MODEL_FIELDS = (*(f for f in RUN_OVERRIDES if f != "make_vocab_size_divisible_by"
+                            and f not in CONTEXT_OVERRIDES), "init_std", "bos_token_id", "eos_token_id", "pad_token_id")
 # ModelConfig fields the task sets (a classification head): a change there is another task, not another model.
 TASK_FIELDS = ("num_labels", "pooler")
 # Run keys a resume refuses, and why (see the module docstring).

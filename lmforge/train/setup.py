@@ -109,8 +109,12 @@ def check_fit(cfg: RunConfig, mcfg: ModelConfig, data_parallel: int) -> int:
         raise UserError(f"trainer.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
                         f"{t.micro_batch_size} x {data_parallel} data-parallel processes: change one of them")
     if cfg.data.seq_length > mcfg.max_position_embeddings:
+        fix = ("shorten the sequences or raise model.max_position_embeddings (rotary positions: no weights depend on "
+               "it; a larger model.rotary_base or a model.rope_scaling often goes with it)"
+               if mcfg.position_embedding == "rotary" else
+               "shorten the sequences (its positions are learned weights)")
         raise UserError(f"data.seq_length {cfg.data.seq_length} exceeds the model's max_position_embeddings "
-                        f"{mcfg.max_position_embeddings}: shorten the sequences or raise the model's positions")
+                        f"{mcfg.max_position_embeddings}: {fix}")
     return t.global_batch_size // per_step
 
 

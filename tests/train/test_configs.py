@@ -219,3 +219,45 @@ def test_a_neox_preset_widened_by_an_override_exports_what_transformers_loads(tm
     ids = torch.randint(0, mcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, model.eval()(ids)[..., :mcfg.vocab_size])
+
+
+def test_a_rotary_source_may_be_given_a_longer_context_and_a_learned_one_may_not(tmp_path):
+    """Continued pretraining at a longer context (Code Llama's larger rotary base, Llama 3.1's rope_scaling):
+    model.max_position_embeddings, model.rotary_base and model.rope_scaling may be set over a rotary model.init_from,
+    whose weights are unchanged by them; a model with learned positions refuses in one line."""
+    import torch
+
+    from lmforge.errors import UserError
+    from lmforge.models import load_pretrained
+    from lmforge.models.io import save_model
+    from lmforge.train.setup import check_fit, with_config
+
+    source = dataclasses.replace(preset("tiny-llama"), max_position_embeddings=64)
+    save_model(build(source, device="cpu"), tmp_path / "llama")
+    cfg = load_run_config(None, [f"model.init_from={tmp_path / 'llama'}", "data.seq_length=128"])
+    with pytest.raises(UserError, match=r"exceeds the model's max_position_embeddings 64: shorten the sequences or "
+                                        r"raise model.max_position_embeddings \(rotary"):
+        check_fit(cfg, cfg.model.resolve(), 1)
+    longer = load_run_config(None, [f"model.init_from={tmp_path / 'llama'}", "data.seq_length=128",
+                                    "model.max_position_embeddings=128"])
+    mcfg = longer.model.resolve()
+    assert mcfg == dataclasses.replace(source, max_position_embeddings=128) and check_fit(longer, mcfg, 1)
+    model = load_pretrained(tmp_path / "llama").eval()
+    ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the same weights and frequencies: the same logits over the source's own context
+        assert torch.equal(with_config(model, mcfg).eval()(ids), model(ids))
+    scaled = load_run_config(None, [f"model.init_from={tmp_path / 'llama'}", "model.max_position_embeddings=128",
+                                    "model.rotary_base=40000", "model.rope_scaling={type: linear, factor: 2.0}"])
+    got = scaled.model.resolve()
+    assert (got.rotary_base, got.rope_scaling.type, got.rope_scaling.factor) == (40000, "linear", 2.0)
+
+    save_model(build(dataclasses.replace(preset("tiny-gpt2"), max_position_embeddings=64), device="cpu"),
+               tmp_path / "gpt2")
+    cfg = load_run_config(None, [f"model.init_from={tmp_path / 'gpt2'}", "data.seq_length=128"])
+    with pytest.raises(UserError, match=r"max_position_embeddings 64: shorten the sequences \(its positions are "
+                                        r"learned weights\)$"):
+        check_fit(cfg, cfg.model.resolve(), 1)
+    cfg = load_run_config(None, [f"model.init_from={tmp_path / 'gpt2'}", "model.max_position_embeddings=128"])
+    with pytest.raises(UserError, match=r"^model.max_position_embeddings: '.*gpt2' has learned position embeddings, "
+                                        r"weights for its 64 positions: keep data.seq_length within them$"):
+        cfg.model.resolve()
