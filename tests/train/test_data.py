@@ -97,3 +97,27 @@ def test_loader_workers_default_to_two_on_an_accelerator_only():
     assert data.loader_workers(None, torch.device("cpu")) == 0
     assert data.loader_workers(None, torch.device("cuda", 0)) == 2
     assert data.loader_workers(3, torch.device("cpu")) == 3
+
+
+def test_data_made_by_another_tokenizer_is_named_from_its_document_ends(shared_data, tmp_path, caplog):
+    """GPT-2 data (each document ending in 50256) read with Pythia's tokenizer (end of document 0): every id is in
+    range, so only the document ends tell. One warning names the prefix, the token and what to do; the right
+    tokenizer, or data made without end-of-document tokens, says nothing."""
+    import logging
+
+    from lmforge.tokenizers import load_tokenizer
+    from lmforge.train.data import check_document_ends
+
+    gpt2, neox = (load_tokenizer(shared_data / "tokenizers" / name) for name in ("gpt2", "gpt-neox-20b"))
+    # Each ends in a period, as most articles do: with no marker after it, that is no sign of another tokenizer.
+    texts = [f"Document {i} is short. It names the number {i * 7}." for i in range(40)]
+    marked = _prefix(tmp_path, [gpt2.encode(t) + [gpt2.eod_id] for t in texts], name="marked_text_document")
+    plain = _prefix(tmp_path, [gpt2.encode(t) for t in texts], name="plain_text_document")
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.data"):
+        check_document_ends([marked, plain], gpt2)
+        check_document_ends([plain], neox)
+        assert not caplog.records
+        check_document_ends([marked], neox)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"data prefix '{marked.prefix}': 40 of 40 documents sampled end in token 50256 ")
+    assert "but this tokenizer's end of document is 0: was it preprocessed with another tokenizer?" in line

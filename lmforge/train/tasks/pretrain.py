@@ -14,7 +14,7 @@ class Pretrain(Task):
     pretraining = True
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
-        train, valid = pretrain_datasets(cfg)
+        train, valid = pretrain_datasets(cfg, tokenizer)
         return TaskData(train, valid)
 
     def inputs(self, batch: Batch):
