@@ -16,6 +16,7 @@ its control pieces in text, either way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -52,6 +53,17 @@ class Tokenizer(ABC):
     # What the files themselves say about bos (tokenizer_config.json's add_bos_token, a tokenizer.json
     # template that prepends it); None when they say nothing. Read by add_bos_token.
     _declared_add_bos: bool | None = None
+
+    @contextlib.contextmanager
+    def reading_special_tokens(self):
+        """Inside, special-token text becomes those tokens, as a Hugging Face tokenizer reads it by default: for a
+        whole model input its caller controls (an eval task, a raw completions prompt), never for a chat turn."""
+        parsing = self.parse_special_tokens
+        self.parse_special_tokens = True
+        try:
+            yield self
+        finally:
+            self.parse_special_tokens = parsing
 
     @property
     def add_bos_token(self) -> bool:

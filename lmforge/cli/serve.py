@@ -25,19 +25,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default $LMFORGE_API_KEY; the variable keeps the key out of `ps`)")
     p.add_argument("--model-name", default=None,
                    help="the id clients pass as `model` (default: the folder name, with its run's for a run's hf/, "
-                        "model/ or a checkpoint: sft-run/hf, sft-run/step-00000400)")
+                        "model/ or a checkpoint: sft-run/hf, sft-run/step-00000400; with --lora the adapter's: "
+                        "sft-run/hf-adapter)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument("--prefill-batch", type=int, default=None,
                    help="most waiting requests prefilled in one forward (default: --max-batch; 1 = one at a time)")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens per request, prompt + completion (default: the model's positions); "
                         "the KV cache holds max-batch x max-context tokens")
-    p.add_argument("--max-tokens-limit", type=int, default=4096, help="most tokens one request may ask for")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request names no max_tokens")
+    p.add_argument("--max-tokens-limit", type=int, default=4096,
+                   help="most tokens one request may ask for (default 4096)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="when a request names no max_tokens (default 256)")
     p.add_argument("--max-queue", type=int, default=1024,
-                   help="waiting choices (all requests' prompts x n) before answering 503")
+                   help="waiting choices (all requests' prompts x n) before answering 503 (default 1024)")
     p.add_argument("--max-choices", type=int, default=128,
-                   help="most choices (prompts x n) one request may ask for; the engine serves requests in turn")
+                   help="most choices (prompts x n) one request may ask for (default 128); the engine serves "
+                        "requests in turn")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--read-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="time a request's headers, and then its body, may take to arrive before a 408 (default 10)")
@@ -69,8 +73,8 @@ def run(args: argparse.Namespace) -> None:
     folder = Path(args.model_dir)
     if not folder.is_dir():
         raise UserError(f"model folder '{folder}' does not exist")
-    for name in ("max_batch", "prefill_batch", "max_tokens_limit", "default_max_tokens", "max_queue", "max_body_bytes",
-                 "max_choices"):
+    for name in ("max_batch", "prefill_batch", "max_context", "max_tokens_limit", "default_max_tokens", "max_queue",
+                 "max_body_bytes", "max_choices"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("read_timeout", "keep_alive_timeout"):
@@ -86,8 +90,14 @@ def run(args: argparse.Namespace) -> None:
         model, chat_folder = load_served(folder, args.lora, device, parse_dtype(args.dtype))
         engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue,
                                                          prefill_batch=args.prefill_batch))
+        if args.max_context is not None and args.max_context > engine.context:
+            log.warning("--max-context %d is past what the model reads: requests get its %d tokens", args.max_context,
+                        engine.context)
         chat = ChatFormat(tokenizer, chat_folder)
-        name = args.model_name or served_name(folder)
+        if chat.chat is None:
+            log.warning("'%s' has no chat template: /v1/chat/completions renders plain 'User: ... Assistant:' turns",
+                        chat_folder)
+        name = args.model_name or served_name(Path(args.lora) if args.lora else folder)
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,
                              args.max_choices, args.read_timeout, args.keep_alive_timeout)
         app = create_app(engine, tokenizer, chat, config)
@@ -129,7 +139,7 @@ def served_name(folder: Path) -> str:
     """The model id a folder is served under by default: its name, and for the folders every run names alike (a run's
     hf/ and model/, its checkpoints' step-N) the run's name before it, so two runs served side by side differ."""
     folder = folder.resolve()
-    if folder.name in ("hf", "model") and folder.parent.name:
+    if folder.name in ("hf", "model", "hf-adapter") and folder.parent.name:
         return f"{folder.parent.name}/{folder.name}"
     if folder.name.startswith("step-") and folder.parent.name == "checkpoints" and folder.parent.parent.name:
         return f"{folder.parent.parent.name}/{folder.name}"

@@ -110,12 +110,8 @@ class LMForgeLM(TemplateLM):
             bos = False
         # Special-token text in a task ("<unk>" all over WikiText v1) becomes that token, as the hf backend's
         # tokenizer reads it; lmforge reads it as characters elsewhere (see lmforge.tokenizers), so only here.
-        parsing = self.tokenizer.parse_special_tokens
-        self.tokenizer.parse_special_tokens = True
-        try:
+        with self.tokenizer.reading_special_tokens():
             return self.tokenizer.encode(string, add_bos=bos)
-        finally:
-            self.tokenizer.parse_special_tokens = parsing
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         with _progress(len(requests), "loglikelihood", disable_tqdm) as progress:

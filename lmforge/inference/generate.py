@@ -68,10 +68,13 @@ def context_overflow(prompt_len: int, max_new_tokens: int | None, context: int,
     on without an error but not as trained, so it is refused rather than run or cut short unannounced.
     max_new_tokens None: the prompt must leave room for one token.
     """
-    room = context - prompt_len
+    room, need = context - prompt_len, max(max_new_tokens or 1, 1)
     if room < 1:
+        if need >= context:
+            return (f"this model's context is {context} tokens and the prompt has {prompt_len}: lower {param} below "
+                    f"{context} and shorten the prompt to fit beside it")
         return (f"this model's context is {context} tokens and the prompt has {prompt_len}: shorten the prompt "
-                f"to at most {context - 1} tokens")
+                f"to at most {context - need} tokens" + (f" (with {param} {need})" if max_new_tokens else ""))
     if max_new_tokens is not None and max_new_tokens > room:
         return (f"this model's context is {context} tokens: the prompt's {prompt_len} and {max_new_tokens} new "
                 f"ones do not fit; lower {param} to at most {room} or shorten the prompt")

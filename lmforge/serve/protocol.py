@@ -3,18 +3,25 @@
 Bodies are validated strictly (a string where a number belongs is a 400, not a silent conversion);
 fields OpenAI defines that change nothing here (`user`, `logprobs: null` ...) are accepted, and
 those that would change the answer but are not implemented (`logprobs`, `echo`, penalties, `suffix`)
-are refused by name rather than ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
-Extensions beyond OpenAI's schema: `top_k` and `repetition_penalty` (as in vLLM and TGI).
+are refused by name rather than ignored, vLLM's extensions of that kind (`min_tokens`, `ignore_eos`, guided
+decoding, `response_format` other than text) too. Other unknown fields are ignored, as OpenAI-compatible servers do.
+A top-level `null` means the field's default, as OpenAI's schema has it. Extensions beyond OpenAI's schema: `top_k`
+(-1 or 0: off, as in vLLM) and `repetition_penalty` (as in vLLM and TGI).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 16
-MAX_N = 16
+# The parts of a validation error's location that name a type pydantic tried (a union's branches), not a field.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|literal|tagged-union|function-[\w-]+)\[.*\])$")
+# vLLM's request fields that change the answer, which this server does not do: refused by name when set.
+VLLM_UNSUPPORTED = ("min_tokens", "ignore_eos", "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex",
+                    "guided_choice", "guided_grammar", "structured_outputs", "logits_processors")
 # torch.Generator.manual_seed takes [-2**63, 2**64); a request's choices use seed, seed + 1, ... seed + n - 1.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -32,16 +39,17 @@ class APIError(Exception):
 
 
 class _Body(BaseModel):
-    # allow_inf_nan=False: Python's json reads NaN and Infinity, which compare false with every bound.
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # allow_inf_nan=False: Python's json reads NaN and Infinity, which compare false with every bound. Unknown fields
+    # are kept aside (model_extra) for unsupported() to look at, and otherwise ignored.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # 0 or None = off
+    top_k: int | None = Field(None, ge=-1)  # -1, 0 or None = off
     repetition_penalty: float = Field(1.0, gt=0.0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # prompts x n is capped by the server's --max-choices
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
@@ -50,6 +58,12 @@ class _Body(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        return None if v in (-1, 0) else v
 
     @field_validator("stop")
     @classmethod
@@ -62,7 +76,11 @@ class _Body(BaseModel):
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do."""
         bad = [name for name in ("frequency_penalty", "presence_penalty") if getattr(self, name)]
-        return bad + (["logit_bias"] if self.logit_bias else [])
+        bad += ["logit_bias"] if self.logit_bias else []
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            bad.append("response_format")
+        extra = self.model_extra or {}
+        return bad + [name for name in VLLM_UNSUPPORTED if extra.get(name) not in (None, False, 0, [], {})]
 
     @property
     def include_usage(self) -> bool:
@@ -90,20 +108,27 @@ class CompletionRequest(_Body):
         return list(p)
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text":
+            raise ValueError(f"this server reads text only, not '{v}' content parts")
+        return v
 
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
@@ -122,12 +147,16 @@ def parse(model: type[BaseModel], data: Any) -> Any:
     """Validate a JSON value as `model`, or raise a 400 APIError naming the first bad field."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    data = {k: v for k, v in data.items() if v is not None}  # null: the field's default, as OpenAI's schema reads it
     try:
         body = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "int")))
-        message = f"'{param}' is required" if err["type"] == "missing" else f"invalid value for '{param}': {err['msg']}"
+        errors = e.errors()
+        # A union's branches each fail; the one that reached into the value says what is wrong with it.
+        err = max(errors, key=lambda x: (x["type"] == "value_error", len(x["loc"])))
+        param = ".".join(str(x) for x in err["loc"] if not _TYPE_TAG.match(str(x)))
+        reason = err["msg"].removeprefix("Value error, ")
+        message = f"'{param}' is required" if err["type"] == "missing" else f"invalid value for '{param}': {reason}"
         raise APIError(400, message, param=param or None) from None
     bad = body.unsupported() if isinstance(body, _Body) else []
     if bad:

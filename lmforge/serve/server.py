@@ -47,10 +47,10 @@ class ServeConfig:
 class Generation:
     """The engine requests behind one HTTP request, read as one stream of (choice index, Event)."""
 
-    def __init__(self, engine: Engine, jobs: list[tuple[list[int], RequestParams]]):
+    def __init__(self, engine: Engine, jobs: list[tuple[list[int], RequestParams]], prompt_tokens: int):
         loop = asyncio.get_running_loop()
         self.engine, self.queue, self.requests = engine, asyncio.Queue(), []
-        self.prompt_tokens = sum(len(ids) for ids, _ in jobs)
+        self.prompt_tokens = prompt_tokens  # each prompt once, however many choices it has (OpenAI's usage)
         self.completion_tokens: dict[int, int] = {}
         try:  # one group: the engine gives this request's rows and other requests' rows in turn
             for i, (ids, params) in enumerate(jobs):
@@ -140,6 +140,7 @@ class Server:
     def __init__(self, engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig):
         self.engine, self.tokenizer, self.chat, self.config = engine, tokenizer, chat, config
         self.metrics = Metrics()
+        self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
 
     async def read_json(self, request: Request):
         return read_json(await request.body())
@@ -149,26 +150,31 @@ class Server:
             raise APIError(404, f"the model '{name}' does not exist: this server serves '{self.config.model_name}'",
                            param="model", code="model_not_found")
 
-    def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens",
+                   prompt_param: str = "prompt") -> int:
         """The tokens to generate for a prompt: as requested if it fits, else a 400 naming the limit."""
         limit, context = self.config.max_tokens_limit, self.engine.context
         if requested is not None and requested > limit:
             raise APIError(400, f"{param} is {requested}, over this server's limit of {limit}", param=param)
         problem = context_overflow(prompt_len, requested, context, param)
-        if problem:
-            raise APIError(400, problem, param=param, code="context_length_exceeded")
+        if problem:  # the field to change: the prompt where it alone fills the context
+            raise APIError(400, problem, param=param if prompt_len < context else prompt_param,
+                           code="context_length_exceeded")
         return requested if requested is not None else min(self.config.default_max_tokens, limit, context - prompt_len)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
+        # The whole model input, written by the client: special-token text is those tokens, as vLLM and TGI read a
+        # raw prompt (a chat message's never is: lmforge.serve.chat).
+        with self.tokenizer.reading_special_tokens():
+            ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
         if not ids:
             raise APIError(400, "the prompt is empty: give it some text", param="prompt")
         return ids
 
     def start(self, prompts: list[list[int]], requested: int | None, sampling: SamplingParams, n: int,
-              stop: list[str], seed: int | None, param: str = "max_tokens") -> Generation:
+              stop: list[str], seed: int | None, param: str = "max_tokens", prompt_param: str = "prompt") -> Generation:
         choices = len(prompts) * n
         if choices > self.config.max_choices:
             raise APIError(400, f"this request asks for {choices} choices ({len(prompts)} prompts x n={n}), over this "
@@ -176,10 +182,10 @@ class Server:
                            param="n" if n > 1 else "prompt")
         jobs = []
         for ids in prompts:
-            limit = self.max_tokens(requested, len(ids), param)
+            limit = self.max_tokens(requested, len(ids), param, prompt_param)
             for j in range(n):  # the choices of one seeded request differ from each other
                 jobs.append((ids, RequestParams(limit, sampling, stop, None if seed is None else seed + j)))
-        return Generation(self.engine, jobs)
+        return Generation(self.engine, jobs, sum(len(ids) for ids in prompts))
 
     async def collect(self, request: Request, gen: Generation, route: str, start: float) -> dict[int, dict]:
         """Each choice's text and finish reason once all are done; cancelled if the client disconnects."""
@@ -267,7 +273,7 @@ class Server:
         if body.max_completion_tokens is not None:
             requested, param = body.max_completion_tokens, "max_completion_tokens"
         gen = self.start([ids], requested, sampling_of(body), body.n, [*body.stop, *self.chat.stop], body.seed,
-                         param)
+                         param, "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
@@ -291,7 +297,7 @@ class Server:
 
     def model_card(self) -> dict:
         # max_model_len: the tokens a request may hold, prompt and completion (vLLM's field for it).
-        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "lmforge",
+        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "lmforge",
                 "max_model_len": self.engine.context}
 
 

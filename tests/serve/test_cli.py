@@ -39,6 +39,7 @@ def test_the_default_model_id_names_the_run_of_a_runs_folders(tmp_path):
     assert served_name(run / "hf") == "sft-qwen/hf" and served_name(run / "model") == "sft-qwen/model"
     assert served_name(run / "checkpoints" / "step-00000400") == "sft-qwen/step-00000400"
     assert served_name(tmp_path / "Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
+    assert served_name(run / "hf-adapter") == "sft-qwen/hf-adapter"  # `serve BASE --lora RUN/hf-adapter`: the adapter's
 
 
 def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
@@ -55,6 +56,8 @@ def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
     assert main(["serve", str(model_dir), "--lora", str(tmp_path)]) == 1
     assert capsys.readouterr().err == f"error: no adapter_config.json in '{tmp_path}': point --lora at a PEFT LoRA " \
                                       "adapter folder\n"
+    assert main(["serve", str(model_dir), "--max-context", "-5"]) == 1  # was a traceback from the KV cache
+    assert "--max-context must be >= 1, got -5" in capsys.readouterr().err
     assert main(["serve", str(model_dir), "--max-batch", "0"]) == 1
     assert "--max-batch must be >= 1" in capsys.readouterr().err
     assert main(["serve", str(model_dir), "--prefill-batch", "0"]) == 1

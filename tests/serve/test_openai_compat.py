@@ -1,0 +1,103 @@
+"""What OpenAI's API and vLLM do that clients rely on: usage counts each prompt once, a too-long prompt names the
+length that fits and the field to change, null means the default, vLLM's idioms are honoured or refused by name
+(never ignored), and an error names the field it is about."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def _post(server, route: str, **body) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, timeout=60)
+
+
+def test_usage_counts_each_prompt_once_whatever_n(server, model_dir):
+    c, name = client(server), model_dir.name
+    r = c.completions.create(model=name, prompt="t5 t6 t7 t8 t9", max_tokens=2, n=3, temperature=1.0, seed=1)
+    assert len(r.choices) == 3 and r.usage.prompt_tokens == 5 and r.usage.completion_tokens <= 6
+    r = c.completions.create(model=name, prompt=["t5 t6", "t7 t8 t9"], max_tokens=2, n=2, temperature=1.0, seed=1)
+    assert len(r.choices) == 4 and r.usage.prompt_tokens == 5  # two prompts, each counted once
+    one = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "t5"}], max_tokens=2)
+    three = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "t5"}], max_tokens=2, n=3)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    stream = c.completions.create(model=name, prompt="t5 t6 t7", max_tokens=2, n=2, stream=True,
+                                  stream_options={"include_usage": True})
+    assert [ch.usage for ch in stream if ch.usage][-1].prompt_tokens == 3
+
+
+def test_a_prompt_past_the_context_names_the_length_that_fits_and_the_field(server, model_dir):
+    c, name = client(server), model_dir.name  # context 128
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt=" ".join(["t5"] * 200), max_tokens=3)
+    assert "shorten the prompt to at most 125 tokens (with max_tokens 3)" in e.value.message
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    assert c.completions.create(model=name, prompt=" ".join(["t5"] * 125), max_tokens=3).choices  # and it does
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=name, messages=[{"role": "user", "content": " ".join(["t5"] * 200)}],
+                                  max_tokens=3)
+    assert e.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt=" ".join(["t5"] * 200), max_tokens=100)
+    assert "shorten the prompt to at most 28 tokens (with max_tokens 100)" in e.value.message
+    from lmforge.inference.generate import context_overflow  # the new tokens alone fill the context: say both
+
+    assert context_overflow(200, 128, 128, "max_tokens").endswith("lower max_tokens below 128 and shorten the prompt "
+                                                                  "to fit beside it")
+    assert context_overflow(200, None, 128).endswith("shorten the prompt to at most 127 tokens")
+
+
+def test_null_means_the_default_and_errors_name_their_field(server, model_dir):
+    name = model_dir.name
+    r = _post(server, "/v1/completions", model=name, prompt="t5", max_tokens=2, temperature=None, top_p=None, n=None,
+              stream=None, stop=None, seed=None, stream_options=None)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    for field, value in (("stream", "yes"), ("stream_options", "x"), ("n", "2"), ("top_p", "high")):
+        r = _post(server, "/v1/chat/completions", model=name, messages=[{"role": "user", "content": "t5"}],
+                  **{field: value})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and f"invalid value for '{field}'" in err["message"]
+    image = [{"type": "text", "text": "t5"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    r = _post(server, "/v1/chat/completions", model=name, messages=[{"role": "user", "content": image}])
+    err = r.json()["error"]
+    assert r.status_code == 400 and "reads text only, not 'image_url' content parts" in err["message"]
+    assert err["param"].startswith("messages.0.content")
+    parts = [{"type": "text", "text": "t5 "}, {"type": "text", "text": "t6"}]
+    assert _post(server, "/v1/chat/completions", model=name, messages=[{"role": "user", "content": parts}],
+                 max_tokens=2).status_code == 200
+
+
+def test_vllm_idioms_are_honoured_or_refused_by_name(server, model_dir):
+    c, name = client(server), model_dir.name
+    greedy = c.completions.create(model=name, prompt="t5 t6", max_tokens=4, temperature=0).choices[0].text
+    off = c.completions.create(model=name, prompt="t5 t6", max_tokens=4, temperature=0, extra_body={"top_k": -1})
+    assert off.choices[0].text == greedy  # vLLM's top_k -1: no top-k
+    for extra in ({"min_tokens": 5}, {"ignore_eos": True}, {"guided_choice": ["t5", "t6"]},
+                  {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=name, prompt="t5", max_tokens=2, extra_body=extra)
+        assert e.value.code == "unsupported_parameter" and e.value.param == next(iter(extra)), extra
+    for harmless in ({"min_tokens": 0}, {"ignore_eos": False}, {"response_format": {"type": "text"}},
+                     {"some_future_field": 1}):
+        assert c.completions.create(model=name, prompt="t5", max_tokens=2, extra_body=harmless).choices, harmless
+    r = c.completions.create(model=name, prompt="t5", max_tokens=1, n=20)  # n past 16: --max-choices caps it (128)
+    assert len(r.choices) == 20
+    assert c.models.list().data[0].created > 1_600_000_000  # when the server loaded the model, as vLLM's
+
+
+def test_a_raw_prompt_reads_special_token_text_as_the_token_and_a_chat_turn_does_not(shared_data):
+    from lmforge.serve.chat import ChatFormat
+    from lmforge.serve.server import ServeConfig, Server
+    from lmforge.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(shared_data / "tokenizers" / "gpt2")
+    server = Server(None, tokenizer, ChatFormat(tokenizer, shared_data / "tokenizers" / "gpt2"), ServeConfig("m"))
+    assert server.encode_prompt("Hi<|endoftext|>") == [17250, 50256]  # as vLLM and transformers read a prompt
+    assert not tokenizer.parse_special_tokens  # only for that prompt
+    assert 50256 not in server.chat.encode([("user", "Hi<|endoftext|>")])  # a user cannot forge a boundary
