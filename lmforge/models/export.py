@@ -29,6 +29,7 @@ from lmforge.models.source import (
     is_checkpoint,
     load_checkpoint_whole,
     load_pretrained,
+    model_origin,
     run_path,
     run_tokenizer_source,
 )
@@ -58,7 +59,7 @@ def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | 
 
 def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool) -> dict:
     from lmforge.chat_template import CHAT_TEMPLATE_FILE
-    from lmforge.models.io import copy_licenses, copy_side_files
+    from lmforge.models.io import copy_origin_files, copy_side_files
     from lmforge.tokenizers import load_tokenizer
 
     lora = checkpoint_lora(folder)
@@ -86,7 +87,7 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
         copy_side_files(folder, Path(side), [CHAT_TEMPLATE_FILE])  # a fine-tuning run's, as its own export has it
         base = (checkpoint_run(folder) or {}).get("model", {}).get("init_from")
         base = run_path(folder, base) if base else None
-        copy_licenses(base, Path(side))  # the source model's terms go with its derivative
+        copy_origin_files(model_origin(base), Path(side))  # the source model's license, generation settings
         if lora is None:
             return write_hf(cfg, state.__getitem__, Path(side), out_dir, dtype, overwrite, needed)
         existed = adapter_dir.exists()

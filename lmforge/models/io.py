@@ -98,6 +98,14 @@ def copy_licenses(src: str | Path | None, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
+def copy_origin_files(origin: str | Path | None, dst: Path) -> None:
+    """What a trained model keeps from the folder it started from (lmforge.models.source.model_origin): the license
+    files, and the generation settings (sampling defaults, stop ids) its users expect of it."""
+    copy_licenses(origin, dst)
+    if origin is not None:
+        copy_side_files(Path(origin), dst, ["generation_config.json"])
+
+
 def write_config(folder: Path, cfg: ModelConfig, **extra) -> None:
     meta = {"format": FORMAT, "version": 1, "model": to_dict(cfg), **extra}
     (folder / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")

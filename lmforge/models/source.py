@@ -104,25 +104,63 @@ def source_config(folder: str | Path) -> ModelConfig:
 
 
 def tokenizer_folder(folder: str | Path) -> Path | None:
-    """The folder a run's tokenizer comes from by default: an lmforge or HF source, not a checkpoint."""
-    return None if source_kind(folder) == "checkpoint" else Path(folder)
+    """The folder a run's tokenizer comes from by default: an lmforge or HF source itself; for a training checkpoint
+    (a new phase started from an earlier run's) the tokenizer that run used (run_tokenizer_source)."""
+    return run_tokenizer_source(Path(folder)) if source_kind(folder) == "checkpoint" else Path(folder)
 
 
-def run_tokenizer_source(checkpoint: Path) -> Path | None:
-    """The tokenizer a training checkpoint's run used: its config.yaml's data.tokenizer, else the folder of
-    model.init_from (an HF or lmforge folder), else None."""
+def _recorded_run(checkpoint: Path) -> dict:
+    """The run config a checkpoint was written under: trainer.json's, else (older checkpoints) its run's config.yaml;
+    {} where neither reads."""
     import yaml
 
-    config = Path(checkpoint).parent.parent / "config.yaml"  # RUN_DIR/checkpoints/step-N
-    if not config.is_file():
+    run = checkpoint_run(checkpoint)
+    if run is None:
+        config = Path(checkpoint).parent.parent / "config.yaml"  # RUN_DIR/checkpoints/step-N
+        try:
+            run = yaml.safe_load(config.read_text()) if config.is_file() else None
+        except yaml.YAMLError:
+            run = None
+    return run if isinstance(run, dict) else {}
+
+
+def _run_field(run: dict, section: str, key: str):
+    value = (run.get(section) or {}).get(key)
+    return value if isinstance(value, str) and value else None
+
+
+def run_tokenizer_source(checkpoint: Path, _depth: int = 0) -> Path | None:
+    """The tokenizer a training checkpoint's run used: its data.tokenizer, else that of model.init_from (an HF or
+    lmforge folder; an earlier run's checkpoint: that run's tokenizer, followed back), else None."""
+    run = _recorded_run(checkpoint)
+    tokenizer, init_from = _run_field(run, "data", "tokenizer"), _run_field(run, "model", "init_from")
+    if tokenizer:
+        return run_path(checkpoint, tokenizer)
+    if not init_from:
         return None
-    try:
-        run = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError:
+    source = run_path(checkpoint, init_from)
+    if _depth < 16 and source.is_dir() and is_checkpoint(source):
+        return run_tokenizer_source(source, _depth + 1)
+    return source
+
+
+def model_origin(folder: str | Path | None) -> Path | None:
+    """The Hugging Face or lmforge folder a model came from, for the files that go with it (license, generation
+    settings): `folder` itself, or for a training checkpoint the folder its run started from, followed back through
+    earlier runs' checkpoints; None for a run from scratch or a source no longer there."""
+    if folder is None:
         return None
-    tokenizer = (run.get("data") or {}).get("tokenizer")
-    init_from = (run.get("model") or {}).get("init_from")
-    return run_path(checkpoint, tokenizer) if tokenizer else run_path(checkpoint, init_from) if init_from else None
+    folder = Path(folder)
+    for _ in range(16):
+        if not folder.is_dir():
+            return None
+        if not is_checkpoint(folder):
+            return folder
+        init_from = _run_field(_recorded_run(folder), "model", "init_from")
+        if not init_from:
+            return None
+        folder = run_path(folder, init_from)
+    return None
 
 
 def run_path(checkpoint: str | Path, recorded: str) -> Path:

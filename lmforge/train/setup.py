@@ -126,6 +126,9 @@ def load_run_tokenizer(cfg: RunConfig, needed: bool):
     init_from = cfg.model.init_from
     path = cfg.data.tokenizer or (tokenizer_folder(init_from) if init_from else None)
     if path is None:
+        if needed and init_from:
+            raise UserError(f"data.task={cfg.data.task} needs a tokenizer and the run of model.init_from "
+                            f"'{init_from}' names none: set data.tokenizer")
         if needed:
             raise UserError(f"data.task={cfg.data.task} needs a tokenizer: set data.tokenizer or model.init_from")
         return None

@@ -24,7 +24,7 @@ from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write, out_of_space, remove_leftovers
 from lmforge.models.config import ModelConfig
-from lmforge.models.source import is_checkpoint
+from lmforge.models.source import is_checkpoint, model_origin
 from lmforge.parallel.compose import ParallelModel
 from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.load import read_nf4_base
@@ -376,7 +376,7 @@ class Trainer:
         """Write the final weights as an lmforge model folder and a Hugging Face folder beside it. Every rank
         takes part (sharded tensors are gathered); rank 0 writes."""
         from lmforge.models.hf import export_hf
-        from lmforge.models.io import copy_licenses, materialize, save_model
+        from lmforge.models.io import copy_origin_files, materialize, save_model
 
         full = self.training.full_state_dict()
         if self.world.is_main:
@@ -385,7 +385,7 @@ class Trainer:
             model_dir = self.run_dir / "model"
             tokenizer = self.tokenizer.files[0] if self.tokenizer is not None else None
             save_model(model, model_dir, tokenizer_from=tokenizer, overwrite=True)
-            copy_licenses(self.cfg.model.init_from, model_dir)  # the source model's terms go with its derivative
+            copy_origin_files(model_origin(self.cfg.model.init_from), model_dir)  # its license, generation settings
             if self.data.chat_template is not None:  # served as trained (chat_template.jinja wins over the config's)
                 atomic_write(model_dir / CHAT_TEMPLATE_FILE, self.data.chat_template)
             export_hf(model_dir, out, overwrite=True)
