@@ -74,8 +74,10 @@ def bounded_cpu_peak(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3,
     ~1 GFLOP/s, where four 2048^3 GEMMs would take a minute of start-up; a fast one still reaches 2048."""
     start = time.perf_counter()
     best, n, size = 0.0, 256, 0
+    # Its own generator: a run measures after its resume restored the global one, which the next dropout mask reads.
+    generator = torch.Generator().manual_seed(0)
     while n <= max_n:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a, b = (torch.randn(n, n, dtype=dtype, generator=generator) for _ in range(2))
         fastest = float("inf")
         for i in range(repeats + 1):  # the first one warms the kernels up, and times them too
             t0 = time.perf_counter()
@@ -99,7 +101,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         if found is not None:
             return found
         log.warning("no datasheet peak for %s: measuring a GEMM instead", torch.cuda.get_device_name(device))
-        a = torch.randn(8192, 8192, device=device, dtype=dtype)
+        a = torch.randn(8192, 8192, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(5):

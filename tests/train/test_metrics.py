@@ -170,3 +170,17 @@ def test_moe_flops_count_the_routed_experts_only():
     router = 6.0 * moe.num_layers * moe.hidden_size * moe.num_experts
     assert flops_per_token(moe, 32) == flops_per_token(dense, 32) + router
     assert flops_per_token(dataclasses.replace(moe, num_experts=64), 32) == flops_per_token(dense, 32) + 8 * router
+
+
+def test_measuring_the_cpu_peak_leaves_the_global_random_state_alone(monkeypatch, tmp_path):
+    """A run measures the peak after its resume restored the random state; drawing its GEMM inputs from that state
+    moved every later dropout mask, and a resumed LoRA run (dropout 0.05) left its uninterrupted twin at step 5."""
+    import torch
+
+    from lmforge.train import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the best-ever figure's cache, not the user's
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    metrics.bounded_cpu_peak(torch.float32, max_n=256, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)
