@@ -16,10 +16,9 @@ by turn: the span of assistant message i is what rendering messages[:i+1] adds t
 generation prompt. A template whose renders are not prefixes of each other that way (one that rewrites earlier
 turns) cannot be split so and is refused for training, with that reason.
 
-Text is tokenized in pieces cut at each special token and at the start and end of each assistant span: a served
-prompt is then token for token the prompt the model was trained on, earlier answers included. transformers
-tokenizes the rendered text whole; the ids are the same wherever a span starts at a pre-tokenizer boundary (after
-a special token or a newline, as chat templates have it).
+Text is tokenized in runs cut at each special token, each run whole (as transformers tokenizes the rendered text),
+and a token is in an assistant span when any character it covers is: a served prompt is then token for token the
+prompt the model was trained on, earlier answers included.
 
 Built-in templates (`BUILTIN`), for models without one of their own; each ends an answer with eos:
 
@@ -297,17 +296,44 @@ class ChatTemplate:
 
 
 def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[int], list[bool]]]:
-    """(ids, in-span flags) per chat; every text piece goes through one encode_batch (the tokenizer's fast path)."""
-    texts = [p for pieces in chats for p, _ in pieces if isinstance(p, str)]
-    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
-    out = []
+    """(ids, in-span flags) per chat. The text between two special tokens is tokenized whole, as transformers
+    tokenizes a rendered chat, and a token is in a span when any character it covers is (transformers'
+    assistant mask): an answer that starts inside a text run (Llama 2's "[/INST] " + answer) gets the tokens the
+    whole text has, not a separately encoded piece's (SentencePiece's prefix space again). Every run goes through
+    one batched encode."""
+    runs: list[tuple[str, list[tuple[int, int]]]] = []
+    layouts = []
     for pieces in chats:
+        layout: list[tuple[int, bool] | int] = []  # (special id, in span), or the index of a text run
+        text, spans = "", []
+        for p, in_span in [*pieces, (None, False)]:
+            if isinstance(p, str):
+                if in_span:
+                    spans.append((len(text), len(text) + len(p)))
+                text += p
+                continue
+            if text:
+                layout.append(len(runs))
+                runs.append((text, spans))
+            text, spans = "", []
+            if p is not None:
+                layout.append((p, in_span))
+        layouts.append(layout)
+    encoded = tokenizer.encode_batch_offsets([text for text, _ in runs]) if runs else []
+    out = []
+    for layout in layouts:
         ids: list[int] = []
         mask: list[bool] = []
-        for p, in_span in pieces:
-            got = next(encoded) if isinstance(p, str) else [p]
+        for item in layout:
+            if isinstance(item, tuple):
+                ids.append(item[0])
+                mask.append(item[1])
+                continue
+            got, offsets = encoded[item]
+            spans = runs[item][1]
             ids += got
-            mask += [in_span] * len(got)
+            # A token that covers no characters (a prefix space of its own) counts where it stands.
+            mask += [any(a < max(end, start + 1) and start < b for a, b in spans) for start, end in offsets]
         out.append((ids, mask))
     return out
 

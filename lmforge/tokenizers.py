@@ -125,6 +125,15 @@ class Tokenizer(ABC):
     @abstractmethod
     def _encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids and, per id, the characters [start, end) of the text it covers (no bos). This generic
+        way decodes each prefix of the ids (quadratic); the tokenizers lmforge loads override it."""
+        out = []
+        for ids in self._encode_batch(list(texts)):
+            ends = [len(self.decode(ids[: k + 1])) for k in range(len(ids))]
+            out.append((ids, list(zip([0, *ends[:-1]], ends))))
+        return out
+
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
@@ -227,6 +236,9 @@ class HFTokenizer(Tokenizer):
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in batch(texts, add_special_tokens=False)]
 
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -256,6 +268,18 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts)  # a list in is encoded on sentencepiece's thread pool
+
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        try:
+            protos = self._sp.encode(texts, out_type="proto")
+        except (ValueError, TypeError, RuntimeError):  # sentencepiece before 0.2.1 names it so
+            protos = self._sp.encode(texts, out_type="immutable_proto")
+        out = []
+        for text, proto in zip(texts, protos):
+            # sentencepiece counts UTF-8 bytes: map each byte offset to its character's.
+            chars = [i for i, c in enumerate(text) for _ in range(len(c.encode("utf-8")))] + [len(text)]
+            out.append(([p.id for p in proto.pieces], [(chars[p.begin], chars[p.end]) for p in proto.pieces]))
+        return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = list(ids)

@@ -106,3 +106,30 @@ def test_import_and_export_keep_the_chat_template(hf_dirs, tmp_path):
     import_hf(source, tmp_path / "lmforge")
     export_hf(tmp_path / "lmforge", tmp_path / "back")
     assert read_chat_template(tmp_path / "lmforge") == read_chat_template(tmp_path / "back") == MARKED
+
+
+def test_llama2_chat_equals_metas_reference_tokenization(shared_data):
+    """Meta's llama generation code encodes each turn whole, `sp.encode(f"[INST] {user} [/INST] {answer} ")` between
+    bos and eos. Its template, rendered and tokenized by lmforge, gives those ids; the answer starts with "▁The", where
+    encoding it apart from its turn gave SentencePiece's prefix space again ("▁", "▁The") on every answer."""
+    import sentencepiece as spm
+
+    path = shared_data / "tokenizers" / "llama2" / "tokenizer.model"
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + "
+                "' [/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}"
+                "{% endfor %}")
+    turns = [("Hi there", "The answer is 4."), ("And in French?", "La réponse est 4.")]
+    messages = [{"role": r, "content": c} for user, answer in turns for r, c in (("user", user), ("assistant", answer))]
+    chat = ChatTemplate(template, load_tokenizer(path))
+    ids, mask = _ids_and_mask(chat, messages)
+    expected, answers = [], []
+    for user, answer in turns:
+        head = sp.encode(f"[INST] {user} [/INST]")
+        turn = sp.encode(f"[INST] {user} [/INST] {answer} ")
+        assert turn[: len(head)] == head  # the answer starts at a token boundary here
+        expected += [1, *turn, 2]
+        answers += [*turn[len(head):], 2]
+    assert ids == expected
+    assert [i for i, m in zip(ids, mask) if m] == answers
+    assert sp.id_to_piece(answers[0]) == "▁The"
