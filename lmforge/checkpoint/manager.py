@@ -381,8 +381,10 @@ class CheckpointManager:
         found = self.checkpoints()
         if self.save_top_k < 0 or not found:
             return
-        keep = {found[-1][1]} if self.save_last else set()
         scored = [(value, path) for _, path in found if (value := self._metric(path)) is not None]
+        # The newest is kept as last; where it has no score (saved between validations, or at Ctrl-C) it is kept
+        # anyway until a newer one is written: it is where a resume starts.
+        keep = {found[-1][1]} if self.save_last or found[-1][1] not in {p for _, p in scored} else set()
         if not scored and not self._said_unmonitored:
             held = self._metrics(found[-1][1])
             if held:  # metrics were recorded, the monitored one is not among them: a typo, or never measured

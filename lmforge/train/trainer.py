@@ -274,6 +274,9 @@ class Trainer:
         stopped: Stopped | None = None
         fit_started = time.perf_counter()
         for step in range(start, t.max_steps):
+            # A checkpoint records the validation of its own step, or none: one carrying an earlier step's val_loss
+            # was ranked by it, and retention dropped better checkpoints for it (lmforge.checkpoint.manager).
+            self.state["metrics"] = {}
             lr = lr_at(step, cfg.optim, t.max_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

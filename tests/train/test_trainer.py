@@ -123,6 +123,28 @@ def test_top_k_and_last_checkpoints_are_kept(tiny_corpus, tmp_path):
     assert not list((tmp_path / "run" / "checkpoints").glob(".*"))  # no temporary folders left
 
 
+def test_a_checkpoint_between_validations_is_not_ranked_by_an_earlier_one(tiny_corpus, tmp_path):
+    """Checkpoints every 2 steps, validation every 4: step 6's carried step 4's val_loss, and with save_top_k=1
+    a tie or a stale better value deleted checkpoints the ranking should have kept. Only checkpoints at a
+    validation step are ranked; the newest stays (a resume starts there) until a newer one is written."""
+    import json
+
+    run = tmp_path / "run"
+    cfg = run_config(tiny_corpus, run, "trainer.max_steps=10", "trainer.val_check_interval=4",
+                     "checkpoint.every_n_steps=2", "checkpoint.save_top_k=-1")
+    Trainer(cfg).fit()
+    val = {r["step"]: r["val_loss"] for r in _rows(run) if "val_loss" in r}
+    assert sorted(val) == [4, 8, 10]
+    for step in (2, 4, 6, 8, 10):
+        metrics = json.loads((run / "checkpoints" / f"step-{step:08d}" / "trainer.json").read_text())["metrics"]
+        assert metrics == ({"val_loss": val[step], "val_ppl": metrics.get("val_ppl")} if step in val else {}), step
+    ranked = run_config(tiny_corpus, tmp_path / "ranked", "trainer.max_steps=10", "trainer.val_check_interval=4",
+                        "checkpoint.every_n_steps=2", "checkpoint.save_top_k=1", "checkpoint.save_last=false")
+    trainer = Trainer(ranked)
+    trainer.fit()
+    assert {s for s, _ in trainer.checkpoints.checkpoints()} == {min(val, key=val.get)}
+
+
 def test_convert_to_hf_writes_a_folder_transformers_loads(tiny_corpus, tmp_path):
     tf = pytest.importorskip("transformers")
     cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=3", "checkpoint.convert_to_hf=true",
