@@ -96,7 +96,8 @@ class PreferenceDataset(Dataset):
             sides = sequences[2 * i : 2 * i + 2]
             if any(len(ids) > seq_length for ids, _ in sides):
                 cut = [(ids[:seq_length], labels[:seq_length]) for ids, labels in sides]
-                if truncate == "drop" or any((labels == IGNORE_INDEX).all() for _, labels in cut):
+                # The file's reference log-probs are of the whole answers: a cut pair's would not match its policy's.
+                if truncate == "drop" or self.has_reference or any((labels == IGNORE_INDEX).all() for _, labels in cut):
                     self.num_dropped += 1
                     continue
                 sides = cut
@@ -107,7 +108,8 @@ class PreferenceDataset(Dataset):
                             "data.truncate=cut")
         logger.info("%s: %d preference pairs; %d longer than seq_length %d: %d cut to it, %d dropped (truncate=%s)%s",
                     path, len(self.pairs), self.num_dropped + self.num_cut, seq_length, self.num_cut,
-                    self.num_dropped, truncate, "; reference log-probs from the file" if self.has_reference else "")
+                    self.num_dropped, truncate, "; reference log-probs from the file (which cover whole answers: a "
+                    "pair that does not fit is dropped, never cut)" if self.has_reference else "")
 
     def __len__(self) -> int:
         return len(self.pairs)

@@ -173,6 +173,16 @@ def test_preference_data(shared_data, tmp_path):
                    json.dumps(rows[0]) + "\n")
     with pytest.raises(UserError, match="1 of 2 records have ref_chosen_logps"):
         PreferenceDataset(bad, gpt2, 64)
+    # Reference log-probs from the file are of whole answers: a pair too long is dropped even with truncate=cut,
+    # where cutting it paired a cut answer's policy log-prob with the whole answer's reference one.
+    refs = {"ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}
+    long = {"prompt": "Say it:", "chosen": " yes" * 40, "rejected": " no" * 40}
+    bad.write_text(json.dumps({**rows[0], **refs}) + "\n" + json.dumps({**long, **refs}) + "\n")
+    ds = PreferenceDataset(bad, gpt2, 32, truncate="cut")
+    assert (len(ds), ds.num_cut, ds.num_dropped) == (1, 0, 1)
+    long_only = tmp_path / "long.jsonl"
+    long_only.write_text(json.dumps(long) + "\n")
+    assert PreferenceDataset(long_only, gpt2, 32, truncate="cut").num_cut == 1  # without references: cut
 
 
 WORDS = ["apples", "rivers", "stars", "music", "trains", "clouds", "cities", "forests", "oceans", "books", "gardens",
