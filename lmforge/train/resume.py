@@ -41,7 +41,7 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.models.config import ModelConfig
 from lmforge.models.io import read_config
-from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES, checkpoint_run
+from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES, checkpoint_run, run_path
 from lmforge.train.config import RunConfig, run_dict
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,22 @@ class ConfigDiff:
     def __call__(self, checkpoint: Path) -> None:
         refused, self.changes = compare(saved_run_config(checkpoint, self.run_dir), read_config(checkpoint),
                                         self.cfg, self.model_config)
+        moved = self.changes.pop("model.init_from", None)
+        if moved is not None and not same_source(checkpoint, *moved):
+            # Another starting model of the same shape: the resume would go on from the checkpoint's weights and
+            # never read it. A source no longer where the run found it (moved, renamed) is only noted.
+            old = run_path(checkpoint, moved[0]) if moved[0] else None
+            (refused if old is not None and old.exists() else self.changes)["model.init_from"] = moved
         if refused:
             raise UserError(refusal(refused, self.run_dir, checkpoint))
+
+
+def same_source(checkpoint: Path, old: str | None, new: str | None) -> bool:
+    """Whether two spellings of model.init_from (the checkpoint's run's, relative to where it ran; this run's)
+    name the same folder."""
+    if not old or not new:
+        return old == new
+    return run_path(checkpoint, old).resolve() == Path(new).resolve()
 
 
 def saved_run_config(checkpoint: Path, run_dir: Path) -> dict | None:

@@ -168,3 +168,35 @@ def test_a_resume_under_another_vocabulary_padding_points_at_init_from():
     line = refusal({"model.make_vocab_size_divisible_by": (128, 256)}, Path("runs/x"), checkpoint)
     assert line.endswith(f"continue from its weights in a new run_dir with model.init_from={checkpoint} (it re-pads "
                          "the vocabulary)"), line
+
+
+def test_another_starting_model_is_refused_and_a_moved_one_is_noted(tmp_path, monkeypatch):
+    """Rerunning a run_dir with model.init_from pointing at another model of the same shape resumed the checkpoint's
+    weights and never read the new one, with the change listed as allowed. Now: refused, unless the old source is
+    gone (moved: noted), or both name the same folder (another spelling: no change)."""
+    from lmforge.errors import UserError
+    from lmforge.models import build
+    from lmforge.models.io import save_model
+    from lmforge.models.presets import preset
+    from lmforge.train.resume import ConfigDiff
+
+    for name in ("a", "b"):
+        save_model(build(preset("tiny-llama"), device="cpu"), tmp_path / name)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    old = run_config("c", tmp_path / "run", f"model.init_from={tmp_path / 'a'}")
+    write_config(checkpoint, old.model.resolve())
+    (checkpoint / "trainer.json").write_text(json.dumps({"run_config": run_dict(old), "working_dir": str(tmp_path)}))
+
+    def diff(source):
+        new = run_config("c", tmp_path / "run", f"model.init_from={source}")
+        check = ConfigDiff(new, new.model.resolve(), tmp_path / "run")
+        check(checkpoint)
+        return check.changes
+
+    with pytest.raises(UserError, match=r"model.init_from .*a -> .*b.* new run_dir"):
+        diff(tmp_path / "b")
+    monkeypatch.chdir(tmp_path)
+    assert diff("a") == {}  # relative, the same folder
+    (tmp_path / "a").rename(tmp_path / "moved")
+    assert diff(tmp_path / "moved") == {"model.init_from": (str(tmp_path / "a"), str(tmp_path / "moved"))}
