@@ -117,7 +117,7 @@ class TrainerConfig:
     activation_checkpointing: str | bool = "none"
     max_consecutive_skips: int = 5  # NaN/Inf steps in a row before the run stops
     data_parallel: str = "ddp"  # ddp | fsdp: what the data-parallel ranks do (see parallel_layout)
-    progress_bar: bool = True
+    progress_bar: bool = True  # false: plain progress lines (first step, validations, every 30 s) even on a terminal
     lock_wait: float = 5.0  # seconds to wait for another run holding run_dir (its run.lock) before refusing
 
 

@@ -266,9 +266,9 @@ class Trainer:
                                 t.micro_batch_size, self.dp_rank, self.dp_size,
                                 loader_workers(cfg.data.num_workers, world.device), self.data.collate,
                                 pin_memory=world.device.type == "cuda")
-        # A bar on a terminal, plain lines in a log file.
-        progress = (Progress(t.max_steps, start, max_seconds=60 * t.max_minutes if t.max_minutes else None)
-                    if world.is_main and t.progress_bar else None)
+        # A bar on a terminal, plain lines in a log file; trainer.progress_bar=false: plain lines on a terminal too.
+        progress = (Progress(t.max_steps, start, terminal=None if t.progress_bar else False,
+                             max_seconds=60 * t.max_minutes if t.max_minutes else None) if world.is_main else None)
         self.model.train()
         last: dict[str, float] = {}
         stopped: Stopped | None = None
