@@ -96,12 +96,24 @@ def atomic_dir(final: str | Path, overwrite: bool = False, needed: int | None = 
         if full is not None:
             raise full from None
         raise
+    _umask_modes(tmp)
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     if final.exists():
         final.rename(old)
     tmp.rename(final)
     if old.exists():
         shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _umask_modes(folder: Path) -> None:
+    """Give the files in `folder` the modes the user's umask gives a new file: safetensors writes its files
+    owner-only (0600), so an export colleagues on a shared cluster should read was readable by no one else."""
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = 0o666 & ~mask
+    for f in folder.rglob("*"):
+        if f.is_file() and not f.is_symlink() and f.stat().st_mode & 0o777 != mode:
+            f.chmod(mode)
 
 
 # -- checksums -------------------------------------------------------------------------------------
