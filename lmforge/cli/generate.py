@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter folder (e.g. a run's hf-adapter/), merged into MODEL_DIR on load")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy. Default, as transformers' generate: the folder's generation_config.json "
+                        "(its do_sample, temperature, top_k, top_p), else greedy; --top-k/--top-p alone sample at 1.0")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass >= p")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"model folder '{args.model_dir}' does not exist")
     if args.system is not None and not args.chat:
         raise UserError("--system is a chat message: add --chat")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(tokenizer_source(args.model_dir))
     model, chat_folder = load_served(Path(args.model_dir), args.lora, device, parse_dtype(args.dtype))
@@ -65,12 +69,13 @@ def run(args: argparse.Namespace) -> None:
     # generate() checks the same, but this line can name the flag.
     longest = max(len(ids) for ids in (prompts if args.chat else
                                        tokenizer.encode_batch(prompts, add_bos=tokenizer.add_bos_token)))
-    if longest and args.max_new_tokens > 0:
+    if longest:
         check_fits(longest, args.max_new_tokens, model.config.max_position_embeddings, "--max-new-tokens")
+    temperature, top_k, top_p = sampling_defaults(args, Path(args.model_dir))
     start = time.perf_counter()
     texts = generate_text(
-        model, tokenizer, prompts, args.max_new_tokens, stop=stop, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        model, tokenizer, prompts, args.max_new_tokens, stop=stop, temperature=temperature,
+        top_k=top_k, top_p=top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
         compile=args.compile or False,
     )
     log.info("generated %d completion(s) in %.2f s", len(texts), time.perf_counter() - start)
@@ -95,3 +100,26 @@ def chat_prompts(tokenizer, folder: Path, prompts: list[str], system: str | None
     except APIError as e:
         fix = "drop --system if it takes no system message" if system is not None else "prompt without --chat"
         raise UserError(f"{e.message}: {fix}") from None
+
+
+def sampling_defaults(args: argparse.Namespace, folder: Path) -> tuple[float, int | None, float | None]:
+    """(temperature, top_k, top_p): the flags given; with none of them, what the model's generation_config.json
+    asks for (transformers' generate reads it the same way: sampling only where it says do_sample), else greedy."""
+    import json
+
+    from lmforge.models.source import model_origin
+
+    if args.temperature is not None or args.top_k is not None or args.top_p is not None:
+        return (1.0 if args.temperature is None else args.temperature), args.top_k, args.top_p
+    origin = model_origin(folder)
+    path = origin / "generation_config.json" if origin is not None else None
+    try:
+        config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        config = {}
+    if not isinstance(config, dict) or not config.get("do_sample"):
+        return 0.0, None, None
+    temperature, top_k, top_p = config.get("temperature", 1.0), config.get("top_k"), config.get("top_p")
+    log.info("sampling as %s asks (temperature %s, top_k %s, top_p %s): --temperature 0 for greedy", path,
+             temperature, top_k, top_p)
+    return float(temperature), (int(top_k) if top_k else None), (float(top_p) if top_p not in (None, 1.0) else None)

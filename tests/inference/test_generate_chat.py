@@ -32,3 +32,28 @@ def test_cli_chat_prompts_as_the_server_renders_a_chat(text_model, tmp_path, cap
     assert capsys.readouterr().out == f"{expected[0]}\n"
     with pytest.raises(UserError, match="--system is a chat message: add --chat"):
         run(_cli([str(chat), "--system", "t9", "--prompt", "t5"]))
+
+
+def test_cli_is_greedy_by_default_unless_the_folder_asks_to_sample(text_model, tmp_path, capsys):  # noqa: F811
+    """transformers' generate is greedy unless the model's generation_config.json says do_sample; `lmforge generate`
+    sampled at temperature 1.0 whatever the folder said, so two runs of the same command differed."""
+    import json
+    import shutil
+
+    from lmforge.cli.generate import sampling_defaults
+
+    folder, model, tok = text_model
+    greedy = generate_text(model, tok, ["t5 t17 t33"], 6, temperature=0)[0]
+    run(_cli([str(folder), "--prompt", "t5 t17 t33", "--max-new-tokens", "6"]))
+    assert capsys.readouterr().out == greedy + "\n"
+    sampling = tmp_path / "sampling"
+    shutil.copytree(folder, sampling)
+    (sampling / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 20,
+                                                                 "top_p": 0.9}))
+    assert sampling_defaults(_cli([str(sampling), "--prompt", "x"]), sampling) == (0.7, 20, 0.9)
+    assert sampling_defaults(_cli([str(sampling), "--prompt", "x", "--temperature", "0"]), sampling) == (0, None, None)
+    assert sampling_defaults(_cli([str(folder), "--prompt", "x", "--top-k", "5"]), folder) == (1.0, 5, None)
+    (sampling / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
+    assert sampling_defaults(_cli([str(sampling), "--prompt", "x"]), sampling) == (0.0, None, None)
+    with pytest.raises(UserError, match="--max-new-tokens must be >= 1, got 0"):
+        run(_cli([str(folder), "--prompt", "t5", "--max-new-tokens", "0"]))
