@@ -185,6 +185,19 @@ def test_import_of_an_lmforge_folder_and_export_of_a_run_folder_say_what_to_give
     assert not (tmp_path / "out").exists()
 
 
+def test_export_into_a_folder_in_use_is_refused_before_reading_weights(tmp_path, capsys):
+    """A second export-hf of a checkpoint into the same place loaded the whole model and its tokenizer, then said
+    the output was taken: now it says so first (this checkpoint has nothing else to read)."""
+    step = tmp_path / "run" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / "trainer.json").write_text("{}")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    assert main(["export-hf", str(step), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == (f"error: output '{tmp_path / 'out'}' already exists and is not empty: choose "
+                                       "another path or pass --overwrite\n")
+
+
 @pytest.mark.slow
 def test_under_torchrun_only_rank_0_logs_info(tmp_path):
     """Every rank printed the same INFO lines (8 GPUs: each line 8 times); warnings and errors still come from all."""

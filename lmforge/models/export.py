@@ -42,9 +42,11 @@ def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | 
     """Write `source`, an lmforge model folder or a training checkpoint, as a Hugging Face folder; its config.json."""
     from lmforge.models.io import is_model_dir
 
-    source = Path(source)
+    source, out = Path(source), Path(out_dir)
+    if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):  # before reading any weights
+        raise UserError(f"output '{out}' already exists and is not empty: choose another path or pass --overwrite")
     if is_checkpoint(source):
-        return _export_checkpoint(source, Path(out_dir), dtype, overwrite)
+        return _export_checkpoint(source, out, dtype, overwrite)
     if is_model_dir(source):
         return export_hf(source, out_dir, dtype, overwrite)
     if not source.is_dir():
