@@ -324,6 +324,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     else:
         raise UserError(f"unknown tokenizer file kind {file}: {KINDS_HINT}")
     logger.info("loaded %r", tok)
+    if tok.vocab_size < 100:  # no real vocabulary is this small; a byte-level one alone has 256 pieces
+        others = sorted(f.name for f in file.parent.iterdir() if f != file and f.name.endswith((".json", ".model"))
+                        and "tokenizer" in f.name) if path.is_dir() else []
+        logger.warning("tokenizer %s has only %d tokens: is it the model's? Every text will come out as a few ids%s",
+                       file, tok.vocab_size, f" (the folder also holds {', '.join(others)})" if others else "")
     return tok
 
 

@@ -310,3 +310,19 @@ def test_corrupt_file(tmp_path, name, content):
 def test_unknown_file_kind(tmp_path):
     (tmp_path / "tokenizer.txt").write_text("hello")
     assert "unknown tokenizer file kind" in _user_error(tmp_path / "tokenizer.txt")
+
+
+def test_a_tokenizer_of_a_few_tokens_is_said(tmp_path, caplog):
+    """transformers 5's LlamaTokenizer(vocab_file=...).save_pretrained writes a 3-token tokenizer.json beside
+    tokenizer.model; lmforge preferred it, and preprocess then blamed the data ("every document empty")."""
+    import logging
+
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>")).save(str(tmp_path /
+                                                                                            "tokenizer.json"))
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="lmforge.tokenizers"):
+        load_tokenizer(tmp_path)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "has only 3 tokens: is it the model's?" in line and "also holds tokenizer.model" in line

@@ -139,7 +139,33 @@ def load_run_tokenizer(cfg: RunConfig, needed: bool):
         except UserError:
             log.info("no tokenizer beside model.init_from '%s': pretraining on tokenized data needs none", path)
             return None
-    return load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    if cfg.data.tokenizer and init_from:
+        warn_if_not_the_models(tokenizer, init_from)
+    return tokenizer
+
+
+PROBE = "The quick brown fox jumps over the lazy dog: 1,234 caf\u00e9s, na\u00efve \u4f60\u597d.\n"
+
+
+def warn_if_not_the_models(tokenizer, init_from: str) -> None:
+    """A warning when data.tokenizer reads text otherwise than model.init_from's own tokenizer: the model's
+    embeddings mean that one's ids, and continued pretraining or fine-tuning with another throws their meaning away
+    (sometimes the point: then the warning says what it is)."""
+    from lmforge.tokenizers import load_tokenizer
+
+    try:
+        own_path = tokenizer_folder(init_from)
+        own = load_tokenizer(own_path) if own_path is not None else None
+    except UserError:  # the source has no tokenizer of its own: nothing to compare with
+        return
+    if own is None or [f.resolve() for f in own.files] == [f.resolve() for f in tokenizer.files]:
+        return
+    if own.vocab_size != tokenizer.vocab_size or own.encode(PROBE) != tokenizer.encode(PROBE):
+        log.warning("data.tokenizer %s is not the tokenizer of model.init_from %s (%d ids against %d; they read the "
+                    "same text as other ids): the model's embeddings were trained on the latter's; leave "
+                    "data.tokenizer unset to use it", tokenizer.files[0], own.files[0], tokenizer.vocab_size,
+                    own.vocab_size)
 
 
 def check_tokenizer(tok, mcfg: ModelConfig) -> None:

@@ -32,3 +32,23 @@ def test_a_phase_from_a_checkpoint_keeps_the_tokenizer_license_and_generation_se
     assert tokenizer_source(later) == tiny_llama and model_origin(later) == tiny_llama
     assert main(["export-hf", str(later), str(tmp_path / "out")]) == 0  # was "no single tokenizer file found"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in (two / "hf").iterdir())
+
+
+def test_a_data_tokenizer_other_than_the_models_is_said(tiny_llama, shared_data, tmp_path, caplog):
+    """Continued pretraining with data.tokenizer set to another tokenizer than model.init_from's trained silently,
+    the export carrying the new one: the embeddings' ids meant the old one's."""
+    import logging
+    import shutil
+
+    from lmforge.train.setup import load_run_tokenizer
+
+    copy = tmp_path / "same"
+    copy.mkdir()
+    shutil.copy(tiny_llama / "tokenizer.json", copy / "tokenizer.json")
+    for other, said in ((copy, False), (tiny_llama, False), (shared_data / "tokenizers" / "gpt-neox-20b", True)):
+        caplog.clear()
+        cfg = run_config("c", tmp_path / "run", f"model.init_from={tiny_llama}", f"data.tokenizer={other}")
+        with caplog.at_level(logging.WARNING, logger="lmforge.train.setup"):
+            load_run_tokenizer(cfg, needed=True)
+        lines = [r.getMessage() for r in caplog.records if r.name == "lmforge.train.setup"]
+        assert len(lines) == said and all("is not the tokenizer of model.init_from" in line for line in lines), other
