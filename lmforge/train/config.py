@@ -251,8 +251,9 @@ class ModelSection:
             config = None
             check_types(ModelConfig, overrides, "model.")
             if set(overrides) - set(RUN_OVERRIDES):
-                raise UserError(f"with model.init_from only {sorted(RUN_OVERRIDES)} may be overridden, got "
-                                f"{sorted(overrides)}: the source folder defines the model")
+                bad = ", ".join(f"model.{k}" for k in sorted(set(overrides) - set(RUN_OVERRIDES)))
+                raise UserError(f"{bad} cannot be set with model.init_from, whose folder defines the model (it may "
+                                f"take only {', '.join(RUN_OVERRIDES)})")
         else:
             if not {"family", "hidden_size", "num_layers"} & set(overrides):
                 raise UserError("the recipe names no model: set model.init_from=FOLDER (a Hugging Face or lmforge "

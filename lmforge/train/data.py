@@ -62,7 +62,8 @@ def token_id_range(indexed: IndexedDataset, cache_dir: str | Path | None = None)
     return low, high
 
 
-def check_token_ids(indexed: list[IndexedDataset], vocab_size: int, cache_dir: str | Path | None = None) -> None:
+def check_token_ids(indexed: list[IndexedDataset], vocab_size: int, cache_dir: str | Path | None = None,
+                    fixed_vocab: bool = False) -> None:
     """Every token id of every prefix is a row of the model's embedding: one UserError naming the prefix, the
     id and the vocabulary otherwise (an id past it fails deep in the first step's embedding lookup)."""
     for ds in indexed:
@@ -71,9 +72,9 @@ def check_token_ids(indexed: list[IndexedDataset], vocab_size: int, cache_dir: s
             continue  # the file's dtype cannot hold an id past the vocabulary (uint16 data, 65,536+ ids)
         low, high = token_id_range(ds, cache_dir)
         if high >= vocab_size:
+            other = "" if fixed_vocab else f", or use a model whose vocabulary holds it (model.vocab_size > {high})"
             raise UserError(f"data prefix '{ds.prefix}' has token id {high} but the model's vocab_size is "
-                            f"{vocab_size}: preprocess the data with the model's tokenizer, or use a model whose "
-                            f"vocabulary holds it (model.vocab_size > {high})")
+                            f"{vocab_size}: preprocess the data with the model's tokenizer{other}")
         if low < 0:
             raise UserError(f"data prefix '{ds.prefix}' has a negative token id ({low}): the file is corrupt or "
                             "was not written by a tokenizer; preprocess the data again")
@@ -132,7 +133,7 @@ def pretrain_datasets(cfg: RunConfig, tokenizer=None) -> tuple[torch.utils.data.
                                                                 torch.utils.data.Dataset | None]:
     t = cfg.trainer
     indexed, weights = open_prefixes(cfg.data.paths)
-    check_token_ids(indexed, cfg.model.resolve().vocab_size, cfg.data.cache_dir)
+    check_token_ids(indexed, cfg.model.resolve().vocab_size, cfg.data.cache_dir, fixed_vocab=bool(cfg.model.init_from))
     check_document_ends(indexed, tokenizer)
     train = _split_dataset(indexed, weights, 0, t.max_steps * t.global_batch_size, cfg)
     valid = None

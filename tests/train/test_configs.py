@@ -261,3 +261,13 @@ def test_a_rotary_source_may_be_given_a_longer_context_and_a_learned_one_may_not
     with pytest.raises(UserError, match=r"^model.max_position_embeddings: '.*gpt2' has learned position embeddings, "
                                         r"weights for its 64 positions: keep data.seq_length within them$"):
         cfg.model.resolve()
+
+
+def test_a_field_init_from_defines_is_named_alone(tmp_path):
+    """The refusal listed every override, the allowed ones (a recipe's make_vocab_size_divisible_by) among them."""
+    from lmforge.errors import UserError
+
+    with pytest.raises(UserError, match=r"^model.vocab_size cannot be set with model.init_from, whose folder defines "
+                                        r"the model \(it may take only dropout, .*max_position_embeddings"):
+        load_run_config(None, [f"model.init_from={tmp_path}", "model.vocab_size=50304",
+                               "model.make_vocab_size_divisible_by=128"])

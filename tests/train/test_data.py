@@ -45,6 +45,10 @@ def test_an_id_past_the_vocabulary_is_one_line_naming_prefix_id_and_vocabulary(t
     with pytest.raises(UserError) as e:
         check_token_ids([ds], 1000, tmp_path / "cache")
     assert str(e.value).startswith(f"data prefix '{ds.prefix}' has token id 1000 but the model's vocab_size is 1000")
+    assert str(e.value).endswith("or use a model whose vocabulary holds it (model.vocab_size > 1000)")
+    with pytest.raises(UserError) as e:  # with model.init_from the vocabulary is the source's: only one way out
+        check_token_ids([ds], 1000, tmp_path / "cache", fixed_vocab=True)
+    assert str(e.value).endswith("preprocess the data with the model's tokenizer")
     negative = _prefix(tmp_path, [[3, -2]], name="neg_text_document")
     with pytest.raises(UserError, match="has a negative token id"):
         check_token_ids([negative], 1000, tmp_path / "cache")

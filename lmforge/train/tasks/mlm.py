@@ -20,7 +20,8 @@ class MaskedLM(Task):
             raise UserError("MLM needs a BERT-style tokenizer with [CLS], [SEP], [MASK] and [PAD] tokens")
         indexed, _ = open_prefixes(d.paths[:1])
         valid_indexed = open_prefixes([d.valid_file])[0] if d.valid_file else []
-        check_token_ids(indexed + valid_indexed, cfg.model.resolve().vocab_size, d.cache_dir)
+        check_token_ids(indexed + valid_indexed, cfg.model.resolve().vocab_size, d.cache_dir,
+                        fixed_vocab=bool(cfg.model.init_from))
 
         def make(data, seed, epochs=1):
             return MLMDataset(data, d.seq_length, tokenizer.vocab_size, ids["[CLS]"], ids["[SEP]"], ids["[MASK]"],
