@@ -165,7 +165,7 @@ class Tokenizer(ABC):
             dst = out_dir / src.name
             if not (dst.exists() and dst.samefile(src)):
                 shutil.copyfile(src, dst)
-        logger.info("saved tokenizer files %s to %s", [f.name for f in self.files], out_dir)
+        logger.debug("saved tokenizer files %s to %s", [f.name for f in self.files], out_dir)
 
     def _set_special_ids(self) -> None:
         """Let HF config files beside the tokenizer override bos/eos/pad, then pick eod."""

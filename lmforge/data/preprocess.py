@@ -311,7 +311,7 @@ def preprocess(
             raise
     if stats.skipped:
         logger.warning("skipped %d bad line(s) in all", stats.skipped)
-    logger.info("wrote %d documents, %d tokens in %.1f s (%.0f tokens/s)", stats.documents, stats.tokens,
+    logger.debug("wrote %d documents, %d tokens in %.1f s (%.0f tokens/s)", stats.documents, stats.tokens,
                 stats.seconds, stats.tokens_per_second)
     return stats
 

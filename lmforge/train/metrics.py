@@ -245,6 +245,8 @@ class RunTotals:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:  # "0s in steps" beside a token rate read as a division by zero
+        return f"{seconds:.1f}s"
     seconds = round(seconds)
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
