@@ -105,6 +105,17 @@ def check_document_ends(indexed: list[IndexedDataset], tokenizer) -> None:
                         ds.prefix, counts.max(), len(tails), marker, tokenizer.decode([marker]), tokenizer.eod_id)
 
 
+def _prefix_near(prefix: str) -> str | None:
+    """What a user most likely meant by a prefix that is not one: the file's name without .bin/.idx, or the
+    single `PREFIX_<key>_document` that preprocess wrote for an --output-prefix."""
+    path = Path(prefix)
+    if path.suffix in (".bin", ".idx") and Path(idx_path(path.with_suffix(""))).is_file():
+        return str(path.with_suffix(""))
+    found = sorted(p.with_suffix("") for p in path.parent.glob(f"{path.name}_*_document.idx")) if path.parent.is_dir() \
+        else []
+    return str(found[0]) if len(found) == 1 else None
+
+
 def open_prefixes(paths: list) -> tuple[list[IndexedDataset], list[float]]:
     if not paths:
         raise UserError("data.paths is empty: give the .bin/.idx prefix(es) made by `lmforge preprocess`")
@@ -112,8 +123,9 @@ def open_prefixes(paths: list) -> tuple[list[IndexedDataset], list[float]]:
     for prefix in prefixes:
         for path in (idx_path(prefix), bin_path(prefix)):
             if not Path(path).is_file():
-                raise UserError(f"data prefix '{prefix}' has no {Path(path).name}: run `lmforge preprocess` "
-                                "or fix data.paths")
+                raise UserError(f"data prefix '{prefix}' has no {Path(path).name}: "
+                                + (f"give '{near}'" if (near := _prefix_near(prefix)) else
+                                   "run `lmforge preprocess` or fix data.paths"))
     return [IndexedDataset(p) for p in prefixes], weights
 
 

@@ -125,3 +125,13 @@ def test_data_made_by_another_tokenizer_is_named_from_its_document_ends(shared_d
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"data prefix '{marked.prefix}': 40 of 40 documents sampled end in token 50256 ")
     assert "but this tokenizer's end of document is 0: was it preprocessed with another tokenizer?" in line
+
+
+def test_a_prefix_that_is_not_one_suggests_the_one_meant(tmp_path):
+    """data.paths=[data/corpus] (preprocess's --output-prefix) or [.../corpus_text_document.bin]: name the prefix."""
+    _prefix(tmp_path, [[1, 2, 3]], name="corpus_text_document")
+    for given in (tmp_path / "corpus", tmp_path / "corpus_text_document.bin"):
+        with pytest.raises(UserError, match=f"has no .*: give '{tmp_path / 'corpus_text_document'}'$"):
+            data.open_prefixes([str(given)])
+    with pytest.raises(UserError, match="run `lmforge preprocess` or fix data.paths$"):
+        data.open_prefixes([str(tmp_path / "other")])

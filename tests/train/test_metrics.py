@@ -143,8 +143,8 @@ def test_the_run_summary_gives_totals_and_averages():
     mfu = metrics.MFU(flops_per_token=1e6, peak=1e9, source="config")
     line = totals.summary(13, 125.4, {"loss": 4.21349, "val_loss": 4.35, "val_ppl": 77.48, "tokens_per_second": 477.3},
                           mfu)
-    assert line == ("finished at step 13: 3 steps, resumed at 10, 3,072 tokens in 2m 05s (6.0s in steps): 512 tokens/s, "
-                    "MFU 51.2%; loss 4.2135, val_loss 4.3500, val_ppl 77.48")
+    assert line == ("finished at step 13: 3 steps, resumed at 10, 3,072 tokens in 2m 05s (6.0s in steps): 512 "
+                    "tokens/s, MFU 51.2%; loss 4.2135, val_loss 4.3500, val_ppl 77.48")
     assert metrics.RunTotals(first_step=5).summary(5, 1.0, {}) == "at step 5: no steps to run"
 
 
