@@ -290,6 +290,9 @@ class ModelSection:
         return {**head, **self.overrides}
 
 
+# The recipes in a source checkout (configs/ beside the package): `configs/x.yaml` from another folder names it.
+SHIPPED_RECIPES = Path(__file__).resolve().parents[2] / "configs"
+
 @dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
@@ -403,7 +406,10 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
     except FileNotFoundError:
-        raise UserError(f"config file '{path}' does not exist") from None
+        shipped = SHIPPED_RECIPES / Path(path).name
+        known = shipped.is_file() and not Path(path).is_absolute()
+        hint = f": the recipe that ships with lmforge is '{shipped}'" if known else ""
+        raise UserError(f"config file '{path}' does not exist{hint}") from None
     except OmegaConfBaseException as e:
         raise UserError(f"cannot read config: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict) or "model" not in data:

@@ -271,3 +271,16 @@ def test_a_field_init_from_defines_is_named_alone(tmp_path):
                                         r"the model \(it may take only dropout, .*max_position_embeddings"):
         load_run_config(None, [f"model.init_from={tmp_path}", "model.vocab_size=50304",
                                "model.make_vocab_size_divisible_by=128"])
+
+
+def test_a_shipped_recipe_named_from_another_folder_is_found_for_the_user(tmp_path, monkeypatch):
+    """`lmforge pretrain configs/llama2-7b-continued.yaml` (as the recipes' comments write it) from another folder."""
+    from lmforge.errors import UserError
+    from lmforge.train.config import SHIPPED_RECIPES
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=f"the recipe that ships with lmforge is "
+                                        f"'{SHIPPED_RECIPES / 'llama2-7b-continued.yaml'}'$"):
+        load_run_config("configs/llama2-7b-continued.yaml", [])
+    with pytest.raises(UserError, match=r"config file 'configs/mine.yaml' does not exist$"):
+        load_run_config("configs/mine.yaml", [])
