@@ -215,3 +215,14 @@ def test_under_torchrun_only_rank_0_logs_info(tmp_path):
 
     assert info_lines(RANK="0") > 0 and info_lines(RANK="1") == 0
     assert info_lines(RANK="1", LMFORGE_LOG_ALL_RANKS="1") > 0
+
+
+def test_plan_defaults_to_the_layouts_world_and_prints_no_cpp_warning(tmp_path):
+    """`lmforge plan RECIPE` needed --world-size even for one process, and every trace ended in a C++ warning from
+    destroying the fake process group ("No backend of type 0 found")."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  preset: tiny-llama\n  make_vocab_size_divisible_by: 256\nparallel:\n  tensor: 2\n")
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "plan", str(recipe), "data.seq_length=64"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "on 2 processes" in r.stdout and "No backend" not in r.stderr and "Warning" not in r.stderr

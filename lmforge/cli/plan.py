@@ -1,4 +1,4 @@
-"""`lmforge plan CONFIG [key=value ...] --world-size N [--device cuda] [--device-memory 80GiB] [--json]`: one
+"""`lmforge plan CONFIG [key=value ...] [--world-size N] [--device cuda] [--device-memory 80GiB] [--json]`: one
 training step of the recipe traced for N ranks on fake tensors (lmforge.train.plan): per-rank memory, and
 the device bugs a real run would hit at step 1, before paying for the devices."""
 
@@ -11,7 +11,9 @@ import json
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML recipe (see configs/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
-    p.add_argument("--world-size", type=int, required=True, help="number of processes (devices) of the run")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="number of processes (devices) of the run (default: the fewest the recipe's layout needs, "
+                        "parallel.tensor x pipeline x expert)")
     p.add_argument("--device", default="cuda", help="the device type the run computes on (default cuda)")
     p.add_argument("--device-memory", default=None,
                    help="each device's memory (80GiB, 80GB; a bare number is GiB): fail if a rank's peak exceeds it")
@@ -25,7 +27,9 @@ def run(args: argparse.Namespace) -> None:
 
     memory = parse_memory(args.device_memory) if args.device_memory is not None else None
     cfg = load_run_config(args.config, args.overrides)
-    plan = plan_run(cfg, args.world_size, args.device, memory)
+    par = cfg.parallel
+    world = args.world_size or par.tensor * par.pipeline * max(par.expert, 1)
+    plan = plan_run(cfg, world, args.device, memory)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return

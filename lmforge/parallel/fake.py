@@ -72,6 +72,10 @@ def fake_world(device: torch.device, world_size: int, rank: int = 0) -> Iterator
         raise RuntimeError("fake_world needs a process without a process group")
     backend = "fake" if device.type == "cpu" else f"{device.type}:fake"
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
+    # With a device-qualified backend torch leaves the group's default backend type unset when another plugin was
+    # registered first, and destroying it printed a C++ warning ("No backend of type 0 found") on every trace.
+    with contextlib.suppress(AttributeError, RuntimeError):
+        dist.distributed_c10d._get_default_group()._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     try:
         yield
     finally:
