@@ -7,6 +7,7 @@ global count of a step: accumulation and data parallelism then give one big batc
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from lmforge.train.loss import IGNORE_INDEX, SCORED_ROWS, linear_cross_entropy
 
 Batch = dict[str, torch.Tensor]
 Count = torch.Tensor | int  # a count or statistic of a micro-batch: a number, or a scalar left on the device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -169,6 +172,10 @@ class Epochs(Dataset):
     def __init__(self, dataset: Dataset, total: int, seed: int):
         self.dataset, self.total, self.seed = dataset, total, seed
         self._epoch, self._perm = -1, None
+        if len(dataset):  # what TRL's num_train_epochs says, in a run that counts steps
+            log.info("trainer.max_steps x global_batch_size = %d samples: %.2f epochs of the %d %s", total,
+                     total / len(dataset), len(dataset), "sequences" if getattr(dataset, "packing", False) else
+                     "pairs" if hasattr(dataset, "pairs") else "examples")
 
     def __len__(self) -> int:
         return self.total

@@ -111,6 +111,8 @@ class DPO(Task):
         if cfg.dpo.beta <= 0:
             raise UserError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
         self.beta = cfg.dpo.beta
+        if not d.assistant_only_loss:
+            log.warning("data.assistant_only_loss=false is not used: DPO compares the log-probs of the answers alone")
         template = run_chat_template(cfg, tokenizer)
 
         def make(path):

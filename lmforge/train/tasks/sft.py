@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from lmforge.errors import UserError
-from lmforge.train.config import RunConfig
+from lmforge.train.config import DPOConfig, RunConfig
 from lmforge.train.loss import IGNORE_INDEX
 from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, require, total_samples, with_padding
+
+log = logging.getLogger(__name__)
 
 
 def run_chat_template(cfg: RunConfig, tokenizer):
@@ -16,8 +20,13 @@ def run_chat_template(cfg: RunConfig, tokenizer):
 
     if cfg.data.truncate not in TRUNCATE:
         raise UserError(f"data.truncate='{cfg.data.truncate}' is not valid: choose one of {', '.join(TRUNCATE)}")
-    return resolve_chat_template(cfg.data.chat_template, tokenizer, tokenizer.files[0].parent,
-                                 cfg.data.prompt_template)
+    template = resolve_chat_template(cfg.data.chat_template, tokenizer, tokenizer.files[0].parent,
+                                     cfg.data.prompt_template)
+    if cfg.data.prompt_template is not None and template is not None and cfg.data.chat_template != "alpaca":
+        log.warning("data.prompt_template is not used: every record is rendered with the chat template "
+                    "data.chat_template=%s resolves to (data.chat_template=alpaca prompts with it)",
+                    cfg.data.chat_template)
+    return template
 
 
 class SFT(Task):
@@ -27,6 +36,9 @@ class SFT(Task):
         from lmforge.data.sft import SFTDataset
 
         d = cfg.data
+        if cfg.dpo.beta != DPOConfig().beta:
+            log.warning("dpo.beta is not used: it sets data.task=dpo's loss, and this run is data.task=%s",
+                        cfg.data.task)
         template = run_chat_template(cfg, tokenizer)
 
         def make(path):
