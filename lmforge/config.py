@@ -106,7 +106,10 @@ def checked(value: Any, hint: Any, key: str) -> Any:
 
 def _type_error(key: str, hint: Any, value: Any) -> UserError:
     expected = _NAMES.get(hint) or _NAMES.get(typing.get_origin(hint)) or str(hint).replace("typing.", "")
-    return UserError(f"{key}: expected {expected}, got {value!r}")
+    # YAML read text with braces, brackets or ': ' as a mapping or a list: the text wanted quoting.
+    quote = (f": quote the text for YAML inside the shell's quotes, '{key}=\"...\"'"
+             if "str" in expected and isinstance(value, (dict, list)) else "")
+    return UserError(f"{key}: expected {expected}, got {value!r}{quote}")
 
 
 def _dataclass_in(hint: Any) -> type | None:

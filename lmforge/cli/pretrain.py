@@ -18,7 +18,8 @@ data.chat_template   auto (the model's own, else built-ins), model, lmforge, cha
 data.assistant_only_loss  true: loss on the assistant's tokens only; false: on every token (sft)
 data.packing         true: several examples per sequence, attention kept inside each (sft)
 data.truncate        cut (default) or drop: examples longer than data.seq_length (counts in the log)
-data.prompt_template Alpaca records' prompt without a chat template, e.g. "Q: {instruction} {input}\\nA:"
+data.prompt_template Alpaca records' prompt without a chat template, in YAML quotes inside the shell's:
+                     'data.prompt_template="Q: {instruction} {input}\\nA:"'
 lora.rank            turns LoRA on (8); lora.alpha (16), lora.dropout (0), lora.bf16_base (false),
                      lora.base_dtype (fp32; bf16; nf4: QLoRA through torchao, one process or FSDP2)
 lora.targets         default (PEFT's: q,v or the fused qkv), all-linear, or names from q,k,v,o,gate,up,down,
@@ -27,7 +28,8 @@ dpo.beta             0.1: how far the policy may move from the reference
 model.init_from      the HF or lmforge folder (or a training checkpoint) to start from; with a preset, it wins
 checkpoint.convert_to_hf  true: RUN_DIR/model, RUN_DIR/hf (merged), and RUN_DIR/hf-adapter (PEFT) under LoRA
 
-recipes: configs/sft-pythia-160m.yaml, configs/lora-pythia-410m.yaml, configs/dpo-pythia-160m.yaml
+recipes: configs/sft-pythia-160m.yaml, configs/sft-qwen2.5-0.5b.yaml, configs/lora-pythia-410m.yaml,
+         configs/qlora-llama-3.1-8b.yaml, configs/qlora-qwen3-30b-a3b.yaml, configs/dpo-pythia-160m.yaml
 """
 
 

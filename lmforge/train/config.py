@@ -401,8 +401,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
                 OmegaConf.from_dotlist([item])
             except yaml.YAMLError as e:
                 raise UserError(f"override '{item}' is not valid YAML after the '=' "
-                                f"({_yaml_problem(e, where=False)}): write e.g. lora.targets=[q,v], and quote it for "
-                                "the shell") from None
+                                f"({_yaml_problem(e, where=False)}): write e.g. lora.targets=[q,v], and text with ': ' "
+                                f"or braces in YAML quotes inside the shell's, 'key=\"...\"'") from None
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
     except FileNotFoundError:

@@ -61,7 +61,11 @@ def test_reference_layouts(name, tensor, pipeline, tmp_path):
     ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
     ("optim.betas=[0.9,x]", "optim.betas[1]: expected a number, got 'x'"),
     ("model.hidden_size=wide", "model.hidden_size: expected an integer, got 'wide'"),
-    ("data.tokenizer=[a]", "data.tokenizer: expected a string, got ['a']"),
+    ("data.tokenizer=[a]", "data.tokenizer: expected a string, got ['a']: quote the text for YAML inside the "
+                           "shell's quotes, 'data.tokenizer=\"...\"'"),
+    ("data.prompt_template={instruction}",
+     "data.prompt_template: expected a string, got {'instruction': None}: quote the text for YAML inside the shell's "
+     "quotes, 'data.prompt_template=\"...\"'"),
 ])
 def test_a_value_of_the_wrong_type_names_its_key(override, message):
     """Every value is checked against its field's type when the config is read, before it can fail later as a
