@@ -132,9 +132,10 @@ def record_examples(rec: dict, where: str, prompt: PromptTemplate, templated: bo
             user = (instruction + (f"\n\n{input}" if input else "")) if templated else prompt.format(instruction, input)
             out.append(("alpaca", [{"role": "user", "content": user}, {"role": "assistant", "content": output}], where))
         return out
+    dpo = " (prompt/chosen/rejected is DPO data: set data.task=dpo)" if {"chosen", "rejected"} <= set(rec) else ""
     raise UserError(
         f"{where}: unknown record kind with keys {sorted(rec)}: give messages (chat), instruction/input/output "
-        "(Alpaca), instruction/instances (seed tasks) or prompt/completion"
+        f"(Alpaca), instruction/instances (seed tasks) or prompt/completion{dpo}"
     )
 
 

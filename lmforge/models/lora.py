@@ -58,6 +58,13 @@ log = logging.getLogger(__name__)
 TARGETS = {"q": "attn.qkv", "k": "attn.qkv", "v": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate",
            "up": "mlp.up", "down": "mlp.down", "router": "mlp.router"}
 QKV = ("q", "k", "v")
+# Hugging Face module names (what PEFT's target_modules holds) -> lmforge's: a PEFT recipe's list works as written.
+# GPT-2's c_proj names both the attention's and the MLP's output projection, and PEFT's match takes both.
+HF_TARGETS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("gate",),
+              "up_proj": ("up",), "down_proj": ("down",), "query_key_value": QKV, "dense": ("o",),
+              "dense_h_to_4h": ("up",), "dense_4h_to_h": ("down",), "c_attn": QKV, "c_fc": ("up",),
+              "c_proj": ("o", "down"), "qkv_proj": QKV, "gate_up_proj": ("gate", "up"), "out_proj": ("o",),
+              "fc_in": ("up",), "fc_out": ("down",)}
 BASE_DTYPES = ("fp32", "bf16", "nf4")
 
 
@@ -87,11 +94,16 @@ class LoRAConfig:
             raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         names = self.targets.split(",") if isinstance(self.targets, str) else list(self.targets)
         names = [n.strip() for n in names if n.strip()]
+        if any(n in HF_TARGETS for n in names):
+            given = ",".join(names)
+            names = [short for n in names for short in HF_TARGETS.get(n, (n,))]
+            log.info("lora.targets %s: Hugging Face module names, read as %s", given, ",".join(dict.fromkeys(names)))
         unknown = [n for n in names if n not in TARGETS and n not in EXPERT_TARGETS
                    and names not in (["all-linear"], ["default"])]
         if unknown or not names:
             raise UserError(f"lora.targets: unknown target {unknown[0] if unknown else '(none)'!r}: choose from "
-                            f"{', '.join([*TARGETS, *EXPERT_TARGETS])} (comma-separated), all-linear or default")
+                            f"{', '.join([*TARGETS, *EXPERT_TARGETS])} (comma-separated; or PEFT's Hugging Face "
+                            "names, q_proj ...), all-linear or default")
         self.targets = list(dict.fromkeys(names))
         if self.base_dtype not in BASE_DTYPES:
             raise UserError(f"lora.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")

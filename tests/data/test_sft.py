@@ -239,6 +239,9 @@ def test_user_prompt_template(tmp_path, gpt2):
     ('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b"\n',
      r"bad\.jsonl:2: malformed JSON \(Expecting ',' delimiter at column 35\)"),  # the column on its own line
     ('{"instruction": "a", "answer": "b"}\n', r"bad\.jsonl:1: unknown record kind with keys \['answer', 'instr"),
+    ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n',
+     r"bad\.jsonl:1: unknown record kind .* or prompt/completion \(prompt/chosen/rejected is DPO data: set "
+     r"data.task=dpo\)$"),
     ('{"instruction": "a", "output": 3}\n', r"bad\.jsonl:1: .* must be strings"),
     ("\n\n", r"holds no records"),
     ('[{"instruction": "a", "output": "b"}, 3]', r"bad\.jsonl: record 2: a record must be a JSON object"),

@@ -101,6 +101,10 @@ def test_targets_and_trainable_parameters(hf_dirs):
                                                                              cfg.head_dim)
     assert trainable == cfg.num_layers * per_layer  # q and v, rank 2: as PEFT's r=2 on q_proj, v_proj
     assert "layers.0.attn.qkv.weight" in dict(model.named_parameters())  # the base keeps its names
+    # PEFT's own target_modules, Hugging Face's module names, mean the same adapters.
+    assert LoRAConfig(targets="q_proj,v_proj").targets == ["q", "v"]
+    assert LoRAConfig(targets=["query_key_value", "dense_4h_to_h"]).targets == ["q", "k", "v", "down"]
+    assert LoRAConfig(targets="c_attn,c_proj").targets == ["q", "k", "v", "o", "down"]
 
 
 @pytest.mark.parametrize("setting, message", [
