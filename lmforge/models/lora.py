@@ -310,7 +310,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     total = sum(p.numel() for p in model.parameters())
     adapted = sorted({p for parts in targets.values() for p in parts})
     adapted += [f"experts.{w} (rank {r})" for w, r in next(iter(experts.values()), {}).items()]
-    log.info("LoRA rank %d alpha %g on %s (%d modules): %d trainable parameters of %d (%.2f%%)", lora.rank,
+    log.info("LoRA rank %d alpha %g on %s (%d layers, a fused q/k/v or gate/up one counted once): %d trainable "
+             "parameters of %d (%.2f%%)", lora.rank,
              lora.alpha, ",".join(adapted), len(targets) + len(experts), trainable, total, 100 * trainable / total)
     return trainable
 

@@ -107,7 +107,8 @@ def quantize_nf4(model: nn.Module, weights: dict[str, torch.Tensor] | None = Non
 
 def log_quantized(quantized: dict[str, tuple[nn.Module, str]], kept: list[str]) -> None:
     stacked = sum(attr != "weight" for _, attr in quantized.values())
-    log.info("lora.base_dtype=nf4: %d linear weights in NF4%s%s", len(quantized) - stacked,
+    log.info("lora.base_dtype=nf4: %d linear weights in NF4 (a fused q/k/v or gate/up one counted once)%s%s",
+             len(quantized) - stacked,
              f" and {stacked} stacked expert weights" if stacked else "",
              f"; {len(kept)} kept in bf16 (size not a multiple of {NF4_BLOCK}): {', '.join(kept)}" if kept else "")
 

@@ -213,7 +213,8 @@ def test_a_moe_qlora_run_holds_its_experts_in_nf4_and_trains_like_one_process_un
     r = torchrun(2, ["-m", "lmforge.cli", "finetune", os.devnull,
                      *lora_args(tiny_moe["mixtral"], chats, two, *common, "trainer.data_parallel=fsdp")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "lora.base_dtype=nf4: 6 linear weights in NF4 and 4 stacked expert weights" in r.stderr, r.stderr[-3000:]
+    assert ("lora.base_dtype=nf4: 6 linear weights in NF4 (a fused q/k/v or gate/up one counted once) and 4 stacked "
+            "expert weights") in r.stderr, r.stderr[-3000:]
     for (la, ga), (lb, gb) in zip(_curve(two), _curve(one), strict=True):
         assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
     adapters = [load_file(run / "hf-adapter" / "adapter_model.safetensors") for run in (two, one)]
