@@ -26,6 +26,8 @@ def test_unused_settings_are_said(tiny_llama, chats, tmp_path, caplog):
                       "data.prompt_template='Q: {instruction}'", "dpo.beta=0.5")
     assert any(line.startswith("data.prompt_template is not used") for line in lines)
     assert any(line.startswith("dpo.beta is not used") for line in lines)
+    assert any(line.startswith("the chat template's turn marker <|im_end|> is no token of this tokenizer") for line in
+               lines)  # GPT-2's tokenizer has no ChatML tokens (TRL's setup_chat_format would add them)
     # 5 steps x 8 = 40 samples of the 64 chats.
     assert "trainer.max_steps x global_batch_size = 40 samples: 0.62 epochs of the 64 examples" in lines
     assert not [w for w in _warnings(caplog, "sft", tokenizer, sft) if "not used" in w]  # nothing set in vain

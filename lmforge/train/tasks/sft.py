@@ -26,6 +26,11 @@ def run_chat_template(cfg: RunConfig, tokenizer):
         log.warning("data.prompt_template is not used: every record is rendered with the chat template "
                     "data.chat_template=%s resolves to (data.chat_template=alpaca prompts with it)",
                     cfg.data.chat_template)
+    if template is not None and template.stop_strings:
+        pieces = len(tokenizer.encode(template.stop_strings[0]))
+        log.warning("the chat template's turn marker %s is no token of this tokenizer: it is trained as text (%d "
+                    "tokens), and generation stops at the text; data.chat_template=lmforge ends answers with eos",
+                    template.stop_strings[0], pieces)
     return template
 
 
