@@ -285,8 +285,9 @@ class SFTDataset(Dataset):
         self.packs = pack_first_fit([len(ids) for ids, _ in self.examples], seq_length) if packing else None
         longer = self.num_dropped + self.num_cut
         logger.info(
-            "%s: %d examples, %d tokens; %d longer than seq_length %d: %d cut to it, %d dropped (truncate=%s%s)%s",
-            path, len(self.examples), self.num_tokens, longer, seq_length, self.num_cut, self.num_dropped, truncate,
+            "%s: %d of %d examples kept, %d tokens; %d longer than seq_length %d: %d cut to it, %d dropped "
+            "(truncate=%s%s)%s", path, len(self.examples), len(self.examples) + self.num_dropped, self.num_tokens,
+            longer, seq_length, self.num_cut, self.num_dropped, truncate,
             ": cut examples left without an answer token are dropped" if truncate == "cut" else "",
             f"; packed into {len(self.packs)} sequences ({self.packing_efficiency:.1%} tokens, not padding)"
             if packing else "",
