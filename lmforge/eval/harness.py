@@ -193,6 +193,23 @@ class _DropMessage(logging.Filter):
 
 
 @contextlib.contextmanager
+def quiet_task_bars() -> Iterator[None]:
+    """lm-eval's bar over each task's documents as it builds their requests, off: an eval inside training logs one
+    line, not unlabelled bars between the training lines."""
+    import functools
+
+    import lm_eval.api.task as task_module
+    from tqdm import tqdm
+
+    saved = task_module.tqdm
+    task_module.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        task_module.tqdm = saved
+
+
+@contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
     """Python, NumPy and torch random states as they were: lm-eval seeds all three, which must not change what
     a training run draws after an evaluation."""

@@ -59,8 +59,10 @@ class LMForgeLM(TemplateLM):
         dtype: str | None = None,
         max_length: int | str | None = None,
         max_gen_toks: int | str = 256,
+        progress: bool = True,  # False: no progress bars (an eval inside training logs one line)
     ):
         super().__init__()
+        self.progress = progress
         if model is None:
             if pretrained is None:
                 raise UserError("LMForgeLM needs a model folder (pretrained=...) or a model and tokenizer")
@@ -113,8 +115,12 @@ class LMForgeLM(TemplateLM):
         with self.tokenizer.reading_special_tokens():
             return self.tokenizer.encode(string, add_bos=bos)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # lm-eval's own (it tokenizes under a bar of its own, then calls _loglikelihood_tokens), quiet when asked.
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        with _progress(len(requests), "loglikelihood", disable_tqdm) as progress:
+        with _progress(len(requests), "loglikelihood", disable_tqdm or not self.progress) as progress:
             results = score_requests(self.model, [(ctx, cont) for _, ctx, cont in requests],
                                      batch_size=self.batch_size, max_length=self.max_length,
                                      progress=progress)
@@ -129,7 +135,7 @@ class LMForgeLM(TemplateLM):
             for window in get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length, 1):
                 windows.append(make_disjoint_window(window))
                 owner.append(i)
-        with _progress(len(windows), "loglikelihood_rolling", disable_tqdm) as progress:
+        with _progress(len(windows), "loglikelihood_rolling", disable_tqdm or not self.progress) as progress:
             scores = score_requests(self.model, windows, batch_size=self.batch_size,
                                     max_length=self.max_length, greedy=False, progress=progress)
         totals = [0.0] * len(requests)
@@ -144,7 +150,7 @@ class LMForgeLM(TemplateLM):
         groups: dict[str, list[int]] = {}  # requests with the same generation settings run together
         for i, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
-        with _progress(len(requests), "generate_until", disable_tqdm) as progress:
+        with _progress(len(requests), "generate_until", disable_tqdm or not self.progress) as progress:
             for members in groups.values():
                 self._generate_group([requests[i] for i in members], members, results, progress)
         return results

@@ -60,14 +60,15 @@ class DownstreamEval:
         return metrics
 
     def _evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        from lmforge.eval.harness import evaluate, preserved_rng, scalar_metrics
+        from lmforge.eval.harness import evaluate, preserved_rng, quiet_task_bars, scalar_metrics
         from lmforge.eval.lm import LMForgeLM
 
         was_training = model.training
         start = time.perf_counter()
         try:
-            with preserved_rng():
-                lm = LMForgeLM(model=model.eval(), tokenizer=self.tokenizer, batch_size=self.cfg.batch_size)
+            with preserved_rng(), quiet_task_bars():
+                lm = LMForgeLM(model=model.eval(), tokenizer=self.tokenizer, batch_size=self.cfg.batch_size,
+                               progress=False)
                 limit = self.cfg.limit
                 results = evaluate(lm, self.tasks, num_fewshot=self.cfg.num_fewshot,
                                    limit=int(limit) if limit is not None and limit >= 1 else limit)

@@ -44,13 +44,16 @@ def _rows(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_evals_are_logged_and_equal_lmforge_eval_on_the_checkpoint(eval_models, corpus, shared_data, tmp_path):
+def test_evals_are_logged_and_equal_lmforge_eval_on_the_checkpoint(eval_models, corpus, shared_data, tmp_path,
+                                                                    capfd):
     from lmforge.train.trainer import Trainer
 
     lm_dir = eval_models["gpt_neox"][1]
     evals = ["eval.tasks=[sst2_local,wikitext2_local]", "eval.every_n_steps=2", "eval.limit=3",
              f"eval.data_dir={shared_data}", "eval.num_fewshot=1"]
+    capfd.readouterr()
     Trainer(_config(lm_dir, corpus, tmp_path / "with", *evals)).fit()
+    assert "%|" not in capfd.readouterr().err  # no progress bars (lm-eval's or lmforge's) among the training lines
     Trainer(_config(lm_dir, corpus, tmp_path / "without", "trainer.log_every_n_steps=1")).fit()
     rows = _rows(tmp_path / "with")
     logged = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in rows}
