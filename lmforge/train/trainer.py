@@ -166,8 +166,10 @@ class Trainer:
         self.finished = resumed is not None and self.state["step"] >= t.max_steps  # a rerun: fit() does nothing
         # The wall clock of the run goes on from the checkpoint's: a resumed run's `elapsed` continues its curve.
         self.clock_zero = self.started - self.state["elapsed"]
-        self.peak, self.peak_source = (cfg.cost.peak_flops, "config") if cfg.cost.peak_flops else peak_flops(
-            self.world.device, precision.compute_dtype)
+        if cfg.cost.peak_flops or self.finished:  # a finished run rerun trains nothing: no seconds measuring a peak
+            self.peak, self.peak_source = cfg.cost.peak_flops or 1.0, "config" if cfg.cost.peak_flops else "unused"
+        else:
+            self.peak, self.peak_source = peak_flops(self.world.device, precision.compute_dtype)
         self.flops_per_token = flops_per_token(self.mcfg, cfg.data.seq_length)
         if cfg.lora is not None:
             self.flops_per_token *= LORA_FLOPS_FRACTION
