@@ -256,8 +256,8 @@ class SFTDataset(Dataset):
 
         prompt = PromptTemplate(prompt_template)
         templated = chat_template is not None
-        examples = [ex for where, rec in read_json_records(path)
-                    for ex in record_examples(rec, where, prompt, templated)]
+        records = list(read_json_records(path))
+        examples = [ex for where, rec in records for ex in record_examples(rec, where, prompt, templated)]
         if chat_template is not None:
             self.export_template = chat_template.source
         else:  # the built-in that serves the most common kind as it was trained (chats first)
@@ -269,6 +269,12 @@ class SFTDataset(Dataset):
                             "carries %s's (%s), so the others are served in a format they were not trained in: set "
                             "data.chat_template=NAME to render every record alike", self.path,
                             ", ".join(f"{n} {k}" for k, n in kinds.most_common()), kind, KIND_EXPORT[kind])
+            with_input = sum(isinstance(rec, dict) and bool(rec.get("input")) for _, rec in records)
+            if kind == "alpaca" and with_input:
+                logger.warning("%s: %d Alpaca records have an input, trained with Stanford's with-input prompt, "
+                               "which a chat request cannot ask for: served, instruction and input arrive as one user "
+                               "message in the no-input prompt (data.chat_template=alpaca trains them that way too)",
+                               self.path, with_input)
         self.num_dropped = self.num_cut = 0
         self.examples: list[tuple[np.ndarray, np.ndarray]] = []
         for ids, labels in tokenize_examples(examples, tok, chat_template, assistant_only_loss, prompt_template):
@@ -281,6 +287,13 @@ class SFTDataset(Dataset):
             self.examples.append((ids, labels))
         if not self.examples:
             raise UserError(f"{path}: no example fits seq_length {seq_length}: raise it or pass truncate='cut'")
+        ends = {i for i in (tok.eos_id, tok.eod_id) if i is not None}
+        scored = (labels[labels != IGNORE_INDEX] for _, labels in self.examples)
+        last = [int(s[-1]) for s in scored if len(s)]
+        if assistant_only_loss and last and not any(i in ends or tok.is_special(i) for i in last):
+            logger.warning("%s: no answer ends in an end-of-turn token (eos or another special one): the chat "
+                           "template writes none inside the answer's span, so the model does not learn to stop; a "
+                           "template that ends answers with eos (the built-ins do) teaches it", self.path)
         self.num_tokens = sum(len(ids) for ids, _ in self.examples)
         self.packs = pack_first_fit([len(ids) for ids, _ in self.examples], seq_length) if packing else None
         longer = self.num_dropped + self.num_cut

@@ -332,3 +332,27 @@ def test_mixed_record_kinds_without_a_template_say_which_one_the_export_serves(t
     with caplog.at_level(logging.WARNING, logger="lmforge.data.sft"):
         SFTDataset(path, gpt2, 128, chat_template="chatml")  # one template renders all: nothing to say
     assert "mixes" not in caplog.text
+
+
+def test_formats_that_train_what_serving_cannot_reproduce_are_said(gpt2, tmp_path, caplog):
+    """An Alpaca record's input (Stanford's with-input prompt, which a chat request cannot select) and a template
+    that ends answers with no end-of-turn token (the model never learns to stop) train silently otherwise."""
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"instruction": "Add.", "input": "2 and 3", "output": "5"},
+        {"instruction": "Say hi.", "input": "", "output": "Hi."}]))
+    with caplog.at_level(logging.WARNING, logger="lmforge.data.sft"):
+        SFTDataset(alpaca, gpt2, 128)
+        SFTDataset(alpaca, gpt2, 128, chat_template="alpaca")  # instruction and input as one message: as served
+    assert [r.getMessage().split(": ", 1)[1][:38] for r in caplog.records] == ["1 Alpaca records have an input, traine"]
+    caplog.clear()
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    endless = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    with caplog.at_level(logging.WARNING, logger="lmforge.data.sft"):
+        SFTDataset(chats, gpt2, 128, chat_template=ChatTemplate(endless, gpt2))
+        SFTDataset(chats, gpt2, 128)  # the built-in ends the answer with eos
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "no answer ends in an end-of-turn token" in line
