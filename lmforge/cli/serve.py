@@ -139,8 +139,12 @@ def served_name(folder: Path) -> str:
     """The model id a folder is served under by default: its name, and for the folders every run names alike (a run's
     hf/ and model/, its checkpoints' step-N) the run's name before it, so two runs served side by side differ."""
     folder = folder.resolve()
+
+    def run_name(run: Path) -> str:  # a run folder named just "run" (the quickstart's): the folder around it
+        return run.parent.name if run.name == "run" and run.parent.name else run.name
+
     if folder.name in ("hf", "model", "hf-adapter") and folder.parent.name:
-        return f"{folder.parent.name}/{folder.name}"
+        return f"{run_name(folder.parent)}/{folder.name}"
     if folder.name.startswith("step-") and folder.parent.name == "checkpoints" and folder.parent.parent.name:
-        return f"{folder.parent.parent.name}/{folder.name}"
+        return f"{run_name(folder.parent.parent)}/{folder.name}"
     return folder.name

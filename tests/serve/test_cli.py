@@ -40,6 +40,8 @@ def test_the_default_model_id_names_the_run_of_a_runs_folders(tmp_path):
     assert served_name(run / "checkpoints" / "step-00000400") == "sft-qwen/step-00000400"
     assert served_name(tmp_path / "Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
     assert served_name(run / "hf-adapter") == "sft-qwen/hf-adapter"  # `serve BASE --lora RUN/hf-adapter`: the adapter's
+    quickstart = tmp_path / "quickstart" / "run"  # `lmforge quickstart`'s run folder: named by the folder around it
+    assert served_name(quickstart / "checkpoints" / "step-00000095") == "quickstart/step-00000095"
 
 
 def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
