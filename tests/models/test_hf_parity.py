@@ -102,7 +102,7 @@ def test_config_fields_round_trip(family, imported, hf_dirs, tmp_path):
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["architectures"] == before["architectures"]
     # The weights' dtype, as save_pretrained writes it (transformers 4 and vLLM take an absent one for float32).
-    assert written["torch_dtype"] == "float32" and after["dtype"] == "float32"
+    assert written["torch_dtype"] == written["dtype"] == "float32" and after["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

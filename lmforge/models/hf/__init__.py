@@ -164,7 +164,8 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
     with atomic_dir(out_dir, overwrite, needed) as tmp:
         write_safetensors(noted(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get)), tmp, dtype)
         if len(floats) == 1:  # what save_pretrained writes: transformers 4 and vLLM read an absent one as float32
-            hf["torch_dtype"] = str(floats.pop()).removeprefix("torch.")
+            # under both names: transformers 5 writes `dtype`, and releases before 4.56 read only `torch_dtype`
+            hf["dtype"] = hf["torch_dtype"] = str(floats.pop()).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         copy_side_files(side_dir, tmp, SIDE_FILES)
         copy_licenses(side_dir, tmp)
