@@ -18,7 +18,10 @@ turns) cannot be split so and is refused for training, with that reason.
 
 Text is tokenized in runs cut at each special token, each run whole (as transformers tokenizes the rendered text),
 and a token is in an assistant span when any character it covers is: a served prompt is then token for token the
-prompt the model was trained on, earlier answers included.
+prompt the model was trained on, earlier answers included. A run after a special token gets no prefix space from a
+tokenizer that puts one only at the start of an input (Metaspace "first", transformers' non-legacy conversion), and
+gets one from those that put it on every text (Meta's tokenizer.model, legacy tokenizer.json files): as each of them
+tokenizes a whole rendered chat.
 
 Built-in templates (`BUILTIN`), for models without one of their own; each ends an answer with eos:
 
@@ -302,6 +305,7 @@ def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[in
     whole text has, not a separately encoded piece's (SentencePiece's prefix space again). Every run goes through
     one batched encode."""
     runs: list[tuple[str, list[tuple[int, int]]]] = []
+    continued: list[bool] = []  # whether a run follows a special token (lmforge.tokenizers: encode_batch_offsets)
     layouts = []
     for pieces in chats:
         layout: list[tuple[int, bool] | int] = []  # (special id, in span), or the index of a text run
@@ -313,13 +317,14 @@ def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[in
                 text += p
                 continue
             if text:
+                continued.append(bool(layout))
                 layout.append(len(runs))
                 runs.append((text, spans))
             text, spans = "", []
             if p is not None:
                 layout.append((p, in_span))
         layouts.append(layout)
-    encoded = tokenizer.encode_batch_offsets([text for text, _ in runs]) if runs else []
+    encoded = tokenizer.encode_batch_offsets([text for text, _ in runs], continued) if runs else []
     out = []
     for layout in layouts:
         ids: list[int] = []

@@ -125,9 +125,12 @@ class Tokenizer(ABC):
     @abstractmethod
     def _encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
-    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """Each text's ids and, per id, the characters [start, end) of the text it covers (no bos). This generic
-        way decodes each prefix of the ids (quadratic); the tokenizers lmforge loads override it."""
+    def encode_batch_offsets(self, texts: list[str], continued: Sequence[bool] | None = None
+                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids and, per id, the characters [start, end) of the text it covers (no bos). `continued[i]`:
+        text i follows a special token in the same input (a chat's run after "<s>"), which a tokenizer that puts a
+        prefix space only at the start of an input (Metaspace's prepend_scheme "first") does not give one. This
+        generic way decodes each prefix of the ids (quadratic); the tokenizers lmforge loads override it."""
         out = []
         for ids in self._encode_batch(list(texts)):
             ends = [len(self.decode(ids[: k + 1])) for k in range(len(ids))]
@@ -236,8 +239,32 @@ class HFTokenizer(Tokenizer):
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in batch(texts, add_special_tokens=False)]
 
-    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch_offsets(self, texts: list[str], continued: Sequence[bool] | None = None
+                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        out: list = [None] * len(texts)
+        inner = self._inner_tokenizer() if continued is not None and any(continued) else None
+        for tok, wanted in ((self._tok, False), (inner, True)):
+            picked = [i for i in range(len(texts)) if (inner is not None and bool(continued[i])) == wanted]
+            if tok is None or not picked:
+                continue
+            for i, e in zip(picked, tok.encode_batch([texts[i] for i in picked], add_special_tokens=False)):
+                out[i] = (e.ids, e.offsets)
+        return out
+
+    def _inner_tokenizer(self) -> hf.Tokenizer | None:
+        """This tokenizer without its prefix space, for text inside an input, where a Metaspace pre-tokenizer with
+        prepend_scheme "first" (transformers' non-legacy Llama/Mistral conversion) writes none; None where text
+        inside an input is tokenized as at its start anyway."""
+        if not hasattr(self, "_inner"):
+            self._inner = None
+            pre = self._tok.pre_tokenizer
+            if isinstance(pre, pre_tokenizers.Metaspace) and pre.prepend_scheme == "first":
+                inner = hf.Tokenizer.from_str(self._tok.to_str())
+                inner.pre_tokenizer = pre_tokenizers.Metaspace(replacement=pre.replacement, prepend_scheme="never",
+                                                               split=pre.split)
+                inner.encode_special_tokens = True
+                self._inner = inner
+        return self._inner
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -269,7 +296,9 @@ class SentencePieceTokenizer(Tokenizer):
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts)  # a list in is encoded on sentencepiece's thread pool
 
-    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    def encode_batch_offsets(self, texts: list[str], continued: Sequence[bool] | None = None
+                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        # Meta's tokenizer.model encodes every text with its prefix space (Llama 2's "<s>" then "▁[INST]").
         try:
             protos = self._sp.encode(texts, out_type="proto")
         except (ValueError, TypeError, RuntimeError):  # sentencepiece before 0.2.1 names it so

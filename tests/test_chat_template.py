@@ -133,3 +133,28 @@ def test_llama2_chat_equals_metas_reference_tokenization(shared_data):
     assert ids == expected
     assert [i for i, m in zip(ids, mask) if m] == answers
     assert sp.id_to_piece(answers[0]) == "▁The"
+
+
+def test_a_prefix_space_only_at_the_start_is_matched(shared_data, tmp_path):
+    """transformers 5 converts Llama's tokenizer.model to a tokenizer.json whose Metaspace puts the prefix space
+    only at the start of an input ("first"): after "<s>" its "[INST]" starts with "[", where each text run encoded
+    apart gave "▁[". The ids, and the assistant mask, now equal apply_chat_template's."""
+    import shutil
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    shutil.copy(shared_data / "tokenizers" / "llama2" / "tokenizer.model", folder)
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", '
+                                                  '"eos_token": "</s>", "unk_token": "<unk>"}')
+    reference = tf.AutoTokenizer.from_pretrained(folder)
+    reference.save_pretrained(tmp_path / "fast")
+    assert "prepend_scheme=first" in str(reference.backend_tokenizer.pre_tokenizer)
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + "
+                "' [/INST]' }}{% elif m['role'] == 'assistant' %}{% generation %}{{ ' ' + m['content'] + ' ' + "
+                "eos_token }}{% endgeneration %}{% endif %}{% endfor %}")
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "The answer is 4."},
+                {"role": "user", "content": "And in French?"}, {"role": "assistant", "content": "La réponse est 4."}]
+    out = reference.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ids, mask = _ids_and_mask(ChatTemplate(template, load_tokenizer(tmp_path / "fast" / "tokenizer.json")), messages)
+    assert ids == out["input_ids"] and mask == out["assistant_masks"]
