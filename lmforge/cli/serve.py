@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
     except BaseException:
         sock.close()
         raise
-    if not api_key and not is_loopback(host):
+    if not api_key and not is_loopback(host) and not os.environ.get("SAGEMAKER_BIND_TO_PORT"):  # SageMaker: behind IAM
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the model", host)
     kv = sum(t.numel() * t.element_size() for t in engine.cache.k + engine.cache.v)
     shown = f"[{host}]" if ":" in host else host

@@ -78,6 +78,7 @@ class Event:
     completion_tokens: int  # tokens generated so far (a stop token included)
     finish_reason: str | None = None  # "stop" (eos or stop string), "length", "error", or None while running
     error: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (left out of the text), if one did
 
 
 class EngineRequest:
@@ -350,7 +351,7 @@ class Engine:
             return self._finish(req, Event(req.text.flush(), n, "stop"))
         text, stopped = req.text.push(token)
         if stopped:
-            return self._finish(req, Event(text, n, "stop"))
+            return self._finish(req, Event(text, n, "stop", stop_string=req.text.matched))
         if n >= req.params.max_tokens:
             return self._finish(req, Event(text + req.text.flush(), n, "length"))
         self._emit(req, Event(text, n))

@@ -57,6 +57,7 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already handed out
+        self.matched: str | None = None  # the stop string that ended the completion
 
     def text(self) -> str:
         return _decode_after(self.tokenizer, self.context, self.head, self.ids)
@@ -67,7 +68,8 @@ class TextStream:
         text = self.text()
         longest = max((len(s) for s in self.stop), default=0)
         start = max(0, self.sent - longest + 1)
-        cut = min((i for s in self.stop if (i := text.find(s, start)) >= 0), default=-1)
+        cut, self.matched = min(((i, s) for s in self.stop if (i := text.find(s, start)) >= 0),
+                                key=lambda found: found[0], default=(-1, None))
         if cut >= 0:
             return self._take(text, cut), True
         safe = len(text.rstrip("\ufffd"))

@@ -170,18 +170,35 @@ class TGIParameters(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     max_new_tokens: int | None = Field(None, ge=1)
-    do_sample: bool = False  # as TGI and transformers: greedy unless asked, temperature etc. apply only then
+    do_sample: bool = False  # TGI samples when this or any of temperature, top_k, top_p asks to (sampling())
     temperature: float | None = Field(None, gt=0.0)
     top_k: int | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     return_full_text: bool = False
     details: bool = False
+    # TGI's, which change the answer and are not done here: refused by name when set (unsupported()).
+    typical_p: float | None = None
+    truncate: int | None = None
+    best_of: int | None = None
+    watermark: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int | None = None
+
+    def sampling(self) -> bool:
+        """TGI's rule: do_sample, or a temperature, top_k or top_p that changes the distribution."""
+        return self.do_sample or (self.temperature is not None and self.temperature != 1.0) or bool(self.top_k) \
+            or (self.top_p is not None and self.top_p < 1.0)
+
+    def unsupported(self) -> list[str]:
+        return [name for name in ("typical_p", "truncate", "watermark", "decoder_input_details", "top_n_tokens")
+                if getattr(self, name)] + (["best_of"] if self.best_of not in (None, 1) else [])
 
 
 class TGIRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     inputs: str | list[str]
     parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False  # TGI's server-sent events: not on /invocations here (refused by name)

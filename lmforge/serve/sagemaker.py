@@ -5,8 +5,13 @@
 * Hugging Face's text-generation container (TGI, which SageMaker's LLM images run):
   `{"inputs": "text" or ["text", ...], "parameters": {"max_new_tokens", "do_sample", "temperature", "top_k",
   "top_p", "repetition_penalty", "stop", "seed", "return_full_text", "details"}}`, answered as TGI does on
-  SageMaker: `[{"generated_text": "..."}]`, one entry per input. As in TGI and transformers, decoding is
-  greedy unless `do_sample` is true; `details` adds `{"finish_reason": "stop"|"length", "generated_tokens"}`.
+  SageMaker: `[{"generated_text": "..."}]`, one entry per input. As in TGI, it samples when `do_sample` is true or
+  temperature, top_k or top_p change the distribution, else decodes greedily; the text ends with the stop sequence
+  that ended it (TGI keeps it); `details` adds `{"finish_reason": "length"|"eos_token"|"stop_sequence",
+  "generated_tokens", "seed"}` (the seed drawn when sampling without one), without TGI's per-token `prefill` and
+  `tokens`. TGI's errors: 422 `{"error", "error_type": "validation"}` for a request it cannot take, its other
+  parameters that change the answer (typical_p, truncate, best_of, watermark, top_n_tokens, decoder_input_details,
+  `stream`) refused by name.
 * an OpenAI chat body (has "messages"): answered as /v1/chat/completions, `stream` included;
 * an OpenAI completion body (has "prompt"): answered as /v1/completions.
 
@@ -15,9 +20,11 @@ For the OpenAI shapes "model" may be left out (an endpoint serves one model).
 
 from __future__ import annotations
 
+import random
 import time
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, TGIRequest, parse
@@ -30,20 +37,35 @@ async def invocations(server: Server, request: Request, data):
         return await server.chat_completions(request, parse(ChatRequest, {"model": server.config.model_name, **data}))
     if isinstance(data, dict) and "prompt" in data:
         return await server.completions(request, parse(CompletionRequest, {"model": server.config.model_name, **data}))
+    try:
+        return await _tgi(server, request, data, start)
+    except APIError as e:  # in TGI's shape: a request it cannot take is a 422
+        return JSONResponse({"error": e.message, "error_type": "validation" if e.status == 400 else e.code or e.type},
+                            status_code=422 if e.status == 400 else e.status)
+
+
+async def _tgi(server: Server, request: Request, data, start: float) -> list[dict]:
     body = parse(TGIRequest, data)
     p = body.parameters
+    bad = [f"parameters.{name}" for name in p.unsupported()] + (["stream"] if body.stream else [])
+    if bad:
+        raise APIError(400, f"'{bad[0]}' is not supported by this server: leave it out", param=bad[0])
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
         raise APIError(400, "'inputs' is an empty list: give at least one text", param="inputs")
-    sampling = SamplingParams(p.temperature or 1.0, p.top_k, p.top_p, p.repetition_penalty, do_sample=p.do_sample)
-    gen = server.start([server.encode_prompt(t) for t in texts], p.max_new_tokens, sampling, 1, p.stop, p.seed,
+    sampled = p.sampling()
+    seed = p.seed if p.seed is not None or not sampled else random.randrange(2**63)  # TGI reports the one it drew
+    sampling = SamplingParams(p.temperature or 1.0, p.top_k, p.top_p, p.repetition_penalty or 1.0, do_sample=sampled)
+    gen = server.start([server.encode_prompt(t) for t in texts], p.max_new_tokens, sampling, 1, p.stop, seed,
                        "max_new_tokens")
     out = await server.collect(request, gen, "/invocations", start)
     results = []
     for i, text in enumerate(texts):
-        result = {"generated_text": (text if p.return_full_text else "") + out[i]["text"]}
+        stop = out[i].get("stop_string")
+        result = {"generated_text": (text if p.return_full_text else "") + out[i]["text"] + (stop or "")}
         if p.details:
-            result["details"] = {"finish_reason": out[i]["finish_reason"],
-                                 "generated_tokens": gen.completion_tokens[i], "seed": p.seed}
+            reason = "length" if out[i]["finish_reason"] == "length" else "stop_sequence" if stop else "eos_token"
+            result["details"] = {"finish_reason": reason, "generated_tokens": gen.completion_tokens[i],
+                                 "seed": seed if sampled else None}
         results.append(result)
     return results

@@ -198,6 +198,8 @@ class Server:
                 choice = out.setdefault(i, {"text": "", "finish_reason": None})
                 choice["text"] += ev.text
                 choice["finish_reason"] = ev.finish_reason
+                if ev.stop_string is not None:
+                    choice["stop_string"] = ev.stop_string
                 if ev.error:
                     raise APIError(500, f"generation failed: {ev.error}", type="server_error")
 

@@ -101,3 +101,39 @@ def test_a_raw_prompt_reads_special_token_text_as_the_token_and_a_chat_turn_does
     assert server.encode_prompt("Hi<|endoftext|>") == [17250, 50256]  # as vLLM and transformers read a prompt
     assert not tokenizer.parse_special_tokens  # only for that prompt
     assert 50256 not in server.chat.encode([("user", "Hi<|endoftext|>")])  # a user cannot forge a boundary
+
+
+def test_invocations_answer_as_tgi_does(server, model_dir):
+    """Hugging Face's TGI container, which SageMaker's LLM images run: it samples when temperature/top_k/top_p ask
+    to (not only with do_sample), keeps the stop sequence in the text, names finish reasons eos_token /
+    stop_sequence / length, reports the seed it drew, and answers a request it cannot take with 422
+    {"error", "error_type"}; its parameters lmforge does not do are refused by name, not ignored."""
+    from lmforge.inference import generate_text
+    from lmforge.models import load_pretrained
+    from lmforge.tokenizers import load_tokenizer
+
+    model, tok = load_pretrained(model_dir), load_tokenizer(model_dir)
+    url = server.url + "/invocations"
+
+    def call(**parameters):
+        r = httpx.post(url, json={"inputs": "t5 t17 t33", "parameters": {"details": True, **parameters}}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()[0]
+
+    sampled = call(max_new_tokens=8, temperature=0.7, seed=3)
+    assert sampled["generated_text"] == generate_text(model, tok, ["t5 t17 t33"], 8, temperature=0.7, seed=3)[0]
+    assert sampled["details"]["seed"] == 3
+    drawn = call(max_new_tokens=4, top_k=5)  # sampling without a seed: the one drawn is reported
+    assert isinstance(drawn["details"]["seed"], int)
+    greedy = call(max_new_tokens=8)
+    assert greedy["details"] == {"finish_reason": "length", "generated_tokens": 8, "seed": None}
+    words = greedy["generated_text"].split()
+    stopped = call(max_new_tokens=8, stop=[words[2]])
+    assert stopped["generated_text"] == greedy["generated_text"][: greedy["generated_text"].find(words[2])] + words[2]
+    assert stopped["details"]["finish_reason"] == "stop_sequence"
+    for body in ({"inputs": "t5", "parameters": {"typical_p": 0.5}}, {"inputs": "t5", "stream": True},
+                 {"inputs": "t5", "parameters": {"temperature": 0}}):
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 422 and r.json()["error_type"] == "validation", body
+    assert "'parameters.typical_p' is not supported" in httpx.post(url, json={
+        "inputs": "t5", "parameters": {"typical_p": 0.5}}).json()["error"]
