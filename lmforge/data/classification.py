@@ -145,7 +145,7 @@ class ClassificationDataset(Dataset):
                 raise UserError(f"{where}: no label {label_key!r} here, though earlier rows have one")
             if not isinstance(row[text_key], str):
                 raise UserError(f"{where}: {text_key!r} must be a string, got {type(row[text_key]).__name__}")
-            texts.append(row[text_key].strip())
+            texts.append(row[text_key])  # as given: transformers' run_glue reads GLUE's trailing space too
             if self.has_labels:
                 raw_labels.append(row[label_key])
                 wheres.append(where)
