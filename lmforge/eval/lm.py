@@ -69,10 +69,7 @@ class LMForgeLM(TemplateLM):
             model, tokenizer = load_model_and_tokenizer(pretrained, tokenizer_path, device, dtype)
         elif tokenizer is None:
             raise UserError("LMForgeLM was given a model without its tokenizer: pass tokenizer=...")
-        try:
-            check_can_generate(model)
-        except UserError as e:
-            raise UserError(f"lmforge eval scores decoder language models only ({e})") from None
+        check_can_generate(model, "score lm-eval's requests (log-likelihoods, generations)")
         if tokenizer.vocab_size > model.config.vocab_size:
             raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                             f"{model.config.vocab_size}: evaluate the model with its own tokenizer")

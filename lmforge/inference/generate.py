@@ -51,12 +51,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return ids.to(device), mask.to(device)
 
 
-def check_can_generate(model: nn.Module) -> None:
-    """Raise UserError unless the model is a decoder language model."""
+def check_can_generate(model: nn.Module, what: str = "generate text") -> None:
+    """Raise UserError unless the model is a decoder language model (one that predicts the next token)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not cfg.is_decoder or getattr(model, "score", None) is not None:
-        kind = "a classification model" if cfg is not None and cfg.num_labels else f"a {getattr(cfg, 'family', '?')}"
-        raise UserError(f"cannot generate with {kind} model: generation needs a decoder language model")
+        kind = ("a sequence classifier (its head scores labels, not tokens)" if cfg is not None and cfg.num_labels else
+                f"a {getattr(cfg, 'family', '?')} model (not a decoder language model)")
+        raise UserError(f"cannot {what} with {kind}: give a decoder language model")
 
 
 def context_overflow(prompt_len: int, max_new_tokens: int | None, context: int,

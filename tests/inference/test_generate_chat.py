@@ -57,3 +57,18 @@ def test_cli_is_greedy_by_default_unless_the_folder_asks_to_sample(text_model, t
     assert sampling_defaults(_cli([str(sampling), "--prompt", "x"]), sampling) == (0.0, None, None)
     with pytest.raises(UserError, match="--max-new-tokens must be >= 1, got 0"):
         run(_cli([str(folder), "--prompt", "t5", "--max-new-tokens", "0"]))
+
+
+def test_a_classifier_is_refused_by_what_it_is():
+    """`lmforge eval` of a fine-tuned SST-2 classifier said "cannot generate with a classification model model" for a
+    log-likelihood task: say what the model is and what was asked of it."""
+    import dataclasses
+
+    from lmforge.inference.generate import check_can_generate
+    from lmforge.models import build
+    from lmforge.models.presets import preset
+
+    classifier = build(dataclasses.replace(preset("tiny-gpt2"), num_labels=2), device="meta")
+    with pytest.raises(UserError, match=r"^cannot score lm-eval's requests with a sequence classifier \(its head "
+                                        r"scores labels, not tokens\): give a decoder language model$"):
+        check_can_generate(classifier, "score lm-eval's requests")
