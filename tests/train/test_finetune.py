@@ -95,10 +95,19 @@ def test_mlm_pretraining_of_a_tiny_bert(shared_data, tmp_path):
                                       "trainer.max_steps=10", "trainer.global_batch_size=8",
                                       "trainer.micro_batch_size=8", "trainer.val_check_interval=10"))
     trainer = Trainer(cfg)
+    # trainer.val_batches global batches per validation, as pretraining (the whole held-out corpus was scored)
+    assert len(trainer.data.valid) > 32 and trainer.task.validation_samples(cfg, trainer.data.valid, 8) == 4 * 8
     trainer.data.valid = torch.utils.data.Subset(trainer.data.valid, range(16))
     trainer.fit()
     rows = _rows(run)
     assert rows[-1]["loss"] < rows[0]["loss"] and "val_loss" in rows[-1]
+    two = load_run_config(None, _base(tmp_path / "two", "model.preset=tiny-bert", "data.task=mlm",
+                                      f"data.tokenizer={tok_dir}", f"data.paths=[0.5,{prefix}_text_document,"
+                                      f"0.5,{prefix}_text_document]", "data.seq_length=64"))
+    from lmforge.errors import UserError
+
+    with pytest.raises(UserError, match="data.task=mlm trains on one data prefix, got 2"):
+        Trainer(two)  # it trained on the first and dropped the other without a word
 
 
 def test_finetune_refuses_a_pretraining_config(tiny_corpus, tmp_path, capsys):
