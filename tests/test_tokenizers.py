@@ -326,3 +326,20 @@ def test_a_tokenizer_of_a_few_tokens_is_said(tmp_path, caplog):
         load_tokenizer(tmp_path)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "has only 3 tokens: is it the model's?" in line and "also holds tokenizer.model" in line
+
+
+def test_a_template_without_bos_means_no_bos_as_autotokenizer_reads_it(shared_data, tmp_path):
+    """transformers 5 re-saves every tokenizer with a post-processor template "$A" and no add_bos_token: AutoTokenizer
+    then adds no bos, where lmforge added Llama's <s> (its rule for files that say nothing), so greedy output on the
+    same folder differed."""
+    tf = pytest.importorskip("transformers")
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    shutil.copy(shared_data / "tokenizers" / "llama2" / "tokenizer.model", folder)
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", '
+                                                  '"eos_token": "</s>", "unk_token": "<unk>"}')
+    tf.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "resaved")
+    reference = tf.AutoTokenizer.from_pretrained(tmp_path / "resaved")
+    ours = load_tokenizer(tmp_path / "resaved")
+    assert ours.encode("Hello there", add_bos=ours.add_bos_token) == reference("Hello there").input_ids == [15043, 727]
+    assert load_tokenizer(folder).add_bos_token  # the bare tokenizer.model: Llama's <s>, as Meta's code adds it
