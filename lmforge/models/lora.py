@@ -64,7 +64,7 @@ HF_TARGETS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("
               "up_proj": ("up",), "down_proj": ("down",), "query_key_value": QKV, "dense": ("o",),
               "dense_h_to_4h": ("up",), "dense_4h_to_h": ("down",), "c_attn": QKV, "c_fc": ("up",),
               "c_proj": ("o", "down"), "qkv_proj": QKV, "gate_up_proj": ("gate", "up"), "out_proj": ("o",),
-              "fc_in": ("up",), "fc_out": ("down",)}
+              "fc_in": ("up",), "fc_out": ("down",), "w1": ("gate",), "w3": ("up",), "w2": ("down",)}  # Mixtral
 BASE_DTYPES = ("fp32", "bf16", "nf4")
 
 
@@ -310,8 +310,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     total = sum(p.numel() for p in model.parameters())
     adapted = sorted({p for parts in targets.values() for p in parts})
     adapted += [f"experts.{w} (rank {r})" for w, r in next(iter(experts.values()), {}).items()]
-    log.info("LoRA rank %d alpha %g on %s (%d layers, a fused q/k/v or gate/up one counted once): %d trainable "
-             "parameters of %d (%.2f%%)", lora.rank,
+    log.info("LoRA rank %d alpha %g on %s (%d modules wrapped, all blocks together; a fused q/k/v or gate/up one "
+             "counted once): %d trainable parameters of %d (%.2f%%)", lora.rank,
              lora.alpha, ",".join(adapted), len(targets) + len(experts), trainable, total, 100 * trainable / total)
     return trainable
 

@@ -105,6 +105,7 @@ def test_targets_and_trainable_parameters(hf_dirs):
     assert LoRAConfig(targets="q_proj,v_proj").targets == ["q", "v"]
     assert LoRAConfig(targets=["query_key_value", "dense_4h_to_h"]).targets == ["q", "k", "v", "down"]
     assert LoRAConfig(targets="c_attn,c_proj").targets == ["q", "k", "v", "o", "down"]
+    assert LoRAConfig(targets="w1,w3,w2").targets == ["gate", "up", "down"]  # Mixtral's experts, as PEFT names them
 
 
 @pytest.mark.parametrize("setting, message", [

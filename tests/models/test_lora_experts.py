@@ -209,7 +209,7 @@ def test_peft_all_linear_adapters_load_and_lmforge_all_linear_has_their_shapes(f
                                                              r"attention \(q,k,v,o\) only$"),
     ("tiny-qwen3-moe", {"targets": "all-linear", "dropout": 0.1}, "^lora.dropout=0.1 with adapters on experts.down, "
                                                                   "experts.gate_up, router: PEFT"),
-    ("tiny-mixtral", {"targets": "w1"}, "^lora.targets: unknown target 'w1': choose from q, k, v, o, gate, up, down, "
+    ("tiny-mixtral", {"targets": "w4"}, "^lora.targets: unknown target 'w4': choose from q, k, v, o, gate, up, down, "
                                         "router, experts, experts.gate_up, experts.down"),
 ])
 def test_bad_expert_targets_are_one_line(model, setting, message):
