@@ -176,6 +176,12 @@ class CostConfig:
     peak_flops: float | None = None  # per process; default: measured (CPU) or datasheet (GPU)
     peak_flops_fp8: float | None = None  # per process, for mfu_fp8 under trainer.float8; default: datasheet
 
+    def __post_init__(self) -> None:
+        for name in ("usd_per_hour", "peak_flops", "peak_flops_fp8"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UserError(f"cost.{name} must be >= 0, got {value}")
+
 
 # Fields a preset derives from others when it leaves them out, and what from: ModelConfig's defaults.
 DERIVED = {"head_dim": ("hidden_size", "num_heads"), "num_kv_heads": ("num_heads",),
@@ -373,6 +379,9 @@ def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
+        if key == "trainer.precision" and str(value).lower() in ("fp16", "16", "16-mixed", "fp16-mixed", "half"):
+            raise UserError(f"{key}='{value}': fp16 is not supported (it needs loss scaling): use bf16-mixed, bf16 "
+                            "autocast over fp32 weights, which needs none")
         hint = closest(str(value), choices)
         raise UserError(f"{key}='{value}' is not valid{hint}: choose one of {', '.join(choices)}")
 

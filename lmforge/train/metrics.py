@@ -227,15 +227,19 @@ class RunTotals:
         self.tokens += tokens
         self.step_time += step_time
 
-    def summary(self, step: int, wall: float, last: dict[str, float], mfu: MFU | None = None) -> str:
-        """One readable line: steps, tokens, time, average tokens/s and MFU, then the final loss and validation."""
+    def summary(self, step: int, wall: float, last: dict[str, float], mfu: MFU | None = None,
+                usd_per_hour: float = 0.0) -> str:
+        """One readable line: steps, tokens, time, average tokens/s and MFU (and, priced, tokens per dollar over the
+        whole time, as compare counts it), then the final loss and validation."""
         if not self.steps:
             return f"at step {step}: no steps to run"
         resumed = f", resumed at {self.first_step}" if self.first_step else ""
         speed = self.tokens / self.step_time if self.step_time > 0 else 0.0
         parts = [f"{self.steps} steps{resumed}, {self.tokens:,.0f} tokens in {_duration(wall)} "
                  f"({_duration(self.step_time)} in steps): {speed:,.0f} tokens/s"
-                 + (f", MFU {mfu(speed):.1%}" if mfu is not None and speed > 0 else "")]
+                 + (f", MFU {mfu(speed):.1%}" if mfu is not None and speed > 0 else "")
+                 + (f", {self.tokens * 3600 / (usd_per_hour * wall):,.0f} tokens/$ at ${usd_per_hour:g}/h"
+                    if usd_per_hour > 0 and wall > 0 else "")]
         formats = {"loss": "{:.4f}", "val_loss": "{:.4f}", "val_ppl": "{:,.2f}", "val_accuracy": "{:.2%}"}
         shown = [f"{k} {fmt.format(last[k])}" for k, fmt in formats.items()
                  if isinstance(last.get(k), float | int) and math.isfinite(last[k])]

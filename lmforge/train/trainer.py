@@ -347,7 +347,8 @@ class Trainer:
             step, max_steps = self.state["step"], self.cfg.trainer.max_steps
             return (f"the run is at step {step} already (trainer.max_steps={max_steps}): nothing to train, nothing "
                     "written; raise trainer.max_steps to train it further")
-        return self.totals.summary(self.state["step"], time.perf_counter() - self.started, last, self.mfu)
+        return self.totals.summary(self.state["step"], time.perf_counter() - self.started, last, self.mfu,
+                                   self.cfg.cost.usd_per_hour * self.nodes)
 
     def _throughput(self, step_time: float, tokens: float) -> dict[str, float]:
         t = self.cfg.trainer

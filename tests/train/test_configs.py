@@ -288,3 +288,15 @@ def test_a_shipped_recipe_named_from_another_folder_is_found_for_the_user(tmp_pa
         load_run_config("configs/llama2-7b-continued.yaml", [])
     with pytest.raises(UserError, match=r"config file 'configs/mine.yaml' does not exist$"):
         load_run_config("configs/mine.yaml", [])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.precision=fp16", r"^trainer.precision='fp16': fp16 is not supported \(it needs loss scaling\): use "
+                               r"bf16-mixed"),  # "did you mean 'bf16'?" sent a Megatron user to round-to-nearest
+    ("cost.usd_per_hour=-3", r"^cost.usd_per_hour must be >= 0, got -3"),  # was read as "no price"
+])
+def test_settings_a_megatron_user_types_get_the_right_fix(override, message):
+    from lmforge.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        load_run_config(None, ["model.preset=tiny-neox", override])

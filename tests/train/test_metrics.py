@@ -146,6 +146,9 @@ def test_the_run_summary_gives_totals_and_averages():
     assert line == ("finished at step 13: 3 steps, resumed at 10, 3,072 tokens in 2m 05s (6.0s in steps): 512 "
                     "tokens/s, MFU 51.2%; loss 4.2135, val_loss 4.3500, val_ppl 77.48")
     assert metrics.RunTotals(first_step=5).summary(5, 1.0, {}) == "at step 5: no steps to run"
+    # Priced (cost.usd_per_hour x nodes): tokens per dollar over the whole time, what the run was paid for.
+    priced = totals.summary(13, 120.0, {"loss": 4.21349}, mfu, usd_per_hour=3.0)
+    assert ", MFU 51.2%, 30,720 tokens/$ at $3/h; loss 4.2135" in priced
 
 
 def test_two_cpus_with_one_name_keep_peaks_apart(monkeypatch):
