@@ -105,6 +105,22 @@ def check_document_ends(indexed: list[IndexedDataset], tokenizer) -> None:
                         ds.prefix, counts.max(), len(tails), marker, tokenizer.decode([marker]), tokenizer.eod_id)
 
 
+def check_tokenizer_holds(indexed: list[IndexedDataset], tokenizer, cache_dir: str | Path | None = None) -> None:
+    """A UserError where a prefix holds an id past the run's tokenizer: the data was made by another one (NeoX data,
+    ids up to 50,276, read with Llama's 32,000-id tokenizer), certainly, not just likely (check_document_ends)."""
+    if tokenizer is None:
+        return
+    for ds in indexed:
+        info = np.iinfo(ds.dtype) if ds.dtype.kind in "iu" else None
+        if info is not None and info.max < tokenizer.vocab_size:
+            continue
+        high = token_id_range(ds, cache_dir)[1]
+        if high >= tokenizer.vocab_size:
+            raise UserError(f"data prefix '{ds.prefix}' has token id {high} but the tokenizer {tokenizer.files[0]} has "
+                            f"{tokenizer.vocab_size} ids: the data was made with another tokenizer: preprocess it with "
+                            "this one, or set data.tokenizer to the one that made it")
+
+
 def _prefix_near(prefix: str) -> str | None:
     """What a user most likely meant by a prefix that is not one: the file's name without .bin/.idx, or the
     single `PREFIX_<key>_document` that preprocess wrote for an --output-prefix."""
@@ -147,6 +163,7 @@ def pretrain_datasets(cfg: RunConfig, tokenizer=None) -> tuple[torch.utils.data.
     indexed, weights = open_prefixes(cfg.data.paths)
     check_token_ids(indexed, cfg.model.resolve().vocab_size, cfg.data.cache_dir, fixed_vocab=bool(cfg.model.init_from))
     check_document_ends(indexed, tokenizer)
+    check_tokenizer_holds(indexed, tokenizer, cfg.data.cache_dir)
     train = _split_dataset(indexed, weights, 0, t.max_steps * t.global_batch_size, cfg)
     valid = None
     if t.val_check_interval and t.val_batches:

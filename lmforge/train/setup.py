@@ -168,10 +168,17 @@ def warn_if_not_the_models(tokenizer, init_from: str) -> None:
                     own.vocab_size)
 
 
-def check_tokenizer(tok, mcfg: ModelConfig) -> None:
+def check_tokenizer(tok, mcfg: ModelConfig, from_scratch: bool = False) -> None:
     if tok is not None and tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"the tokenizer at '{tok.files[0].parent}' has {tok.vocab_size} ids but the model only "
                         f"{mcfg.vocab_size}: use the model's tokenizer or a model with a larger vocab_size")
+    if tok is not None and from_scratch:
+        fitted = dataclasses.replace(mcfg, vocab_size=tok.vocab_size)
+        unused = mcfg.padded_vocab_size - fitted.padded_vocab_size
+        if unused > 0:  # a preset's vocabulary (Pythia's 50,304) over a smaller tokenizer (a 4,096-token one)
+            log.warning("the model has %d vocabulary rows for a tokenizer of %d ids: %d rows are never used; set "
+                        "model.vocab_size=%d (Megatron sizes the vocabulary from its tokenizer)",
+                        mcfg.padded_vocab_size, tok.vocab_size, unused, tok.vocab_size)
 
 
 def use_compile_cache(path: Path) -> None:

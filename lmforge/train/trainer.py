@@ -121,7 +121,7 @@ class Trainer:
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
         layout = check_pipeline_batch(layout, self.grad_accum, t.micro_batch_size, t.global_batch_size,
                                       layout.data_parallel)
-        check_tokenizer(self.tokenizer, self.mcfg)
+        check_tokenizer(self.tokenizer, self.mcfg, from_scratch=not cfg.model.init_from)
         if fill is None:
             model.to(self.world.device, base_dtype)
         if cfg.lora is not None:

@@ -135,3 +135,31 @@ def test_a_prefix_that_is_not_one_suggests_the_one_meant(tmp_path):
             data.open_prefixes([str(given)])
     with pytest.raises(UserError, match="run `lmforge preprocess` or fix data.paths$"):
         data.open_prefixes([str(tmp_path / "other")])
+
+
+def test_ids_past_the_tokenizer_and_rows_past_it_are_said(tmp_path, caplog):
+    """NeoX data read with a 32,000-id tokenizer trained (with a warning) and exported the wrong tokenizer; a preset's
+    50,304 rows over a 4,096-token tokenizer trained 46k rows never used, without a word."""
+    import dataclasses
+    import logging
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from lmforge.models.presets import preset
+    from lmforge.train.setup import check_tokenizer
+
+    ds = _prefix(tmp_path, [[1, 2, 3], [4, 700]])
+    small = SimpleNamespace(vocab_size=500, files=[Path("tok/tokenizer.json")])
+    with pytest.raises(UserError, match=r"has token id 700 but the tokenizer tok/tokenizer.json has 500 ids: the data "
+                                        r"was made with another tokenizer"):
+        data.check_tokenizer_holds([ds], small, tmp_path / "cache")
+    data.check_tokenizer_holds([ds], SimpleNamespace(vocab_size=701, files=small.files), tmp_path / "cache")
+    mcfg = dataclasses.replace(preset("tiny-neox"), vocab_size=1000)  # 1,024 rows
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.setup"):
+        check_tokenizer(SimpleNamespace(vocab_size=1000, files=small.files), mcfg, from_scratch=True)
+        check_tokenizer(small, mcfg, from_scratch=False)  # a source's vocabulary is the source's
+        assert not caplog.records
+        check_tokenizer(small, mcfg, from_scratch=True)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("the model has 1024 vocabulary rows for a tokenizer of 500 ids: 512 rows are never used; "
+                           "set model.vocab_size=500")
