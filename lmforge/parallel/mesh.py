@@ -124,7 +124,8 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
             raise UserError(f"the padded vocabulary ({model.padded_vocab_size} rows: vocab_size {model.vocab_size} "
                             f"rounded up to make_vocab_size_divisible_by={multiple}) is not a multiple of {unit} x "
                             f"parallel.tensor {tp} = {unit * tp}: set model.make_vocab_size_divisible_by="
-                            f"{unit * tp} (Megatron pads to a multiple of 128 x TP the same way)")
+                            f"{unit * tp} (Megatron multiplies by TP itself; here the padding is the model's, so "
+                            "that a checkpoint resumes at any layout: set it once for the largest TP you will use)")
         if cfg.sequence_parallel and model.num_labels:
             raise UserError("parallel.sequence_parallel needs an LM/MLM head, the model has a classification head: "
                             "set parallel.sequence_parallel=false")
