@@ -276,13 +276,20 @@ class ModelSection:
         source = source_config(self.init_from)
         # A preset's recipe was written for another model: its context is not a request to extend this one's.
         allowed = [k for k in RUN_OVERRIDES if not (self.preset and k in CONTEXT_OVERRIDES)]
-        if self.config is not None and self.config != source:
+        if self.config is not None and self.config != source and not getattr(self, "_said", False):
             # A recipe written for training from scratch, pointed at a checkpoint: the source's architecture wins.
+            self._said = True  # once, however often the run resolves its model
             differ = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in allowed
                       and getattr(self.config, f.name) != getattr(source, f.name)]
             shown = ", ".join(differ[:6]) + (" ..." if len(differ) > 6 else "")
             log.info("model.init_from '%s' defines the model: model.preset %s and its fields are not used (%s "
                      "differ)", self.init_from, self.preset, shown)
+            # Fields written out (the recipe's, or typed on the command line) say more than the preset's: name them.
+            named = [k for k in self.overrides if k not in allowed and k in differ]
+            if named:
+                log.warning("%s not used: model.init_from '%s' defines the model (its %s)",
+                            ", ".join(f"model.{k}={self.overrides[k]}" for k in named), self.init_from,
+                            ", ".join(f"{k}={getattr(source, k)}" for k in named))
         changed = {k: v for k, v in self.overrides.items() if k in allowed}
         learned = [k for k in CONTEXT_OVERRIDES if k in changed and source.position_embedding != "rotary"]
         if learned and any(changed[k] != getattr(source, k) for k in learned):

@@ -124,13 +124,18 @@ def test_a_preset_with_init_from_takes_the_sources_architecture(tmp_path, caplog
     source = dataclasses.replace(preset("tiny-llama"), max_position_embeddings=64)
     save_model(build(source, device="cpu"), tmp_path / "src")
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny-neox.yaml"  # max_position_embeddings: 256
-    cfg = load_run_config(recipe, [f"model.init_from={tmp_path / 'src'}", "model.dropout=0.1"])
+    cfg = load_run_config(recipe, [f"model.init_from={tmp_path / 'src'}", "model.dropout=0.1", "model.num_layers=7"])
     with caplog.at_level(logging.INFO, logger="lmforge.train.config"):
         resolved = cfg.model.resolve()
+        assert cfg.model.resolve() == resolved  # said once, however often resolved (it was three times a run)
     assert resolved == dataclasses.replace(source, dropout=0.1)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "model.preset tiny-neox and its fields are not used" in lines[0]
+    assert len(lines) == 2 and "model.preset tiny-neox and its fields are not used" in lines[0]
     assert "max_position_embeddings" in lines[0]
+    # A field written out (here typed on the command line) is named, with the source's value that wins.
+    assert lines[1].startswith("model.vocab_size=50304, model.max_position_embeddings=256, model.num_layers=7 not "
+                               "used: model.init_from")
+    assert lines[1].endswith("(its vocab_size=1000, max_position_embeddings=64, num_layers=2)")
 
 
 # Shapes no export can hold, reached through a preset's overrides: each fails when the recipe is read, in one line
