@@ -46,4 +46,3 @@ def test_written_folders_take_the_users_umask(licensed_llama, tmp_path):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for folder in ("lm", "hf") for p in (tmp_path / folder).iterdir()}
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
-
