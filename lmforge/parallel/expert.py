@@ -224,10 +224,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int, fsdp: b
         layer.dispatch = ExpertDispatch(layer.num_experts, group, replicate, data_parallel, ep_mesh, fsdp, tp_mesh)
     if layers:
         tp = f", each expert's rows over {tp_mesh.size()} tensor-parallel ranks" if tp_mesh is not None else ""
-        log.info("expert parallel: %d experts per layer over %d ranks (%d each%s); the same experts on %d ranks, %s",
-                 layers[0].num_experts, size, layers[0].num_experts // size, tp, same,
-                 f"FSDP2 over {ep_mesh['ep_shard'].size()} x {ep_mesh['ep_replicate'].size()} replicas" if fsdp
-                 else "gradients all-reduced")
+        holders = (f"each expert held by {same} ranks, its gradients all-reduced over them" if same > 1 and not fsdp
+                   else f"each expert's ranks FSDP2 over {ep_mesh['ep_shard'].size()} x "
+                        f"{ep_mesh['ep_replicate'].size()} replicas" if fsdp else "each expert on one rank")
+        log.info("expert parallel: %d experts per layer over %d ranks (%d each%s); %s", layers[0].num_experts, size,
+                 layers[0].num_experts // size, tp, holders)
 
 
 def _parameter(t: DTensor, requires_grad: bool) -> nn.Parameter:
