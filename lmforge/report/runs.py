@@ -202,6 +202,15 @@ def _checkpointing_label(mode) -> str:
     return {"none": "no-ckpt", "full": "act-ckpt"}.get(mode, f"act-ckpt-{mode}")
 
 
+def _layout_label(config: dict) -> str:
+    """The parallel layout as a label part (tp2 pp2 ep2 fsdp); plain data parallelism or one process: "ddp"."""
+    parts = [f"{short}{n}" for short, key in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"))
+             if _num(n := _get(config, "parallel", key)) and n > 1]
+    if _get(config, "trainer", "data_parallel") == "fsdp":
+        parts.append("fsdp")
+    return " ".join(parts) or "ddp"
+
+
 def _lora_label(lora) -> str:
     """The lora section as a label part: full fine-tuning, or the adapters' rank (QLoRA over an NF4 base)."""
     if not isinstance(lora, dict):
@@ -217,6 +226,7 @@ LABEL_FIELDS = (
     ("precision", lambda c: _get(c, "trainer", "precision")),
     ("compile", lambda c: "compiled" if _get(c, "trainer", "compile") else "eager"),
     ("activation_checkpointing", lambda c: _checkpointing_label(_get(c, "trainer", "activation_checkpointing"))),
+    ("layout", _layout_label),
     ("global_batch_size", lambda c: f"global={_get(c, 'trainer', 'global_batch_size')}"),
     ("micro_batch_size", lambda c: f"micro={_get(c, 'trainer', 'micro_batch_size')}"),
     ("seq_length", lambda c: f"seq={_get(c, 'data', 'seq_length')}"),

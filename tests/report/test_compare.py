@@ -185,6 +185,12 @@ def test_labels_come_from_what_differs_in_the_configs(tmp_path):
     qlora["lora"] = {"rank": 8, "alpha": 16, "base_dtype": "nf4"}
     assert labels(_config(), lora, qlora) == ["full-weights", "lora-r16", "qlora-r8"]  # fine-tuned the same way
     assert labels(_config(compile=True)) == ["tiny-neox fp32 compiled"]
+    # The layout, where it differs (two runs equal but for TP, or for the pipeline, read alike before).
+    tp, pp = _config(), _config()
+    tp["parallel"], pp["parallel"] = {"tensor": 2}, {"pipeline": 2}
+    fsdp = _config()
+    fsdp["trainer"]["data_parallel"] = "fsdp"
+    assert labels(_config(), tp, pp, fsdp) == ["ddp", "tp2", "pp2", "fsdp"]
     same = labels(_config(), _config())
     assert same[0] != same[1] and all(s.startswith("tiny-neox fp32 (r") for s in same)
     no_config = _write_run(tmp_path / "bare-run", _rows([1.0]))
