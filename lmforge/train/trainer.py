@@ -138,6 +138,9 @@ class Trainer:
         compile_block = None
         if t.compile:  # each block this rank holds, once laid out (a pipeline stage's own blocks, before FSDP)
             use_compile_cache(Path(t.compile_cache_dir or self.run_dir / "compile_cache"))
+            if self.world.is_main:  # else the first step's minutes look like a hang
+                log.info("trainer.compile: the blocks compile during the first step (again for a new input shape); "
+                         "compiled code is cached in %s for later runs", t.compile_cache_dir or "RUN_DIR/compile_cache")
 
             def compile_block(block: torch.nn.Module) -> None:
                 block.compile(backend=t.compile_backend)
