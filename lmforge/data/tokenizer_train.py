@@ -9,9 +9,10 @@ Inputs are found and opened as `preprocess` finds them (lmforge.data.inputs: JSO
 `.txt`, plain, `.gz` or `.zst`; Parquet; `datasets` folders; folders and globs of them) and streamed: a bounded
 batch of text is in memory at a time.
 
-Output, written to a temporary folder renamed into place: `tokenizer.json`, and `tokenizer_config.json`
-naming the first special token as bos, eos and unk (GPT-2's convention), so `lmforge.tokenizers` and
-transformers' `AutoTokenizer` both load the folder.
+Output, written to a temporary folder renamed into place: `tokenizer.json`, and `tokenizer_config.json` naming
+the special tokens' roles where their names say them (BERT's [CLS], [SEP], [MASK], [PAD], [UNK], whose texts
+transformers then frames as "[CLS] text [SEP]"; <s>, </s>, <pad>, <unk>, <mask>), else the first special token as bos,
+eos and unk (GPT-2's convention), so `lmforge.tokenizers` and transformers' `AutoTokenizer` both load the folder.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from lmforge.data.inputs import describe, find_inputs, open_binary, plan, records
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_dir
+
+# Special tokens whose name says their role (tokenizer_config.json's key for it).
+ROLES = {"[PAD]": "pad_token", "[CLS]": "cls_token", "[SEP]": "sep_token", "[MASK]": "mask_token", "[UNK]": "unk_token",
+         "<s>": "bos_token", "</s>": "eos_token", "<pad>": "pad_token", "<unk>": "unk_token", "<mask>": "mask_token"}
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +132,15 @@ def train_tokenizer(
                        tok.get_vocab_size(), min_frequency, vocab_size)
 
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": False}
-    if special_tokens:
+    roles = {ROLES[s]: s for s in special_tokens if s in ROLES}
+    if roles:  # BERT's [CLS] [SEP] [MASK] [PAD] [UNK], or <s> </s> <pad> <unk> <mask>: each in its role
+        config |= roles
+        if "cls_token" in roles and "sep_token" in roles:  # transformers' tokenizer then frames a text as BERT's
+            cls, sep = roles["cls_token"], roles["sep_token"]
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+                special_tokens=[(cls, special_tokens.index(cls)), (sep, special_tokens.index(sep))])
+    elif special_tokens:  # GPT-2's convention: one <|endoftext|> for all three
         config |= {"bos_token": special_tokens[0], "eos_token": special_tokens[0], "unk_token": special_tokens[0]}
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         tok.save(str(tmp / "tokenizer.json"))

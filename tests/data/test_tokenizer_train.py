@@ -112,3 +112,19 @@ def test_parquet_and_zst_inputs_give_the_jsonl_texts(tmp_path):
     pq.write_table(pa.table({"text": ["ok", None]}), tmp_path / "c.parquet")
     with pytest.raises(UserError, match=r"c\.parquet row 1: 'text' must be a string, got NoneType"):
         list(iter_texts([tmp_path / "c.parquet"]))
+
+
+def test_bert_special_tokens_take_their_roles_in_transformers(tmp_path, shakespeare):
+    """Trained with BERT's special tokens, tokenizer_config.json named [PAD] as bos, eos and unk and no mask token:
+    the MLM export failed transformers' fill-mask pipeline ("does not define a mask_token")."""
+    tf = pytest.importorskip("transformers")
+    out = tmp_path / "bert-tok"
+    specials = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")
+    train_tokenizer([shakespeare], 600, out, special_tokens=specials)
+    reference = tf.AutoTokenizer.from_pretrained(out)
+    assert (reference.pad_token, reference.cls_token, reference.sep_token, reference.mask_token,
+            reference.unk_token) == specials
+    assert reference.bos_token is None and reference.eos_token is None
+    framed = reference("To be or not").input_ids
+    ours = load_tokenizer(out)
+    assert framed == [1, *ours.encode("To be or not"), 2]  # "[CLS] text [SEP]" there; plain ids here (MLM frames)
