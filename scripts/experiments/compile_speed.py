@@ -65,6 +65,13 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
             }
         result["compiled_over_eager_tokens_per_second"] = (
             result["compiled"]["tokens_per_second"] / result["eager"]["tokens_per_second"])
+        # The ratio to read: per step, eager's time over compiled's on the same batch, the median over the timed
+        # steps. The sums above take in a recompilation (a new shape) landing in the timed steps whole; a slow step
+        # of either side (another process's burst on a busy machine) moves this median little.
+        result["compiled_speedup_median_paired"] = statistics.median(
+            e / c for e, c in zip(measured["eager"], measured["compiled"], strict=True))
+        slow = 3 * result["compiled"]["median_step_s"]
+        result["compiled_steps_over_3x_median"] = sum(c > slow for c in measured["compiled"])  # recompilations
         return result
 
 
