@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,8 @@ def summarize(run: Run) -> dict[str, Any]:
 
     * throughput (tokens/s, sequences/s, MFU) is steady state: each segment's first step (the one
       carrying `time_to_first_step`, where compilation and warm-up land) is left out, unless it is
-      the only step; MFU is weighted by step time, i.e. model FLOPs done / (peak x time).
+      the only step, and so are steps over 4x the median step (a recompilation for a new shape); MFU is
+      weighted by step time, i.e. model FLOPs done / (peak x time).
     * time = start-up (`time_to_first_step` minus that step) + the sum of step times; validation and
       checkpoint writes are not timed by the trainer and are not included.
     * cost = the run's price an hour (usd_per_hour: every node's) x time; tokens per dollar = tokens / cost.
@@ -111,6 +113,9 @@ def summarize(run: Run) -> dict[str, Any]:
     rows = run.rows
     timed = [r for r in rows if _num(r.get("step_time")) and _num(r.get("tokens_per_second"))]
     steady = [r for r in timed if "time_to_first_step" not in r] or timed
+    if len(steady) >= 4:  # a step 4x the median is a recompilation (a new shape) or a stall, not the steady state
+        typical = statistics.median(r["step_time"] for r in steady)
+        steady = [r for r in steady if r["step_time"] <= 4 * typical]
     steps = rows[-1]["step"]
     start = _first_step(run)
     logged = len({r["step"] for r in timed})

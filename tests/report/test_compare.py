@@ -89,6 +89,15 @@ def test_table_numbers_equal_the_jsonl_computed_by_hand(tmp_path):
     assert cells["cost ($)"] == "0.0075" and cells["tokens/$"] == "53,333" and cells["val acc"] == "-"
 
 
+def test_a_recompiled_step_is_not_steady_state(tmp_path):
+    """A compiled run recompiling for a new shape (several 2-4.5 s steps among 0.2 s ones) read 3x slower than eager
+    in compare's tokens/s; those steps count in its time and cost, not in its throughput."""
+    rows = _rows([40.0] + [0.2] * 8 + [4.5, 0.2, 2.5, 0.2])
+    s = summarize(load_run(_write_run(tmp_path / "a", rows, _config())))
+    assert s["tokens_per_second"] == pytest.approx(100 / 0.2)  # the 0.2 s steps
+    assert s["time_s"] == pytest.approx(3.0 + 40.0 + 0.2 * 10 + 4.5 + 2.5)  # all of them, start-up included
+
+
 def test_the_cost_of_a_multi_node_run_counts_every_node(tmp_path):
     """cost.usd_per_hour prices one node and the trainer's tokens_per_dollar pays for every node; compare priced the
     run at one node's rate (a 2-node run at half its cost)."""
