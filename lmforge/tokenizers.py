@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 # Files Hugging Face keeps next to a tokenizer: they name bos/eos/pad and travel with it on export.
 CONFIG_FILES = ("special_tokens_map.json", "tokenizer_config.json")
+_SAID: set[Path] = set()  # tokenizer files whose loading was logged at INFO
 # GPT-NeoX's own HFTokenizer takes "<|padding|>" as pad; the other two are the BERT/T5-era names.
 PAD_TOKENS = ("<|padding|>", "<pad>", "[PAD]")
 ENDOFTEXT = "<|endoftext|>"
@@ -337,8 +338,9 @@ class SentencePieceTokenizer(Tokenizer):
         return i if self._sp.id_to_piece(i) == tok else None
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a tokenizer from a file or a folder (see the module docstring for the kinds)."""
+def load_tokenizer(path: str | Path, quiet: bool = False) -> Tokenizer:
+    """Load a tokenizer from a file or a folder (see the module docstring for the kinds); `quiet`: its line at
+    DEBUG (a copy being exported, not the run's tokenizer)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"tokenizer path {path} does not exist: {KINDS_HINT}")
@@ -357,7 +359,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = SentencePieceTokenizer(_wrap("a SentencePiece model", spm.SentencePieceProcessor, file), [file])
     else:
         raise UserError(f"unknown tokenizer file kind {file}: {KINDS_HINT}")
-    logger.info("loaded %r", tok)
+    # Once per file and process at INFO: a run's start, its export and the export's folder each load it again.
+    logger.log(logging.DEBUG if quiet or file.resolve() in _SAID else logging.INFO, "loaded %r", tok)
+    _SAID.add(file.resolve())
     if tok.vocab_size < 100:  # no real vocabulary is this small; a byte-level one alone has 256 pieces
         others = sorted(f.name for f in file.parent.iterdir() if f != file and f.name.endswith((".json", ".model"))
                         and "tokenizer" in f.name) if path.is_dir() else []
@@ -372,7 +376,7 @@ def folder_tokenizer(folder: Path) -> Tokenizer | None:
         _find_in_dir(Path(folder))
     except UserError:
         return None
-    return load_tokenizer(folder)
+    return load_tokenizer(folder, quiet=True)
 
 
 def _find_in_dir(d: Path) -> Path:
