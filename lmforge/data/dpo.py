@@ -106,10 +106,14 @@ class PreferenceDataset(Dataset):
         if not self.pairs:
             raise UserError(f"{path}: no preference pair fits seq_length {seq_length}: raise it or set "
                             "data.truncate=cut")
-        logger.info("%s: %d preference pairs; %d longer than seq_length %d: %d cut to it, %d dropped (truncate=%s)%s",
-                    path, len(self.pairs), self.num_dropped + self.num_cut, seq_length, self.num_cut,
-                    self.num_dropped, truncate, "; reference log-probs from the file (which cover whole answers: a "
-                    "pair that does not fit is dropped, never cut)" if self.has_reference else "")
+        tokens = sum(len(ids) for pair in self.pairs for ids, _ in pair[:2])
+        logger.info("%s: %d of %d preference pairs kept, %d tokens; %d longer than seq_length %d (prompt and answer "
+                    "cut from the end, both sides alike): %d cut to it, %d dropped (truncate=%s%s)%s", path,
+                    len(self.pairs), len(refs), tokens, self.num_dropped + self.num_cut, seq_length, self.num_cut,
+                    self.num_dropped, truncate,
+                    ": a pair cut to no answer token is dropped" if truncate == "cut" else "",
+                    "; reference log-probs from the file (which cover whole answers: a pair that does not fit is "
+                    "dropped, never cut)" if self.has_reference else "")
 
     def __len__(self) -> int:
         return len(self.pairs)
