@@ -61,6 +61,8 @@ def run_inspect(args: argparse.Namespace):
               f"{s.tokens:,} tokens, {s.dtype} (.bin {_size(s.bin_bytes)}, .idx {_size(s.idx_bytes)})")
         if not s.documents:
             continue
+        if s.mismatch:
+            print(f"warning: {s.mismatch}")
         print(f"tokens per document: min {s.min_tokens:,}, mean {s.mean_tokens:,.1f}, max {s.max_tokens:,}")
         spans = [f"{b.low:,}" if b.low == b.high else f"{b.low:,}-{b.high:,}" for b in s.histogram]
         width, peak = max(map(len, spans), default=0), max((b.documents for b in s.histogram), default=1)

@@ -45,6 +45,30 @@ class DatasetSummary:
     first_documents: list[list[int]] = field(default_factory=list)  # their ids
     decoded: list[str] | None = None  # their text, when a tokenizer was given
     tokenizer: str | None = None
+    mismatch: str | None = None  # why the data looks made by another tokenizer (foreign_end_marker)
+
+
+def foreign_end_marker(ds: IndexedDataset, tokenizer: Tokenizer) -> str | None:
+    """Why a dataset looks made by another tokenizer, or None: nearly all its documents end in one token that is not
+    the tokenizer's end of document, and which they never hold elsewhere (an end-of-document marker appended by
+    another tokenizer: GPT-2's 50256 read by a Pythia model, whose id 50256 is a rare added token). Its ids are in
+    range, so nothing else notices. (A period ends most articles too, but not only there.) Up to 256 documents'
+    last 2,048 tokens are read."""
+    if tokenizer.eod_id is None or ds.num_documents < 8:  # too few to tell a marker from the documents' last words
+        return None
+    picks = np.unique(np.linspace(0, ds.num_documents - 1, min(ds.num_documents, 256)).astype(np.int64))
+    tails = [tail for tail in (ds.document(int(d))[-2048:] for d in picks) if len(tail)]
+    if not tails:
+        return None
+    values, counts = np.unique([int(tail[-1]) for tail in tails], return_counts=True)
+    marker = int(values[counts.argmax()])
+    inside = sum(bool((tail[:-1] == marker).any()) for tail in tails)
+    if marker == tokenizer.eod_id or counts.max() < 0.9 * len(tails) or inside > 0.02 * len(tails):
+        return None
+    return (f"data prefix '{ds.prefix}': {counts.max()} of {len(tails)} documents sampled end in token {marker} "
+            f"({tokenizer.decode([marker])!r} to this tokenizer) and hold it nowhere else, but this tokenizer's end of "
+            f"document is {tokenizer.eod_id}: was it preprocessed with another tokenizer? Preprocess it with the "
+            "model's (data.tokenizer / the one beside model.init_from)")
 
 
 def find_prefixes(prefix: str | Path) -> list[str]:
@@ -95,7 +119,7 @@ def summarize(prefix: str | Path, tokenizer: str | Path | Tokenizer | None = Non
         tokens=tokens, bin_bytes=bin_path(ds.prefix).stat().st_size, idx_bytes=idx_path(ds.prefix).stat().st_size,
         min_tokens=low or 0, max_tokens=high, mean_tokens=tokens / docs if docs else 0.0, histogram=histogram,
         first_documents=first, decoded=[tok.decode(ids) for ids in first] if tok else None,
-        tokenizer=str(tok.files[0]) if tok else None,
+        tokenizer=str(tok.files[0]) if tok else None, mismatch=foreign_end_marker(ds, tok) if tok else None,
     )
 
 

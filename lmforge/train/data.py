@@ -81,28 +81,12 @@ def check_token_ids(indexed: list[IndexedDataset], vocab_size: int, cache_dir: s
 
 
 def check_document_ends(indexed: list[IndexedDataset], tokenizer) -> None:
-    """A warning for a prefix whose documents nearly all end in one token that is not the tokenizer's end of
-    document, and which they never hold elsewhere: an end-of-document marker appended by another tokenizer (GPT-2's
-    50256 read by a Pythia model, whose id 50256 is a rare added token). Its ids are in range, so nothing else
-    notices, and the run would train on text its tokenizer reads as something else. (A period ends most articles
-    too, but not only there.) Up to 256 documents' last 2,048 tokens are read."""
-    if tokenizer is None or tokenizer.eod_id is None:
-        return
-    for ds in indexed:
-        if ds.num_documents < 8:  # too few to tell a marker from the documents' own last words
-            continue
-        picks = np.unique(np.linspace(0, ds.num_documents - 1, min(ds.num_documents, 256)).astype(np.int64))
-        tails = [tail for tail in (ds.document(int(d))[-2048:] for d in picks) if len(tail)]
-        if not tails:
-            continue
-        values, counts = np.unique([int(tail[-1]) for tail in tails], return_counts=True)
-        marker = int(values[counts.argmax()])
-        inside = sum(bool((tail[:-1] == marker).any()) for tail in tails)
-        if marker != tokenizer.eod_id and counts.max() >= 0.9 * len(tails) and inside <= 0.02 * len(tails):
-            log.warning("data prefix '%s': %d of %d documents sampled end in token %d (%r to this tokenizer) and hold "
-                        "it nowhere else, but this tokenizer's end of document is %d: was it preprocessed with another "
-                        "tokenizer? Preprocess it with the model's (data.tokenizer / the one beside model.init_from)",
-                        ds.prefix, counts.max(), len(tails), marker, tokenizer.decode([marker]), tokenizer.eod_id)
+    """A warning for each prefix that looks made by another tokenizer (lmforge.data.summary.foreign_end_marker)."""
+    from lmforge.data.summary import foreign_end_marker
+
+    for ds in indexed if tokenizer is not None else []:
+        if (line := foreign_end_marker(ds, tokenizer)) is not None:
+            log.warning("%s", line)
 
 
 def check_tokenizer_holds(indexed: list[IndexedDataset], tokenizer, cache_dir: str | Path | None = None) -> None:

@@ -53,3 +53,18 @@ def test_first_documents_decode_and_the_cli_prints_them(tmp_path, gpt2, capsys):
     assert "[1] 13 tokens: 'A second ...'" in out
     with pytest.raises(UserError, match=r"no dataset \S*nothing\.bin/\.idx \(nor \S*nothing_<key>_document"):
         summarize_all(tmp_path / "nothing")
+
+
+def test_inspect_says_when_the_data_looks_made_by_another_tokenizer(shared_data, tmp_path, capsys):
+    """Pretraining warns when documents end in a marker that is not its tokenizer's end of document; inspect, with
+    that same tokenizer, decoded the documents as garbage without a word."""
+    gpt2_tok = load_tokenizer(shared_data / "tokenizers" / "gpt2")
+    prefix = tmp_path / "g_text_document"
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for i in range(20):
+            w.add_document(gpt2_tok.encode(f"Line {i}. It says {i * 3}.") + [gpt2_tok.eod_id], None)
+    assert summarize(prefix, gpt2_tok).mismatch is None
+    neox = shared_data / "tokenizers" / "gpt-neox-20b"
+    assert "end in token 50256" in summarize(prefix, neox).mismatch
+    assert main(["data", "inspect", str(prefix), "--tokenizer", str(neox)]) == 0
+    assert "warning: data prefix" in capsys.readouterr().out
