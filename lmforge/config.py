@@ -46,6 +46,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         sub = _dataclass_in(hints[key])
         if sub and isinstance(value, dict):
             kwargs[key] = from_dict(sub, value, f"{where}{key}.")
+        elif sub and not (value is None and type(None) in typing.get_args(hints[key])):
+            raise UserError(f"config section '{where}{key}' must be a mapping, got {value!r}: set its keys "
+                            f"('{where}{key}.NAME=VALUE'), or leave it out for the defaults")
         else:
             kwargs[key] = checked(value, hints[key], f"{where}{key}")
     try:

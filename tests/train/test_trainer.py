@@ -213,6 +213,8 @@ def test_export_hf_refuses_a_damaged_checkpoint_and_writes_nothing(tiny_corpus, 
     (["trainer.precision=bf17"], "trainer.precision='bf17' is not valid (did you mean 'bf16'?)"),
     (["optim.lrr=1"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
     (["model.init_from=/nonexistent"], "does not exist"),
+    (["trainer=null"], "config section 'trainer' must be a mapping, got None"),  # was an AttributeError traceback
+    (["optim=5"], "config section 'optim' must be a mapping, got 5"),
 ])
 def test_bad_configs_fail_before_compute(overrides, message, tiny_corpus, tmp_path):
     with pytest.raises(UserError) as e:
