@@ -142,7 +142,7 @@ class ModelConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # a list: each ends a generation (Llama 3.1 Instruct, Gemma 3)
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:

@@ -184,3 +184,13 @@ def test_autotokenizer_on_the_export_gives_lmforges_ids(name, tokenizer, shared_
     # lmforge reads the export's tokenizer files as it read the source's
     again = load_tokenizer(tmp_path / "hf")
     assert again.encode(article, add_bos=again.add_bos_token) == tok.encode(article, add_bos=tok.add_bos_token)
+
+
+def test_a_list_of_eos_ids_is_read_back_and_exported(tmp_path):
+    """Llama 3.1 Instruct's and Gemma 3's config.json list several eos ids: the imported folder could not be read
+    again (generate, serve, export-hf and a fine-tune's export all failed on 'expected an integer')."""
+    cfg = dataclasses.replace(preset("tiny-neox"), eos_token_id=[0, 2])
+    save_model(build(cfg), tmp_path / "m")
+    assert read_config(tmp_path / "m").eos_token_id == [0, 2]
+    export_hf(tmp_path / "m", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == [0, 2]
