@@ -105,19 +105,12 @@ def chat_prompts(tokenizer, folder: Path, prompts: list[str], system: str | None
 def sampling_defaults(args: argparse.Namespace, folder: Path) -> tuple[float, int | None, float | None]:
     """(temperature, top_k, top_p): the flags given; with none of them, what the model's generation_config.json
     asks for (transformers' generate reads it the same way: sampling only where it says do_sample), else greedy."""
-    import json
-
-    from lmforge.models.source import model_origin
+    from lmforge.models.source import generation_config
 
     if args.temperature is not None or args.top_k is not None or args.top_p is not None:
         return (1.0 if args.temperature is None else args.temperature), args.top_k, args.top_p
-    origin = model_origin(folder)
-    path = origin / "generation_config.json" if origin is not None else None
-    try:
-        config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    except (OSError, ValueError):
-        config = {}
-    if not isinstance(config, dict) or not config.get("do_sample"):
+    config, path = generation_config(folder)
+    if not config.get("do_sample"):
         return 0.0, None, None
     temperature, top_k, top_p = config.get("temperature", 1.0), config.get("top_k"), config.get("top_p")
     log.info("sampling as %s asks (temperature %s, top_k %s, top_p %s): --temperature 0 for greedy", path,

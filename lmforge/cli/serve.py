@@ -129,10 +129,26 @@ def load_served(folder: Path, lora: str | None, device, dtype):
     from lmforge.serve.chat import read_chat_template
 
     model = load_pretrained(folder, device=device, dtype=dtype)
+    add_generation_eos(model, folder)
     if not lora:
         return model, folder
     load_peft_adapter(model, lora)
     return merge_lora(model), Path(lora) if read_chat_template(lora) else folder
+
+
+def add_generation_eos(model, folder: Path) -> None:
+    """Adds to the model config's eos ids those of the folder's generation_config.json: transformers' generate and
+    vLLM stop at them too (Phi-3's <|end|>, Gemma's <end_of_turn> are there only)."""
+    from lmforge.inference.text import token_ids
+    from lmforge.models.source import generation_config
+
+    have = token_ids(model.config.eos_token_id)
+    try:
+        more = token_ids(generation_config(folder)[0].get("eos_token_id")) - have
+    except TypeError:  # not an id or a list of ids: transformers would refuse the file; nothing to add
+        return
+    if more and all(isinstance(i, int) and 0 <= i < model.config.vocab_size for i in more):
+        model.config.eos_token_id = sorted(have | more)
 
 
 def served_name(folder: Path) -> str:

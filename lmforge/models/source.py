@@ -163,6 +163,20 @@ def model_origin(folder: str | Path | None) -> Path | None:
     return None
 
 
+def generation_config(folder: str | Path | None) -> tuple[dict, Path | None]:
+    """(the generation_config.json of the folder a model came from (model_origin), its path): ({}, None) where there
+    is none, or ({}, path) where it does not read as a JSON object."""
+    origin = model_origin(folder)
+    path = origin / "generation_config.json" if origin is not None else None
+    if path is None or not path.is_file():
+        return {}, None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}, path
+    return (config if isinstance(config, dict) else {}), path
+
+
 def run_path(checkpoint: str | Path, recorded: str) -> Path:
     """A path a training checkpoint's run config records (model.init_from, data.tokenizer), for a reader anywhere:
     a relative one is the run's, from the folder the run was started in (trainer.json's `working_dir`; for older

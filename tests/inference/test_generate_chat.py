@@ -72,3 +72,26 @@ def test_a_classifier_is_refused_by_what_it_is():
     with pytest.raises(UserError, match=r"^cannot score lm-eval's requests with a sequence classifier \(its head "
                                         r"scores labels, not tokens\): give a decoder language model$"):
         check_can_generate(classifier, "score lm-eval's requests")
+
+
+def test_cli_stops_at_the_eos_ids_of_generation_config(text_model, tmp_path, capsys):  # noqa: F811 (the fixture)
+    """Phi-3 and Gemma list their end-of-turn token as an eos in generation_config.json only; transformers' generate
+    and vLLM stop there, `lmforge generate` and `serve` ran on to max_tokens."""
+    import json
+    import shutil
+
+    from tests.inference.test_generate import _word_tokenizer
+
+    folder, model, tok = text_model
+    words = generate_text(model, tok, ["t5 t17 t33"], 8, do_sample=False, stop_token_ids=[])[0].split()
+    end = next(w for w in words[2:] if w not in words[:2])  # a word whose first place is the third or later
+    turn = tmp_path / "turn"
+    shutil.copytree(folder, turn)
+    special = _word_tokenizer()
+    special.add_special_tokens([end])  # the end-of-turn token, special to its tokenizer as Phi-3's <|end|> is
+    special.save(str(turn / "tokenizer.json"))
+    run(_cli([str(turn), "--prompt", "t5 t17 t33", "--max-new-tokens", "8"]))
+    assert capsys.readouterr().out.split() == words
+    (turn / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, tok.token_to_id(end)]}))
+    run(_cli([str(turn), "--prompt", "t5 t17 t33", "--max-new-tokens", "8"]))
+    assert capsys.readouterr().out.split() == words[:words.index(end)]
