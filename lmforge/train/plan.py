@@ -117,6 +117,7 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     """Trace one training step of `cfg` over `world_size` ranks computing on `device`; a UserError if a rank's
     peak exceeds `device_memory` bytes."""
     from lmforge.parallel.fake import trace_device
+    from lmforge.parallel.mesh import check_model
     from lmforge.train.lora import check_qlora
     from lmforge.train.plan_sizing import nf4_as_traced, notes, sized
     from lmforge.train.setup import check_fit
@@ -134,6 +135,7 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     task = get_task(cfg.data.task)
     layout = parallel_layout(cfg, world_size)
     mcfg = dataclasses.replace(cfg.model.resolve(), num_labels=task.example_labels)
+    check_model(layout, mcfg)  # the run's refusals: the trace below changes the depth, and would not see them
     t = cfg.trainer
     grad_accum = check_fit(cfg, mcfg, layout.data_parallel)
     layout = check_pipeline_batch(layout, grad_accum, t.micro_batch_size, t.global_batch_size, layout.data_parallel)

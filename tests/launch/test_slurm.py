@@ -120,3 +120,19 @@ def test_overrides_with_spaces_reach_lmforge_whole(slurm_env, tmp_path, script):
     start = argv.index("lmforge.cli") + 2  # after the verb
     assert argv[start:start + 4] == args
     assert f"trainer.compile_cache_dir={tmp_path / 'a cache'}" in argv
+
+
+def test_a_spooled_copy_submitted_from_elsewhere_finds_its_helpers(slurm_env, tmp_path):
+    """sbatch runs a copy of the script from its spool folder: the copy found common.sh only when the job was
+    submitted from the checkout (scripts/slurm/common.sh relative to the working folder)."""
+    shims = Path(slurm_env["PATH"].split(":")[0])
+    (shims / "torchrun").write_text("#!/usr/bin/env bash\n")
+    (shims / "torchrun").chmod(0o755)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "slurm_script").write_text((SLURM / "pretrain.sbatch").read_text())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run(["bash", str(spool / "slurm_script"), "my.yaml"], cwd=elsewhere, env=slurm_env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -87,6 +87,7 @@ CASES = {
     "deep_whole": _case(2, "model.num_layers=8", "trainer.data_parallel=fsdp", shallow=4),
     "world_3_tp_2": _case(3, "parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
     "unknown_device": _case(2, device="nope"),
+    "layers_3_stages": _case(3, "parallel.pipeline=3"),  # 2 layers: the run refuses it, the plan traced 3 stages
     # FSDP2's mixed precision: bf16 all-gathers, reduce-scatters in parallel.fsdp_reduce_dtype (fp32 by default).
     "fsdp_fp32": _case(2, "trainer.data_parallel=fsdp"),
     "bf16_mixed_reduce_bf16": _case(2, "trainer.precision=bf16-mixed", "trainer.data_parallel=fsdp",
@@ -194,6 +195,7 @@ def test_bad_input_is_one_line(planned):
     assert planned["unknown_device"]["error"] == "UserError" and "--device 'nope'" in planned["unknown_device"][
         "message"]
     assert planned["no_room"]["error"] == "UserError"
+    assert "model.num_layers=2 is not divisible by parallel.pipeline=3" in planned["layers_3_stages"]["message"]
     assert "GiB at its peak" in planned["no_room"]["message"] and "--device-memory 0.0 GiB" in planned["no_room"][
         "message"]
 
