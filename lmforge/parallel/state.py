@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def _grads(pm) -> list[torch.Tensor]:
@@ -22,26 +22,50 @@ def _grads(pm) -> list[torch.Tensor]:
     return out
 
 
-def grad_norm(pm) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient (float64 scalar, equal on every rank).
+# CPU's fp32 norm kernel sums each SIMD lane sequentially: over an embedding-sized gradient (millions of elements) it
+# is ~1e-3 relative off, and off differently for each way the tensor is sharded, so clipping (and every later step)
+# would depend on the layout. Chunks of this many elements keep each sequential run short (~1e-7), at ~1.3x the time.
+_CHUNK = 1 << 16
 
-    DTensor gradients (FSDP, TP) are grouped by mesh and placements; each group's norm is reduced
-    over its mesh once. Plain gradients are replicated wherever they exist. Pipeline stages hold
-    disjoint parameters: squares are summed over the pipeline group.
+
+def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """Σ t² as a float64 scalar, accumulated in fp32 in chunks of _CHUNK elements on CPU (accelerators reduce in
+    trees already)."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu" or flat.numel() <= _CHUNK:
+        return torch.linalg.vector_norm(flat, dtype=torch.float32).double() ** 2
+    chunks = torch.stack(torch._foreach_norm(list(flat.float().split(_CHUNK))))  # one call, as clip_grad_norm_
+    return (chunks.double() ** 2).sum()
+
+
+def _placements_of_squares(placements) -> list:
+    """How a sum of squares over each rank's local shard combines over the mesh: summed where the tensor is sharded,
+    the same everywhere it is replicated. (FSDP over TP shards with torch's _StridedShard, which is_shard() does not
+    count as a Shard in every release.)"""
+    return [Replicate() if p.is_replicate() else Partial("sum") for p in placements]
+
+
+def grad_norm(pm) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (float64 scalar, equal on every rank, equal for every layout).
+
+    DTensor gradients (FSDP, TP) are grouped by mesh and placements; each group's local sum of squares is reduced
+    over its mesh once (a partial gradient is reduced first). Plain gradients are replicated wherever they exist.
+    Pipeline stages hold disjoint parameters: squares are summed over the pipeline group.
     """
     groups: dict[tuple, list[torch.Tensor]] = {}
     # The sum lives on the model's device: a pipeline group on NCCL has no backend for CPU tensors.
     total = torch.zeros((), dtype=torch.float64, device=pm.device)
     for g in _grads(pm):
         if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
             groups.setdefault((g.device_mesh, g.placements), []).append(g)
         else:
-            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2
-    for group in groups.values():
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in group])
-        norm = torch.linalg.vector_norm(norms)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total += norm.double() ** 2
+            total += _sum_of_squares(g)
+    for (mesh, placements), group in groups.items():
+        local = torch.stack([_sum_of_squares(g.to_local()) for g in group]).sum()
+        squares = DTensor.from_local(local, mesh, _placements_of_squares(placements), run_check=False)
+        total += squares.full_tensor().to(total.device)
     if pm.mesh is not None and pm.size("pp") > 1:
         dist.all_reduce(total, group=pm.mesh["pp"].get_group())
     return total.sqrt()
