@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(its do_sample, temperature, top_k, top_p), else greedy; --top-k/--top-p alone sample at 1.0")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass >= p")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1.0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages repeats (1.0 = off). Default: the folder's generation_config.json, else off")
     p.add_argument("--stop", action="append", default=[], help="stop at this text (not printed); repeatable")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     texts = generate_text(
         model, tokenizer, prompts, args.max_new_tokens, stop=stop, temperature=temperature,
-        top_k=top_k, top_p=top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty(args, Path(args.model_dir)), seed=args.seed,
         compile=args.compile or False,
     )
     log.info("generated %d completion(s) in %.2f s", len(texts), time.perf_counter() - start)
@@ -100,6 +101,17 @@ def chat_prompts(tokenizer, folder: Path, prompts: list[str], system: str | None
     except APIError as e:
         fix = "drop --system if it takes no system message" if system is not None else "prompt without --chat"
         raise UserError(f"{e.message}: {fix}") from None
+
+
+def repetition_penalty(args: argparse.Namespace, folder: Path) -> float:
+    """--repetition-penalty, else the model's generation_config.json's (transformers' generate applies it, greedy or
+    sampled), else 1.0 (off)."""
+    from lmforge.models.source import generation_config
+
+    if args.repetition_penalty is not None:
+        return args.repetition_penalty
+    value = generation_config(folder)[0].get("repetition_penalty")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else 1.0
 
 
 def sampling_defaults(args: argparse.Namespace, folder: Path) -> tuple[float, int | None, float | None]:

@@ -95,3 +95,20 @@ def test_cli_stops_at_the_eos_ids_of_generation_config(text_model, tmp_path, cap
     (turn / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, tok.token_to_id(end)]}))
     run(_cli([str(turn), "--prompt", "t5 t17 t33", "--max-new-tokens", "8"]))
     assert capsys.readouterr().out.split() == words[:words.index(end)]
+
+
+def test_cli_applies_the_repetition_penalty_of_generation_config(text_model, tmp_path, capsys):  # noqa: F811
+    """transformers' generate applies generation_config.json's repetition_penalty, greedy too; lmforge ignored it."""
+    import json
+    import shutil
+
+    folder, model, tok = text_model
+    penalized = generate_text(model, tok, ["t5 t17 t33"], 12, do_sample=False, repetition_penalty=3.0)[0]
+    assert penalized != generate_text(model, tok, ["t5 t17 t33"], 12, do_sample=False)[0]
+    penalty = tmp_path / "penalty"
+    shutil.copytree(folder, penalty)
+    (penalty / "generation_config.json").write_text(json.dumps({"repetition_penalty": 3.0}))
+    run(_cli([str(penalty), "--prompt", "t5 t17 t33", "--max-new-tokens", "12"]))
+    assert capsys.readouterr().out == penalized + "\n"
+    run(_cli([str(penalty), "--prompt", "t5 t17 t33", "--max-new-tokens", "12", "--repetition-penalty", "1"]))
+    assert capsys.readouterr().out != penalized + "\n"
