@@ -299,8 +299,9 @@ class MetricSink:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                # purge_step: a resumed run hides the events a killed run wrote past its checkpoint.
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step or None)
+                # purge_step: readers hide the events earlier writers logged at steps >= it (a resumed run's
+                # start + 1 drops what a killed run logged past its checkpoint; 1, a restart from scratch, all).
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
             except ImportError:
                 log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
 

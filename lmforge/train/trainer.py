@@ -263,7 +263,8 @@ class Trainer:
                 if (full := out_of_space(e, self.run_dir, fix=DISK_FIX)) is None:
                     raise
                 raise full from None
-        sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start)
+        # TensorBoard hides events at steps >= purge_step: those a killed run logged past the checkpoint, not its own.
+        sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start + 1)
         if world.is_main:
             log.info("peak %.3g TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,
                      self.peak_source, self.flops_per_token)

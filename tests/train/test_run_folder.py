@@ -1,0 +1,45 @@
+"""What a run leaves in its folder across interruptions and reruns: TensorBoard steps, a finished run's record."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from lmforge.train.trainer import Trainer
+from tests.train.conftest import run_config
+
+
+def _scalars(run_dir, tag: str) -> list[int]:
+    """The steps TensorBoard shows for `tag` (EventAccumulator applies the purges writers recorded)."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+
+
+def test_tensorboard_shows_every_step_once_after_a_resume(tiny_corpus, tmp_path):
+    """A run killed after logging steps 5-6 but before saving step 6 resumes from step 4: TensorBoard drops what it
+    logged past step 4, and keeps step 4's own points (its validation among them)."""
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "run"
+    args = ("trainer.max_steps=6", "checkpoint.every_n_steps=4", "trainer.val_check_interval=4",
+            "checkpoint.save_top_k=-1")
+    Trainer(run_config(tiny_corpus, run, *args)).fit()
+    shutil.rmtree(run / "checkpoints" / "step-00000006")  # as if killed before the final save
+    resumed = Trainer(run_config(tiny_corpus, run, *args))
+    assert resumed.state["step"] == 4
+    resumed.fit()
+    assert _scalars(run, "train/loss") == [1, 2, 3, 4, 5, 6]
+    assert _scalars(run, "val/loss") == [4, 6]
+
+
+def test_tensorboard_of_a_restart_from_scratch_has_no_duplicates(tiny_corpus, tmp_path):
+    """Killed before its first checkpoint, the run starts again at step 0: the first attempt's events go."""
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "run"
+    args = ("trainer.max_steps=3", "trainer.val_check_interval=0")
+    Trainer(run_config(tiny_corpus, run, *args)).fit()
+    shutil.rmtree(run / "checkpoints")  # as if killed before its first checkpoint
+    Trainer(run_config(tiny_corpus, run, *args)).fit()
+    assert _scalars(run, "train/loss") == [1, 2, 3]
