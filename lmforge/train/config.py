@@ -28,6 +28,7 @@ from lmforge.models.config import ModelConfig
 from lmforge.models.lora import LoRAConfig
 from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
+from lmforge.train.config_checks import check_run
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class TrainerConfig:
     micro_batch_size: int = 1
     precision: str = "auto"  # auto: bf16-mixed where the device has bf16 matrix units, else fp32 (precision_for)
     grad_clip: float = 1.0
-    val_check_interval: int = 100  # steps between validations; 0 = never
+    val_check_interval: int = 100  # steps between validations (and at the last step); 0 = never
     val_batches: int = 4  # global batches per validation
     log_every_n_steps: int = 1
     seed: int = 1234
@@ -332,9 +333,7 @@ class RunConfig:
         _choice("checkpoint.mode", self.checkpoint.mode, ("min", "max"))
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))
         _choice("trainer.float8_recipe", t.float8_recipe, ("tensorwise", "rowwise"))
-        for name in ("max_steps", "global_batch_size", "micro_batch_size"):
-            if getattr(t, name) < 1:
-                raise UserError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+        check_run(self)  # the values no run can use (negative steps, betas that are not two, ...)
 
     @property
     def precision(self) -> Precision:

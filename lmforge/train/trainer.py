@@ -31,6 +31,7 @@ from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
+from lmforge.train.config_checks import schedule_warning
 from lmforge.train.data import loader_workers, micro_batches
 from lmforge.train.downstream import DownstreamEval
 from lmforge.train.float8 import check_float8, convert_to_float8
@@ -102,6 +103,8 @@ class Trainer:
             from lmforge.devices import bf16_matmul
 
             log.info("trainer.precision=auto: %s (%s)", precision.name, bf16_matmul(self.world.device)[1])
+        if self.world.is_main and (warning := schedule_warning(cfg)):
+            log.warning(warning)
         if set_tf32(self.world.device, t.tf32) and self.world.is_main:
             log.info("fp32 matrix products on %s: %s", self.world.device.type,
                      "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")

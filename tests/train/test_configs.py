@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.errors import UserError
 from lmforge.models import build, num_parameters, preset
 from lmforge.parallel import check_model
 from lmforge.train.config import load_run_config, to_yaml
@@ -305,3 +306,36 @@ def test_settings_a_megatron_user_types_get_the_right_fix(override, message):
 
     with pytest.raises(UserError, match=message):
         load_run_config(None, ["model.preset=tiny-neox", override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1)"),
+    ("optim.betas=[0.9,1.0]", "optim.betas must be two numbers in [0, 1)"),
+    ("optim.lr=-1", "optim.lr must be > 0, got -1"),
+    ("optim.lr=0", "optim.lr must be > 0"),
+    ("optim.eps=0", "optim.eps must be > 0"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+    ("optim.min_lr=-1e-5", "optim.min_lr must be >= 0"),
+    ("optim.min_lr=0.01", "optim.min_lr=0.01 is above optim.lr=0.0003"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0"),
+    ("trainer.val_check_interval=-1", "trainer.val_check_interval must be >= 0 (0: no validation)"),
+    ("checkpoint.every_n_steps=-5", "checkpoint.every_n_steps must be >= 0 (0: a checkpoint at the end only)"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps must be >= 1"),
+])
+def test_a_value_no_run_can_use_is_one_line_when_the_config_is_read(override, message):
+    """torch.optim took these as far as the optimizer's first step (an IndexError or ValueError traceback), or the run
+    took them silently (a negative interval validated and saved never)."""
+    with pytest.raises(UserError) as e:
+        load_run_config(None, ["model.preset=tiny-neox", "optim.lr=3e-4", override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("warmup, expected", [(50, "ends at 4% of optim.lr=0.001"), (2, "only at its last step"),
+                                              (1, None), (0, None)])
+def test_a_warmup_the_run_never_finishes_is_said(warmup, expected):
+    from lmforge.train.config_checks import schedule_warning
+
+    cfg = load_run_config(None, ["model.preset=tiny-neox", "trainer.max_steps=2", "optim.lr=1e-3",
+                                 f"optim.warmup_steps={warmup}"])
+    warning = schedule_warning(cfg)
+    assert warning is None if expected is None else expected in warning and "never decays" in warning

@@ -382,3 +382,12 @@ def test_a_monitored_metric_the_run_never_records_is_said_once(tiny_corpus, tmp_
     said = [r.getMessage() for r in caplog.records if "checkpoint.monitor" in r.getMessage()]
     assert said == ["checkpoint.monitor=val_los is not among the metrics the checkpoints record (val_loss, val_ppl): "
                     "retention keeps the newest"]
+
+
+def test_a_warmup_longer_than_the_run_is_one_warning(tiny_corpus, tmp_path, caplog):
+    """The peak learning rate is never reached: the run said nothing."""
+    trainer = Trainer(run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=2", "optim.warmup_steps=50"))
+    trainer.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "warmup_steps" in r.getMessage()]
+    assert warned == ["optim.warmup_steps=50 >= trainer.max_steps=2: the learning rate ends at 4% of optim.lr=0.003 "
+                      "and never decays; shorten the warmup or train longer"]
