@@ -64,12 +64,19 @@ class RunLock:
         while True:
             if not self.run_dir.exists():  # (again where a holder that had made it empty removed it)
                 made = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]  # deepest first
-                self.run_dir.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    _remove_empty([p for p in made if p.is_dir()])  # the parents it made before it failed
+                    raise UserError(self.unwritable_line("cannot be created", e)) from None
                 self.made_dirs = self.made_dirs or made  # the first making names them all
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except FileNotFoundError:
-                continue
+            except OSError as e:
+                if isinstance(e, FileNotFoundError) and not self.run_dir.is_dir():
+                    continue  # a holder ending removed the folder it had made
+                self.release()  # the folders it made, if any
+                raise UserError(self.unwritable_line("cannot be written", e)) from None
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -110,6 +117,13 @@ class RunLock:
         except (ValueError, KeyError, TypeError):
             return False
 
+    def unwritable_line(self, what: str, e: OSError) -> str:
+        cause = e.strerror or str(e)
+        if e.errno == errno.ENOTDIR:  # a file where a folder of the path should be: name it
+            blocking = next((p for p in reversed(self.run_dir.parents) if p.exists() and not p.is_dir()), None)
+            cause = f"'{blocking}' is a file, not a folder" if blocking is not None else cause
+        return f"run_dir '{self.run_dir}' {what}: {cause}: set run_dir to a folder this user can write"
+
     def in_use_line(self, wait: float) -> str:
         try:
             text = self.path.read_text()  # another process's lock: reading it cannot release ours (we hold none)
@@ -127,11 +141,16 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
         made, self.made_dirs = self.made_dirs, []
-        for folder in made:
-            try:
-                folder.rmdir()
-            except OSError:  # the run wrote something there (or another run did): it stays, and so do its parents
-                break
+        _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders`, deepest first, up to the first that is not empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # the run wrote something there (or another run did): it stays, and so do its parents
+            break
 
 
 def hold_run_dir(run_dir: str | Path, wait: float) -> RunLock | None:

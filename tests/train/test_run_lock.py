@@ -169,3 +169,47 @@ def test_a_second_trainer_in_the_same_process_takes_the_folder_without_a_warning
     assert "taking over" not in caplog.text
     second.release()
     first.release()
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line_naming_it(tmp_path):
+    """A file in the path, a folder the system will not let us make: NotADirectoryError / PermissionError tracebacks."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match=r"^run_dir '.*afile/sub/run' cannot be created: '.*afile' is a file, not a "
+                                        r"folder: set run_dir to a folder this user can write$"):
+        RunLock(tmp_path / "afile" / "sub" / "run").acquire(wait=0)
+    if os.path.isdir("/sys/kernel"):  # sysfs: nobody, root included, may make a folder there
+        with pytest.raises(UserError, match=r"^run_dir '/sys/lmforge-test-run' cannot be created: "):
+            RunLock("/sys/lmforge-test-run").acquire(wait=0)
+
+
+def test_a_read_only_run_folder_is_one_line_and_leaves_no_folders(tmp_path, monkeypatch):
+    """A read-only mount (root writes through chmod, so the file system's refusal is simulated): an OSError traceback
+    from the lock's mkdir or open; the parents made before the refusal are removed."""
+    import errno
+    import pathlib
+
+    run_dir = tmp_path / "new" / "parents" / "run"
+    mkdir = pathlib.Path.mkdir
+
+    def refuse_the_leaf(self, *args, **kwargs):
+        if self == run_dir:
+            mkdir(self.parent, parents=True, exist_ok=True)
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", refuse_the_leaf)
+    with pytest.raises(UserError, match=f"^run_dir '{run_dir}' cannot be created: Read-only file system: "):
+        RunLock(run_dir).acquire(wait=0)
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
+    run_dir.mkdir(parents=True)
+    real_open = os.open
+
+    def refuse_the_lock(path, *args):
+        if str(path).endswith(LOCK_FILE):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(os, "open", refuse_the_lock)
+    with pytest.raises(UserError, match=f"^run_dir '{run_dir}' cannot be written: Read-only file system: "):
+        RunLock(run_dir).acquire(wait=0)
