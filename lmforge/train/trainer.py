@@ -6,7 +6,6 @@ and where the weights come from (config.model.init_from).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -22,7 +21,7 @@ from lmforge.checkpoint.manager import DISK_FIX
 from lmforge.checkpoint.rng import seed_all
 from lmforge.devices import set_tf32, synchronize
 from lmforge.errors import UserError
-from lmforge.fsutil import atomic_write, out_of_space, remove_leftovers
+from lmforge.fsutil import atomic_write, out_of_space
 from lmforge.models.config import ModelConfig
 from lmforge.models.source import is_checkpoint, model_origin
 from lmforge.parallel.compose import ParallelModel
@@ -50,6 +49,13 @@ from lmforge.train.metrics import (
 from lmforge.train.optim import lr_at
 from lmforge.train.progress import Progress
 from lmforge.train.resume import ConfigDiff, record_changes
+from lmforge.train.run_files import (
+    end_step,
+    forget_finished,
+    remove_run_leftovers,
+    truncate_metrics,
+    write_finished,
+)
 from lmforge.train.run_lock import hold_run_dir
 from lmforge.train.setup import (
     apply_activation_checkpointing,
@@ -158,7 +164,7 @@ class Trainer:
         self.checkpoints = TrainCheckpoints(self.run_dir / "checkpoints", c.save_top_k, c.monitor, c.mode, c.save_last,
                                             c.async_save)
         self.state = {"step": 0, "consumed_samples": 0, "skipped_steps": 0, "consecutive_skips": 0, "metrics": {},
-                      "elapsed": 0.0}
+                      "elapsed": 0.0, "tokens": 0.0}
         # The newest checkpoint that verifies, once its config is compared with this run's (lmforge.train.resume).
         diff = ConfigDiff(cfg, self.mcfg, self.run_dir)
         resumed = self.checkpoints.resume(self.training, self.optimizer, check=diff)
@@ -169,7 +175,9 @@ class Trainer:
             state.pop("working_dir", None)
             self.state = {"elapsed": 0.0, **state}
             log.info("resumed from %s at step %d", self.resumed_from, self.state["step"])
-        self.finished = resumed is not None and self.state["step"] >= t.max_steps  # a rerun: fit() does nothing
+        # A rerun: fit() does nothing. The step the run ended at may be past its newest checkpoint (run_files.end_step).
+        self.end_step = end_step(self.run_dir, self.state["step"], t.max_steps, self.world.is_main) if resumed else 0
+        self.finished = resumed is not None and self.end_step >= t.max_steps
         # The wall clock of the run goes on from the checkpoint's: a resumed run's `elapsed` continues its curve.
         self.clock_zero = self.started - self.state["elapsed"]
         if cfg.cost.peak_flops or self.finished:  # a finished run rerun trains nothing: no seconds measuring a peak
@@ -252,7 +260,8 @@ class Trainer:
         cfg, t, world = self.cfg, self.cfg.trainer, self.world
         start = self.state["step"]
         if self.finished:  # a rerun of a finished run: nothing to train, nothing to write (summary says so)
-            if cfg.checkpoint.convert_to_hf and not (self.run_dir / "hf").is_dir():  # its export was cut short
+            # Its export was cut short: written again from the end step's checkpoint (where retention kept it).
+            if cfg.checkpoint.convert_to_hf and not (self.run_dir / "hf").is_dir() and start >= t.max_steps:
                 stop.restore()  # an export is no step: Ctrl-C stops it at once (its temporary folder goes with it)
                 self.export_hf(self.run_dir / "hf")
             return {}
@@ -261,6 +270,7 @@ class Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 record_changes(self.run_dir, start, self.resumed_from, self.changes, self.state["consumed_samples"])
                 atomic_write(self.run_dir / "config.yaml", to_yaml(cfg))
+                forget_finished(self.run_dir)  # the run trains on: its end is no longer the one recorded
                 truncate_metrics(self.run_dir / "metrics.jsonl", start)
             except OSError as e:  # a full disk is one line here too, as for a checkpoint
                 if (full := out_of_space(e, self.run_dir, fix=DISK_FIX)) is None:
@@ -302,6 +312,8 @@ class Trainer:
                                 f"{self.checkpoints.latest()}")
             tokens = out.pop("_tokens")  # a count for throughput, not a metric of its own
             self.totals.add(tokens, step_time)
+            if self.state.get("tokens") is not None:  # (None: resumed from a checkpoint that did not count them)
+                self.state["tokens"] += tokens
             last = {**out, "lr": lr, **self._throughput(step_time, tokens)}
             if step == start:  # start-up cost: setup, data, compilation, the first step
                 last["time_to_first_step"] = time.perf_counter() - self.started
@@ -346,16 +358,20 @@ class Trainer:
         if cfg.checkpoint.convert_to_hf:
             stop.restore()
             self.export_hf(self.run_dir / "hf")
+        self.ended = self.elapsed()  # the run's clock at its end: finished.json and the last line give this one time
+        if world.is_main:
+            write_finished(self.run_dir, self.state["step"], self.ended, self.state.get("tokens"),
+                           cfg.cost.usd_per_hour * self.nodes, self.checkpoints.latest())
         return last
 
     def summary(self, last: dict[str, float]) -> str:
         """The run's last line: this invocation's steps, tokens, time, average tokens/s and MFU, final losses."""
         if self.finished:
-            step, max_steps = self.state["step"], self.cfg.trainer.max_steps
+            step, max_steps = self.end_step, self.cfg.trainer.max_steps
             return (f"the run is at step {step} already (trainer.max_steps={max_steps}): nothing to train, nothing "
                     "written; raise trainer.max_steps to train it further")
-        return self.totals.summary(self.state["step"], time.perf_counter() - self.started, last, self.mfu,
-                                   self.cfg.cost.usd_per_hour * self.nodes)
+        wall = self.ended - (self.started - self.clock_zero)  # this invocation's part of the clock
+        return self.totals.summary(self.state["step"], wall, last, self.mfu, self.cfg.cost.usd_per_hour * self.nodes)
 
     def _throughput(self, step_time: float, tokens: float) -> dict[str, float]:
         t = self.cfg.trainer
@@ -411,33 +427,3 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric rows past the checkpoint (a killed run may have logged beyond it) and any
-    line that is not a whole row (one cut off when the run was killed while writing it)."""
-    if not path.exists():
-        return
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line: the killed run was writing it
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            rows.append(line)
-    atomic_write(path, "".join(r + "\n" for r in rows))
-
-
-def remove_run_leftovers(run_dir: Path, held: bool) -> None:
-    """What a killed run's writes left in its folder and the folders it exports (`.model.tmp-PID`, ...: see
-    fsutil.remove_leftovers); checkpoints/ has names of its own, cleaned by the resume. All of them where this
-    run holds the folder (`held`), else only those of processes no longer running."""
-    if not run_dir.is_dir():
-        return
-    for folder in [run_dir, *(p for p in sorted(run_dir.iterdir()) if p.is_dir() and p.name not in SKIP_LEFTOVERS)]:
-        for path in remove_leftovers(folder, only_dead=not held):
-            log.warning("cleaned up %s, left by a run killed while writing it", path)
-
-
-# Not ours to clean: checkpoints (their own names, the resume cleans them) and torch.compile's cache.
-SKIP_LEFTOVERS = ("checkpoints", "compile_cache", "tensorboard")

@@ -43,3 +43,23 @@ def test_tensorboard_of_a_restart_from_scratch_has_no_duplicates(tiny_corpus, tm
     shutil.rmtree(run / "checkpoints")  # as if killed before its first checkpoint
     Trainer(run_config(tiny_corpus, run, *args)).fit()
     assert _scalars(run, "train/loss") == [1, 2, 3]
+
+
+def test_a_finished_run_whose_last_checkpoint_retention_removed_is_not_trained_again(tiny_corpus, tmp_path, capsys):
+    """checkpoint.save_last=false: the final step's checkpoint is not among the top k and goes; a rerun resumed from the
+    best one and trained the tail again, every time. Its finished.json says where the run ended."""
+    run = tmp_path / "run"
+    # mode=max keeps the highest val_loss, the first validation's (the loss falls): the final checkpoint is removed.
+    args = ("trainer.max_steps=4", "trainer.val_check_interval=2", "checkpoint.every_n_steps=2",
+            "checkpoint.save_top_k=1", "checkpoint.save_last=false", "checkpoint.mode=max")
+    Trainer(run_config(tiny_corpus, run, *args)).fit()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000002"]
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    again = Trainer(run_config(tiny_corpus, run, *args))
+    assert again.finished and again.fit() == {}
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before  # nothing written
+    assert again.summary({}).startswith("the run is at step 4 already (trainer.max_steps=4): nothing to train")
+    # Trained further, it goes on from the checkpoint it has, and says which steps it trains again.
+    longer = Trainer(run_config(tiny_corpus, run, *args[:-1], "trainer.max_steps=6"))
+    assert not longer.finished and longer.state["step"] == 2
+    longer.close()
