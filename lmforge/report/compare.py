@@ -79,17 +79,28 @@ def compare(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[st
 
 
 def wall_clock(run: Run, summary: dict) -> dict:
-    """Prefer the trainer's wall clock (`elapsed` on each row: set-up, steps, validation and checkpoint writes;
-    a resumed run's clock goes on from its checkpoint) over the sum of step times, when the run logs it."""
-    elapsed = run.rows[-1].get("elapsed")
-    if not isinstance(elapsed, int | float) or summary.get("time_s") is None:
+    """Prefer the trainer's wall clock over the sum of step times: the run's end (finished.json: set-up, steps,
+    validation, checkpoint writes and the export, with the whole run's tokens: the figures of the run's last line),
+    else `elapsed` on the last row (a run stopped or still going: the time to that row's step). A resumed run's clock
+    goes on from its checkpoint."""
+    end = run.finished or {}
+    elapsed = end.get("elapsed") if _number(end.get("elapsed")) else run.rows[-1].get("elapsed")
+    if not _number(elapsed) or summary.get("time_s") is None:
         return summary
     out = dict(summary, time_s=elapsed, train_s=max(elapsed - (summary.get("startup_s") or 0.0), 0.0),
                wall_clock=True)
-    usd = summary.get("usd_per_hour")
+    if _number(end.get("tokens")):  # counted step by step: exact, where rows logged every N steps are scaled up
+        out.update(tokens=end["tokens"], estimated=False)
+    usd = end["usd_per_hour"] if _number(end.get("usd_per_hour")) and end["usd_per_hour"] > 0 else \
+        summary.get("usd_per_hour")
+    out["usd_per_hour"] = usd
     out["cost_usd"] = usd * elapsed / 3600 if usd else None
-    out["tokens_per_dollar"] = summary["tokens"] / out["cost_usd"] if out["cost_usd"] and summary["tokens"] else None
+    out["tokens_per_dollar"] = out["tokens"] / out["cost_usd"] if out["cost_usd"] and out["tokens"] else None
     return out
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def figures(runs: list[Run]) -> dict[str, bytes]:
@@ -176,8 +187,11 @@ def render_html(runs: list[Run], images: dict[str, bytes]) -> str:
 <p class=note>Final/min loss: the train loss of the last step and the lowest over the run; val numbers: the last
 validation. tokens/s, seq/s and MFU: steady state (each start's first step, where compilation and warm-up land,
 left out; MFU = model FLOPs done / (peak x time)). Start-up: trainer setup (model, data, peak) before the first
-step. Time: the trainer's wall clock (<code>elapsed</code>: start-up, steps, validation and checkpoint writes) where
-the run logs it; for older runs, start-up plus every step's time (validation and checkpoint writes not timed).
+step ("-" where the first step was not logged). Time: the trainer's wall clock: for a run that ended, to its end
+(<code>finished.json</code>: start-up, steps, validation, checkpoint writes and the Hugging Face export); for a run
+stopped or still going, to its last logged row (<code>elapsed</code>); for older runs, start-up plus every step's
+time (validation and checkpoint writes not timed). Time and tokens are the whole run's, over its resumes: for a run
+never resumed, the figures of its last line (which, after a resume, counts that invocation alone).
 Cost: <code>cost.usd_per_hour</code> x time; tokens/$ = tokens / cost. A leading ~ marks totals scaled up from rows
 logged every N steps. Columns named by a task and a metric: the downstream eval (<code>eval.tasks</code>) at the
 last step it ran.</p>

@@ -1,7 +1,8 @@
 """A run folder read back for comparison: its metric rows, its config, and the numbers a table shows.
 
 The trainer writes `RUN_DIR/metrics.jsonl` (one JSON object per logged step) and `RUN_DIR/config.yaml`
-(the resolved RunConfig). On resume it first drops the rows a killed run logged past its checkpoint,
+(the resolved RunConfig), and `RUN_DIR/finished.json` once the run has ended (its wall clock and tokens to the
+end: lmforge.train.run_files). On resume it first drops the rows a killed run logged past its checkpoint,
 so step numbers only grow; a step may still appear twice when a row is logged again with validation
 numbers added (a run stopped by `trainer.max_minutes`), and those rows are merged.
 """
@@ -30,6 +31,7 @@ class Run:
     config: dict[str, Any] | None  # config.yaml as a plain dict; None when the folder has none
     label: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
+    finished: dict[str, Any] | None = None  # finished.json, where it records the end of these rows
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of the rows that have a finite `key`."""
@@ -71,7 +73,12 @@ def load_run(path: str | Path) -> Run:
             raise UserError(f"'{path / 'config.yaml'}' is not valid YAML ({str(e).splitlines()[0]})") from None
     else:
         log.warning("%s has no config.yaml: it is labelled by its folder name", path)
-    return Run(path, rows, config if isinstance(config, dict) else None)
+    from lmforge.train.run_files import read_finished
+
+    finished = read_finished(path)
+    if finished is not None and finished["step"] != rows[-1]["step"]:  # an older end: the run went on since
+        finished = None
+    return Run(path, rows, config if isinstance(config, dict) else None, finished=finished)
 
 
 def _read_rows(metrics: Path) -> list[dict[str, float]]:
@@ -127,10 +134,12 @@ def summarize(run: Run) -> dict[str, Any]:
 
     step_time = sum(r["step_time"] for r in timed)
     steady_time = sum(r["step_time"] for r in steady)
-    startup = sum(max(r["time_to_first_step"] - r["step_time"], 0.0) for r in timed if "time_to_first_step" in r)
+    # None where no first step was logged (older runs logged every N steps from step N only): not a 0.
+    firsts = [r for r in timed if "time_to_first_step" in r]
+    startup = sum(max(r["time_to_first_step"] - r["step_time"], 0.0) for r in firsts) if firsts else None
     tokens = total(timed, "tokens_per_second") * scale if timed else None
     train_time = step_time * scale
-    total_time = startup + train_time if timed else None
+    total_time = (startup or 0.0) + train_time if timed else None
     usd = usd_per_hour(run)
     cost = usd * total_time / 3600 if usd and total_time else None
     _, losses = run.series("loss")
@@ -151,7 +160,7 @@ def summarize(run: Run) -> dict[str, Any]:
         # trainer.float8 runs also log mfu_fp8 (against the FP8 peak): weighted the same way
         **{key: (total(steady, key) / steady_time if steady_time and all(_num(r.get(key)) for r in steady) else None)
            for key in ("mfu", "mfu_fp8")},
-        "startup_s": startup if timed else None,
+        "startup_s": startup,
         "train_s": train_time if timed else None,
         "time_s": total_time,
         "usd_per_hour": usd,

@@ -324,7 +324,9 @@ class Trainer:
             evals = self.downstream is not None and self.downstream.due(step + 1, t.max_steps)
             if evals:
                 last.update(self.downstream.run(self.training, self.mcfg, world.device))
-            if world.is_main and ((step + 1) % t.log_every_n_steps == 0 or "val_loss" in last or evals):
+            # Each start's first step is logged: its time_to_first_step is the start-up `lmforge compare` shows.
+            logged = (step + 1) % t.log_every_n_steps == 0 or step == start
+            if world.is_main and (logged or "val_loss" in last or evals):
                 sink.log(step + 1, {**last, "elapsed": self.elapsed()})
             if progress is not None:
                 progress.update(step + 1, last)

@@ -263,7 +263,8 @@ def test_a_resumed_run_reads_as_one_history(tiny_corpus, tmp_path):
     elapsed = [r["elapsed"] for r in run.rows]
     assert all(a < b for a, b in zip(elapsed, elapsed[1:]))
     wall = wall_clock(run, s)
-    assert wall["time_s"] == elapsed[-1] >= s["time_s"] and wall["train_s"] == pytest.approx(elapsed[-1] - by_hand)
+    end = json.loads((killed / "finished.json").read_text())["elapsed"]  # to the run's end: the last save included
+    assert wall["time_s"] == end >= elapsed[-1] >= s["time_s"] and wall["train_s"] == pytest.approx(end - by_hand)
 
 
 def test_wall_clock_time_and_cost_are_preferred_when_logged(tmp_path):
@@ -349,3 +350,33 @@ def test_runs_without_downstream_evals_get_no_such_plot_or_columns(tmp_path):
     report = compare([_write_run(tmp_path / "a", _rows([1.0, 1.0]), _config())], tmp_path / "out")
     assert "downstream" not in report.files and not (tmp_path / "out" / "downstream.png").exists()
     assert table_rows(report.runs)[0][-1] == "tokens/$"
+
+
+def test_the_table_gives_the_time_and_tokens_per_dollar_of_the_runs_last_line(tiny_corpus, tmp_path):
+    """compare took the last row's `elapsed` (before the final checkpoint save), the run's line the time to its end:
+    two tokens/$ for one run. Logged every 3 steps, step 1 was never logged and start-up read 0.0."""
+    import re
+
+    trainer = Trainer(run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=4", "trainer.log_every_n_steps=3",
+                                 "cost.usd_per_hour=3.6"))
+    line = trainer.summary(trainer.fit())
+    run = load_run(tmp_path / "run")
+    run.label = "run"
+    run.summary = wall_clock(run, summarize(run))
+    cells = dict(zip(*table_rows([run])))
+    assert cells["tokens/$"] == re.search(r", ([\d,]+) tokens/\$ at \$3.6/h", line)[1]
+    assert cells["tokens"] == re.search(r"([\d,]+) tokens in ", line)[1] == f"{4 * 8 * 32:,}"
+    assert cells["time (s)"] == f"{trainer.ended:,.1f}"
+    first = run.rows[0]  # logged though 1 is no multiple of 3: it carries the start-up
+    assert [r["step"] for r in run.rows] == [1, 3, 4] and cells["start-up (s)"] != "-"
+    assert run.summary["startup_s"] == pytest.approx(first["time_to_first_step"] - first["step_time"])
+    assert run.summary["startup_s"] > 0
+
+
+def test_start_up_is_not_shown_as_zero_where_the_first_step_was_not_logged(tmp_path):
+    """An older run logged every 3 steps from step 3: its start-up is unknown ("-"), not 0.0."""
+    rows = [r for r in _rows([1.0] * 6) if r["step"] % 3 == 0]
+    run = load_run(_write_run(tmp_path / "a", rows, _config(log_every_n_steps=3)))
+    run.label = "a"
+    run.summary = wall_clock(run, summarize(run))
+    assert dict(zip(*table_rows([run])))["start-up (s)"] == "-"
