@@ -226,3 +226,29 @@ def test_plan_defaults_to_the_layouts_world_and_prints_no_cpp_warning(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "on 2 processes" in r.stdout and "No backend" not in r.stderr and "Warning" not in r.stderr
+
+
+def test_pretrain_without_arguments_names_only_the_config_as_required(capsys):
+    """argparse listed the optional overrides as required too ("required: config, overrides")."""
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("error: the following arguments are required: config")
+
+
+def test_pretrain_help_states_the_learning_rate_schedule_the_trainer_follows():
+    """The schedule's formula was documented nowhere; it differs from Megatron's and transformers' in the warmup."""
+    import math
+
+    from lmforge.cli.pretrain import RUN_KEYS
+    from lmforge.train.config import OptimConfig
+    from lmforge.train.optim import lr_at
+
+    assert "lr * n / W" in RUN_KEYS and "lr_n = min_lr + (lr - min_lr) * f((n - 1 - W) / (D - W))" in RUN_KEYS
+    assert "not the mean over the N steps" in RUN_KEYS  # trainer.log_every_n_steps logs one step's loss
+    W, D, lr, min_lr = 3, 10, 1.0, 0.1  # noqa: N806 (the help's names)
+    for schedule, f in (("cosine", lambda p: (1 + math.cos(math.pi * p)) / 2), ("linear", lambda p: 1 - p)):
+        cfg = OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=W, schedule=schedule)
+        documented = [lr * n / W if n <= W else min_lr + (lr - min_lr) * f(min(1.0, (n - 1 - W) / (D - W)))
+                      for n in range(1, D + 3)]
+        assert [lr_at(n - 1, cfg, D) for n in range(1, D + 3)] == pytest.approx(documented)

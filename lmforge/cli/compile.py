@@ -15,7 +15,7 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML recipe of the run to prepare")
-    p.add_argument("overrides", nargs="*", help="the same key=value overrides the run will get")
+    p.add_argument("overrides", nargs="*", default=[], help="the same key=value overrides the run will get")
     p.add_argument("--steps", type=int, default=2, help="throwaway training steps to compile (default 2)")
     p.set_defaults(func=run)
 

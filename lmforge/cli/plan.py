@@ -10,7 +10,7 @@ import json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML recipe (see configs/)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=8")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. parallel.tensor=8")
     p.add_argument("--world-size", type=int, default=None,
                    help="number of processes (devices) of the run (default: the fewest the recipe's layout needs, "
                         "parallel.tensor x pipeline x expert)")

@@ -45,8 +45,15 @@ trainer.precision    auto, fp32, bf16-mixed, bf16-sr (bf16 weights, stochastic r
 trainer.compile      true: torch.compile each block; trainer.activation_checkpointing none|selective|full
 trainer.data_parallel  ddp or fsdp; parallel.tensor, parallel.pipeline, parallel.expert, parallel.sequence_parallel
 trainer.float8       true: Float8 matmuls through torchao on a GPU with FP8 units
-optim.lr             peak learning rate; optim.min_lr, optim.warmup_steps, optim.schedule (cosine, linear,
-                     constant), optim.weight_decay, optim.betas
+optim.lr             peak learning rate; optim.min_lr, optim.weight_decay, optim.betas (two, in [0, 1)), optim.eps
+optim.warmup_steps   linear warmup W: step n = 1, 2, ... trains at lr * n / W, the peak lr at step W (Megatron and
+                     transformers start at 0 and peak at step W + 1; torchtitan and NeMo use lr * n / (W + 1))
+optim.schedule       after the warmup: cosine (default) or linear from lr at step W + 1 to min_lr at step D + 1,
+                     lr_n = min_lr + (lr - min_lr) * f((n - 1 - W) / (D - W)), D = optim.decay_steps (default
+                     trainer.max_steps), f(p) = (1 + cos(pi p)) / 2 or 1 - p; min_lr from step D + 1;
+                     constant: lr after the warmup
+trainer.log_every_n_steps  a metrics row every N steps (and at each start's first step and each validation); its
+                     loss is that one step's, not the mean over the N steps that Megatron and HF Trainer log
 checkpoint.every_n_steps  and save_top_k, monitor, save_last, async_save; convert_to_hf: HF folder at the end
 eval.tasks           lm-eval tasks run on the live model every eval.every_n_steps (eval.limit, eval.data_dir)
 cost.usd_per_hour    the price of the run's devices: tokens per dollar in the log
@@ -56,7 +63,8 @@ run_dir              where config.yaml, metrics.jsonl, tensorboard/ and checkpoi
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML recipe (see configs/)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100")
+    # default=[]: without one argparse lists an empty `*` positional as required ("required: config, overrides")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. trainer.max_steps=100")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     if p.prog.endswith("finetune"):
         p.epilog = "task keys (key=value overrides or YAML):\n" + FINETUNE_KEYS + "\nrun keys, as for pretraining " \

@@ -103,7 +103,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     val_check_interval: int = 100  # steps between validations (and at the last step); 0 = never
     val_batches: int = 4  # global batches per validation
-    log_every_n_steps: int = 1
+    log_every_n_steps: int = 1  # a row's loss is its step's alone, not the mean over the N (as Megatron, HF log)
     seed: int = 1234
     device: str = "auto"  # auto: the accelerator torch.accelerator reports (CUDA, ...), else cpu; or cpu, cuda, ...
     dist_backend: str | None = None  # default: gloo for CPU tensors + the device's own (cpu:gloo,cuda:nccl)
