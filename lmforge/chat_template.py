@@ -193,10 +193,16 @@ class ChatTemplate:
                                                            else tokenizer.eod_id)):
             if not self.variables[f"{key}_token"] and i is not None:
                 self.variables[f"{key}_token"] = tokenizer.id_to_token(i) or ""
-        names = {*self.variables.values(), *(_token_text(t) for t in config.get("additional_special_tokens") or [])}
-        names |= {_token_text(t) for t in (config.get("added_tokens_decoder") or {}).values()
-                  if isinstance(t, dict) and t.get("special")}
-        self.specials = {s: i for s in names if s and (i := tokenizer.token_to_id(s)) is not None}
+        # Every special token, as transformers' tokenizer(rendered, add_special_tokens=False) reads the template's
+        # text: the tokenizer's own (transformers 5 keeps added tokens only in tokenizer.json) and those the config
+        # names (transformers 4's additional_special_tokens and added_tokens_decoder, 5's extra_special_tokens).
+        extra = config.get("extra_special_tokens") or []
+        named = [*self.variables.values(), *(config.get("additional_special_tokens") or []),
+                 *(extra.values() if isinstance(extra, dict) else extra),
+                 *(t for t in (config.get("added_tokens_decoder") or {}).values()
+                   if isinstance(t, dict) and t.get("special"))]
+        self.specials = dict(tokenizer.special_tokens)
+        self._add_specials([s for s in map(_token_text, named) if s])
         self._add_specials(("<|im_start|>", "<|im_end|>") if "<|im_start|>" in source else ())
         # Longest first, so that "<|im_start|>" is not read as a shorter token inside it.
         self._special_re = re.compile("|".join(map(re.escape, sorted(self.specials, key=len, reverse=True))))

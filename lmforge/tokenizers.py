@@ -121,6 +121,12 @@ class Tokenizer(ABC):
         """Whether id `i` is one of this tokenizer's control tokens (never text)."""
         return False
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Every control token by its text: what transformers' tokenizer(text) reads as one id in a chat
+        template's text (a tokenizer.json's added tokens flagged special, a SentencePiece model's control pieces)."""
+        return {}
+
     @abstractmethod
     def _encode(self, text: str) -> list[int]: ...
 
@@ -235,6 +241,10 @@ class HFTokenizer(Tokenizer):
         added = self._tok.get_added_tokens_decoder().get(i)
         return added is not None and added.special
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -295,6 +305,12 @@ class SentencePieceTokenizer(Tokenizer):
 
     def is_special(self, i: int) -> bool:
         return 0 <= i < self.vocab_size and self._sp.is_control(i)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        # unk too: the export's tokenizer.json (lmforge.models.hf.tokenizer) makes it a special added token
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
+                if self._sp.is_control(i) or self._sp.is_unknown(i)}
 
     def _encode(self, text: str) -> list[int]:
         return self._sp.encode(text)

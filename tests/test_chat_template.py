@@ -158,3 +158,62 @@ def test_a_prefix_space_only_at_the_start_is_matched(shared_data, tmp_path):
                                         return_assistant_tokens_mask=True)
     ids, mask = _ids_and_mask(ChatTemplate(template, load_tokenizer(tmp_path / "fast" / "tokenizer.json")), messages)
     assert ids == out["input_ids"] and mask == out["assistant_masks"]
+
+
+# Chat templates in the shape of three families' own, each with its turn markers as special tokens.
+FAMILIES = {
+    "llama3": (("<|begin_of_text|>", "<|eot_id|>"), ["<|start_header_id|>", "<|end_header_id|>"],
+               "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' "
+               "+ m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+    "gemma": (("<bos>", "<eos>"), ["<start_of_turn>", "<end_of_turn>"],
+              "{{ bos_token }}{% for m in messages %}"
+              "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+              "{{ '<start_of_turn>' + role + '\\n' + m['content'] + '<end_of_turn>\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"),
+    "phi3": (("<s>", "<|endoftext|>"), ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+             "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"),
+}
+
+
+def saved_by_transformers(shared_data, folder, bos_eos, specials, template):
+    """GPT-2's tokenizer given a family's special tokens and chat template, saved by transformers 5: the config
+    lists them under extra_special_tokens and has no added_tokens_decoder; tokenizer.json holds them."""
+    import json
+
+    tok = tf.PreTrainedTokenizerFast(tokenizer_file=str(shared_data / "tokenizers" / "gpt2" / "tokenizer.json"),
+                                     bos_token=bos_eos[0], eos_token=bos_eos[1])
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = template
+    tok.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert "extra_special_tokens" in config and "added_tokens_decoder" not in config
+    return tf.AutoTokenizer.from_pretrained(folder)
+
+
+def _input_ids(out) -> list[int]:
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_special_tokens_of_a_transformers_5_tokenizer(family, shared_data, tmp_path):
+    """Fine-tuning ids and a served prompt equal apply_chat_template's: the turn markers, which a tokenizer saved by
+    transformers 5 declares only in tokenizer.json and extra_special_tokens, are single ids (they were characters)."""
+    import json
+
+    from lmforge.data.sft import SFTDataset
+    from lmforge.serve.chat import ChatFormat
+
+    folder = tmp_path / family
+    reference = saved_by_transformers(shared_data, folder, *FAMILIES[family])
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+                {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    tok = load_tokenizer(folder)
+    data = SFTDataset(tmp_path / "chat.jsonl", tok, 256, chat_template=ChatTemplate.from_folder(tok, folder))
+    expected = _input_ids(reference.apply_chat_template(messages, tokenize=True))
+    assert data.examples[0][0].tolist() == expected
+    prompt = ChatFormat(tok, folder).encode([(m["role"], m["content"]) for m in messages[:3]])
+    assert prompt == _input_ids(reference.apply_chat_template(messages[:3], tokenize=True, add_generation_prompt=True))
+    assert expected.count(tok.token_to_id(FAMILIES[family][1][-1])) == len(messages)  # a marker is one id
