@@ -13,8 +13,9 @@ A template's filters on content (`| trim`) therefore see the placeholder, not th
 Assistant spans (what fine-tuning puts the loss on) come from the template's `{% generation %}` blocks where it has
 them (transformers' `return_assistant_tokens_mask` reads the same blocks); otherwise from rendering the chat turn
 by turn: the span of assistant message i is what rendering messages[:i+1] adds to rendering messages[:i] with the
-generation prompt. A template whose renders are not prefixes of each other that way (one that rewrites earlier
-turns) cannot be split so and is refused for training, with that reason.
+generation prompt. Text that the template writes only to close a whole chat (Phi-3's eos where there is no
+generation prompt) is in no span. A template whose renders are not prefixes of each other that way (one that
+rewrites earlier turns) cannot be split so and is refused for training, with that reason.
 
 Text is tokenized in runs cut at each special token, each run whole (as transformers tokenizes the rendered text),
 and a token is in an assistant span when any character it covers is: a served prompt is then token for token the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import string
 from collections.abc import Sequence
@@ -238,13 +240,35 @@ class ChatTemplate:
             if m["role"] != "assistant":
                 continue
             before, after = self.render(messages[:i], True), self.render(messages[: i + 1], False)
-            if not (after.startswith(before) and full.startswith(after) and len(before) >= at):
-                raise TemplateRefused(f"rendering the chat turn by turn does not give prefixes of the whole chat "
-                                      f"(at message {i}): the template rewrites earlier turns; give it "
+            if after == full or not full.startswith(after):
+                after = after[: self._closing(messages[: i + 1], after)]
+            if not after.startswith(before):
+                where = _parting(before, after, ("the prompt", "the answer"))
+                raise TemplateRefused(f"the generation prompt is not how the template starts assistant message {i} "
+                                      f"({where}), so its answer cannot be found turn by turn; give the template "
+                                      "{% generation %} blocks or choose another data.chat_template")
+            if not full.startswith(after) or len(before) < at:
+                where = _parting(after, full, ("its turn", "the whole chat"))
+                raise TemplateRefused(f"rendering the chat turn by turn does not give prefixes of the whole chat (at "
+                                      f"message {i}, {where}): the template rewrites earlier turns; give it "
                                       "{% generation %} blocks or choose another data.chat_template")
             out += [full[at : len(before)], _SPAN_START, full[len(before) : len(after)], _SPAN_END]
             at = len(after)
         return "".join(out) + full[at:]
+
+    def _closing(self, messages: Sequence[dict], rendered: str) -> int:
+        """Where `rendered` (`messages` without the generation prompt) ends before what the template writes only to
+        close a whole chat (Phi-3's "{% else %}{{ eos_token }}"): where it parts from the render with the generation
+        prompt, at the start of a special token split there; no message's text may follow. That text closes the chat,
+        it is no answer's: it is in no span, and a turn followed by more messages is a prefix of the chat without it."""
+        try:
+            prompted = self.render(messages, True)
+        except TemplateRefused:
+            return len(rendered)
+        k = len(os.path.commonprefix([rendered, prompted]))
+        k = next((m.start() for m in self._special_re.finditer(rendered) if m.start() < k < m.end()), k) \
+            if self.specials else k
+        return len(rendered) if _MARKS.search(rendered, k) else k
 
     def pieces(self, messages: Sequence[dict], add_generation_prompt: bool, spans: bool = True) -> list[Piece]:
         """The rendered chat as text runs and special-token ids, each flagged in or out of an assistant span.
@@ -363,6 +387,16 @@ def check_messages(messages, where: str) -> list[dict]:
     if last is None:
         raise UserError(f"{where}: the chat has no assistant message, so nothing to learn: add one or drop the record")
     return out[: last + 1]
+
+
+def _parting(one: str, other: str, names: tuple[str, str]) -> str:
+    """Where two renders part, for an error: each one's text there, messages named."""
+    k = len(os.path.commonprefix([one, other]))
+
+    def show(text: str) -> str:
+        return repr(_MARKS.sub(lambda m: f"{{message {m.group(1)}}}" if m.group(1) else "", text[k : k + 40]))
+
+    return f"{names[0]} has {show(one)} where {names[1]} has {show(other)}"
 
 
 def _raise(message: str):

@@ -217,3 +217,47 @@ def test_special_tokens_of_a_transformers_5_tokenizer(family, shared_data, tmp_p
     prompt = ChatFormat(tok, folder).encode([(m["role"], m["content"]) for m in messages[:3]])
     assert prompt == _input_ids(reference.apply_chat_template(messages[:3], tokenize=True, add_generation_prompt=True))
     assert expected.count(tok.token_to_id(FAMILIES[family][1][-1])) == len(messages)  # a marker is one id
+
+
+def test_phi3_template_that_closes_a_chat_with_eos(shared_data, tmp_path):
+    """Phi-3's template writes eos after the last turn where there is no generation prompt, so a turn rendered
+    alone is no prefix of a longer chat; it was refused for every multi-turn record. That eos is in no span: the
+    trained tokens equal return_assistant_tokens_mask's on the template with {% generation %} around each answer
+    and its <|end|>, and the ids are apply_chat_template's up to that closing eos."""
+    import json
+
+    from lmforge.data.collate import IGNORE_INDEX
+    from lmforge.data.sft import SFTDataset
+    from lmforge.serve.chat import ChatFormat
+
+    phi3 = FAMILIES["phi3"][2].replace("{% endif %}", "{% else %}{{ eos_token }}{% endif %}")
+    marked = phi3.replace("{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}",
+                          "{% if m['role'] == 'assistant' %}{{ '<|assistant|>\\n' }}{% generation %}"
+                          "{{ m['content'] + '<|end|>\\n' }}{% endgeneration %}{% else %}"
+                          "{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endif %}")
+    folder = tmp_path / "phi3"
+    reference = saved_by_transformers(shared_data, folder, *FAMILIES["phi3"][:2], phi3)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4."}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    tok = load_tokenizer(folder)
+    data = SFTDataset(tmp_path / "chat.jsonl", tok, 256, chat_template=ChatTemplate.from_folder(tok, folder))
+    ids, labels = data.examples[0]
+    whole = _input_ids(reference.apply_chat_template(messages, tokenize=True))
+    assert whole[-1] == tok.eos_id and ids.tolist() == whole[:-1]
+    out = reference.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    assert out["input_ids"] == whole
+    assert (labels != IGNORE_INDEX).astype(int).tolist() == out["assistant_masks"][:-1]
+    prompt = ChatFormat(tok, folder).encode([(m["role"], m["content"]) for m in messages[:4]])
+    assert prompt == _input_ids(reference.apply_chat_template(messages[:4], tokenize=True, add_generation_prompt=True))
+
+
+def test_refusals_say_where_the_renders_part(gpt2):
+    # The generation prompt is "Bot: " where an answer's turn starts "A: ": no turn-by-turn split of the answer.
+    source = ("{% for m in messages %}{{ ('A: ' if m['role'] == 'assistant' else 'U: ') + m['content'] + '\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ 'Bot: ' }}{% endif %}")
+    with pytest.raises(TemplateRefused, match=r"not how the template starts assistant message 2 "
+                                              r"\(the prompt has 'Bot: ' where the answer has 'A: \{message 2\}\\n'\)"):
+        ChatTemplate(source, gpt2).pieces(MESSAGES, False)
