@@ -200,6 +200,17 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, templat
     return out
 
 
+def _ends_turn(tok: Tokenizer, trained: np.ndarray) -> bool:
+    """Whether an answer's trained tokens end in an end-of-turn token: eos, eod or another special one, whitespace
+    after it aside (ChatML's "<|im_end|>\\n", Gemma's "<end_of_turn>\\n" are trained to the newline)."""
+    for i in trained[::-1].tolist():
+        if i in (tok.eos_id, tok.eod_id) or tok.is_special(i):
+            return True
+        if tok.decode([i]).strip():
+            return False
+    return False
+
+
 def _drop_spans(pieces: list, count: int) -> list:
     """`pieces` with their first `count` assistant spans marked out of span."""
     out, spans, inside = [], 0, False
@@ -287,10 +298,8 @@ class SFTDataset(Dataset):
             self.examples.append((ids, labels))
         if not self.examples:
             raise UserError(f"{path}: no example fits seq_length {seq_length}: raise it or pass truncate='cut'")
-        ends = {i for i in (tok.eos_id, tok.eod_id) if i is not None}
         scored = (labels[labels != IGNORE_INDEX] for _, labels in self.examples)
-        last = [int(s[-1]) for s in scored if len(s)]
-        if assistant_only_loss and last and not any(i in ends or tok.is_special(i) for i in last):
+        if assistant_only_loss and not any(_ends_turn(tok, s) for s in scored if len(s)):
             logger.warning("%s: no answer ends in an end-of-turn token (eos or another special one): the chat "
                            "template writes none inside the answer's span, so the model does not learn to stop; a "
                            "template that ends answers with eos (the built-ins do) teaches it", self.path)

@@ -356,3 +356,28 @@ def test_formats_that_train_what_serving_cannot_reproduce_are_said(gpt2, tmp_pat
         SFTDataset(chats, gpt2, 128)  # the built-in ends the answer with eos
     (line,) = [r.getMessage() for r in caplog.records]
     assert "no answer ends in an end-of-turn token" in line
+
+
+@pytest.mark.parametrize("start, end, eos", [("<|im_start|>", "<|im_end|>", "<|im_end|>"),  # Qwen's ChatML
+                                             ("<start_of_turn>", "<end_of_turn>", "<eos>")])  # Gemma's
+def test_an_end_of_turn_token_then_a_newline_is_learnt_stopping(start, end, eos, shared_data, tmp_path, caplog):
+    """The answer's span ends "<|im_end|>\\n" (the turn as the template writes it): the end-of-turn token is trained,
+    and the warning that the model does not learn to stop, which looked at the newline, is not given."""
+    import tokenizers as hf
+
+    raw = hf.Tokenizer.from_file(str(shared_data / "tokenizers" / "gpt2" / "tokenizer.json"))
+    raw.add_special_tokens([start, end, eos])
+    (tmp_path / "tok").mkdir()
+    raw.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    tok = load_tokenizer(tmp_path / "tok")
+    template = ("{% for m in messages %}{{ '" + start + "' + m['role'] + '\\n' + m['content'] + '" + end + "\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '" + start + "assistant\\n' }}{% endif %}")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="lmforge.data.sft"):
+        data = SFTDataset(chats, tok, 128, chat_template=ChatTemplate(template, tok))
+    _, labels = data.examples[0]
+    assert labels[labels != IGNORE_INDEX].tolist() == [*tok.encode("hello"), tok.token_to_id(end), *tok.encode("\n")]
+    assert "learn to stop" not in caplog.text
