@@ -128,8 +128,8 @@ def read_chat_template(folder: str | Path) -> str | None:
     return template if isinstance(template, str) and template.strip() else None
 
 
-def tokenizer_config(folder: Path) -> dict:
-    path = Path(folder) / "tokenizer_config.json"
+def tokenizer_config(folder: Path, name: str = "tokenizer_config.json") -> dict:
+    path = Path(folder) / name
     if not path.is_file():
         return {}
     try:
@@ -137,6 +137,16 @@ def tokenizer_config(folder: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path} as JSON ({e}): fix or delete the file") from None
     return data if isinstance(data, dict) else {}
+
+
+def declared_tokens(*folders: str | Path | None) -> dict | None:
+    """The tokenizer config of the first folder that has tokenizer_config.json or special_tokens_map.json, the
+    latter's tokens over the former's (as transformers reads them); None where none has either."""
+    for folder in filter(None, folders):
+        if any((Path(folder) / name).is_file() for name in ("tokenizer_config.json", "special_tokens_map.json")):
+            tokens = {k: v for k, v in tokenizer_config(Path(folder), "special_tokens_map.json").items() if v}
+            return tokenizer_config(Path(folder)) | tokens
+    return None
 
 
 def _token_text(value) -> str | None:
@@ -155,9 +165,11 @@ Piece = tuple[str | int, bool]
 
 class ChatTemplate:
     """A Jinja chat template bound to a tokenizer: `source` is its text, `folder` (optional) the tokenizer folder
-    whose tokenizer_config.json names the special tokens."""
+    whose tokenizer_config.json names the special tokens (else the tokenizer file's folder); `builtin`: one of
+    lmforge's templates (BUILTIN)."""
 
-    def __init__(self, source: str, tokenizer, folder: str | Path | None = None, where: str = "the chat template"):
+    def __init__(self, source: str, tokenizer, folder: str | Path | None = None, where: str = "the chat template",
+                 builtin: bool = False):
         try:
             from jinja2 import TemplateError, nodes
             from jinja2.ext import Extension, loopcontrols
@@ -188,12 +200,17 @@ class ChatTemplate:
         except TemplateError as e:
             raise UserError(f"{where} does not parse ({e}): fix it") from None
         self.marks_spans = bool(_GENERATION_TAG.search(source))
-        config = tokenizer_config(Path(folder)) if folder is not None else {}
+        files = getattr(tokenizer, "files", None)
+        declared = declared_tokens(folder, Path(files[0]).parent if files else None)
+        config = declared or {}
+        # What the tokenizer files declare, as transformers renders them: a token they name none of is "" (OLMo 2's
+        # bos). A bare tokenizer file declares nothing: its bos and eos are then those lmforge's export writes into
+        # tokenizer_config.json (lmforge.models.hf.tokenizer), as are a built-in template's, which writes eos itself.
         self.variables = {f"{k}_token": _token_text(config.get(f"{k}_token")) or ""
                           for k in ("bos", "eos", "unk", "pad")}
         for key, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id if tokenizer.eos_id is not None
                                                            else tokenizer.eod_id)):
-            if not self.variables[f"{key}_token"] and i is not None:
+            if (declared is None or builtin) and not self.variables[f"{key}_token"] and i is not None:
                 self.variables[f"{key}_token"] = tokenizer.id_to_token(i) or ""
         # Every special token, as transformers' tokenizer(rendered, add_special_tokens=False) reads the template's
         # text: the tokenizer's own (transformers 5 keeps added tokens only in tokenizer.json) and those the config

@@ -261,3 +261,37 @@ def test_refusals_say_where_the_renders_part(gpt2):
     with pytest.raises(TemplateRefused, match=r"not how the template starts assistant message 2 "
                                               r"\(the prompt has 'Bot: ' where the answer has 'A: \{message 2\}\\n'\)"):
         ChatTemplate(source, gpt2).pieces(MESSAGES, False)
+
+
+def test_bos_token_is_what_the_tokenizer_files_declare(shared_data, tmp_path):
+    """OLMo 2's tokenizer_config.json names no bos: transformers renders {{ bos_token }} as "", where lmforge wrote
+    <|endoftext|> (its bos fallback) before every prompt and training example. A bare tokenizer.json declares
+    nothing: there the tokens are those lmforge's export declares for it, so AutoTokenizer on the export agrees."""
+    import json
+    import shutil
+
+    from lmforge.models.hf.tokenizer import write_tokenizer_files
+    from lmforge.serve.chat import ChatFormat
+
+    template = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+    messages = [("user", "Hi"), ("assistant", "Hello."), ("user", "2+2?")]
+    chat = [{"role": r, "content": c} for r, c in messages]
+    olmo, bare = tmp_path / "olmo", tmp_path / "bare"
+    for folder in (olmo, bare):
+        folder.mkdir()
+        shutil.copy(shared_data / "tokenizers" / "gpt2" / "tokenizer.json", folder)
+        (folder / "chat_template.jinja").write_text(template)
+    (olmo / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "eos_token": "<|endoftext|>"}))
+    reference = tf.AutoTokenizer.from_pretrained(olmo)
+    assert reference.bos_token is None
+    ids = ChatFormat(load_tokenizer(olmo), olmo).encode(messages)
+    assert ids == _input_ids(reference.apply_chat_template(chat, tokenize=True, add_generation_prompt=True))
+    assert ids[0] != 50256
+    tok = load_tokenizer(bare)
+    ids = ChatFormat(tok, bare).encode(messages)
+    write_tokenizer_files(tok, bare, 128, None)  # what an export of this folder carries
+    reference = tf.AutoTokenizer.from_pretrained(bare)
+    assert ids == _input_ids(reference.apply_chat_template(chat, tokenize=True, add_generation_prompt=True))
+    assert ids[0] == 50256

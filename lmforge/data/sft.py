@@ -158,7 +158,7 @@ def resolve_chat_template(setting: str, tokenizer: Tokenizer, folder: str | Path
             raise UserError(f"data.chat_template: file {path} not found")
         return ChatTemplate(path.read_text(encoding="utf-8"), tokenizer, folder, f"chat template {path}")
     source = builtin_template(setting, tokenizer.add_bos_token, prompt_template)
-    return ChatTemplate(source, tokenizer, folder, f"the built-in chat template {setting}")
+    return ChatTemplate(source, tokenizer, folder, f"the built-in chat template {setting}", builtin=True)
 
 
 def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, template: ChatTemplate | None,
@@ -176,7 +176,7 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, templat
             name = KIND_TEMPLATE[kind]
             if name not in builtins:
                 builtins[name] = ChatTemplate(builtin_template(name, tokenizer.add_bos_token, prompt_template),
-                                              tokenizer, where=f"the built-in chat template {name}")
+                                              tokenizer, where=f"the built-in chat template {name}", builtin=True)
             t = builtins[name]
         try:
             pieces = t.pieces(messages, False)
