@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 import tokenizers as hf
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers import decoders, models, pre_tokenizers
 
 from lmforge.errors import UserError
 
@@ -72,10 +72,11 @@ class Tokenizer(ABC):
         fallback) and fine-tuning examples get one exactly when this is True. transformers' name and rule:
 
         * the files decide when they say: tokenizer_config.json's "add_bos_token" (Llama 2's published
-          folders say true), else a tokenizer.json's template: one that prepends bos (Llama 3's
-          "<|begin_of_text|> $A") says yes, one that does not (transformers 5's re-saved "$A") says no;
-        * files that say nothing (a bare SentencePiece .model, GPT-2's vocab.json + merges.txt, most
-          tokenizer.json): bos is added when it is a control token of its own, distinct from the end-of-document
+          folders say true), else a tokenizer.json's post-processor, as in AutoTokenizer (transformers 5 reads
+          no add_bos_token beside a tokenizer.json): a template that prepends bos (Llama 3's "<|begin_of_text|>
+          $A") says yes; one that does not (transformers 5's re-saved "$A"), GPT-2's ByteLevel or none say no;
+        * files that say nothing (a bare SentencePiece .model, GPT-2's vocab.json + merges.txt): bos is added
+          when it is a control token of its own, distinct from the end-of-document
           token. Llama 2's <s> is; GPT-2 and GPT-NeoX/Pythia have only <|endoftext|> for bos, eos and eod, and
           their prompts start without it, as with AutoTokenizer. Comparing with eod, not eos, matters where the
           two differ: Qwen's chat tokenizers name <|im_end|> eos, and their <|endoftext|> is no bos to prepend.
@@ -218,13 +219,10 @@ class HFTokenizer(Tokenizer):
         self.pad_id = self._first_id(*PAD_TOKENS)
         self._set_special_ids()
         if self._declared_add_bos is None and self.bos_id is not None:
-            # A post-processor template that prepends bos (Llama 3) shows in the encoding of an empty text; one that
-            # does not (transformers 5 writes "single": "$A" for every tokenizer it saves) says no bos, as
-            # AutoTokenizer then adds none.
-            if tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]:
-                self._declared_add_bos = True
-            elif isinstance(tok.post_processor, processors.TemplateProcessing):
-                self._declared_add_bos = False
+            # AutoTokenizer adds what the post-processor adds: a template that prepends bos (Llama 3) shows in the
+            # encoding of an empty text; one that does not (transformers 5 writes "single": "$A" for every tokenizer
+            # it saves), GPT-2's ByteLevel one or none at all add no bos.
+            self._declared_add_bos = tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
 
     @property
     def parse_special_tokens(self) -> bool:

@@ -272,6 +272,30 @@ def test_add_bos_token_follows_the_files_then_the_eod_rule(gpt2_bpe, gpt2_json, 
     assert chat.eos_id == inner.token_to_id("<|im_end|>") and not chat.add_bos_token
 
 
+
+@pytest.mark.parametrize("saved_by", ["transformers", "lmforge"])
+def test_a_tokenizer_json_adds_bos_where_its_post_processor_does(saved_by, tmp_path):
+    """A distinct bos (Llama 3's <|begin_of_text|>, a trained tokenizer's <s>) beside a tokenizer.json whose
+    post-processor adds none (GPT-2's ByteLevel) and a config without add_bos_token: AutoTokenizer starts a text
+    without it, and so does lmforge now (generate, serve and the chat fallback prepended it)."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "tok"
+    if saved_by == "transformers":
+        tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(shared(GPT2 / "tokenizer.json")),
+                                                   bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        tok.save_pretrained(folder)
+    else:
+        from lmforge.data.tokenizer_train import train_tokenizer
+
+        (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": f"Hello world {i}"}) + "\n"
+                                                       for i in range(50)))
+        train_tokenizer([tmp_path / "corpus.jsonl"], 300, folder, special_tokens=("<s>", "</s>"))
+    ours = load_tokenizer(folder)
+    assert ours.bos_id is not None and ours.bos_id != ours.eod_id
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    assert reference("Hello world")["input_ids"] == ours.encode("Hello world", add_bos=ours.add_bos_token)
+
+
 # --- errors a user can cause ---------------------------------------------------------------------------------
 
 
