@@ -10,8 +10,8 @@ Three kinds of file are read:
 tokenized as characters, never turned into a control id. Control ids are added by id (`add_bos`,
 Megatron's `append_eod`), so text scraped from the web cannot forge document boundaries. Hugging Face
 tokenizers parse such strings by default; `split_special_tokens=True` there gives our ids. Setting
-`parse_special_tokens = True` gives theirs (and Megatron's preprocessing tool's); SentencePiece never parses
-its control pieces in text, either way.
+`parse_special_tokens = True` gives theirs (and Megatron's preprocessing tool's); a SentencePiece model then
+encodes as the tokenizer.json of its export does (sentencepiece itself never parses its control pieces in text).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Tokenizer(ABC):
     eos_id: int | None = None
     pad_id: int | None = None
     files: list[Path]
-    parse_special_tokens: bool = False  # see the module docstring; only Hugging Face tokenizers act on it
+    parse_special_tokens: bool = False  # see the module docstring
     # What the files themselves say about bos (tokenizer_config.json's add_bos_token, a tokenizer.json
     # template that prepends it); None when they say nothing. Read by add_bos_token.
     _declared_add_bos: bool | None = None
@@ -124,8 +124,8 @@ class Tokenizer(ABC):
 
     @property
     def special_tokens(self) -> dict[str, int]:
-        """Every control token by its text: what transformers' tokenizer(text) reads as one id in a chat
-        template's text (a tokenizer.json's added tokens flagged special, a SentencePiece model's control pieces)."""
+        """Every control token by its text, each one id to transformers' tokenizer(text): a tokenizer.json's added
+        tokens flagged special; a SentencePiece model's control and unknown pieces (its export's tokenizer.json's)."""
         return {}
 
     @abstractmethod
@@ -306,18 +306,29 @@ class SentencePieceTokenizer(Tokenizer):
 
     @property
     def special_tokens(self) -> dict[str, int]:
-        # unk too: the export's tokenizer.json (lmforge.models.hf.tokenizer) makes it a special added token
         return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
                 if self._sp.is_control(i) or self._sp.is_unknown(i)}
 
     def _encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        return self._encode_batch([text])[0]
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self.parse_special_tokens:
+            return [ids for ids, _ in self.encode_batch_offsets(texts)]
         return self._sp.encode(texts)  # a list in is encoded on sentencepiece's thread pool
+
+    def _parser(self) -> hf.Tokenizer | None:
+        """The tokenizer.json lmforge's export writes for this model: AutoTokenizer on the export reads special-token
+        text (WikiText's "<unk>") with it. None for a model it cannot convert."""
+        if not hasattr(self, "_parsing"):
+            from lmforge.models.hf.tokenizer import sentencepiece_tokenizer_json  # it imports this module
+            self._parsing = sentencepiece_tokenizer_json(self)
+        return self._parsing
 
     def encode_batch_offsets(self, texts: list[str], continued: Sequence[bool] | None = None
                              ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        if self.parse_special_tokens and (parser := self._parser()) is not None:
+            return [(e.ids, e.offsets) for e in parser.encode_batch(list(texts), add_special_tokens=False)]
         # Meta's tokenizer.model encodes every text with its prefix space (Llama 2's "<s>" then "▁[INST]").
         try:
             protos = self._sp.encode(texts, out_type="proto")

@@ -296,6 +296,32 @@ def test_a_tokenizer_json_adds_bos_where_its_post_processor_does(saved_by, tmp_p
     assert reference("Hello world")["input_ids"] == ours.encode("Hello world", add_bos=ours.add_bos_token)
 
 
+
+def test_sentencepiece_reads_special_tokens_as_its_export_does(llama, tmp_path):
+    """lmforge eval reads WikiText's literal "<unk>" with reading_special_tokens(): from Llama 2's tokenizer.model
+    it was characters, from the exported folder (lm-eval's hf backend, AutoTokenizer) the unk id, so the same
+    weights scored 3.6937 and 3.6473 bits per byte. Both now give AutoTokenizer's ids; plain encoding stays
+    sentencepiece's."""
+    import sentencepiece as spm
+
+    transformers = pytest.importorskip("transformers")
+    from lmforge.models.hf.tokenizer import write_tokenizer_files
+
+    llama.save(tmp_path)
+    write_tokenizer_files(llama, tmp_path, 128, None)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    texts = ["<unk>", " = Robert <unk> = \n", "<s>Hello</s>", "a <s> b </s> c<unk>d", "</s> x <unk> <unk>",
+             "The <unk> of <s>1</s> (née <unk>) , \n\n <unk>", "no specials at all"]
+    sp = spm.SentencePieceProcessor(model_file=str(shared(LLAMA)))
+    assert [llama.encode(t) for t in texts] == [sp.encode(t) for t in texts]  # plain text: sentencepiece's
+    with llama.reading_special_tokens():
+        parsed = [llama.encode(t) for t in texts]
+        assert llama.encode_batch(texts) == parsed
+    assert parsed == [reference(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert parsed[1].count(0) == 1 and parsed[2] == [1, *parsed[2][1:-1], 2]
+    assert [llama.encode(t) for t in texts] == [sp.encode(t) for t in texts]  # and again after
+
+
 # --- errors a user can cause ---------------------------------------------------------------------------------
 
 
