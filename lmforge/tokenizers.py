@@ -321,7 +321,7 @@ class SentencePieceTokenizer(Tokenizer):
         """The tokenizer.json lmforge's export writes for this model: AutoTokenizer on the export reads special-token
         text (WikiText's "<unk>") with it. None for a model it cannot convert."""
         if not hasattr(self, "_parsing"):
-            from lmforge.models.hf.tokenizer import sentencepiece_tokenizer_json  # it imports this module
+            from lmforge.sentencepiece_bpe import sentencepiece_tokenizer_json
             self._parsing = sentencepiece_tokenizer_json(self)
         return self._parsing
 
