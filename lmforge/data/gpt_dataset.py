@@ -43,11 +43,13 @@ INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 CACHE_VERSION = 1
 
 
-def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """Train/valid/test document ranges [start, end) for a split string such as "969,30,1".
+def parse_split(split: str, num_sequences: int) -> list[tuple[int, int]]:
+    """Train/valid/test sequence ranges [start, end) for a split string such as "969,30,1".
 
-    The weights are normalised and turned into boundaries exactly as Megatron does (float64
-    running sums, Python's round-half-even), so the same string selects the same documents.
+    A GPT dataset splits its IndexedDataset by sequence (megatron-core's numel_low_level_dataset), not by document:
+    an empty document has no sequence, a document of several sentences has several. The weights are normalised and
+    turned into boundaries exactly as Megatron does (float64 running sums, Python's round-half-even), so the same
+    string selects the same sequences.
     Missing trailing weights count as 0; an empty split gives an empty range.
     """
     if not re.fullmatch(r"\s*[0-9.]+\s*(?:[,/]\s*[0-9.]+\s*)*", split or ""):
@@ -67,8 +69,8 @@ def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
         bounds.append(bounds[-1] + fraction)
     ranges = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        start = int(round(lo * float(num_documents)))
-        end = int(round(hi * float(num_documents))) if hi > lo else start
+        start = int(round(lo * float(num_sequences)))
+        end = int(round(hi * float(num_sequences))) if hi > lo else start
         ranges.append((start, end))
     return ranges
 
@@ -216,8 +218,8 @@ class GPTDataset(torch.utils.data.Dataset):
                 _save_atomic(self.cache_paths[name], lambda f, a=array: np.save(f, a, allow_pickle=False))
             _save_atomic(self.description_path, lambda f: f.write(self.description.encode()))
         except OSError as err:
-            logger.warning("could not cache GPT indices in %s (%s); they will be rebuilt next time",
-                           self.cache_dir, err)
+            logger.warning("could not cache GPT indices in %s (%s); they will be rebuilt next time (data.cache_dir "
+                           "names a writable folder for them)", self.cache_dir, err)
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

@@ -135,7 +135,7 @@ def _split_dataset(indexed: list[IndexedDataset], weights: list[float], split: i
     sizes, total = blend_sizes(weights, num_samples) if len(indexed) > 1 else ([num_samples], num_samples)
     parts = []
     for ds, size in zip(indexed, sizes):
-        start, end = parse_split(cfg.data.split, ds.num_documents)[split]
+        start, end = parse_split(cfg.data.split, len(ds))[split]  # over sequences, as megatron-core's GPT datasets
         parts.append(GPTDataset(ds, np.arange(start, end), size, cfg.data.seq_length, cfg.trainer.seed,
                                 cfg.data.cache_dir))
     return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, total)
@@ -154,7 +154,7 @@ def pretrain_datasets(cfg: RunConfig, tokenizer=None) -> tuple[torch.utils.data.
         try:
             valid = _split_dataset(indexed, weights, 1, t.val_batches * t.global_batch_size, cfg)
         except UserError:
-            raise UserError(f"validation is on but split '{cfg.data.split}' leaves no validation documents: "
+            raise UserError(f"validation is on but split '{cfg.data.split}' leaves no validation sequences: "
                             "give the split a valid part or set trainer.val_check_interval=0") from None
     return train, valid
 

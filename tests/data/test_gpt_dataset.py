@@ -239,3 +239,33 @@ def test_resume_continues_the_same_sample_stream(corpus, dp_size, micro_batch_si
     loader = torch.utils.data.DataLoader(ds, batch_sampler=PretrainingSampler(len(ds), 5 * step, micro_batch_size))
     first = next(iter(loader))["tokens"]
     assert torch.equal(first[0], ds[5 * step]["tokens"])
+
+
+def test_the_trainers_split_is_over_sequences_as_megatrons(tmp_path):
+    """megatron-core splits a GPT IndexedDataset by sequence; the trainer split it by document, so data with empty
+    documents or documents of several sentences (preprocess's list-of-sentences form) trained on other samples than
+    Megatron, on a quarter of the corpus, or failed with 'split documents reach outside'."""
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from lmforge.train.data import _split_dataset
+
+    rng = np.random.default_rng(3)
+    prefix = tmp_path / "sentences"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in range(300):
+        for _ in range(0 if doc % 7 == 0 else 1 + doc % 4):  # empty documents, and 1-4 sentences
+            builder.add_item(torch.from_numpy(rng.integers(1, VOCAB, size=int(rng.integers(1, 30))).astype(np.int64)))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    indexed = IndexedDataset(prefix)
+    assert len(indexed) > indexed.num_documents
+    split, seed, seq_length, sizes = "949,50,1", 5, 16, [400, 30, None]
+    theirs = megatron_build(sizes, megatron_config(seq_length, seed, split, ([str(prefix)], None), str(tmp_path / "m")))
+    data = types.SimpleNamespace(split=split, seq_length=seq_length, cache_dir=tmp_path / "o")
+    cfg = types.SimpleNamespace(data=data, trainer=types.SimpleNamespace(seed=seed))
+    for i in (0, 1):
+        ours = _split_dataset([indexed], [1.0], i, sizes[i], cfg)
+        assert len(ours) == len(theirs[i])
+        for j in range(len(ours)):
+            np.testing.assert_array_equal(ours.sample(j), theirs[i]._query_document_sample_shuffle_indices(j)[0])
