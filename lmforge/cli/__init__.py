@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from types import ModuleType
 from typing import NamedTuple
 
@@ -64,6 +65,22 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, Slurm, a supervisor) in a verb that has no handler of its own: unwound as Ctrl-C is, so
+    worker pools are stopped and temporary files removed (the default action ended the process at once, orphaning
+    preprocess's workers and leaving its partial output behind)."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate_as_interrupt(owner: int):
+    def handle(signum, frame):
+        if os.getpid() != owner:  # a forked worker inherited this: it ends as SIGTERM ends it by default
+            os._exit(128 + signum)
+        raise Terminated()
+    return handle
+
+
 def main(argv: list[str] | None = None) -> int:
     end_with_launcher()  # first: a torchrun worker whose launcher is killed must not train on alone
     argv = sys.argv[1:] if argv is None else argv
@@ -84,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     # errors (as Lightning/NeMo's rank-zero logging); LMFORGE_LOG_ALL_RANKS=1 brings every rank's back.
     quiet = os.environ.get("RANK", "0") != "0" and os.environ.get("LMFORGE_LOG_ALL_RANKS", "0") in ("0", "")
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Training verbs replace it while they train (lmforge.train.stopping), serve while uvicorn runs.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt(os.getpid())) if main_thread else None
     try:
         args.func(args)
     except UserError as e:
@@ -96,4 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 128 + getattr(e, "signum", signal.SIGINT)
+    finally:
+        if main_thread:  # main() called in a process that goes on (tests, a notebook): its handler as it was
+            signal.signal(signal.SIGTERM, previous)
     return 0

@@ -329,3 +329,29 @@ def test_spawned_workers_parse_special_tokens_when_asked(tmp_path, gpt2, monkeyp
     spawned = preprocess(tmp_path / "s.jsonl", tmp_path / "spawn", gpt2, workers=2, parse_special_tokens=True,
                          progress=False)
     assert IndexedDataset(spawned.outputs["text"]).document(0).tolist() == [64, 50256, 65]
+
+
+def test_sigterm_stops_the_workers_and_leaves_no_partial_output(gpt2, shared_data, tmp_path):
+    """`kill`, `timeout` and Slurm send SIGTERM: preprocess ended at once, its worker processes blocked forever on a
+    pipe nobody read, and its partial .bin stayed behind. It now unwinds as Ctrl-C does (exit 143)."""
+    import signal
+
+    articles = (shared_data / "corpora" / "wikitext-2" / "valid.articles.jsonl").read_text()
+    (tmp_path / "big.jsonl").write_text(articles * 40)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "preprocess", "--input", str(tmp_path / "big.jsonl"),
+                             "--output-prefix", str(out / "p"), "--tokenizer", str(gpt2), "--workers", "2",
+                             "--no-progress"], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.is_dir() and any(out.iterdir())) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # writing has started
+    assert proc.poll() is None, "preprocess finished before it could be stopped: give it more text"
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    time.sleep(1)
+    left = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in left:
+        os.kill(int(pid), signal.SIGKILL)
+    assert left == [] and list(out.iterdir()) == []
