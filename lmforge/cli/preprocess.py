@@ -59,7 +59,8 @@ def run(args: argparse.Namespace):
                        parse_special_tokens=parse_special)
     skipped = f", skipped {stats.skipped} bad line(s)" if stats.skipped else ""
     shard = f"shard {stats.shard[0]}/{stats.shard[1]}: " if stats.shard else ""
-    print(f"{shard}wrote {stats.documents} documents, {stats.tokens} tokens in {stats.seconds:.1f} s "
+    keys = f" (over its {len(stats.outputs)} keys' datasets)" if len(stats.outputs) > 1 else ""
+    print(f"{shard}wrote {stats.documents} documents, {stats.tokens} tokens{keys} in {stats.seconds:.1f} s "
           f"({stats.documents_per_second:,.0f} docs/s, {stats.tokens_per_second:,.0f} tokens/s){skipped}: "
           + ", ".join(f"{p}.bin/.idx" for p in stats.outputs.values()))
     return stats

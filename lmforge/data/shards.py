@@ -239,6 +239,6 @@ def merge(prefix: str | Path, expect: dict | None = None) -> MergeStats:
     stats = MergeStats(prefix, len(shards), sum(ds.num_documents for ds in datasets), sum(map(len, datasets)),
                        sum(int(ds.sequence_lengths.sum(dtype=np.int64)) for ds in datasets),
                        time.perf_counter() - start)
-    logger.info("merged %d shards into %s.bin/.idx: %d documents, %d tokens in %.1f s", stats.shards, prefix,
+    logger.debug("merged %d shards into %s.bin/.idx: %d documents, %d tokens in %.1f s", stats.shards, prefix,
                 stats.documents, stats.tokens, stats.seconds)
     return stats
