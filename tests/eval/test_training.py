@@ -62,7 +62,8 @@ def test_evals_are_logged_and_equal_lmforge_eval_on_the_checkpoint(eval_models, 
                               "eval/wikitext2_local/byte_perplexity", "eval/wikitext2_local/bits_per_byte"}
     # Training is untouched by the evals (lm-eval seeds every RNG; the run's states are put back).
     plain = {r["step"]: r["loss"] for r in _rows(tmp_path / "without")}
-    assert {r["step"]: r["loss"] for r in rows} == {s: plain[s] for s in (2, 3, 4)}
+    # log_every_n_steps=3: steps 3 and the run's first and last, and those with evals.
+    assert {r["step"]: r["loss"] for r in rows} == {s: plain[s] for s in (1, 2, 3, 4)}
     # Each logged figure is what `lmforge eval` gives on the checkpoint of that step.
     for step in (2, 4):
         out = tmp_path / f"step{step}.json"
