@@ -337,21 +337,25 @@ def test_sigterm_stops_the_workers_and_leaves_no_partial_output(gpt2, shared_dat
     import signal
 
     articles = (shared_data / "corpora" / "wikitext-2" / "valid.articles.jsonl").read_text()
-    (tmp_path / "big.jsonl").write_text(articles * 40)
+    (tmp_path / "big.jsonl").write_text(articles * 100)  # minutes of work: stopped long before its end
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "preprocess", "--input", str(tmp_path / "big.jsonl"),
                              "--output-prefix", str(out / "p"), "--tokenizer", str(gpt2), "--workers", "2",
                              "--no-progress"], start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    def group() -> list[str]:
+        return subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+
     deadline = time.monotonic() + 120
-    while not (out.is_dir() and any(out.iterdir())) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # writing has started
+    while len(group()) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the two workers have started
+    time.sleep(1)  # and are tokenizing
     assert proc.poll() is None, "preprocess finished before it could be stopped: give it more text"
     os.kill(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     time.sleep(1)
-    left = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    left = group()
     for pid in left:
         os.kill(int(pid), signal.SIGKILL)
-    assert left == [] and list(out.iterdir()) == []
+    assert left == [] and (not out.exists() or list(out.iterdir()) == [])
