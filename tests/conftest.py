@@ -3,10 +3,32 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
+
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def needs_torch(version: tuple[int, int], what: str):
+    """Skip on a torch older than `version` (the declared minimum is 2.6), where lmforge refuses `what` in one line."""
+    return pytest.mark.skipif(TORCH_VERSION < version, reason=f"{what} needs torch {version[0]}.{version[1]}+, "
+                                                              f"this is {torch.__version__}")
+
+
+def expert_placements(placements: str) -> str:
+    """Expert weights' placements on the expert mesh written for torch 2.12+ ("ep_replicate", "ep"[, "tp"], "ep_shard";
+    "RS(0)S(2)R"), as this torch lays them: before 2.12 FSDP2 cannot shard them and "ep_shard" (one rank) comes
+    second, in rank order (lmforge.parallel.mesh.expert_mesh)."""
+    from lmforge.parallel.mesh import fsdp_shards_experts
+
+    if fsdp_shards_experts():
+        return placements
+    parts = re.findall(r"R|S\(\d+\)", placements)
+    return "".join([parts[0], "R", *parts[1:-1]])
+
 
 SHARED_DATA = Path(os.environ.get("LMFORGE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmforge.models.config import ModelConfig
+from lmforge.parallel.mesh import fsdp_shards_experts
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ def expert_bytes(cfg: ModelConfig, expert: int, data: int, tokens: int, micro_ba
     all_to_all = 2 * routed * cfg.hidden_size * activation_bytes
     local = expert_parameters(cfg, stage) // expert // tensor  # this rank's experts (its rows of them)
     same = data // expert  # ranks holding the same experts
-    if data_parallel == "fsdp":  # lmforge.parallel.mesh.expert_shards
+    if data_parallel == "fsdp" and fsdp_shards_experts():  # lmforge.parallel.mesh.expert_shards
         shard_dim = data // data_replicate
         shard = shard_dim // expert if shard_dim % expert == 0 else 1
     else:

@@ -59,6 +59,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lmforge.models.moe import ExpertLoRA, expert_rows, moe_layers
+from lmforge.parallel.mesh import dim_mesh, dim_size, fsdp_shards_experts
 from lmforge.parallel.tensor_parallel import expert_tp_placement, grad_summed
 
 log = logging.getLogger(__name__)
@@ -199,14 +200,17 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int, fsdp: b
     router and the reduction after the combine are tensor_parallel.ExpertSlices', applied afterwards."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    group = ep_mesh["ep"].get_group()
-    same = ep_mesh["ep_replicate"].size() * ep_mesh["ep_shard"].size()  # ranks holding the same experts
-    fsdp = fsdp and same > 1
-    if not fsdp and ep_mesh["ep_shard"].size() > 1:
+    group = ep_mesh.get_group("ep")
+    same = dim_size(ep_mesh, "ep_replicate") * dim_size(ep_mesh, "ep_shard")  # ranks holding the same experts
+    if fsdp and same > 1 and not fsdp_shards_experts():
+        log.warning("torch %s's FSDP2 cannot shard expert-parallel weights (2.12's can): each expert is kept whole on "
+                    "its %d data-parallel ranks and its gradients all-reduced over them", torch.__version__, same)
+    fsdp = fsdp and same > 1 and fsdp_shards_experts()
+    if not fsdp and dim_size(ep_mesh, "ep_shard") > 1:
         raise RuntimeError("experts laid out for FSDP2 (ep_shard > 1) under a plan without it")
-    replicate = ep_mesh["ep_replicate"].get_group() if same > 1 and not fsdp else None
-    tp_mesh = ep_mesh["tp"] if "tp" in ep_mesh.mesh_dim_names else None
-    size = ep_mesh["ep"].size()
+    replicate = ep_mesh.get_group("ep_replicate") if same > 1 and not fsdp else None
+    tp_mesh = dim_mesh(ep_mesh, "tp") if "tp" in ep_mesh.mesh_dim_names else None
+    size = dim_size(ep_mesh, "ep")
     layers = moe_layers(model)
     for layer in layers:
         # The stacked weights, and any LoRA factors of theirs (lmforge.models.lora_experts: expert dim first too).
@@ -225,8 +229,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, data_parallel: int, fsdp: b
     if layers:
         tp = f", each expert's rows over {tp_mesh.size()} tensor-parallel ranks" if tp_mesh is not None else ""
         holders = (f"each expert held by {same} ranks, its gradients all-reduced over them" if same > 1 and not fsdp
-                   else f"each expert's ranks FSDP2 over {ep_mesh['ep_shard'].size()} x "
-                        f"{ep_mesh['ep_replicate'].size()} replicas" if fsdp else "each expert on one rank")
+                   else f"each expert's ranks FSDP2 over {dim_size(ep_mesh, 'ep_shard')} x "
+                        f"{dim_size(ep_mesh, 'ep_replicate')} replicas" if fsdp else "each expert on one rank")
         log.info("expert parallel: %d experts per layer over %d ranks (%d each%s); %s", layers[0].num_experts, size,
                  layers[0].num_experts // size, tp, holders)
 
@@ -247,14 +251,14 @@ def shard_experts(part: nn.Module, reshard_after_forward: bool = True, mp_policy
     (call this before fully_shard on the blocks). Gradients are summed over both and divided by the data-parallel
     size, not FSDP's own (ep_shard x ep_replicate ranks): each rank's expert gradient holds its whole ep group's
     tokens already. Sums and one division rather than NCCL's PREMUL_SUM, which gloo lacks."""
-    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
-
     for layer in moe_layers(part):
         dispatch = layer.dispatch
         if not isinstance(dispatch, ExpertDispatch) or not dispatch.fsdp:
             continue
+        from torch.distributed.fsdp import DataParallelMeshDims, fully_shard  # torch 2.12+ (fsdp_shards_experts)
+
         mesh = dispatch.mesh  # the weights' own (_parameter): FSDP2 wants that very object
-        shard, replicate = mesh["ep_shard"].size(), mesh["ep_replicate"].size()
+        shard, replicate = dim_size(mesh, "ep_shard"), dim_size(mesh, "ep_replicate")
         # A shard dim always, of one rank where nothing divides (HSDP, replicated): torch 2.13's replicate-only mode
         # (DDPMeshInfo) takes no shard_placement_fn.
         dims = DataParallelMeshDims(shard="ep_shard", replicate="ep_replicate" if replicate > 1 else None)

@@ -153,14 +153,51 @@ def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
         raise UserError(f"parallel.expert={ep} does not divide the data-parallel size {cfg.data_parallel} "
                         f"(data_replicate={cfg.data_replicate} x data_shard={cfg.data_shard}): experts are split "
                         "over data-parallel ranks; pick a degree that divides it")
+    if cfg.data_shard > 1 and not _fully_shard_ignores_params():
+        raise UserError(f"parallel.expert={ep} under FSDP2 (data_shard={cfg.data_shard}) needs torch 2.7 or later "
+                        f"(FSDP2 leaves the experts to expert parallelism through fully_shard's ignored_params); "
+                        f"this is torch {torch.__version__.split('+')[0]}: upgrade torch, or set "
+                        f"parallel.data_replicate={cfg.data_parallel} parallel.data_shard=1 (DDP)")
+
+
+def _fully_shard_ignores_params() -> bool:
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    return "ignored_params" in inspect.signature(fully_shard).parameters
+
+
+def fsdp_shards_experts() -> bool:
+    """Whether this torch's FSDP2 can shard expert-parallel weights over the other ranks holding them: they are
+    DTensors on the expert mesh, and FSDP2 takes the dims to shard over from that mesh only through
+    DataParallelMeshDims (torch 2.12). Before it those ranks keep whole copies and all-reduce their gradients."""
+    import torch.distributed.fsdp as fsdp
+
+    return hasattr(fsdp, "DataParallelMeshDims")
 
 
 def expert_shards(cfg: ParallelConfig) -> tuple[int, int]:
     """(replicate, shard): how the data_parallel / expert ranks holding the same experts split under FSDP2. Sharded
     over the data_shard ranks that hold them (data_shard / expert, where expert divides data_shard), replicated over
-    the rest (HSDP's replicas; all of them under DDP, data_shard = 1, or where an expert group spans replicas)."""
-    shard = cfg.data_shard // cfg.expert if cfg.data_shard % cfg.expert == 0 else 1
+    the rest (HSDP's replicas; all of them under DDP, data_shard = 1, where an expert group spans replicas, or where
+    this torch's FSDP2 cannot shard them: fsdp_shards_experts)."""
+    shard = cfg.data_shard // cfg.expert if cfg.data_shard % cfg.expert == 0 and fsdp_shards_experts() else 1
     return cfg.data_parallel // cfg.expert // shard, shard
+
+
+def dim_size(mesh, name: str) -> int:
+    """The size of `mesh`'s dim `name`."""
+    return mesh.size(mesh.mesh_dim_names.index(name))
+
+
+def dim_mesh(mesh, name: str):
+    """The 1-D mesh of `mesh`'s dim `name` through this rank. torch 2.6 slices only a root mesh: a slice of one
+    (expert_mesh's) has its root sliced instead, the same ranks."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    root = _mesh_resources.get_root_mesh(mesh)
+    return mesh[name] if root is mesh or hasattr(mesh, "_get_root_mesh") else root[name]
 
 
 def expert_mesh(mesh, cfg: ParallelConfig):
@@ -179,9 +216,12 @@ def expert_mesh(mesh, cfg: ParallelConfig):
     # A stage's data-parallel ranks: replicas outer, shards inner; each data rank's tensor-parallel ranks innermost.
     ranks = mesh.mesh.reshape(cfg.pipeline, replicate, shard, cfg.expert, cfg.tensor)
     names = ["pp", "ep_replicate", "ep", "tp", "ep_shard"]
-    ranks = ranks.permute(0, 1, 3, 4, 2)
+    if fsdp_shards_experts():
+        ranks = ranks.permute(0, 1, 3, 4, 2)
+    else:  # "ep_shard" is one rank (expert_shards); torch before 2.13 slices dims only in their ranks' stride order
+        names = ["pp", "ep_replicate", "ep_shard", "ep", "tp"]
     if cfg.tensor == 1:
-        ranks, names = ranks[:, :, :, 0], [n for n in names if n != "tp"]
+        ranks, names = ranks.squeeze(names.index("tp")), [n for n in names if n != "tp"]
     full = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
     _inherit_timeout(full, mesh.device_type)
     return full[tuple(names[1:])]

@@ -62,24 +62,39 @@ def test_expert_degree_must_be_positive():
 MIXTRAL_2_WIDE = {"model": "tiny-mixtral", "num_experts": 2, "moe_intermediate_size": 256}
 
 
-@pytest.mark.parametrize(("layout", "world", "holders", "placements", "model"), [
+# Before torch 2.13 FSDP2 cannot shard expert-parallel weights (lmforge.parallel.mesh.fsdp_shards_experts): the ranks
+# holding the same experts keep whole copies, "ep_shard" is one rank and comes before "ep" (rank order).
+OLD_TORCH = {"(Replicate(), Shard(dim=0), Shard(dim=0))": "(Replicate(), Replicate(), Shard(dim=0))",
+             "(Replicate(), Shard(dim=0), Replicate())": "(Replicate(), Replicate(), Shard(dim=0))",
+             "(Replicate(), Shard(dim=0), Shard(dim=2), Shard(dim=0))": "(Replicate(), Replicate(), Shard(dim=0), "
+                                                                        "Shard(dim=2))",
+             "(Replicate(), Shard(dim=0), Shard(dim=2), Shard(dim=2))": "(Replicate(), Replicate(), Shard(dim=0), "
+                                                                        "Shard(dim=2))"}
+
+
+@pytest.mark.parametrize(("layout", "world", "holders", "placements", "model", "old_holders"), [
     # FSDP2 over 4, expert=2: the two ranks holding the same experts shard them, by expert (Shard(0) twice).
-    (ParallelConfig(expert=2), 4, 4, "(Replicate(), Shard(dim=0), Shard(dim=0))", {}),
+    (ParallelConfig(expert=2), 4, 4, "(Replicate(), Shard(dim=0), Shard(dim=0))", {}, 2),
     # HSDP 2 x 2: an ep group is a whole replica, the same experts are on two replicas: replicated.
-    (ParallelConfig(expert=2, data_replicate=2, data_shard=2), 4, 2, "(Replicate(), Shard(dim=0), Shard(dim=0))", {}),
+    (ParallelConfig(expert=2, data_replicate=2, data_shard=2), 4, 2, "(Replicate(), Shard(dim=0), Shard(dim=0))", {},
+     2),
     # Two pipeline stages over 2 data ranks each: expert=2 over a stage's 2, nothing to shard; half the layers.
-    (ParallelConfig(expert=2, pipeline=2), 4, 4, "(Replicate(), Shard(dim=0), Replicate())", {}),
+    (ParallelConfig(expert=2, pipeline=2), 4, 4, "(Replicate(), Shard(dim=0), Replicate())", {}, 4),
     # Expert x tensor parallelism over 8 ("ep_replicate", "ep", "tp", "ep_shard"): half the experts per ep rank, half
     # of each one's intermediate rows per tensor rank, and FSDP2 halves that over the 2 data ranks holding the same.
-    (ParallelConfig(expert=2, tensor=2), 8, 8, "(Replicate(), Shard(dim=0), Shard(dim=2), Shard(dim=0))", {}),
+    (ParallelConfig(expert=2, tensor=2), 8, 8, "(Replicate(), Shard(dim=0), Shard(dim=2), Shard(dim=0))", {}, 4),
     # One expert per ep rank: FSDP2 splits its intermediate rows (the widest dim) within the tensor rank's: a box.
     (ParallelConfig(expert=2, tensor=2), 8, 8, "(Replicate(), Shard(dim=0), Shard(dim=2), Shard(dim=2))",
-     MIXTRAL_2_WIDE),
+     MIXTRAL_2_WIDE, 4),
 ])
-def test_a_fresh_model_is_initialised_in_its_expert_shards(layout, world, holders, placements, model):
+def test_a_fresh_model_is_initialised_in_its_expert_shards(layout, world, holders, placements, model, old_holders):
     """Each rank (fake process group, one process) initialises only its pieces of a meta-built model (DDP takes no
     meta model): they equal the one-process model's, and a rank holds the experts' elements over the ranks they are
     split over. Several fake worlds in one process: the experts' mesh must be each world's own (_parameter)."""
+    from lmforge.parallel.mesh import fsdp_shards_experts
+
+    if not fsdp_shards_experts():
+        holders, placements = old_holders, OLD_TORCH[placements]
     from dataclasses import replace
 
     import torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import expert_placements
 from tests.parallel.test_parallel import _check, _launch
 
 ALL = {"rank": 4, "alpha": 8.0, "targets": "all-linear"}  # attention, router, experts (gate_up at rank 8)
@@ -67,4 +68,4 @@ def test_expert_adapters_are_split_like_their_weights(results):
         experts = {n: p for n, p in results[layout]["lora_layout"].items() if ".experts." in n}
         # ("ep_replicate", "ep", "ep_shard"): split by expert; FSDP2 shards them further where other ranks hold the
         # same experts (none here: 2 ranks, expert=2), so their placement stays Replicate on "ep_shard"
-        assert experts and set(experts.values()) == {"RS(0)R"}, experts
+        assert experts and set(experts.values()) == {expert_placements("RS(0)R")}, experts
