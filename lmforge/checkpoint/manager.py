@@ -170,7 +170,7 @@ class CheckpointManager:
         if self._writer is None:
             try:
                 with one_process_quietly():
-                    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+                    dcp.save(state, checkpoint_id=str(tmp))
                 error = None
             # DCP gathers every rank's failure into a CheckpointException, a BaseException (not an Exception).
             except (Exception, CheckpointException) as e:
@@ -336,7 +336,7 @@ class CheckpointManager:
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         try:
             with one_process_quietly():
-                dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+                dcp.load(state, checkpoint_id=str(path))
         # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
         # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
         except (Exception, CheckpointException) as e:

@@ -43,7 +43,7 @@ RUN_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by",
 
 @contextlib.contextmanager
 def one_process_quietly():
-    """DCP in one process (no process group, no_dist=True, as asked): without torch's warning that it assumes so,
+    """DCP in one process (no process group: torch then takes no_dist=True itself): without its warning that it does,
     which every read of a checkpoint by export-hf, serve or eval printed."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -259,14 +259,13 @@ def checkpoint_dtype(folder: Path) -> torch.dtype | None:
 def load_checkpoint_model(state: dict[str, torch.Tensor], folder: Path) -> None:
     """Fill `state` (a model state dict, DTensors where sharded) in place from a training checkpoint's model
     part: only the chunks overlapping each tensor are read. A checkpoint that does not fit is one UserError."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     check_checkpoint_files(folder)
     try:
         with one_process_quietly():
-            dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+            dcp.load({"model": state}, checkpoint_id=str(folder))
     # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
     # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
     except (Exception, CheckpointException) as e:
