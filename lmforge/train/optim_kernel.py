@@ -17,6 +17,7 @@ errno for sqrt, so the loop vectorises whole.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import time
@@ -93,7 +94,10 @@ def build_kernel() -> tuple[Callable | None, float, str]:
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        kernel = CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, SOURCE, extra_flags=FLAGS, needs_vec_isa=True)
+        # torch 2.12+ asks whether the code needs the CPU's vector ISA flags (it does); before, they are always set.
+        vec = "needs_vec_isa" in inspect.signature(CppPythonBindingsCodeCache.load_pybinding_async).parameters
+        kernel = CppPythonBindingsCodeCache.load_pybinding(ARGTYPES, SOURCE, extra_flags=FLAGS,
+                                                           **({"needs_vec_isa": True} if vec else {}))
     except Exception as e:  # noqa: BLE001 (any failure to build means the eager path, which gives the same bits)
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         return None, time.perf_counter() - start, f"{type(e).__name__}: {reason}"
