@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lmforge.errors import UserError
+
 STANDIN = "fakegpu"
 _LOWER_PRECISION_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "scaled_dot_product_attention")
 _registered: list[object] = []  # the stand-in's libraries, alive for the process
@@ -378,8 +380,12 @@ def _register_standin() -> None:
     if name not in ("privateuseone", STANDIN):
         raise RuntimeError(f"this process's PrivateUse1 backend is already '{name}': a fake device cannot be added; "
                            "plan in a process of its own")
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
+    try:
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    except ImportError:  # torch 2.10 added Python device backends
+        raise UserError(f"tracing a run on a device this machine lacks needs torch 2.10 or later (a Python device "
+                        f"backend stands in for it); this is torch {torch.__version__.split('+')[0]}: upgrade torch "
+                        "here (pip install -U torch), or plan with --device cpu") from None
     if name == "privateuseone":
         _setup_privateuseone_for_python_backend(STANDIN, backend_module=_StandinModule())
     # Autocast on the stand-in: matrix products and attention in the autocast dtype (what CUDA's autocast
