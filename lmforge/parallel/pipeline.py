@@ -108,12 +108,15 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
 @dataclass(frozen=True)
 class StageShapes:
     """What a pipeline's stages exchange, known in advance: `rows` per microbatch, `seq_length` tokens (split
-    over `seq_shards` tensor-parallel ranks under sequence parallelism), hidden states in `dtype`."""
+    over `seq_shards` tensor-parallel ranks under sequence parallelism), hidden states in `dtype`; the last stage's
+    logits over the padded vocabulary where loss_parallel keeps them vocabulary-parallel (VocabParallelProjection),
+    else over the real one."""
 
     rows: int
     seq_length: int
     dtype: torch.dtype
     seq_shards: int = 1
+    padded_logits: bool = False
 
 
 def stage_examples(config, stage: int, num_stages: int, shapes: StageShapes, device: torch.device):
@@ -126,7 +129,8 @@ def stage_examples(config, stage: int, num_stages: int, shapes: StageShapes, dev
     inputs = torch.empty(rows, seq, dtype=torch.long, device=device) if stage == 0 else hidden
     if stage < num_stages - 1:
         return inputs, hidden
-    width = [config.num_labels] if config.num_labels else [seq, config.vocab_size]
+    vocab = config.padded_vocab_size if shapes.padded_logits else config.vocab_size
+    width = [config.num_labels] if config.num_labels else [seq, vocab]
     return inputs, torch.empty(rows, *width, dtype=shapes.dtype, device=device, requires_grad=True)
 
 

@@ -89,8 +89,8 @@ class VocabParallelProjection(nn.Module):
         logits = F.linear(h, weight, bias)
         if self.softcap is not None:
             logits = soft_cap(logits, self.softcap)
-        if not self.loss_parallel:
-            return logits.redistribute(self.tp_mesh, [Replicate()]).to_local()[..., : self.vocab_size]
+        if not self.loss_parallel:  # contiguous, as the one-process logits (torch 2.11's pipeline stages check strides)
+            return logits.redistribute(self.tp_mesh, [Replicate()]).to_local()[..., : self.vocab_size].contiguous()
         if self.padded_vocab_size > self.vocab_size:
             logits = logits + self._padding(logits.dtype, logits.device)
         return logits

@@ -174,7 +174,7 @@ class ParallelTraining:
             # exchange bf16 hidden states (fp32 under autocast alone, whose residual stream stays fp32).
             hidden = mp_policy.param_dtype if mp_policy is not None and layout.data_parallel > 1 else (
                 precision.param_dtype)
-            shapes = StageShapes(pipeline_rows, seq_length, hidden, shards)
+            shapes = StageShapes(pipeline_rows, seq_length, hidden, shards, layout.tensor > 1 and layout.loss_parallel)
         self.pm = parallelize(model, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes,
                               compile_block=compile_block)
         if fill is not None:

@@ -183,7 +183,12 @@ def test_the_device_defects_fail_as_on_a_gpu(planned):
     assert planned["cpu_counts"]["error"] == "CollectiveDeviceError"
     assert "cpu tensor" in planned["cpu_counts"]["message"] and "lmforge/parallel/mesh.py" in planned["cpu_counts"][
         "message"]
-    assert planned["cpu_term"]["error"] == "FakeTensorDeviceMismatchError"
+    # torch 2.13: "Expected all tensors to be on the same device, but found at least two devices, fakegpu:0 and cpu!"
+    # (a GPU's own words); before, fake tensors' "Unhandled FakeTensor Device Propagation ... found two different
+    # devices fakegpu:0, cpu" as a RuntimeError
+    term = planned["cpu_term"]
+    assert term["error"] in ("FakeTensorDeviceMismatchError", "RuntimeError") and "devices" in term["message"] and \
+        "cpu" in term["message"], term
 
 
 @pytest.mark.slow
@@ -223,6 +228,9 @@ def test_every_pipeline_layout_steps_on_fake_cuda(pipelined, name):
     shards = layout["data_shard"] * layout["tensor"]
     dtype_bytes = 2 if name == "pp_bf16_sr" else 4
     expected = _param_bytes(PIPELINES[name]) * dtype_bytes // 4 / shards
+    if layout["expert"] > 1 and not fsdp_shards_experts():  # before torch 2.12: experts whole on their ranks
+        experts = _param_bytes(PIPELINES[name], ".experts.")
+        expected += experts / (layout["expert"] * layout["tensor"]) - experts / shards
     held = sum(r["params"] for r in plan["ranks"])
     assert expected * 0.97 <= held <= expected * 1.2, (held, expected)  # + the rotary buffers of each stage
     for r in plan["ranks"]:
