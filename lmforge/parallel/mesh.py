@@ -106,6 +106,10 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     tp, pp = cfg.tensor, cfg.pipeline
     if cfg.expert > 1:
         check_expert(cfg, model)
+    if tp > 1 and model.family == "bert" and torch_version() < (2, 11):
+        raise UserError(f"BERT under tensor parallelism needs torch 2.11 or later (on 2.6-2.10 DTensor's backward "
+                        f"gives the token-type embedding the word embedding's gradient shape); this is torch "
+                        f"{torch.__version__.split('+')[0]}: upgrade torch, or set parallel.tensor=1")
     if tp > 1:
         splits = ("num_heads", "num_kv_heads", "intermediate_size") + (("moe_intermediate_size",)
                                                                        if model.num_experts else ())
@@ -166,6 +170,10 @@ def _fully_shard_ignores_params() -> bool:
     from torch.distributed.fsdp import fully_shard
 
     return "ignored_params" in inspect.signature(fully_shard).parameters
+
+
+def torch_version() -> tuple[int, int]:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def fsdp_shards_experts() -> bool:

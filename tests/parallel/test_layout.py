@@ -174,3 +174,15 @@ def test_sequence_parallel_rejects_an_uneven_sequence(fake_two_ranks, name):
     apply_tensor_parallel(model, fake_two_ranks)
     with pytest.raises(UserError, match="sequence length 15 is not divisible by parallel.tensor=2"):
         model(torch.zeros(2, 15, dtype=torch.long))
+
+
+def test_bert_under_tensor_parallelism_before_torch_2_11_is_one_line(monkeypatch):
+    """torch 2.6-2.10 fail BERT's first backward under TP (checked on each): refused before any process starts."""
+    import lmforge.parallel.mesh as mesh
+
+    monkeypatch.setattr(mesh, "torch_version", lambda: (2, 10))
+    with pytest.raises(UserError, match=r"BERT under tensor parallelism needs torch 2.11 .* set parallel.tensor=1"):
+        check_model(ParallelConfig(tensor=2), preset("tiny-bert"))
+    check_model(ParallelConfig(tensor=2), preset("tiny-gpt2"))  # other families are not
+    monkeypatch.setattr(mesh, "torch_version", lambda: (2, 11))
+    check_model(ParallelConfig(tensor=2), preset("tiny-bert"))

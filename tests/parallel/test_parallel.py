@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from lmforge.parallel.mesh import torch_version
 from tests.parallel.launch import run_ranks
 
 L4 = {"num_layers": 4}  # interleaved: 2 pipeline ranks x 2 virtual stages x 1 layer
@@ -119,6 +120,12 @@ FOUR = {
                           "parallel": {"pipeline": 2, "data_shard": 2, "microbatches": 2}},
     # Expert parallelism on 4 processes: tests/parallel/test_expert_layouts.py.
 }
+
+# BERT under tensor parallelism is refused before torch 2.11 (lmforge.parallel.mesh.check_model; test_layout.py).
+if torch_version() < (2, 11):
+    for cases in (TWO, FOUR):
+        for name in [n for n, c in cases.items() if c["model"] == "tiny-bert" and c["parallel"].get("tensor", 1) > 1]:
+            del cases[name]
 
 
 def _launch(world: int, cases: dict, tmp) -> dict:
