@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from lmforge.cli import VERBS, main
-from tests.conftest import edited_copy
+from tests.conftest import edited_copy, needs_torch
 
 tf = pytest.importorskip("transformers")
 
@@ -217,6 +217,7 @@ def test_under_torchrun_only_rank_0_logs_info(tmp_path):
     assert info_lines(RANK="1", LMFORGE_LOG_ALL_RANKS="1") > 0
 
 
+@needs_torch((2, 10), "lmforge plan of a CUDA run on a machine without one")
 def test_plan_defaults_to_the_layouts_world_and_prints_no_cpp_warning(tmp_path):
     """`lmforge plan RECIPE` needed --world-size even for one process, and every trace ended in a C++ warning from
     destroying the fake process group ("No backend of type 0 found")."""

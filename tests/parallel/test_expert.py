@@ -13,6 +13,7 @@ import pytest
 from lmforge.errors import UserError
 from lmforge.models import preset
 from lmforge.parallel import ParallelConfig, check_model
+from tests.conftest import needs_torch
 from tests.parallel.launch import run_ranks
 
 
@@ -72,6 +73,7 @@ OLD_TORCH = {"(Replicate(), Shard(dim=0), Shard(dim=0))": "(Replicate(), Replica
                                                                         "Shard(dim=2))"}
 
 
+@needs_torch((2, 7), "expert parallelism under FSDP2")
 @pytest.mark.parametrize(("layout", "world", "holders", "placements", "model", "old_holders"), [
     # FSDP2 over 4, expert=2: the two ranks holding the same experts shard them, by expert (Shard(0) twice).
     (ParallelConfig(expert=2), 4, 4, "(Replicate(), Shard(dim=0), Shard(dim=0))", {}, 2),

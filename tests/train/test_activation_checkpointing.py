@@ -14,6 +14,7 @@ from lmforge.models import build
 from lmforge.train.config import load_run_config
 from lmforge.train.setup import apply_activation_checkpointing
 from lmforge.train.tasks import get_task
+from tests.conftest import needs_torch
 from tests.models.test_documents import packed
 from tests.train.test_plan import CONFIGS, _case, _run
 
@@ -133,6 +134,7 @@ def test_a_mixture_of_experts_frees_each_recomputed_block_in_backward(preset):
     assert abs(held["full"] - held["none"]) < 0.01 * held["none"], held
 
 
+@needs_torch((2, 10), "lmforge plan of a CUDA run on a machine without one")
 def test_activation_memory_full_below_selective_below_none(tmp_path):
     """One step traced on fake CUDA (lmforge plan): one process, and two FSDP2 ranks."""
     cases = {f"{world}/{mode}": _case(world, f"trainer.activation_checkpointing={mode}", "data.seq_length=128",
