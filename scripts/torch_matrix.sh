@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The tests on other torch releases than the one installed: 2.11 is what the GPU machines have (with Python 3.12),
+# 2.6 the declared floor. Each release gets a venv of its own, ${LMFORGE_VENVS:-/tmp/lmforge-torch}/PYTHON-TORCH,
+# made once: PyPI's torch (a CUDA build, ~5 GB with its libraries; it runs on the CPU) and this checkout installed
+# editable with its test extras. Then pytest runs there with the arguments after --, the fast lane by default.
+#
+#   bash scripts/torch_matrix.sh                         # 2.6.0 and 2.11.0, pytest -m "not slow"
+#   bash scripts/torch_matrix.sh 2.11.0 -- -m slow -x    # one release, other pytest arguments
+#   PYTHON=python3.12 bash scripts/torch_matrix.sh 2.11.0
+#
+# torchao is pinned to the release built against each torch (QLoRA's NF4 and Float8's CPU-side tests use it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+versions="2.6.0,2.11.0"
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then versions=$1; shift; fi
+[ "${1:-}" = "--" ] && shift
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(-m "not slow")
+python=${PYTHON:-python3}
+root=${LMFORGE_VENVS:-/tmp/lmforge-torch}
+status=0
+for v in ${versions//,/ }; do
+    case $v in
+        2.6.*) extra=("torchao==0.10.0" "numpy<2.3") ;;
+        2.7.*) extra=("torchao==0.11.0" "numpy<2.3") ;;
+        2.11.*) extra=("torchao==0.18.0") ;;
+        *) extra=() ;;
+    esac
+    venv="$root/$("$python" -c 'import sys; print("py%d.%d" % sys.version_info[:2])')-torch$v"
+    if [ ! -x "$venv/bin/pytest" ]; then
+        echo "== making $venv"
+        "$python" -m venv "$venv"
+        # PIP_CONSTRAINT= : a machine-wide pip constraint (e.g. a cap on torch) does not apply to this venv
+        PIP_CONSTRAINT= "$venv/bin/pip" install -q -e ".[test]" "torch==$v" "${extra[@]}"
+    fi
+    echo "== torch $v: pytest ${args[*]}"
+    if ! CI=true PATH="$venv/bin:$PATH" "$venv/bin/python" -m pytest -q -p no:cacheprovider "${args[@]}"; then
+        status=1
+    fi
+done
+exit $status
