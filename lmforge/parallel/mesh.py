@@ -202,10 +202,11 @@ def dim_size(mesh, name: str) -> int:
 def dim_mesh(mesh, name: str):
     """The 1-D mesh of `mesh`'s dim `name` through this rank. torch 2.6 slices only a root mesh: a slice of one
     (expert_mesh's) has its root sliced instead, the same ranks."""
+    if hasattr(mesh, "_get_root_mesh"):  # a torch that slices slices
+        return mesh[name]
     from torch.distributed.device_mesh import _mesh_resources
 
-    root = _mesh_resources.get_root_mesh(mesh)
-    return mesh[name] if root is mesh or hasattr(mesh, "_get_root_mesh") else root[name]
+    return _mesh_resources.get_root_mesh(mesh)[name]
 
 
 def expert_mesh(mesh, cfg: ParallelConfig):
