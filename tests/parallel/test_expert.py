@@ -21,7 +21,7 @@ from tests.parallel.launch import run_ranks
 @pytest.fixture(scope="module")
 def dispatch(tmp_path_factory):
     if TORCH_VERSION < (2, 7):
-        pytest.skip(f"the workers' layout, expert parallelism under FSDP2, needs torch 2.7+, this is {torch.__version__}")
+        pytest.skip(f"the workers' layout, EP under FSDP2, needs torch 2.7+, this is {torch.__version__}")
     out = tmp_path_factory.mktemp("ep") / "out.json"
     ranks = run_ranks(2, [str(out)], script=Path(__file__).with_name("expert_worker.py"))
     for i, r in enumerate(ranks):
