@@ -76,8 +76,9 @@ def compiled_decode_step(mode: str):
     recompile limit, fails under fullgraph=True: one process serving or testing several models and batch sizes
     needs more than the default 8, so the limit is raised (once) to COMPILED_GRAPHS."""
     config = torch._dynamo.config
-    if config.recompile_limit < COMPILED_GRAPHS:
-        config.recompile_limit = COMPILED_GRAPHS
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch 2.6's name)
+    if getattr(config, name) < COMPILED_GRAPHS:
+        setattr(config, name, COMPILED_GRAPHS)
     step = static_decode_step if mode in STATIC_MODES else decode_step  # two functions: a graph cache each
     return torch.compile(step, dynamic=False, fullgraph=True, mode=None if mode == "default" else mode)
 

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.errors import UserError
 from lmforge.models.moe import moe_layers
 from lmforge.parallel.expert import apply_expert_parallel, expert_parameters, expert_shard_placement, shard_experts
-from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh
+from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh, torch_version
 from lmforge.parallel.pipeline import StageShapes, build_schedule, split_model, stage_ids
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
 
@@ -238,6 +239,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
             apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
         compile_blocks(part)
         if pm.data_parallel_size > 1:
+            if mesh.device_type == "cpu" and torch_version() < (2, 7):
+                raise UserError(f"FSDP2 on the CPU needs a newer torch than {torch.__version__.split('+')[0]} (its "
+                                "FSDP2 records events on CPU streams, which have none; 2.11 and 2.13 run it): "
+                                "upgrade torch, or set trainer.data_parallel=ddp")
             dp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.data_replicate > 1 else mesh["dp_shard"]
             # Under a pipeline each microbatch would all-gather again: keep parameters gathered
             # through the step instead (the pipeline schedule reshards after the last backward).

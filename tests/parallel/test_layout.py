@@ -186,3 +186,17 @@ def test_bert_under_tensor_parallelism_before_torch_2_11_is_one_line(monkeypatch
     check_model(ParallelConfig(tensor=2), preset("tiny-gpt2"))  # other families are not
     monkeypatch.setattr(mesh, "torch_version", lambda: (2, 11))
     check_model(ParallelConfig(tensor=2), preset("tiny-bert"))
+
+
+def test_fsdp2_on_the_cpu_before_torch_2_7_is_one_line(monkeypatch):
+    """torch 2.6's FSDP2 records events on CPU streams, which have none (its first step failed with an
+    AttributeError): refused when the model is laid out, naming DDP."""
+    import lmforge.parallel.compose as compose
+    from lmforge.parallel import build_mesh, parallelize
+    from lmforge.parallel.fake import fake_world
+
+    monkeypatch.setattr(compose, "torch_version", lambda: (2, 6))
+    cfg, layout, cpu = preset("tiny-gpt2"), ParallelConfig(data_shard=2), torch.device("cpu")
+    with fake_world(cpu, 2, 0), pytest.raises(UserError, match="FSDP2 on the CPU needs a newer torch .* "
+                                                               "set trainer.data_parallel=ddp"):
+        parallelize(build(cfg, device="meta"), layout, build_mesh(layout, cfg, device_type="cpu"), device=cpu)
