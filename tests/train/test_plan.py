@@ -32,6 +32,7 @@ from lmforge.models import build
 from lmforge.parallel.mesh import fsdp_shards_experts
 from lmforge.train.config import load_run_config
 from lmforge.train.plan import GiB, parse_memory
+from tests.conftest import needs_torch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WORKER = Path(__file__).with_name("plan_worker.py")
@@ -282,6 +283,7 @@ def test_recipes_at_their_world_size(tmp_path):
             assert 0 < result["plan"]["per_rank_bytes"]["peak"] <= 80 * GiB, (name, result)
 
 
+@needs_torch((2, 7), "FSDP2 on the CPU")
 def test_fresh_model_is_initialised_shard_by_shard():
     """FSDP x TP over 4 ranks (one traced here, with a fake process group on the CPU): each piece equals the
     one-process model's, and the initialisation's peak is the rank's shards plus one whole weight."""
