@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+from lmforge.parallel.mesh import torch_version
+
+TORCH_VERSION = torch_version()
 
 
 def needs_torch(version: tuple[int, int], what: str):
