@@ -25,7 +25,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.models.moe import moe_layers
 from lmforge.parallel.expert import apply_expert_parallel, expert_parameters, expert_shard_placement, shard_experts
-from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh, torch_version
+from lmforge.parallel.mesh import REDUCE_DTYPES, ParallelConfig, check_model, expert_mesh, torch_release, torch_version
 from lmforge.parallel.pipeline import StageShapes, build_schedule, split_model, stage_ids
 from lmforge.parallel.tensor_parallel import apply_tensor_parallel, blocks
 
@@ -240,7 +240,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
         compile_blocks(part)
         if pm.data_parallel_size > 1:
             if mesh.device_type == "cpu" and torch_version() < (2, 7):
-                raise UserError(f"FSDP2 on the CPU needs a newer torch than {torch.__version__.split('+')[0]} (its "
+                raise UserError(f"FSDP2 on the CPU needs a newer torch than {torch_release()} (its "
                                 "FSDP2 records events on CPU streams, which have none; 2.11 and 2.13 run it): "
                                 "upgrade torch, or set trainer.data_parallel=ddp")
             dp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.data_replicate > 1 else mesh["dp_shard"]

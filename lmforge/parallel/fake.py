@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lmforge.errors import UserError
+from lmforge.parallel.mesh import torch_release
 
 STANDIN = "fakegpu"
 _LOWER_PRECISION_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "scaled_dot_product_attention")
@@ -384,7 +385,7 @@ def _register_standin() -> None:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
     except ImportError:  # torch 2.10 added Python device backends
         raise UserError(f"tracing a run on a device this machine lacks needs torch 2.10 or later (a Python device "
-                        f"backend stands in for it); this is torch {torch.__version__.split('+')[0]}: upgrade torch "
+                        f"backend stands in for it); this is torch {torch_release()}: upgrade torch "
                         "here (pip install -U torch), or plan with --device cpu") from None
     if name == "privateuseone":
         _setup_privateuseone_for_python_backend(STANDIN, backend_module=_StandinModule())

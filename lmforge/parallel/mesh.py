@@ -109,7 +109,7 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     if tp > 1 and model.family == "bert" and torch_version() < (2, 11):
         raise UserError(f"BERT under tensor parallelism needs torch 2.11 or later (on 2.6-2.10 DTensor's backward "
                         f"gives the token-type embedding the word embedding's gradient shape); this is torch "
-                        f"{torch.__version__.split('+')[0]}: upgrade torch, or set parallel.tensor=1")
+                        f"{torch_release()}: upgrade torch, or set parallel.tensor=1")
     if tp > 1:
         splits = ("num_heads", "num_kv_heads", "intermediate_size") + (("moe_intermediate_size",)
                                                                        if model.num_experts else ())
@@ -160,7 +160,7 @@ def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
     if cfg.data_shard > 1 and not _fully_shard_ignores_params():
         raise UserError(f"parallel.expert={ep} under FSDP2 (data_shard={cfg.data_shard}) needs torch 2.7 or later "
                         f"(FSDP2 leaves the experts to expert parallelism through fully_shard's ignored_params); "
-                        f"this is torch {torch.__version__.split('+')[0]}: upgrade torch, or set "
+                        f"this is torch {torch_release()}: upgrade torch, or set "
                         f"parallel.data_replicate={cfg.data_parallel} parallel.data_shard=1 (DDP)")
 
 
@@ -172,8 +172,13 @@ def _fully_shard_ignores_params() -> bool:
     return "ignored_params" in inspect.signature(fully_shard).parameters
 
 
+def torch_release() -> str:
+    """This torch's release, without its build tag ("2.11.0", not "2.11.0+cu130"): for the messages that name it."""
+    return torch.__version__.split("+")[0]
+
+
 def torch_version() -> tuple[int, int]:
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return tuple(int(part) for part in torch_release().split(".")[:2])
 
 
 def fsdp_shards_experts() -> bool:
@@ -202,7 +207,7 @@ def dim_size(mesh, name: str) -> int:
 def dim_mesh(mesh, name: str):
     """The 1-D mesh of `mesh`'s dim `name` through this rank. torch 2.6 slices only a root mesh: a slice of one
     (expert_mesh's) has its root sliced instead, the same ranks."""
-    if hasattr(mesh, "_get_root_mesh"):  # a torch that slices slices
+    if hasattr(mesh, "_get_root_mesh"):  # torch 2.7+: a slice of a mesh can be sliced again
         return mesh[name]
     from torch.distributed.device_mesh import _mesh_resources
 
@@ -227,7 +232,7 @@ def expert_mesh(mesh, cfg: ParallelConfig):
     names = ["pp", "ep_replicate", "ep", "tp", "ep_shard"]
     if fsdp_shards_experts():
         ranks = ranks.permute(0, 1, 3, 4, 2)
-    else:  # "ep_shard" is one rank (expert_shards); torch before 2.13 slices dims only in their ranks' stride order
+    else:  # "ep_shard" is one rank (expert_shards); torch before 2.12 slices dims only in their ranks' stride order
         names = ["pp", "ep_replicate", "ep_shard", "ep", "tp"]
     if cfg.tensor == 1:
         ranks, names = ranks.squeeze(names.index("tp")), [n for n in names if n != "tp"]
