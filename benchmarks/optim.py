@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmforge.models import build
 from lmforge.train import optim_kernel
-from lmforge.train.optim import HASH_C1, HASH_C2, AdamWSR, _int32, param_groups
+from lmforge.train.optim import AdamWSR, param_groups
 
 SECTION = "## Optimizer step: stochastic-rounding AdamW vs torch's fused AdamW"
 INTRO = """\
@@ -35,12 +35,13 @@ INTRO = """\
 groups. torch's AdamW steps fp32 weights (the fp32 and bf16-mixed recipes); lmforge's `AdamWSR` steps bf16 weights
 and moments (bf16-sr), with stochastic rounding and with round-to-nearest. The optimizers take turns step by step;
 the ratio is the median of the per-turn ratios. Before timing, one AdamWSR step is checked against torch's fp32
-AdamW on the same values (every result one of its two bf16 neighbours). AdamWSR runs three ways, checked to give
-the same bits: its compiled CPU loop (`lmforge.train.optim_kernel`, one pass per tensor: the default from 4M
-parameters), its eager update (foreach ops over 256K-element chunks, ~30 passes), and torch.compile of the same
-update written in torch ops (Inductor's own C++ for it; not used by lmforge, shown for comparison). *ops/step*:
-aten ops one step dispatches, views included (on a GPU each non-view op is one kernel launch or a few); the
-compiled loop is one call per tensor, not an aten op.
+AdamW on the same values (every result one of its two bf16 neighbours). AdamWSR runs three ways on a CPU, checked
+to give the same bits: its compiled CPU loop (`lmforge.train.optim_kernel`, one pass per tensor: the default from
+4M parameters), its eager update (foreach ops over 256K-element chunks, ~30 passes), and torch.compile of the same
+update written in torch ops (Inductor's own C++ for it; what a GPU runs, there as one Triton kernel per tensor:
+its default from 4M parameters, against the eager update over 16M-element chunks). *ops/step*: aten ops one step
+dispatches, views included (on a GPU each non-view op is one kernel launch or a few); the compiled loop is one
+call per tensor, not an aten op.
 """
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -71,36 +72,16 @@ def make(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) ->
     return out
 
 
-def inductor_update(w, g, m, v, s, k):
-    """AdamWSR's update of one flat bf16 tensor in torch ops, for torch.compile: the same fp32 arithmetic as
-    torch's eager kernels (fused multiply-adds where they have them) and the same counter-hash noise."""
-    from torch._inductor.inductor_prims import fma
-
-    g32, m32, v32, w32 = g.float(), m.float(), v.float(), w.float()
-    m_new = fma(s[0], g32 - m32, torch.where(s[7] != 0, g32, m32))
-    v_new = fma(s[2] * g32, g32, v32 * s[1])
-    w_new = w32 * s[3] + (s[6] * m_new) / (torch.sqrt(v_new) / s[4] + s[5])
-    base = torch.arange(w.numel(), dtype=torch.int32, device=w.device) * HASH_C1 + k[0]
-    for x, new, r in ((m, m_new, 1), (v, v_new, 2), (w, w_new, 3)):
-        noise = ((base ^ k[r]) * HASH_C2 >> 16) & 0xFFFF
-        x.copy_(((new.view(torch.int32) + noise) & -65536).view(torch.float32))
-
-
 class InductorAdamWSR(AdamWSR):
-    """AdamWSR whose bf16 tensors go through torch.compile(inductor_update), one call per tensor."""
+    """AdamWSR whose bf16 tensors go through torch.compile(optim_kernel.torch_update) on the CPU too: what it runs
+    on a GPU (Triton there, Inductor's C++ here)."""
 
     def __init__(self, *args, **kw):
-        super().__init__(*args, compiled=False, **kw)
-        self.update_fn = torch.compile(inductor_update, dynamic=True)
+        super().__init__(*args, compiled=True, **kw)
+        self.update_fn = torch.compile(optim_kernel.torch_update, dynamic=True)
 
-    def _update(self, rows, group, t, keys):
-        scalars = optim_kernel.kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t)
-        hash_keys = torch.tensor([0] + [_int32(k) for k in keys[1:4]], dtype=torch.int32)
-        for row in rows:
-            hash_keys[0] = _int32((self._counter + keys[0]) * HASH_C1)
-            if row[0].numel():
-                self.update_fn(*row, scalars, hash_keys)
-            self._counter += row[0].numel()
+    def _kernel(self, device):
+        return lambda row, s, k, sr: self.update_fn(*row, s, k, sr)
 
 
 SR = "lmforge AdamWSR, bf16, stochastic rounding"
@@ -108,32 +89,45 @@ SR = "lmforge AdamWSR, bf16, stochastic rounding"
 
 def optimizers(model: str, device: torch.device, inductor: bool) -> dict[str, torch.optim.Optimizer]:
     kw = dict(lr=LR, betas=BETAS, eps=EPS)
-    cpu = device.type == "cpu"
+    compiled = "compiled loop" if device.type == "cpu" else "compiled (Triton)"
     opts = {
         "torch AdamW fused, fp32": torch.optim.AdamW(make(model, torch.float32, device), fused=True, **kw),
         "torch AdamW foreach, fp32": torch.optim.AdamW(make(model, torch.float32, device), foreach=True, **kw),
+        f"{SR}, {compiled}": AdamWSR(make(model, torch.bfloat16, device), compiled=True, **kw),
+        f"lmforge AdamWSR, bf16, round to nearest, {compiled}": AdamWSR(
+            make(model, torch.bfloat16, device), stochastic_rounding=False, compiled=True, **kw),
+        f"{SR}, eager (foreach chunks)": AdamWSR(make(model, torch.bfloat16, device), compiled=False, **kw),
     }
-    if cpu:
-        opts[f"{SR}, compiled loop"] = AdamWSR(make(model, torch.bfloat16, device), compiled=True, **kw)
-        opts["lmforge AdamWSR, bf16, round to nearest, compiled loop"] = AdamWSR(
-            make(model, torch.bfloat16, device), stochastic_rounding=False, compiled=True, **kw)
-    opts[f"{SR}, eager (foreach chunks)"] = AdamWSR(make(model, torch.bfloat16, device), compiled=False, **kw)
-    if inductor:
+    if inductor and device.type == "cpu":
         opts[f"{SR}, torch.compile of the update"] = InductorAdamWSR(make(model, torch.bfloat16, device), **kw)
     return opts
 
 
-def same_bits(opts: dict[str, torch.optim.Optimizer]) -> None:
-    """The stochastic-rounding AdamWSRs, having taken the same steps from the same values, hold the same bits."""
+def same_bits(opts: dict[str, torch.optim.Optimizer]) -> str:
+    """The stochastic-rounding AdamWSRs, having taken the same steps from the same values, hold the same bits: on
+    the CPU exactly; on a GPU the Triton kernel's fp32 division and square root may differ from CUDA's eager ops
+    by an fp32 ulp, which moves a bf16 result one step in rare values (at most 1 in 10,000 allowed). Returns a
+    line saying how many differed."""
     ref_name = f"{SR}, eager (foreach chunks)"
     ref = [p for g in opts[ref_name].param_groups for p in g["params"]]
+    notes = []
     for name, opt in opts.items():
         if name.startswith(SR) and name != ref_name:
             params = [p for g in opt.param_groups for p in g["params"]]
+            differ = total = 0
             for p, q in zip(params, ref, strict=True):
                 pairs = [(p, q)] + [(opt.state[p][k], opts[ref_name].state[q][k]) for k in ("exp_avg", "exp_avg_sq")]
                 for a, b in pairs:
-                    assert torch.equal(a, b), f"{name} does not give the eager update's bits"
+                    if a.device.type == "cpu":
+                        assert torch.equal(a, b), f"{name} does not give the eager update's bits"
+                        continue
+                    steps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()  # bf16 steps apart
+                    assert int(steps.max()) <= 1, f"{name}: {int(steps.max())} bf16 steps from the eager update"
+                    differ, total = differ + int(steps.count_nonzero()), total + a.numel()
+            assert differ <= total // 10_000, f"{name}: {differ} of {total} values differ from the eager update"
+            if total:
+                notes.append(f"{name}: {differ} of {total:,} values one bf16 step from the eager update's")
+    return "; ".join(notes) or "the same bits as the eager update"
 
 
 def check(device: torch.device) -> None:
@@ -176,13 +170,13 @@ def cold_build_seconds() -> float | None:
 def run(args, device: torch.device) -> list[dict]:
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     check(device)
-    opts = optimizers(args.model, device, inductor=args.inductor and device.type == "cpu")
+    opts = optimizers(args.model, device, inductor=args.inductor)
     warmup = {}
     for name, opt in opts.items():  # warm-up: state allocated, work buffers made, kernels compiled
         start = time.perf_counter()
         opt.step()
         warmup[name] = time.perf_counter() - start
-    same_bits(opts)  # one step each from the same values
+    agreement = same_bits(opts)  # one step each from the same values
     times = {name: [] for name in opts}
     for _ in range(args.repeats):
         for name, opt in opts.items():
@@ -199,6 +193,7 @@ def run(args, device: torch.device) -> list[dict]:
     base = times["torch AdamW fused, fp32"]
     numel = sum(p.numel() for g in next(iter(opts.values())).param_groups for p in g["params"])
     return [dict(name=name, ms=statistics.median(t) * 1e3, ops=ops[name], numel=numel, first_s=warmup[name],
+                 agreement=agreement,
                  ratio=statistics.median(a / b for a, b in zip(t, base, strict=True))) for name, t in times.items()]
 
 
@@ -241,6 +236,8 @@ def main() -> None:
             f"{args.model} shapes ({rows[0]['numel'] / 1e6:.1f}M parameters, its weight-decay groups); median "
             f"of {args.repeats} steps each, taking turns; {time.perf_counter() - t0:.0f} s in all, load average "
             f"{os.getloadavg()[0]:.1f} at the end.\n\n{table(rows)}\n")
+    if device.type != "cpu":
+        body += f"\nAfter one step from the same values: {rows[0]['agreement']}.\n"
     if cold is not None:
         body += (f"\nThe compiled loop's build: {cold:.1f} s with an empty Inductor cache (once per machine; logged "
                  "once), then loaded from the cache (its first step above).\n")

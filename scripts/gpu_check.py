@@ -17,6 +17,8 @@ others still run; the exit code is 1 if any failed. The table is what BENCHMARKS
   generate     greedy generate, eager, compiled and static-shape under CUDA graphs (compile="reduce-overhead",
                checked not skipped), token for token vs transformers' (long prompts)
   engine       the continuous-batching engine's greedy (requests joining mid-decode) = generate alone
+  optimizer    bf16-sr's AdamWSR, compiled (Triton on a GPU) and eager: each value fp32 AdamW's bf16 neighbour;
+               step times beside fused fp32 AdamW
   train        a Pythia-160m shape (tiny-neox under --quick) through the Trainer: fp32, bf16-mixed,
                bf16-sr, eager and compiled: loss finite and falling, compiled step 1 = eager's
   resume       a run restarted from its middle checkpoint continues the uninterrupted run's curve

@@ -8,13 +8,18 @@ learning rates, weights stop moving; stochastic rounding keeps each update in ex
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 
 import torch
 from torch import nn
 
+from lmforge.train import optim_kernel
 from lmforge.train.config import OptimConfig, Precision
-from lmforge.train.optim_kernel import bf16_rows, cpu_kernel, kernel_scalars
+from lmforge.train.optim_kernel import HASH_C1, HASH_C2, bf16_rows, kernel_scalars
+
+log = logging.getLogger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -60,8 +65,7 @@ KERNEL_MIN_PARAMS = 1 << 22
 # noise is exactly uniform in [0, 2^16): the rounding stays unbiased. It is no cryptographic generator, but it
 # costs ~6 int32 passes over a chunk in cache (~0.4 ns per element on one CPU core), where drawing 16 bits per
 # element from torch's Mersenne twister cost ~1 ns and adding its int16 draws to int32 bits ~3 ns.
-HASH_C1 = -1640531535  # 0x9E3779B1 as a signed int32
-HASH_C2 = -2048144777  # 0x85EBCA77
+# HASH_C1 and HASH_C2 live in optim_kernel.py, which the compiled updates share.
 
 
 def _int32(x: int) -> int:
@@ -158,9 +162,10 @@ class AdamWSR(torch.optim.Optimizer):
     glibc maps afresh, page fault by page fault, for every op on
     a 50k-row embedding) made a Pythia-70m step ~4x slower.
 
-    On a CPU the update of each bf16 tensor is instead one compiled loop (lmforge.train.optim_kernel: one pass,
-    as torch's fused AdamW makes) giving the same bits: `compiled=True` always, `False` never, None (default)
-    from KERNEL_MIN_PARAMS parameters on. Where it cannot be built the eager update runs, with a warning.
+    The update of each bf16 tensor is instead one compiled pass (lmforge.train.optim_kernel, as torch's fused
+    AdamW makes): a C++ loop on a CPU (the eager update's bits), torch.compile's Triton kernel on a GPU (the same
+    arithmetic); `compiled=True` always, `False` never, None (default) from KERNEL_MIN_PARAMS parameters on.
+    Where it cannot be built, or fails to compile, the eager update runs, with a warning.
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -175,6 +180,7 @@ class AdamWSR(torch.optim.Optimizer):
         # same work buffers, so the memory is the same, and a 20B model's chunks on fake tensors take minutes.
         self.first_chunk_only = False
         self._work: dict[str, torch.Tensor] = {}
+        self._compile_failed = False  # the accelerator's compiled update failed once: eager from then on
 
     def _workspace(self, n: int, device: torch.device, keys: list[int]) -> dict[str, torch.Tensor]:
         if not self._work or self._work["g"].device != device or self._work["g"].numel() < n:
@@ -227,29 +233,54 @@ class AdamWSR(torch.optim.Optimizer):
                 x.copy_(c)
 
     def _kernel(self, device: torch.device):
-        """The compiled CPU update where this step should use it, else None."""
-        if self.compiled is False or self.first_chunk_only or device.type != "cpu":
+        """The compiled update where this step should use it, as fn(row, scalars, keys, sr), else None: the C++
+        loop on a CPU, torch.compile's (Triton) kernel on a GPU."""
+        if self.compiled is False or self.first_chunk_only or self._compile_failed:
+            return None
+        if device.type != "cpu" and device.type not in optim_kernel.COMPILED_DEVICES:
             return None
         if self.compiled is None and sum(p.numel() for g in self.param_groups for p in g["params"]) < KERNEL_MIN_PARAMS:
             return None
-        return cpu_kernel()
+        if device.type in optim_kernel.COMPILED_DEVICES:
+            update = optim_kernel.compiled_update(device.type)
+            return None if update is None else lambda row, s, k, sr: update(*row, s, k, sr)
+        kernel = optim_kernel.cpu_kernel()
+        return None if kernel is None else lambda row, s, k, sr: kernel(*row, s, k, row[0].numel(), int(sr))
 
     def _update(self, rows: list[tuple[torch.Tensor, ...]], group: dict, t: int, keys: list[int]) -> None:
         """One AdamW step on flat (w, g, m, v) rows of one group and step count: each bf16 row by the compiled
-        CPU update where there is one, the others chunk by chunk (the noise's counters run on alike)."""
-        kernel = self._kernel(rows[0][0].device)
+        update where there is one, the others chunk by chunk (the noise's counters run on alike)."""
+        device = rows[0][0].device
+        kernel = self._kernel(device)
         if kernel is None:
             return self._update_chunks(rows, group, t, keys)
-        scalars = kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t)
-        hash_keys = torch.tensor([0] + [_int32(k) for k in keys[1:4]], dtype=torch.int32)
-        for row, fits in zip(rows, bf16_rows(rows), strict=True):
-            if not fits:
+        scalars = kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t).to(device)
+        # Per row: its first counter, hashed, then the three keys; one table, one copy to the device.
+        firsts = itertools.accumulate((row[0].numel() for row in rows), initial=self._counter)
+        table = torch.tensor([[_int32((first + keys[0]) * HASH_C1)] + [_int32(k) for k in keys[1:4]]
+                              for first, _ in zip(firsts, rows)], dtype=torch.int32).to(device)
+        for i, (row, fits) in enumerate(zip(rows, bf16_rows(rows), strict=True)):
+            if fits and (not row[0].numel() or self._run(kernel, row, scalars, table[i])):  # (an empty shard)
+                self._counter += row[0].numel()
+            else:
                 self._update_chunks([row], group, t, keys)
-                continue
-            n = row[0].numel()
-            hash_keys[0] = _int32((self._counter + keys[0]) * HASH_C1)  # the row's first counter, hashed
-            kernel(*row, scalars, hash_keys, n, int(self.stochastic_rounding))
-            self._counter += n
+
+    def _run(self, kernel, row: tuple[torch.Tensor, ...], scalars: torch.Tensor, keys: torch.Tensor) -> bool:
+        """Whether the compiled update stepped this row: after a first failure (a compiler error: it raises before
+        writing anything) the eager update takes this and every later row, with one warning."""
+        if self._compile_failed:
+            return False
+        try:
+            kernel(row, scalars, keys, self.stochastic_rounding)
+            return True
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (any compiler failure: the eager update gives the same step)
+            self._compile_failed = True
+            log.warning("AdamWSR: the compiled update failed on %s (%s: %s): the eager update runs instead (the same "
+                        "arithmetic, ~30 passes per value)", row[0].device, type(e).__name__,
+                        (str(e).strip().splitlines() or [""])[0][:200])
+            return False
 
     def _update_chunks(self, rows: list[tuple[torch.Tensor, ...]], group: dict, t: int, keys: list[int]) -> None:
         """One AdamW step on flat (w, g, m, v) rows of one group and step count, chunk by chunk."""

@@ -1,4 +1,5 @@
-"""AdamWSR's update on a CPU as one compiled loop: one pass over each tensor, like torch's fused AdamW.
+"""AdamWSR's update as one compiled pass over each tensor, like torch's fused AdamW: a C++ loop on a CPU, a
+torch.compile'd (Triton) kernel on a GPU.
 
 The eager update (lmforge.train.optim) makes ~30 passes per element through fp32 work buffers. This loop reads
 each bf16 weight, gradient and moment once, does the same fp32 arithmetic, rounds the results with the same
@@ -12,6 +13,10 @@ per element) nor of an int32 arange, and spills each through a stack buffer: ~4x
 (BENCHMARKS.md). This loop goes through Inductor's own C++ toolchain (its compiler, flags, vector ISA and
 on-disk cache), with GCC's loop vectoriser on (Inductor turns it off for its generated code) and without
 errno for sqrt, so the loop vectorises whole.
+
+On a GPU Inductor has none of those gaps: the same update written in torch ops (`torch_update`) compiles to one
+Triton kernel per tensor shape class (dynamic shapes: one compile for all of a model's tensors), where the eager
+update launches ~23 kernels per 16M-element chunk and moves each value through fp32 work buffers ~30 times.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from collections.abc import Callable
 import torch
 
 log = logging.getLogger(__name__)
+
+# The stochastic rounding's noise hash (lmforge.train.optim explains it): (((counter + k0) * C1) ^ k) * C2.
+HASH_C1 = -1640531535  # 0x9E3779B1 as a signed int32
+HASH_C2 = -2048144777  # 0x85EBCA77
+# Device types whose AdamWSR update torch.compile makes one kernel of (Triton): the CPU has its own loop.
+COMPILED_DEVICES = ("cuda", "xpu")
 
 SOURCE = r"""
 #include <algorithm>
@@ -117,6 +128,46 @@ def cpu_kernel() -> Callable | None:
     return kernel
 
 
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c with one rounding, as torch's lerp_/addcmul_ kernels compute it (Inductor's prim where it has one)."""
+    from torch._inductor import inductor_prims
+
+    fma = getattr(inductor_prims, "fma", None)
+    return fma(a, b, c) if fma is not None else torch.addcmul(c, a, b)
+
+
+def torch_update(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
+                 k: torch.Tensor, sr: bool) -> None:
+    """AdamWSR's update of one flat bf16 tensor (w, g, m, v) in torch ops, for torch.compile: the C++ loop's
+    arithmetic (scalars `s` from kernel_scalars) and noise (`k`: the row's first counter hashed, then the three
+    keys), in place. On a CPU Inductor compiles it to the loop's bits, several times slower (its bitcasts)."""
+    g32, m32, v32, w32 = g.float(), m.float(), v.float(), w.float()
+    m_new = _fma(s[0], g32 - m32, torch.where(s[7] != 0, g32, m32))  # lerp_
+    v_new = _fma(s[2] * g32, g32, v32 * s[1])  # mul_, addcmul_
+    w_new = w32 * s[3] + (s[6] * m_new) / (torch.sqrt(v_new) / s[4] + s[5])  # mul_, sqrt, div_, add_, addcdiv_
+    if not sr:
+        for x, new in ((m, m_new), (v, v_new), (w, w_new)):
+            x.copy_(new)  # to nearest even
+        return
+    base = torch.arange(w.numel(), dtype=torch.int32, device=w.device) * HASH_C1 + k[0]
+    for x, new, r in ((m, m_new, 1), (v, v_new, 2), (w, w_new, 3)):
+        noise = ((base ^ k[r]) * HASH_C2 >> 16) & 0xFFFF
+        x.copy_(((new.view(torch.int32) + noise) & -65536).view(torch.float32))  # exact in bf16
+
+
+@functools.cache
+def compiled_update(device_type: str) -> Callable | None:
+    """torch.compile(torch_update) for tensors of this device type, or None where its compiler (Triton on a GPU) is
+    missing (logged once). On a CPU Inductor compiles it to C++ (the tests: the GPU's path on this machine)."""
+    from torch.utils._triton import has_triton
+
+    if device_type != "cpu" and not has_triton():
+        log.warning("AdamWSR: Triton is not installed, so the update is not compiled: the eager update runs "
+                    "(the same arithmetic, ~30 passes per value; pip install triton)")
+        return None
+    return torch.compile(torch_update, dynamic=True)
+
+
 def kernel_scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> torch.Tensor:
     """The update's scalars as fp32, each rounded from the same Python float the eager ops are given."""
     beta1, beta2 = betas
@@ -129,5 +180,5 @@ def kernel_scalars(lr: float, betas: tuple[float, float], eps: float, weight_dec
 
 
 def bf16_rows(rows: list[tuple[torch.Tensor, ...]]) -> list[bool]:
-    """Which flat (w, g, m, v) rows the kernel can update: all four bf16 CPU tensors (others go the eager way)."""
-    return [all(x.dtype == torch.bfloat16 and x.device.type == "cpu" for x in row) for row in rows]
+    """Which flat (w, g, m, v) rows a compiled update takes: all four bf16 (others go the eager way)."""
+    return [all(x.dtype == torch.bfloat16 for x in row) for row in rows]

@@ -110,3 +110,63 @@ def test_the_square_root_is_correctly_rounded_as_in_the_compiled_update():
     want = torch.from_numpy(np.sqrt(x.numpy()))
     assert torch.equal(correct_sqrt(x, out=torch.empty_like(x)), want)
     assert torch.equal(correct_sqrt(x[:7], out=torch.empty(7), work=torch.empty(7, dtype=torch.float64)), want[:7])
+
+
+@pytest.mark.slow
+def test_the_gpu_update_compiled_here_gives_the_eager_bits(monkeypatch):
+    """On a GPU, AdamWSR's update from 4M parameters on is torch.compile of optim_kernel.torch_update (one Triton
+    kernel per tensor). The same path, with the CPU listed as such a device, compiles to C++ here: weights and
+    moments equal the eager update's bit for bit after three steps, with stochastic and nearest rounding and both of
+    torch's lerp formulas; the fp32 tensor and the empty one go their own ways."""
+    monkeypatch.setattr(optim_kernel, "COMPILED_DEVICES", ("cpu",))
+    optim_kernel.compiled_update.cache_clear()
+    try:
+        for stochastic_rounding, betas in [(True, (0.9, 0.95)), (False, (0.9, 0.95)), (True, (0.3, 0.99))]:
+            eager = _run(compiled=False, stochastic_rounding=stochastic_rounding, betas=betas)
+            compiled = _run(compiled=True, stochastic_rounding=stochastic_rounding, betas=betas)
+            for a, b in zip(eager, compiled, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+    finally:
+        optim_kernel.compiled_update.cache_clear()
+
+
+def test_a_gpu_takes_the_compiled_update_and_falls_back_once_when_it_fails(monkeypatch, caplog):
+    """A CUDA tensor's step goes to torch.compile's update (from KERNEL_MIN_PARAMS parameters, or compiled=True),
+    never below the threshold nor for lmforge plan's fake trace; when that compile fails (a Triton error), the step
+    and every later one run the eager update, with one warning, giving its bits."""
+    calls = []
+
+    def compiled_update(device_type):
+        def update(*args):
+            calls.append(args[0].numel())
+            raise RuntimeError("triton: PassManager::run failed\nlong log")
+        return update
+
+    monkeypatch.setattr(optim_kernel, "compiled_update", compiled_update)
+    opt = AdamWSR(_params(), lr=1e-2, compiled=None)  # ~2.1M parameters: below the threshold
+    assert opt._kernel(torch.device("cuda")) is None and opt._kernel(torch.device("mps")) is None
+    opt.compiled = True
+    assert opt._kernel(torch.device("cuda")) is not None
+    opt.first_chunk_only = True
+    assert opt._kernel(torch.device("cuda")) is None
+
+    monkeypatch.setattr(optim_kernel, "COMPILED_DEVICES", ("cpu",))  # the same path, run on this machine's tensors
+    eager = _run(compiled=False)
+    with caplog.at_level(logging.WARNING):
+        fallback = _run(compiled=True)
+    assert calls == [64 * 33]  # tried once, on the first bf16 tensor
+    assert caplog.text.count("the compiled update failed on cpu (RuntimeError: triton: PassManager::run failed)") == 1
+    assert all(torch.equal(a, b) for a, b in zip(eager, fallback, strict=True))
+
+
+def test_without_triton_a_gpu_runs_the_eager_update_with_one_warning(monkeypatch, caplog):
+    import torch.utils._triton
+
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
+    optim_kernel.compiled_update.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert optim_kernel.compiled_update("cuda") is None and optim_kernel.compiled_update("cuda") is None
+        assert caplog.text.count("Triton is not installed") == 1
+    finally:
+        optim_kernel.compiled_update.cache_clear()
