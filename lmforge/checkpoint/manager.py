@@ -10,7 +10,8 @@
 
 Each checkpoint is written under `.step-N.tmp` and renamed when complete: a crash at any moment
 leaves either the previous set of checkpoints or the new one, never a torn folder. Retention keeps
-the `save_top_k` best by the monitored metric plus the newest (`save_last`); a checkpoint it drops is
+the `save_top_k` best by the monitored metric plus the newest (`save_last`; a run stopped before its end keeps its
+stop's checkpoint until a newer one is written, whatever save_last says); a checkpoint it drops is
 renamed `.step-N.deleting` before its files go, so a kill mid-deletion leaves no half checkpoint under
 a checkpoint's name. A resume first removes such leftovers, then takes the newest checkpoint whose files
 match their checksums: one that does not is renamed `step-N.corrupt` with a warning.
@@ -140,10 +141,12 @@ class CheckpointManager:
     # -- writing ------------------------------------------------------------------------------
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-             model_config: ModelConfig, side_files: dict[str, str] | None = None) -> Path:
+             model_config: ModelConfig, side_files: dict[str, str] | None = None, resume_point: bool = False) -> Path:
         """Write checkpoint `step` (every rank calls this), with rank 0's `side_files` (name -> text) beside it.
         With `async_save` it returns once the state is copied aside: the folder appears under the returned name
-        when the write in the background is done (wait())."""
+        when the write in the background is done (wait()). A `resume_point` (written because the run stops before
+        its end) outlives retention until a newer checkpoint is written, whatever save_last says: it is where the
+        rerun goes on."""
         self.wait()  # at most one save in flight
         hold_for_test("save", step, _rank())
         final = self.root / f"step-{step:08d}"
@@ -175,14 +178,15 @@ class CheckpointManager:
             # DCP gathers every rank's failure into a CheckpointException, a BaseException (not an Exception).
             except (Exception, CheckpointException) as e:
                 error = e
-            self._seal(error, final, tmp, needed, files, model_config)
+            self._seal(error, final, tmp, needed, files, model_config, resume_point=resume_point)
             return final
         try:  # only the arguments every torch since 2.6 takes; it copies the state (staging) before returning
             written, error = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group), None
         except (Exception, CheckpointException) as e:
             written, error = None, e
         self._agree(error, final, tmp, needed)
-        self._in_flight = self._writer.submit(self._seal_written, written, final, tmp, needed, files, model_config)
+        self._in_flight = self._writer.submit(self._seal_written, written, final, tmp, needed, files, model_config,
+                                              resume_point)
         return final
 
     def wait(self) -> None:
@@ -200,17 +204,17 @@ class CheckpointManager:
             log.error("the checkpoint being written when the run stopped failed too: %s", e)
 
     def _seal_written(self, written: Future, final: Path, tmp: Path, needed: int, files: dict[str, str],
-                      model_config: ModelConfig) -> None:
+                      model_config: ModelConfig, resume_point: bool) -> None:
         """The writer thread: once DCP's write has finished on every rank (its future), seal the folder."""
         try:
             written.result()
             error = None
         except (Exception, CheckpointException) as e:
             error = e
-        self._seal(error, final, tmp, needed, files, model_config, self._group)
+        self._seal(error, final, tmp, needed, files, model_config, self._group, resume_point)
 
     def _seal(self, error: BaseException | None, final: Path, tmp: Path, needed: int, files: dict[str, str],
-              model_config: ModelConfig, group: dist.ProcessGroup | None = None) -> None:
+              model_config: ModelConfig, group: dist.ProcessGroup | None = None, resume_point: bool = False) -> None:
         """After DCP's write (failed with `error`, or not): the files beside the tensors, the checksums of all (each
         rank hashes a share, read back while still in the page cache), the rename into place and retention."""
         if error is None:
@@ -239,7 +243,7 @@ class CheckpointManager:
                 os.replace(tmp, final)
                 log.info("saved checkpoint %s", final)
                 hold_for_test("renamed", int(NAME.match(final.name).group(1)), _rank())
-                self._apply_retention()
+                self._apply_retention(final if resume_point else None)
                 error = None
             except OSError as e:
                 error = e
@@ -377,7 +381,7 @@ class CheckpointManager:
             return {}
         return metrics if isinstance(metrics, dict) else {}
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, resume_point: Path | None = None) -> None:
         found = self.checkpoints()
         if self.save_top_k < 0 or not found:
             return
@@ -395,6 +399,8 @@ class CheckpointManager:
         keep |= {path for _, path in scored[: self.save_top_k]}
         if not scored and not self.save_last:
             keep.add(found[-1][1])  # never delete everything
+        if resume_point is not None:
+            keep.add(resume_point)
         for _, path in found:
             if path not in keep:
                 self._delete(path)

@@ -70,9 +70,15 @@ class StopSignals:
 
     def requested(self, device: torch.device) -> int | None:
         """The signal that asked the run to stop, on any rank (every rank gets the same answer), or None."""
-        mine = self.signum or 0
+        return self.agree(device)[0]
+
+    def agree(self, device: torch.device, out_of_time: bool = False) -> tuple[int | None, bool]:
+        """(the signal that asked the run to stop on any rank, or None; whether any rank's clock says the run's time
+        is up): one all-reduce, every rank the same answers, so no rank stops alone on a clock a millisecond
+        ahead of the others'."""
+        mine = [self.signum or 0, int(out_of_time)]
         if dist.is_initialized():
-            flag = torch.tensor([mine], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            mine = int(flag.item())
-        return mine or None
+            flags = torch.tensor(mine, dtype=torch.int32, device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            mine = flags.tolist()
+        return mine[0] or None, bool(mine[1])

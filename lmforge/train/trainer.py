@@ -291,6 +291,7 @@ class Trainer:
         self.model.train()
         last: dict[str, float] = {}
         stopped: Stopped | None = None
+        timed_out = False  # stopped by trainer.max_minutes
         fit_started = time.perf_counter()
         for step in range(start, t.max_steps):
             # A checkpoint records the validation of its own step, or none: one carrying an earlier step's val_loss
@@ -332,17 +333,21 @@ class Trainer:
                 progress.update(step + 1, last)
             every = cfg.checkpoint.every_n_steps
             saved = None
-            if every and (step + 1) % every == 0 and step + 1 != t.max_steps:
-                saved = self.save(wait=False)
-            if (signum := stop.requested(world.device)) is not None:  # Ctrl-C, SIGTERM: save this step, stop
+            out_of_time = bool(t.max_minutes) and time.perf_counter() - fit_started > 60 * t.max_minutes
+            # Ctrl-C, SIGTERM: save this step (kept by retention) and stop; trainer.max_minutes: validate, save, stop
+            signum, out_of_time = stop.agree(world.device, out_of_time and step + 1 < t.max_steps)
+            if every and (step + 1) % every == 0 and step + 1 != t.max_steps and not out_of_time:
+                saved = self.save(wait=False, resume_point=signum is not None)
+            if signum is not None:
                 if saved is None:
-                    saved = self.save()
+                    saved = self.save(resume_point=True)
                 self.checkpoints.wait()
                 stopped = Stopped(f"stopped by {signal.Signals(signum).name} at step {step + 1}: saved checkpoint "
                                   f"{saved}; run the same command again to resume", signum)
                 break
-            if t.max_minutes and time.perf_counter() - fit_started > 60 * t.max_minutes and step + 1 < t.max_steps:
+            if out_of_time:  # the end's save below writes this step
                 log.info("trainer.max_minutes=%s reached at step %d: stopping", t.max_minutes, step + 1)
+                timed_out = True
                 if self.data.valid is not None and t.val_check_interval and "val_loss" not in last:
                     last.update(self.validate())
                     self.state["metrics"] = {k: v for k, v in last.items() if k.startswith("val_")}
@@ -355,7 +360,7 @@ class Trainer:
             sink.close()
             raise stopped
         if self.state["step"] > start or self.checkpoints.latest() is None:
-            self.save()
+            self.save(resume_point=timed_out)
         sink.close()
         if cfg.checkpoint.convert_to_hf:
             stop.restore()
@@ -390,15 +395,17 @@ class Trainer:
             **({"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar} if per_dollar else {}),
         }
 
-    def save(self, wait: bool = True) -> Path:
-        """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written."""
+    def save(self, wait: bool = True, resume_point: bool = False) -> Path:
+        """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written. A
+        `resume_point` (the run stops before its end) is kept by retention until a newer checkpoint exists."""
         self.state["elapsed"] = self.elapsed()
         # What a resume compares its config with, and the folder its relative paths are from (a checkpoint read from
         # elsewhere finds its model.init_from and tokenizer: lmforge.models.source.run_path).
         state = {**self.state, "run_config": run_dict(self.cfg), "working_dir": os.getcwd()}
         # The chat template the examples were rendered with: an export or `serve` of the checkpoint prompts as trained.
         template = {CHAT_TEMPLATE_FILE: self.data.chat_template} if self.data.chat_template is not None else None
-        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg, template)
+        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg, template,
+                                     resume_point=resume_point)
         if wait:
             self.checkpoints.wait()
         return path

@@ -161,3 +161,28 @@ def test_ctrl_c_to_torchrun_saves_the_step_on_every_rank_and_stops_them(tiny_cor
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{step:08d}"]
     assert err.count(f"interrupted: stopped by SIGINT at step {step}: saved checkpoint") == 1, err[-3000:]
     assert metrics_steps(run) == list(range(1, step + 1))
+
+
+AGREE = """
+import torch, torch.distributed as dist
+from lmforge.train.stopping import StopSignals
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+stop = StopSignals()
+print(stop.agree(torch.device("cpu"), out_of_time=False))
+print(stop.agree(torch.device("cpu"), out_of_time=rank == 1))
+if rank == 0:
+    stop.signum = 15
+print(stop.agree(torch.device("cpu")))
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_stops_on_time_when_any_ranks_clock_says_so():
+    """trainer.max_minutes is read off each rank's clock, a few milliseconds apart: were each rank to decide alone, one
+    could stop while the others wait in the next step's collectives. The ranks agree with the signals' all-reduce."""
+    from tests.parallel.launch import torchrun
+
+    r = torchrun(2, ["-c", AGREE], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["(None, False)", "(None, True)", "(15, False)"] * 2
