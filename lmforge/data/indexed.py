@@ -65,6 +65,9 @@ class IndexedDataset:
         idx, bin_ = idx_path(self.prefix), bin_path(self.prefix)
         for path in (idx, bin_):
             if not path.is_file():
+                if bin_.is_file():  # what a writer killed between its two renames leaves
+                    raise UserError(f"indexed dataset {self.prefix}: {bin_.name} has no {idx.name} beside it (a write "
+                                    "of it was cut short): write it again (lmforge preprocess)")
                 raise UserError(f"indexed dataset file {path} not found: give the prefix without .bin/.idx")
         idx_size = idx.stat().st_size
         if idx_size < HEADER.size:
@@ -159,8 +162,9 @@ class IndexedDatasetWriter:
 
     Both files are written under temporary names and renamed only by `finalize`; `abort` (or leaving a
     `with` block by an exception) deletes them, so a final-named pair is always complete. `finalize`
-    renames `.bin` before `.idx`, and the reader checks the two agree, so a crash between the two
-    renames is caught at read time.
+    removes an older `.idx` of the prefix, then renames `.bin`, then `.idx`: a crash between leaves a `.bin`
+    without its index, which the reader refuses in one line, never a new `.bin` beside an old `.idx` (whose
+    sizes could agree by chance).
     """
 
     def __init__(self, prefix: str | Path, dtype: np.dtype | type = np.int32):
@@ -228,6 +232,7 @@ class IndexedDatasetWriter:
                 f.write(lengths.tobytes())
                 f.write(pointers.tobytes())
                 f.write(np.frombuffer(self._document_indices, np.int64).tobytes())
+            idx_path(self.prefix).unlink(missing_ok=True)  # never an old index beside the new tokens
             os.replace(self._tmp_bin, bin_path(self.prefix))
             os.replace(self._tmp_idx, idx_path(self.prefix))
         except BaseException:

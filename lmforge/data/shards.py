@@ -209,7 +209,9 @@ def _write_merged(prefix: str, shards: Sequence[IndexedDataset]) -> None:
             _copy_shifted(out, [ds.sequence_pointers for ds in shards], np.cumsum([0, *bin_sizes[:-1]]).tolist())
             out.write(np.zeros(1, np.int64).tobytes())  # each shard's leading 0 is the previous shard's end
             _copy_shifted(out, [ds.document_indices[1:] for ds in shards], np.cumsum([0, *sequences[:-1]]).tolist())
-        # .bin before .idx, as IndexedDatasetWriter: a crash between leaves a pair the reader rejects.
+        # As IndexedDatasetWriter: an older .idx goes, then .bin, then .idx; a crash between leaves a .bin without its
+        # index (refused in one line), never an old index beside new tokens.
+        final_idx.unlink(missing_ok=True)
         os.replace(tmp_bin, final_bin)
         os.replace(tmp_idx, final_idx)
     except BaseException:

@@ -181,6 +181,33 @@ def test_writer_leaves_nothing_under_final_names_until_finalize(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["d.bin", "d.idx"]
 
 
+def test_a_rewrite_cut_between_its_renames_leaves_no_old_index_beside_new_tokens(tmp_path, monkeypatch):
+    """Rewriting a prefix: killed after the .bin's rename, before the .idx's. The old .idx went first, so the reader
+    refuses the half pair in one line (an old index beside the new tokens is read whenever the sizes agree: here
+    they do, the same 3-token document)."""
+    import os
+
+    with IndexedDatasetWriter(tmp_path / "d", np.uint16) as w:
+        w.add_document([1, 2, 3])
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if str(dst).endswith(".idx"):
+            raise KeyboardInterrupt  # as a kill would stop it here
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        with IndexedDatasetWriter(tmp_path / "d", np.uint16) as w:
+            w.add_document([4, 5, 6])
+    monkeypatch.undo()
+    assert [p.name for p in calls] == ["d.bin", "d.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin"]
+    with pytest.raises(UserError, match=r"d.bin has no d.idx beside it \(a write of it was cut short\)"):
+        IndexedDataset(tmp_path / "d")
+
+
 def test_writer_removes_everything_on_error(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         with IndexedDatasetWriter(tmp_path / "d", np.uint16) as w:
