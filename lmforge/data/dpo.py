@@ -9,8 +9,9 @@ only (the assistant span of the answer, not of earlier turns in the prompt).
 Optional `ref_chosen_logps` and `ref_rejected_logps` (numbers, TRL's names) give the reference model's summed
 log-probabilities of the two answers: when every record has them, no reference model is run.
 
-Length: a pair where either side is longer than `seq_length` is dropped (`truncate="drop"`) or both sides are cut
-to it (`truncate="cut"`; a pair with a side left without an answer token is then dropped); the log counts both.
+Length: a pair where either side is longer than `seq_length` has both sides cut to it (`truncate="cut"`, the
+default, as `data.truncate`'s; a pair with a side left without an answer token is then dropped) or is dropped
+(`truncate="drop"`); the log counts both.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def pair_examples(rec: dict, where: str) -> tuple[list, list[int]]:
 class PreferenceDataset(Dataset):
     """Preference pairs, tokenized at construction; an item is a pair (see the module docstring)."""
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer, seq_length: int, truncate: str = "drop",
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, seq_length: int, truncate: str = "cut",
                  chat_template: ChatTemplate | None = None):
         if truncate not in TRUNCATE:
             raise UserError(f"truncate must be one of {', '.join(TRUNCATE)}, not {truncate!r}")

@@ -26,9 +26,9 @@ convention, where the loss shifts them by one. The first token of an example nev
 sequence no token is trained to predict the next example. bos: where the template writes it (the built-ins:
 where the tokenizer's texts start with it, `Tokenizer.add_bos_token`).
 
-Length, `seq_length`: an example longer than it is dropped (`truncate="drop"`, the default, counted in
-`num_dropped`), or cut to its first `seq_length` tokens (`truncate="cut"`, counted in `num_cut`; an
-example left without a label is then dropped). Without packing, an item is one example and the collator
+Length, `seq_length`: an example longer than it is cut to its first `seq_length` tokens (`truncate="cut"`, the
+default, as `data.truncate`'s; counted in `num_cut`; an example left without a label is then dropped) or
+dropped (`truncate="drop"`, counted in `num_dropped`). Without packing, an item is one example and the collator
 right-pads a batch to its longest (`pad_id`: the tokenizer's pad, else its eos). With packing, examples
 are placed first-fit in order into sequences of exactly `seq_length` tokens; an item then adds
 `position_ids` restarting at 0 for each example and `segment_ids` (1, 2, ... per example, 0 on padding),
@@ -248,7 +248,7 @@ class SFTDataset(Dataset):
         tokenizer: Tokenizer | str | Path,
         seq_length: int,
         packing: bool = False,
-        truncate: str = "drop",
+        truncate: str = "cut",
         prompt_template: str | None = None,
         chat_template: ChatTemplate | str | None = None,
         assistant_only_loss: bool = True,

@@ -61,12 +61,12 @@ def expected(records, gpt2) -> list[tuple[list[int], list[int]]]:
 
 @pytest.fixture(scope="module")
 def unpacked(alpaca, gpt2) -> SFTDataset:
-    return SFTDataset(alpaca, gpt2, SEQ)
+    return SFTDataset(alpaca, gpt2, SEQ, truncate="drop")  # the longest answers go: the labels compared are whole
 
 
 @pytest.fixture(scope="module")
 def packed(alpaca, gpt2) -> SFTDataset:
-    return SFTDataset(alpaca, gpt2, SEQ, packing=True)
+    return SFTDataset(alpaca, gpt2, SEQ, packing=True, truncate="drop")  # the same examples as `unpacked`
 
 
 def test_alpaca_labels_are_ignored_exactly_on_the_prompt(records, expected, unpacked):
