@@ -21,7 +21,8 @@ two are compared:
   trainer.max_steps, validation and checkpoint cadence, dropout, precision, the layout, ...). A new data
   mix (data.paths, data.split, data.train_file) or trainer.seed is how a run is annealed on other data in
   Megatron/NeMo practice: the sample order is rebuilt for the new values and the run goes on at the same
-  sample count, which the warning says.
+  sample count, which the warning says. So is another number of processes (trainer.json's `processes`): the
+  same global batches, regrouped, continue the curve but not bit for bit.
 """
 
 from __future__ import annotations
@@ -79,11 +80,15 @@ class ConfigDiff:
     cfg: RunConfig
     model_config: ModelConfig
     run_dir: Path
+    processes: int | None = None  # this run's world size: another than the checkpoint's is listed as a change
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     def __call__(self, checkpoint: Path) -> None:
         refused, self.changes = compare(saved_run_config(checkpoint, self.run_dir), read_config(checkpoint),
                                         self.cfg, self.model_config)
+        saved_processes = checkpoint_processes(checkpoint)
+        if None not in (saved_processes, self.processes) and saved_processes != self.processes:
+            self.changes["processes"] = (saved_processes, self.processes)
         moved = self.changes.pop("model.init_from", None)
         if moved is not None and not same_source(checkpoint, *moved):
             # Another starting model of the same shape: the resume would go on from the checkpoint's weights and
@@ -100,6 +105,15 @@ def same_source(checkpoint: Path, old: str | None, new: str | None) -> bool:
     if not old or not new:
         return old == new
     return run_path(checkpoint, old).resolve() == Path(new).resolve()
+
+
+def checkpoint_processes(checkpoint: Path) -> int | None:
+    """How many processes wrote the checkpoint (trainer.json's `processes`), None where it does not say (older)."""
+    try:
+        processes = json.loads((checkpoint / "trainer.json").read_text()).get("processes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return processes if isinstance(processes, int) else None
 
 
 def saved_run_config(checkpoint: Path, run_dir: Path) -> dict | None:
@@ -201,6 +215,8 @@ def record_changes(run_dir: Path, step: int, checkpoint: Path | None, changes: d
     order = [k for k in changes if k in DATA_ORDER]
     note = (f"; {', '.join(order)} rebuild{'s' if len(order) == 1 else ''} the sample order: the run goes on at "
             f"sample {consumed_samples:,} of the new order" if order else "")
+    if "processes" in changes:  # the same global batch, regrouped: its sums add up in another order
+        note += "; other processes regroup the same global batches: the curve goes on, not bit for bit"
     log.warning("resuming '%s' at step %d with changed settings: %s%s (recorded in %s)", run_dir, step,
                 listing(changes), note, run_dir / HISTORY)
     row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "step": step,

@@ -166,13 +166,13 @@ class Trainer:
         self.state = {"step": 0, "consumed_samples": 0, "skipped_steps": 0, "consecutive_skips": 0, "metrics": {},
                       "elapsed": 0.0, "tokens": 0.0}
         # The newest checkpoint that verifies, once its config is compared with this run's (lmforge.train.resume).
-        diff = ConfigDiff(cfg, self.mcfg, self.run_dir)
+        diff = ConfigDiff(cfg, self.mcfg, self.run_dir, self.world.size)
         resumed = self.checkpoints.resume(self.training, self.optimizer, check=diff)
         self.resumed_from, self.changes = None, diff.changes
         if resumed is not None:
             self.resumed_from, state = resumed
-            state.pop("run_config", None)
-            state.pop("working_dir", None)
+            for key in ("run_config", "working_dir", "processes"):  # what the checkpoint says of its run
+                state.pop(key, None)
             self.state = {"elapsed": 0.0, **state}
             log.info("resumed from %s at step %d", self.resumed_from, self.state["step"])
         # A rerun: fit() does nothing. The step the run ended at may be past its newest checkpoint (run_files.end_step).
@@ -399,9 +399,10 @@ class Trainer:
         """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written. A
         `resume_point` (the run stops before its end) is kept by retention until a newer checkpoint exists."""
         self.state["elapsed"] = self.elapsed()
-        # What a resume compares its config with, and the folder its relative paths are from (a checkpoint read from
-        # elsewhere finds its model.init_from and tokenizer: lmforge.models.source.run_path).
-        state = {**self.state, "run_config": run_dict(self.cfg), "working_dir": os.getcwd()}
+        # What a resume compares its config and world size with, and the folder its relative paths are from (a
+        # checkpoint read from elsewhere finds its model.init_from and tokenizer: lmforge.models.source.run_path).
+        state = {**self.state, "run_config": run_dict(self.cfg), "working_dir": os.getcwd(),
+                 "processes": self.world.size}
         # The chat template the examples were rendered with: an export or `serve` of the checkpoint prompts as trained.
         template = {CHAT_TEMPLATE_FILE: self.data.chat_template} if self.data.chat_template is not None else None
         path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg, template,

@@ -74,6 +74,7 @@ def test_two_processes_train_like_one(strategy, extra, layout, tiny_corpus, tmp_
     r = subprocess.run([sys.executable, "-m", "lmforge.cli", *_args(tiny_corpus, two, "trainer.max_steps=6", *extra)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "processes 2 -> 1" in r.stderr  # the resume's warning lists the world size it left
     after = _curve(two)
     assert after[:4] == before and len(after) == 6
     # The resumed steps continue training, not restart it (adapters on a random base barely move the loss).

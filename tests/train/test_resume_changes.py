@@ -200,3 +200,22 @@ def test_another_starting_model_is_refused_and_a_moved_one_is_noted(tmp_path, mo
     assert diff("a") == {}  # relative, the same folder
     (tmp_path / "a").rename(tmp_path / "moved")
     assert diff(tmp_path / "moved") == {"model.init_from": (str(tmp_path / "a"), str(tmp_path / "moved"))}
+
+
+def test_another_number_of_processes_is_listed_with_what_it_changes(finished, tiny_corpus, tmp_path, caplog):
+    """The checkpoint says how many processes wrote it: resumed by another number, the warning lists it (the same
+    global batches, regrouped: not bit for bit), where the config alone (parallel.data_parallel: auto) shows nothing."""
+    from lmforge.train.resume import ConfigDiff, record_changes
+
+    checkpoint = finished / "checkpoints" / "step-00000002"
+    assert json.loads((checkpoint / "trainer.json").read_text())["processes"] == 1
+    cfg = run_config(tiny_corpus, finished, *FINISHED)
+    diff = ConfigDiff(cfg, cfg.model.resolve(), finished, processes=4)
+    diff(checkpoint)
+    assert diff.changes == {"processes": (1, 4)}
+    same = ConfigDiff(cfg, cfg.model.resolve(), finished, processes=1)
+    same(checkpoint)
+    assert same.changes == {}
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        record_changes(tmp_path, 2, checkpoint, diff.changes, 16)
+    assert "changed settings: processes 1 -> 4; other processes regroup the same global batches" in caplog.text
