@@ -31,7 +31,7 @@ from lmforge.inference.decode_step import (
     static_cache,
 )
 from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
-from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
+from lmforge.inference.text import TextStream, completion_text, eos_token_ids, special_stop_ids, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +263,7 @@ def generate_text(
     stop: str | Sequence[str] | None = None,
     add_bos: bool | None = None,
     stop_token_ids: int | Iterable[int] | None = None,
+    skip_special_tokens: bool = True,
     **kwargs,
 ) -> list[str]:
     """Completions (prompt not included) of text prompts, or of prompts already token ids (a chat template's);
@@ -271,6 +272,7 @@ def generate_text(
     Generation of a row stops at eos (the model's and the tokenizer's) or once its text contains a
     stop string, and the text is cut before the first stop string (as OpenAI's API does).
     add_bos None: the tokenizer's rule (Tokenizer.add_bos_token: Llama's <s> yes, GPT-2 and NeoX no).
+    Special tokens are left out of the text unless `skip_special_tokens` is off (lmforge.inference.text).
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
@@ -279,7 +281,9 @@ def generate_text(
     else:
         encoded = [list(p) for p in prompts]
     stop_ids = eos_token_ids(model, tokenizer) if stop_token_ids is None else token_ids(stop_token_ids)
-    streams = [TextStream(tokenizer, ids, stops) for ids in encoded]
+    if skip_special_tokens:  # a special token's text as a stop string: its token ends the row
+        stop_ids |= set(special_stop_ids(tokenizer, stops))
+    streams = [TextStream(tokenizer, ids, stops, skip_special_tokens) for ids in encoded]
 
     def has_stop(row: int, ids: list[int]) -> bool:
         stream, stopped = streams[row], False
@@ -293,7 +297,7 @@ def generate_text(
     for prompt_ids, ids in zip(encoded, outputs):
         if ids and ids[-1] in stop_ids:
             ids = ids[:-1]
-        text = completion_text(tokenizer, prompt_ids, ids)
+        text = completion_text(tokenizer, prompt_ids, ids, skip_special_tokens)
         cut = min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))
         texts.append(text[:cut])
     return texts

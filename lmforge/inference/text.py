@@ -3,6 +3,11 @@ completion, and how its new tokens become text, all at once (`completion_text`) 
 (`TextStream`). Both decode the new tokens behind the same few prompt tokens, so a streamed completion
 adds up to the text a whole one gives. Whether a prompt starts with bos is the tokenizer's rule
 (`Tokenizer.add_bos_token`).
+
+Special tokens a model writes mid-completion (a chat model's `<|im_start|>`, a base model's `<|endoftext|>`
+where it is not eos) are left out of the text by default, as vLLM (`skip_special_tokens=True`), TGI and
+transformers' pipelines do; stop strings are found in that text, and a stop string that is the text of one special
+token also ends the completion at that token (`special_stop_ids`), where the skipped text could never show it.
 """
 
 from __future__ import annotations
@@ -30,16 +35,24 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
     return token_ids(tokenizer.model_special_ids({"eos_token_id": model.config.eos_token_id})["eos_token_id"])
 
 
-def _decode_after(tokenizer, context: list[int], head: str, ids: Sequence[int]) -> str:
+def special_stop_ids(tokenizer, stop: Sequence[str]) -> dict[int, str]:
+    """The stop strings that are the text of one special token, by that token's id."""
+    ids = {s: tokenizer.token_to_id(s) for s in stop if s}
+    return {i: s for s, i in ids.items() if i is not None and tokenizer.is_special(i)}
+
+
+def _decode_after(tokenizer, context: list[int], head: str, ids: Sequence[int], skip: bool) -> str:
     """The text `ids` add after `context` (whose own text is `head`); decoded alone if that is not a prefix."""
-    full = tokenizer.decode([*context, *ids])
-    return full[len(head) :] if full.startswith(head) else tokenizer.decode(list(ids))
+    full = tokenizer.decode([*context, *ids], skip_special_tokens=skip)
+    return full[len(head) :] if full.startswith(head) else tokenizer.decode(list(ids), skip_special_tokens=skip)
 
 
-def completion_text(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
-    """The text that new_ids add after the prompt."""
+def completion_text(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int],
+                    skip_special_tokens: bool = True) -> str:
+    """The text that new_ids add after the prompt (special tokens left out unless `skip_special_tokens` is off)."""
     context = list(prompt_ids[-CONTEXT_TOKENS:])
-    return _decode_after(tokenizer, context, tokenizer.decode(context), new_ids)
+    head = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    return _decode_after(tokenizer, context, head, new_ids, skip_special_tokens)
 
 
 class TextStream:
@@ -50,17 +63,19 @@ class TextStream:
     leaves out.
     """
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.context = list(prompt_ids[-CONTEXT_TOKENS:])
-        self.head = tokenizer.decode(self.context)
+        self.head = tokenizer.decode(self.context, skip_special_tokens=self.skip)
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already handed out
         self.matched: str | None = None  # the stop string that ended the completion
 
     def text(self) -> str:
-        return _decode_after(self.tokenizer, self.context, self.head, self.ids)
+        return _decode_after(self.tokenizer, self.context, self.head, self.ids, self.skip)
 
     def push(self, token: int) -> tuple[str, bool]:
         """(text to show now, whether a stop string has ended the completion)."""

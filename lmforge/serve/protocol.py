@@ -59,6 +59,7 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
+    skip_special_tokens: bool = True  # vLLM's: special tokens the model writes are left out of the text
 
     @field_validator("top_k")
     @classmethod

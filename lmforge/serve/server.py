@@ -174,7 +174,8 @@ class Server:
         return ids
 
     def start(self, prompts: list[list[int]], requested: int | None, sampling: SamplingParams, n: int,
-              stop: list[str], seed: int | None, param: str = "max_tokens", prompt_param: str = "prompt") -> Generation:
+              stop: list[str], seed: int | None, param: str = "max_tokens", prompt_param: str = "prompt",
+              skip_special_tokens: bool = True) -> Generation:
         choices = len(prompts) * n
         if choices > self.config.max_choices:
             raise APIError(400, f"this request asks for {choices} choices ({len(prompts)} prompts x n={n}), over this "
@@ -184,7 +185,8 @@ class Server:
         for ids in prompts:
             limit = self.max_tokens(requested, len(ids), param, prompt_param)
             for j in range(n):  # the choices of one seeded request differ from each other
-                jobs.append((ids, RequestParams(limit, sampling, stop, None if seed is None else seed + j)))
+                jobs.append((ids, RequestParams(limit, sampling, stop, None if seed is None else seed + j,
+                                                skip_special_tokens)))
         return Generation(self.engine, jobs, sum(len(ids) for ids in prompts))
 
     async def collect(self, request: Request, gen: Generation, route: str, start: float) -> dict[int, dict]:
@@ -251,7 +253,8 @@ class Server:
         prompts = [self.encode_prompt(p) for p in body.prompts()]
         if not prompts:
             raise APIError(400, "no prompt given", param="prompt")
-        gen = self.start(prompts, body.max_tokens, sampling_of(body), body.n, body.stop, body.seed)
+        gen = self.start(prompts, body.max_tokens, sampling_of(body), body.n, body.stop, body.seed,
+                         skip_special_tokens=body.skip_special_tokens)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.config.model_name}
         if body.stream:
@@ -275,7 +278,7 @@ class Server:
         if body.max_completion_tokens is not None:
             requested, param = body.max_completion_tokens, "max_completion_tokens"
         gen = self.start([ids], requested, sampling_of(body), body.n, [*body.stop, *self.chat.stop], body.seed,
-                         param, "messages")
+                         param, "messages", body.skip_special_tokens)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
