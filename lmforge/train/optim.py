@@ -181,6 +181,7 @@ class AdamWSR(torch.optim.Optimizer):
         self.first_chunk_only = False
         self._work: dict[str, torch.Tensor] = {}
         self._compile_failed = False  # the accelerator's compiled update failed once: eager from then on
+        self._keys: list[torch.Tensor] = []  # the compiled update's per-row noise keys, on its device
 
     def _workspace(self, n: int, device: torch.device, keys: list[int]) -> dict[str, torch.Tensor]:
         if not self._work or self._work["g"].device != device or self._work["g"].numel() < n:
@@ -254,16 +255,27 @@ class AdamWSR(torch.optim.Optimizer):
         kernel = self._kernel(device)
         if kernel is None:
             return self._update_chunks(rows, group, t, keys)
-        scalars = kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t).to(device)
-        # Per row: its first counter, hashed, then the three keys; one table, one copy to the device.
+        scalars = kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t)
+        # Per row: its first counter, hashed, then the three keys.
         firsts = itertools.accumulate((row[0].numel() for row in rows), initial=self._counter)
         table = torch.tensor([[_int32((first + keys[0]) * HASH_C1)] + [_int32(k) for k in keys[1:4]]
-                              for first, _ in zip(firsts, rows)], dtype=torch.int32).to(device)
+                              for first, _ in zip(firsts, rows)], dtype=torch.int32)
+        scalars, table = _to_device(scalars, device), self._row_keys(_to_device(table, device))
         for i, (row, fits) in enumerate(zip(rows, bf16_rows(rows), strict=True)):
             if fits and (not row[0].numel() or self._run(kernel, row, scalars, table[i])):  # (an empty shard)
                 self._counter += row[0].numel()
             else:
                 self._update_chunks([row], group, t, keys)
+
+    def _row_keys(self, table: torch.Tensor) -> list[torch.Tensor]:
+        """The rows of a key table on the device as tensors of their own, filled by one foreach copy: torch.compile
+        guards on a view's storage offset where it equals another input's size, and views of one table made it
+        compile again for some rows."""
+        n, pool = table.shape[0], self._keys
+        if len(pool) < n or pool[0].device != table.device:
+            pool = self._keys = [torch.empty(4, dtype=torch.int32, device=table.device) for _ in range(n)]
+        torch._foreach_copy_(pool[:n], list(table.unbind(0)))
+        return pool[:n]
 
     def _run(self, kernel, row: tuple[torch.Tensor, ...], scalars: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether the compiled update stepped this row: after a first failure (a compiler error: it raises before
@@ -318,6 +330,14 @@ class AdamWSR(torch.optim.Optimizer):
             for d, parts in zip(dsts, (value.split(sizes) for value in mvw), strict=True):
                 torch._foreach_copy_([d[i] for i in take], [parts[i] for i in take])  # scatter
             self._counter += n
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on `device` without waiting for the device: a copy from pageable memory would synchronise
+    the stream each step (pinned memory: an asynchronous copy, the buffer held until it is done)."""
+    if device.type == "cpu":
+        return x
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, precision: Precision, seed: int) -> torch.optim.Optimizer:

@@ -170,3 +170,30 @@ def test_without_triton_a_gpu_runs_the_eager_update_with_one_warning(monkeypatch
         assert caplog.text.count("Triton is not installed") == 1
     finally:
         optim_kernel.compiled_update.cache_clear()
+
+
+@pytest.mark.slow
+def test_the_gpu_update_compiles_a_few_graphs_whatever_the_number_of_tensors(monkeypatch):
+    """torch.compile of the update is dynamic in the tensor's length: a model's hundreds of tensors share one graph
+    (plus one for single-element tensors, and the first call's). Each row's noise keys were a view into one table at
+    its own offset, and the compiler guarded on offsets that equalled another input's size: 5 graphs here, each a
+    compile (seconds on a GPU), and nothing bounded them below dynamo's recompile limit."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(optim_kernel, "COMPILED_DEVICES", ("cpu",))
+    optim_kernel.compiled_update.cache_clear()
+    torch._dynamo.reset()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(64, 33), (1000,), (7,), (1,), (300, 20), (5, 5), (128,), (129,), (4096,), (17, 3), (999,), (2,),
+                  *((n,) for n in range(3, 43))]
+        params = [torch.nn.Parameter(torch.randn(shape, generator=gen).bfloat16()) for shape in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt = AdamWSR([{"params": params[:6]}, {"params": params[6:], "weight_decay": 0.0}], lr=1e-3, compiled=True)
+        before = counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            opt.step()
+        assert not opt._compile_failed and counters["stats"]["unique_graphs"] - before <= 3
+    finally:
+        optim_kernel.compiled_update.cache_clear()
