@@ -231,6 +231,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
         log.info("parallelized: DDP over %d replicas", cfg.data_replicate)
         return pm
     if pp > 1:
+        if mesh.device_type == "cpu" and torch_version() < (2, 8) and dist.get_backend() != "fake":
+            raise UserError(f"pipeline parallelism on the CPU needs torch 2.8 or later (over gloo the 1F1B schedule's "
+                            f"first step never ends on 2.6 and 2.7; 2.8, 2.11 and 2.13 run it); this is torch "
+                            f"{torch_release()}: upgrade torch, or set parallel.pipeline=1")
         pm.stage_indices = stage_ids(mesh["pp"].get_local_rank(), pp, cfg.virtual_stages)
         pm.num_stages = pp * cfg.virtual_stages
         pm.parts = split_model(model, mesh["pp"].get_local_rank(), pp, cfg.virtual_stages)

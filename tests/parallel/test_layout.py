@@ -200,3 +200,23 @@ def test_fsdp2_on_the_cpu_before_torch_2_7_is_one_line(monkeypatch):
     with fake_world(cpu, 2, 0), pytest.raises(UserError, match="FSDP2 on the CPU needs a newer torch .* "
                                                                "set trainer.data_parallel=ddp"):
         parallelize(build(cfg, device="meta"), layout, build_mesh(layout, cfg, device_type="cpu"), device=cpu)
+
+
+def test_pipeline_parallelism_on_the_cpu_before_torch_2_8_is_one_line(monkeypatch):
+    """Over gloo the 1F1B schedule's first step never ends on torch 2.6 and 2.7 (both ranks wait in its p2p; 2.8
+    runs it): refused when the model is laid out. lmforge plan's trace (a fake process group sends nothing) is not."""
+    import lmforge.parallel.compose as compose
+    from lmforge.parallel import build_mesh, parallelize
+    from lmforge.parallel.fake import fake_world
+
+    cfg, layout, cpu = preset("tiny-gpt2"), ParallelConfig(pipeline=2), torch.device("cpu")
+    monkeypatch.setattr(compose, "torch_version", lambda: (2, 7))
+    with fake_world(cpu, 2, 0):
+        mesh = build_mesh(layout, cfg, device_type="cpu")
+        parallelize(build(cfg, device="meta"), layout, mesh, device=cpu)  # the plan's trace
+        monkeypatch.setattr(compose.dist, "get_backend", lambda *a: "gloo")
+        with pytest.raises(UserError, match=r"pipeline parallelism on the CPU needs torch 2.8 or later .* this is "
+                                            r"torch .*: upgrade torch, or set parallel.pipeline=1"):
+            parallelize(build(cfg, device="meta"), layout, mesh, device=cpu)
+        monkeypatch.setattr(compose, "torch_version", lambda: (2, 8))
+        parallelize(build(cfg, device="meta"), layout, mesh, device=cpu)
