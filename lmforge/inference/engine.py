@@ -38,7 +38,7 @@ from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
-from lmforge.inference.text import TextStream, eos_token_ids, special_stop_ids
+from lmforge.inference.text import TextStream, eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,6 @@ class EngineRequest:
         self.on_event = on_event
         self.output_ids: list[int] = []
         self.text = TextStream(tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
-        # Stop strings that are one special token's text: that token ends the request (the text never shows it).
-        self.special_stops = special_stop_ids(tokenizer, params.stop) if params.skip_special_tokens else {}
         self.cancelled = False  # set from the server's thread; read by the engine between steps
         self.finish_reason: str | None = None
         self.slot: int | None = None
@@ -352,8 +350,6 @@ class Engine:
         n = len(req.output_ids)
         if token in self.stop_ids:  # eos: counted as generated, never shown
             return self._finish(req, Event(req.text.flush(), n, "stop"))
-        if token in req.special_stops:
-            return self._finish(req, Event(req.text.flush(), n, "stop", stop_string=req.special_stops[token]))
         text, stopped = req.text.push(token)
         if stopped:
             return self._finish(req, Event(text, n, "stop", stop_string=req.text.matched))

@@ -31,7 +31,7 @@ from lmforge.inference.decode_step import (
     static_cache,
 )
 from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
-from lmforge.inference.text import TextStream, completion_text, eos_token_ids, special_stop_ids, token_ids
+from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +281,6 @@ def generate_text(
     else:
         encoded = [list(p) for p in prompts]
     stop_ids = eos_token_ids(model, tokenizer) if stop_token_ids is None else token_ids(stop_token_ids)
-    if skip_special_tokens:  # a special token's text as a stop string: its token ends the row
-        stop_ids |= set(special_stop_ids(tokenizer, stops))
     streams = [TextStream(tokenizer, ids, stops, skip_special_tokens) for ids in encoded]
 
     def has_stop(row: int, ids: list[int]) -> bool:

@@ -7,7 +7,7 @@ adds up to the text a whole one gives. Whether a prompt starts with bos is the t
 Special tokens a model writes mid-completion (a chat model's `<|im_start|>`, a base model's `<|endoftext|>`
 where it is not eos) are left out of the text by default, as vLLM (`skip_special_tokens=True`), TGI and
 transformers' pipelines do; stop strings are found in that text, and a stop string that is the text of one special
-token also ends the completion at that token (`special_stop_ids`), where the skipped text could never show it.
+token ends the completion at that token (`TextStream`), where the skipped text could never show it.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class TextStream:
         self.context = list(prompt_ids[-CONTEXT_TOKENS:])
         self.head = tokenizer.decode(self.context, skip_special_tokens=self.skip)
         self.stop = [s for s in stop if s]
+        self.special_stops = special_stop_ids(tokenizer, self.stop) if self.skip else {}
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already handed out
         self.matched: str | None = None  # the stop string that ended the completion
@@ -80,6 +81,9 @@ class TextStream:
     def push(self, token: int) -> tuple[str, bool]:
         """(text to show now, whether a stop string has ended the completion)."""
         self.ids.append(token)
+        if token in self.special_stops:  # a stop string that is this special token's text, which is not shown
+            self.matched = self.special_stops[token]
+            return self._take(self.text(), None), True
         text = self.text()
         longest = max((len(s) for s in self.stop), default=0)
         start = max(0, self.sent - longest + 1)
