@@ -30,7 +30,7 @@ from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints
 from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
-from lmforge.train.config_checks import schedule_warning
+from lmforge.train.config_checks import check_torch_for_layout, schedule_warning
 from lmforge.train.data import loader_workers, micro_batches
 from lmforge.train.downstream import DownstreamEval
 from lmforge.train.float8 import check_float8, convert_to_float8
@@ -97,6 +97,7 @@ class Trainer:
         if t.float8:
             check_float8(self.world.device, layout.tensor, cfg.lora is not None)
         check_qlora(cfg.lora, self.world.device, layout, cfg.model.init_from)
+        check_torch_for_layout(cfg, layout.tensor)
         # Batch and sequence length before the data: building it writes sample indices beside the data.
         check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
                              t.global_batch_size, layout.data_parallel)

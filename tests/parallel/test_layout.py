@@ -220,3 +220,22 @@ def test_pipeline_parallelism_on_the_cpu_before_torch_2_8_is_one_line(monkeypatc
             parallelize(build(cfg, device="meta"), layout, mesh, device=cpu)
         monkeypatch.setattr(compose, "torch_version", lambda: (2, 8))
         parallelize(build(cfg, device="meta"), layout, mesh, device=cpu)
+
+
+def test_lora_or_dpo_under_tensor_parallelism_before_torch_2_9_is_one_line(tmp_path, monkeypatch):
+    """torch 2.6 and 2.8 train LoRA (q,k,v together; experts) and DPO under tensor parallelism to other gradients than
+    one process, with no error (their layout tests fail there, pass on 2.9+): refused before anything is built."""
+    import lmforge.parallel.mesh as mesh
+    from lmforge.train.config_checks import check_torch_for_layout
+    from tests.train.conftest import run_config
+
+    monkeypatch.setattr(mesh, "torch_version", lambda: (2, 8))
+    lora, dpo = run_config("c", tmp_path, "lora.rank=4"), run_config("c", tmp_path, "data.task=dpo")
+    for cfg, what in ((lora, "LoRA"), (dpo, "DPO")):
+        with pytest.raises(UserError, match=rf"^{what} under tensor parallelism needs torch 2.9 or later .* this is "
+                                            r"torch .*: upgrade torch, or set parallel.tensor=1$"):
+            check_torch_for_layout(cfg, 2)
+        check_torch_for_layout(cfg, 1)
+    check_torch_for_layout(run_config("c", tmp_path, "data.task=sft"), 2)  # full fine-tuning is not affected
+    monkeypatch.setattr(mesh, "torch_version", lambda: (2, 9))
+    check_torch_for_layout(lora, 2)

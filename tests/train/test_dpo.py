@@ -21,6 +21,7 @@ from lmforge.models import build
 from lmforge.models.lora import LoRAConfig, apply_lora
 from lmforge.train.tasks import get_task
 from tests.parallel.launch import torchrun
+from tests.train.test_lora import TP_FINETUNE
 
 BETA = 0.3
 
@@ -297,11 +298,12 @@ def one_process_dpo(dpo_setup, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("trainer.data_parallel=fsdp",),
-                                    ("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
-                                    ("parallel.pipeline=2",), ("parallel.pipeline=2", *LORA_DPO),
-                                    ("parallel.tensor=2", "model.make_vocab_size_divisible_by=256", *LORA_DPO)],
-                         ids=["fsdp2", "tp2", "pp2", "pp2-lora", "tp2-lora"])
+@pytest.mark.parametrize("layout", [
+    ("trainer.data_parallel=fsdp",),
+    pytest.param(("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"), marks=TP_FINETUNE),
+    ("parallel.pipeline=2",), ("parallel.pipeline=2", *LORA_DPO),
+    pytest.param(("parallel.tensor=2", "model.make_vocab_size_divisible_by=256", *LORA_DPO), marks=TP_FINETUNE)],
+    ids=["fsdp2", "tp2", "pp2", "pp2-lora", "tp2-lora"])
 def test_dpo_on_two_ranks_equals_one_process_with_the_reference_sharded_like_the_policy(
         dpo_setup, one_process_dpo, tmp_path, layout):
     """DPO against a frozen copy of the initial model on 2 gloo ranks (FSDP2, tensor parallelism with sequence

@@ -16,7 +16,7 @@ from lmforge.models import load_pretrained
 from lmforge.models.peft import load_peft_adapter
 from lmforge.train.trainer import Trainer
 from tests.parallel.launch import torchrun
-from tests.train.test_lora import _curve, _logits, lora_args, lora_config
+from tests.train.test_lora import TP_FINETUNE, _curve, _logits, lora_args, lora_config
 
 tf = pytest.importorskip("transformers")
 TOL = 1e-5
@@ -153,9 +153,10 @@ def one_process(tiny_moe, chats, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("parallel.expert=2", "trainer.data_parallel=fsdp"),
-                                    ("parallel.tensor=2", "model.make_vocab_size_divisible_by=256")],
-                         ids=["ep2", "tp2"])
+@pytest.mark.parametrize("layout", [
+    ("parallel.expert=2", "trainer.data_parallel=fsdp"),
+    pytest.param(("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"), marks=TP_FINETUNE)],
+    ids=["ep2", "tp2"])
 def test_expert_and_tensor_parallel_moe_lora_runs_train_and_export_like_one_process(
         layout, tiny_moe, chats, tmp_path, one_process):
     """2 gloo ranks, all-linear on Qwen3-MoE (attention, router, experts, the dense layer's MLP): the experts'
