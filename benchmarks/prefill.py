@@ -44,8 +44,11 @@ SIDES = {"one at a time": dict(prefill_batch=1), "batched (default)": {},
 class IdTokenizer:
     """Text is not measured here: ids as words, no eos of its own."""
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
         return " ".join(map(str, ids))
+
+    def token_to_id(self, text):
+        return None
 
     def model_special_ids(self, declared, classifier=False):
         return {k: declared.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

@@ -164,8 +164,11 @@ class IdTokenizer:
 
     eos_id = None
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
         return " ".join(f"t{i}" for i in ids)
+
+    def token_to_id(self, text):  # no token is special: a stop string is text
+        return None
 
     def model_special_ids(self, declared, classifier=False):  # no ids of its own: the model config's stand
         return {k: declared.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
