@@ -44,9 +44,11 @@ RUN_OVERRIDES = ("dropout", "attention_dropout", "make_vocab_size_divisible_by",
 @contextlib.contextmanager
 def one_process_quietly():
     """DCP in one process (no process group: torch then takes no_dist=True itself): without its warning that it does,
-    which every read of a checkpoint by export-hf, serve or eval printed."""
+    which every read of a checkpoint by export-hf, serve or eval printed (torch 2.6's wording lacks "disabled, "),
+    nor torch 2.6's DCP warning that its own writer calls the deprecated TypedStorage."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         yield
 
 
