@@ -227,15 +227,18 @@ def test_lora_or_dpo_under_tensor_parallelism_before_torch_2_9_is_one_line(tmp_p
     one process, with no error (their layout tests fail there, pass on 2.9+): refused before anything is built."""
     import lmforge.parallel.mesh as mesh
     from lmforge.train.config_checks import check_torch_for_layout
+    from lmforge.train.tasks import get_task
     from tests.train.conftest import run_config
 
     monkeypatch.setattr(mesh, "torch_version", lambda: (2, 8))
     lora, dpo = run_config("c", tmp_path, "lora.rank=4"), run_config("c", tmp_path, "data.task=dpo")
+    sft = run_config("c", tmp_path, "data.task=sft")
     for cfg, what in ((lora, "LoRA"), (dpo, "DPO")):
         with pytest.raises(UserError, match=rf"^{what} under tensor parallelism needs torch 2.9 or later .* this is "
                                             r"torch .*: upgrade torch, or set parallel.tensor=1$"):
-            check_torch_for_layout(cfg, 2)
-        check_torch_for_layout(cfg, 1)
-    check_torch_for_layout(run_config("c", tmp_path, "data.task=sft"), 2)  # full fine-tuning is not affected
+            check_torch_for_layout(cfg, get_task(cfg.data.task), 2)
+        check_torch_for_layout(cfg, get_task(cfg.data.task), 1)
+    check_torch_for_layout(sft, get_task("sft"), 2)  # full fine-tuning is not affected
     monkeypatch.setattr(mesh, "torch_version", lambda: (2, 9))
-    check_torch_for_layout(lora, 2)
+    check_torch_for_layout(lora, get_task("pretrain"), 2)
+    check_torch_for_layout(dpo, get_task("dpo"), 2)
