@@ -68,10 +68,6 @@ class StopSignals:
         elif signum == signal.SIGINT and time.monotonic() - self.at > REPEAT_SECONDS:
             raise KeyboardInterrupt
 
-    def requested(self, device: torch.device) -> int | None:
-        """The signal that asked the run to stop, on any rank (every rank gets the same answer), or None."""
-        return self.agree(device)[0]
-
     def agree(self, device: torch.device, out_of_time: bool = False) -> tuple[int | None, bool]:
         """(the signal that asked the run to stop on any rank, or None; whether any rank's clock says the run's time
         is up): one all-reduce, every rank the same answers, so no rank stops alone on a clock a millisecond

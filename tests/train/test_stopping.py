@@ -28,10 +28,10 @@ def test_a_stop_signal_is_noted_and_the_previous_handlers_come_back(monkeypatch)
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop_signals:
-        assert stop_signals.requested(torch.device("cpu")) is None
+        assert stop_signals.agree(torch.device("cpu")) == (None, False)
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)  # within a second: the same request (torchrun passes Ctrl-C on)
-        assert stop_signals.requested(torch.device("cpu")) == signal.SIGTERM
+        assert stop_signals.agree(torch.device("cpu")) == (signal.SIGTERM, False)
         monkeypatch.setattr(stopping, "REPEAT_SECONDS", -1.0)
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C again, later: stop now
             os.kill(os.getpid(), signal.SIGINT)
