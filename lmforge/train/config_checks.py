@@ -44,20 +44,16 @@ def check_run(cfg: RunConfig) -> None:
                         f"got {list(o.betas)}")
 
 
-def check_torch_for_layout(cfg: RunConfig, task, tensor: int) -> None:
-    """UserError for a run this torch lays out but computes wrongly: LoRA, and DPO (`Task.tp_needs_torch`), under
-    tensor parallelism give other gradients than one process on torch 2.6 and 2.8 (LoRA on q,k,v together, LoRA on
-    experts, DPO's log-probs under the vocabulary-parallel loss; their tests fail there and pass on 2.9, 2.11 and
-    2.13), with no error."""
+def check_torch_for_layout(cfg: RunConfig, tensor: int) -> None:
+    """UserError for a run this torch lays out but computes wrongly: LoRA under tensor parallelism gives other
+    gradients than one process on torch 2.6 and 2.8 (LoRA on q,k,v together, LoRA on experts; their tests fail there
+    and pass on 2.9, 2.11 and 2.13), with no error."""
     from lmforge.parallel.mesh import torch_release, torch_version
 
-    needs = ([("LoRA", (2, 9))] if cfg.lora is not None else []) + (
-        [(task.name.upper(), task.tp_needs_torch)] if task.tp_needs_torch else [])
-    for what, version in needs:
-        if tensor > 1 and torch_version() < version:
-            raise UserError(f"{what} under tensor parallelism needs torch {version[0]}.{version[1]} or later (on 2.6 "
-                            f"and 2.8 its gradients differ from one process's, silently); this is torch "
-                            f"{torch_release()}: upgrade torch, or set parallel.tensor=1")
+    if cfg.lora is not None and tensor > 1 and torch_version() < (2, 9):
+        raise UserError(f"LoRA under tensor parallelism needs torch 2.9 or later (on 2.6 and 2.8 its gradients differ "
+                        f"from one process's, silently); this is torch {torch_release()}: upgrade torch, or set "
+                        "parallel.tensor=1")
 
 
 def schedule_warning(cfg: RunConfig) -> str | None:

@@ -97,7 +97,7 @@ class Trainer:
         if t.float8:
             check_float8(self.world.device, layout.tensor, cfg.lora is not None)
         check_qlora(cfg.lora, self.world.device, layout, cfg.model.init_from)
-        check_torch_for_layout(cfg, self.task, layout.tensor)
+        check_torch_for_layout(cfg, layout.tensor)
         # Batch and sequence length before the data: building it writes sample indices beside the data.
         check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
                              t.global_batch_size, layout.data_parallel)

@@ -176,6 +176,27 @@ def test_sequence_parallel_rejects_an_uneven_sequence(fake_two_ranks, name):
         model(torch.zeros(2, 15, dtype=torch.long))
 
 
+def test_gradients_are_laid_out_like_their_parameters_before_the_optimizer(fake_two_ranks):
+    """Under sequence parallelism a norm's gradient leaves the backward as a partial sum over the tensor ranks (and a
+    vocabulary-parallel embedding's replicated). torch 2.6's optimizer stepped each rank's norms with its own partial
+    sum, silently (7e-4 off one process's weights after two steps): clipping lays every gradient out like its
+    parameter first, so no optimizer meets a partial one."""
+    from torch.distributed.tensor import DTensor
+
+    from lmforge.parallel.state import align_gradients
+    from lmforge.parallel.tensor_parallel import apply_tensor_parallel
+
+    model = build("tiny-neox", seed=0)
+    apply_tensor_parallel(model, fake_two_ranks)
+    logits = model(torch.zeros(2, 16, dtype=torch.long))
+    logits.to_local().sum().backward()
+    params = dict(model.named_parameters())
+    unlike = {n for n, p in params.items() if p.grad.placements != p.placements}
+    assert {"layers.0.norm1.weight", "layers.0.norm1.bias", "norm.weight"} <= unlike, unlike
+    align_gradients(type("PM", (), {"parts": [model]}))
+    assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params.values())
+
+
 def test_bert_under_tensor_parallelism_before_torch_2_11_is_one_line(monkeypatch):
     """torch 2.6-2.10 fail BERT's first backward under TP (checked on each): refused before any process starts."""
     import lmforge.parallel.mesh as mesh
@@ -222,23 +243,22 @@ def test_pipeline_parallelism_on_the_cpu_before_torch_2_8_is_one_line(monkeypatc
         parallelize(build(cfg, device="meta"), layout, mesh, device=cpu)
 
 
-def test_lora_or_dpo_under_tensor_parallelism_before_torch_2_9_is_one_line(tmp_path, monkeypatch):
-    """torch 2.6 and 2.8 train LoRA (q,k,v together; experts) and DPO under tensor parallelism to other gradients than
-    one process, with no error (their layout tests fail there, pass on 2.9+): refused before anything is built."""
+def test_lora_under_tensor_parallelism_before_torch_2_9_is_one_line(tmp_path, monkeypatch):
+    """torch 2.6 and 2.8 train LoRA (q,k,v together; experts) under tensor parallelism to other gradients than one
+    process, with no error (its layout tests fail there, pass on 2.9+): refused before anything is built. Full
+    fine-tuning and DPO without adapters train there like one process (since the gradients are laid out like their
+    parameters before the optimizer, lmforge.parallel.state.align_gradients)."""
     import lmforge.parallel.mesh as mesh
     from lmforge.train.config_checks import check_torch_for_layout
-    from lmforge.train.tasks import get_task
     from tests.train.conftest import run_config
 
     monkeypatch.setattr(mesh, "torch_version", lambda: (2, 8))
-    lora, dpo = run_config("c", tmp_path, "lora.rank=4"), run_config("c", tmp_path, "data.task=dpo")
-    sft = run_config("c", tmp_path, "data.task=sft")
-    for cfg, what in ((lora, "LoRA"), (dpo, "DPO")):
-        with pytest.raises(UserError, match=rf"^{what} under tensor parallelism needs torch 2.9 or later .* this is "
-                                            r"torch .*: upgrade torch, or set parallel.tensor=1$"):
-            check_torch_for_layout(cfg, get_task(cfg.data.task), 2)
-        check_torch_for_layout(cfg, get_task(cfg.data.task), 1)
-    check_torch_for_layout(sft, get_task("sft"), 2)  # full fine-tuning is not affected
+    lora = run_config("c", tmp_path, "lora.rank=4")
+    with pytest.raises(UserError, match=r"^LoRA under tensor parallelism needs torch 2.9 or later .* this is "
+                                        r"torch .*: upgrade torch, or set parallel.tensor=1$"):
+        check_torch_for_layout(lora, 2)
+    check_torch_for_layout(lora, 1)
+    for task in ("sft", "dpo"):
+        check_torch_for_layout(run_config("c", tmp_path, f"data.task={task}"), 2)
     monkeypatch.setattr(mesh, "torch_version", lambda: (2, 9))
-    check_torch_for_layout(lora, get_task("pretrain"), 2)
-    check_torch_for_layout(dpo, get_task("dpo"), 2)
+    check_torch_for_layout(lora, 2)

@@ -300,7 +300,7 @@ def one_process_dpo(dpo_setup, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ("trainer.data_parallel=fsdp",),
-    pytest.param(("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"), marks=TP_FINETUNE),
+    ("parallel.tensor=2", "model.make_vocab_size_divisible_by=256"),
     ("parallel.pipeline=2",), ("parallel.pipeline=2", *LORA_DPO),
     pytest.param(("parallel.tensor=2", "model.make_vocab_size_divisible_by=256", *LORA_DPO), marks=TP_FINETUNE)],
     ids=["fsdp2", "tp2", "pp2", "pp2-lora", "tp2-lora"])

@@ -15,7 +15,7 @@ from lmforge.train.trainer import Trainer
 from tests.conftest import needs_torch
 from tests.parallel.launch import torchrun
 
-TP_FINETUNE = needs_torch((2, 9), "LoRA and DPO under tensor parallelism")
+TP_FINETUNE = needs_torch((2, 9), "LoRA under tensor parallelism")
 
 tf = pytest.importorskip("transformers")
 TOL = 1e-5

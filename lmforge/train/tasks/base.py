@@ -55,8 +55,6 @@ class Task:
     # How many statistics `loss` returns after the loss and the count (a tuple when more than one): summed over
     # micro-batches and data-parallel ranks, then handed to `metrics` (validation) and `train_metrics` (each step).
     num_stats: ClassVar[int] = 1
-    # The torch a run of this task needs under tensor parallelism, where older ones compute it wrongly (None: any).
-    tp_needs_torch: ClassVar[tuple[int, int] | None] = None
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         raise NotImplementedError

@@ -92,7 +92,6 @@ def scored_pairs(labels: torch.Tensor) -> torch.Tensor:
 
 class DPO(Task):
     name = "dpo"
-    tp_needs_torch = (2, 9)  # 2.6 and 2.8 give other gradients than one process (lmforge.train.config_checks)
     num_stats = 4  # chosen reward > rejected, and the sums of the margin, the chosen and the rejected rewards
 
     beta = 0.1
