@@ -28,6 +28,8 @@ Between modules every activation stays a plain local tensor; DTensors live insid
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -287,6 +289,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     logits are a DTensor sharded over the padded vocabulary (padding columns at -inf): compute the
     loss, and its backward, under `loss_parallel()` (ParallelModel.loss_context()).
     """
+    with warnings.catch_warnings():
+        # torch 2.6's distribute_tensor asks whether the mesh's device keeps DTensor's RNG state on every call, and on a
+        # CPU mesh warns "DTensor random operators may not have complete support" for each weight it shards; sharding
+        # draws nothing (later releases ask only at a random op, where the warning still shows).
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        _apply_tensor_parallel(model, tp_mesh, sequence_parallel, loss_parallel)
+
+
+def _apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     cfg: ModelConfig = model.config
     seq = Shard(1) if sequence_parallel else Replicate()
     # torch's SequenceParallel makes its replicated weights trainable whatever they were: a frozen norm (a LoRA
