@@ -1,6 +1,7 @@
 """Every lmforge command in the README's and docs/'s code blocks is one the CLI accepts as written: the verb exists,
 each option is the verb's, and a shipped recipe with the command's key=value overrides reads as a run config (a
-renamed key or a removed recipe fails here, not for the first user who copies the line)."""
+renamed key or a removed recipe fails here, not for the first user who copies the line). The commands quoted inline
+(`lmforge eval MODEL --tasks T1,T2 [--limit N]`) name only options their verb has."""
 
 from __future__ import annotations
 
@@ -71,3 +72,39 @@ def test_a_documented_command_parses(args, monkeypatch):
         # named through a variable ($OUT/imported) stays, as a name.
         kept = [o for o in overrides if "..." not in o and not re.fullmatch(r"[^=]+=\$\w+", o)]
         load_run_config(config, [o.replace("$", "") for o in kept])
+
+
+def inline_commands() -> list[tuple[str, str]]:
+    """(file, text) of each inline code span that starts with `lmforge VERB`."""
+    return [(f"{path.relative_to(ROOT)}", m.group(1)) for path in DOCS
+            for m in re.finditer(r"`(lmforge [a-z][^`]*)`", path.read_text(encoding="utf-8"))]
+
+
+def _options(p, words: list[str]) -> set[str]:
+    """The options of the (sub)command `words` name under parser p: `data inspect` is the inspect parser's."""
+    import argparse
+
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = next((w for w in words if w in action.choices), None)
+            if chosen is not None:
+                return _options(action.choices[chosen], words[words.index(chosen) + 1:])
+    return {o for action in p._actions for o in action.option_strings}
+
+
+def test_inline_commands_name_only_options_their_verb_has():
+    from lmforge.cli import VERBS, parser
+
+    spans = inline_commands()
+    assert len(spans) > 20
+    wrong = []
+    for where, text in spans:
+        words = text.split()
+        for verb in words[1].split("/"):  # `lmforge serve/generate --lora`: each verb takes it
+            if verb not in VERBS:
+                wrong.append(f"{where}: {text} (no verb {verb!r})")
+            elif verb != "bench":  # options after a benchmark's name are the benchmark script's own
+                known = _options(parser(verb), [verb, *words[2:]])
+                wrong += [f"{where}: {text} ({o})" for o in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)
+                          if o not in known]
+    assert not wrong, "\n".join(wrong)
