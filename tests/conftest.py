@@ -22,7 +22,8 @@ def needs_torch(version: tuple[int, int], what: str):
 
 # lmforge's one-line refusals of what an older torch cannot do, or computes wrongly ("... needs torch 2.8 or later ...",
 # "... needs a newer torch than 2.6.0 ..."): the version each names, and the line.
-_REFUSAL = re.compile(r"needs (?:torch (\d+)\.(\d+) or later|a newer torch than (\d+)\.(\d+)\.\d+)[^\n'\"\\]*")
+_REFUSAL = re.compile(r"needs (?:torch (\d+)\.(\d+) or later|a newer torch than (\d+)\.(\d+)\.\d+)"
+                      r"(?:[^\n'\"\\]|'(?=[a-z]))*")  # to the end of the line or of a quoted string
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -19,7 +19,7 @@ import pytest
 from lmforge.errors import UserError
 
 def test_refused_for_a_later_release():
-    raise UserError("FSDP2 under X needs torch {major}.{minor + 1} or later (why); this is ...: upgrade torch")
+    raise UserError("X needs torch {major}.{minor + 1} or later (the schedule's why); this is ...: upgrade torch")
 
 def test_refused_for_this_release():
     raise UserError("pipeline parallelism on the CPU needs torch {major}.{minor} or later: upgrade torch")
@@ -49,4 +49,5 @@ def test_other_failure():
     assert failed == {"test_refused_for_this_release", "test_refused_as_an_older_release", "test_other_failure"}, \
         run.stdout
     assert len(skipped) == 3 and all("refused on torch" in line for line in skipped), run.stdout
-    assert any(f"needs torch {major}.{minor + 1} or later (why); this is ...: upgrade torch" in s for s in skipped)
+    assert any(f"needs torch {major}.{minor + 1} or later (the schedule's why); this is ...: upgrade torch" in s
+               for s in skipped)
