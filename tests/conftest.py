@@ -34,7 +34,7 @@ def pytest_runtest_makereport(item, call):
     newer torch than") counts: on a torch that should run the test, the failure stays a failure."""
     outcome = yield
     report = outcome.get_result()
-    if not report.failed or report.when == "teardown":
+    if not report.failed or report.when == "teardown" or item.get_closest_marker("no_refusal_skip"):
         return
     for found in _REFUSAL.finditer(str(report.longrepr)):
         later, newer_than = found.group(1, 2), found.group(3, 4)
