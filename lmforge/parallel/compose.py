@@ -252,7 +252,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh, mp_policy=None,
             # through the step instead (the pipeline schedule reshards after the last backward).
             apply_fsdp(part, dp_mesh, reshard_after_forward=pp == 1, mp_policy=mp_policy)
     if pp > 1:
-        if model.config.tie_embeddings:
+        if model.config.tie_embeddings and not model.config.num_labels:  # a classifier's head is its own
             pm.tied_group = _tied_group(mesh)
 
         def loss_fn(output, target):

@@ -139,9 +139,6 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
             raise UserError(f"model.num_layers={model.num_layers} is not divisible by parallel.pipeline={pp} x "
                             f"virtual_stages={cfg.virtual_stages} = {chunks}: each pipeline stage holds the same "
                             "number of layers; change the pipeline degree or virtual_stages")
-        if model.num_labels:
-            raise UserError("pipeline parallelism supports the LM/MLM heads only, the model has a classification "
-                            "head: set parallel.pipeline=1")
 
 
 def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:

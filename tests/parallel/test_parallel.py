@@ -48,8 +48,16 @@ TWO = {
     # everywhere) reaches Adam's first step amplified up to lr/eps = 10x near zero gradients, 1-3e-4 of a step.
     "tp_gemma3_sp": {"model": "tiny-gemma3", "parallel": {"tensor": 2}, "adam_tol": 5e-4},
     "pp_gemma3_1f1b": {"model": "tiny-gemma3", "parallel": {"pipeline": 2, "microbatches": 2}},
+    # Right-padded rows: Adam's first step amplifies fp32 summation noise where gradients are near zero (1.1e-4 of a
+    # step measured, the gradients 1.2e-6 apart; 5e-5 before the rows were padded).
     "tp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
-                           "parallel": {"tensor": 2, "sequence_parallel": False}},
+                           "parallel": {"tensor": 2, "sequence_parallel": False}, "adam_tol": 3e-4},
+    # Classification heads on the last stage: GPT-2's score read at each row's last real token (the stage finds it by
+    # the attention mask, its input being hidden states), BERT's pooler and classifier over [CLS].
+    "pp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
+                           "parallel": {"pipeline": 2, "microbatches": 2}},
+    "pp_bert_classifier": {"model": "tiny-bert", "model_overrides": {"num_labels": 2},
+                           "parallel": {"pipeline": 2, "pipeline_schedule": "gpipe"}},
     # Pipeline parallel, each schedule.
     "pp_gpt2_gpipe": {"model": "tiny-gpt2", "parallel": {"pipeline": 2, "pipeline_schedule": "gpipe"}},
     "pp_neox_1f1b": {"model": "tiny-neox", "parallel": {"pipeline": 2, "microbatches": 4}},
@@ -92,6 +100,8 @@ FOUR = {
     "tp_pp_gpt2_interleaved": {"model": "tiny-gpt2", "model_overrides": L4, "parallel": {
         "tensor": 2, "pipeline": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 2}},
     "tp_pp_bert": {"model": "tiny-bert", "parallel": {"tensor": 2, "pipeline": 2, "microbatches": 2}},
+    "tp_pp_llama_classifier": {"model": "tiny-llama", "model_overrides": {"num_labels": 2}, "parallel": {
+        "tensor": 2, "pipeline": 2, "microbatches": 2, "sequence_parallel": False}},
     # Four stages, one layer each: middle stages, and the tied embedding's first/last-stage group.
     "pp4_gpt2_gpipe": {"model": "tiny-gpt2", "model_overrides": L4, "parallel": {
         "pipeline": 4, "pipeline_schedule": "gpipe"}},

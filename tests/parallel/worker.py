@@ -53,8 +53,10 @@ def make_batch(cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     kwargs = {}
-    if cfg.num_labels:  # sequence classification: one label per row
-        labels = torch.randint(0, cfg.num_labels, (BATCH,), generator=g)
+    if cfg.num_labels:  # sequence classification: one label per row, rows right-padded (a pipeline's last stage
+        labels = torch.randint(0, cfg.num_labels, (BATCH,), generator=g)  # finds each row's last token by the mask)
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
+        kwargs = {"attention_mask": (torch.arange(SEQ)[None] < lengths[:, None]).long()}
     elif cfg.family == "bert":  # MLM: ~1/4 of the tokens labelled, right padding, two segments
         labels[torch.rand(BATCH, SEQ, generator=g) > 0.25] = -100
         lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)

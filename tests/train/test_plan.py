@@ -110,6 +110,8 @@ PIPELINES = {  # each stage traced in a forked process; the stages built with st
     # fp32, every such plan failed at the first microbatch's dtype check).
     "pp_bf16_mixed_fsdp": _case(4, "parallel.pipeline=2", "model.num_layers=4", "trainer.precision=bf16-mixed",
                                 "trainer.data_parallel=fsdp"),
+    # A classification head on the last stage: it sends (rows, num_labels) scores to the loss, not logits.
+    "pp_classification": _case(4, "parallel.pipeline=2", "model.num_layers=4", "data.task=classification"),
     "pp_cpu_counts": _case(4, "parallel.pipeline=2", "model.num_layers=4", patch="cpu_counts"),
     # Expert parallelism 2 within each stage's 4 FSDP ranks, the experts sharded over the 2 holding each.
     "pp_moe_ep": _case(8, "parallel.pipeline=2", "model.num_layers=4", "model.preset=tiny-qwen3-moe",

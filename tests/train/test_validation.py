@@ -90,11 +90,13 @@ TENSOR = ["parallel.tensor=2", "parallel.sequence_parallel=false", "model.make_v
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["trainer.data_parallel=fsdp"], TENSOR], ids=["fsdp", "tensor"])
+@pytest.mark.parametrize("layout", [["trainer.data_parallel=fsdp"], TENSOR, ["parallel.pipeline=2"]],
+                         ids=["fsdp", "tensor", "pipeline"])
 def test_every_example_is_scored_once_on_two_ranks(layout, tiny_gpt2, shared_data, tmp_path):
     """33 sentences over 2 ranks in micro-batches of 4: the last step is rows 32..39, rank 0 with one sentence and
     three blanks, rank 1 (under FSDP) all blanks, yet in every collective; under tensor parallelism (one data
-    rank) rows 32..35 are one sentence and three blanks. The logged validation equals the step's checkpoint run
+    rank) rows 32..35 are one sentence and three blanks; under a pipeline (two stages, the classifier on the
+    second) rows 32..39 are the step's two microbatches. The logged validation equals the step's checkpoint run
     on each sentence by itself."""
     valid = _sst2(shared_data, tmp_path, 33)
     run = tmp_path / "run"
