@@ -158,7 +158,8 @@ class Decoder(nn.Module):
             last = torch.full((b,), s - 1, device=h.device)
         else:
             last = (torch.arange(s, device=h.device) * attention_mask.to(torch.long)).argmax(-1)
-        return self.score(h[torch.arange(b, device=h.device), last])
+        last_h = h[torch.arange(b, device=h.device), last]
+        return self.score(last_h.to(self.score.weight.dtype))  # a LoRA run trains an fp32 head on a bf16 base
 
     def forward(
         self,

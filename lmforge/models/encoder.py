@@ -98,5 +98,6 @@ class Bert(nn.Module):
         if not self.is_last:
             return h
         if self.classifier is not None:
-            return self.classifier(self.drop(self.pooled(h)))
+            pooled = self.drop(self.pooled(h))
+            return self.classifier(pooled.to(self.classifier.weight.dtype))  # a LoRA run's fp32 head, bf16 base
         return self.mlm_head(h, self.embeddings.word.weight)

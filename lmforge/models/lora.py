@@ -276,7 +276,8 @@ def _draw_a(a: torch.Tensor, generator: torch.Generator | None) -> None:
 
 def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     """Freeze `model` and wrap its targeted linears (and stacked experts) with adapters (fp32; the base in bf16
-    with lora.bf16_base). Returns the number of trainable parameters.
+    with lora.bf16_base); a classification head (HEADS) stays trainable, in fp32. Returns the number of trainable
+    parameters.
 
     A model on the meta device (a layout that shards it) gets meta adapters: once it is laid out and its base
     filled, init_adapters gives each rank its pieces of the adapters this call would have drawn."""
@@ -296,6 +297,9 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     wrappers += [(name, lambda base, ranks=ranks: LoRAExperts(
         base, ranks, {w: lora.alpha * r / lora.rank for w, r in ranks.items()}, generator))
         for name, ranks in experts.items()]
+    if model.config.num_labels:  # a classifier's new head trains whole, in fp32 (PEFT's SEQ_CLS modules_to_save)
+        for head in filter(None, (getattr(model, name, None) for name in HEADS)):
+            head.float().requires_grad_(True)
     for name, wrap in wrappers:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -397,6 +401,10 @@ def merge_lora(model: nn.Module) -> nn.Module:
         plain.weight, plain.bias = weight, module.bias
         setattr(model.get_submodule(parent_name), attr, plain)
     return model
+
+
+# A classification model's head (decoders' score, BERT's classifier): trained whole beside the adapters.
+HEADS = ("score", "classifier")
 
 
 def is_adapter(name: str) -> bool:

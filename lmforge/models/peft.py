@@ -43,7 +43,17 @@ from lmforge.fsutil import open_safetensors
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for
 from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
-from lmforge.models.lora import QKV, TARGETS, LoRAConfig, LoRALinear, fuse_parts, qkv_rows, split_parts, split_state
+from lmforge.models.lora import (
+    HEADS,
+    QKV,
+    TARGETS,
+    LoRAConfig,
+    LoRALinear,
+    fuse_parts,
+    qkv_rows,
+    split_parts,
+    split_state,
+)
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
 from lmforge.models.lora_experts import LoRAExperts, from_peft, to_peft
 
@@ -164,20 +174,32 @@ def moe_peft_tensors(adapters: dict[str, dict], cfg: ModelConfig) -> tuple[dict[
     return tensors, params
 
 
+def _head_names(cfg: ModelConfig) -> dict[str, str]:
+    """A classification model's head parameters (lmforge.models.lora.HEADS) -> their Hugging Face names."""
+    rows = adapter_for(cfg.family).mapping(cfg) if cfg.num_labels else []
+    return {ours: theirs for ours, theirs, _ in rows if ours.split(".")[0] in HEADS}
+
+
 def write_peft_adapter(adapters: dict[str, dict], cfg: ModelConfig, rank: int, alpha: float, dropout: float,
-                       out_dir: Path, base_model: str | None = None) -> None:
-    """Write PEFT's adapter folder into `out_dir` (an existing, e.g. atomic temporary, folder)."""
+                       out_dir: Path, base_model: str | None = None,
+                       heads: dict[str, torch.Tensor] | None = None) -> None:
+    """Write PEFT's adapter folder into `out_dir` (an existing, e.g. atomic temporary, folder). `heads`: a
+    classifier's trained head (score.weight ...), saved whole as PEFT's SEQ_CLS task saves its modules_to_save."""
     on_moe = {m: ab for m, ab in adapters.items() if _on_moe_mlp(m, cfg)}
     tensors, modules, conv1d = peft_tensors({m: ab for m, ab in adapters.items() if m not in on_moe}, cfg)
     moe_tensors, params = moe_peft_tensors(on_moe, cfg)
     tensors.update(moe_tensors)
+    head_names = _head_names(cfg)
+    tensors.update({PREFIX + head_names[name]: t.contiguous() for name, t in (heads or {}).items()})
+    saved = sorted({head_names[name].rpartition(".")[0] for name in heads or {}}) or None
     other = {name: r for name, r in params.items() if r != rank}  # keeping alpha / r: the scaling trained with
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
+        "peft_type": "LORA", "task_type": "SEQ_CLS" if saved else "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": rank,
         "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_names(modules, cfg),
         **({"target_parameters": sorted(params)} if params else {}),
         "bias": "none", "fan_in_fan_out": conv1d, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True, "rank_pattern": other,
+        "modules_to_save": saved, "init_lora_weights": True, "inference_mode": True, "rank_pattern": other,
         "alpha_pattern": {name: alpha * r / rank for name, r in other.items()}, "layers_to_transform": None,
         "layers_pattern": None,
     }
@@ -193,9 +215,10 @@ def write_adapter_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, lora:
     from lmforge.models.hf.base import SIDE_FILES
     from lmforge.models.io import copy_licenses, copy_side_files
 
-    _, adapters = split_state(state)
+    base, adapters = split_state(state)
+    heads = {name: base[name] for name in _head_names(cfg)}
     with atomic_dir(out, overwrite=True) as tmp:
-        write_peft_adapter(adapters, cfg, lora.rank, lora.alpha, lora.dropout, tmp, base_model)
+        write_peft_adapter(adapters, cfg, lora.rank, lora.alpha, lora.dropout, tmp, base_model, heads)
         if side_files_from is not None:
             copy_side_files(side_files_from, tmp, [n for n in SIDE_FILES if n != "generation_config.json"])
             copy_licenses(side_files_from, tmp)  # the base's terms go with a derivative of it
@@ -221,7 +244,9 @@ def peft_base(base: str | Path | None) -> str | None:
     return str(path)
 
 
-def read_peft_config(folder: Path) -> dict:
+def read_peft_config(folder: Path, classifier: bool = False) -> dict:
+    """adapter_config.json of a LoRA adapter lmforge can load; `classifier`: into a classification model, whose
+    head the adapter may hold whole (modules_to_save: score or classifier)."""
     path = Path(folder) / CONFIG
     if not path.is_file():
         raise UserError(f"no {CONFIG} in '{folder}': point --lora at a PEFT LoRA adapter folder")
@@ -235,7 +260,7 @@ def read_peft_config(folder: Path) -> dict:
         if config.get(key, fine) != fine:
             raise UserError(f"'{path}' has {key}={config[key]!r}: lmforge's LoRA supports {key}={fine!r} only")
     for key in ("modules_to_save", "layers_to_transform"):
-        if config.get(key):
+        if config.get(key) and not (key == "modules_to_save" and classifier and set(config[key]) <= set(HEADS)):
             raise UserError(f"'{path}' sets {key}: lmforge's LoRA adapts the same modules in every layer and trains "
                             "no whole module")
     return config
@@ -262,8 +287,8 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
     """Wrap `model` (an lmforge decoder, not yet adapted) with the PEFT adapter in `folder`: afterwards the model
     computes what PeftModel.from_pretrained(base, folder) does. Returns the number of adapted modules."""
     folder = Path(folder)
-    config = read_peft_config(folder)
     cfg: ModelConfig = model.config
+    config = read_peft_config(folder, classifier=bool(cfg.num_labels))
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise UserError(f"no {WEIGHTS} in '{folder}'")
@@ -323,6 +348,12 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
         _wrap(model, module, parts, cfg)
         count += 1
     count += _load_moe(model, config, get, scaled)
+    params = dict(model.named_parameters())
+    for ours, theirs in _head_names(cfg).items():  # a classifier's head, saved whole
+        if theirs in stored:
+            with torch.no_grad():
+                params[ours].copy_(stored[theirs])
+            used.add(theirs)
     left = sorted(set(stored) - used)
     if left:
         per_expert = next((k for k in left if re.search(r"\.experts\.\d+\.", k)), None)

@@ -69,15 +69,12 @@ def check_qlora(lora, device: torch.device, layout: ParallelConfig, init_from: s
 def apply_run_lora(model: nn.Module, cfg: RunConfig, fill: Callable | None = None) -> Callable | None:
     """Wrap the run's model with cfg.lora's adapters, before it is laid out (any layout: under tensor parallelism
     the adapters are split like their layers, lmforge.parallel.lora; under a pipeline each stage holds its blocks'
-    adapters).
+    adapters). A classification run's head trains whole beside them (PEFT's SEQ_CLS task, lmforge.models.lora.HEADS).
 
     A model on the meta device (a layout that shards it, init_model's `fill`) gets meta adapters; the fill returned
     gives each rank, once laid out, its shards of the base (`fill`) and then its pieces of the adapters, the same
     values as a whole model wrapped here (lmforge.models.lora.init_adapters). Returns None for a whole model."""
     lora, seed = cfg.lora, cfg.trainer.seed
-    if getattr(model.config, "num_labels", 0):
-        raise UserError("lora with data.task=classification is not supported yet (the new head would stay frozen): "
-                        "drop the lora section to fine-tune the whole model")
     apply_lora(model, lora, seed=seed)
     if fill is None:
         return None

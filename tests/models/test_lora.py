@@ -4,6 +4,7 @@ transformers' merged export compute the same logits; an adapter starts as a no-o
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -305,3 +306,57 @@ def test_an_nf4_base_is_read_a_block_at_a_time_never_whole_in_bf16(tmp_path):
     held = meter.peak - (tmp_path / "model" / "model.safetensors").stat().st_size
     assert held <= nf4 + block * 2 * 2 + (1 << 20), (held, nf4, linears * 2)
     assert held < linears * 2 // 2
+
+
+def _classifier(family: str, hf_dirs) -> torch.nn.Module:
+    """lmforge's classifier of 3 labels over the family's folder: BERT's as saved (pooler and classifier), a decoder's
+    a new score head (seeded) on its language model, as `lmforge finetune data.task=classification` builds it."""
+    from lmforge.train.setup import with_head
+
+    if family == "bert_cls":
+        return load_pretrained(hf_dirs[family]).eval()
+    return with_head(load_pretrained(hf_dirs[family]), 3, seed=0).eval()
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "gpt2", "bert_cls"])
+def test_a_classifier_trains_its_head_whole_as_pefts_seq_cls_task(family, hf_dirs, tmp_path):
+    """PEFT's SEQ_CLS task keeps the classification head trainable and saves it whole (modules_to_save); lmforge's
+    LoRA on a classifier does the same: the adapted model, PEFT's base + adapter folder, lmforge's base + the same
+    folder and transformers' merged export give the same class logits; the BERT pooler stays frozen, as in PEFT."""
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(1, 300, (2, 19), generator=torch.Generator().manual_seed(3))  # no 0: PEFT's side pads by 0
+    lora = LoRAConfig(rank=4, alpha=8, targets="all-linear")
+    model = _classifier(family, hf_dirs)
+    reference = _logits(model, ids)
+    apply_lora(model, lora, seed=0)
+    head = "classifier" if family == "bert_cls" else "score"
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n in trainable if ".lora_" not in n} == {n for n, _ in model.named_parameters()
+                                                           if n.startswith(head + ".")}
+    assert torch.equal(_logits(model, ids), reference)
+    _trained(model)
+    with torch.no_grad():
+        getattr(model, head).weight.add_(torch.randn_like(getattr(model, head).weight) * 0.5)
+    adapted = _logits(model, ids)
+    assert adapted.shape == (2, 3) and (adapted - reference).abs().max() > 1e-3
+
+    state = dict(model.state_dict())
+    base_state, adapters = split_state(state)
+    write_peft_adapter(adapters, model.config, lora.rank, lora.alpha, 0.0, tmp_path, str(hf_dirs[family]),
+                       heads={n: t for n, t in base_state.items() if n.startswith(head + ".")})
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == [head]
+    hf_base = tf.AutoModelForSequenceClassification.from_pretrained(hf_dirs[family], num_labels=3, pad_token_id=0)
+    with_peft = peft.PeftModel.from_pretrained(hf_base.eval(), tmp_path).eval()
+    assert (_logits(with_peft, ids) - adapted).abs().max() <= TOL
+
+    reloaded = _classifier(family, hf_dirs)
+    load_peft_adapter(reloaded, tmp_path)  # the adapters and the head, from PEFT's folder
+    assert (_logits(reloaded, ids) - adapted).abs().max() <= TOL
+    with pytest.raises(UserError, match="sets modules_to_save"):  # not into a language model (lmforge serve --lora)
+        load_peft_adapter(load_pretrained(hf_dirs[family.removesuffix("_cls")]), tmp_path)
+
+    save_model(materialize(model.config, merged_state(state, model.config, lora.scaling).items()), tmp_path / "m")
+    export_hf(tmp_path / "m", tmp_path / "hf")
+    hf_merged = tf.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", pad_token_id=0).eval()
+    assert (_logits(hf_merged, ids) - adapted).abs().max() <= TOL

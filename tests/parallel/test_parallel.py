@@ -77,6 +77,9 @@ TWO = {
     "tp_neox_lora_plain": {"model": "tiny-neox", "parallel": {"tensor": 2, "sequence_parallel": False,
                                                               "loss_parallel": False}, "lora": LORA},
     "pp_llama_lora_1f1b": {"model": "tiny-llama", "parallel": {"pipeline": 2, "microbatches": 2}, "lora": LORA},
+    # A classifier's LoRA: the adapters and the whole score head train (PEFT's SEQ_CLS), the head on the last stage.
+    "pp_llama_lora_classifier": {"model": "tiny-llama", "model_overrides": {"num_labels": 2}, "lora": LORA,
+                                 "parallel": {"pipeline": 2, "microbatches": 2}},
     # Pipelined: each microbatch's load-balancing loss couples the stages' layers (one f and P over all of them).
     "pp_mixtral_1f1b": {"model": "tiny-mixtral", "parallel": {"pipeline": 2, "microbatches": 2},
                         "model_overrides": {"router_aux_loss_coef": 0.5}},

@@ -260,3 +260,37 @@ def test_an_adapters_base_is_a_folder_transformers_loads(tmp_path, caplog):
     (run / "hf" / "config.json").unlink()  # no Hugging Face folder beside it: kept, and said
     assert peft_base(run / "model") == str((run / "model").resolve())
     assert "is not a Hugging Face folder" in caplog.text
+
+
+@pytest.mark.slow
+def test_lora_on_a_classifier_trains_the_new_head_and_exports_pefts_seq_cls_folder(tiny_llama, shared_data, tmp_path):
+    """`lmforge finetune data.task=classification` with a lora section (this was refused: the new head would have
+    stayed frozen): the adapters and the score head train, nothing else; hf-adapter/ is PEFT's SEQ_CLS folder (the
+    head saved whole) and PEFT over the base, transformers' merged hf/ and the trained model give the same logits."""
+    peft = pytest.importorskip("peft")
+    lines = (shared_data / "classification" / "sst-2" / "train.tsv").read_text().splitlines()[:65]
+    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+    args = lora_args(tiny_llama, tmp_path / "train.tsv", tmp_path / "run", "data.task=classification",
+                     "checkpoint.convert_to_hf=true")
+    trainer = Trainer(load_run_config(None, args))
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert {n for n in trainable if ".lora_" not in n} == {"score.weight"}
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert optimized == {id(p) for n, p in trainer.model.named_parameters() if n in trainable}
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.fit()
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+    assert not torch.equal(before["score.weight"], after["score.weight"])
+
+    run = tmp_path / "run"
+    config = json.loads((run / "hf-adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
+    ids = torch.randint(0, 50000, (2, 23), generator=torch.Generator().manual_seed(0))  # 50256 pads on PEFT's side
+    trained = _logits(trainer.model.eval(), ids)
+    base = tf.AutoModelForSequenceClassification.from_pretrained(tiny_llama, num_labels=2, pad_token_id=50256)
+    hf_peft = peft.PeftModel.from_pretrained(base.eval(), run / "hf-adapter").eval()
+    hf_merged = tf.AutoModelForSequenceClassification.from_pretrained(run / "hf", pad_token_id=50256).eval()
+    for name, logits in [("PEFT", _logits(hf_peft, ids)), ("transformers merged", _logits(hf_merged, ids)),
+                         ("lmforge merged", _logits(load_pretrained(run / "model"), ids))]:
+        assert (logits - trained).abs().max().item() <= TOL, name
