@@ -85,16 +85,19 @@ def test_adapted_experts_equal_the_dense_per_expert_reference(weights, rank, k):
         moe.router.weight[0] = 0.0
         moe.router.weight[0, 0] = -100.0
     factors = [p for n, p in moe.experts.named_parameters() if n.startswith("lora_")]
-    for dtype, tol in ((torch.float64, dict(rtol=0, atol=1e-12)), (torch.float32, dict(rtol=1e-4, atol=1e-6))):
+    # fp64 to its rounding; fp32 to its summation noise, on the scale of the largest values compared (a sum of
+    # large terms that cancel, as the router's gradient at k = 1, is noise of that scale: 1.06e-6 where the CPU
+    # had AVX-512, against 1e-6 absolute before). A dropped or misrouted pair differs by the values themselves.
+    for dtype, rel in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
         moe = moe.to(dtype)
         xt = x.to(dtype).requires_grad_()
         params = [xt, moe.router.weight, *factors]
         out, ref = moe(xt), _dense_reference(moe, xt)
-        torch.testing.assert_close(out, ref, **tol)
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
         ours, theirs = torch.autograd.grad(out, params, grad), torch.autograd.grad(ref, params, grad)
-        for a, b in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(a, b, **tol)
+        scale = max(t.abs().max().item() for t in (ref, *theirs))
+        for a, b in zip((out, *ours), (ref, *theirs), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=rel * scale)
         assert all(torch.count_nonzero(g[0]) == 0 for g in ours[2:])
         assert moe.experts.gate_up.grad is None and moe.experts.down.grad is None
 

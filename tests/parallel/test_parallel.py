@@ -48,10 +48,8 @@ TWO = {
     # everywhere) reaches Adam's first step amplified up to lr/eps = 10x near zero gradients, 1-3e-4 of a step.
     "tp_gemma3_sp": {"model": "tiny-gemma3", "parallel": {"tensor": 2}, "adam_tol": 5e-4},
     "pp_gemma3_1f1b": {"model": "tiny-gemma3", "parallel": {"pipeline": 2, "microbatches": 2}},
-    # Right-padded rows: Adam's first step amplifies fp32 summation noise where gradients are near zero (1.1e-4 of a
-    # step measured, the gradients 1.2e-6 apart; 5e-5 before the rows were padded).
     "tp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
-                           "parallel": {"tensor": 2, "sequence_parallel": False}, "adam_tol": 3e-4},
+                           "parallel": {"tensor": 2, "sequence_parallel": False}},
     # Classification heads on the last stage: GPT-2's score read at each row's last real token (the stage finds it by
     # the attention mask, its input being hidden states), BERT's pooler and classifier over [CLS].
     "pp_gpt2_classifier": {"model": "tiny-gpt2", "model_overrides": {"num_labels": 3},
@@ -169,7 +167,9 @@ def _check(r: dict, adam_tol: float = 1e-4) -> None:
     assert r["grad_err"] < 1e-5, r  # max |g - g_ref| / max |g_ref|, over every parameter
     assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
     assert r["adam_err"] < adam_tol, r  # one AdamW (foreach) step on the sharded parameters moves them like one process
-    assert r["adamwsr_err"] < adam_tol, r  # and so does lmforge's AdamWSR, shard by shard
+    # And so does lmforge's AdamWSR, shard by shard. It steps after AdamW, from weights already that far apart: its
+    # difference is both steps' (twice AdamW's in every case measured), against one step's size.
+    assert r["adamwsr_err"] < 2 * adam_tol, r
     assert r["missing"] == []  # every parameter of the model is held (and compared) by some rank
     assert r["flipped"] == []  # what one process trains is trained, what it freezes (a LoRA base) stays frozen
     if "router_losses" in r:  # a pipelined MoE: the aux and z-loss it reports are one process's
