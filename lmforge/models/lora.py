@@ -314,6 +314,7 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     total = sum(p.numel() for p in model.parameters())
     adapted = sorted({p for parts in targets.values() for p in parts})
     adapted += [f"experts.{w} (rank {r})" for w, r in next(iter(experts.values()), {}).items()]
+    adapted += [f"{name} (whole)" for name in HEADS if model.config.num_labels and getattr(model, name, None)]
     log.info("LoRA rank %d alpha %g on %s (%d modules wrapped, all blocks together; a fused q/k/v or gate/up one "
              "counted once): %d trainable parameters of %d (%.2f%%)", lora.rank,
              lora.alpha, ",".join(adapted), len(targets) + len(experts), trainable, total, 100 * trainable / total)
