@@ -47,5 +47,6 @@ def test_a_stage_past_its_limit_is_killed_with_its_children_and_the_rest_reporte
     assert check["timed_out"] and check["rc"] is None and 4 <= check["seconds"] < 15
     assert "skipped" in optim
     assert "== check" in (out / "session.log").read_text()
-    left = subprocess.run(["pgrep", "-f", "scripts/gpu_check.py --device cpu"], capture_output=True)
+    # This test's stage only (its --out): another test may be running gpu_check.py beside it (pytest -n).
+    left = subprocess.run(["pgrep", "-f", f"scripts/gpu_check.py --device cpu --out {out}/"], capture_output=True)
     assert left.returncode == 1, left.stdout  # no process of the stage outlived it
