@@ -125,7 +125,7 @@ def load_served(folder: Path, lora: str | None, device, dtype):
     chat template prompts it: the adapter's when it carries one (what it was fine-tuned with), else the model's."""
     from lmforge.models import load_pretrained
     from lmforge.models.lora import merge_lora
-    from lmforge.models.peft import load_peft_adapter
+    from lmforge.models.peft_read import load_peft_adapter
     from lmforge.serve.chat import read_chat_template
 
     model = load_pretrained(folder, device=device, dtype=dtype)

@@ -1,4 +1,4 @@
-"""PEFT's LoRA adapter folders, out of and into lmforge's LoRA (lmforge.models.lora).
+"""PEFT's LoRA adapter folders out of lmforge's LoRA (lmforge.models.lora); reading them: lmforge.models.peft_read.
 
     FOLDER/adapter_config.json         {"peft_type": "LORA", "r", "lora_alpha", "target_modules", ...}
     FOLDER/adapter_model.safetensors   base_model.model.<HF module>.lora_A.weight (r, in) / .lora_B.weight (out, r)
@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 from lmforge.errors import UserError
-from lmforge.fsutil import open_safetensors
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for
 from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
@@ -48,28 +45,26 @@ from lmforge.models.lora import (
     QKV,
     TARGETS,
     LoRAConfig,
-    LoRALinear,
     fuse_parts,
-    qkv_rows,
     split_parts,
     split_state,
 )
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
-from lmforge.models.lora_experts import LoRAExperts, from_peft, to_peft
+from lmforge.models.lora_experts import to_peft
 
 log = logging.getLogger(__name__)
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
-_PART_OF = {module: target for target, module in TARGETS.items() if target not in QKV}  # attn.proj -> o ...
+PART_OF = {module: target for target, module in TARGETS.items() if target not in QKV}  # attn.proj -> o ...
 # transformers 5 runs every MoE family's layer as `mlp` with `gate` (the router) and `experts` (stacked weights).
 MOE_BLOCK = "model.layers.{}.mlp"
 PEFT_EXPERT = {"gate_up": "gate_up_proj", "down": "down_proj"}
 _MOE_MLP = ("mlp.router", "mlp.experts", "mlp.gate", "mlp.up", "mlp.down")
 
 
-def _rows(cfg: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], str]]:
+def hf_modules(cfg: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], str]]:
     """lmforge module -> (its Hugging Face module name(s), the mapping kind)."""
     out = {}
     for ours, theirs, kind in adapter_for(cfg.family).mapping(cfg):
@@ -101,7 +96,7 @@ def _blocks(adapter: dict, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor
 def peft_tensors(adapters: dict[str, dict], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], list[str], bool]:
     """lmforge adapters ({module: {"A": {part: A}, "B": {part: B}}}) -> (PEFT's tensors, the Hugging Face modules
     adapted, whether any is a Conv1D)."""
-    rows = _rows(cfg)
+    rows = hf_modules(cfg)
     tensors, modules, conv1d = {}, [], False
     for module in sorted(adapters, key=_layer_order):
         names, kind = rows[module]
@@ -136,7 +131,7 @@ def _layer_order(module: str) -> tuple:
 def target_names(modules: list[str], cfg: ModelConfig) -> list[str]:
     """PEFT's target_modules: the short names ("q_proj") where they pick out exactly the adapted modules, else the
     full names (GPT-2's attn.c_proj alone: "c_proj" would also take mlp.c_proj)."""
-    every = {n for names, _ in _rows(cfg).values() for n in (names if isinstance(names, tuple) else (names,))}
+    every = {n for names, _ in hf_modules(cfg).values() for n in (names if isinstance(names, tuple) else (names,))}
     short = sorted({m.rsplit(".", 1)[-1] for m in modules})
     if {n for n in every if n.rsplit(".", 1)[-1] in short} == set(modules):
         return short
@@ -150,7 +145,7 @@ def _on_moe_mlp(module: str, cfg: ModelConfig) -> bool:
 def moe_peft_tensors(adapters: dict[str, dict], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """The adapters of a mixture of experts' MLPs (router, stacked experts, dense MLP layers) -> (PEFT's tensors,
     {target parameter: its rank}), in the module docstring's form."""
-    rows = _rows(cfg)
+    rows = hf_modules(cfg)
     tensors, params = {}, {}
 
     def put(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -174,7 +169,7 @@ def moe_peft_tensors(adapters: dict[str, dict], cfg: ModelConfig) -> tuple[dict[
     return tensors, params
 
 
-def _head_names(cfg: ModelConfig) -> dict[str, str]:
+def hf_head_names(cfg: ModelConfig) -> dict[str, str]:
     """A classification model's head parameters (lmforge.models.lora.HEADS) -> their Hugging Face names."""
     rows = adapter_for(cfg.family).mapping(cfg) if cfg.num_labels else []
     return {ours: theirs for ours, theirs, _ in rows if ours.split(".")[0] in HEADS}
@@ -189,7 +184,7 @@ def write_peft_adapter(adapters: dict[str, dict], cfg: ModelConfig, rank: int, a
     tensors, modules, conv1d = peft_tensors({m: ab for m, ab in adapters.items() if m not in on_moe}, cfg)
     moe_tensors, params = moe_peft_tensors(on_moe, cfg)
     tensors.update(moe_tensors)
-    head_names = _head_names(cfg)
+    head_names = hf_head_names(cfg)
     tensors.update({PREFIX + head_names[name]: t.contiguous() for name, t in (heads or {}).items()})
     saved = sorted({head_names[name].rpartition(".")[0] for name in heads or {}}) or None
     other = {name: r for name, r in params.items() if r != rank}  # keeping alpha / r: the scaling trained with
@@ -216,7 +211,7 @@ def write_adapter_folder(state: dict[str, torch.Tensor], cfg: ModelConfig, lora:
     from lmforge.models.io import copy_licenses, copy_side_files
 
     base, adapters = split_state(state)
-    heads = {name: base[name] for name in _head_names(cfg)}
+    heads = {name: base[name] for name in hf_head_names(cfg)}
     with atomic_dir(out, overwrite=True) as tmp:
         write_peft_adapter(adapters, cfg, lora.rank, lora.alpha, lora.dropout, tmp, base_model, heads)
         if side_files_from is not None:
@@ -242,205 +237,3 @@ def peft_base(base: str | Path | None) -> str | None:
     log.warning("the adapter's base_model_name_or_path, %s, is not a Hugging Face folder: load it with "
                 "PeftModel.from_pretrained(base, ADAPTER) over an export of it (lmforge export-hf)", path)
     return str(path)
-
-
-def read_peft_config(folder: Path, classifier: bool = False) -> dict:
-    """adapter_config.json of a LoRA adapter lmforge can load; `classifier`: into a classification model, whose
-    head the adapter may hold whole (modules_to_save: score or classifier)."""
-    path = Path(folder) / CONFIG
-    if not path.is_file():
-        raise UserError(f"no {CONFIG} in '{folder}': point --lora at a PEFT LoRA adapter folder")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"'{path}' is not valid JSON ({e})") from None
-    if config.get("peft_type") != "LORA":
-        raise UserError(f"'{path}' is a {config.get('peft_type')} adapter: lmforge loads LoRA adapters")
-    for key, fine in (("use_dora", False), ("bias", "none")):
-        if config.get(key, fine) != fine:
-            raise UserError(f"'{path}' has {key}={config[key]!r}: lmforge's LoRA supports {key}={fine!r} only")
-    for key in ("modules_to_save", "layers_to_transform"):
-        if config.get(key) and not (key == "modules_to_save" and classifier and set(config[key]) <= set(HEADS)):
-            raise UserError(f"'{path}' sets {key}: lmforge's LoRA adapts the same modules in every layer and trains "
-                            "no whole module")
-    return config
-
-
-def _scaling(config: dict, keys: tuple[str, ...], rank: int) -> float:
-    """The scaling PEFT gives the module or parameter named by the first of `keys` that a pattern matches (its
-    alpha_pattern, as peft.utils.other.get_pattern_key matches them), for its (stored) rank."""
-    alpha = config["lora_alpha"]
-    for key in keys:
-        found = [v for p, v in (config.get("alpha_pattern") or {}).items() if re.match(rf"(.*\.)?({p})$", key)]
-        if found:
-            alpha = found[0]
-            break
-    return alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
-
-
-def _targeted_parameter(config: dict, key: str) -> bool:
-    """Whether PEFT's target_parameters take the parameter `key` (its rule: the name, or a dotted suffix of it)."""
-    return any(key == t or key.endswith(f".{t}") for t in config.get("target_parameters") or ())
-
-
-def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
-    """Wrap `model` (an lmforge decoder, not yet adapted) with the PEFT adapter in `folder`: afterwards the model
-    computes what PeftModel.from_pretrained(base, folder) does. Returns the number of adapted modules."""
-    folder = Path(folder)
-    cfg: ModelConfig = model.config
-    config = read_peft_config(folder, classifier=bool(cfg.num_labels))
-    weights = folder / WEIGHTS
-    if not weights.is_file():
-        raise UserError(f"no {WEIGHTS} in '{folder}'")
-    with open_safetensors(weights) as f:
-        stored = {k.removeprefix(PREFIX).replace(".default.", "."): f.get_tensor(k) for k in f.keys()}
-    used: set[str] = set()
-
-    def get(name: str, which: str) -> torch.Tensor | None:
-        key = f"{name}.lora_{which}.weight"
-        if key in stored:
-            used.add(key)
-            return stored[key].float()
-        return None
-
-    def scaled(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-        return a, b, _scaling(config, (name, f"{name}.weight"), a.shape[0])
-
-    count = 0
-    for module, (names, kind) in _rows(cfg).items():
-        if module.split(".", 2)[-1] in ("mlp.router", "mlp.experts.gate_up", "mlp.experts.down"):
-            continue  # a mixture of experts' (below)
-        if kind in (PLAIN, CONV1D):
-            a = get(names, "A")
-            if a is None:
-                continue
-            part = _PART_OF.get(module.split(".", 2)[-1])
-            if part is None:
-                raise UserError(f"'{folder}' adapts {names}, which lmforge's LoRA does not wrap (it adapts "
-                                "q, k, v, o, gate, up, down, the router and the experts)")
-            parts = {part: scaled(names, a, get(names, "B"))}
-        elif kind in (QKV_GROUPED, QKV_STACKED):
-            a = get(names, "A")
-            if a is None:
-                continue
-            b = get(names, "B")
-            if kind == QKV_STACKED:
-                sizes = qkv_rows(cfg)
-                b = fuse_parts(dict(zip(QKV, (x.t() for x in b.split([sizes[p] for p in QKV])))), cfg).t()
-            parts = {"qkv": scaled(names, a, permute_rotary(b, cfg))}
-        elif kind == QKV_SEPARATE:
-            found = {p: (n, get(n, "A"), get(n, "B")) for n, p in zip(names, QKV)}
-            found = {p: scaled(n, a, b) for p, (n, a, b) in found.items() if a is not None}
-            if not found:
-                continue
-            total = sum(a.shape[0] for a, _, _ in found.values())
-            blocks, at = {}, 0
-            for p, (a, b, _) in found.items():
-                blocks[p] = torch.zeros(b.shape[0], total).index_copy_(1, torch.arange(at, at + a.shape[0]), b).t()
-                at += a.shape[0]
-            b_full = permute_rotary(fuse_parts(blocks, cfg).t(), cfg)
-            split, at, parts = split_parts(b_full.t(), cfg), 0, {}
-            for p, (a, _, s) in found.items():
-                parts[p] = (a, split[p].t()[:, at : at + a.shape[0]], s)
-                at += a.shape[0]
-        else:
-            continue
-        _wrap(model, module, parts, cfg)
-        count += 1
-    count += _load_moe(model, config, get, scaled)
-    params = dict(model.named_parameters())
-    for ours, theirs in _head_names(cfg).items():  # a classifier's head, saved whole
-        if theirs in stored:
-            with torch.no_grad():
-                params[ours].copy_(stored[theirs])
-            used.add(theirs)
-    left = sorted(set(stored) - used)
-    if left:
-        per_expert = next((k for k in left if re.search(r"\.experts\.\d+\.", k)), None)
-        if per_expert is not None:
-            raise UserError(f"'{folder}' holds per-expert LoRA tensors ('{per_expert}': transformers 4's layout): "
-                            "load it with PEFT on transformers 5 and save it again (PEFT converts it to the stacked "
-                            "experts' target_parameters), then point lmforge at that")
-        raise UserError(f"'{folder}' holds {len(left)} tensor(s) this {cfg.family} model has no place for, first "
-                        f"'{left[0]}': is it an adapter for another model?")
-    if not count:
-        raise UserError(f"'{folder}' adapts no module of this {cfg.family} model")
-    log.info("loaded PEFT adapter %s: rank %d on %d modules", folder, int(config["r"]), count)
-    return count
-
-
-def _load_moe(model: nn.Module, config: dict, get, scaled) -> int:
-    """The router and stacked-expert adapters of a mixture of experts (the module docstring's form); how many
-    modules were adapted."""
-    cfg: ModelConfig = model.config
-    count = 0
-    for layer in (i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)):
-        block = MOE_BLOCK.format(layer)
-        a = get(f"{block}.gate", "A")
-        if a is not None:
-            _wrap(model, f"layers.{layer}.mlp.router", {"router": scaled(f"{block}.gate", a, get(f"{block}.gate",
-                                                                                                 "B"))}, cfg)
-            count += 1
-        targeted = [w for w in EXPERT_WEIGHTS if _targeted_parameter(config, f"{block}.experts.{PEFT_EXPERT[w]}")]
-        factors = {}
-        for i, w in enumerate(targeted):
-            name = f"{block}.experts" + ".base_layer" * (len(targeted) - 1 - i)
-            a, b = get(name, "A"), get(name, "B")
-            if a is not None:
-                factors[w] = (a, b, f"{block}.experts.{PEFT_EXPERT[w]}")
-        if factors:
-            _wrap_experts(model, f"layers.{layer}.mlp.experts", factors, config)
-            count += 1
-    return count
-
-
-def _wrap_experts(model: nn.Module, module: str, factors: dict[str, tuple], config: dict) -> None:
-    parent_name, _, attr = module.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    base = getattr(parent, attr)
-    experts = base.gate_up.shape[0]
-    ranks, alphas, stacked = {}, {}, {}
-    for w, (a, b, key) in factors.items():
-        if a.shape[0] % experts or b.shape[1] != a.shape[0]:
-            raise UserError(f"the adapter's {key} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: not a "
-                            f"PEFT adapter of {experts} stacked experts (lora_A (rank x {experts}, in))")
-        stacked[w] = from_peft(a, b, experts)
-        ranks[w] = stacked[w][0].shape[1]
-        alphas[w] = _scaling(config, (key,), ranks[w]) * ranks[w]
-    wrapped = LoRAExperts(base, ranks, alphas)
-    with torch.no_grad():
-        for w, (a, b) in stacked.items():
-            if a.shape != wrapped.lora_A[w].shape or b.numel() != wrapped.lora_B[w].numel():
-                raise UserError(f"the adapter's experts ({PEFT_EXPERT[w]}) have factors {tuple(a.shape)} / "
-                                f"{tuple(b.shape)}, the model expects {tuple(wrapped.lora_A[w].shape)} / "
-                                f"{tuple(wrapped.lora_B[w].shape)}")
-            wrapped.lora_A[w].copy_(a)
-            wrapped.lora_B[w].copy_(b.reshape(wrapped.lora_B[w].shape))
-    wrapped.to(base.gate_up.device)
-    wrapped.train(base.training)
-    setattr(parent, attr, wrapped)
-
-
-def _wrap(model: nn.Module, module: str, parts: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
-          cfg: ModelConfig) -> None:
-    """Wrap `module` with adapters {part: (A, B, scaling)}: one rank for all parts (their A's rows), one scaling
-    (a part scaled otherwise has it folded into its B)."""
-    parent_name, _, attr = module.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    base = getattr(parent, attr)
-    ranks = {a.shape[0] for a, _, _ in parts.values()}
-    if len(ranks) > 1:
-        raise UserError(f"the adapter gives the parts of {module} ({', '.join(parts)}) different ranks "
-                        f"{sorted(ranks)}: lmforge's LoRA takes one rank per module")
-    rank, scaling = ranks.pop(), next(iter(parts.values()))[2]
-    wrapped = LoRALinear(base, list(parts), rank, scaling * rank, 0.0, cfg)
-    with torch.no_grad():
-        for p, (a, b, s) in parts.items():
-            if a.shape != wrapped.lora_A[p].shape or b.shape != wrapped.lora_B[p].shape:
-                raise UserError(f"the adapter's {module} ({p}) has shapes {tuple(a.shape)} / {tuple(b.shape)}, the "
-                                f"model expects {tuple(wrapped.lora_A[p].shape)} / {tuple(wrapped.lora_B[p].shape)}")
-            wrapped.lora_A[p].copy_(a)
-            wrapped.lora_B[p].copy_(b * (s / scaling))
-    wrapped.to(base.weight.device)
-    wrapped.train(base.training)
-    setattr(parent, attr, wrapped)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.models import load_pretrained
-from lmforge.models.peft import load_peft_adapter
+from lmforge.models.peft_read import load_peft_adapter
 from lmforge.train.config import load_run_config
 from lmforge.train.trainer import Trainer
 from tests.conftest import needs_torch

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lmforge.models import load_pretrained
-from lmforge.models.peft import load_peft_adapter
+from lmforge.models.peft_read import load_peft_adapter
 from lmforge.train.trainer import Trainer
 from tests.parallel.launch import torchrun
 from tests.train.test_lora import TP_FINETUNE, _curve, _logits, lora_args, lora_config
