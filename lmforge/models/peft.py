@@ -40,15 +40,7 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for
 from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
-from lmforge.models.lora import (
-    HEADS,
-    QKV,
-    TARGETS,
-    LoRAConfig,
-    fuse_parts,
-    split_parts,
-    split_state,
-)
+from lmforge.models.lora import HEADS, QKV, TARGETS, LoRAConfig, fuse_parts, split_parts, split_state
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
 from lmforge.models.lora_experts import to_peft
 
@@ -190,8 +182,7 @@ def write_peft_adapter(adapters: dict[str, dict], cfg: ModelConfig, rank: int, a
     other = {name: r for name, r in params.items() if r != rank}  # keeping alpha / r: the scaling trained with
     config = {
         "peft_type": "LORA", "task_type": "SEQ_CLS" if saved else "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": rank,
-        "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_names(modules, cfg),
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_names(modules, cfg),
         **({"target_parameters": sorted(params)} if params else {}),
         "bias": "none", "fan_in_fan_out": conv1d, "use_rslora": False, "use_dora": False,
         "modules_to_save": saved, "init_lora_weights": True, "inference_mode": True, "rank_pattern": other,

@@ -43,7 +43,7 @@ def read_peft_config(folder: Path, classifier: bool = False) -> dict:
         raise UserError(f"'{path}' is a sequence classifier's adapter (it saves its head, {', '.join(saved)}, whole): "
                         "it loads into a classifier of its base, not into a language model to generate or serve")
     for key in ("modules_to_save", "layers_to_transform"):
-        if config.get(key) and not (key == "modules_to_save" and classifier and set(config[key]) <= set(HEADS)):
+        if config.get(key) and not (key == "modules_to_save" and set(saved) <= set(HEADS)):  # a classifier's head
             raise UserError(f"'{path}' sets {key}: lmforge's LoRA adapts the same modules in every layer and trains "
                             "no whole module but a classifier's head")
     return config
