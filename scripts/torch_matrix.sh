@@ -4,7 +4,7 @@
 # made once: PyPI's torch (a CUDA build, ~5 GB with its libraries; it runs on the CPU) and this checkout installed
 # editable with its test extras. Then pytest runs there with the arguments after --, the fast lane by default.
 #
-#   bash scripts/torch_matrix.sh                         # 2.6.0 and 2.11.0, pytest -m "not slow"
+#   bash scripts/torch_matrix.sh                         # 2.6.0 and 2.11.0, pytest -m "not slow" -n 2
 #   bash scripts/torch_matrix.sh 2.11.0 -- -m slow -x    # one release, other pytest arguments
 #   PYTHON=python3.12 bash scripts/torch_matrix.sh 2.11.0
 #
@@ -15,7 +15,8 @@ versions="2.6.0,2.11.0"
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then versions=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
 args=("$@")
-[ ${#args[@]} -eq 0 ] && args=(-m "not slow")
+defaulted=0
+[ ${#args[@]} -eq 0 ] && args=(-m "not slow") && defaulted=1
 python=${PYTHON:-python3}
 root=${LMFORGE_VENVS:-/tmp/lmforge-torch}
 status=0
@@ -37,8 +38,12 @@ for v in ${versions//,/ }; do
         # breaks transformers' import (torch.utils._pytree.register_constant is 2.7+); those tests skip without it.
         case $v in 2.[6-9].* | 2.10.*) "$venv/bin/pip" uninstall -q -y torchao ;; esac
     fi
-    echo "== torch $v: pytest ${args[*]}"
-    if ! CI=true PATH="$venv/bin:$PATH" "$venv/bin/python" -m pytest -q -p no:cacheprovider "${args[@]}"; then
+    run=("${args[@]}")
+    # two workers, as the README's command, where the venv has pytest-xdist (venvs made before it joined the extra
+    # do not)
+    if [ $defaulted -eq 1 ] && "$venv/bin/python" -c "import xdist" 2>/dev/null; then run+=(-n 2 --dist loadscope); fi
+    echo "== torch $v: pytest ${run[*]}"
+    if ! CI=true PATH="$venv/bin:$PATH" "$venv/bin/python" -m pytest -q -p no:cacheprovider "${run[@]}"; then
         status=1
     fi
 done
