@@ -315,9 +315,12 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     adapted = sorted({p for parts in targets.values() for p in parts})
     adapted += [f"experts.{w} (rank {r})" for w, r in next(iter(experts.values()), {}).items()]
     adapted += [f"{name} (whole)" for name in HEADS if model.config.num_labels and getattr(model, name, None)]
-    log.info("LoRA rank %d alpha %g on %s (%d modules wrapped, all blocks together; a fused q/k/v or gate/up one "
-             "counted once): %d trainable parameters of %d (%.2f%%)", lora.rank,
-             lora.alpha, ",".join(adapted), len(targets) + len(experts), trainable, total, 100 * trainable / total)
+    from lmforge.models.peft import peft_module_count  # (it imports this module)
+
+    blocks = len({f".{name}".split(".layers.")[1].split(".")[0] for name in (*targets, *experts)})
+    log.info("LoRA rank %d alpha %g on %s in %d block%s (%d modules as PEFT counts them): %d trainable parameters "
+             "of %d (%.2f%%)", lora.rank, lora.alpha, ",".join(adapted), blocks, "s" * (blocks != 1),
+             peft_module_count(targets, experts, model.config), trainable, total, 100 * trainable / total)
     return trainable
 
 

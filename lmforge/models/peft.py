@@ -23,7 +23,10 @@ block_sparse_moe.experts.E.w1):
                                                      experts' (its transformers-4 conversion), so they are named as
                                                      parameters (a 2-D ParamWrapper computes what lora.Linear does)
 
-A weight whose rank is not `r` (gate_up at 2r where gate and up were targeted) gets rank_pattern and alpha_pattern
+Phi-3 fuses gate and up into one gate_up_proj (and q, k, v into qkv_proj, rows in that order), where lmforge adapts
+gate and up apart: both adapted, its adapter stacks their A's (rank 2r) over a block-diagonal B, exactly their two
+updates; read back, each half keeps the rank columns its rows use (r again). A weight whose rank is not `r` (that
+gate_up_proj, the experts' gate_up at 2r where gate and up were targeted) gets rank_pattern and alpha_pattern
 entries, as PEFT writes them; reading an adapter, both are honoured.
 """
 
@@ -39,7 +42,17 @@ from safetensors.torch import save_file
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for
-from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
+from lmforge.models.hf.base import (
+    CONV1D,
+    FIRST_HALF,
+    PLAIN,
+    QKV_GROUPED,
+    QKV_ROWS,
+    QKV_SEPARATE,
+    QKV_STACKED,
+    SECOND_HALF,
+    permute_rotary,
+)
 from lmforge.models.lora import HEADS, QKV, TARGETS, LoRAConfig, fuse_parts, split_parts, split_state
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
 from lmforge.models.lora_experts import to_peft
@@ -85,24 +98,29 @@ def _blocks(adapter: dict, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor
     return a, adapter["B"][parts[0]].float(), cols
 
 
-def peft_tensors(adapters: dict[str, dict], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], list[str], bool]:
+def peft_tensors(adapters: dict[str, dict], cfg: ModelConfig,
+                 ) -> tuple[dict[str, torch.Tensor], list[str], bool, dict[str, int]]:
     """lmforge adapters ({module: {"A": {part: A}, "B": {part: B}}}) -> (PEFT's tensors, the Hugging Face modules
-    adapted, whether any is a Conv1D)."""
+    adapted, whether any is a Conv1D, {Hugging Face module: its rank}: A's rows)."""
     rows = hf_modules(cfg)
     tensors, modules, conv1d = {}, [], False
+    halves: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # Phi-3's gate_up_proj: gate's, up's
     for module in sorted(adapters, key=_layer_order):
         names, kind = rows[module]
         a, b, cols = _blocks(adapters[module], cfg)
         if kind in (PLAIN, CONV1D):
             out = [(names, a, b)]
             conv1d |= kind == CONV1D
-        elif kind in (QKV_GROUPED, QKV_STACKED, QKV_SEPARATE):
+        elif kind in (FIRST_HALF, SECOND_HALF):
+            halves.setdefault(names, {})[kind] = (a, b)
+            continue
+        elif kind in (QKV_GROUPED, QKV_STACKED, QKV_ROWS, QKV_SEPARATE):
             b = permute_rotary(b, cfg, inverse=True)
             if kind == QKV_GROUPED:
                 out = [(names, a, b)]
-            elif kind == QKV_STACKED:
+            elif kind in (QKV_STACKED, QKV_ROWS):  # one tensor, q's rows then k's then v's
                 out = [(names, a, torch.cat([t.t() for t in split_parts(b.t(), cfg).values()]))]
-                conv1d = True
+                conv1d |= kind == QKV_STACKED
             else:
                 split = split_parts(b.t(), cfg)
                 out = [(name, a[cols[p]], split[p].t()[:, cols[p]]) for name, p in zip(names, QKV) if p in cols]
@@ -112,7 +130,42 @@ def peft_tensors(adapters: dict[str, dict], cfg: ModelConfig) -> tuple[dict[str,
             tensors[f"{PREFIX}{name}.lora_A.weight"] = a_.contiguous()
             tensors[f"{PREFIX}{name}.lora_B.weight"] = b_.contiguous()
             modules.append(name)
-    return tensors, modules, conv1d
+    for name, (a, b) in ((name, _stacked_halves(found, cfg)) for name, found in halves.items()):
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = b.contiguous()
+        modules.append(name)
+    modules.sort(key=_layer_order)
+    ranks = {name: tensors[f"{PREFIX}{name}.lora_A.weight"].shape[0] for name in modules}
+    return tensors, modules, conv1d, ranks
+
+
+def _stacked_halves(found: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter on a Hugging Face tensor holding two lmforge weights' rows (Phi-3's gate_up_proj: gate's, then
+    up's) from the adapters of either or both: with both, A stacks theirs (rank r + r) and B is block-diagonal, so
+    B A is gate's update over up's, exactly; a half without an adapter gets zero rows of B."""
+    rows = cfg.intermediate_size
+    a = torch.cat([found[k][0] for k in (FIRST_HALF, SECOND_HALF) if k in found])
+    b = a.new_zeros(2 * rows, a.shape[0])
+    col = 0
+    for i, kind in enumerate((FIRST_HALF, SECOND_HALF)):
+        if kind in found:
+            part = found[kind][1]
+            b[i * rows:(i + 1) * rows, col:col + part.shape[1]] = part
+            col += part.shape[1]
+    return a, b
+
+
+def peft_module_count(targets: dict[str, list[str]], experts: dict[str, dict[str, int]], cfg: ModelConfig) -> int:
+    """How many modules (and target parameters) PEFT adapts for these lmforge targets (lmforge.models.lora's
+    target_modules): Llama's q, k and v three where lmforge fuses them into one projection, Phi-3's gate and up one
+    where Hugging Face fuses them."""
+    rows = hf_modules(cfg)
+    names = set()
+    for module, parts in targets.items():
+        theirs, kind = rows[module]
+        names.update([n for n, p in zip(theirs, QKV) if p in parts] if kind == QKV_SEPARATE else [theirs])
+    return len(names) + sum(len(ranks) for ranks in experts.values())
 
 
 def _layer_order(module: str) -> tuple:
@@ -173,13 +226,14 @@ def write_peft_adapter(adapters: dict[str, dict], cfg: ModelConfig, rank: int, a
     """Write PEFT's adapter folder into `out_dir` (an existing, e.g. atomic temporary, folder). `heads`: a
     classifier's trained head (score.weight ...), saved whole as PEFT's SEQ_CLS task saves its modules_to_save."""
     on_moe = {m: ab for m, ab in adapters.items() if _on_moe_mlp(m, cfg)}
-    tensors, modules, conv1d = peft_tensors({m: ab for m, ab in adapters.items() if m not in on_moe}, cfg)
+    tensors, modules, conv1d, ranks = peft_tensors({m: ab for m, ab in adapters.items() if m not in on_moe}, cfg)
     moe_tensors, params = moe_peft_tensors(on_moe, cfg)
     tensors.update(moe_tensors)
     head_names = hf_head_names(cfg)
     tensors.update({PREFIX + head_names[name]: t.contiguous() for name, t in (heads or {}).items()})
     saved = sorted({head_names[name].rpartition(".")[0] for name in heads or {}}) or None
-    other = {name: r for name, r in params.items() if r != rank}  # keeping alpha / r: the scaling trained with
+    # keeping alpha / r: the scaling trained with
+    other = {name: r for name, r in {**ranks, **params}.items() if r != rank}
     config = {
         "peft_type": "LORA", "task_type": "SEQ_CLS" if saved else "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_names(modules, cfg),

@@ -14,7 +14,17 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.fsutil import open_safetensors
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf.base import CONV1D, PLAIN, QKV_GROUPED, QKV_SEPARATE, QKV_STACKED, permute_rotary
+from lmforge.models.hf.base import (
+    CONV1D,
+    FIRST_HALF,
+    PLAIN,
+    QKV_GROUPED,
+    QKV_ROWS,
+    QKV_SEPARATE,
+    QKV_STACKED,
+    SECOND_HALF,
+    permute_rotary,
+)
 from lmforge.models.lora import HEADS, QKV, LoRALinear, fuse_parts, qkv_rows, split_parts
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
 from lmforge.models.lora_experts import LoRAExperts, from_peft
@@ -102,12 +112,20 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
                 raise UserError(f"'{folder}' adapts {names}, which lmforge's LoRA does not wrap (it adapts "
                                 "q, k, v, o, gate, up, down, the router and the experts)")
             parts = {part: scaled(names, a, get(names, "B"))}
-        elif kind in (QKV_GROUPED, QKV_STACKED):
+        elif kind in (FIRST_HALF, SECOND_HALF):  # Phi-3's gate_up_proj: gate's rows, then up's
+            a = get(names, "A")
+            if a is None:
+                continue
+            rows = cfg.intermediate_size
+            b = get(names, "B")
+            a, b, s = scaled(names, a, b[:rows] if kind == FIRST_HALF else b[rows:])
+            parts = {PART_OF[module.split(".", 2)[-1]]: (*_used_rank(a, b), s)}
+        elif kind in (QKV_GROUPED, QKV_STACKED, QKV_ROWS):
             a = get(names, "A")
             if a is None:
                 continue
             b = get(names, "B")
-            if kind == QKV_STACKED:
+            if kind in (QKV_STACKED, QKV_ROWS):
                 sizes = qkv_rows(cfg)
                 b = fuse_parts(dict(zip(QKV, (x.t() for x in b.split([sizes[p] for p in QKV])))), cfg).t()
             parts = {"qkv": scaled(names, a, permute_rotary(b, cfg))}
@@ -148,8 +166,16 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
                         f"'{left[0]}': is it an adapter for another model?")
     if not count:
         raise UserError(f"'{folder}' adapts no module of this {cfg.family} model")
-    log.info("loaded PEFT adapter %s: rank %d on %d modules", folder, int(config["r"]), count)
+    adapted = len({key.split(".lora_A.")[0] for key in used if ".lora_A." in key})  # as PEFT counts them
+    log.info("loaded PEFT adapter %s: rank %d on %d modules", folder, int(config["r"]), adapted)
     return count
+
+
+def _used_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B less the rank's columns where B is zero (one half of a block-diagonal adapter, as lmforge writes
+    Phi-3's gate_up_proj): the same update B A at the rank that computes it."""
+    used = b.ne(0).any(0)
+    return (a[used], b[:, used]) if used.any() else (a, b)
 
 
 def _load_moe(model: nn.Module, config: dict, get, scaled) -> int:

@@ -20,8 +20,9 @@ from lmforge.models.peft_read import load_peft_adapter
 tf = pytest.importorskip("transformers")
 TOL = 1e-5
 # Each decoder family once, with the q/k/v layouts Hugging Face has: separate (Llama, GQA too; GPT-J), grouped
-# (GPT-NeoX, partial rotary) and stacked Conv1D (GPT-2).
-FAMILIES = ["llama_gqa", "gpt_neox", "gpt2", "gptj"]
+# (GPT-NeoX, partial rotary), stacked Conv1D (GPT-2) and fused rows (Phi-3, whose gate_up_proj also holds two of
+# lmforge's projections).
+FAMILIES = ["llama_gqa", "gpt_neox", "gpt2", "gptj", "phi3"]
 
 
 def _ids():
@@ -91,6 +92,33 @@ def test_adapters_match_peft_and_merge_exactly(family, hf_dirs, tmp_path):
     export_hf(tmp_path / "merged", tmp_path / "hf")
     hf_merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert (_logits(hf_merged, ids) - adapted).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family, targets", [("llama_gqa", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+                                              ("phi3", ["qkv_proj", "gate_up_proj", "down_proj"])])
+def test_an_adapter_made_by_peft_loads_as_peft_computes_it(family, targets, hf_dirs, tmp_path):
+    """The reading direction against PEFT itself: PEFT's adapter (one A shared by Phi-3's fused gate and up rows,
+    where lmforge adapts each apart) gives lmforge the logits PEFT computes."""
+    peft = pytest.importorskip("peft")
+    ids = _ids()
+    theirs = peft.get_peft_model(tf.AutoModelForCausalLM.from_pretrained(hf_dirs[family]),
+                                 peft.LoraConfig(r=4, lora_alpha=12, target_modules=targets, init_lora_weights=False))
+    theirs.eval().save_pretrained(tmp_path)
+    ours = load_pretrained(hf_dirs[family])
+    base = _logits(ours, ids)
+    load_peft_adapter(ours, tmp_path)
+    expected = _logits(theirs, ids)
+    assert (expected - base).abs().max() > 1e-3
+    assert (_logits(ours, ids) - expected).abs().max() <= TOL
+
+
+def test_lora_counts_modules_as_peft_does(hf_dirs, caplog):
+    with caplog.at_level("INFO", logger="lmforge.models.lora"):
+        apply_lora(load_pretrained(hf_dirs["llama_gqa"]), LoRAConfig(rank=2, targets="all-linear"), seed=0)
+        apply_lora(load_pretrained(hf_dirs["phi3"]), LoRAConfig(rank=2, targets="all-linear"), seed=0)
+    llama, phi3 = [r.getMessage() for r in caplog.records if "LoRA rank" in r.getMessage()]
+    assert "in 2 blocks (14 modules as PEFT counts them)" in llama  # q, k, v, o, gate, up, down in each
+    assert "in 2 blocks (8 modules as PEFT counts them)" in phi3  # qkv_proj, o_proj, gate_up_proj, down_proj
 
 
 def test_targets_and_trainable_parameters(hf_dirs):
