@@ -10,7 +10,8 @@ FINETUNE_KEYS = """\
 data.task            sft (chat / instruction data), dpo (preference pairs), classification, mlm
 data.train_file      JSON lines (or a JSON list); data.valid_file the same, for validation
                        sft: {"messages": [{"role", "content"}, ...]}, {"instruction", "input", "output"}
-                            (Alpaca) or {"prompt", "completion"}
+                            (Alpaca), {"instruction", "instances": [{"input", "output"}, ...]} (seed tasks:
+                            one example per instance) or {"prompt", "completion"}
                        dpo: {"prompt", "chosen", "rejected"} (strings or chat message lists), optionally
                             "ref_chosen_logps" and "ref_rejected_logps"
                        classification: TSV/CSV/JSONL of text and label

@@ -269,11 +269,12 @@ class SFTDataset(Dataset):
         templated = chat_template is not None
         records = list(read_json_records(path))
         examples = [ex for where, rec in records for ex in record_examples(rec, where, prompt, templated)]
+        self.kind = None  # the records' kind whose built-in template the export carries (none: chat_template's)
         if chat_template is not None:
             self.export_template = chat_template.source
         else:  # the built-in that serves the most common kind as it was trained (chats first)
             kinds = collections.Counter(kind for kind, _, _ in examples)
-            kind = next(k for k in ("chat", "alpaca", "plain") if k in kinds)
+            kind = self.kind = next(k for k in ("chat", "alpaca", "plain") if k in kinds)
             self.export_template = builtin_template(KIND_EXPORT[kind], tok.add_bos_token, prompt_template)
             if len(kinds) > 1:
                 logger.warning("%s mixes record kinds (%s), each rendered by its own built-in template; the export "

@@ -120,6 +120,40 @@ def test_finetune_refuses_a_pretraining_config(tiny_corpus, tmp_path, capsys):
                                         "lora.targets", "dpo.beta", "data.truncate", "hf-adapter"))
 
 
+@pytest.mark.parametrize("task", ["sft", "dpo", "classification"])
+def test_a_missing_validation_file_stops_the_run_before_the_training_file_is_read(task, tiny_gpt2, tmp_path, capsys):
+    train = tmp_path / "train.jsonl"
+    train.write_text("{not json\n")  # read first, this would be the error
+    run = tmp_path / "run"
+    args = ["finetune", "/dev/null", *_base(run, f"model.init_from={tiny_gpt2}", f"data.task={task}",
+                                            "data.packing=false", "data.seq_length=64", f"data.train_file={train}",
+                                            f"data.valid_file={tmp_path / 'nope.jsonl'}")]
+    assert main(args) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: data.valid_file: data file {tmp_path / 'nope.jsonl'} not found: check the path")
+    assert main(args[:-2] + ["data.train_file=null"]) == 1
+    assert capsys.readouterr().err.strip().endswith("data.train_file is not set: give the file to fine-tune on")
+    assert not run.exists()
+
+
+def test_a_validation_file_of_another_record_kind_is_named(tiny_gpt2, tmp_path, caplog):
+    from lmforge.tokenizers import load_tokenizer
+    from lmforge.train.tasks.sft import SFT
+
+    train, valid = tmp_path / "train.jsonl", tmp_path / "valid.jsonl"
+    train.write_text(json.dumps({"instruction": "Add 2 and 3.", "output": "5"}) + "\n")
+    valid.write_text(json.dumps({"messages": [{"role": "user", "content": "Add 1 and 1."},
+                                              {"role": "assistant", "content": "2"}]}) + "\n")
+    overrides = _base(tmp_path / "run", f"model.init_from={tiny_gpt2}", "data.task=sft", "data.seq_length=64",
+                      f"data.train_file={train}")
+    for valid_file, warned in ((valid, True), (train, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lmforge.train.tasks.sft"):
+            SFT().build_data(load_run_config(None, [*overrides, f"data.valid_file={valid_file}"]),
+                             load_tokenizer(tiny_gpt2))
+        assert ("data.valid_file holds chat records, data.train_file alpaca ones" in caplog.text) is warned
+
+
 @pytest.mark.slow
 def test_fine_tuning_batches_are_padded_to_a_few_shapes(tiny_gpt2, shared_data, tmp_path):
     """Classification batches: the longest example rounded up to data.pad_to_multiple_of (64 under

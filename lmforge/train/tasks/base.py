@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -187,10 +188,16 @@ class Epochs(Dataset):
         return self.dataset[int(self._perm[i])]
 
 
-def require(path: str | None, key: str) -> str:
-    if not path:
-        raise UserError(f"{key} is not set: give the file to fine-tune on")
-    return path
+def data_files(cfg: RunConfig) -> tuple[str, str | None]:
+    """(data.train_file, data.valid_file), both checked before either is read: a wrong validation path stops the run
+    before the training file is tokenized, not after."""
+    d = cfg.data
+    if not d.train_file:
+        raise UserError("data.train_file is not set: give the file to fine-tune on")
+    for key, path in (("data.train_file", d.train_file), ("data.valid_file", d.valid_file)):
+        if path and not Path(path).is_file():
+            raise UserError(f"{key}: data file {path} not found: check the path")
+    return d.train_file, d.valid_file
 
 
 def total_samples(cfg: RunConfig) -> int:

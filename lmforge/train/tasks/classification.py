@@ -8,7 +8,7 @@ from lmforge.models.decoder import Decoder
 from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX
-from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, logits_loss, require, total_samples, with_padding
+from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, data_files, logits_loss, total_samples, with_padding
 
 
 class Classification(Task):
@@ -18,12 +18,13 @@ class Classification(Task):
         from lmforge.data.classification import ClassificationDataset
 
         d = cfg.data
+        train_file, valid_file = data_files(cfg)
         special = [tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
         prefix, suffix = ([special[0]], [special[1]]) if None not in special else ([], [])
-        train = ClassificationDataset(require(d.train_file, "data.train_file"), tokenizer, d.seq_length,
+        train = ClassificationDataset(train_file, tokenizer, d.seq_length,
                                       prefix_ids=prefix, suffix_ids=suffix)
-        valid = ClassificationDataset(d.valid_file, tokenizer, d.seq_length, label_names=train.label_names,
-                                      prefix_ids=prefix, suffix_ids=suffix) if d.valid_file else None
+        valid = ClassificationDataset(valid_file, tokenizer, d.seq_length, label_names=train.label_names,
+                                      prefix_ids=prefix, suffix_ids=suffix) if valid_file else None
         data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate, train.num_labels,
                         train.label_names)
         return with_padding(data, cfg)

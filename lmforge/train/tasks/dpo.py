@@ -31,8 +31,8 @@ from lmforge.train.tasks.base import (
     Epochs,
     Task,
     TaskData,
+    data_files,
     fused_head_loss,
-    require,
     total_samples,
     with_padding,
 )
@@ -106,6 +106,7 @@ class DPO(Task):
         from lmforge.data.dpo import PreferenceDataset
 
         d = cfg.data
+        train_file, valid_file = data_files(cfg)
         if d.packing:
             raise UserError("data.packing applies to data.task=sft: preference pairs are not packed")
         if cfg.dpo.beta <= 0:
@@ -113,13 +114,13 @@ class DPO(Task):
         self.beta = cfg.dpo.beta
         if not d.assistant_only_loss:
             log.warning("data.assistant_only_loss=false is not used: DPO compares the log-probs of the answers alone")
-        template = run_chat_template(cfg, tokenizer)
+        template = run_chat_template(cfg, tokenizer, log)
 
         def make(path):
             return PreferenceDataset(path, tokenizer, d.seq_length, d.truncate, template)
 
-        train = make(require(d.train_file, "data.train_file"))
-        valid = make(d.valid_file) if d.valid_file else None
+        train = make(train_file)
+        valid = make(valid_file) if valid_file else None
         self.precomputed = train.has_reference and (valid is None or valid.has_reference)
         data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate,
                         chat_template=train.export_template)

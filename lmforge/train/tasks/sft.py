@@ -9,13 +9,14 @@ import torch
 from lmforge.errors import UserError
 from lmforge.train.config import DPOConfig, RunConfig
 from lmforge.train.loss import IGNORE_INDEX
-from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, require, total_samples, with_padding
+from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, data_files, total_samples, with_padding
 
 log = logging.getLogger(__name__)
 
 
-def run_chat_template(cfg: RunConfig, tokenizer):
-    """data.chat_template resolved against the run's tokenizer folder (lmforge.data.sft.resolve_chat_template)."""
+def run_chat_template(cfg: RunConfig, tokenizer, logger: logging.Logger = log):
+    """data.chat_template resolved against the run's tokenizer folder (lmforge.data.sft.resolve_chat_template);
+    what it warns of, said on `logger` (the task's)."""
     from lmforge.data.sft import TRUNCATE, resolve_chat_template
 
     if cfg.data.truncate not in TRUNCATE:
@@ -23,12 +24,12 @@ def run_chat_template(cfg: RunConfig, tokenizer):
     template = resolve_chat_template(cfg.data.chat_template, tokenizer, tokenizer.files[0].parent,
                                      cfg.data.prompt_template)
     if cfg.data.prompt_template is not None and template is not None and cfg.data.chat_template != "alpaca":
-        log.warning("data.prompt_template is not used: every record is rendered with the chat template "
+        logger.warning("data.prompt_template is not used: every record is rendered with the chat template "
                     "data.chat_template=%s resolves to (data.chat_template=alpaca prompts with it)",
                     cfg.data.chat_template)
     if template is not None and template.stop_strings:
         pieces = len(tokenizer.encode(template.stop_strings[0]))
-        log.warning("the chat template's turn marker %s is no token of this tokenizer: it is trained as text (%d "
+        logger.warning("the chat template's turn marker %s is no token of this tokenizer: it is trained as text (%d "
                     "tokens), and generation stops at the text; data.chat_template=lmforge ends answers with eos",
                     template.stop_strings[0], pieces)
     return template
@@ -41,6 +42,7 @@ class SFT(Task):
         from lmforge.data.sft import SFTDataset
 
         d = cfg.data
+        train_file, valid_file = data_files(cfg)
         if cfg.dpo.beta != DPOConfig().beta:
             log.warning("dpo.beta is not used: it sets data.task=dpo's loss, and this run is data.task=%s",
                         cfg.data.task)
@@ -51,8 +53,13 @@ class SFT(Task):
                               prompt_template=d.prompt_template, chat_template=template,
                               assistant_only_loss=d.assistant_only_loss)
 
-        train = make(require(d.train_file, "data.train_file"))
-        valid = make(d.valid_file) if d.valid_file else None
+        train = make(train_file)
+        valid = make(valid_file) if valid_file else None
+        if valid is not None and valid.kind != train.kind:
+            log.warning("data.valid_file holds %s records, data.train_file %s ones: each kind is rendered by its own "
+                        "built-in template, so val_loss scores a format the run does not train (nor export): give both "
+                        "files one kind, or set data.chat_template=NAME to render every record alike",
+                        valid.kind, train.kind)
         data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate,
                         chat_template=train.export_template)
         return with_padding(data, cfg)
