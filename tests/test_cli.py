@@ -253,3 +253,18 @@ def test_pretrain_help_states_the_learning_rate_schedule_the_trainer_follows():
         documented = [lr * n / W if n <= W else min_lr + (lr - min_lr) * f(min(1.0, (n - 1 - W) / (D - W)))
                       for n in range(1, D + 3)]
         assert [lr_at(n - 1, cfg, D) for n in range(1, D + 3)] == pytest.approx(documented)
+
+
+def test_a_mistyped_checkpoint_step_is_answered_with_the_runs_checkpoints(tmp_path, capsys):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in (4, 8):
+        (checkpoints / f"step-{step:08d}").mkdir(parents=True)
+        (checkpoints / f"step-{step:08d}" / "trainer.json").write_text("{}")
+    (checkpoints / ".step-00000012.tmp").mkdir()  # a save cut short: not one to offer
+    missing = checkpoints / "step-00000099"
+    for argv in (["export-hf", str(missing), str(tmp_path / "out")], ["import-hf", str(missing), str(tmp_path / "o")]):
+        assert main(argv) == 1
+        assert capsys.readouterr().err == (f"error: model folder '{missing}' does not exist: {checkpoints} holds 2 "
+                                           "checkpoints, step-00000004, step-00000008: give one of them\n")
+    assert main(["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"error: model folder '{tmp_path / 'nowhere'}' does not exist\n"

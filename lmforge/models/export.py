@@ -20,6 +20,7 @@ import torch
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import export_hf, is_hf_dir, write_hf
+from lmforge.models.io import missing_model_folder
 from lmforge.models.lora import merged_state
 from lmforge.models.peft import peft_base, write_adapter_folder
 from lmforge.models.source import (
@@ -50,7 +51,7 @@ def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | 
     if is_model_dir(source):
         return export_hf(source, out_dir, dtype, overwrite)
     if not source.is_dir():
-        raise UserError(f"model folder '{source}' does not exist")
+        raise missing_model_folder(source)
     from lmforge.models.source import model_inside
 
     what = "a Hugging Face folder already" if is_hf_dir(source) else "not a model folder"

@@ -115,6 +115,21 @@ def is_model_dir(path: Path) -> bool:
     return (path / CONFIG_NAME).is_file()
 
 
+def missing_model_folder(folder: str | Path) -> UserError:
+    """"model folder 'X' does not exist", naming the checkpoints beside it where X looks like one of a run's
+    (RUN/checkpoints/step-N): a mistyped step is corrected from the message."""
+    folder = Path(folder)
+    message = f"model folder '{folder}' does not exist"
+    parent = folder.parent
+    steps = sorted(p.name for p in parent.iterdir() if p.name.startswith("step-") and (p / "trainer.json").is_file()) \
+        if folder.name.startswith("step-") and parent.is_dir() else []
+    if steps:
+        shown = ", ".join(steps[-5:])
+        message += (f": {parent} holds {len(steps)} checkpoint{'s' * (len(steps) > 1)}, "
+                    f"{'the latest ' if len(steps) > 5 else ''}{shown}: give one of them")
+    return UserError(message)
+
+
 def read_config(folder: Path) -> ModelConfig:
     try:
         meta = json.loads((folder / CONFIG_NAME).read_text())

@@ -28,7 +28,7 @@ from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for, hf_tensors, is_hf_dir, read_hf_config
 from lmforge.models.hf.weights import HFWeights
-from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, read_config, read_tensors
+from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, missing_model_folder, read_config, read_tensors
 from lmforge.models.lora import LoRAConfig, apply_lora, is_adapter, merge_lora
 
 # A rotary model's context: no weight depends on it, so a run may extend it (continued pretraining at a longer
@@ -62,7 +62,7 @@ def source_kind(folder: str | Path) -> str:
     if folder.is_file():
         raise UserError(f"'{folder}' is a file: give the model folder that holds it")
     if not folder.is_dir():
-        raise UserError(f"model folder '{folder}' does not exist")
+        raise missing_model_folder(folder)
     if is_checkpoint(folder):
         return "checkpoint"
     if is_model_dir(folder):

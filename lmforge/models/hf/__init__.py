@@ -36,6 +36,7 @@ from lmforge.models.io import (
     copy_licenses,
     copy_side_files,
     is_model_dir,
+    missing_model_folder,
     read_config,
     read_tensors,
     with_special_ids,
@@ -67,7 +68,7 @@ def is_hf_dir(folder: Path) -> bool:
 def read_hf_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not folder.is_dir():
-        raise UserError(f"model folder '{folder}' does not exist")
+        raise missing_model_folder(folder)
     if not path.is_file():
         if (folder / "lmforge.json").is_file():
             raise UserError(f"'{folder}' is an lmforge model folder already (lmforge.json): use it as it is "
