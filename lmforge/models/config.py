@@ -162,6 +162,7 @@ class ModelConfig:
         self._check_family_shapes()
         self._check_layer_types()
         self._check_experts()
+        derived_head_dim = self.head_dim is None
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 fixed = self.family in FIXED_HEAD_DIM
@@ -192,14 +193,25 @@ class ModelConfig:
                 raise UserError(f"rotary_pct must be in (0, 1], got {self.rotary_pct}")
             if self.rotary_dim % 2 or (self.head_dim - self.rotary_dim) % 2:
                 raise UserError(
-                    f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} gives {self.rotary_dim} rotary "
-                    f"dims: both the rotary and the pass-through part must be even: {self._even_rotary()}"
+                    f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} gives {self.rotary_dim} rotary dims: "
+                    f"both the rotary and the pass-through part must be even: {self._even_rotary(derived_head_dim)}"
                 )
 
-    def _even_rotary(self) -> str:
-        """A rotary_pct (or head_dim) whose rotary and pass-through dims are both even."""
-        if self.head_dim % 2:
-            return f"use an even head_dim (now {self.head_dim})"
+    def _even_rotary(self, derived_head_dim: bool) -> str:
+        """A rotary_pct (or head_dim, or the hidden_size that gives it) whose rotary and pass-through dims are both
+        even."""
+        h, n = self.head_dim, self.num_heads
+
+        def fits(d: int) -> bool:
+            rotary = int(d * self.rotary_pct + 1e-6)
+            return d >= 2 and rotary % 2 == 0 and (d - rotary) % 2 == 0
+
+        near = [d for d in (h + 1, h - 1, h + 3, h - 3, h + 5, h - 5) if fits(d)][:2]
+        if h % 2 and derived_head_dim and near:
+            sizes = " or ".join(str(d * n) for d in near)
+            return f"use an even head_dim (now {h} = hidden_size {self.hidden_size} / {n} heads): hidden_size={sizes}"
+        if h % 2 and near:
+            return f"use an even head_dim (now {h}): head_dim={near[0]}"
         dims = max(2, round(self.rotary_dim / 2) * 2)
         return f"use rotary_pct={dims / self.head_dim:g} ({dims} of {self.head_dim} dims rotate)"
 

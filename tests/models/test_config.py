@@ -34,6 +34,12 @@ def test_shape_errors_are_explained():
         ModelConfig(family="llama", vocab_size=10, hidden_size=12, num_layers=1, num_heads=6, num_kv_heads=4)
     with pytest.raises(UserError, match="rotary"):
         ModelConfig(family="gpt_neox", vocab_size=10, hidden_size=16, num_layers=1, num_heads=2, rotary_pct=0.375)
+    # An odd head_dim: the hidden sizes next to the one given that make it even (the first fits, as said).
+    with pytest.raises(UserError, match=r"head_dim \(now 25 = hidden_size 100 / 4 heads\): hidden_size=104 or 96$"):
+        ModelConfig(family="gpt_neox", vocab_size=10, hidden_size=100, num_layers=1, num_heads=4, rotary_pct=0.25)
+    ModelConfig(family="gpt_neox", vocab_size=10, hidden_size=104, num_layers=1, num_heads=4, rotary_pct=0.25)
+    with pytest.raises(UserError, match=r"even head_dim \(now 25\): head_dim=26$"):
+        ModelConfig(family="llama", vocab_size=10, hidden_size=64, num_layers=1, num_heads=4, head_dim=25)
 
 
 def test_missing_required_field():
