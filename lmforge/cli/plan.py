@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,16 @@ def run(args: argparse.Namespace) -> None:
     cfg = load_run_config(args.config, args.overrides)
     par = cfg.parallel
     world = args.world_size or par.tensor * par.pipeline * max(par.expert, 1)
-    plan = plan_run(cfg, world, args.device, memory)
+    # The layout's log lines (mesh, parallelized) would come once per traced rank: the plan below says it once.
+    quiet = [logging.getLogger(name) for name in ("lmforge.parallel.mesh", "lmforge.parallel.compose")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
+    try:
+        plan = plan_run(cfg, world, args.device, memory)
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return

@@ -283,14 +283,16 @@ class ModelSection:
             differ = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in allowed
                       and getattr(self.config, f.name) != getattr(source, f.name)]
             shown = ", ".join(differ[:6]) + (" ..." if len(differ) > 6 else "")
-            log.info("model.init_from '%s' defines the model: model.preset %s and its fields are not used (%s "
-                     "differ)", self.init_from, self.preset, shown)
-            # Fields written out (the recipe's, or typed on the command line) say more than the preset's: name them.
+            # Fields written out (the recipe's, or typed on the command line) say more than the preset's: a warning
+            # names them (and the preset with them), else one line says the preset is not used.
             named = [k for k in self.overrides if k not in allowed and k in differ]
             if named:
-                log.warning("%s not used: model.init_from '%s' defines the model (its %s)",
-                            ", ".join(f"model.{k}={self.overrides[k]}" for k in named), self.init_from,
+                log.warning("%s not used, nor model.preset %s: model.init_from '%s' defines the model (its %s)",
+                            ", ".join(f"model.{k}={self.overrides[k]}" for k in named), self.preset, self.init_from,
                             ", ".join(f"{k}={getattr(source, k)}" for k in named))
+            else:
+                log.info("model.init_from '%s' defines the model: model.preset %s and its fields are not used (%s "
+                         "differ)", self.init_from, self.preset, shown)
         changed = {k: v for k, v in self.overrides.items() if k in allowed}
         learned = [k for k in CONTEXT_OVERRIDES if k in changed and source.position_embedding != "rotary"]
         if learned and any(changed[k] != getattr(source, k) for k in learned):

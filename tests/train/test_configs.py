@@ -131,12 +131,18 @@ def test_a_preset_with_init_from_takes_the_sources_architecture(tmp_path, caplog
         assert cfg.model.resolve() == resolved  # said once, however often resolved (it was three times a run)
     assert resolved == dataclasses.replace(source, dropout=0.1)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and "model.preset tiny-neox and its fields are not used" in lines[0]
-    assert "max_position_embeddings" in lines[0]
-    # A field written out (here typed on the command line) is named, with the source's value that wins.
-    assert lines[1].startswith("model.vocab_size=50304, model.max_position_embeddings=256, model.num_layers=7 not "
-                               "used: model.init_from")
-    assert lines[1].endswith("(its vocab_size=1000, max_position_embeddings=64, num_layers=2)")
+    # The fields written out (the recipe's, one typed on the command line) are named, with the source's values that
+    # win, in one line.
+    assert len(lines) == 1 and caplog.records[0].levelname == "WARNING"
+    assert lines[0].startswith("model.vocab_size=50304, model.max_position_embeddings=256, model.num_layers=7 not "
+                               "used, nor model.preset tiny-neox: model.init_from")
+    assert lines[0].endswith("(its vocab_size=1000, max_position_embeddings=64, num_layers=2)")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmforge.train.config"):  # a preset alone: one line says so
+        load_run_config(None, ["model.preset=tiny-neox", f"model.init_from={tmp_path / 'src'}"]).model.resolve()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "model.preset tiny-neox and its fields are not used" in lines[0]
+    assert caplog.records[0].levelname == "INFO" and "max_position_embeddings" in lines[0]
 
 
 # Shapes no export can hold, reached through a preset's overrides: each fails when the recipe is read, in one line
