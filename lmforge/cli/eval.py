@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer file or folder (default: the model folder's; for a checkpoint, its run's)")
     p.add_argument("--max-length", type=int, default=None,
-                   help="context length in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--output-path", default=None, metavar="FILE", help="write lm-eval's results JSON here")
+                   help="context length in tokens (default and most: the model's max_position_embeddings)")
+    p.add_argument("--output-path", default=None, metavar="FILE",
+                   help="write lm-eval's results JSON here (whole or not at all; missing folders are made)")
     p.set_defaults(func=run)
 
 
@@ -39,27 +40,25 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.eval.harness import require_lm_eval
 
     require_lm_eval()  # before anything heavy: a missing lm-eval is one line, at once
-    from pathlib import Path
-
-    from lmforge.errors import UserError
-    from lmforge.eval.harness import evaluate, load_tasks, results_json, results_table
-    from lmforge.eval.lm import LMForgeLM
-    from lmforge.fsutil import atomic_write
-    from lmforge.models.source import source_kind
+    from lmforge.eval.harness import check_results_path, evaluate, load_tasks, results_table, write_results
+    from lmforge.eval.lm import LMForgeLM, context_length
+    from lmforge.models.source import source_config, source_kind
 
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    output = Path(args.output_path) if args.output_path else None
-    if output is not None and output.is_dir():
-        raise UserError(f"--output-path {output} is a folder: give a file name such as {output / 'results.json'}")
-    source_kind(args.model)  # a wrong model path fails before the tasks' data is read
+    # Everything the user gave is checked before the tasks' data and the model are read: a bad --output-path or
+    # --max-length is one line at once, not a traceback (or a changed score) after the whole evaluation.
+    output = check_results_path(args.output_path) if args.output_path else None
+    if args.max_length is not None:  # the model's config alone (no weights) holds its positions
+        context_length(args.max_length, source_config(args.model).max_position_embeddings, "--max-length")
+    else:
+        source_kind(args.model)  # a wrong model path fails before the tasks' data is read
     tasks = load_tasks(args.tasks.split(","), args.include_path, args.data_dir)
     lm = LMForgeLM(args.model, tokenizer_path=args.tokenizer, batch_size=args.batch_size, device=args.device,
                    dtype=args.dtype, max_length=args.max_length)
     start = time.perf_counter()
     results = evaluate(lm, tasks, num_fewshot=args.num_fewshot, limit=limit)
     log.info("evaluated in %.1f s", time.perf_counter() - start)
+    print(results_table(results))  # before the file: a write that fails late still shows what was measured
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(output, results_json(results))
+        write_results(output, results)
         log.info("wrote %s", output)
-    print(results_table(results))

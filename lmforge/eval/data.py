@@ -25,6 +25,7 @@ from typing import Any
 from lmforge.errors import UserError
 
 DATA_DIR_KEY = "data_dir"  # the metadata key lm-eval hands to custom_dataset
+PACKAGED_TASKS = Path(__file__).parent / "tasks"  # lmforge's own task YAMLs
 
 
 def local_dataset(data_files: dict[str, str | list[str]] | None = None, data_dir: str | None = None,
@@ -39,24 +40,40 @@ def local_dataset(data_files: dict[str, str | list[str]] | None = None, data_dir
     yaml_dir = Path(config_source).parent if config_source and config_source != "inline" else None
     base = Path(data_dir) if data_dir else yaml_dir
     splits = {}
-    for split, files in data_files.items():
+    names = {split: [files] if isinstance(files, str) else list(files) for split, files in data_files.items()}
+    relative = [n for files in names.values() for n in files if not Path(n).expanduser().is_absolute()]
+    for split, files in names.items():
         rows = []
-        for name in [files] if isinstance(files, str) else files:
-            rows += read_rows(_locate(name, base, data_dir, config_source))
+        for name in files:
+            rows += read_rows(_locate(name, base, data_dir, config_source, relative))
         splits[split] = datasets.Dataset.from_list(rows)
     return datasets.DatasetDict(splits)
 
 
-def _locate(name: str, base: Path | None, data_dir: str | None, config_source: str | None) -> Path:
+def _locate(name: str, base: Path | None, data_dir: str | None, config_source: str | None,
+            relative: list[str]) -> Path:
+    """The file `name` of a task's data_files; where it is missing, a UserError saying where it was looked for and
+    how to point the task at it (`relative`: the task's relative data_files, the layout --data-dir must hold)."""
     path = Path(name).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
     if path.is_file():
         return path
+    yaml = Path(config_source) if config_source and config_source != "inline" else None
+    if yaml is not None and yaml.parent.resolve() == PACKAGED_TASKS.resolve():
+        # lmforge's own task: its YAML lives inside the installed package, which is no place for a user's edit.
+        edit = (f"copy {yaml} to a folder of your own, edit its dataset_kwargs.data_files there and pass "
+                "--include-path THAT_FOLDER")
+    elif yaml is not None:
+        edit = f"edit dataset_kwargs.data_files in {yaml}"
+    else:
+        edit = "point the task's dataset_kwargs.data_files at it"
+    if Path(name).expanduser().is_absolute():
+        raise UserError(f"task data file '{name}' not found: {edit}")
     where = f"in --data-dir {data_dir}" if data_dir else "(no --data-dir given)"
-    yaml = f" or edit dataset_kwargs.data_files in {config_source}" if config_source else ""
-    raise UserError(f"task data file '{name}' not found {where}: pass --data-dir DIR with the file at "
-                    f"DIR/{name}{yaml}")
+    layout = " and ".join(dict.fromkeys(relative))
+    raise UserError(f"task data file '{name}' not found {where}: pass --data-dir DIR, the folder holding {layout}, "
+                    f"or {edit}")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

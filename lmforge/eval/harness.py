@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import UserError
+from lmforge.eval.data import PACKAGED_TASKS
 
 log = logging.getLogger(__name__)
 
-TASKS_DIR = Path(__file__).parent / "tasks"  # lmforge's task YAMLs over local files
+TASKS_DIR = PACKAGED_TASKS  # lmforge's task YAMLs over local files
 INSTALL_HINT = 'lm-eval is not installed: pip install -e ".[eval]" (or pip install "lm-eval>=0.4.13")'
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 LOCAL_HOWTO = ("copy its splits to JSONL/TSV files and point a task YAML at them with custom_dataset: "
@@ -244,6 +245,41 @@ def results_json(results: dict) -> str:
 
     kept = {k: v for k, v in results.items() if k != "samples"}
     return json.dumps(kept, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
+
+
+def check_results_path(path: str | Path, param: str = "--output-path") -> Path:
+    """`path` as a results file that can be written: checked before any model is loaded, so a bad path is one line
+    at once, not a traceback after the whole evaluation. Its missing folders are made only when it is written."""
+    path = Path(path).expanduser()
+    if path.is_symlink():  # the rename that writes the file would replace the link: write where it points
+        path = path.resolve()
+    if path.is_dir():
+        raise UserError(f"{param} {path} is a folder: give a file name such as {path / 'results.json'}")
+    if path.exists() and not path.is_file():  # a device or pipe: the rename that writes it would replace it
+        raise UserError(f"{param} {path} is not a regular file: give a file name for the results JSON")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # the nearest folder that is there, or a file in the way
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{param} {path} cannot be written: '{folder}' is a file, not a folder: give a path in "
+                        "another folder (or move that file away)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        made = "" if folder == path.parent else f" (to make {path.parent})"
+        raise UserError(f"{param} {path} cannot be written: this user cannot write in '{folder}'{made}: give a path "
+                        "in a folder you can write")
+    return path
+
+
+def write_results(path: Path, results: dict, param: str = "--output-path") -> None:
+    """The results JSON at `path`, written whole or not at all (a temporary sibling renamed over it)."""
+    from lmforge.fsutil import atomic_write, out_of_space
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, results_json(results))
+    except OSError as e:  # the folder changed since check_results_path, or the disk is full
+        raise out_of_space(e, path) or UserError(f"{param} {path} cannot be written ({e.strerror or e}): give "
+                                                 "a path in a folder you can write") from None
 
 
 def scalar_metrics(results: dict, prefix: str = "eval/") -> dict[str, float]:

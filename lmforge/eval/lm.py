@@ -76,7 +76,7 @@ class LMForgeLM(TemplateLM):
         self.model, self.tokenizer = model, tokenizer
         self.name = str(pretrained) if pretrained is not None else "live-model"
         self.batch_size = _batch_size(batch_size)
-        self.max_length = int(max_length) if max_length else model.config.max_position_embeddings
+        self.max_length = context_length(max_length, model.config.max_position_embeddings)
         self.max_gen_toks = int(max_gen_toks)
         self._device = next(model.parameters()).device
         eos = tokenizer.eos_id if tokenizer.eos_id is not None else min(eos_token_ids(model), default=None)
@@ -185,6 +185,25 @@ class LMForgeLM(TemplateLM):
                 results[members[i]] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
             progress(len(batch))
+
+
+def context_length(max_length: int | str | None, positions: int, param: str = "max_length") -> int:
+    """The context to score in: `max_length` (`param`, as the user wrote it), else the model's `positions`.
+
+    Past its positions a model does not run as trained (a rotary one goes on without an error, its perplexity
+    changed; a learned table has no row), so a longer context is refused, as `generate` refuses one."""
+    if max_length in (None, ""):
+        return positions
+    try:
+        length = int(max_length)
+    except ValueError:
+        raise UserError(f"{param} must be a whole number of tokens, got {max_length!r}") from None
+    if length < 1:
+        raise UserError(f"{param} must be >= 1, got {length}")
+    if length > positions:
+        raise UserError(f"this model's context is {positions} tokens (max_position_embeddings) and {param} is "
+                        f"{length}: give {param} {positions} or less, or omit it to use the model's")
+    return length
 
 
 def _batch_size(value: int | str | None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,3 +139,105 @@ def test_a_training_checkpoint_evaluates_as_its_export(eval_models, shared_data,
 def _results_of_untrained(lm_dir, args, tmp_path) -> dict:
     assert _eval(str(lm_dir), *args, "--output-path", str(tmp_path / "untrained.json")) == 0
     return _results(tmp_path / "untrained.json")
+
+
+def _no_evaluation(monkeypatch):
+    """Make loading the model fail loudly: a check that must come first is reached before it, or the test fails."""
+    import lmforge.eval.lm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(lmforge.eval.lm, "LMForgeLM", refuse)
+
+
+def test_an_output_path_under_a_file_is_refused_before_the_evaluation(eval_models, shared_data, tmp_path,
+                                                                      monkeypatch, capsys):
+    """It once evaluated every task, then failed making the folder with a FileExistsError traceback."""
+    import lmforge.eval.harness
+
+    _no_evaluation(monkeypatch)
+    blocker = tmp_path / "ro_file"
+    blocker.write_text("mine\n")
+    model, args = str(eval_models["gpt_neox"][1]), ["--tasks", "sst2_local", "--data-dir", str(shared_data)]
+    for output in (blocker / "r.json", blocker / "a" / "b" / "r.json"):
+        assert _eval(model, *args, "--limit", "4", "--output-path", str(output)) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: --output-path {output} cannot be written: '{blocker}' is a file, not a folder: give "
+                       "a path in another folder (or move that file away)")
+    assert blocker.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["ro_file"]
+
+    real = lmforge.eval.harness.os.access  # a folder this user cannot write (root writes any: pretend)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(lmforge.eval.harness.os, "access",
+                        lambda p, mode, **kw: False if Path(p) == locked else real(p, mode, **kw))
+    assert _eval(model, *args, "--output-path", str(locked / "new" / "r.json")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"this user cannot write in '{locked}' (to make {locked / 'new'})" in err
+    assert not list(locked.iterdir())
+
+
+def test_results_are_written_whole_through_a_link_and_a_late_failure_is_one_line(tmp_path):
+    from lmforge.errors import UserError
+    from lmforge.eval.harness import check_results_path, write_results
+
+    target = tmp_path / "target.json"
+    target.write_text("old\n")
+    (tmp_path / "link.json").symlink_to(target)
+    path = check_results_path(tmp_path / "link.json")
+    write_results(path, {"results": {"t": {"acc,none": 0.5}}, "samples": {"t": []}})
+    assert (tmp_path / "link.json").is_symlink()  # the file it points to is written, the link kept
+    assert json.loads(target.read_text()) == {"results": {"t": {"acc,none": 0.5}}}  # samples left out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "target.json"]  # no temporary left
+
+    late = check_results_path(tmp_path / "later" / "r.json")
+    (tmp_path / "later").write_text("made by someone else during the evaluation\n")
+    with pytest.raises(UserError, match=r"^--output-path .*r.json cannot be written \(.*\): give a path in a folder"):
+        write_results(late, {"results": {}})
+
+
+def test_max_length_past_the_models_positions_is_refused(eval_models, shared_data, monkeypatch, capsys):
+    """A rotary model ran on past its 128 positions without a word, and its perplexity changed."""
+    from lmforge.errors import UserError
+    from lmforge.eval.lm import LMForgeLM
+
+    lm_dir = eval_models["gpt_neox"][1]
+    with pytest.raises(UserError, match=r"^this model's context is 128 tokens .* max_length is 129: give max_length "
+                                        r"128 or less, or omit it"):
+        LMForgeLM(str(lm_dir), device="cpu", max_length=129)
+    assert LMForgeLM(str(lm_dir), device="cpu", max_length="128").max_length == 128
+    assert LMForgeLM(str(lm_dir), device="cpu").max_length == 128
+
+    _no_evaluation(monkeypatch)  # the CLI refuses before reading the tasks' data or the weights
+    args = ["--tasks", "wikitext2_local", "--data-dir", str(shared_data), "--limit", "1"]
+    for model in (lm_dir, eval_models["gpt_neox"][0]):  # an lmforge folder, a Hugging Face one
+        assert _eval(str(model), *args, "--max-length", "1000") == 1
+        assert capsys.readouterr().err.strip() == ("error: this model's context is 128 tokens "
+                                                   "(max_position_embeddings) and --max-length is 1000: give "
+                                                   "--max-length 128 or less, or omit it to use the model's")
+    assert _eval(str(lm_dir), *args, "--max-length", "0") == 1
+    assert capsys.readouterr().err.strip() == "error: --max-length must be >= 1, got 0"
+
+
+def test_missing_data_of_a_packaged_task_advises_data_dir_or_a_copy_not_editing_the_package(
+        eval_models, shared_data, tmp_path, capsys):
+    from lmforge.eval.harness import TASKS_DIR
+
+    model = str(eval_models["gpt_neox"][1])
+    assert _eval(model, "--tasks", "sst2_local") == 1  # no --data-dir: the files are not beside the packaged YAML
+    err = capsys.readouterr().err.strip()
+    packaged = TASKS_DIR / "sst2_local.yaml"
+    assert err == ("error: task sst2_local: task data file 'classification/sst-2/train.tsv' not found (no --data-dir "
+                   "given): pass --data-dir DIR, the folder holding classification/sst-2/train.tsv and "
+                   f"classification/sst-2/dev.tsv, or copy {packaged} to a folder of your own, edit its "
+                   "dataset_kwargs.data_files there and pass --include-path THAT_FOLDER")
+    # The advice works: the copy, edited, overrides the packaged task of the same name.
+    mine = tmp_path / "my_tasks"
+    mine.mkdir()
+    text = packaged.read_text().replace("classification/sst-2/", f"{shared_data}/classification/sst-2/")
+    (mine / "sst2_local.yaml").write_text(text)
+    out = tmp_path / "r.json"
+    assert _eval(model, "--tasks", "sst2_local", "--include-path", str(mine), "--limit", "2",
+                 "--output-path", str(out)) == 0
+    assert json.loads(out.read_text())["n-samples"]["sst2_local"]["effective"] == 2

@@ -33,8 +33,8 @@ def test_relative_files_follow_the_data_dir_then_the_yaml(tmp_path):
     assert got["validation"].to_list() == [ROWS[0]]
     got = local_dataset({"test": ["y.jsonl", "y.jsonl"]}, config_source=str(tmp_path / "tasks" / "t.yaml"))
     assert got["test"].to_list() == [ROWS[1], ROWS[1]]
-    with pytest.raises(UserError, match=r"'sub/x.jsonl' not found \(no --data-dir given\): pass --data-dir DIR .* "
-                                        r"or edit dataset_kwargs.data_files in .*t.yaml"):
+    with pytest.raises(UserError, match=r"'sub/x.jsonl' not found \(no --data-dir given\): pass --data-dir DIR, the "
+                                        r"folder holding sub/x.jsonl, or edit dataset_kwargs.data_files in .*t.yaml$"):
         local_dataset({"validation": "sub/x.jsonl"}, config_source=str(tmp_path / "tasks" / "t.yaml"))
 
 
