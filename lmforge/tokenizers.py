@@ -404,7 +404,9 @@ def folder_tokenizer(folder: Path) -> Tokenizer | None:
     return load_tokenizer(folder, quiet=True)
 
 
-def _find_in_dir(d: Path) -> Path:
+def find_tokenizer_file(folder: str | Path) -> Path | None:
+    """The tokenizer file load_tokenizer reads in `folder`, None where it holds no single one."""
+    d = Path(folder)
     if (d / "tokenizer.json").is_file():
         return d / "tokenizer.json"
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
@@ -416,7 +418,14 @@ def _find_in_dir(d: Path) -> Path:
         found = sorted(d.glob(pattern))
         if len(found) == 1:
             return found[0]
-    raise UserError(f"no single tokenizer file found in {d}: {KINDS_HINT}")
+    return None
+
+
+def _find_in_dir(d: Path) -> Path:
+    file = find_tokenizer_file(d)
+    if file is None:
+        raise UserError(f"no single tokenizer file found in {d}: {KINDS_HINT}")
+    return file
 
 
 def _load_gpt2_bpe(vocab: Path, merges: Path) -> HFTokenizer:

@@ -7,23 +7,26 @@ import logging
 import time
 from pathlib import Path
 
+from lmforge.cli.serve import TOKENIZER_HELP
 from lmforge.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files, or a "
-                                     "training checkpoint (RUN_DIR/checkpoints/step-N: its run's tokenizer)")
+    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files (or "
+                                     "--tokenizer), or a training checkpoint (RUN_DIR/checkpoints/step-N: its run's "
+                                     "tokenizer)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--chat", action="store_true",
                    help="each prompt is a user message, rendered with the model's chat template (its "
                         "chat_template.jinja or tokenizer_config.json; a fine-tuning run's export and checkpoints "
-                        "carry the one it trained with), as /v1/chat/completions renders it; the completion is the "
-                        "assistant's reply")
+                        "carry the one it trained with; else --tokenizer's folder's), as /v1/chat/completions renders "
+                        "it; the completion is the assistant's reply")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each prompt")
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter folder (e.g. a run's hf-adapter/), merged into MODEL_DIR on load")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help=TOKENIZER_HELP)
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy. Default, as transformers' generate: the folder's generation_config.json "
@@ -46,23 +49,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from lmforge.cli.serve import load_served
+    from lmforge.cli.serve import check_vocabulary, load_served, served_tokenizer
     from lmforge.devices import resolve_device
     from lmforge.inference import generate_text
     from lmforge.inference.generate import check_fits
-    from lmforge.models.io import parse_dtype
-    from lmforge.models.source import tokenizer_source
-    from lmforge.tokenizers import load_tokenizer
+    from lmforge.models.io import missing_model_folder, parse_dtype
 
     if not Path(args.model_dir).is_dir():
-        raise UserError(f"model folder '{args.model_dir}' does not exist")
+        raise missing_model_folder(args.model_dir)
     if args.system is not None and not args.chat:
         raise UserError("--system is a chat message: add --chat")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     device = resolve_device(args.device)
-    tokenizer = load_tokenizer(tokenizer_source(args.model_dir))
-    model, chat_folder = load_served(Path(args.model_dir), args.lora, device, parse_dtype(args.dtype))
+    tokenizer = served_tokenizer(Path(args.model_dir), args.tokenizer)
+    model, chat_folder = load_served(Path(args.model_dir), args.lora, device, parse_dtype(args.dtype), args.tokenizer)
+    check_vocabulary(tokenizer, model, args.tokenizer)
     prompts, stop = args.prompt, list(args.stop)
     if args.chat:
         prompts, chat_stop = chat_prompts(tokenizer, chat_folder, args.prompt, args.system)

@@ -14,10 +14,20 @@ from lmforge.errors import UserError
 
 log = logging.getLogger(__name__)
 
+# `--tokenizer` of generate and serve, as `lmforge eval` has it: the same forms, read by the same load_tokenizer.
+TOKENIZER_HELP = ("tokenizer file or folder to use instead of MODEL_DIR's (a tokenizer.json, vocab.json + merges.txt, "
+                  "a SentencePiece .model, or a folder holding one; default: MODEL_DIR's own, for a checkpoint its "
+                  "run's). The chat template stays the model's, the one it was fine-tuned with: --lora's adapter's, "
+                  "else MODEL_DIR's (chat_template.jinja, else tokenizer_config.json); only where neither has one is "
+                  "the tokenizer's folder's used")
+TOKENIZER_FIX = ("pass --tokenizer PATH (a tokenizer.json, vocab.json + merges.txt, a SentencePiece .model, or a "
+                 "folder holding one)")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files, or a "
-                                     "training checkpoint (RUN_DIR/checkpoints/step-N: its run's tokenizer)")
+    p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files (or "
+                                     "--tokenizer), or a training checkpoint (RUN_DIR/checkpoints/step-N: its run's "
+                                     "tokenizer)")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; 0.0.0.0 in SageMaker)")
     p.add_argument("--port", type=int, default=None, help="port (default $SAGEMAKER_BIND_TO_PORT, else 8000)")
     p.add_argument("--api-key", default=None,
@@ -51,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a run's "
                         "hf-adapter/) to merge into the model; its chat template, if it has one, is used")
+    p.add_argument("--tokenizer", default=None, metavar="PATH", help=TOKENIZER_HELP)
     p.add_argument("--device", default="auto",
                    help="auto (the accelerator torch reports, else cpu; the default), cpu, cuda, cuda:1 ...")
     p.set_defaults(func=run)
@@ -61,18 +72,16 @@ def run(args: argparse.Namespace) -> None:
 
     from lmforge.devices import resolve_device
     from lmforge.inference.engine import Engine, EngineConfig
-    from lmforge.models.io import parse_dtype
-    from lmforge.models.source import tokenizer_source
+    from lmforge.models.io import missing_model_folder, parse_dtype
     from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
     from lmforge.serve.http import uvicorn_config
     from lmforge.serve.listen import bind, is_loopback, listen_address
     from lmforge.serve.server import ServeConfig
-    from lmforge.tokenizers import load_tokenizer
 
     folder = Path(args.model_dir)
     if not folder.is_dir():
-        raise UserError(f"model folder '{folder}' does not exist")
+        raise missing_model_folder(folder)
     for name in ("max_batch", "prefill_batch", "max_context", "max_tokens_limit", "default_max_tokens", "max_queue",
                  "max_body_bytes", "max_choices"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -86,8 +95,9 @@ def run(args: argparse.Namespace) -> None:
     host, port = listen_address(args.host, args.port)
     sock = bind(host, port)
     try:
-        tokenizer = load_tokenizer(tokenizer_source(folder))
-        model, chat_folder = load_served(folder, args.lora, device, parse_dtype(args.dtype))
+        tokenizer = served_tokenizer(folder, args.tokenizer)
+        model, chat_folder = load_served(folder, args.lora, device, parse_dtype(args.dtype), args.tokenizer)
+        check_vocabulary(tokenizer, model, args.tokenizer)
         engine = Engine(model, tokenizer, EngineConfig(args.max_batch, args.max_context, args.max_queue,
                                                          prefill_batch=args.prefill_batch))
         if args.max_context is not None and args.max_context > engine.context:
@@ -120,20 +130,49 @@ def run(args: argparse.Namespace) -> None:
     print("server stopped", flush=True)
 
 
-def load_served(folder: Path, lora: str | None, device, dtype):
+def served_tokenizer(folder: Path, path: str | None):
+    """`path` (--tokenizer), else the model folder's own tokenizer, else (a checkpoint) its run's, as `lmforge eval`
+    reads it; a folder without one is a line naming --tokenizer."""
+    from lmforge.models.source import model_tokenizer
+
+    return model_tokenizer(folder, path, TOKENIZER_FIX)
+
+
+def check_vocabulary(tokenizer, model, path: str | None) -> None:
+    """A --tokenizer with ids past the model's embedding rows is another model's: one line now, not an index error
+    from the first prompt that holds such an id (as `lmforge eval` refuses it)."""
+    if path is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"--tokenizer {path} has {tokenizer.vocab_size} ids but the model only "
+                        f"{model.config.vocab_size}: give the tokenizer the model was trained with")
+
+
+def load_served(folder: Path, lora: str | None, device, dtype, tokenizer: str | None = None):
     """The model to serve, with a PEFT adapter merged in (served at the base model's speed), and the folder whose
-    chat template prompts it: the adapter's when it carries one (what it was fine-tuned with), else the model's."""
+    chat template prompts it (chat_folder)."""
     from lmforge.models import load_pretrained
     from lmforge.models.lora import merge_lora
     from lmforge.models.peft_read import load_peft_adapter
-    from lmforge.serve.chat import read_chat_template
 
     model = load_pretrained(folder, device=device, dtype=dtype)
     add_generation_eos(model, folder)
-    if not lora:
-        return model, folder
-    load_peft_adapter(model, lora)
-    return merge_lora(model), Path(lora) if read_chat_template(lora) else folder
+    if lora:
+        load_peft_adapter(model, lora)
+        model = merge_lora(model)
+    return model, chat_folder(folder, lora, tokenizer)
+
+
+def chat_folder(folder: Path, lora: str | None, tokenizer: str | None = None) -> Path:
+    """The folder whose chat template prompts the model: the adapter's when it carries one, else the model folder's
+    (each the template the model was fine-tuned with, which a run's export and checkpoints carry), else that of the
+    --tokenizer (the folder given, or the one holding the file: where a weights-only import's template is, beside
+    the tokenizer it left behind); the model folder where none has one."""
+    from lmforge.serve.chat import read_chat_template
+
+    candidates = [Path(lora)] if lora else []
+    candidates.append(folder)
+    if tokenizer is not None:
+        candidates.append(Path(tokenizer) if Path(tokenizer).is_dir() else Path(tokenizer).parent)
+    return next((c for c in candidates if read_chat_template(c)), folder)
 
 
 def add_generation_eos(model, folder: Path) -> None:

@@ -239,12 +239,10 @@ def load_model_and_tokenizer(path: str | Path, tokenizer_path: str | Path | None
     tokenizer: `tokenizer_path`, else the folder's own files, else (a checkpoint) the one its run used."""
     from lmforge.devices import resolve_device
     from lmforge.models.io import parse_dtype
-    from lmforge.models.source import load_pretrained, tokenizer_source
-    from lmforge.tokenizers import load_tokenizer
+    from lmforge.models.source import load_pretrained, model_tokenizer
 
     folder = Path(path)
-    tokenizer = load_tokenizer(tokenizer_path if tokenizer_path is not None else
-                               tokenizer_source(folder, "pass --tokenizer PATH"))
+    tokenizer = model_tokenizer(folder, tokenizer_path, "pass --tokenizer PATH")
     resolved = device if isinstance(device, torch.device) else resolve_device(device or "auto")
     model = load_pretrained(folder, device=resolved, dtype=parse_dtype(dtype))
     return model, tokenizer

@@ -223,6 +223,20 @@ def tokenizer_source(folder: str | Path, fix: str = "set data.tokenizer in the r
     return found
 
 
+def model_tokenizer(folder: str | Path, path: str | Path | None, fix: str):
+    """The tokenizer to run a model folder with: `path` (a --tokenizer option), else the folder's own, else (a
+    checkpoint) its run's; a folder without one (`import-hf` of a weights-only folder) is one line ending in `fix`."""
+    from lmforge.tokenizers import find_tokenizer_file, load_tokenizer
+
+    if path is not None:
+        return load_tokenizer(path)
+    source = tokenizer_source(folder, fix)
+    if source.is_dir() and find_tokenizer_file(source) is None:
+        raise UserError(f"no single tokenizer file found in {source}: {fix}, or copy the model's tokenizer files into "
+                        "that folder")
+    return load_tokenizer(source)
+
+
 def checkpoint_run(folder: Path) -> dict | None:
     """The run config a training checkpoint was written under (trainer.json's `run_config`), None where it has none
     (checkpoints written before it carried one, an unreadable trainer.json)."""

@@ -43,7 +43,7 @@ class _Body(BaseModel):
     # are kept aside (model_extra) for unsupported() to look at, and otherwise ignored.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None  # left out or "": the model served, as in vLLM
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -15,7 +15,7 @@
 * an OpenAI chat body (has "messages"): answered as /v1/chat/completions, `stream` included;
 * an OpenAI completion body (has "prompt"): answered as /v1/completions.
 
-For the OpenAI shapes "model" may be left out (an endpoint serves one model).
+For the OpenAI shapes "model" may be left out, as on /v1 (an endpoint serves one model).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from lmforge.serve.server import Server
 async def invocations(server: Server, request: Request, data):
     start = time.perf_counter()
     if isinstance(data, dict) and "messages" in data:
-        return await server.chat_completions(request, parse(ChatRequest, {"model": server.config.model_name, **data}))
+        return await server.chat_completions(request, parse(ChatRequest, data))
     if isinstance(data, dict) and "prompt" in data:
-        return await server.completions(request, parse(CompletionRequest, {"model": server.config.model_name, **data}))
+        return await server.completions(request, parse(CompletionRequest, data))
     try:
         return await _tgi(server, request, data, start)
     except APIError as e:  # in TGI's shape: a request it cannot take is a 422

@@ -249,7 +249,8 @@ class Server:
 
     async def completions(self, request: Request, body: CompletionRequest):
         start, route = time.perf_counter(), "/v1/completions"
-        self.check_model(body.model)
+        if body.model:  # none or "": the model served, as vLLM reads a body's `model`
+            self.check_model(body.model)
         prompts = [self.encode_prompt(p) for p in body.prompts()]
         if not prompts:
             raise APIError(400, "no prompt given", param="prompt")
@@ -272,7 +273,8 @@ class Server:
 
     async def chat_completions(self, request: Request, body: ChatRequest):
         start, route = time.perf_counter(), "/v1/chat/completions"
-        self.check_model(body.model)
+        if body.model:  # none or "": the model served, as vLLM reads a body's `model`
+            self.check_model(body.model)
         ids = self.chat.encode([(m.role, m.text()) for m in body.messages])
         requested, param = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:

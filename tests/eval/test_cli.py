@@ -4,6 +4,7 @@ bad input as one line with exit != 0."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,12 @@ def test_bad_paths_and_numbers_are_one_line_errors(eval_models, shared_data, tmp
         (run / "checkpoints" / step).mkdir(parents=True)
         (run / "checkpoints" / step / "trainer.json").write_text("{}")
     (tmp_path / "file.jsonl").write_text("{}\n")
+    bare = tmp_path / "bare"  # the weights without a tokenizer (import-hf of a weights-only folder)
+    shutil.copytree(model, bare, ignore=shutil.ignore_patterns("tokenizer*", "vocab.json", "merges.txt",
+                                                               "special_tokens_map.json"))
     cases = [
+        ([str(bare), "--tasks", "sst2_local", "--data-dir", str(shared_data)],
+         f"no single tokenizer file found in {bare}: pass --tokenizer PATH, or copy the model's tokenizer files"),
         ([str(tmp_path / "nope"), "--tasks", "sst2_local"], "does not exist"),
         ([str(tmp_path / "file.jsonl"), "--tasks", "sst2_local"], "is a file: give the model folder that holds it"),
         ([str(run), "--tasks", "sst2_local"], f"nor a training checkpoint (trainer.json): give "
