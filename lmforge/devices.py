@@ -166,3 +166,13 @@ def set_tf32(device: torch.device, enabled: bool) -> bool:
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     torch.backends.cudnn.allow_tf32 = enabled
     return True
+
+
+def device_label(device: torch.device) -> str:
+    """What a run computes on, for its log: "cuda:0 (NVIDIA H100 80GB HBM3)", "cpu (2 threads)"; a cluster job that
+    asked for no GPU trains on the CPU, and this line says so."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    if device.type == "cpu":
+        return f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
+    return str(device)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lmforge.chat_template import CHAT_TEMPLATE_FILE
 from lmforge.checkpoint.manager import DISK_FIX
 from lmforge.checkpoint.rng import seed_all
-from lmforge.devices import set_tf32, synchronize
+from lmforge.devices import device_label, set_tf32, synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write, out_of_space
 from lmforge.models.config import ModelConfig
@@ -280,7 +280,8 @@ class Trainer:
         # TensorBoard hides events at steps >= purge_step: those a killed run logged past the checkpoint, not its own.
         sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start + 1)
         if world.is_main:
-            log.info("peak %.3g TFLOP/s per process (%s); %.3g model FLOPs per token", self.peak / 1e12,
+            log.info("%d process%s on %s; peak %.3g TFLOP/s per process (%s); %.3g model FLOPs per token",
+                     world.size, "es" * (world.size > 1), device_label(world.device), self.peak / 1e12,
                      self.peak_source, self.flops_per_token)
         batches = micro_batches(self.data.train, self.state["consumed_samples"], t.max_steps * t.global_batch_size,
                                 t.micro_batch_size, self.dp_rank, self.dp_size,

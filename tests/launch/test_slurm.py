@@ -8,6 +8,7 @@ rendezvous and lmforge are the real ones, so the sbatch scripts' commands are te
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -136,3 +137,11 @@ def test_a_spooled_copy_submitted_from_elsewhere_finds_its_helpers(slurm_env, tm
     r = subprocess.run(["bash", str(spool / "slurm_script"), "my.yaml"], cwd=elsewhere, env=slurm_env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_training_jobs_ask_for_the_gpus_they_start_ranks_for():
+    """Without a GPU request, a cluster that confines a job to the devices it asked for shows its ranks none, and
+    trainer.device=auto trains on the CPU."""
+    per_node = re.search(r'GPUS_PER_NODE:=(\d+)', (SLURM / "common.sh").read_text()).group(1)
+    for script in ("compile.sbatch", "pretrain.sbatch"):
+        assert f"#SBATCH --gpus-per-node={per_node}\n" in (SLURM / script).read_text(), script

@@ -260,8 +260,11 @@ def test_the_last_line_and_the_log_say_what_the_run_did(tiny_corpus, tmp_path, c
     cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=4", "trainer.val_check_interval=0",
                      "trainer.progress_bar=true")
     trainer = Trainer(cfg)
-    with caplog.at_level(logging.INFO, logger="lmforge.train.progress"):
+    with caplog.at_level(logging.INFO):
         last = trainer.fit()
+    # What the run computes on, said once (a cluster job that asked for no GPU trained on the CPU without a word).
+    assert [r.getMessage() for r in caplog.records if r.name == "lmforge.train.trainer"
+            and "1 process on cpu (" in r.getMessage()]
     lines = [r.getMessage() for r in caplog.records if r.name == "lmforge.train.progress"]
     assert lines[0].startswith("step 1/4 (25%), loss ") and lines[-1].startswith("step 4/4 (100%), loss ")
     assert all("\r" not in line for line in lines)
