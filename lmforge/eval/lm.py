@@ -194,12 +194,7 @@ def context_length(max_length: int | str | None, positions: int, param: str = "m
     changed; a learned table has no row), so a longer context is refused, as `generate` refuses one."""
     if max_length in (None, ""):
         return positions
-    try:
-        length = int(max_length)
-    except ValueError:
-        raise UserError(f"{param} must be a whole number of tokens, got {max_length!r}") from None
-    if length < 1:
-        raise UserError(f"{param} must be >= 1, got {length}")
+    length = _at_least_one(max_length, param, " of tokens")
     if length > positions:
         raise UserError(f"this model's context is {positions} tokens (max_position_embeddings) and {param} is "
                         f"{length}: give {param} {positions} or less, or omit it to use the model's")
@@ -209,13 +204,18 @@ def context_length(max_length: int | str | None, positions: int, param: str = "m
 def _batch_size(value: int | str | None) -> int:
     if value in (None, "auto") or str(value).startswith("auto:"):
         return DEFAULT_BATCH_SIZE
+    return _at_least_one(value, "batch size", " or 'auto'")
+
+
+def _at_least_one(value: int | str, what: str, or_else: str) -> int:
+    """`value` as a whole number >= 1, else a UserError naming `what` (and `or_else`, what else it may be)."""
     try:
-        size = int(value)
+        number = int(value)
     except ValueError:
-        raise UserError(f"batch size must be a whole number or 'auto', got {value!r}") from None
-    if size < 1:
-        raise UserError(f"batch size must be >= 1, got {size}")
-    return size
+        raise UserError(f"{what} must be a whole number{or_else}, got {value!r}") from None
+    if number < 1:
+        raise UserError(f"{what} must be >= 1, got {number}")
+    return number
 
 
 class _progress:
