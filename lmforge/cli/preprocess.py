@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="JSON keys (Parquet/Arrow: columns) to tokenize, one output per key (default: text)")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
+    parser.add_argument("--prepend-bos", action="store_true",
+                        help="start each document with the tokenizer's bos id (<s> for Llama 2, <|begin_of_text|> "
+                             "for Llama 3), as Megatron's Llama tokenizers do and Llama was pretrained; GPT-2/NeoX "
+                             "BPE data has none")
     parser.add_argument("--parse-special-tokens", action="store_true",
                         help="turn special-token text in documents (<|endoftext|>) into its control id, as "
                         "Megatron's tool does; by default it stays text, so no document can forge a boundary")
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace):
         if args.shard is not None:
             raise UserError("--merge joins every shard: drop --shard")
         results = merge_shards(args.input, args.output_prefix, args.tokenizer, json_keys=args.json_keys,
-                               append_eod=args.append_eod, parse_special_tokens=parse_special)
+                               append_eod=args.append_eod, parse_special_tokens=parse_special,
+                               prepend_bos=getattr(args, "prepend_bos", False))
         for s in results:
             print(f"merged {s.shards} shards into {s.prefix}.bin/.idx: {s.documents:,} documents, {s.tokens:,} "
                   f"tokens in {s.seconds:.1f} s (the shards are left in place)")
@@ -56,7 +61,7 @@ def run(args: argparse.Namespace):
     stats = preprocess(args.input, args.output_prefix, args.tokenizer, json_keys=args.json_keys,
                        append_eod=args.append_eod, workers=args.workers, on_error=args.on_error,
                        progress=getattr(args, "progress", True), shard=getattr(args, "shard", None),
-                       parse_special_tokens=parse_special)
+                       parse_special_tokens=parse_special, prepend_bos=getattr(args, "prepend_bos", False))
     skipped = f", skipped {stats.skipped} bad line(s)" if stats.skipped else ""
     shard = f"shard {stats.shard[0]}/{stats.shard[1]}: " if stats.shard else ""
     keys = f" (over its {len(stats.outputs)} keys' datasets)" if len(stats.outputs) > 1 else ""

@@ -8,12 +8,15 @@ Megatron's `--split-sentences` pass writes them; each non-empty one becomes a se
 skipped. Plain text fills the one output key, so it needs exactly one `--json-keys` key.
 
 Per document and key, as Megatron does: ids = tokenize(text), and with `append_eod` the tokenizer's eod id
-is appended to a non-empty document; `add_document(ids, [len(ids)])`. An empty document (empty text) is
-still a document, with no sequence: `document_indices` repeats a value, and every key's file keeps one
-document per input line, so documents line up across keys. An input file without any text at all (every
-document empty, or none) is an error naming it: it is a wrong path or a wrong `--json-keys`, not data. The dtype
-follows Megatron's rule (uint16 below 65,500 ids, else int32). Documents are written in input order whatever
-the number of workers. Megatron's tool finalizes only the last `--json-keys` key's index; we finalize every key's.
+is appended to a non-empty document; `add_document(ids, [len(ids)])`. With `prepend_bos` each text (each sentence)
+starts with the tokenizer's bos id, as Megatron's Llama-2/3 tokenizers add it (`tokenize(text, bos=True)`; Llama's
+pretraining starts every document so), an empty text too (it holds the bos alone there as well).
+An empty document (empty text) is still a document, with no sequence: `document_indices` repeats a value, and
+every key's file keeps one document per input line, so documents line up across keys. An input file without any
+text at all (every document empty, or none) is an error naming it: it is a wrong path or a wrong `--json-keys`,
+not data. The dtype follows Megatron's rule (uint16 below 65,500 ids, else int32). Documents are written in input
+order whatever the number of workers. Megatron's tool finalizes only the last `--json-keys` key's index; we
+finalize every key's.
 
 Special tokens: by default text is text, so a literal "<|endoftext|>" in a document is tokenized as the
 characters it is made of (lmforge.tokenizers' rule: scraped text cannot forge a document boundary).
@@ -108,8 +111,9 @@ class _Encoder:
 
     current: _Encoder | None = None  # the worker process's own encoder, set once by the Pool initializer
 
-    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool):
+    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, prepend_bos: bool = False):
         self.tokenizer, self.json_keys, self.append_eod = tokenizer, list(json_keys), append_eod
+        self.prepend_bos = prepend_bos
 
     def texts(self, kind: str, payload) -> list[list[str]] | str:
         """Per key, the document's sentences; or what is wrong with the record (its place is added later)."""
@@ -152,7 +156,7 @@ class _Encoder:
         # One encode_batch over every text of the chunk: the tokenizer's batch path is its fast path.
         flat = [s for p in parsed if not isinstance(p, str) for sentences in p for s in sentences]
         ids = iter(self.tokenizer.encode_batch(flat) if flat else [])
-        eod = [self.tokenizer.eod_id]
+        eod, bos = [self.tokenizer.eod_id], [self.tokenizer.bos_id] if self.prepend_bos else []
         parts: list[list[list[int]]] = [[] for _ in self.json_keys]
         records: list[str | list[tuple[int, list[int]]]] = []
         for p in parsed:
@@ -163,7 +167,7 @@ class _Encoder:
             for key_parts, sentences in zip(parts, p):
                 lengths = []
                 for _ in sentences:
-                    sentence_ids = next(ids)
+                    sentence_ids = bos + next(ids)
                     if sentence_ids:  # Megatron drops empty sentences from the sequence lengths
                         key_parts.append(sentence_ids)
                         lengths.append(len(sentence_ids))
@@ -177,14 +181,14 @@ class _Encoder:
 
 
 def _init_worker(encoder: _Encoder | None, tokenizer_file: str, json_keys: list[str], append_eod: bool,
-                 parse_special_tokens: bool) -> None:
+                 parse_special_tokens: bool, prepend_bos: bool) -> None:
     # encode_batch would otherwise start a thread per core in every worker; the workers are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if encoder is None:  # spawned: load our own copy (forked workers get the parent's, loaded once)
         logging.getLogger("lmforge.tokenizers").setLevel(logging.WARNING)
         tok = load_tokenizer(tokenizer_file)
         tok.parse_special_tokens = parse_special_tokens
-        encoder = _Encoder(tok, json_keys, append_eod)
+        encoder = _Encoder(tok, json_keys, append_eod, prepend_bos)
     _Encoder.current = encoder
 
 
@@ -222,7 +226,7 @@ def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: 
     # it again costs each worker ~0.3 s of CPU before its first chunk.
     inherited = encoder if ctx.get_start_method() == "fork" else None
     init_args = (inherited, str(encoder.tokenizer.files[0]), encoder.json_keys, encoder.append_eod,
-                 encoder.tokenizer.parse_special_tokens)
+                 encoder.tokenizer.parse_special_tokens, encoder.prepend_bos)
     # Not Pool.imap, as Megatron does: it reads the whole input ahead into its task queue, and a Pool whose
     # worker dies respawns it and waits forever. A window of futures bounds memory; a dead worker raises.
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args)
@@ -242,10 +246,11 @@ def _check_arguments(json_keys: Sequence[str] | str, sources: Sequence[Source]) 
 
 
 def _identity(key: str, tok: Tokenizer, append_eod: bool, parse_special_tokens: bool,
-              sources: Sequence[Source]) -> dict:
+              sources: Sequence[Source], prepend_bos: bool = False) -> dict:
     """What a shard of this run records, and what every shard of one dataset must share (shards.SAME)."""
     return {"key": key, "dtype": optimal_dtype(tok.vocab_size).name, "tokenizer": sharding.tokenizer_identity(tok),
             "append_eod": append_eod, "parse_special_tokens": parse_special_tokens,
+            **({"prepend_bos": True} if prepend_bos else {}),  # absent when off: shards made before it still merge
             "inputs": {"sha256": inputs_digest(sources), "files": len(sources)}}
 
 
@@ -260,6 +265,7 @@ def preprocess(
     progress: bool = True,
     shard: str | tuple[int, int] | None = None,
     parse_special_tokens: bool = False,
+    prepend_bos: bool = False,
 ) -> PreprocessStats:
     """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each key; see the module docstring.
 
@@ -278,6 +284,8 @@ def preprocess(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     if append_eod and tok.eod_id is None:
         raise UserError(f"tokenizer {tok.files[0]} has no end-of-document token: drop --append-eod")
+    if prepend_bos and tok.bos_id is None:
+        raise UserError(f"tokenizer {tok.files[0]} has no beginning-of-sequence token: drop --prepend-bos")
     pieces = plan(sources, json_keys, i, n)
     dtype = optimal_dtype(tok.vocab_size)
     outputs = {k: f"{output_prefix}_{k}_document" for k in json_keys}
@@ -292,7 +300,8 @@ def preprocess(
     parsed_before = tok.parse_special_tokens  # a caller's tokenizer object is given back as it came
     tok.parse_special_tokens = parse_special_tokens
     try:
-        file_tokens = _write(pieces, tok, json_keys, append_eod, workers, on_error, progress, dtype, stats)
+        file_tokens = _write(pieces, _Encoder(tok, json_keys, append_eod, prepend_bos), workers, on_error, progress,
+                             dtype, stats)
     finally:
         tok.parse_special_tokens = parsed_before
     if shard is not None:
@@ -301,7 +310,8 @@ def preprocess(
             for key, prefix in outputs.items():
                 ds = IndexedDataset(prefix)
                 sharding.write_record(prefix, {
-                    **_identity(key, tok, append_eod, parse_special_tokens, sources), "shard": i, "num_shards": n,
+                    **_identity(key, tok, append_eod, parse_special_tokens, sources, prepend_bos), "shard": i,
+                    "num_shards": n,
                     "documents": ds.num_documents, "tokens": int(ds.sequence_lengths.sum(dtype=np.int64)),
                     "partial_files": partial})
         except BaseException:
@@ -316,8 +326,8 @@ def preprocess(
     return stats
 
 
-def _write(pieces: Sequence[Piece], tok: Tokenizer, json_keys: list[str], append_eod: bool, workers: int,
-           on_error: str, progress: bool, dtype: np.dtype, stats: PreprocessStats) -> dict[str, int]:
+def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: str, progress: bool, dtype: np.dtype,
+           stats: PreprocessStats) -> dict[str, int]:
     """Tokenize the pieces into stats.outputs' files; returns the tokens written per input file."""
     start = time.perf_counter()
     writers: dict[str, IndexedDatasetWriter] = {}
@@ -325,12 +335,12 @@ def _write(pieces: Sequence[Piece], tok: Tokenizer, json_keys: list[str], append
     file_tokens = {str(p.source.path): 0 for p in pieces}
     lines: dict = {}  # describe()'s cache of line counts
     bar = tqdm(unit="doc", desc="preprocess", file=sys.stderr, disable=not (progress and sys.stderr.isatty()))
-    encoded = _encoded_chunks(_chunks(records(pieces, json_keys)), _Encoder(tok, json_keys, append_eod), workers)
+    encoded = _encoded_chunks(_chunks(records(pieces, encoder.json_keys)), encoder, workers)
     try:
         for key, prefix in stats.outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, dtype)
         for chunk, (arrays, results) in encoded:
-            offsets = [0] * len(json_keys)
+            offsets = [0] * len(encoder.json_keys)
             for (where, kind, _, _), res in zip(chunk, results):
                 if isinstance(res, str):
                     message = f"{describe(where, kind, lines)}: {res}"
@@ -342,7 +352,7 @@ def _write(pieces: Sequence[Piece], tok: Tokenizer, json_keys: list[str], append
                     continue
                 tokens = 0
                 for k, (n, lengths) in enumerate(res):
-                    writers[json_keys[k]].add_document(arrays[k][offsets[k] : offsets[k] + n], lengths)
+                    writers[encoder.json_keys[k]].add_document(arrays[k][offsets[k] : offsets[k] + n], lengths)
                     offsets[k] += n
                     tokens += n
                 stats.tokens += tokens
@@ -379,6 +389,7 @@ def merge_shards(
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
     parse_special_tokens: bool = False,
+    prepend_bos: bool = False,
 ) -> list[sharding.MergeStats]:
     """Merge the shards that `preprocess(..., shard=...)` with these arguments wrote, one dataset per key,
     checking that they were made with these arguments (tokenizer, options, inputs)."""
@@ -386,5 +397,5 @@ def merge_shards(
     json_keys = _check_arguments(json_keys, sources)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     return [sharding.merge(f"{output_prefix}_{key}_document",
-                           expect=_identity(key, tok, append_eod, parse_special_tokens, sources))
+                           expect=_identity(key, tok, append_eod, parse_special_tokens, sources, prepend_bos))
             for key in json_keys]

@@ -319,6 +319,35 @@ def test_parse_special_tokens_matches_megatron_and_the_default_keeps_text(mcore,
     assert ds.document(5).tolist() == tok.encode("<|endoftext|>") + [tok.eod_id]  # the characters, then eod
 
 
+def test_prepend_bos_matches_megatrons_llama_tokenizer(mcore, tmp_path, articles, shared_data, monkeypatch):
+    """Llama 2 continued pretraining: Megatron's Llama tokenizer starts every text with <s> (tokenize(text,
+    bos=True): [bos] + SentencePiece's ids, an empty text the bos alone); --prepend-bos writes the same bytes."""
+    import lmforge.data.preprocess as pp
+
+    spm = pytest.importorskip("sentencepiece")
+    model = shared_data / "tokenizers" / "llama2" / "tokenizer.model"
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    lines = articles[:5]  # the empty document among them
+    (tmp_path / "in.jsonl").write_text("".join(lines), encoding="utf-8")
+    builder = mcore.IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=mcore.DType.optimal_dtype(sp.vocab_size()))
+    for line in lines:  # tools/preprocess_data.py's Encoder.encode with _Llama2Tokenizer and --append-eod
+        ids = [sp.bos_id()] + sp.encode(json.loads(line)["text"])
+        builder.add_document(ids + [sp.eos_id()], [len(ids) + 1])
+    builder.finalize(str(tmp_path / "ref.idx"))
+    monkeypatch.setattr(pp, "CHUNK_DOCS", 2)
+    for workers in (1, 2):
+        out = preprocess(tmp_path / "in.jsonl", tmp_path / f"bos{workers}", model, append_eod=True, prepend_bos=True,
+                         workers=workers, progress=False)
+        same_files(out.outputs["text"], str(tmp_path / "ref"))
+    plain = preprocess(tmp_path / "in.jsonl", tmp_path / "plain", model, append_eod=True, progress=False)
+    assert IndexedDataset(plain.outputs["text"]).document(0)[0] != sp.bos_id()  # off by default, as before
+    tok = load_tokenizer(model)
+    tok.bos_id = None
+    with pytest.raises(UserError, match="has no beginning-of-sequence token: drop --prepend-bos"):
+        preprocess(tmp_path / "in.jsonl", tmp_path / "none", tok, prepend_bos=True, progress=False)
+    assert not list(tmp_path.glob("none*"))
+
+
 @pytest.mark.slow  # spawned workers import lmforge and load the tokenizer themselves: seconds
 def test_spawned_workers_parse_special_tokens_when_asked(tmp_path, gpt2, monkeypatch):
     import lmforge.data.preprocess as pp
