@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> None:
     cache = cfg.trainer.compile_cache_dir or str(Path(cfg.run_dir) / "compile_cache")
     job = Path(cfg.run_dir) / ".compile-job"
     steps = args.steps
-    cfg = dataclasses.replace(
+    planned, cfg = cfg, dataclasses.replace(
         cfg, run_dir=str(job),
         trainer=dataclasses.replace(cfg.trainer, compile=True, compile_cache_dir=cache, max_steps=steps,
                                     val_check_interval=steps if cfg.trainer.val_check_interval else 0,
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> None:
         checkpoint=dataclasses.replace(cfg.checkpoint, every_n_steps=0, convert_to_hf=False))
     shutil.rmtree(job, ignore_errors=True)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, planned)
     trainer.fit()
     leave_process_group()
     if trainer.world.is_main:

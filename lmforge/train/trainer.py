@@ -75,9 +75,12 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, planned: RunConfig | None = None):
+        """`planned`: the run this one prepares (lmforge compile's throwaway steps): its schedule is the one to warn
+        of, not these few steps'."""
         self.started = time.perf_counter()
         self.cfg, t = cfg, cfg.trainer
+        self.planned = planned or cfg
         self.task = get_task(cfg.data.task)
         self.world = init_world(cfg.trainer.device, cfg.trainer.dist_backend)
         self.run_dir = Path(cfg.run_dir)
@@ -110,7 +113,7 @@ class Trainer:
             from lmforge.devices import bf16_matmul
 
             log.info("trainer.precision=auto: %s (%s)", precision.name, bf16_matmul(self.world.device)[1])
-        if self.world.is_main and (warning := schedule_warning(cfg)):
+        if self.world.is_main and (warning := schedule_warning(self.planned)):
             log.warning(warning)
         if set_tf32(self.world.device, t.tf32) and self.world.is_main:
             log.info("fp32 matrix products on %s: %s", self.world.device.type,
