@@ -66,13 +66,30 @@ def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False, device: 
         init_weights(model, fresh, seed)
         return model, None
     source = Path(section.init_from)
-    repadded = mcfg.make_vocab_size_divisible_by != source_config(source).make_vocab_size_divisible_by
+    before = source_config(source)
+    repadded = mcfg.make_vocab_size_divisible_by != before.make_vocab_size_divisible_by
+    log_init_from(source, mcfg, before)
     # A LoRA run's checkpoint is read whole and merged: its adapters have no place in the sharded base.
     whole = is_checkpoint(source) and (repadded or checkpoint_lora(source) is not None)
     if meta and mcfg.num_labels == num_labels and not whole:
         return build(mcfg, device="meta").to(dtype).train(), functools.partial(load_sharded, source=source)
     model = with_config(load_pretrained(source, dtype=dtype), mcfg).train()
     return with_head(model, num_labels, seed), None
+
+
+def log_init_from(source: Path, mcfg: ModelConfig, before: ModelConfig) -> None:
+    """One line saying where the weights come from, how many, and what the run changes of them (the vocabulary rows
+    re-padded): a continued-pretraining log said nothing of its start."""
+    from lmforge.models import num_parameters
+    from lmforge.models.source import source_kind
+
+    kind = {"hf": "a Hugging Face folder", "lmforge": "an lmforge folder", "checkpoint": "a training checkpoint"}
+    padded = (f"; vocabulary rows re-padded {before.padded_vocab_size} -> {mcfg.padded_vocab_size} (a multiple of "
+              f"{mcfg.make_vocab_size_divisible_by}; the Hugging Face export cuts them back to {mcfg.vocab_size})"
+              if before.padded_vocab_size != mcfg.padded_vocab_size else "")
+    log.info("weights from model.init_from '%s' (%s): %s, %d layers of %d, %.1fM parameters%s", source,
+             kind[source_kind(source)], mcfg.family, mcfg.num_layers, mcfg.hidden_size,
+             num_parameters(build(mcfg, device="meta")) / 1e6, padded)
 
 
 def with_config(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:

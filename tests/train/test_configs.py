@@ -345,3 +345,23 @@ def test_a_warmup_the_run_never_finishes_is_said(warmup, expected):
                                  f"optim.warmup_steps={warmup}"])
     warning = schedule_warning(cfg)
     assert warning is None if expected is None else expected in warning and "never decays" in warning
+
+
+def test_a_run_from_init_from_says_where_its_weights_come_from(tmp_path, caplog):
+    """A continued-pretraining log said nothing of its start: one line names the source, its size and the
+    vocabulary rows the run re-pads (Megatron's padding for the tensor-parallel degree)."""
+    import logging
+
+    from lmforge.models.io import save_model
+    from lmforge.train.setup import init_model
+
+    source = dataclasses.replace(preset("tiny-llama"), make_vocab_size_divisible_by=8)
+    save_model(build(source, device="cpu"), tmp_path / "src")
+    cfg = load_run_config(None, [f"model.init_from={tmp_path / 'src'}", "model.make_vocab_size_divisible_by=256"])
+    with caplog.at_level(logging.INFO, logger="lmforge.train.setup"):
+        model, _ = init_model(cfg)
+    line = next(r.getMessage() for r in caplog.records if "model.init_from" in r.getMessage())
+    assert line.startswith(f"weights from model.init_from '{tmp_path / 'src'}' (an lmforge folder): llama, ")
+    assert (f"vocabulary rows re-padded {source.padded_vocab_size} -> {model.config.padded_vocab_size} (a multiple "
+            f"of 256; the Hugging Face export cuts them back to {source.vocab_size})") in line
+    assert source.padded_vocab_size != model.config.padded_vocab_size
