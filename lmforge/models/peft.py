@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf import adapter_for
+from lmforge.models.hf import adapter_for, hf_modules
 from lmforge.models.hf.base import (
     CONV1D,
     FIRST_HALF,
@@ -67,17 +67,6 @@ PART_OF = {module: target for target, module in TARGETS.items() if target not in
 MOE_BLOCK = "model.layers.{}.mlp"
 PEFT_EXPERT = {"gate_up": "gate_up_proj", "down": "down_proj"}
 _MOE_MLP = ("mlp.router", "mlp.experts", "mlp.gate", "mlp.up", "mlp.down")
-
-
-def hf_modules(cfg: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], str]]:
-    """lmforge module -> (its Hugging Face module name(s), the mapping kind)."""
-    out = {}
-    for ours, theirs, kind in adapter_for(cfg.family).mapping(cfg):
-        if ours.endswith(".weight"):
-            names = tuple(t.removesuffix(".weight") for t in theirs) if isinstance(theirs, tuple) \
-                else theirs.removesuffix(".weight")
-            out[ours.removesuffix(".weight")] = (names, kind)
-    return out
 
 
 def _blocks(adapter: dict, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, slice]]:
@@ -154,18 +143,6 @@ def _stacked_halves(found: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: Mo
             b[i * rows:(i + 1) * rows, col:col + part.shape[1]] = part
             col += part.shape[1]
     return a, b
-
-
-def peft_module_count(targets: dict[str, list[str]], experts: dict[str, dict[str, int]], cfg: ModelConfig) -> int:
-    """How many modules (and target parameters) PEFT adapts for these lmforge targets (lmforge.models.lora's
-    target_modules): Llama's q, k and v three where lmforge fuses them into one projection, Phi-3's gate and up one
-    where Hugging Face fuses them."""
-    rows = hf_modules(cfg)
-    names = set()
-    for module, parts in targets.items():
-        theirs, kind = rows[module]
-        names.update([n for n, p in zip(theirs, QKV) if p in parts] if kind == QKV_SEPARATE else [theirs])
-    return len(names) + sum(len(ranks) for ranks in experts.values())
 
 
 def _layer_order(module: str) -> tuple:

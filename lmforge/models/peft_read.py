@@ -14,6 +14,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.fsutil import open_safetensors
 from lmforge.models.config import ModelConfig
+from lmforge.models.hf import hf_modules
 from lmforge.models.hf.base import (
     CONV1D,
     FIRST_HALF,
@@ -28,7 +29,7 @@ from lmforge.models.hf.base import (
 from lmforge.models.lora import HEADS, QKV, LoRALinear, fuse_parts, qkv_rows, split_parts
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
 from lmforge.models.lora_experts import LoRAExperts, from_peft
-from lmforge.models.peft import CONFIG, MOE_BLOCK, PART_OF, PEFT_EXPERT, PREFIX, WEIGHTS, hf_head_names, hf_modules
+from lmforge.models.peft import CONFIG, MOE_BLOCK, PART_OF, PEFT_EXPERT, PREFIX, WEIGHTS, hf_head_names
 
 log = logging.getLogger(__name__)
 

@@ -61,6 +61,18 @@ def adapter_for(model_type: str) -> HFAdapter:
     return ADAPTERS[model_type]
 
 
+def hf_modules(cfg: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], str]]:
+    """lmforge module -> (its Hugging Face module name(s), the mapping kind): what a LoRA adapter's modules are
+    called in PEFT's format (lmforge.models.peft)."""
+    out = {}
+    for ours, theirs, kind in adapter_for(cfg.family).mapping(cfg):
+        if ours.endswith(".weight"):
+            names = tuple(t.removesuffix(".weight") for t in theirs) if isinstance(theirs, tuple) \
+                else theirs.removesuffix(".weight")
+            out[ours.removesuffix(".weight")] = (names, kind)
+    return out
+
+
 def is_hf_dir(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
