@@ -48,6 +48,7 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
+from lmforge.models.hf import hf_module_count
 from lmforge.models.lora_experts import EXPERT_TARGETS, MLP_ON_EXPERTS, LoRAExperts, expert_delta, expert_ranks
 from lmforge.models.moe import Experts, stacked
 from lmforge.models.nf4 import dense, is_nf4, nf4_linear, quantize_nf4
@@ -264,20 +265,6 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[s
     return out, {name: dict(ranks) for name in experts} if ranks else {}
 
 
-def peft_module_count(targets: dict[str, list[str]], experts: dict[str, dict[str, int]], cfg: ModelConfig) -> int:
-    """How many modules (and target parameters) PEFT adapts for these targets (target_modules'): Llama's q, k and v
-    three where lmforge fuses them into one projection, Phi-3's gate and up one where Hugging Face fuses them."""
-    from lmforge.models.hf import hf_modules
-    from lmforge.models.hf.base import QKV_SEPARATE
-
-    rows = hf_modules(cfg)
-    names = set()
-    for module, parts in targets.items():
-        theirs, kind = rows[module]
-        names.update([n for n, p in zip(theirs, QKV) if p in parts] if kind == QKV_SEPARATE else [theirs])
-    return len(names) + sum(len(ranks) for ranks in experts.values())
-
-
 def _has(modules: dict[str, nn.Module], suffix: str) -> bool:
     return any(isinstance(m, nn.Linear) and n.endswith(f".{suffix}") and ".layers." in f".{n}"
                for n, m in modules.items())
@@ -332,7 +319,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
     blocks = len({f".{name}".split(".layers.")[1].split(".")[0] for name in (*targets, *experts)})
     log.info("LoRA rank %d alpha %g on %s in %d block%s (%d modules as PEFT counts them): %d trainable parameters "
              "of %d (%.2f%%)", lora.rank, lora.alpha, ",".join(adapted), blocks, "s" * (blocks != 1),
-             peft_module_count(targets, experts, model.config), trainable, total, 100 * trainable / total)
+             hf_module_count(targets, QKV, model.config) + sum(len(r) for r in experts.values()), trainable, total,
+             100 * trainable / total)
     return trainable
 
 

@@ -15,7 +15,7 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_dir
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf.base import SIDE_FILES, HFAdapter, export_tensors, import_tensors
+from lmforge.models.hf.base import QKV_SEPARATE, SIDE_FILES, HFAdapter, export_tensors, import_tensors
 from lmforge.models.hf.bert import BertAdapter
 from lmforge.models.hf.gemma2 import Gemma2Adapter
 from lmforge.models.hf.gemma3 import Gemma3Adapter, Gemma3TextAdapter
@@ -71,6 +71,18 @@ def hf_modules(cfg: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], str]]
                 else theirs.removesuffix(".weight")
             out[ours.removesuffix(".weight")] = (names, kind)
     return out
+
+
+def hf_module_count(targets: dict[str, list[str]], qkv: tuple[str, ...], cfg: ModelConfig) -> int:
+    """How many Hugging Face modules (PEFT's count) lmforge's LoRA targets {module: parts} adapt: Llama's q, k, v
+    three where lmforge fuses them into one projection (parts named as in `qkv`), Phi-3's gate and up one where
+    Hugging Face fuses them."""
+    rows = hf_modules(cfg)
+    names = set()
+    for module, parts in targets.items():
+        theirs, kind = rows[module]
+        names.update([n for n, p in zip(theirs, qkv) if p in parts] if kind == QKV_SEPARATE else [theirs])
+    return len(names)
 
 
 def is_hf_dir(folder: Path) -> bool:
