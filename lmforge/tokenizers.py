@@ -369,7 +369,9 @@ def load_tokenizer(path: str | Path, quiet: bool = False) -> Tokenizer:
     path = Path(path)
     if not path.exists():
         raise UserError(f"tokenizer path {path} does not exist: {KINDS_HINT}")
-    file = _find_in_dir(path) if path.is_dir() else path
+    file = find_tokenizer_file(path) if path.is_dir() else path
+    if file is None:
+        raise UserError(f"no single tokenizer file found in {path}: {KINDS_HINT}")
     if file.name.endswith(("vocab.json", "merges.txt")):
         # Pairs share a prefix: HF's vocab.json + merges.txt, Megatron's gpt2-vocab.json + gpt2-merges.txt
         prefix = file.name.removesuffix("vocab.json").removesuffix("merges.txt")
@@ -397,11 +399,7 @@ def load_tokenizer(path: str | Path, quiet: bool = False) -> Tokenizer:
 
 def folder_tokenizer(folder: Path) -> Tokenizer | None:
     """The tokenizer among a model folder's files, None where it holds none lmforge reads."""
-    try:
-        _find_in_dir(Path(folder))
-    except UserError:
-        return None
-    return load_tokenizer(folder, quiet=True)
+    return None if find_tokenizer_file(folder) is None else load_tokenizer(folder, quiet=True)
 
 
 def find_tokenizer_file(folder: str | Path) -> Path | None:
@@ -419,13 +417,6 @@ def find_tokenizer_file(folder: str | Path) -> Path | None:
         if len(found) == 1:
             return found[0]
     return None
-
-
-def _find_in_dir(d: Path) -> Path:
-    file = find_tokenizer_file(d)
-    if file is None:
-        raise UserError(f"no single tokenizer file found in {d}: {KINDS_HINT}")
-    return file
 
 
 def _load_gpt2_bpe(vocab: Path, merges: Path) -> HFTokenizer:
