@@ -227,9 +227,13 @@ class ParallelTraining:
         host = scored_positions(labels) if labels.dim() == 2 and labels.device.type == "cpu" else {}
         if SCORED_ROWS in host:
             batch = {**batch, SCORED_ROWS: host.pop(SCORED_ROWS)}
-        pin = self.pm.device.type == "cuda"
-        return {**{k: (v.pin_memory() if pin and not v.is_pinned() else v).to(self.pm.device, non_blocking=True)
-                   for k, v in batch.items()}, **host}
+        pin = self.pm.device.type == "cuda"  # host tensors only: a batch may be on the device already
+
+        def moved(v: torch.Tensor) -> torch.Tensor:
+            return (v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v).to(
+                self.pm.device, non_blocking=True)
+
+        return {**{k: moved(v) for k, v in batch.items()}, **host}
 
     def global_counts(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """[labelled items, tokens] of the step's micro-batches summed over the data-parallel ranks, on the device

@@ -94,3 +94,22 @@ def test_one_host_sync_per_step_whatever_the_accumulation(task_name, tiny_corpus
             reads = child.submit(_step_reads, task_name, accumulation, tiny_corpus, tmp_path).result(timeout=600)
         assert len(reads) == 1, (accumulation, reads)
         assert "train/step.py" in reads[0]  # the step's one read: loss, statistics, norm and tokens together
+
+
+def test_a_batch_already_on_the_gpu_is_not_pinned(monkeypatch):
+    """Pinned memory is for the host -> GPU copy alone: a batch that is on the GPU already (benchmarks/train.py
+    hands the Trainer one) goes as it is. On an H200 `pin_memory()` of it raised "cannot pin 'torch.cuda.LongTensor'
+    only dense CPU tensors can be pinned" at the first step. CPU: fake CUDA tensors, pin_memory forbidden."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: pytest.fail(f"pinned a {self.device} tensor"))
+    cuda = torch.device("cuda", 0)
+    fake_self = SimpleNamespace(
+        pm=SimpleNamespace(pipelined=False, device=cuda), seq_length=8,
+        layout=SimpleNamespace(tensor=1, sequence_parallel=False),
+        task=SimpleNamespace(inputs=lambda batch: (batch["input_ids"], batch["labels"])))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long, device=cuda),
+                 "labels": torch.zeros(2, 8, dtype=torch.long, device=cuda)}
+        out = ParallelTraining._inputs(fake_self, [batch])
+    assert {t.device for t in out.values()} == {cuda}
