@@ -176,6 +176,9 @@ def remember_peak(key: str, flops: float) -> None:
         log.debug("peak cache %s not updated: %s", path, e)
 
 
+ACHIEVED = "achieved by a training step"
+
+
 class MFU:
     """Model FLOPs utilization, never above 1: a step that ran faster than the peak shows the peak was
     measured low (on shared cores), so the achieved rate becomes the peak, with a warning (and, for a
@@ -188,11 +191,12 @@ class MFU:
 
     def __call__(self, tokens_per_second: float) -> float:
         achieved = tokens_per_second * self.flops_per_token / self.processes
-        if achieved > self.peak:
-            log.warning("a step ran at %.1f GFLOP/s per process, above the peak of %.1f GFLOP/s (%s): the peak was "
-                        "measured low; MFU is counted against the achieved rate from here on%s", achieved / 1e9,
-                        self.peak / 1e9, self.source, "" if self.remember_as else " (set cost.peak_flops to fix it)")
-            self.peak, self.source = achieved, "achieved by a training step"
+        if achieved > self.peak:  # said once: warm-up steps each run faster than the last
+            say = log.debug if self.source == ACHIEVED else log.warning
+            say("a step ran at %.1f GFLOP/s per process, above the peak of %.1f GFLOP/s (%s): the peak was measured "
+                "low; MFU is counted against the achieved rate from here on%s", achieved / 1e9, self.peak / 1e9,
+                self.source, "" if self.remember_as else " (set cost.peak_flops to fix it)")
+            self.peak, self.source = achieved, ACHIEVED
             if self.remember_as is not None:
                 remember_peak(self.remember_as, achieved)
         return achieved / self.peak

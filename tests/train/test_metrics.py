@@ -121,6 +121,11 @@ def test_mfu_never_exceeds_one(peak_cache, caplog):
     assert "above the peak" in caplog.text
     assert mfu(100_000) == pytest.approx(0.4)
     assert metrics.remembered_peak(key) == 1.25e11
+    caplog.clear()  # warm-up steps each faster than the last (every step of a GPU run, an H200 showed): said once
+    with caplog.at_level(logging.WARNING, logger="lmforge.train.metrics"):
+        assert mfu(300_000) == 1.0
+    assert "above the peak" not in caplog.text
+    assert metrics.remembered_peak(key) == 1.5e11
 
 
 def test_tensorboard_tags_are_grouped():
