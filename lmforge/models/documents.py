@@ -40,6 +40,9 @@ from lmforge.models.attention import attention
 
 # Devices that get the flex backend (see the module docstring): FlexAttention trains on "cuda" and "xpu" only.
 FLEX_DEVICES: tuple[str, ...] = ()
+# Inductor's FlexAttention kernels refuse heads narrower than this ("NYI: embedding dimension of the query, key, and
+# value must be at least 16", torch 2.11 on an H200): such layers (tiny test models only) take the split way.
+FLEX_MIN_HEAD_DIM = 16
 # The split backend's smallest chunk: shorter documents are grouped up to it (see the module docstring), which bounds
 # the calls (on an accelerator each is a kernel launch or a few). MIN_CHUNK_BY_DEVICE overrides it by device type: on
 # the CPU a call costs little and a lone document's causal kernel skips the masked half, so each document goes alone
@@ -134,9 +137,9 @@ class Documents:
             window = None
         if window not in self.plans:
             raise ValueError(f"Documents.of was not given window {window}: pass every layer's window")
-        if self.backend == "flex" and not dropout:  # FlexAttention has no dropout
+        if self.backend == "flex" and not dropout and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM:
             return self._flex(q, k, v, window, scale, softcap)
-        if self.backend == "flex":  # with dropout: the split way, planned on first use
+        if self.backend == "flex":  # with dropout (FlexAttention has none) or narrow heads: split, planned on first use
             self.plans.setdefault(("split", window), self._chunks(window))
             return _split_attention(self.plans[("split", window)], q, k, v, scale, softcap, dropout)
         return _split_attention(self.plans[window], q, k, v, scale, softcap, dropout)

@@ -201,3 +201,18 @@ def test_split_attention_skips_the_scores_between_documents():
     # 300 alone (causal), then 200 + 12 grouped under their own mask; the padding needs no call.
     assert calls == [(300, 300, True, False), (212, 212, False, True)]
 
+
+
+def test_flex_backend_sends_heads_narrower_than_its_kernels_allow_the_split_way(monkeypatch):
+    """Inductor's FlexAttention refuses heads under 16 wide (seen on an H200): such layers attend the split way,
+    with the dense mask's result, and FlexAttention is never called."""
+    from lmforge.models import documents
+    from lmforge.models.attention import attention
+
+    segments, _ = packed([[30, 50, 20]], seq=128)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 128, 8, generator=g) for _ in range(3))
+    monkeypatch.setattr(documents, "compiled_flex_attention", lambda: pytest.fail("FlexAttention was called"))
+    out = Documents.of(segments, [None], backend="flex").attend(q, k, v, None, None, None, 0.0)
+    expected = attention(q, k, v, document_mask(segments), False, None, None, 0.0)
+    assert (out - expected).abs().max().item() <= 1e-5
