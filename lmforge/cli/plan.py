@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(plan.to_json(), indent=2))
         return
     where = plan.device if plan.traced_on == plan.device else (
-        f"{plan.device} (this torch build has no {plan.device}: traced on the stand-in device {plan.traced_on})")
+        f"{plan.device} (traced on the stand-in device {plan.traced_on}: no {plan.device} device is touched)")
     lay = plan.layout
     print(f"plan: {args.config} on {plan.world_size} processes, {where}")
     schedule = f", {lay['pipeline_schedule']}" if lay["pipeline_schedule"] else ""

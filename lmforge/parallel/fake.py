@@ -1,6 +1,6 @@
 """Many ranks on one CPU, on fake tensors: a layout's training step traced before paying for devices.
 
-    device, standin = trace_device("cuda")      # cuda itself where this torch build has it, else a stand-in
+    device, standin = trace_device("cuda")      # the stand-in device for an accelerator (no GPU touched)
     with fake_world(device, world_size=64, rank=0):
         mesh = build_mesh(layout, model_cfg, device_type=device.type)
         with FakeTensorMode(allow_non_fake_inputs=True), TraceMode(device) as trace:
@@ -12,10 +12,10 @@ of a 20B-parameter model costs no memory and little time, and an op that mixes d
 FakeTensorDeviceMismatchError as on the device. The process group is torch's fake one (FakeStore):
 collectives return at once, and a group initialised for the device alone has no CPU backend.
 
-Where this torch build lacks the device (a CPU-only build planning for CUDA), the trace runs on a
-stand-in: PyTorch's Python-registered PrivateUse1 backend named "fakegpu", with a no-op device
-guard and streams, an autocast that casts what CUDA's autocast casts to lower precision (matrix
-products and attention), and the fake process group bound to it alone. Everything a CUDA run does
+A trace for an accelerator runs on a stand-in, on every machine (see trace_device): PyTorch's
+Python-registered PrivateUse1 backend named "fakegpu", with a no-op device guard and streams, an
+autocast that casts what CUDA's autocast casts to lower precision (matrix products and attention),
+and the fake process group bound to it alone. Everything a CUDA run does
 with devices (tensors created on the device, collectives on device tensors, autocast, FSDP2's
 streams, DTensor placements) then runs through the same code, on a device that is not the CPU.
 
@@ -53,15 +53,13 @@ class CollectiveDeviceError(RuntimeError):
 
 
 def trace_device(device_type: str) -> tuple[torch.device, bool]:
-    """The device a trace for `device_type` runs on, and whether it is the stand-in (this torch build
-    has no `device_type`). "cpu" traces on the CPU."""
-    from lmforge.devices import accelerator
-
+    """The device a trace for `device_type` runs on, and whether it is the stand-in: the CPU for "cpu", the
+    stand-in for any accelerator, on every machine. A trace needs no device, and one on the real device would
+    open its context in every traced rank's process: memory taken from the jobs on a busy node's GPUs, and a
+    process that has touched CUDA cannot fork the next trace ("Cannot re-initialize CUDA in forked subprocess",
+    lmforge plan on an H200). So a plan is also the same on a laptop as on the cluster."""
     if device_type == "cpu":
         return torch.device("cpu"), False
-    found = accelerator()
-    if found is not None and found.type == device_type:
-        return torch.device(device_type, 0), False
     _register_standin()
     return torch.device(STANDIN, 0), True
 
