@@ -30,7 +30,7 @@ def _grouped_calls(hidden: int, inter: int, experts: int, k: int, ranks: dict[st
     operands' shapes), and what came out. `forbid_loop`: the loop over experts raises."""
     from lmforge.parallel.fake import trace_device
 
-    device, _ = trace_device("cuda")  # cuda where this torch has it, else the stand-in
+    device, _ = trace_device("cuda")  # the stand-in
     moe_module.GROUPED_MM[device.type] = (torch.bfloat16,)
     calls = []
     real = moe_module.F.grouped_mm
@@ -110,5 +110,23 @@ def test_a_width_the_cuda_kernel_cannot_take_runs_the_loop_and_a_narrow_rank_onl
     assert calls and all(4 not in a[1:] + b[1:] for a, b in calls)
 
 
-def test_the_cpu_keeps_every_float_dtype_and_no_other_device_is_listed_before_a_gpu_check():
-    assert moe_module.GROUPED_MM == {"cpu": (torch.float32, torch.bfloat16, torch.float16)}
+def test_the_cpu_keeps_every_float_dtype_and_cuda_bf16_where_the_gpu_check_passed():
+    """CUDA joined after scripts/gpu_check.py's moe check passed on an H200 (capability 9.0): bf16 there, the loop on
+    older GPUs and in other dtypes."""
+    assert moe_module.GROUPED_MM == {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+    assert moe_module.GROUPED_MM_CUDA_CAPABILITY == (9, 0)
+
+
+@pytest.mark.parametrize("capability,grouped", [((8, 0), False), ((9, 0), True), ((10, 0), True)])
+def test_cuda_experts_go_grouped_from_the_capability_the_gpu_check_passed_on(capability, grouped, monkeypatch):
+    """A100s (8.0) keep the loop (the check has not run on one); Hopper and later take the grouped GEMM in bf16.
+    CPU: fake CUDA tensors, the capability faked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(moe_module, "_capability", lambda device: capability)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        rows = torch.empty(12, 64, dtype=torch.bfloat16, device="cuda")
+        offsets = moe_module._grouped_offsets(rows, [5, 0, 7], 64, 128)
+        fp32 = moe_module._grouped_offsets(rows.float(), [5, 0, 7], 64, 128)
+    assert (offsets is not None) == grouped
+    assert fp32 is None
