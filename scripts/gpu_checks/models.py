@@ -44,6 +44,15 @@ def tiny_models(ctx: Context) -> dict[str, tuple[type, Path]]:
     return ctx.once("tiny", make)
 
 
+def reference(cls, folder: Path, dtype: torch.dtype, device: torch.device):
+    """The transformers model of `folder` in eval mode on `device`. Soft-capped attention scores (Gemma 2) in its
+    eager attention: transformers 5.17 (the H200 machine's) runs Gemma 2 through SDPA by default, which drops the cap
+    without a word (2.2 max |logit| from its own eager path, on the CPU too); 5.24 makes eager Gemma 2's default."""
+    capped = json.loads((folder / "config.json").read_text()).get("attn_logit_softcapping") is not None
+    extra = {"attn_implementation": "eager"} if capped else {}
+    return cls.from_pretrained(folder, dtype=dtype, **extra).to(device).eval()
+
+
 def is_decoder_lm(name: str) -> bool:
     return not name.startswith("bert") and not name.endswith("_cls")
 
@@ -61,8 +70,8 @@ def check_parity(ctx: Context) -> tuple[str, dict]:
         ids = torch.randint(1, 300, (2, length), generator=gen).to(dev)
         positions = torch.arange(LONG - length, LONG, device=dev).expand(2, length)  # the last ones: 2047 at the end
         with torch.no_grad():
-            ref = cls.from_pretrained(folder, dtype=torch.float32).to(dev).eval()(ids, position_ids=positions).logits
-            ref16 = cls.from_pretrained(folder, dtype=torch.bfloat16).to(dev).eval()(ids, position_ids=positions)
+            ref = reference(cls, folder, torch.float32, dev)(ids, position_ids=positions).logits
+            ref16 = reference(cls, folder, torch.bfloat16, dev)(ids, position_ids=positions)
             ours = load_pretrained(folder, device=dev)(ids, position_ids=positions)
             ours16 = load_pretrained(folder, device=dev, dtype=torch.bfloat16)(ids, position_ids=positions)
         fp32 = (ours - ref).abs().max().item()
@@ -133,7 +142,7 @@ def check_generate(ctx: Context) -> tuple[str, dict]:
     for name, (cls, folder) in models.items():
         if not is_decoder_lm(name):
             continue
-        ref = cls.from_pretrained(folder, dtype=torch.float32).to(dev).eval()
+        ref = reference(cls, folder, torch.float32, dev)
         ids, mask = left_pad(prompts, 0, dev)
         with torch.no_grad():
             out = ref.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0,

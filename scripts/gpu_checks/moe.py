@@ -49,15 +49,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @check
 def check_moe(ctx: Context) -> tuple[str, dict]:
-    """A MoE layer's forward and backward (with and without expert adapters) with its experts' GEMMs looped and
-    through torch's grouped GEMM (F.grouped_mm) on the device, in its training dtype (bf16; fp32 on the CPU):
-    both within the dtype's tolerance of an fp32 CPU reference, and the time of each. Before
-    lmforge.models.moe.GROUPED_MM names a device, this check must pass on it."""
+    """A MoE layer's forward and backward (with and without expert adapters) on the device: in fp32 with its experts
+    looped, against an fp32 CPU reference; in its training dtype (bf16; fp32 on the CPU) through torch's grouped
+    GEMM (F.grouped_mm) against the loop in that dtype, and the time of each. Before lmforge.models.moe.GROUPED_MM
+    names a device, this check must pass on it.
+
+    bf16 is not compared with the fp32 reference: the router's top-k in bf16 picks another expert wherever two
+    scores are within bf16's rounding (on the H200, 0.3-0.7 max relative error, the same for loop and grouped), so
+    only the two ways in one dtype (one routing) show what the grouped GEMM changes."""
     from lmforge.models import moe
 
     dev = ctx.device
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     tol = 1e-4 if dtype == torch.float32 else 3e-2
+    fp32_tol = 1e-4 if dev.type == "cpu" else 1e-3  # another device's fp32 kernels sum in other orders
     tokens = 512 if ctx.quick else 8192
     fig, bad = {}, []
     listed = dict(moe.GROUPED_MM)
@@ -67,11 +72,12 @@ def check_moe(ctx: Context) -> tuple[str, dict]:
                 hidden, width = hidden // 8, width // 8
             for lora in (False, True):
                 key = f"{name}{' +lora' if lora else ''}"
-                ref_block = _block(hidden, width, experts, k, lora)
                 gen = torch.Generator().manual_seed(1)
                 x = torch.randn(tokens, hidden, generator=gen)
                 grad = torch.randn(tokens, hidden, generator=gen)
-                ref = _run(ref_block, x, grad)  # fp32 on the CPU
+                moe.GROUPED_MM.clear()
+                ref = _run(_block(hidden, width, experts, k, lora), x, grad)  # fp32 on the CPU
+                fp32 = _run(_block(hidden, width, experts, k, lora).to(dev), x.to(dev), grad.to(dev))
                 block = _block(hidden, width, experts, k, lora).to(dev, dtype)
                 xd, gd = x.to(dev, dtype), grad.to(dev, dtype)
                 results, times = {}, {}
@@ -90,16 +96,18 @@ def check_moe(ctx: Context) -> tuple[str, dict]:
                             torch.cuda.synchronize(dev)
                         spent.append(time.perf_counter() - t0)
                     times[way] = statistics.median(spent) * 1e3
-                errors = {way: max(_rel(a, b) for a, b in zip(got, ref, strict=True)) for way, got in results.items()}
+                errors = {"fp32 loop vs fp32 CPU": max(_rel(a, b) for a, b in zip(fp32, ref, strict=True)),
+                          "grouped vs loop": max(_rel(a, b) for a, b in zip(results["grouped"], results["loop"],
+                                                                             strict=True))}
                 fig[key] = {"loop_ms": times["loop"], "grouped_ms": times["grouped"], "rel_err": errors}
-                for way, err in errors.items():
-                    if err > tol:
-                        bad.append(f"{key} {way}: {err:.1e} from the fp32 reference (tolerance {tol:g})")
+                for what, err, limit in zip(errors, errors.values(), (fp32_tol, tol)):
+                    if err > limit:
+                        bad.append(f"{key} {what}: {err:.1e} (tolerance {limit:g})")
     finally:
         moe.GROUPED_MM.clear()
         moe.GROUPED_MM.update(listed)
     if bad:
-        raise AssertionError("MoE experts differ from the fp32 reference: " + "; ".join(bad))
+        raise AssertionError("MoE experts differ: " + "; ".join(bad))
     speed = ", ".join(f"{k} {v['loop_ms'] / v['grouped_ms']:.2f}x" for k, v in fig.items())
-    return (f"{str(dtype).removeprefix('torch.')} loop = grouped = fp32 reference (output, gradients) at {tokens} "
-            f"tokens; grouped vs loop: {speed}"), fig
+    return (f"fp32 loop = fp32 CPU reference, {str(dtype).removeprefix('torch.')} grouped = loop (output, gradients) "
+            f"at {tokens} tokens; grouped vs loop: {speed}"), fig
