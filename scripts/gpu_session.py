@@ -45,14 +45,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/site")
 
 
-def stages(device: str, quick: bool) -> dict[str, tuple[list[str], int]]:
-    """name -> (command, its own time limit in seconds)."""
+def stages(device: str, quick: bool, only: str | None = None) -> dict[str, tuple[list[str], int]]:
+    """name -> (command, its own time limit in seconds); `only`: the check stage's checks (gpu_check.py --only)."""
     py = sys.executable
     q = ["--quick"] if quick else []
     write = [] if quick else ["--write"]
     return {
-        "check": ([py, "scripts/gpu_check.py", "--device", device, "--out", "{out}/gpu_check.json", *q], 300),
-        "train": ([py, "benchmarks/train.py", "--device", device, *q, *write], 300),
+        "check": ([py, "scripts/gpu_check.py", "--device", device, "--out", "{out}/gpu_check.json", *q,
+                   *(["--only", only] if only else [])], 300),
+        # The goals' sides only (fp8 is a stage of its own), 5 steps each: one device call must also hold the check.
+        "train": ([py, "benchmarks/train.py", "--device", device, *q, *write, "--repeats", "1" if quick else "5",
+                   "--sides", "hf,hf-compile,bf16-mixed,bf16-mixed-compile,bf16-sr-compile"], 300),
         "generate": ([py, "benchmarks/generate.py", "--device", device, *q, *write,
                       *([] if quick else ["--shape", "pythia-1b", "--dtype", "bfloat16", "--batch", "1", "8",
                                           "--repeats", "3"])], 240),
@@ -114,9 +117,11 @@ def main() -> int:
                    help="where results go (default $OUT, the device tool's folder)")
     p.add_argument("--limit", action="append", default=[], metavar="STAGE=SECONDS",
                    help="a stage's own time limit instead of its default (repeatable), e.g. --limit train=420")
+    p.add_argument("--only", default=None, metavar="CHECKS", help="the check stage's checks, comma-separated (a "
+                   "rerun of those that failed; default all)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args()
-    table = stages(args.device, args.quick)
+    table = stages(args.device, args.quick, args.only)
     for item in args.limit:
         name, _, seconds = item.partition("=")
         if name not in table or not seconds.replace(".", "", 1).isdigit():
