@@ -98,6 +98,9 @@ def optimizers(model: str, device: torch.device, inductor: bool) -> dict[str, to
             make(model, torch.bfloat16, device), stochastic_rounding=False, compiled=True, **kw),
         f"{SR}, eager (foreach chunks)": AdamWSR(make(model, torch.bfloat16, device), compiled=False, **kw),
     }
+    if device.type != "cpu":  # the same kernels from one compiled call per group (AdamWSR(batched=True)): the A/B
+        opts[f"{SR}, {compiled}, one call per group"] = AdamWSR(make(model, torch.bfloat16, device), compiled=True,
+                                                                batched=True, **kw)
     if inductor and device.type == "cpu":
         opts[f"{SR}, torch.compile of the update"] = InductorAdamWSR(make(model, torch.bfloat16, device), **kw)
     return opts

@@ -168,6 +168,23 @@ def compiled_update(device_type: str) -> Callable | None:
     return torch.compile(torch_update, dynamic=True)
 
 
+def torch_update_rows(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor],
+                      s: torch.Tensor, ks: list[torch.Tensor], sr: bool) -> None:
+    """torch_update over a group's rows in one call: compiled, one graph whose kernels (one per row) Inductor's
+    wrapper launches, so the Python call and guard checks of a compiled function are paid once per group, not once
+    per tensor (AdamWSR(batched=True); on an H200 the per-tensor calls cost ~70 us each by inference)."""
+    for w, g, m, v, k in zip(ws, gs, ms, vs, ks, strict=True):
+        torch_update(w, g, m, v, s, k, sr)
+
+
+@functools.cache
+def compiled_rows_update(device_type: str) -> Callable | None:
+    """torch.compile(torch_update_rows), or None where compiled_update is (no Triton on a GPU)."""
+    if compiled_update(device_type) is None:
+        return None
+    return torch.compile(torch_update_rows, dynamic=True)
+
+
 def kernel_scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> torch.Tensor:
     """The update's scalars as fp32, each rounded from the same Python float the eager ops are given."""
     beta1, beta2 = betas
