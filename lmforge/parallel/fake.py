@@ -15,9 +15,9 @@ collectives return at once, and a group initialised for the device alone has no 
 A trace for an accelerator runs on a stand-in, on every machine (see trace_device): PyTorch's
 Python-registered PrivateUse1 backend named "fakegpu", with a no-op device guard and streams, an
 autocast that casts what CUDA's autocast casts to lower precision (matrix products and attention),
-and the fake process group bound to it alone. Everything a CUDA run does
-with devices (tensors created on the device, collectives on device tensors, autocast, FSDP2's
-streams, DTensor placements) then runs through the same code, on a device that is not the CPU.
+and the fake process group bound to it alone. Everything a CUDA run does with devices (tensors
+created on the device, collectives on device tensors, autocast, FSDP2's streams, DTensor
+placements) then runs through the same code, on a device that is not the CPU.
 
 TraceMode is the dispatch mode around the traced code:
 - it weighs every tensor storage that torch ops hand out (a DTensor counts its local piece) and

@@ -267,9 +267,9 @@ class AdamWSR(torch.optim.Optimizer):
         fits = bf16_rows(rows)
         done = self._run_rows(device, rows, fits, scalars, table)
         for i, row in enumerate(rows):  # each row from its own first counter, whichever way it goes
-            self._counter = firsts[i]
+            self._counter = firsts[i]  # an empty bf16 row (a shard with nothing here) is done as it is
             if not (i in done or fits[i] and (not row[0].numel() or self._run(kernel, row, scalars, table[i]))):
-                self._update_chunks([row], group, t, keys)  # (an empty shard: nothing to do)
+                self._update_chunks([row], group, t, keys)
         self._counter = firsts[-1]
 
     def _run_rows(self, device: torch.device, rows: list[tuple[torch.Tensor, ...]], fits: list[bool],
