@@ -11,7 +11,9 @@ Before timing, the first-step losses must agree. On a CPU the sides of a precisi
 (order rotated) and the GEMM peaks are measured again each repeat, MFU against the best peak seen; on an
 accelerator one side is built, timed and freed after another (see train_sides.py), MFU is against the device's
 datasheet peak (the measured 8192^3 GEMM peak beside it), and each side's peak memory is reported. Step times are
-medians. A profile of one step per side says where the time goes (CPU). `--help` lists the options.
+medians. A profile of one step per side says where the time goes: on a CPU the ops' self time (transformers, lmforge,
+lmforge before its speed work), on an accelerator the device's kernels (the goals' compiled sides: each kernel under
+the op that launched it, and how long the device sat idle within the step). `--help` lists the options.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from lmforge.models import load_pretrained, preset
 from lmforge.models.hf import import_hf
 from lmforge.train.metrics import FP8, bounded_cpu_peak, datasheet_peak, flops_per_token
 from lmforge.train.optim import param_groups
-from lmforge.train.profile import profile_step, profile_table
+from lmforge.train.profile import device_profile_table, profile_device_step, profile_step, profile_table
 from lmforge.train.trainer import Trainer
 
 SECTION = "## Training step: lmforge vs transformers"
@@ -70,6 +72,7 @@ SIDES = {
     "fp8": ("lmforge bf16-mixed + float8 tensorwise + compile", "bf16-mixed", True, "tensorwise"),
     "fp8-rowwise": ("lmforge bf16-mixed + float8 rowwise + compile", "bf16-mixed", True, "rowwise"),
 }
+KERNEL_PROFILE = ["hf-compile", "bf16-mixed-compile", "bf16-sr-compile", "fp8"]  # the goals' sides (accelerator)
 DEFAULT_SIDES = {  # (on an accelerator, precision) -> keys; the first is the reference of the group
     (False, "fp32"): ["hf", "fp32", "fp32-compile"],
     (False, "bf16"): ["hf", "bf16-mixed", "bf16-mixed-compile", "bf16-sr"],
@@ -129,7 +132,17 @@ def measure(args, tmp: Path, bf16_ok: bool) -> tuple[list[list[Side]], dict, dic
     batch = {"tokens": ids, "labels": torch.cat([ids[:, 1:], torch.full((args.batch, 1), -100)], 1)}
     ids, batch = ids.to(device), {k: v.to(device) for k, v in batch.items()}
     peaks = {torch.float32: device_peak(torch.float32, device)}
-    groups, profiles = [], {}
+    groups, profiles, kernels = [], {}, {}
+    wanted = {SIDES[k][0] for k in args.kernel_profile}
+
+    def kernel_profile(side: Side) -> None:
+        if side.name.replace(" (bf16 autocast)", "") not in wanted:
+            return
+        log(f"  profiling the kernels of one {side.name} step")
+        try:
+            kernels[side.name] = profile_device_step(side.step, device)
+        except Exception as e:  # a diagnostic: its failure must not cost the run its timings
+            log(f"  kernel profile of {side.name} failed: {type(e).__name__}: {e}")
     for precision in args.precisions:
         if precision == "bf16" and not bf16_ok:
             peaks[torch.bfloat16] = bounded_cpu_peak(torch.bfloat16, max_n=256)[0]
@@ -150,13 +163,13 @@ def measure(args, tmp: Path, bf16_ok: bool) -> tuple[list[list[Side]], dict, dic
             sides = [b() for b in builders]
             run_interleaved(sides, args.repeats, peaks, device=device)
         else:
-            sides = run_sequential(builders, args.repeats, device)
+            sides = run_sequential(builders, args.repeats, device, kernel_profile if wanted else None)
         groups.append(sides)
         if precision in args.profile and device.type == "cpu":
             eager = next((s for s in sides if s.trainer is not None and "compile" not in s.name), None)
             if eager is not None:
                 profiles[precision] = profile_group(sides[0], eager.trainer, batch)
-    return groups, peaks, profiles
+    return groups, peaks, profiles, kernels
 
 
 def mfu_peak(dtype, peaks: dict, device: torch.device) -> tuple[float, str]:
@@ -266,6 +279,9 @@ def main() -> None:
                         "side always comes first)")
     p.add_argument("--profile", nargs="*", default=None, choices=["fp32", "bf16"],
                    help="precisions to profile on a CPU (default bf16, or fp32 where bf16 is skipped)")
+    p.add_argument("--kernel-profile", type=lambda s: [] if s == "none" else s.split(","), default=None,
+                   metavar="SIDES", help="on an accelerator: the sides whose device kernels one extra step profiles "
+                   f"(default {','.join(KERNEL_PROFILE)}, those in the run; none: no profile)")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled sides")
     p.add_argument("--one-at-a-time", action="store_true", help="build, time and free one side after another (what "
                    "an accelerator always does; on a CPU the sides otherwise take turns step by step)")
@@ -277,9 +293,9 @@ def main() -> None:
     args = p.parse_args()
     if args.quick and args.write:
         p.error("--quick numbers are not benchmark numbers: run without --quick to --write")
-    unknown = [k for k in args.sides or [] if k not in SIDES]
+    unknown = [k for k in (args.sides or []) + (args.kernel_profile or []) if k not in SIDES]
     if unknown:
-        p.error(f"--sides: unknown {', '.join(unknown)}; choose from {', '.join(SIDES)}")
+        p.error(f"--sides/--kernel-profile: unknown {', '.join(unknown)}; choose from {', '.join(SIDES)}")
     try:
         args.device = resolve_device(args.device)
     except UserError as e:
@@ -300,6 +316,9 @@ def main() -> None:
         bf16_ok = bf16_ok or args.force_bf16
     else:  # bf16 matrix units are what accelerators have: the CPU caveats do not apply
         desc, bf16_ok = accelerator_description(args.device), True
+    if args.kernel_profile and on_cpu:
+        log("note: --kernel-profile profiles an accelerator's kernels; on a CPU --profile says where the time goes")
+    args.kernel_profile = [] if on_cpu else KERNEL_PROFILE if args.kernel_profile is None else args.kernel_profile
     if args.profile is None:
         args.profile = ["bf16"] if on_cpu else []
     elif args.profile and not on_cpu:
@@ -311,7 +330,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        groups, peaks, profiles = measure(args, Path(tmp), bf16_ok)
+        groups, peaks, profiles, kernels = measure(args, Path(tmp), bf16_ok)
     tokens, flops = args.batch * args.seq, flops_per_token(preset(args.preset), args.seq)
     malloc = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]  # glibc tuning
     command = " ".join([*malloc, "python", "benchmarks/train.py", *sys.argv[1:]])
@@ -338,6 +357,11 @@ def main() -> None:
     for precision, prof in profiles.items():
         body += (f"\nWhere one {precision} step's time goes (torch.profiler, self time per op, "
                  f"lmforge.train.profile):\n\n{profile_table(prof)}\n")
+    if kernels:
+        gemm_flops = flops_per_token(preset(args.preset), 0) * tokens  # at seq 0 the matmuls' 6N alone
+        body += ("\nWhere one step's device time goes (torch.profiler's kernels, by the op that launched each or "
+                 "else its name: lmforge.train.profile; one more step per side after its timed ones, the profiler "
+                 f"warmed up by another):\n\n{device_profile_table(kernels, gemm_flops)}\n")
     print(body)
     if args.write:
         label = f"CPU, {desc}" if on_cpu else f"{args.device.type.upper()}, {desc}, {args.preset}"

@@ -216,9 +216,11 @@ def run_interleaved(sides: list[Side], repeats: int, peaks: dict, device: torch.
             + f" (load {os.getloadavg()[0]:.1f})")
 
 
-def run_sequential(builders: list[Callable[[], Side]], repeats: int, device: torch.device) -> list[Side]:
+def run_sequential(builders: list[Callable[[], Side]], repeats: int, device: torch.device,
+                   profile: Callable[[Side], None] | None = None) -> list[Side]:
     """One side at a time: build, warm up, time `repeats` steps, free it; each side's peak memory is the most it
-    held at once above what was allocated before it was built (the batch and the shared inputs)."""
+    held at once above what was allocated before it was built (the batch and the shared inputs). `profile(side)`,
+    if given, runs after the timed steps, while the side is alive (its extra steps are not timed)."""
     sides = []
     for build in builders:
         gc.collect()
@@ -234,6 +236,8 @@ def run_sequential(builders: list[Callable[[], Side]], repeats: int, device: tor
         side.whole_peak = (max_memory_allocated(device) or 0) - base
         log(f"  {side.name}: median {side.seconds:.4f} s over {repeats} steps, peak {side.whole_peak / 2**30:.2f} "
             "GiB")
+        if profile is not None:
+            profile(side)
         side.step = side.state_bytes = side.trainer = None  # frees its model and optimizer before the next is built
         sides.append(side)
         _check_first_loss(sides)
