@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import accelerator_description, publish  # benchmarks/report.py
+from report import BENCHMARKS_MD, accelerator_description, write_block  # benchmarks/report.py
 from train_sides import hf_shape  # benchmarks/train_sides.py
 
 from lmforge.devices import max_memory_allocated, memory_allocated, reset_peak_memory_stats, resolve_device, synchronize
@@ -328,38 +328,63 @@ def main() -> None:
     import transformers
 
     load_start, t0 = os.getloadavg()[0], time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = [row for name, shape in shapes.items() if dtypes
-                for row in measure(args, name, shape, Path(tmp) / name, dtypes)]
     command = "python benchmarks/generate.py" + "".join(f" {a}" for a in sys.argv[1:])
     what = "tiny GPT-NeoX (--quick)" if args.quick else (
         "Pythia shapes, random weights: " + ", ".join(
             f"{n} (d {SHAPES[n]['hidden_size']}, {SHAPES[n]['num_hidden_layers']} layers, "
             f"{SHAPES[n]['num_attention_heads']} heads)" for n in args.shape)
         + ", each with the 50304-row vocabulary and 25% rotary")
-    body = (
-        f"Command: `{command}` (or `lmforge bench generate`). {what}; greedy, batch of left-padded prompts of "
-        f"{args.prompt_len} down to {args.prompt_len - args.prompt_len // 4} tokens, {args.new_tokens} new tokens "
-        "per row (eos off). tok/s = new tokens / wall time of the whole `generate` call (prefill included), median "
-        f"of {args.repeats} runs, the sides taking turns in rotated order. *transformers*: its default dynamic cache "
-        "and SDPA; *transformers compile*: `cache_implementation=\"static\"` with its compiled decoding forced on "
-        "for CPU (on CUDA its default reduce-overhead mode, CUDA graphs); *lmforge compile*: `generate(..., "
-        "compile=True)` (the decode step through torch.compile over the filled slots of the preallocated cache); "
-        "*lmforge reduce-overhead*: `compile=\"reduce-overhead\"`, the static-shape step over the whole cache, "
-        "replayed as CUDA graphs on CUDA (the same static graph without them on the CPU). "
-        "*matmuls alone*: the decode step's matrix products and nothing else, timed in the "
-        "same turns; *bandwidth bound*: copy bandwidth (512 MB, read + write) / bytes one decode step reads "
-        "(weights but the embedding table, plus the keys/values of the mean context): no implementation reading "
-        "fp32 weights once per step exceeds it. *best / bound*: the faster lmforge side against that bound. "
-        "*same tokens*: share of generated tokens equal to transformers' (fp32 lmforge must be 100%). "
-        "*load*: 1-minute load average after the row (the machine is shared).\n\n"
-        f"{cpu}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, {datetime.date.today()}; {time.perf_counter() - t0:.0f} s in all, load "
-        f"average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.\n\n"
-        + (f"{table(rows)}\n\n{details(rows)}\n\n{ceiling(rows)}\n" if rows else "")
-        + (f"\n{skipped}\n" if skipped else "")
-    )
-    publish(SECTION, body, args.write)
+
+    def body(rows: list[dict], done: bool) -> str:
+        return (
+            f"Command: `{command}` (or `lmforge bench generate`). {what}; greedy, batch of left-padded prompts of "
+            f"{args.prompt_len} down to {args.prompt_len - args.prompt_len // 4} tokens, {args.new_tokens} new "
+            f"tokens per row (eos off), median of {args.repeats} runs. {cpu}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, {datetime.date.today()}; {time.perf_counter() - t0:.0f} s "
+            f"{'in all' if done else 'so far (the run goes on: rows are written as they finish)'}, load average "
+            f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end.\n\n"
+            + (f"{table(rows)}\n\n{details(rows)}\n\n{ceiling(rows)}\n" if rows else "")
+            + ("" if on_cpu or not rows else f"\n{goal(rows)}\n")
+            + (f"\n{skipped}\n" if skipped else ""))
+
+    label = f"CPU, {cpu}" if on_cpu else f"{args.device.type.upper()}, {cpu}"
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, shape in shapes.items() if dtypes else ():
+            for row in measure(args, name, shape, Path(tmp) / name, dtypes):
+                rows.append(row)
+                if args.write:  # a run cut at a time limit keeps the rows it finished
+                    write_block(SECTION, INTRO, label, body(rows, done=False))
+    print(body(rows, done=True))
+    if args.write:
+        write_block(SECTION, INTRO, label, body(rows, done=True))
+        print(f"wrote '{SECTION}' ({label}) to {BENCHMARKS_MD}")
+
+
+def goal(rows: list[dict]) -> str:
+    """Issue 14's decode goal on an accelerator: batch-1 greedy >= 2x transformers' compiled static-cache decode."""
+    out = []
+    for r in rows:
+        hf, ours = r["tok_s"].get("transformers compile"), r["tok_s"].get("lmforge reduce-overhead")
+        if r["batch"] == 1 and hf and ours:
+            out.append(f"- {r['shape']} {r['dtype']} batch 1, lmforge reduce-overhead (CUDA graphs) >= 2x transformers "
+                       f"compile (static cache): {'met' if ours >= 2 * hf else 'not met'} — {ours / hf:.2f}x.")
+    return "\n".join(out) or "- batch-1 goal: no batch-1 row with both compiled sides in this run."
+
+
+INTRO = (
+    "tok/s = new tokens / wall time of the whole `generate` call (prefill included), the sides taking turns in "
+    "rotated order. *transformers*: its default dynamic cache and SDPA; *transformers compile*: "
+    "`cache_implementation=\"static\"` with its compiled decoding forced on for CPU (on CUDA its default "
+    "reduce-overhead mode, CUDA graphs); *lmforge compile*: `generate(..., compile=True)` (the decode step through "
+    "torch.compile over the filled slots of the preallocated cache); *lmforge reduce-overhead*: "
+    "`compile=\"reduce-overhead\"`, the static-shape step over the whole cache, replayed as CUDA graphs on CUDA (the "
+    "same static graph without them on the CPU). *matmuls alone*: the decode step's matrix products and nothing "
+    "else, timed in the same turns; *bandwidth bound*: copy bandwidth (512 MB, read + write) / bytes one decode step "
+    "reads (weights but the embedding table, plus the keys/values of the mean context): no implementation reading "
+    "the weights once per step exceeds it. *best / bound*: the faster lmforge side against that bound. *same "
+    "tokens*: share of generated tokens equal to transformers' (fp32 lmforge must be 100%). *load*: 1-minute load "
+    "average after the row (the machine is shared). One block per device; `--help` lists the options.")
 
 
 if __name__ == "__main__":
