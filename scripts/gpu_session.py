@@ -13,12 +13,15 @@ killed at its limit still returns the others' results:
     check     scripts/gpu_check.py: correctness on the device (every family's parity, generate and CUDA graphs,
               training in each precision, resume, export, serving, two ranks)  ->  gpu_check.json
     train     benchmarks/train.py --write: Pythia-1B, seq 2048, bf16: transformers eager and compiled vs lmforge
-              bf16-mixed eager and compiled, bf16-sr compiled, Float8 (issue 14's MFU / 1.3x / bf16-sr goals)
-    generate  benchmarks/generate.py --write: Pythia-1B bf16 greedy decode, batch 1 and 8, lmforge eager /
+              bf16-mixed eager and compiled, bf16-sr compiled (issue 14's MFU / 1.3x / bf16-sr goals), and a kernel
+              profile of one step of each compiled side (where the device time goes, how long it sat idle)
+    generate  benchmarks/generate.py --write: Pythia-1B bf16 greedy decode, batch 1, lmforge eager /
               compiled / CUDA graphs vs transformers' dynamic and compiled static cache (the 2x batch-1 goal)
     moe       benchmarks/moe.py --device cuda --write: MoE layers (Mixtral's width, Qwen3-30B-A3B's 128 experts), bf16,
               lmforge's experts looped and through the grouped GEMM vs transformers' grouped_mm (the 2x goal)
     optim     benchmarks/optim.py --device cuda --write: AdamWSR vs fused AdamW at Pythia-1B's shapes
+    lora      benchmarks/lora.py --device cuda --write: LoRA fine-tuning of Pythia-410M (batch 8 x 1024), a bf16 base:
+              lmforge vs PEFT + transformers (the 1.2x tokens/s goal), and lmforge's QLoRA (NF4 base) row
     fp8       benchmarks/train.py --write at Pythia-1.4B: bf16-mixed vs Float8, both compiled (the 1.2x goal)
     eval      benchmarks/eval.py --device cuda --write: lmforge eval vs lm-eval's hf backend, fp32 (needs
               gpu_prepare.sh --eval: lm-eval's wheels, SST-2 and WikiText-2)
@@ -57,12 +60,19 @@ def stages(device: str, quick: bool, only: str | None = None) -> dict[str, tuple
         "train": ([py, "benchmarks/train.py", "--device", device, *q, *write, "--repeats", "1" if quick else "5",
                    "--sides", "hf,hf-compile,bf16-mixed,bf16-mixed-compile,bf16-sr-compile"], 300),
         "generate": ([py, "benchmarks/generate.py", "--device", device, *q, *write,
-                      *([] if quick else ["--shape", "pythia-1b", "--dtype", "bfloat16", "--batch", "1", "8",
+                      # Batch 1 alone (the goal's): the H200's first calls took 17-22 s a side, and batch 8 with
+                      # its own compilations did not fit the limit. Rows are written as they finish.
+                      *([] if quick else ["--shape", "pythia-1b", "--dtype", "bfloat16", "--batch", "1",
                                           "--repeats", "3"])], 240),
         "moe": ([py, "benchmarks/moe.py", "--device", device, *write,
                  *(["--tokens", "256", "--seq", "128", "--repeats", "1"] if quick else [])], 150),
         "optim": ([py, "benchmarks/optim.py", "--device", device, *write,
                    "--model", "tiny-neox" if quick else "pythia-1b", "--repeats", "1" if quick else "10"], 120),
+        # bf16, the one-GPU recipe, with the QLoRA row. One round of 10 steps: three processes, each starting Python,
+        # loading Pythia-410M and taking a warm-up step (~20 s each, estimated: not yet timed on a GPU).
+        "lora": ([py, "benchmarks/lora.py", "--device", device, *q, *write, "--precision", "bf16", "--qlora",
+                  *([] if quick else ["--shape", "pythia-410m", "--batch", "8", "--seq", "1024", "--steps", "10",
+                                      "--rounds", "1"])], 150),
         "eval": ([py, "benchmarks/eval.py", "--device", device, *write, "--repeats", "1" if quick else "3",
                   *(["--quick"] if quick else [])], 240),
         "fp8": ([py, "benchmarks/train.py", "--device", device, *q, *write, "--shape", "pythia-1.4b",
@@ -110,7 +120,7 @@ def run_stage(cmd: list[str], env: dict, log_file, limit: float) -> tuple[int | 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=480, help="seconds for all stages together (default 480)")
-    p.add_argument("--stages", default="check,train,generate,moe,optim,fp8,eval", help="comma-separated, in order")
+    p.add_argument("--stages", default="check,train,generate,moe,optim,lora,fp8,eval", help="comma-separated, in order")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a dry run of the flow on the CPU)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-session")),

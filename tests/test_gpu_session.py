@@ -19,10 +19,19 @@ def test_the_dry_run_lists_each_stage_with_its_limit_and_an_unknown_stage_is_one
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["check", "train", "generate", "moe", "optim", "fp8", "eval"]
+    assert [line.split()[0] for line in lines] == ["check", "train", "generate", "moe", "optim", "lora", "fp8",
+                                                   "eval"]
     assert f"--out {tmp_path}/gpu_check.json" in lines[0]
     assert "--write" in lines[1] and "--device cuda" in lines[1]
-    assert "--shape pythia-1.4b" in lines[5] and "fp8" in lines[5]
+    assert "benchmarks/lora.py --device cuda --write --precision bf16 --qlora --shape pythia-410m" in lines[5]
+    assert lines[5].endswith("(limit 150 s)")
+    assert "--shape pythia-1.4b" in lines[6] and "fp8" in lines[6]
+    # --quick: the same stages on tiny shapes, nothing written to BENCHMARKS.md.
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--quick", "--device", "cpu", "--stages", "lora",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "benchmarks/lora.py --device cpu --quick --precision bf16 --qlora (limit" in r.stdout
+    assert "--write" not in r.stdout
     r = subprocess.run([sys.executable, str(SCRIPT), "--stages", "train,nope", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown nope" in r.stderr.strip().splitlines()[-1]
