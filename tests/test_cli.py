@@ -140,6 +140,15 @@ def test_overrides_may_follow_a_verbs_options(tmp_path, capsys):
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
+def test_a_dashed_override_is_answered_with_the_key_value_form(tmp_path, capsys):
+    """torchtitan's and NeMo's CLIs take --trainer.max_steps=3; lmforge's overrides are key=value."""
+    with pytest.raises(SystemExit) as e:
+        main(["finetune", str(tmp_path / "c.yaml"), "--trainer.max_steps=3"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2
+    assert last.endswith("config overrides are key=value without dashes, e.g. trainer.max_steps=3")
+
+
 def test_the_keys_pretrain_and_finetune_help_names_exist():
     """`lmforge pretrain --help` / `finetune --help` list keys by name: each one is a field of the run config."""
     import dataclasses

@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             "=" in a and not a.startswith("-") for a in extra):
         args.overrides += extra
     elif extra:
+        dashed = [a for a in extra if a.startswith("--") and "." in a.split("=", 1)[0]]
+        if dashed and isinstance(getattr(args, "overrides", None), list):  # torchtitan/NeMo habit: --trainer.x=3
+            fixed = dashed[0].lstrip("-") if "=" in dashed[0] else f"{dashed[0].lstrip('-')}=VALUE"
+            p.error(f"unrecognized argument {dashed[0]}: config overrides are key=value without dashes, e.g. {fixed}")
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.verb is None:
         parser().print_help()
