@@ -92,6 +92,24 @@ def log_init_from(source: Path, mcfg: ModelConfig, before: ModelConfig) -> None:
              num_parameters(build(mcfg, device="meta")) / 1e6, padded)
 
 
+def warn_about_the_start(cfg: RunConfig, mcfg: ModelConfig) -> None:
+    """Starts that run but are seldom meant: fine-tuning random weights (a preset and no model.init_from), and a
+    pretrained model's context stretched past what it was trained on (model.max_position_embeddings raised over
+    the source's: no error, the rotary positions extrapolate, and the export then claims the longer context)."""
+    if cfg.model.init_from is None:
+        if cfg.data.task in ("sft", "dpo"):
+            log.warning("data.task=%s on randomly initialised weights (model.preset %s, no model.init_from): "
+                        "fine-tuning starts from a trained model: set model.init_from=FOLDER", cfg.data.task,
+                        cfg.model.preset)
+        return
+    trained = source_config(cfg.model.init_from).max_position_embeddings
+    if mcfg.max_position_embeddings > trained:
+        log.warning("model.max_position_embeddings %d is over the %d positions model.init_from '%s' was trained "
+                    "on: past them its rotary positions extrapolate (a model.rope_scaling usually goes with a longer "
+                    "context), and the export will say %d; data.seq_length=%d keeps to what it knows",
+                    mcfg.max_position_embeddings, trained, cfg.model.init_from, mcfg.max_position_embeddings, trained)
+
+
 def with_config(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
     """The same weights under `cfg`, which may differ from the model's config only in RUN_OVERRIDES: dropout,
     and the vocabulary rows padded to another multiple (Megatron's make_vocab_size_divisible_by, 128 x the
@@ -126,10 +144,12 @@ def check_fit(cfg: RunConfig, mcfg: ModelConfig, data_parallel: int) -> int:
         raise UserError(f"trainer.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
                         f"{t.micro_batch_size} x {data_parallel} data-parallel processes: change one of them")
     if cfg.data.seq_length > mcfg.max_position_embeddings:
-        fix = ("shorten the sequences or raise model.max_position_embeddings (rotary positions: no weights depend on "
-               "it; a larger model.rotary_base or a model.rope_scaling often goes with it)"
+        fix = (f"shorten the sequences (data.seq_length={mcfg.max_position_embeddings}) or raise "
+               "model.max_position_embeddings (rotary positions: no weights depend on it; a larger model.rotary_base "
+               "or a model.rope_scaling often goes with it)"
                if mcfg.position_embedding == "rotary" else
-               "shorten the sequences (its positions are learned weights)")
+               f"shorten the sequences (data.seq_length={mcfg.max_position_embeddings}; its positions are learned "
+               "weights)")
         raise UserError(f"data.seq_length {cfg.data.seq_length} exceeds the model's max_position_embeddings "
                         f"{mcfg.max_position_embeddings}: {fix}")
     return t.global_batch_size // per_step

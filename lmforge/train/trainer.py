@@ -65,6 +65,7 @@ from lmforge.train.setup import (
     load_run_tokenizer,
     memory_gb,
     use_compile_cache,
+    warn_about_the_start,
 )
 from lmforge.train.step import ParallelTraining, check_pipeline_batch
 from lmforge.train.stopping import Stopped, StopSignals
@@ -135,6 +136,8 @@ class Trainer:
         layout = check_pipeline_batch(layout, self.grad_accum, t.micro_batch_size, t.global_batch_size,
                                       layout.data_parallel)
         check_tokenizer(self.tokenizer, self.mcfg, from_scratch=not cfg.model.init_from)
+        if self.world.is_main:
+            warn_about_the_start(cfg, self.mcfg)
         if fill is None:
             model.to(self.world.device, base_dtype)
         if cfg.lora is not None:

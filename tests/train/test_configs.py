@@ -251,8 +251,8 @@ def test_a_rotary_source_may_be_given_a_longer_context_and_a_learned_one_may_not
     source = dataclasses.replace(preset("tiny-llama"), max_position_embeddings=64)
     save_model(build(source, device="cpu"), tmp_path / "llama")
     cfg = load_run_config(None, [f"model.init_from={tmp_path / 'llama'}", "data.seq_length=128"])
-    with pytest.raises(UserError, match=r"exceeds the model's max_position_embeddings 64: shorten the sequences or "
-                                        r"raise model.max_position_embeddings \(rotary"):
+    with pytest.raises(UserError, match=r"exceeds the model's max_position_embeddings 64: shorten the sequences "
+                                        r"\(data.seq_length=64\) or raise model.max_position_embeddings \(rotary"):
         check_fit(cfg, cfg.model.resolve(), 1)
     longer = load_run_config(None, [f"model.init_from={tmp_path / 'llama'}", "data.seq_length=128",
                                     "model.max_position_embeddings=128"])
@@ -270,8 +270,8 @@ def test_a_rotary_source_may_be_given_a_longer_context_and_a_learned_one_may_not
     save_model(build(dataclasses.replace(preset("tiny-gpt2"), max_position_embeddings=64), device="cpu"),
                tmp_path / "gpt2")
     cfg = load_run_config(None, [f"model.init_from={tmp_path / 'gpt2'}", "data.seq_length=128"])
-    with pytest.raises(UserError, match=r"max_position_embeddings 64: shorten the sequences \(its positions are "
-                                        r"learned weights\)$"):
+    with pytest.raises(UserError, match=r"max_position_embeddings 64: shorten the sequences \(data.seq_length=64; its "
+                                        r"positions are learned weights\)$"):
         check_fit(cfg, cfg.model.resolve(), 1)
     cfg = load_run_config(None, [f"model.init_from={tmp_path / 'gpt2'}", "model.max_position_embeddings=128"])
     with pytest.raises(UserError, match=r"^model.max_position_embeddings: '.*gpt2' has learned position embeddings, "

@@ -358,3 +358,28 @@ def test_a_decoder_classifier_runs_causal_attention_without_a_padding_mask(prese
         with torch.no_grad():
             alone = model(ids[row : row + 1, :n])
         torch.testing.assert_close(expected[row : row + 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_starts_seldom_meant_are_warned_of(tmp_path, caplog):
+    """Fine-tuning random weights (a preset, no model.init_from) and stretching a trained model's context past what
+    it saw both run without a word; each now says so, once, with the fix."""
+    from lmforge.models.io import save_model
+    from lmforge.train.setup import warn_about_the_start
+
+    source = tmp_path / "source"
+    save_model(build({**build("tiny-neox", device="meta").config.__dict__, "max_position_embeddings": 128}, seed=0),
+               source)
+    cases = [  # (overrides, the warning's words or None)
+        (["model.preset=tiny-neox", "data.task=sft"], "data.task=sft on randomly initialised weights"),
+        (["model.preset=tiny-neox", "data.task=dpo"], "data.task=dpo on randomly initialised weights"),
+        (["model.preset=tiny-neox"], None),  # pretraining starts from random weights
+        ([f"model.init_from={source}", "model.max_position_embeddings=1024", "data.seq_length=1024"],
+         "model.max_position_embeddings 1024 is over the 128 positions"),
+        ([f"model.init_from={source}", "data.seq_length=128"], None),
+    ]
+    for overrides, words in cases:
+        cfg = load_run_config(None, [*_base(tmp_path / "run"), *overrides])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lmforge.train.setup"):
+            warn_about_the_start(cfg, cfg.model.resolve())
+        assert (words in caplog.text) if words else not caplog.text, (overrides, caplog.text)

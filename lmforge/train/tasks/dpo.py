@@ -139,13 +139,14 @@ class DPO(Task):
 
             # The run's initial model again, laid out like the policy in lay_out: under FSDP2 or tensor
             # parallelism each rank builds it on the meta device and fills only its own shards.
+            # Said first: reading it again repeats the policy's "weights from model.init_from" line.
+            log.info("DPO reference: a frozen copy of %s, read again and laid out like the policy",
+                     cfg.model.init_from or "the initial model")
             dtype = cfg.precision_for(device).param_dtype
             reference, fill = init_model(cfg, meta=layout.shards_model, device=device, dtype=dtype)
             if fill is None:
                 reference.to(device, dtype)
             self._unlaid = (reference.eval().requires_grad_(False), fill)
-            log.info("DPO reference: a frozen copy of %s, laid out like the policy",
-                     cfg.model.init_from or "the initial model")
 
     def lay_out(self, lay_out) -> None:
         if getattr(self, "_unlaid", None) is not None:
