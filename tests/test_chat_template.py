@@ -295,3 +295,23 @@ def test_bos_token_is_what_the_tokenizer_files_declare(shared_data, tmp_path):
     reference = tf.AutoTokenizer.from_pretrained(bare)
     assert ids == _input_ids(reference.apply_chat_template(chat, tokenize=True, add_generation_prompt=True))
     assert ids[0] == 50256
+
+
+def test_a_template_without_a_system_turn_says_once_that_system_messages_are_left_out(gpt2, tmp_path, caplog):
+    """Alpaca's format has no system turn: `generate --chat --system ...` and a served system message vanished from
+    the prompt without a word. The prompt stays transformers' (the template decides); the log says it once."""
+    from lmforge.serve.chat import ChatFormat
+
+    said = "leaves system messages out of the prompt"
+    alpaca = ChatFormat(gpt2, tmp_path, ChatTemplate(builtin_template("alpaca", False), gpt2))
+    with caplog.at_level("WARNING", logger="lmforge.serve.chat"):
+        alpaca.encode([("user", "Hi")])  # no system message: nothing to say, and nothing checked yet
+        assert said not in caplog.text
+        dropped = alpaca.encode([("system", "Be terse."), ("user", "Hi")])
+        assert dropped == alpaca.encode([("user", "Hi")]) and caplog.text.count(said) == 1
+        alpaca.encode([("system", "Be terse."), ("user", "Hi")])
+        assert caplog.text.count(said) == 1  # once
+        caplog.clear()
+        lmforge = ChatFormat(gpt2, tmp_path, ChatTemplate(builtin_template("lmforge", False), gpt2))
+        lmforge.encode([("system", "Be terse."), ("user", "Hi")])
+    assert said not in caplog.text  # a template with a system turn keeps it

@@ -40,6 +40,7 @@ class ChatFormat:
         self.chat = template if template is not None else ChatTemplate.from_folder(tokenizer, Path(folder))
         self.template = self.chat.template if self.chat is not None else None
         self.stop: tuple[str, ...] = FALLBACK_STOP if self.chat is None else self.chat.stop_strings
+        self._system_checked = False  # whether a system message has been looked for in a rendered prompt
         if self.chat is not None:
             log.info("chat template from %s (%d special tokens)", folder, len(self.chat.specials))
 
@@ -47,9 +48,28 @@ class ChatFormat:
         if self.chat is None:
             return self._fallback(messages)
         try:
-            return self.chat.prompt_ids(messages)
+            ids = self.chat.prompt_ids(messages)
         except TemplateRefused as e:
             raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
+        if not self._system_checked:
+            self._say_if_system_is_dropped(messages)
+        return ids
+
+    def _say_if_system_is_dropped(self, messages: Sequence[tuple[str, str]]) -> None:
+        """A template whose format has no system turn (Alpaca's) leaves system messages out: said once, at the first
+        request that has one, since a user's --system or system message would otherwise vanish unseen."""
+        system = [text.strip() for role, text in messages if role in ("system", "developer") and text.strip()]
+        if not system:
+            return
+        self._system_checked = True
+        chat = [{"role": "system" if role == "developer" else role, "content": text} for role, text in messages]
+        try:
+            rendered = "".join(p for p, _ in self.chat.pieces(chat, True, spans=False) if isinstance(p, str))
+        except TemplateRefused:
+            return
+        if any(text not in rendered for text in system):
+            log.warning("the model's chat template leaves system messages out of the prompt (the format it was "
+                        "trained on has no system turn): they are ignored")
 
     def _fallback(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         text = "".join(f"{ROLE_NAMES[role]}: {content.strip()}\n" for role, content in messages) + "Assistant:"

@@ -4,18 +4,21 @@ Bodies are validated strictly (a string where a number belongs is a 400, not a s
 fields OpenAI defines that change nothing here (`user`, `logprobs: null` ...) are accepted, and
 those that would change the answer but are not implemented (`logprobs`, `echo`, penalties, `suffix`)
 are refused by name rather than ignored, vLLM's extensions of that kind (`min_tokens`, `ignore_eos`, guided
-decoding, `response_format` other than text) too. Other unknown fields are ignored, as OpenAI-compatible servers do.
+decoding, `response_format` other than text) too. Other unknown fields are ignored, as OpenAI-compatible servers do,
+with a warning in the server's log naming them (and the parameter a mistyped one was likely meant to be).
 A top-level `null` means the field's default, as OpenAI's schema has it. Extensions beyond OpenAI's schema: `top_k`
 (-1 or 0: off, as in vLLM) and `repetition_penalty` (as in vLLM and TGI).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+log = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 16
 # The parts of a validation error's location that name a type pydantic tried (a union's branches), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|literal|tagged-union|function-[\w-]+)\[.*\])$")
@@ -163,6 +166,12 @@ def parse(model: type[BaseModel], data: Any) -> Any:
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported by this server: leave it out", param=bad[0],
                        code="unsupported_parameter")
+    ignored = [k for k in (getattr(body, "model_extra", None) or {}) if k not in VLLM_UNSUPPORTED]
+    if ignored:  # as vLLM does: answered, but a mistyped `max_token` should not pass unseen
+        from lmforge.config import closest
+
+        log.warning("request fields ignored (not parameters this server reads): %s", ", ".join(
+            f"'{k}'{closest(k, type(body).model_fields)}" for k in ignored))
     return body
 
 

@@ -137,3 +137,19 @@ def test_invocations_answer_as_tgi_does(server, model_dir):
         assert r.status_code == 422 and r.json()["error_type"] == "validation", body
     assert "'parameters.typical_p' is not supported" in httpx.post(url, json={
         "inputs": "t5", "parameters": {"typical_p": 0.5}}).json()["error"]
+
+
+def test_an_ignored_request_field_is_named_in_the_log_with_the_parameter_it_resembles(caplog):
+    """A typo ("max_token": 8) was answered as if absent, filling the context, with no trace; as vLLM does, the
+    request is still answered and the log names what was ignored."""
+    from lmforge.serve.protocol import ChatRequest, CompletionRequest, parse
+
+    with caplog.at_level("WARNING", logger="lmforge.serve.protocol"):
+        body = parse(CompletionRequest, {"prompt": "t5", "max_token": 8, "min_tokens": 0})
+    assert body.max_tokens is None  # answered: ignored, not refused
+    assert "request fields ignored" in caplog.text and "'max_token' (did you mean 'max_tokens'?)" in caplog.text
+    assert "min_tokens" not in caplog.text  # vLLM's, read (and refused when it would change the answer)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmforge.serve.protocol"):
+        parse(ChatRequest, {"messages": [{"role": "user", "content": "t5"}], "max_tokens": 2, "user": "u"})
+    assert not caplog.text
