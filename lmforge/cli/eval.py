@@ -1,10 +1,15 @@
-"""`lmforge eval MODEL --tasks T1,T2`: lm-evaluation-harness on an lmforge folder, HF folder or training checkpoint."""
+"""`lmforge eval MODEL --tasks T1,T2 [--lora ADAPTER_DIR]`: lm-evaluation-harness on an lmforge folder, HF folder or
+training checkpoint, with a PEFT LoRA adapter merged in as generate and serve merge it."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmforge.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -15,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", required=True,
                    help="comma-separated lm-eval task names: lmforge's local ones (wikitext2_local, sst2_local), "
                         "yours (--include-path) or lm-eval's own (their data must be on this machine)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a run's "
+                        "hf-adapter/) merged into MODEL on load, as generate and serve do: MODEL is its base")
     p.add_argument("--include-path", action="append", default=[], metavar="DIR",
                    help="a folder of lm-eval task YAMLs to add; repeatable")
     p.add_argument("--data-dir", default=None, metavar="DIR",
@@ -45,16 +53,20 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.models.source import source_config, source_kind
 
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    # Everything the user gave is checked before the tasks' data and the model are read: a bad --output-path or
-    # --max-length is one line at once, not a traceback (or a changed score) after the whole evaluation.
+    # Everything the user gave is checked before the tasks' data and the model are read: a bad --output-path,
+    # --max-length or --lora is one line at once, not a traceback (or a changed score) after the whole evaluation.
     output = check_results_path(args.output_path) if args.output_path else None
-    if args.max_length is not None:  # the model's config alone (no weights) holds its positions
-        context_length(args.max_length, source_config(args.model).max_position_embeddings, "--max-length")
+    if args.max_length is not None or args.lora is not None:  # the model's config alone (no weights) says
+        config = source_config(args.model, named_by="run")
+        if args.max_length is not None:
+            context_length(args.max_length, config.max_position_embeddings, "--max-length")
+        if args.lora is not None:
+            check_lora(config, args.lora)
     else:
-        source_kind(args.model)  # a wrong model path fails before the tasks' data is read
+        source_kind(args.model, named_by="run")  # a wrong model path fails before the tasks' data is read
     tasks = load_tasks(args.tasks.split(","), args.include_path, args.data_dir)
-    lm = LMForgeLM(args.model, tokenizer_path=args.tokenizer, batch_size=args.batch_size, device=args.device,
-                   dtype=args.dtype, max_length=args.max_length)
+    lm = LMForgeLM(args.model, tokenizer_path=args.tokenizer, peft=args.lora, batch_size=args.batch_size,
+                   device=args.device, dtype=args.dtype, max_length=args.max_length)
     start = time.perf_counter()
     results = evaluate(lm, tasks, num_fewshot=args.num_fewshot, limit=limit)
     log.info("evaluated in %.1f s", time.perf_counter() - start)
@@ -62,3 +74,12 @@ def run(args: argparse.Namespace) -> None:
     if output is not None:
         write_results(output, results)
         log.info("wrote %s", output)
+
+
+def check_lora(config: ModelConfig, folder: str) -> None:
+    """The adapter in `folder` against the model's config, on a model of no memory (the meta device): one that is not
+    a LoRA adapter, or another base's, is refused before the tasks' data and the weights are read."""
+    from lmforge.models.build import build
+    from lmforge.models.peft_read import check_peft_adapter
+
+    check_peft_adapter(build(config, device="meta"), folder)

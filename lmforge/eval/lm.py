@@ -16,6 +16,7 @@ cut at the first stop string. The computing is lmforge.eval.scoring's and lmforg
 
     lm = LMForgeLM("runs/x/checkpoints/step-00001000", batch_size=16)
     lm_eval.simple_evaluate(model=lm, tasks=["sst2_local"], metadata={"data_dir": "/data"})
+    LMForgeLM("BASE", peft="runs/sft/hf-adapter")  # base + a PEFT LoRA adapter (the hf backend's peft=)
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class LMForgeLM(TemplateLM):
         model: nn.Module | None = None,
         tokenizer=None,
         tokenizer_path: str | Path | None = None,
+        peft: str | Path | None = None,  # a PEFT LoRA adapter folder, merged into `pretrained` (the hf backend's name)
         batch_size: int | str | None = DEFAULT_BATCH_SIZE,
         max_batch_size: int | None = None,  # lm-eval passes it; rows per forward are batch_size
         device: str | torch.device | None = "auto",
@@ -66,15 +68,20 @@ class LMForgeLM(TemplateLM):
         if model is None:
             if pretrained is None:
                 raise UserError("LMForgeLM needs a model folder (pretrained=...) or a model and tokenizer")
-            model, tokenizer = load_model_and_tokenizer(pretrained, tokenizer_path, device, dtype)
+            model, tokenizer = load_model_and_tokenizer(pretrained, tokenizer_path, device, dtype, peft)
         elif tokenizer is None:
             raise UserError("LMForgeLM was given a model without its tokenizer: pass tokenizer=...")
+        elif peft is not None:
+            raise UserError("LMForgeLM's peft= adapter goes onto a model folder (pretrained=...), not a live model: "
+                            "load it into the model first (lmforge.models.peft_read.load_peft_adapter)")
         check_can_generate(model, "score lm-eval's requests (log-likelihoods, generations)")
         if tokenizer.vocab_size > model.config.vocab_size:
             raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                             f"{model.config.vocab_size}: evaluate the model with its own tokenizer")
         self.model, self.tokenizer = model, tokenizer
         self.name = str(pretrained) if pretrained is not None else "live-model"
+        if peft is not None:
+            self.name += f" --lora {peft}"
         self.batch_size = _batch_size(batch_size)
         self.max_length = context_length(max_length, model.config.max_position_embeddings)
         self.max_gen_toks = int(max_gen_toks)
@@ -234,15 +241,22 @@ class _progress:
 
 
 def load_model_and_tokenizer(path: str | Path, tokenizer_path: str | Path | None = None,
-                             device: str | torch.device | None = "auto", dtype: str | None = None):
-    """The model of an lmforge folder, HF folder or training checkpoint (read directly: no export), and its
-    tokenizer: `tokenizer_path`, else the folder's own files, else (a checkpoint) the one its run used."""
+                             device: str | torch.device | None = "auto", dtype: str | None = None,
+                             peft: str | Path | None = None):
+    """The model of an lmforge folder, HF folder or training checkpoint (read directly: no export), with the PEFT
+    LoRA adapter `peft` merged in, and its tokenizer: `tokenizer_path`, else the folder's own files, else (a
+    checkpoint) the one its run used."""
     from lmforge.devices import resolve_device
     from lmforge.models.io import parse_dtype
+    from lmforge.models.lora import merge_lora
+    from lmforge.models.peft_read import load_peft_adapter
     from lmforge.models.source import load_pretrained, model_tokenizer
 
     folder = Path(path)
     tokenizer = model_tokenizer(folder, tokenizer_path, "pass --tokenizer PATH")
     resolved = device if isinstance(device, torch.device) else resolve_device(device or "auto")
     model = load_pretrained(folder, device=resolved, dtype=parse_dtype(dtype))
+    if peft is not None:  # as generate and serve read --lora (lmforge.cli.serve.load_served): merged, so scored fast
+        load_peft_adapter(model, peft)
+        model = merge_lora(model)
     return model, tokenizer

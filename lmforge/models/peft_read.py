@@ -1,5 +1,6 @@
-"""PEFT's LoRA adapter folders into lmforge's LoRA: read_peft_config, load_peft_adapter (the folder format, the
-Hugging Face names and row layouts: lmforge.models.peft, which writes them)."""
+"""PEFT's LoRA adapter folders into lmforge's LoRA: read_peft_config, check_peft_adapter (does it fit this model),
+load_peft_adapter (the folder format, the Hugging Face names and row layouts: lmforge.models.peft, which writes
+them)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.fsutil import open_safetensors
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf import hf_modules
+from lmforge.models.hf import hf_modules, is_hf_dir
 from lmforge.models.hf.base import (
     CONV1D,
     FIRST_HALF,
@@ -26,12 +27,17 @@ from lmforge.models.hf.base import (
     SECOND_HALF,
     permute_rotary,
 )
+from lmforge.models.io import CONFIG_NAME, is_model_dir
 from lmforge.models.lora import HEADS, QKV, LoRALinear, fuse_parts, qkv_rows, split_parts
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
 from lmforge.models.lora_experts import LoRAExperts, from_peft
+from lmforge.models.moe import stacked
 from lmforge.models.peft import CONFIG, MOE_BLOCK, PART_OF, PEFT_EXPERT, PREFIX, WEIGHTS, hf_head_names
 
 log = logging.getLogger(__name__)
+
+LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.weight")  # PEFT's factors of a module (its name, A or B)
+_MOE_MODULES = ("mlp.router", "mlp.experts.gate_up", "mlp.experts.down")  # read by _load_moe, not the walk
 
 
 def read_peft_config(folder: Path, classifier: bool = False) -> dict:
@@ -52,7 +58,8 @@ def read_peft_config(folder: Path, classifier: bool = False) -> dict:
     saved = config.get("modules_to_save") or []
     if saved and set(saved) <= set(HEADS) and not classifier:
         raise UserError(f"'{path}' is a sequence classifier's adapter (it saves its head, {', '.join(saved)}, whole): "
-                        "it loads into a classifier of its base, not into a language model to generate or serve")
+                        "it loads into a classifier of its base, not into a language model to generate, serve or "
+                        "evaluate")
     for key in ("modules_to_save", "layers_to_transform"):
         if config.get(key) and not (key == "modules_to_save" and set(saved) <= set(HEADS)):  # a classifier's head
             raise UserError(f"'{path}' sets {key}: lmforge's LoRA adapts the same modules in every layer and trains "
@@ -62,14 +69,19 @@ def read_peft_config(folder: Path, classifier: bool = False) -> dict:
 
 def _scaling(config: dict, keys: tuple[str, ...], rank: int) -> float:
     """The scaling PEFT gives the module or parameter named by the first of `keys` that a pattern matches (its
-    alpha_pattern, as peft.utils.other.get_pattern_key matches them), for its (stored) rank."""
-    alpha = config["lora_alpha"]
-    for key in keys:
-        found = [v for p, v in (config.get("alpha_pattern") or {}).items() if re.match(rf"(.*\.)?({p})$", key)]
-        if found:
-            alpha = found[0]
-            break
+    alpha_pattern), for its (stored) rank."""
+    alpha = _patterned(config, "alpha_pattern", keys, config["lora_alpha"])
     return alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+
+
+def _patterned(config: dict, field: str, keys: tuple[str, ...], default):
+    """The value PEFT's `field` (alpha_pattern, rank_pattern) gives the first of `keys` that one of its patterns
+    matches (as peft.utils.other.get_pattern_key matches them), else `default`."""
+    for key in keys:
+        found = [v for p, v in (config.get(field) or {}).items() if re.match(rf"(.*\.)?({p})$", key)]
+        if found:
+            return found[0]
+    return default
 
 
 def _targeted_parameter(config: dict, key: str) -> bool:
@@ -77,9 +89,12 @@ def _targeted_parameter(config: dict, key: str) -> bool:
     return any(key == t or key.endswith(f".{t}") for t in config.get("target_parameters") or ())
 
 
-def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
-    """Wrap `model` (an lmforge decoder, not yet adapted) with the PEFT adapter in `folder`: afterwards the model
-    computes what PeftModel.from_pretrained(base, folder) does. Returns the number of adapted modules."""
+def check_peft_adapter(model: nn.Module, folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, the tensors by PEFT name less its prefix) of the adapter in `folder`, checked against
+    `model` (its shapes alone: a model on the meta device will do): each lora_A / lora_B has its pair and a module
+    of the model that lmforge's LoRA wraps, with that module's in and out features. An adapter of another model is
+    one line naming the first tensor that does not fit and the base the adapter records, before anything is
+    reshaped (permute_rotary's reshape was a RuntimeError traceback)."""
     folder = Path(folder)
     cfg: ModelConfig = model.config
     config = read_peft_config(folder, classifier=bool(cfg.num_labels))
@@ -88,6 +103,141 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
         raise UserError(f"no {WEIGHTS} in '{folder}'")
     with open_safetensors(weights) as f:
         stored = {k.removeprefix(PREFIX).replace(".default.", "."): f.get_tensor(k) for k in f.keys()}
+    shapes, fix = _layer_shapes(model, config), _right_base(config)
+    heads = {theirs: ours for ours, theirs in hf_head_names(cfg).items()}  # a classifier's, saved whole
+
+    def module(key: str) -> str | None:  # the module of the model a lora_A / lora_B key adapts
+        found = LORA_KEY.fullmatch(key)
+        return found[1] if found and found[1] in shapes else None
+
+    left = sorted(k for k in stored if k not in heads and module(k) is None)
+    if left:
+        raise _no_place(folder, cfg, left, fix)
+    factors: dict[str, dict[str, str]] = {}
+    for key in stored:
+        if key in heads:
+            want = tuple(model.get_parameter(heads[key]).shape)
+            if tuple(stored[key].shape) != want:
+                raise UserError(f"'{folder}' does not fit this {cfg.family} model: its {key} has shape "
+                                f"{tuple(stored[key].shape)}, the model's head takes {want}: {fix}")
+        else:
+            factors.setdefault(module(key), {})[LORA_KEY.fullmatch(key)[2]] = key
+    for name, pair in factors.items():
+        if len(pair) < 2:
+            have = next(iter(pair))
+            raise UserError(f"'{folder}' holds {pair[have]} without its lora_{'B' if have == 'A' else 'A'}: the "
+                            "adapter file is incomplete: save the adapter again")
+        if shapes[name] is None:
+            raise UserError(f"'{folder}' adapts {name}, which lmforge's LoRA does not wrap (it adapts q, k, v, o, "
+                            "gate, up, down, the router and the experts)")
+        (features_in, features_out, rows), a, b = shapes[name], stored[pair["A"]], stored[pair["B"]]
+        rank = rows or (a.shape[0] if a.dim() else 0)  # a module's rank is its A's; stacked experts' are known
+        for key, got, want in ((pair["A"], a.shape, (rank, features_in)), (pair["B"], b.shape, (features_out, rank))):
+            if tuple(got) != want:
+                raise UserError(f"'{folder}' does not fit this {cfg.family} model: its {key} has shape "
+                                f"{tuple(got)}, the layer it adapts here takes {want}: {fix}")
+    return config, stored
+
+
+def _layer_shapes(model: nn.Module, config: dict) -> dict[str, tuple[int, int, int | None] | None]:
+    """PEFT's name of each module of `model` the adapter (`config`) may adapt -> its (in features, out features, rows)
+    in Hugging Face's layout (PEFT's lora_A is (rows, in), lora_B (out, rows)): rows None where they are the
+    adapter's rank, whatever it is; for a mixture of experts' stacked weights, its rank times the experts (a factor
+    per expert, stacked), so another count of experts does not fit by chance. None for a module lmforge's LoRA does
+    not wrap."""
+    cfg: ModelConfig = model.config
+    weights = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    shapes: dict[str, tuple[int, int, int | None] | None] = {}
+    for module, (names, kind) in hf_modules(cfg).items():
+        short = module.split(".", 2)[-1]
+        shape = weights.get(f"{module}.weight")
+        if short in _MOE_MODULES or shape is None or len(shape) != 2:
+            continue
+        out, features_in = shape
+        if kind == QKV_SEPARATE:
+            rows = qkv_rows(cfg)
+            shapes.update({n: (features_in, rows[p], None) for n, p in zip(names, QKV)})
+        elif kind in (FIRST_HALF, SECOND_HALF):  # Phi-3's gate_up_proj: gate's rows, then up's
+            shapes[names] = (features_in, (shapes.get(names) or (0, 0))[1] + out, None)
+        elif kind in (PLAIN, CONV1D):  # Conv1D stores (in, out): PEFT's factors are a Linear's all the same
+            shapes[names] = (features_in, out, None) if short in PART_OF else None
+        elif kind in (QKV_GROUPED, QKV_STACKED, QKV_ROWS):
+            shapes[names] = (features_in, out, None)
+    for layer in (i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)):
+        block = MOE_BLOCK.format(layer)
+        out, features_in = weights[f"layers.{layer}.mlp.router.weight"]
+        shapes[f"{block}.gate"] = (features_in, out, None)
+        held = model.get_submodule(f"layers.{layer}.mlp.experts")
+        experts, _, inter, hidden = stacked(held.gate_up, held.down)[0].shape
+        sizes = {"gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+        targeted = [w for w in EXPERT_WEIGHTS if _targeted_parameter(config, f"{block}.experts.{PEFT_EXPERT[w]}")]
+        for i, w in enumerate(targeted):  # as _load_moe names them: the first targeted innermost
+            rank = _patterned(config, "rank_pattern", (f"{block}.experts.{PEFT_EXPERT[w]}",), config.get("r"))
+            rows = int(rank) * experts if isinstance(rank, int | float) else None
+            shapes[f"{block}.experts" + ".base_layer" * (len(targeted) - 1 - i)] = (*sizes[w], rows)
+    return shapes
+
+
+def _right_base(config: dict) -> str:
+    """The fix for an adapter that does not fit the model: the base it says it was trained on."""
+    base = config.get("base_model_name_or_path")
+    if isinstance(base, str) and base:
+        return f"load it onto the model it was trained on, {base} (its base_model_name_or_path)"
+    return f"load it onto the model it was trained on (its {CONFIG} names none)"
+
+
+def _no_place(folder: Path, cfg: ModelConfig, left: list[str], fix: str) -> UserError:
+    """The error for adapter tensors `left` this model has no place for."""
+    per_expert = next((k for k in left if re.search(r"\.experts\.\d+\.", k)), None)
+    if per_expert is not None:
+        return UserError(f"'{folder}' holds per-expert LoRA tensors ('{per_expert}': transformers 4's layout): "
+                         "load it with PEFT on transformers 5 and save it again (PEFT converts it to the stacked "
+                         "experts' target_parameters), then point lmforge at that")
+    return UserError(f"'{folder}' holds {len(left)} tensor(s) this {cfg.family} model has no place for, first "
+                     f"'{left[0]}': is it an adapter of another model? {fix[0].upper()}{fix[1:]}")
+
+
+def _warn_other_base(config: dict, folder: Path, base: str | Path | None) -> None:
+    """A warning where the adapter records a base folder on this machine other than `base`, the one it is loaded
+    onto: shapes fit every model of one architecture and size (a base and its fine-tunes alike), but the adapter
+    computes what it was trained to only on its own base's weights."""
+    recorded = config.get("base_model_name_or_path")
+    if base is None or not isinstance(recorded, str) or not recorded or not Path(recorded).exists():
+        return  # a Hub id, or a folder not on this machine: nothing to compare
+    if Path(recorded).resolve() not in _same_weights(Path(base)):
+        log.warning("PEFT adapter %s was trained on %s (its base_model_name_or_path) but is loaded onto %s: the "
+                    "shapes fit, but unless that folder holds the same weights the adapter computes something else "
+                    "there: give it its own base, %s", folder, recorded, base, recorded)
+
+
+def _same_weights(base: Path) -> set[Path]:
+    """The folders known to hold `base`'s weights: itself, and for an lmforge folder the Hugging Face folder it was
+    imported from (lmforge.json's source) and the hf/ beside it (a run's export, which
+    lmforge.models.peft.peft_base records as a run's adapter's base)."""
+    base = base.resolve()
+    same = {base}
+    if is_model_dir(base):
+        if is_hf_dir(base.parent / "hf"):
+            same.add((base.parent / "hf").resolve())
+        try:
+            source = json.loads((base / CONFIG_NAME).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            source = None
+        if isinstance(source, dict) and isinstance(source.get("hf_dir"), str):
+            same.add(Path(source["hf_dir"]).resolve())
+    return same
+
+
+def load_peft_adapter(model: nn.Module, folder: str | Path, base: str | Path | None = None) -> int:
+    """Wrap `model` (an lmforge decoder, not yet adapted) with the PEFT adapter in `folder`: afterwards the model
+    computes what PeftModel.from_pretrained(base, folder) does. Returns the number of adapted modules. `base`: the
+    folder `model` was read from (default: the one lmforge.models.source.load_pretrained noted on it), for a warning
+    where the adapter records another base. An adapter of another model (check_peft_adapter) is one UserError
+    before the model is touched."""
+    folder = Path(folder)
+    cfg: ModelConfig = model.config
+    config, stored = check_peft_adapter(model, folder)
+    _warn_other_base(config, folder, base if base is not None else getattr(model, "source_folder", None))
     used: set[str] = set()
 
     def get(name: str, which: str) -> torch.Tensor | None:
@@ -102,17 +252,13 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
 
     count = 0
     for module, (names, kind) in hf_modules(cfg).items():
-        if module.split(".", 2)[-1] in ("mlp.router", "mlp.experts.gate_up", "mlp.experts.down"):
+        if module.split(".", 2)[-1] in _MOE_MODULES:
             continue  # a mixture of experts' (below)
         if kind in (PLAIN, CONV1D):
             a = get(names, "A")
             if a is None:
                 continue
-            part = PART_OF.get(module.split(".", 2)[-1])
-            if part is None:
-                raise UserError(f"'{folder}' adapts {names}, which lmforge's LoRA does not wrap (it adapts "
-                                "q, k, v, o, gate, up, down, the router and the experts)")
-            parts = {part: scaled(names, a, get(names, "B"))}
+            parts = {PART_OF[module.split(".", 2)[-1]]: scaled(names, a, get(names, "B"))}  # checked: one it wraps
         elif kind in (FIRST_HALF, SECOND_HALF):  # Phi-3's gate_up_proj: gate's rows, then up's
             a = get(names, "A")
             if a is None:
@@ -158,13 +304,7 @@ def load_peft_adapter(model: nn.Module, folder: str | Path) -> int:
             used.add(theirs)
     left = sorted(set(stored) - used)
     if left:
-        per_expert = next((k for k in left if re.search(r"\.experts\.\d+\.", k)), None)
-        if per_expert is not None:
-            raise UserError(f"'{folder}' holds per-expert LoRA tensors ('{per_expert}': transformers 4's layout): "
-                            "load it with PEFT on transformers 5 and save it again (PEFT converts it to the stacked "
-                            "experts' target_parameters), then point lmforge at that")
-        raise UserError(f"'{folder}' holds {len(left)} tensor(s) this {cfg.family} model has no place for, first "
-                        f"'{left[0]}': is it an adapter for another model?")
+        raise _no_place(folder, cfg, left, _right_base(config))
     if not count:
         raise UserError(f"'{folder}' adapts no module of this {cfg.family} model")
     adapted = len({key.split(".lora_A.")[0] for key in used if ".lora_A." in key})  # as PEFT counts them

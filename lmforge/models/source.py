@@ -30,6 +30,7 @@ from lmforge.models.hf import adapter_for, hf_tensors, is_hf_dir, read_hf_config
 from lmforge.models.hf.weights import HFWeights
 from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, missing_model_folder, read_config, read_tensors
 from lmforge.models.lora import LoRAConfig, apply_lora, is_adapter, merge_lora
+from lmforge.models.peft import CONFIG as PEFT_CONFIG
 
 # A rotary model's context: no weight depends on it, so a run may extend it (continued pretraining at a longer
 # seq_length, with a larger rotary base or a rope_scaling, as Code Llama and Llama 3.1 did); learned positions are
@@ -52,12 +53,23 @@ def one_process_quietly():
         yield
 
 
+# What to do instead of naming a PEFT adapter folder as a model, by what named it: a command that runs a model
+# (generate, serve, eval: they take the adapter beside its base), or a training config's model.init_from (the
+# default, as lmforge.train and lmforge.parallel.load read their source without saying what named it).
+ADAPTER_FIXES = {
+    "run": "pass its base model ({base}) and the adapter with --lora {folder}",
+    "init_from": "point model.init_from at its base model ({base}); to train the adapter further, resume the run "
+                 "that wrote it",
+}
+
+
 def is_checkpoint(folder: Path) -> bool:
     return (Path(folder) / "trainer.json").is_file()
 
 
-def source_kind(folder: str | Path) -> str:
-    """'checkpoint', 'lmforge' or 'hf'; a UserError for anything else."""
+def source_kind(folder: str | Path, named_by: str = "init_from") -> str:
+    """'checkpoint', 'lmforge' or 'hf'; a UserError for anything else (for a PEFT adapter, the fix ADAPTER_FIXES
+    gives for what `named_by` names)."""
     folder = Path(folder)
     if folder.is_file():
         raise UserError(f"'{folder}' is a file: give the model folder that holds it")
@@ -69,10 +81,24 @@ def source_kind(folder: str | Path) -> str:
         return "lmforge"
     if is_hf_dir(folder):
         return "hf"
+    if (folder / PEFT_CONFIG).is_file():
+        raise adapter_not_model(folder, named_by)
     inside = model_inside(folder)
     raise UserError(f"'{folder}' is neither an lmforge model folder ({CONFIG_NAME}), a Hugging Face one "
                     "(config.json) nor a training checkpoint (trainer.json)"
                     + (f": give '{inside}'" if inside else ""))
+
+
+def adapter_not_model(folder: Path, named_by: str) -> UserError:
+    """The error for a PEFT adapter folder named where a model goes: its base, as its adapter_config.json records
+    it, and the fix for what named it (ADAPTER_FIXES)."""
+    try:
+        base = json.loads((folder / PEFT_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    shown = base if isinstance(base, str) and base else f"the one it was trained on: its {PEFT_CONFIG} names none"
+    return UserError(f"'{folder}' is a PEFT adapter ({PEFT_CONFIG}), not a model: "
+                     + ADAPTER_FIXES[named_by].format(base=shown, folder=folder))
 
 
 def model_inside(folder: Path, hf: bool = True) -> Path | None:
@@ -92,10 +118,11 @@ def model_inside(folder: Path, hf: bool = True) -> Path | None:
     return None
 
 
-def source_config(folder: str | Path) -> ModelConfig:
-    """The ModelConfig of an lmforge folder, a Hugging Face folder or a training checkpoint, reading no weights."""
+def source_config(folder: str | Path, named_by: str = "init_from") -> ModelConfig:
+    """The ModelConfig of an lmforge folder, a Hugging Face folder or a training checkpoint, reading no weights
+    (`named_by`: as source_kind's)."""
     folder = Path(folder)
-    if source_kind(folder) != "hf":
+    if source_kind(folder, named_by) != "hf":
         return read_config(folder)  # a checkpoint records its model config beside the shards
     hf = read_hf_config(folder)
     try:
@@ -228,6 +255,7 @@ def model_tokenizer(folder: str | Path, path: str | Path | None, fix: str):
     checkpoint) its run's; a folder without one (`import-hf` of a weights-only folder) is one line ending in `fix`."""
     from lmforge.tokenizers import find_tokenizer_file, load_tokenizer
 
+    source_kind(folder, named_by="run")  # first, --tokenizer or not: an adapter named as the model says so
     if path is not None:
         return load_tokenizer(path)
     source = tokenizer_source(folder, fix)
@@ -313,19 +341,23 @@ def dcp_error_line(e: BaseException) -> str:
 def load_pretrained(path: str | Path, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> nn.Module:
     """The whole model of an lmforge folder, a Hugging Face folder (converted on the fly) or a training
-    checkpoint's weights, in eval mode."""
+    checkpoint's weights, in eval mode; `folder` noted on it as `source_folder` (the base an adapter loaded onto it
+    is compared with: lmforge.models.peft_read.load_peft_adapter)."""
     folder = Path(path)
     kind = source_kind(folder)
     if kind == "lmforge":
         get = read_tensors(folder)
-        return materialize(read_config(folder), ((n, get(n)) for n in get.names), device, dtype)
-    if kind == "hf":
+        model = materialize(read_config(folder), ((n, get(n)) for n in get.names), device, dtype)
+    elif kind == "hf":
         cfg, tensors = hf_tensors(folder)
-        return materialize(cfg, tensors, device, dtype)
-    model = load_checkpoint_whole(folder, device)
-    if checkpoint_lora(folder) is not None:  # a LoRA run's: served, evaluated or trained further merged
-        merge_lora(model)
-    return (model.to(dtype) if dtype is not None else model).eval()
+        model = materialize(cfg, tensors, device, dtype)
+    else:
+        model = load_checkpoint_whole(folder, device)
+        if checkpoint_lora(folder) is not None:  # a LoRA run's: served, evaluated or trained further merged
+            merge_lora(model)
+        model = (model.to(dtype) if dtype is not None else model).eval()
+    model.source_folder = folder
+    return model
 
 
 def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None) -> nn.Module:
