@@ -38,10 +38,11 @@ the ratio is the median of the per-turn ratios. Before timing, one AdamWSR step 
 AdamW on the same values (every result one of its two bf16 neighbours). AdamWSR runs three ways on a CPU, checked
 to give the same bits: its compiled CPU loop (`lmforge.train.optim_kernel`, one pass per tensor: the default from
 4M parameters), its eager update (foreach ops over 256K-element chunks, ~30 passes), and torch.compile of the same
-update written in torch ops (Inductor's own C++ for it; what a GPU runs, there as one Triton kernel per tensor:
-its default from 4M parameters, against the eager update over 16M-element chunks). *ops/step*: aten ops one step
-dispatches, views included (on a GPU each non-view op is one kernel launch or a few); the compiled loop is one
-call per tensor, not an aten op.
+update written in torch ops (Inductor's own C++ for it). On a GPU: the multi-tensor Triton kernel
+(`lmforge.train.optim_triton`, one launch per group: the default from 4M parameters), torch.compile's kernel called
+once per tensor (the default before it), and the eager update over 16M-element chunks. *ops/step*: aten ops one
+step dispatches, views included (on a GPU each non-view op is one kernel launch or a few); the compiled loop and the
+multi-tensor kernel are one call per tensor or per group, not aten ops.
 """
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -89,7 +90,7 @@ SR = "lmforge AdamWSR, bf16, stochastic rounding"
 
 def optimizers(model: str, device: torch.device, inductor: bool) -> dict[str, torch.optim.Optimizer]:
     kw = dict(lr=LR, betas=BETAS, eps=EPS)
-    compiled = "compiled loop" if device.type == "cpu" else "compiled (Triton)"
+    compiled = "compiled loop" if device.type == "cpu" else "multi-tensor Triton kernel"
     opts = {
         "torch AdamW fused, fp32": torch.optim.AdamW(make(model, torch.float32, device), fused=True, **kw),
         "torch AdamW foreach, fp32": torch.optim.AdamW(make(model, torch.float32, device), foreach=True, **kw),
@@ -98,9 +99,9 @@ def optimizers(model: str, device: torch.device, inductor: bool) -> dict[str, to
             make(model, torch.bfloat16, device), stochastic_rounding=False, compiled=True, **kw),
         f"{SR}, eager (foreach chunks)": AdamWSR(make(model, torch.bfloat16, device), compiled=False, **kw),
     }
-    if device.type != "cpu":  # the same kernels from one compiled call per group (AdamWSR(batched=True)): the A/B
-        opts[f"{SR}, {compiled}, one call per group"] = AdamWSR(make(model, torch.bfloat16, device), compiled=True,
-                                                                batched=True, **kw)
+    if device.type != "cpu":  # the GPU's path before the multi-tensor kernel: torch.compile's kernel, a call per tensor
+        opts[f"{SR}, compiled (Triton), one call per tensor"] = AdamWSR(make(model, torch.bfloat16, device),
+                                                                        compiled=True, multi_tensor=False, **kw)
     if inductor and device.type == "cpu":
         opts[f"{SR}, torch.compile of the update"] = InductorAdamWSR(make(model, torch.bfloat16, device), **kw)
     return opts

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from lmforge.train import optim_kernel
+from lmforge.train import optim_kernel, optim_triton
 from lmforge.train.config import OptimConfig, Precision
 from lmforge.train.optim_kernel import HASH_C1, HASH_C2, bf16_rows, kernel_scalars
 
@@ -165,17 +165,19 @@ class AdamWSR(torch.optim.Optimizer):
     The update of each bf16 tensor is instead one compiled pass (lmforge.train.optim_kernel, as torch's fused
     AdamW makes): a C++ loop on a CPU (the eager update's bits), torch.compile's Triton kernel on a GPU (the same
     arithmetic); `compiled=True` always, `False` never, None (default) from KERNEL_MIN_PARAMS parameters on.
-    Where it cannot be built, or fails to compile, the eager update runs, with a warning. `batched=True` makes the
-    GPU's compiled update one call per group over all its bf16 tensors (optim_kernel.torch_update_rows; the same
-    bits, tested on the CPU): not the default until `lmforge bench optim --device cuda` has timed it on a GPU.
+    Where it cannot be built, or fails to compile, the eager update runs, with a warning. On a GPU with Triton the
+    compiled update is one launch per group over all its bf16 tensors (lmforge.train.optim_triton: the C++ loop's
+    arithmetic and bits), where a compiled function called per tensor paid its Python wrappers 196 times a step at
+    Pythia-1B; `multi_tensor=False` (or LMFORGE_ADAMWSR_MULTI_TENSOR=0) keeps the per-tensor calls.
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  stochastic_rounding: bool = True, seed: int = 0, chunk_size: int | None = None,
-                 compiled: bool | None = None, batched: bool = False):
+                 compiled: bool | None = None, multi_tensor: bool = True):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.compiled = compiled
-        self.batched = batched  # on a GPU: one compiled call per group over all its bf16 tensors (not the default yet)
+        self.multi_tensor = multi_tensor  # on a GPU with Triton: one launch per group (optim_triton)
+        self._multi_failed = False  # the multi-tensor kernel failed once: the per-tensor calls from then on
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.chunk_size = chunk_size  # None: CPU_CHUNK or ACCELERATOR_CHUNK by the parameters' device
@@ -258,14 +260,16 @@ class AdamWSR(torch.optim.Optimizer):
         kernel = self._kernel(device)
         if kernel is None:
             return self._update_chunks(rows, group, t, keys)
-        scalars = kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t)
+        scalars = _to_device(kernel_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], t),
+                             device)
         # Per row: its first counter, hashed, then the three keys.
         firsts = list(itertools.accumulate((row[0].numel() for row in rows), initial=self._counter))
         table = torch.tensor([[_int32((first + keys[0]) * HASH_C1)] + [_int32(k) for k in keys[1:4]]
                               for first, _ in zip(firsts, rows)], dtype=torch.int32)
-        scalars, table = _to_device(scalars, device), self._row_keys(_to_device(table, device))
         fits = bf16_rows(rows)
         done = self._run_rows(device, rows, fits, scalars, table)
+        if len(done) < len(rows):
+            table = self._row_keys(_to_device(table, device))
         for i, row in enumerate(rows):  # each row from its own first counter, whichever way it goes
             self._counter = firsts[i]  # an empty bf16 row (a shard with nothing here) is done as it is
             if not (i in done or fits[i] and (not row[0].numel() or self._run(kernel, row, scalars, table[i]))):
@@ -273,21 +277,23 @@ class AdamWSR(torch.optim.Optimizer):
         self._counter = firsts[-1]
 
     def _run_rows(self, device: torch.device, rows: list[tuple[torch.Tensor, ...]], fits: list[bool],
-                  scalars: torch.Tensor, table: list[torch.Tensor]) -> set[int]:
-        """With `batched` on a compiled device: the bf16 rows stepped by one call of the compiled update over all of
-        them (their indices), else none."""
+                  scalars: torch.Tensor, table: torch.Tensor) -> set[int]:
+        """On a GPU with Triton: the bf16 rows stepped by one launch of the multi-tensor kernel (their indices; `table`
+        holds every row's keys, on the CPU), else none. A first failure is logged once; the per-tensor calls go on."""
         take = [i for i, row in enumerate(rows) if fits[i] and row[0].numel()]
-        if not (self.batched and take and device.type in optim_kernel.COMPILED_DEVICES):
+        if not (take and self.multi_tensor and not self._multi_failed and optim_triton.usable(device)):
             return set()
-        update = optim_kernel.compiled_rows_update(device.type)
-        if update is None:
+        try:
+            optim_triton.update_rows([rows[i] for i in take], scalars, table[take], self.stochastic_rounding)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a Triton failure: the per-tensor update gives the same step)
+            self._multi_failed = True
+            log.warning("AdamWSR: the multi-tensor Triton update failed on %s (%s: %s): one compiled call per tensor "
+                        "runs instead (the same arithmetic)", device, type(e).__name__,
+                        (str(e).strip().splitlines() or [""])[0][:200])
             return set()
-        operands = [[rows[i][j] for i in take] for j in range(4)]
-
-        def all_rows(_row, s, _keys, sr):  # _run's kernel: its row and keys stand for all of them
-            update(*operands, s, [table[i] for i in take], sr)
-
-        return set(take) if self._run(all_rows, rows[take[0]], scalars, table[take[0]]) else set()
+        return set(take)
 
     def _row_keys(self, table: torch.Tensor) -> list[torch.Tensor]:
         """The rows of a key table on the device as tensors of their own, filled by one foreach copy: torch.compile

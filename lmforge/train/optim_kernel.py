@@ -16,7 +16,9 @@ errno for sqrt, so the loop vectorises whole.
 
 On a GPU Inductor has none of those gaps: the same update written in torch ops (`torch_update`) compiles to one
 Triton kernel per tensor shape class (dynamic shapes: one compile for all of a model's tensors), where the eager
-update launches ~23 kernels per 16M-element chunk and moves each value through fp32 work buffers ~30 times.
+update launches ~23 kernels per 16M-element chunk and moves each value through fp32 work buffers ~30 times. With
+Triton, lmforge.train.optim_triton's multi-tensor kernel goes first: one launch per group, not a compiled call per
+tensor; this one takes what it cannot (after a failure, or with AdamWSR(multi_tensor=False)).
 """
 
 from __future__ import annotations
@@ -166,23 +168,6 @@ def compiled_update(device_type: str) -> Callable | None:
                     "(the same arithmetic, ~30 passes per value; pip install triton)")
         return None
     return torch.compile(torch_update, dynamic=True)
-
-
-def torch_update_rows(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor],
-                      s: torch.Tensor, ks: list[torch.Tensor], sr: bool) -> None:
-    """torch_update over a group's rows in one call: compiled, one graph whose kernels (one per row) Inductor's
-    wrapper launches, so the Python call and guard checks of a compiled function are paid once per group, not once
-    per tensor (AdamWSR(batched=True); on an H200 the per-tensor calls cost ~70 us each by inference)."""
-    for w, g, m, v, k in zip(ws, gs, ms, vs, ks, strict=True):
-        torch_update(w, g, m, v, s, k, sr)
-
-
-@functools.cache
-def compiled_rows_update(device_type: str) -> Callable | None:
-    """torch.compile(torch_update_rows), or None where compiled_update is (no Triton on a GPU)."""
-    if compiled_update(device_type) is None:
-        return None
-    return torch.compile(torch_update_rows, dynamic=True)
 
 
 def kernel_scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> torch.Tensor:

@@ -88,9 +88,11 @@ def _neighbours_missed(got: torch.Tensor, want: torch.Tensor) -> int:
 
 @check
 def check_optimizer(ctx: Context) -> tuple[str, dict]:
-    """bf16-sr's AdamWSR on the device, its compiled update (Triton on a GPU) and its eager one: each result torch's
-    fp32 AdamW rounded to one of its two bf16 neighbours (the compiled kernel's division and square root may differ
-    by an fp32 ulp: at most 1 in 10,000 values elsewhere), and their step times beside fused fp32 AdamW's."""
+    """bf16-sr's AdamWSR on the device, its compiled update (on a GPU: the multi-tensor Triton kernel, and
+    torch.compile's kernel called per tensor) and its eager one: each result torch's fp32 AdamW rounded to one of its
+    two bf16 neighbours (a compiled kernel's division and square root may differ by an fp32 ulp: at most 1 in 10,000
+    values elsewhere), their step times beside fused fp32 AdamW's, and on a GPU how many values differ from the CPU's
+    eager update (the multi-tensor kernel's IEEE arithmetic should give its bits: expected 0)."""
     from lmforge.train.optim import AdamWSR
 
     n = 1 << 16 if ctx.quick else 1 << 24
@@ -112,17 +114,35 @@ def check_optimizer(ctx: Context) -> tuple[str, dict]:
 
     ways = {"eager": dict(compiled=False)}
     if not (ctx.quick and ctx.device.type == "cpu"):  # the CPU's C++ loop builds for ~1 min on a fresh machine
-        ways["compiled"] = dict(compiled=True)
+        ways["compiled"] = dict(compiled=True)  # on a GPU with Triton: the multi-tensor kernel, one launch per group
+    if ctx.device.type != "cpu":
+        ways["compiled per tensor"] = dict(compiled=True, multi_tensor=False)  # torch.compile's kernel, a call each
     ref, ref_opt = make(torch.float32, foreach=False)
     ref_opt.step()
     want = [t for p in ref for t in (p.detach(), ref_opt.state[p]["exp_avg"], ref_opt.state[p]["exp_avg_sq"])]
-    missed, times = {}, {}
+    missed, times, cpu_bits = {}, {}, {}
+    cpu = None
+    if ctx.device.type != "cpu":  # the CPU's eager update on the same values: the bits the C++ loop gives
+        cpu_params = [torch.nn.Parameter(x.to("cpu", copy=True)) for x in w]
+        for p, x in zip(cpu_params, g, strict=True):
+            p.grad = x.cpu()
+        cpu_opt = AdamWSR(cpu_params, **kw, compiled=False)
+        for p, a, b in zip(cpu_params, m, v, strict=True):
+            cpu_opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": a.to("cpu", copy=True),
+                                "exp_avg_sq": b.to("cpu", copy=True)}
+        cpu_opt.step()
+        cpu = [t for p in cpu_params for t in (p.detach(), cpu_opt.state[p]["exp_avg"], cpu_opt.state[p]["exp_avg_sq"])]
     for name, extra in {**ways, "fused fp32": dict(fused=True)}.items():
         params, opt = make(torch.float32 if name == "fused fp32" else torch.bfloat16, **extra)
         opt.step()  # the first: compiles
         if name != "fused fp32":
             got = [t for p in params for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
             missed[name] = sum(_neighbours_missed(a, b) for a, b in zip(got, want, strict=True))
+            if cpu is not None:  # the multi-tensor kernel's IEEE arithmetic should give them exactly
+                cpu_bits[name] = sum(int((a.cpu().view(torch.int16) != b.view(torch.int16)).sum())
+                                     for a, b in zip(got, cpu, strict=True))
+            if getattr(opt, "_multi_failed", False) or getattr(opt, "_compile_failed", False):
+                raise AssertionError(f"{name}: the compiled update failed and the step fell back (see the warning)")
         for _ in range(3):
             opt.step()
         sync = torch.cuda.synchronize if ctx.device.type == "cuda" else lambda: None
@@ -139,9 +159,12 @@ def check_optimizer(ctx: Context) -> tuple[str, dict]:
         raise AssertionError("; ".join(bad))
     note = "" if "compiled" in ways else " (the compiled CPU loop left out under --quick: tests/train cover it)"
     steps = ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in times.items())
+    same = ""
+    if cpu_bits:
+        same = "; values unlike the CPU's eager bits: " + ", ".join(f"{k} {n}" for k, n in cpu_bits.items())
     return (f"{total // 3:,} bf16 parameters: results fp32 AdamW's bf16 neighbours ("
-            + ", ".join(f"{name}: {k} missed" for name, k in missed.items()) + f"); step {steps}{note}",
-            {"missed": missed, "step_s": times, "parameters": total // 3})
+            + ", ".join(f"{name}: {k} missed" for name, k in missed.items()) + f"); step {steps}{note}{same}",
+            {"missed": missed, "step_s": times, "parameters": total // 3, "unlike_cpu_bits": cpu_bits})
 
 
 @check

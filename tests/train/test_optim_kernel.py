@@ -130,28 +130,6 @@ def test_the_gpu_update_compiled_here_gives_the_eager_bits(monkeypatch):
         optim_kernel.compiled_update.cache_clear()
 
 
-@pytest.mark.slow
-def test_the_gpu_update_batched_over_a_group_gives_the_eager_bits(monkeypatch):
-    """AdamWSR(batched=True): one compiled call per group over its bf16 tensors (torch_update_rows), each row from
-    its own first counter; compiled to C++ here with the CPU listed as a compiled device: the eager update's bits
-    after three steps, the fp32 and empty tensors going their own ways between the batched rows."""
-    monkeypatch.setattr(optim_kernel, "COMPILED_DEVICES", ("cpu",))
-    calls = []
-    real = optim_kernel.torch_update_rows
-    monkeypatch.setattr(optim_kernel, "torch_update_rows", lambda ws, *a: calls.append(len(ws)) or real(ws, *a))
-    for cached in (optim_kernel.compiled_update, optim_kernel.compiled_rows_update):
-        cached.cache_clear()
-    try:
-        eager = _run(compiled=False)
-        batched = _run(compiled=True, batched=True)
-        for a, b in zip(eager, batched, strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b)
-        assert calls and set(calls) == {3}  # each group's three non-empty bf16 tensors in one call
-    finally:
-        for cached in (optim_kernel.compiled_update, optim_kernel.compiled_rows_update):
-            cached.cache_clear()
-
-
 def test_a_gpu_takes_the_compiled_update_and_falls_back_once_when_it_fails(monkeypatch, caplog):
     """A CUDA tensor's step goes to torch.compile's update (from KERNEL_MIN_PARAMS parameters, or compiled=True),
     never below the threshold nor for lmforge plan's fake trace; when that compile fails (a Triton error), the step
