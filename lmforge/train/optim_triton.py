@@ -39,8 +39,8 @@ BLOCK = 1024  # elements per slot per iteration: 8 bf16 (16 bytes) per thread at
 MAX_SLOTS = 512  # programs per tensor at most (the grid's second axis)
 
 
-def _update(ptrs, sizes, keys, s, C1: tl.constexpr, C2: tl.constexpr, SR: tl.constexpr,  # noqa: N803
-            ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+def adamwsr_multi_tensor(ptrs, sizes, keys, s, C1: tl.constexpr, C2: tl.constexpr, SR: tl.constexpr,  # noqa: N803
+                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
     """One (tensor, slot) program: `ptrs` holds each tensor's (w, g, m, v) addresses, `keys` its first counter
     hashed and the three keys, `s` the scalars of optim_kernel.kernel_scalars; C1 and C2 the hash's constants as
     unsigned 32-bit values."""
@@ -101,8 +101,8 @@ def kernel(interpret: bool = False):
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_update)
-    return triton.jit(_update)
+        return InterpretedFunction(adamwsr_multi_tensor)
+    return triton.jit(adamwsr_multi_tensor)
 
 
 def update_rows(rows: list[tuple[torch.Tensor, ...]], scalars: torch.Tensor, keys: torch.Tensor, sr: bool) -> None:

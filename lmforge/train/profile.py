@@ -101,6 +101,7 @@ KERNEL_NAMES = (
                            "triton_tem_fused_addmm", "triton_tem_fused_bmm")),
     (COMMUNICATION, ("nccl",)),
     (OP_CATEGORIES[2][0], ("log_softmax", "nll_loss", "cross_entropy", "logsumexp")),
+    ("optimizer step", ("adamwsr", "multi_tensor_apply", "fused_adam")),  # lmforge.train.optim_triton's, torch's
     ("layer norm", ("layer_norm", "rms_norm")),
     ("GELU", ("gelu",)),
     (OP_CATEGORIES[3][0], ("memcpy", "_to_copy", "copy_kernel")),

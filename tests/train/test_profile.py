@@ -90,6 +90,16 @@ def test_device_kernels_go_to_their_launching_op_or_else_their_name_and_idle_is_
     assert "| 1,000 | " in next(line for line in table.splitlines() if "GEMM kernels' rate" in line)  # 3e11 / 300 us
 
 
+def test_optimizer_kernels_are_known_by_name_where_no_op_launched_them():
+    """A Triton kernel launched by hand (AdamWSR's multi-tensor update) has no aten op to say what it is: its name
+    does, as torch's fused AdamW's multi_tensor_apply does."""
+    from lmforge.train.profile import kernel_category
+
+    assert kernel_category("adamwsr_multi_tensor") == "optimizer step"
+    assert kernel_category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...FusedAdamMathFunctor"
+                           "<float, 4, ADAM_MODE::ADAMW, false> >") == "optimizer step"
+
+
 def test_a_device_profile_on_the_cpu_has_the_step_and_no_kernels():
     from lmforge.train.profile import device_profile_table, profile_device_step
 
