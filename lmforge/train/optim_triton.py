@@ -20,6 +20,7 @@ Grid: (tensor, slot); a slot strides over its tensor's blocks, so a small tensor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -124,9 +125,11 @@ def update_rows(rows: list[tuple[torch.Tensor, ...]], scalars: torch.Tensor, key
             table, sizes, row_keys = (x.pin_memory().to(device, non_blocking=True) for x in (table, sizes, row_keys))
         slots = min(MAX_SLOTS, -(-max(rows[i][0].numel() for i in take) // BLOCK))
         extra = {} if interpret else {"num_warps": 4, "enable_fp_fusion": False}
-        kernel(interpret)[(len(take), slots)](table, sizes, row_keys, scalars, C1=HASH_C1 & 0xFFFFFFFF,
-                                              C2=HASH_C2 & 0xFFFFFFFF, SR=bool(sr), ALIGNED=want, BLOCK=BLOCK,
-                                              **extra)
+        # Triton launches on the current device and stream: the rows' device (a rank may hold more than one).
+        with contextlib.nullcontext() if interpret else getattr(torch, device.type).device(device):
+            kernel(interpret)[(len(take), slots)](table, sizes, row_keys, scalars, C1=HASH_C1 & 0xFFFFFFFF,
+                                                  C2=HASH_C2 & 0xFFFFFFFF, SR=bool(sr), ALIGNED=want, BLOCK=BLOCK,
+                                                  **extra)
 
 
 def usable(device: torch.device) -> bool:
