@@ -95,7 +95,8 @@ class LoRAConfig:
             raise UserError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         names = self.targets.split(",") if isinstance(self.targets, str) else list(self.targets)
         names = [n.strip() for n in names if n.strip()]
-        if any(n in HF_TARGETS for n in names):
+        self._given = {short: n for n in reversed(names) for short in HF_TARGETS.get(n, ())}
+        if self._given:
             given = ",".join(names)
             names = [short for n in names for short in HF_TARGETS.get(n, (n,))]
             log.info("lora.targets %s: Hugging Face module names, read as %s", given, ",".join(dict.fromkeys(names)))
@@ -116,17 +117,25 @@ class LoRAConfig:
     def scaling(self) -> float:
         return self.alpha / self.rank
 
+    def as_given(self, names: list[str]) -> str:
+        """Short target names as the user wrote them, for errors: "q_proj,v_proj (read as q,v)" for PEFT's names
+        (`_given`: a short name -> the Hugging Face name it was read from)."""
+        given = ",".join(dict.fromkeys(self._given.get(n, n) for n in names))
+        return given if given == ",".join(names) else f"{given} (read as {','.join(names)})"
 
-def qkv_fused_in_hf(cfg: ModelConfig) -> bool:
-    """Whether Hugging Face keeps this family's q, k and v as one projection (then one adapter covers all three)."""
+
+def hf_fused_qkv(cfg: ModelConfig) -> str | None:
+    """Hugging Face's name for this family's one q, k and v projection (query_key_value, c_attn: then one adapter
+    covers all three), or None where it keeps three."""
     from lmforge.models.hf import ADAPTERS
     from lmforge.models.hf.base import QKV_SEPARATE
 
     adapter = ADAPTERS.get(cfg.family)
     if adapter is None:
-        return False
-    kind = next((k for ours, _, k in adapter.mapping(cfg) if ours == "layers.0.attn.qkv.weight"), QKV_SEPARATE)
-    return kind != QKV_SEPARATE
+        return None
+    theirs, kind = next(((t, k) for ours, t, k in adapter.mapping(cfg) if ours == "layers.0.attn.qkv.weight"),
+                        (None, QKV_SEPARATE))
+    return None if kind == QKV_SEPARATE else theirs.split(".")[-2]
 
 
 def qkv_rows(cfg: ModelConfig) -> dict[str, int]:
@@ -227,7 +236,7 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[s
     cfg: ModelConfig = model.config
     modules = dict(model.named_modules())
     experts = [name for name, m in modules.items() if isinstance(m, Experts)]
-    fused = qkv_fused_in_hf(cfg)
+    fused = hf_fused_qkv(cfg)
     targets = lora.targets
     if targets == ["all-linear"]:  # on a mixture of experts: the router and the experts too, as PEFT's all-linear
         targets = [t for t in TARGETS if _has(modules, TARGETS[t]) or (experts and t in MLP_ON_EXPERTS)]
@@ -235,9 +244,10 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[s
         targets = list(QKV) if fused else ["q", "v"]
     wanted_qkv = [t for t in QKV if t in targets]
     if fused and wanted_qkv and len(wanted_qkv) < 3:
-        raise UserError(f"lora.targets: {cfg.family} keeps q, k and v in one projection (as Hugging Face does), so "
-                        f"one adapter covers all three: target q,k,v together, not {','.join(wanted_qkv)}")
-    ranks = expert_ranks(targets, lora.rank, cfg.family, bool(experts))
+        raise UserError(f"lora.targets: {cfg.family} keeps q, k and v in one projection (as Hugging Face does: "
+                        f"{fused}), so one adapter covers all three: target q,k,v together (or {fused}), not "
+                        f"{lora.as_given(wanted_qkv)}")
+    ranks = expert_ranks(targets, lora.rank, cfg.family, bool(experts), lora.as_given)
     out: dict[str, list[str]] = {}
     matched = {t for t in targets if t in EXPERT_TARGETS or (experts and t in MLP_ON_EXPERTS)}
     for name, module in modules.items():
@@ -253,8 +263,8 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[s
                 out[name].append(part)
     missing = [t for t in targets if t not in matched]
     if missing:
-        raise UserError(f"lora.targets: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module "
-                        f"of this {cfg.family} model (it has "
+        raise UserError(f"lora.targets: {lora.as_given(missing)} {'matches' if len(missing) == 1 else 'match'} no "
+                        f"module of this {cfg.family} model (it has "
                         f"{', '.join(t for t in TARGETS if t in matched or _has(modules, TARGETS[t]))}): drop "
                         f"{'it' if len(missing) == 1 else 'them'}")
     on_params = sorted({*(f"experts.{w}" for w in ranks), *(t for t in targets if t == "router")})

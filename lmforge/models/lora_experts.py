@@ -20,6 +20,7 @@ with expert e's column j at j * experts + e; lmforge.models.peft converts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -71,12 +72,14 @@ class LoRAExperts(Experts):
         return f"lora_rank={self.rank}"
 
 
-def expert_ranks(targets: list[str], rank: int, family: str, has_experts: bool) -> dict[str, int]:
+def expert_ranks(targets: list[str], rank: int, family: str, has_experts: bool,
+                 as_given: Callable[[list[str]], str] = ",".join) -> dict[str, int]:
     """The stacked expert weights that lora.targets `targets` adapt, with their ranks: `experts`, `experts.gate_up`,
     `experts.down` at lora.rank `rank` (PEFT's target_parameters with r). On a mixture of experts gate, up and down
     name the experts too: down at rank r, gate and up (two rank-r adapters on a dense MLP) one adapter of rank 2r on
     their stacked weight, its alpha doubled too (the same scaling), which is what PEFT makes of gate_proj,up_proj
-    (Mixtral's w1,w3) or all-linear on transformers 5's stacked experts."""
+    (Mixtral's w1,w3) or all-linear on transformers 5's stacked experts. `as_given` spells target names in errors
+    as the user wrote them (LoRAConfig.as_given)."""
     named = [t for t in targets if t in EXPERT_TARGETS]
     if named and not has_experts:
         raise UserError(f"lora.targets: {named[0]} names a mixture of experts' stacked experts, and this "
@@ -88,7 +91,8 @@ def expert_ranks(targets: list[str], rank: int, family: str, has_experts: bool) 
     mlp = [t for t in MLP_ON_EXPERTS if t in targets] if has_experts else []
     if ("gate" in mlp) != ("up" in mlp):
         raise UserError(f"lora.targets: {family}'s experts keep gate and up in one stacked weight (Hugging Face's "
-                        f"gate_up_proj), so one adapter covers both: target gate,up together, not {mlp[0]} alone")
+                        f"gate_up_proj), so one adapter covers both: target gate,up together, not "
+                        f"{as_given(mlp[:1])} alone")
     for t in mlp:
         w = MLP_ON_EXPERTS[t]
         if t != "up":
@@ -96,7 +100,8 @@ def expert_ranks(targets: list[str], rank: int, family: str, has_experts: bool) 
     both = {w: names for w, names in asked.items() if len(names) > 1}
     if both:
         w, names = next(iter(both.items()))
-        raise UserError(f"lora.targets: {' and '.join(names)} both adapt the experts' {w} weight: keep one")
+        raise UserError(f"lora.targets: {' and '.join(as_given([n]) for n in names)} both adapt the experts' {w} "
+                        "weight: keep one")
     return {w: ranks[w] for w in ("gate_up", "down") if w in ranks}
 
 

@@ -143,6 +143,12 @@ def test_targets_and_trainable_parameters(hf_dirs):
     ({"targets": "q,query"}, "lora.targets: unknown target 'query'"),
     ({"targets": "gate"}, "lora.targets: gate matches no module of this gpt_neox model"),
     ({"targets": "q,v"}, "gpt_neox keeps q, k and v in one projection"),
+    # PEFT's names are echoed as written, with what they were read as and the name that works.
+    ({"targets": "q_proj"}, r"^lora.targets: gpt_neox keeps q, k and v in one projection \(as Hugging Face does: "
+                            r"query_key_value\), .*: target q,k,v together \(or query_key_value\), not q_proj "
+                            r"\(read as q\)$"),
+    ({"targets": "gate_proj"}, r"^lora.targets: gate_proj \(read as gate\) matches no module of this gpt_neox model "
+                               r"\(it has q, k, v, o, up, down\): drop it$"),
 ])
 def test_bad_settings_are_one_line(setting, message, hf_dirs):
     with pytest.raises(UserError, match=message) as e:

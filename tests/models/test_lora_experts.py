@@ -208,6 +208,8 @@ def test_peft_all_linear_adapters_load_and_lmforge_all_linear_has_their_shapes(f
                                             r"weight .*: target gate,up together, not gate alone$"),
     ("tiny-qwen3-moe", {"targets": "experts,gate,up"}, "^lora.targets: experts and gate both adapt the experts' "
                                                        "gate_up weight: keep one$"),
+    ("tiny-mixtral", {"targets": "w1"}, r"^lora.targets: mixtral's experts keep gate and up .*: target gate,up "
+                                        r"together, not w1 \(read as gate\) alone$"),
     ("tiny-mixtral", {"targets": "experts", "dropout": 0.1}, r"^lora.dropout=0.1 with adapters on experts.down, "
                                                              r"experts.gate_up: .* set lora.dropout=0, or target the "
                                                              r"attention \(q,k,v,o\) only$"),
