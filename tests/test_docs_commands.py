@@ -108,3 +108,14 @@ def test_inline_commands_name_only_options_their_verb_has():
                 wrong += [f"{where}: {text} ({o})" for o in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)
                           if o not in known]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_readme_verb_table_names_lora_on_each_verb_that_takes_it():
+    """A base + PEFT adapter is how most users meet a fine-tune: the verb table's row says which verbs take one."""
+    from lmforge.cli import VERBS, parser
+
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `lmforge ([a-z-]+)[^\n]*", (ROOT / "README.md").read_text(
+        encoding="utf-8"), re.M)}
+    takes = [verb for verb in VERBS if "--lora" in _options(parser(verb), [verb])]
+    assert {"generate", "serve", "eval"} <= set(takes)
+    assert [verb for verb in takes if "--lora DIR" not in rows.get(verb, "")] == []
