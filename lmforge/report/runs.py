@@ -213,7 +213,7 @@ def _get(cfg: dict, section: str, key: str):
 def _checkpointing_label(mode) -> str:
     """trainer.activation_checkpointing as a label part; runs from before the modes wrote true/false."""
     mode = {True: "full", False: "none", None: "none"}.get(mode, mode)
-    return {"none": "no-ckpt", "full": "act-ckpt"}.get(mode, f"act-ckpt-{mode}")
+    return {"none": "no-act-ckpt", "full": "act-ckpt"}.get(mode, f"act-ckpt-{mode}")  # not "no-ckpt": no checkpoints
 
 
 def _layout_label(config: dict) -> str:

@@ -200,6 +200,11 @@ def test_labels_come_from_what_differs_in_the_configs(tmp_path):
     fsdp = _config()
     fsdp["trainer"]["data_parallel"] = "fsdp"
     assert labels(_config(), tp, pp, fsdp) == ["ddp", "tp2", "pp2", "fsdp"]
+    # Activation checkpointing's modes, and the true/false of runs from before them; off is not "no checkpoints".
+    assert labels(*(_config(activation_checkpointing=m) for m in ("none", "selective", "full"))) == [
+        "no-act-ckpt", "act-ckpt-selective", "act-ckpt"]
+    assert labels(_config(activation_checkpointing=False), _config(activation_checkpointing=True)) == [
+        "no-act-ckpt", "act-ckpt"]
     same = labels(_config(), _config())
     assert same[0] != same[1] and all(s.startswith("tiny-neox fp32 (r") for s in same)
     no_config = _write_run(tmp_path / "bare-run", _rows([1.0]))
