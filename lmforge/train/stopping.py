@@ -36,9 +36,12 @@ class Stopped(KeyboardInterrupt):
 
 
 class StopSignals:
-    """While entered (in the main thread), SIGINT and SIGTERM ask the run to stop after the current step."""
+    """While entered (in the main thread), SIGINT and SIGTERM ask the run to stop after the current step. `is_main`:
+    this process warns of the stop; the others log it at debug (torchrun passes Ctrl-C to every rank, and every rank
+    prints its warnings: one line is enough)."""
 
-    def __init__(self) -> None:
+    def __init__(self, is_main: bool = True) -> None:
+        self.is_main = is_main
         self.signum: int | None = None
         self.at = 0.0
         self.owner = os.getpid()
@@ -63,8 +66,9 @@ class StopSignals:
             return
         if self.signum is None:
             self.signum, self.at = signum, time.monotonic()
-            log.warning("%s: stopping after this step with a checkpoint (Ctrl-C again to stop at once, unsaved)",
-                        signal.Signals(signum).name)
+            log.log(logging.WARNING if self.is_main else logging.DEBUG,
+                    "%s: stopping after this step with a checkpoint (Ctrl-C again to stop at once, unsaved)",
+                    signal.Signals(signum).name)
         elif signum == signal.SIGINT and time.monotonic() - self.at > REPEAT_SECONDS:
             raise KeyboardInterrupt
 

@@ -114,8 +114,6 @@ class Trainer:
             from lmforge.devices import bf16_matmul
 
             log.info("trainer.precision=auto: %s (%s)", precision.name, bf16_matmul(self.world.device)[1])
-        if self.world.is_main and (warning := schedule_warning(self.planned)):
-            log.warning(warning)
         if set_tf32(self.world.device, t.tf32) and self.world.is_main:
             log.info("fp32 matrix products on %s: %s", self.world.device.type,
                      "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")
@@ -185,6 +183,8 @@ class Trainer:
         # A rerun: fit() does nothing. The step the run ended at may be past its newest checkpoint (run_files.end_step).
         self.end_step = end_step(self.run_dir, self.state["step"], t.max_steps, self.world.is_main) if resumed else 0
         self.finished = resumed is not None and self.end_step >= t.max_steps
+        if self.world.is_main and not self.finished and (warning := schedule_warning(self.planned)):
+            log.warning(warning)  # a finished run's rerun trains nothing: no schedule to warn of
         # The wall clock of the run goes on from the checkpoint's: a resumed run's `elapsed` continues its curve.
         self.clock_zero = self.started - self.state["elapsed"]
         if cfg.cost.peak_flops or self.finished:  # a finished run rerun trains nothing: no seconds measuring a peak
@@ -255,7 +255,7 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         try:
-            with StopSignals() as stop:
+            with StopSignals(self.world.is_main) as stop:
                 return self._fit(stop)
         except BaseException:
             self.checkpoints.close()  # a checkpoint still being written (checkpoint.async_save) is finished first

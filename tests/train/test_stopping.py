@@ -4,6 +4,7 @@ folder is cleaned up at the next start. Real signals to real runs."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -36,6 +37,24 @@ def test_a_stop_signal_is_noted_and_the_previous_handlers_come_back(monkeypatch)
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C again, later: stop now
             os.kill(os.getpid(), signal.SIGINT)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+STOPPING = "SIGINT: stopping after this step with a checkpoint (Ctrl-C again to stop at once, unsaved)"
+
+
+@pytest.mark.parametrize("rank, level", [(0, logging.WARNING), (1, logging.DEBUG)])
+def test_under_torchrun_rank_0_alone_warns_of_the_stop(rank, level, caplog):
+    """torchrun passes Ctrl-C to every rank, and every rank logs warnings (lmforge.cli): the others say it at debug."""
+    from types import SimpleNamespace
+
+    from lmforge.parallel.data_parallel import World
+    from lmforge.train.trainer import Trainer
+
+    caplog.set_level(logging.DEBUG, logger=stopping.__name__)
+    trainer = SimpleNamespace(world=World(rank=rank, size=2), close=lambda: None)
+    trainer._fit = lambda stop: os.kill(os.getpid(), signal.SIGINT) or {"signum": stop.signum}
+    assert Trainer.fit(trainer) == {"signum": signal.SIGINT}  # the trainer's own StopSignals, told its rank
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(level, STOPPING)]
 
 
 def test_leftovers_of_killed_writes_are_removed_or_put_back(tmp_path):
@@ -160,6 +179,7 @@ def test_ctrl_c_to_torchrun_saves_the_step_on_every_rank_and_stops_them(tiny_cor
     step = metrics_steps(run)[-1]
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{step:08d}"]
     assert err.count(f"interrupted: stopped by SIGINT at step {step}: saved checkpoint") == 1, err[-3000:]
+    assert err.count(STOPPING) == 1, err[-3000:]  # rank 0's; rank 1 says it at debug
     assert metrics_steps(run) == list(range(1, step + 1))
 
 

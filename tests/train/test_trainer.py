@@ -388,9 +388,14 @@ def test_a_monitored_metric_the_run_never_records_is_said_once(tiny_corpus, tmp_
 
 
 def test_a_warmup_longer_than_the_run_is_one_warning(tiny_corpus, tmp_path, caplog):
-    """The peak learning rate is never reached: the run said nothing."""
-    trainer = Trainer(run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=2", "optim.warmup_steps=50"))
-    trainer.close()
+    """The peak learning rate is never reached: the run said nothing. A rerun of the finished run trains nothing, so
+    it says only that (it warned of the schedule too)."""
+    cfg = run_config(tiny_corpus, tmp_path / "run", "trainer.max_steps=2", "optim.warmup_steps=50")
+    Trainer(cfg).fit()
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "warmup_steps" in r.getMessage()]
     assert warned == ["optim.warmup_steps=50 >= trainer.max_steps=2: the learning rate ends at 4% of optim.lr=0.003 "
                       "and never decays; shorten the warmup or train longer"]
+    caplog.clear()
+    rerun = Trainer(cfg)
+    assert rerun.fit() == {} and rerun.summary({}).startswith("the run is at step 2 already (trainer.max_steps=2)")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
