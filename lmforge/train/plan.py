@@ -142,12 +142,12 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     check_qlora(cfg.lora, torch.device(device_type), layout, cfg.model.init_from,  # the run's refusals
                 need_torchao=False, need_source=False)
     cfg, nf4_note = nf4_as_traced(cfg, layout)
-    auto_note = None
+    auto = None
     if cfg.trainer.precision == "auto":
         # The planned device's, not this machine's: a CUDA plan is for GPUs with bf16 tensor cores (A100 on).
         resolved = "bf16-mixed" if device_type == "cuda" else cfg.precision_for(torch.device(device_type)).name
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision=resolved))
-        auto_note = f"trainer.precision=auto: planned as {resolved}" + (
+        auto = f"auto, planned as {resolved}" + (
             " (a GPU with bf16 tensor cores: A100 and later)" if device_type == "cuda" else "")
     traced, _ = trace_device(device_type)
     what = sized(cfg, mcfg, task)
@@ -176,7 +176,7 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
             r.peak += extra
     result = Plan(world_size, device_type, traced.type, _layout_dict(layout), grad_accum, n, ranks, per_chunk, depths,
                   time.perf_counter() - started, device_memory, what)
-    result.notes = notes(what, task, max(r.reference for r in ranks), nf4_note) + ([auto_note] if auto_note else [])
+    result.notes = notes(what, task, max(r.reference for r in ranks), nf4_note, cfg.precision, auto)
     if device_memory is not None:
         check_memory(result, device_memory, cfg.trainer)
     return result

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from lmforge.train.config import RunConfig
+from lmforge.train.config import Precision, RunConfig
 
 GiB = 1 << 30
 
@@ -94,9 +94,11 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def notes(s: dict, task, reference_bytes: int, nf4_note: str | None) -> list[str]:
-    """What a plan sized (`s`: sized's; `reference_bytes`: the most a rank holds of the task's reference model), a
-    line each (the CLI prints them; --json carries them)."""
+def notes(s: dict, task, reference_bytes: int, nf4_note: str | None, precision: Precision,
+          precision_name: str | None = None) -> list[str]:
+    """What a plan sized (`s`: sized's; `reference_bytes`: the most a rank holds of the task's reference model;
+    `precision`: the run's, `precision_name` what to call it where the recipe said auto), a line each (the CLI prints
+    them; --json carries them)."""
     total, trainable = s["parameters"], s["trainable_parameters"]
     if s["lora"] is None:
         lines = [f"full training: {_count(total)} parameters, each with a gradient and AdamW state"]
@@ -105,10 +107,23 @@ def notes(s: dict, task, reference_bytes: int, nf4_note: str | None) -> list[str
         lines = [f"LoRA rank {lora['rank']} on {lora['targets']} ({','.join(lora['adapted'])}): {_count(trainable)} "
                  f"trainable of {_count(total)} parameters; the frozen base in {lora['base_dtype']} has no gradients "
                  "or optimizer state, the adapters train in fp32"]
+    lines.append(precision_line(precision, s["lora"] is not None, precision_name))
     if nf4_note:
         lines.append(nf4_note)
     task_line = task.plan_line(s["reference"], _size(reference_bytes), s["sequences_per_micro_batch"])
     return lines + ([task_line] if task_line else [])
+
+
+def precision_line(precision: Precision, lora: bool, name: str | None = None) -> str:
+    """trainer.precision as the plan sized it: the dtype of what trains (weights, gradients, AdamW's two moments) and
+    what that costs a trained parameter. A LoRA run's adapters train in fp32 whatever the precision."""
+    dtype = torch.float32 if lora else precision.param_dtype
+    how = ("; matmuls in bf16 (autocast)" if precision.autocast_dtype is not None else
+           "" if lora or dtype == torch.float32 else
+           "; updates stochastically rounded" if precision.stochastic_rounding else "; updates rounded to nearest")
+    trained = "the adapters' weights" if lora else "weights"
+    return (f"trainer.precision={name or precision.name}: {trained}, gradients and both AdamW moments in "
+            f"{_dtype_name(dtype)}, {4 * dtype.itemsize} bytes a trained parameter{how}")
 
 
 def _size(n: int) -> str:

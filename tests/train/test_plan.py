@@ -261,6 +261,24 @@ def test_sizes_and_a_recipe_without_a_model_are_one_line():
     assert parse_memory("80GB") == 80 * 10**9
 
 
+@needs_torch((2, 10), "lmforge plan of a CUDA run on a machine without one")
+@pytest.mark.parametrize("precision, dtype, size", [("bf16-sr", "bf16", 8), ("fp32", "fp32", 16),
+                                                    ("auto", "fp32", 16)])
+def test_the_plan_says_the_precision_it_sized_and_what_a_parameter_costs(precision, dtype, size):
+    """A recipe's explicit precision (neox-20b's bf16-sr) got no line; auto's said only what it was planned as."""
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "plan", str(CONFIGS / "tiny-neox.yaml"), *TINY,
+                        f"trainer.precision={precision}", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    [line] = [n for n in plan["notes"] if n.startswith("trainer.precision=")]
+    named = precision if precision != "auto" else "auto, planned as bf16-mixed (a GPU with bf16 tensor cores: A100 " \
+                                                  "and later)"
+    assert line.startswith(f"trainer.precision={named}: weights, gradients and both AdamW moments in {dtype}, {size} "
+                           "bytes a trained parameter")
+    held = sum(plan["per_rank_bytes"][k] for k in ("params", "grads", "optimizer"))
+    assert size * 0.99 <= held / plan["sized"]["parameters"] <= size * 1.01  # what the trace holds (and buffers)
+
+
 RECIPES = {
     "pythia-6.9b": _case(16, config="pythia-6.9b.yaml", device_memory=80 * GiB),
     "llama2-7b": _case(16, "model.preset=llama-2-7b", config="llama2-7b-continued.yaml", device_memory=80 * GiB),
