@@ -210,10 +210,13 @@ class LoRALinear(nn.Linear):
         # Scale the rank-sized activations, not the output, and add B's product into y in one GEMM (addmm's
         # beta = 1): no extra output-sized temporaries.
         a_all = list(self.lora_A.values())
+        # Under autocast the product runs in its dtype whatever x's: a bf16 base's x cast to the fp32 adapters' dtype
+        # would be cast straight back (two activation-sized copies forward, one backward, for the same bits).
+        dtype = x.dtype if torch.is_autocast_enabled(x.device.type) else a_all[0].dtype
         if len(a_all) == 1 or not (self.training and isinstance(self.lora_dropout, nn.Dropout)):
-            h = F.linear(self.lora_dropout(x).to(a_all[0].dtype), torch.cat(a_all) if len(a_all) > 1 else a_all[0])
+            h = F.linear(self.lora_dropout(x).to(dtype), torch.cat(a_all) if len(a_all) > 1 else a_all[0])
         else:  # each part its own dropout mask, as PEFT's separate q/k/v modules draw
-            h = torch.cat([F.linear(self.lora_dropout(x).to(a.dtype), a) for a in a_all], -1)
+            h = torch.cat([F.linear(self.lora_dropout(x).to(dtype), a) for a in a_all], -1)
         h = (h * self.scaling).reshape(-1, h.shape[-1])
         b = self.b_matrix()
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.to(y.dtype), b.t().to(y.dtype))

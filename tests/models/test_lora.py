@@ -395,3 +395,49 @@ def test_a_classifier_trains_its_head_whole_as_pefts_seq_cls_task(family, hf_dir
     export_hf(tmp_path / "m", tmp_path / "hf")
     hf_merged = tf.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", pad_token_id=0).eval()
     assert (_logits(hf_merged, ids) - adapted).abs().max() <= TOL
+
+
+def test_under_autocast_a_bf16_base_feeds_the_adapters_without_an_fp32_round_trip(monkeypatch):
+    """A bf16 base's activations went to the fp32 adapters' dtype and autocast cast them straight back (two
+    activation-sized copies forward, one backward). Now they go in as they are: the same output, input gradient and
+    adapter gradients, bit for bit, as with the round trip, and no activation-sized cast."""
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmforge.models.lora import LoRALinear
+
+    torch.manual_seed(0)
+    base = nn.Linear(256, 512).bfloat16().requires_grad_(False)
+    module = LoRALinear(base, ["all"], 16, 32, 0.0)
+    with torch.no_grad():
+        for b in module.lora_B.values():
+            b.normal_()
+    x0 = torch.randn(4, 64, 256).bfloat16()
+
+    class Casts(TorchDispatchMode):
+        sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._to_copy:
+                self.sizes.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    def step(round_trip: bool) -> list[torch.Tensor]:
+        real = torch.is_autocast_enabled
+        if round_trip:  # what the module did before: x cast to the adapters' fp32
+            monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False)
+        x = x0.clone().requires_grad_(True)
+        module.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16), Casts() as casts:
+            y = module(x)
+            (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        monkeypatch.setattr(torch, "is_autocast_enabled", real)
+        step.casts = casts.sizes[:]
+        casts.sizes.clear()
+        return [y.detach(), x.grad, *(p.grad for p in module.parameters() if p.requires_grad)]
+
+    before = step(round_trip=True)
+    assert step.casts.count(x0.numel()) == 4  # x to fp32 and back to bf16; its gradient the same two ways
+    after = step(round_trip=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert x0.numel() not in step.casts  # the adapters' weights are cast (and the test's loss), not x
