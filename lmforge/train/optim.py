@@ -285,14 +285,14 @@ class AdamWSR(torch.optim.Optimizer):
             return set()
         try:
             optim_triton.update_rows([rows[i] for i in take], scalars, table[take], self.stochastic_rounding)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 (a Triton failure: the per-tensor update gives the same step)
+        except optim_triton.PartlyDone as e:  # a Triton failure: the per-tensor update gives the same step
+            if isinstance(e.cause, torch.OutOfMemoryError):
+                raise e.cause from None
             self._multi_failed = True
             log.warning("AdamWSR: the multi-tensor Triton update failed on %s (%s: %s): one compiled call per tensor "
-                        "runs instead (the same arithmetic)", device, type(e).__name__,
-                        (str(e).strip().splitlines() or [""])[0][:200])
-            return set()
+                        "runs instead (the same arithmetic)", device, type(e.cause).__name__,
+                        (str(e.cause).strip().splitlines() or [""])[0][:200])
+            return {take[i] for i in e.done}  # stepped by a launch before the one that failed: not again
         return set(take)
 
     def _row_keys(self, table: torch.Tensor) -> list[torch.Tensor]:

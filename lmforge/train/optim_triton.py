@@ -106,30 +106,49 @@ def kernel(interpret: bool = False):
     return triton.jit(adamwsr_multi_tensor)
 
 
+class PartlyDone(RuntimeError):
+    """A launch failed after others had stepped some rows: `done` (indices into the rows) must not be stepped again."""
+
+    def __init__(self, done: list[int], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.done, self.cause = done, cause
+
+
 def update_rows(rows: list[tuple[torch.Tensor, ...]], scalars: torch.Tensor, keys: torch.Tensor, sr: bool) -> None:
     """Step flat contiguous bf16 rows (w, g, m, v) of one device: `scalars` from kernel_scalars, on that device, and
     `keys` (len(rows), 4) int32 on the CPU (each row's first counter hashed, then the three keys). One launch
     for the rows whose addresses are 16-byte aligned and sizes multiples of 8 (16-byte loads and stores), one for
-    any others."""
+    any others. A failing launch raises PartlyDone, naming the rows the launches before it stepped."""
     device = rows[0][0].device
     interpret = device.type == "cpu"  # Triton's interpreter: the tests
     aligned = [all(x.data_ptr() % 16 == 0 for x in row) and row[0].numel() % 8 == 0 for row in rows]
+    done: list[int] = []
     for want in (True, False):
         take = [i for i, a in enumerate(aligned) if a == want]
         if not take:
             continue
-        table = torch.tensor([x.data_ptr() for i in take for x in rows[i]], dtype=torch.int64)
-        sizes = torch.tensor([rows[i][0].numel() for i in take], dtype=torch.int64)
-        row_keys = keys[take]
-        if not interpret:  # pinned: asynchronous copies, the buffers held by torch's host allocator until done
-            table, sizes, row_keys = (x.pin_memory().to(device, non_blocking=True) for x in (table, sizes, row_keys))
-        slots = min(MAX_SLOTS, -(-max(rows[i][0].numel() for i in take) // BLOCK))
-        extra = {} if interpret else {"num_warps": 4, "enable_fp_fusion": False}
-        # Triton launches on the current device and stream: the rows' device (a rank may hold more than one).
-        with contextlib.nullcontext() if interpret else getattr(torch, device.type).device(device):
-            kernel(interpret)[(len(take), slots)](table, sizes, row_keys, scalars, C1=HASH_C1 & 0xFFFFFFFF,
-                                                  C2=HASH_C2 & 0xFFFFFFFF, SR=bool(sr), ALIGNED=want, BLOCK=BLOCK,
-                                                  **extra)
+        try:
+            _launch(rows, take, scalars, keys, sr, want, device, interpret)
+        except Exception as e:
+            raise PartlyDone(done, e) from e
+        done += take
+
+
+def _launch(rows: list[tuple[torch.Tensor, ...]], take: list[int], scalars: torch.Tensor, keys: torch.Tensor,
+            sr: bool, aligned: bool, device: torch.device, interpret: bool) -> None:
+    """One launch over rows[take], all aligned (16-byte accesses) or not."""
+    table = torch.tensor([x.data_ptr() for i in take for x in rows[i]], dtype=torch.int64)
+    sizes = torch.tensor([rows[i][0].numel() for i in take], dtype=torch.int64)
+    row_keys = keys[take]
+    if not interpret:  # pinned: asynchronous copies, the buffers held by torch's host allocator until done
+        table, sizes, row_keys = (x.pin_memory().to(device, non_blocking=True) for x in (table, sizes, row_keys))
+    slots = min(MAX_SLOTS, -(-max(rows[i][0].numel() for i in take) // BLOCK))
+    extra = {} if interpret else {"num_warps": 4, "enable_fp_fusion": False}
+    # Triton launches on the current device and stream: the rows' device (a rank may hold more than one).
+    with contextlib.nullcontext() if interpret else getattr(torch, device.type).device(device):
+        kernel(interpret)[(len(take), slots)](table, sizes, row_keys, scalars, C1=HASH_C1 & 0xFFFFFFFF,
+                                              C2=HASH_C2 & 0xFFFFFFFF, SR=bool(sr), ALIGNED=aligned, BLOCK=BLOCK,
+                                              **extra)
 
 
 def usable(device: torch.device) -> bool:

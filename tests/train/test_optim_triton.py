@@ -13,7 +13,18 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
                                      "run in its interpreter on the CPU")
 
 from lmforge.train import optim_kernel, optim_triton  # noqa: E402
+from tests.train import test_optim_kernel  # noqa: E402
+from tests.train.test_optim_kernel import _params as _kernel_params  # noqa: E402
 from tests.train.test_optim_kernel import _run  # noqa: E402
+
+
+def _params(seed: int = 0) -> list[dict]:
+    """test_optim_kernel's groups with a 200 x 301 matrix for its 1000 x 2001 one (the C++ loop's threads need that
+    size; Triton's interpreter runs a block at a time in numpy): 59 blocks for two slots to stride over."""
+    groups = _kernel_params(seed)
+    groups[0]["params"][2] = torch.nn.Parameter(
+        torch.randn(200, 301, generator=torch.Generator().manual_seed(seed + 7)).bfloat16())
+    return groups
 
 
 @pytest.fixture
@@ -21,7 +32,8 @@ def multi_tensor_on_cpu(monkeypatch):
     """The GPU's path on this machine's tensors: the kernel runs in Triton's interpreter; the per-tensor kernel
     refuses to run, so every bf16 row must go through the multi-tensor one; launches are counted."""
     monkeypatch.setattr(optim_triton, "usable", lambda device: True)
-    monkeypatch.setattr(optim_triton, "MAX_SLOTS", 2)  # slots striding over a 2M-element tensor's 1,954 blocks
+    monkeypatch.setattr(optim_triton, "MAX_SLOTS", 2)  # slots striding over a tensor's 59 blocks
+    monkeypatch.setattr(test_optim_kernel, "_params", _params)
 
     def no_per_tensor_kernel():
         def refuse(*args):
@@ -35,14 +47,13 @@ def multi_tensor_on_cpu(monkeypatch):
     return launches
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("stochastic_rounding", "betas"), [(True, (0.9, 0.95)), (False, (0.9, 0.95)),
                                                             (True, (0.3, 0.99))])
 def test_the_multi_tensor_kernel_gives_the_eager_bits(multi_tensor_on_cpu, stochastic_rounding, betas):
     """Weights and both moments after three steps equal the eager update's bit for bit: the same noise at the same
     counters across tensors and groups, round-to-nearest, both of torch's lerp formulas; aligned rows (16-byte
     loads) and others (lengths 7 and 1001, a scalar) in their own launches, the empty and fp32 tensors their own
-    way; two slots striding over a 2M-element tensor's 1,954 blocks. One update_rows call per group and step."""
+    way; two slots striding over a 60,200-element tensor's 59 blocks. One update_rows call per group and step."""
     eager = _run(compiled=False, stochastic_rounding=stochastic_rounding, betas=betas)
     multi = _run(compiled=True, stochastic_rounding=stochastic_rounding, betas=betas)
     for a, b in zip(eager, multi, strict=True):
@@ -50,7 +61,6 @@ def test_the_multi_tensor_kernel_gives_the_eager_bits(multi_tensor_on_cpu, stoch
     assert multi_tensor_on_cpu == [3, 3] * 3  # each group's three non-empty bf16 tensors, three steps
 
 
-@pytest.mark.slow
 def test_the_multi_tensor_kernel_resumes_bit_exact(multi_tensor_on_cpu):
     full = _run(compiled=True, steps=3)
     resumed = _run(compiled=True, steps=3, resume_at=2)
@@ -63,11 +73,11 @@ def test_a_failing_launch_leaves_the_per_tensor_update_with_one_warning(monkeypa
     monkeypatch.setattr(optim_triton, "usable", lambda device: True)
     tried = []
 
-    def failing(rows, *args):
-        tried.append(len(rows))
+    def failing(rows, take, *args):
+        tried.append(len(take))
         raise RuntimeError("PTX .version 9.1 does not support .target sm_120\nlong log")
 
-    monkeypatch.setattr(optim_triton, "update_rows", failing)
+    monkeypatch.setattr(optim_triton, "_launch", failing)
 
     def per_tensor_kernel():  # the eager update in torch ops: a per-tensor kernel with known results
         return lambda w, g, m, v, s, k, n, sr: optim_kernel.torch_update(w, g, m, v, s, k, bool(sr))
@@ -76,7 +86,7 @@ def test_a_failing_launch_leaves_the_per_tensor_update_with_one_warning(monkeypa
     never = _run(compiled=True, multi_tensor=False)
     with caplog.at_level(logging.WARNING):
         fallback = _run(compiled=True)
-    assert tried == [3]
+    assert tried == [3]  # the first launch (the first group's three rows, all aligned) failed: none stepped twice
     assert caplog.text.count("the multi-tensor Triton update failed on cpu (RuntimeError: PTX .version 9.1") == 1
     assert all(torch.equal(a, b) for a, b in zip(never, fallback, strict=True))
 
@@ -114,3 +124,43 @@ def test_the_hopper_code_has_16_byte_accesses_and_ieee_arithmetic(stochastic_rou
         assert code.count("sqrt.rn.f32") == per_thread and code.count("div.rn.f32") == 2 * per_thread
         assert code.count("fma.rn.f32") == 2 * per_thread
         assert not any(op in code for op in ("sqrt.approx", "div.full", "div.approx", "rcp.approx"))
+
+
+def _mixed_group_run(steps: int = 3, **kw) -> list[torch.Tensor]:
+    """One group holding 16-byte-aligned tensors and others (two launches a step): weights and moments after
+    `steps` steps."""
+    from lmforge.train.optim import AdamWSR
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (13,), (1000, 24)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).bfloat16()) for shape in shapes]
+    opt = AdamWSR(params, lr=1e-2, eps=1e-6, seed=5, compiled=True, **kw)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+    return [x.detach().clone() for p in params for x in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+
+
+@pytest.mark.slow
+def test_a_launch_failing_after_another_leaves_the_rows_it_stepped_alone(monkeypatch, caplog):
+    """In a group of aligned and unaligned tensors the aligned rows' launch runs and the others' fails: the rows it
+    stepped are not stepped again by the per-tensor update that takes the rest (and every later step): the results
+    are the per-tensor update's bits (the C++ loop's, which the kernel gives too), no row updated twice."""
+    assert optim_kernel.cpu_kernel() is not None, "no C++ compiler for Inductor on this machine"
+    per_tensor = _mixed_group_run()  # on the CPU: the C++ loop, per tensor
+    monkeypatch.setattr(optim_triton, "usable", lambda device: True)
+    real, launches = optim_triton._launch, []
+
+    def unaligned_fails(rows, take, scalars, keys, sr, aligned, *args):
+        launches.append((len(take), aligned))
+        if not aligned:
+            raise RuntimeError("out of resources: shared memory")
+        real(rows, take, scalars, keys, sr, aligned, *args)
+
+    monkeypatch.setattr(optim_triton, "_launch", unaligned_fails)
+    with caplog.at_level(logging.WARNING):
+        partly = _mixed_group_run()
+    assert launches == [(2, True), (1, False)]  # the first step's two launches; the per-tensor update from then on
+    assert caplog.text.count("the multi-tensor Triton update failed on cpu (RuntimeError: out of resources") == 1
+    assert all(torch.equal(a, b) for a, b in zip(per_tensor, partly, strict=True))
