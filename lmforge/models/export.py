@@ -21,7 +21,7 @@ from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import export_hf, is_hf_dir, write_hf
 from lmforge.models.io import missing_model_folder
-from lmforge.models.lora import merged_state
+from lmforge.models.lora_state import merged_state
 from lmforge.models.peft import peft_base, write_adapter_folder
 from lmforge.models.source import (
     checkpoint_dtype,

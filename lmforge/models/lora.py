@@ -49,7 +49,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import hf_module_count
-from lmforge.models.lora_experts import EXPERT_TARGETS, MLP_ON_EXPERTS, LoRAExperts, expert_delta, expert_ranks
+from lmforge.models.lora_experts import EXPERT_TARGETS, MLP_ON_EXPERTS, LoRAExperts, expert_ranks
 from lmforge.models.moe import Experts, stacked
 from lmforge.models.nf4 import dense, is_nf4, nf4_linear, quantize_nf4
 
@@ -427,35 +427,3 @@ HEADS = ("score", "classifier")
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
-
-def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """A LoRA model's state dict -> (the base's tensors, {module: {"A": {part: A}, "B": {part: B}}})."""
-    base, adapters = {}, {}
-    for name, t in state.items():
-        if not is_adapter(name):
-            base[name] = t
-            continue
-        module, kind, part = name.rsplit(".", 2)  # layers.0.attn.qkv, lora_A, q
-        adapters.setdefault(module, {"A": {}, "B": {}})[kind[-1]][part] = t
-    return base, adapters
-
-
-def merged_state(state: dict[str, torch.Tensor], cfg: ModelConfig, scaling: float) -> dict[str, torch.Tensor]:
-    """A LoRA model's state dict (plain tensors, e.g. gathered for export) with the adapters folded into the base."""
-    base, adapters = split_state(state)
-    base = {name: dense(t) for name, t in base.items()}  # NF4 weights, adapted or not, leave as bf16
-    for name in [n for n in base if n.endswith(".experts.gate_up")]:  # QLoRA's 2-D experts, stacked again
-        down = name.removesuffix("gate_up") + "down"
-        base[name], base[down] = stacked(base[name], base[down])
-    for module, ab in adapters.items():
-        if module.endswith(".experts"):  # stacked experts: each weight's per-expert B A
-            for weight, a in ab["A"].items():
-                w = base[f"{module}.{weight}"]
-                base[f"{module}.{weight}"] = (w.float() + expert_delta(a, ab["B"][weight], scaling)).to(w.dtype)
-            continue
-        parts = {p: ab["B"][p].float() @ ab["A"][p].float() for p in ab["A"]}
-        split = set(parts) <= set(QKV)
-        delta = fuse_parts({p: t.t() for p, t in parts.items()}, cfg).t() if split else next(iter(parts.values()))
-        w = base[f"{module}.weight"]
-        base[f"{module}.weight"] = (w.float() + scaling * delta).to(w.dtype)
-    return base

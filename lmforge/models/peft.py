@@ -53,9 +53,10 @@ from lmforge.models.hf.base import (
     SECOND_HALF,
     permute_rotary,
 )
-from lmforge.models.lora import HEADS, QKV, TARGETS, LoRAConfig, fuse_parts, split_parts, split_state
+from lmforge.models.lora import HEADS, QKV, TARGETS, LoRAConfig, fuse_parts, split_parts
 from lmforge.models.lora_experts import WEIGHTS as EXPERT_WEIGHTS
 from lmforge.models.lora_experts import to_peft
+from lmforge.models.lora_state import split_state
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.models.config import ModelConfig
-from lmforge.models.lora import apply_lora, init_adapters, merged_state
+from lmforge.models.lora import apply_lora, init_adapters
+from lmforge.models.lora_state import merged_state
 from lmforge.models.source import is_checkpoint
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config import RunConfig

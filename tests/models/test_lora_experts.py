@@ -16,8 +16,9 @@ from lmforge.errors import UserError
 from lmforge.models import build, load_pretrained
 from lmforge.models.hf import export_hf
 from lmforge.models.io import materialize, save_model
-from lmforge.models.lora import LoRAConfig, adapters_disabled, apply_lora, merge_lora, merged_state, split_state
+from lmforge.models.lora import LoRAConfig, adapters_disabled, apply_lora, merge_lora
 from lmforge.models.lora_experts import LoRAExperts
+from lmforge.models.lora_state import merged_state, split_state
 from lmforge.models.peft import write_peft_adapter
 from lmforge.models.peft_read import load_peft_adapter
 from tests.models.test_moe import _moe_config

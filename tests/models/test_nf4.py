@@ -11,8 +11,9 @@ import torch
 
 from lmforge.models import build, load_pretrained
 from lmforge.models.io import save_model
-from lmforge.models.lora import LoRAConfig, apply_lora, merge_lora, merged_state
+from lmforge.models.lora import LoRAConfig, apply_lora, merge_lora
 from lmforge.models.lora_experts import LoRAExperts
+from lmforge.models.lora_state import merged_state
 from tests.models.test_lora_experts import _ids, _logits, _trained
 
 pytest.importorskip("transformers")
