@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 
 import torch
@@ -33,8 +32,6 @@ try:  # the kernel's source names `tl`; without Triton it is never built (`usabl
     import triton.language as tl
 except ImportError:
     tl = None
-
-log = logging.getLogger(__name__)
 
 BLOCK = 1024  # elements per slot per iteration: 8 bf16 (16 bytes) per thread at 4 warps
 MAX_SLOTS = 512  # programs per tensor at most (the grid's second axis)
