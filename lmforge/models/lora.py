@@ -211,7 +211,7 @@ class LoRALinear(nn.Linear):
         # beta = 1): no extra output-sized temporaries.
         a_all = list(self.lora_A.values())
         # Under autocast the product runs in its dtype whatever x's: a bf16 base's x cast to the fp32 adapters' dtype
-        # would be cast straight back (two activation-sized copies forward, one backward, for the same bits).
+        # would be cast straight back (two activation-sized copies forward, two for its gradient, for the same bits).
         dtype = x.dtype if torch.is_autocast_enabled(x.device.type) else a_all[0].dtype
         if len(a_all) == 1 or not (self.training and isinstance(self.lora_dropout, nn.Dropout)):
             h = F.linear(self.lora_dropout(x).to(dtype), torch.cat(a_all) if len(a_all) > 1 else a_all[0])
