@@ -3,19 +3,22 @@
 A template is Hugging Face's Jinja chat template: a model folder's (chat_template.jinja, else tokenizer_config.json's
 "chat_template"), a file, or one of the built-ins below. It is rendered in Jinja's immutable sandbox, as
 transformers does, with `messages`, `add_generation_prompt`, the special tokens (`bos_token`, `eos_token` ...),
-`tools=None`, `raise_exception` and `strftime_now`.
+`tools=None`, `raise_exception`, `strftime_now` and transformers' `tojson`.
 
-Special tokens that the template writes ("<s>", "<|im_start|>") become their ids; the same strings inside a
-message stay plain text: contents go into the template as placeholders and are put back after rendering, so only
-template text is searched for special tokens (transformers parses them anywhere, which lets a user forge turns).
-A template's filters on content (`| trim`) therefore see the placeholder, not the text.
+The messages' own text is rendered, so the text is apply_chat_template(tokenize=False)'s whatever the template does
+to a content (`| trim`, Qwen3's split at "</think>"). Special tokens that the template writes ("<s>", "<|im_start|>")
+become their ids; the same strings typed in a message stay text: each is marked in the content before rendering, and
+only unmarked ones are read as tokens (transformers reads them anywhere, which lets a user forge turns). A template
+that renders the marked chat otherwise than the chat (it reads the typed token: `content.split('<|eot_id|>')`) gets
+transformers' reading, every such string a token.
 
 Assistant spans (what fine-tuning puts the loss on) come from the template's `{% generation %}` blocks where it has
 them (transformers' `return_assistant_tokens_mask` reads the same blocks); otherwise from rendering the chat turn
 by turn: the span of assistant message i is what rendering messages[:i+1] adds to rendering messages[:i] with the
 generation prompt. Text that the template writes only to close a whole chat (Phi-3's eos where there is no
 generation prompt) is in no span. A template whose renders are not prefixes of each other that way (one that
-rewrites earlier turns) cannot be split so and is refused for training, with that reason.
+rewrites earlier turns, as Qwen3's drops the reasoning of answers before the last question) cannot be split so and
+is refused for training, with that reason.
 
 Text is tokenized in runs cut at each special token, each run whole (as transformers tokenizes the rendered text),
 and a token is in an assistant span when any character it covers is: a served prompt is then token for token the
@@ -50,10 +53,11 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5's name; it wins over tokenizer_config.json's
-# Private-use characters, never in a template: a message's content, and the edges of an assistant span.
-_CONTENT = "\ue000{}\ue001"
-_SPAN_START, _SPAN_END = "\ue002", "\ue003"
-_MARKS = re.compile("\ue000(\\d+)\ue001|\ue002|\ue003")
+# Noncharacters (Unicode keeps U+FDD0..U+FDEF for a program's own use): the edges of an assistant span, the mark
+# before a special token's text typed in a message, and the probe that finds where each message's text ends.
+_SPAN_START, _SPAN_END, _TYPED, _PROBE = "\ufdd0", "\ufdd1", "\ufdd2", "\ufdd3"
+_SPANS = re.compile("[\ufdd0\ufdd1]")
+_INTERNAL = re.compile("[\ufdd0-\ufdd3]")
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 # Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca, train.py), verbatim.
@@ -195,6 +199,7 @@ class ChatTemplate:
                                             extensions=[loopcontrols, Generation])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         try:
             self.template = env.from_string(source)
         except TemplateError as e:
@@ -223,8 +228,9 @@ class ChatTemplate:
         self.specials = dict(tokenizer.special_tokens)
         self._add_specials([s for s in map(_token_text, named) if s])
         self._add_specials(("<|im_start|>", "<|im_end|>") if "<|im_start|>" in source else ())
-        # Longest first, so that "<|im_start|>" is not read as a shorter token inside it.
-        self._special_re = re.compile("|".join(map(re.escape, sorted(self.specials, key=len, reverse=True))))
+        # Longest first, so that "<|im_start|>" is not read as a shorter token inside it; one marked typed is text.
+        names = "|".join(map(re.escape, sorted(self.specials, key=len, reverse=True)))
+        self._special_re = re.compile(f"{_TYPED}?(?:{names})")
 
     def _add_specials(self, names: Sequence[str]) -> None:
         for name in names:
@@ -239,15 +245,26 @@ class ChatTemplate:
     # -- rendering ----------------------------------------------------------------------------
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        """The template's text for `messages`, each content a placeholder, spans marked (TemplateRefused)."""
+        """The template's text for `messages`, {% generation %} blocks marked as spans (TemplateRefused)."""
         from jinja2 import TemplateError
 
-        placeholders = [{"role": m["role"], "content": _CONTENT.format(i)} for i, m in enumerate(messages)]
         try:
-            return self.template.render(messages=placeholders, add_generation_prompt=add_generation_prompt,
+            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                         tools=None, documents=None, **self.variables)
         except TemplateError as e:
             raise TemplateRefused(str(e)) from None
+
+    def _typed(self, messages: Sequence[dict], prompt: bool) -> Sequence[dict]:
+        """`messages` with each special token's text in a content marked as typed, where the template renders them as
+        it renders `messages` (marks aside); else `messages`, its tokens then read as transformers reads them."""
+        if not self.specials or not any(self._special_re.search(m["content"]) for m in messages):
+            return messages
+        typed = [{**m, "content": self._special_re.sub(lambda t: _TYPED + t.group(), m["content"])} for m in messages]
+        try:
+            same = self.render(typed, prompt).replace(_TYPED, "") == self.render(messages, prompt)
+        except TemplateRefused:
+            same = False
+        return typed if same else messages
 
     def _spans_by_prefix(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         """The whole render with each assistant message's span marked, found from renders turn by turn."""
@@ -260,12 +277,12 @@ class ChatTemplate:
             if after == full or not full.startswith(after):
                 after = after[: self._closing(messages[: i + 1], after)]
             if not after.startswith(before):
-                where = _parting(before, after, ("the prompt", "the answer"))
+                where = _parting(before, after, ("the prompt", "the answer"), messages)
                 raise TemplateRefused(f"the generation prompt is not how the template starts assistant message {i} "
                                       f"({where}), so its answer cannot be found turn by turn; give the template "
                                       "{% generation %} blocks or choose another data.chat_template")
             if not full.startswith(after) or len(before) < at:
-                where = _parting(after, full, ("its turn", "the whole chat"))
+                where = _parting(after, full, ("its turn", "the whole chat"), messages)
                 raise TemplateRefused(f"rendering the chat turn by turn does not give prefixes of the whole chat (at "
                                       f"message {i}, {where}): the template rewrites earlier turns; give it "
                                       "{% generation %} blocks or choose another data.chat_template")
@@ -276,8 +293,9 @@ class ChatTemplate:
     def _closing(self, messages: Sequence[dict], rendered: str) -> int:
         """Where `rendered` (`messages` without the generation prompt) ends before what the template writes only to
         close a whole chat (Phi-3's "{% else %}{{ eos_token }}"): where it parts from the render with the generation
-        prompt, at the start of a special token split there; no message's text may follow. That text closes the chat,
-        it is no answer's: it is in no span, and a turn followed by more messages is a prefix of the chat without it."""
+        prompt, at the start of a special token split there; no message's text may follow (a probe put at the end of
+        each content must come before it). That text closes the chat, it is no answer's: it is in no span, and a turn
+        followed by more messages is a prefix of the chat without it."""
         try:
             prompted = self.render(messages, True)
         except TemplateRefused:
@@ -285,7 +303,13 @@ class ChatTemplate:
         k = len(os.path.commonprefix([rendered, prompted]))
         k = next((m.start() for m in self._special_re.finditer(rendered) if m.start() < k < m.end()), k) \
             if self.specials else k
-        return len(rendered) if _MARKS.search(rendered, k) else k
+        if k == len(rendered):
+            return k
+        try:
+            probed = self.render([{**m, "content": m["content"] + _PROBE} for m in messages], False)
+        except TemplateRefused:
+            return len(rendered)
+        return k if probed.endswith(rendered[k:]) and _PROBE not in probed[k - len(rendered) :] else len(rendered)
 
     def pieces(self, messages: Sequence[dict], add_generation_prompt: bool, spans: bool = True) -> list[Piece]:
         """The rendered chat as text runs and special-token ids, each flagged in or out of an assistant span.
@@ -293,40 +317,36 @@ class ChatTemplate:
         spans=False (serving a template without {% generation %} blocks that cannot be split turn by turn):
         no spans, the text cut at special tokens only.
         """
+        for i, m in enumerate(messages):
+            if found := _INTERNAL.search(m["content"]):
+                raise TemplateRefused(f"message {i} holds the character U+{ord(found.group()):04X}, a Unicode "
+                                      "noncharacter that lmforge uses to mark the render: remove it from the text")
+        messages = self._typed(messages, add_generation_prompt)
         if self.marks_spans or not spans:
             rendered = self.render(messages, add_generation_prompt)
         else:
             rendered = self._spans_by_prefix(messages, add_generation_prompt)
         if not spans:
-            rendered = rendered.replace(_SPAN_START, "").replace(_SPAN_END, "")
+            rendered = _SPANS.sub("", rendered)
         out: list[Piece] = []
-        text, in_span, at = "", False, 0
-        for m in _MARKS.finditer(rendered):
-            text = self._template_text(rendered[at : m.start()], text, in_span, out)
-            if m.group(1) is not None:
-                text += messages[int(m.group(1))]["content"]
-            else:
-                if text:
-                    out.append((text, in_span))
-                text, in_span = "", m.group() == _SPAN_START
-            at = m.end()
-        text = self._template_text(rendered[at:], text, in_span, out)
-        if text:
-            out.append((text, in_span))
+        in_span, at = False, 0
+        for m in [*_SPANS.finditer(rendered), None]:
+            self._template_text(rendered[at : m.start() if m else len(rendered)], in_span, out)
+            if m:
+                in_span, at = m.group() == _SPAN_START, m.end()
         return out
 
-    def _template_text(self, part: str, text: str, in_span: bool, out: list[Piece]) -> str:
-        """Append template text to `text`; at each special token, close the text so far and add the token's id."""
-        if not self.specials:
-            return text + part
+    def _template_text(self, part: str, in_span: bool, out: list[Piece]) -> None:
+        """Append rendered text to `out`: text runs cut at each special token the template wrote, and its id."""
         at = 0
-        for m in self._special_re.finditer(part):
-            text += part[at : m.start()]
-            if text:
-                out.append((text, in_span))
-            out.append((self.specials[m.group()], in_span))
-            text, at = "", m.end()
-        return text + part[at:]
+        for m in self._special_re.finditer(part) if self.specials else ():
+            if not m.group().startswith(_TYPED):
+                if text := part[at : m.start()].replace(_TYPED, ""):
+                    out.append((text, in_span))
+                out.append((self.specials[m.group()], in_span))
+                at = m.end()
+        if text := part[at:].replace(_TYPED, ""):
+            out.append((text, in_span))
 
     # -- ids ----------------------------------------------------------------------------------
 
@@ -406,14 +426,22 @@ def check_messages(messages, where: str) -> list[dict]:
     return out[: last + 1]
 
 
-def _parting(one: str, other: str, names: tuple[str, str]) -> str:
-    """Where two renders part, for an error: each one's text there, messages named."""
+def _parting(one: str, other: str, names: tuple[str, str], messages: Sequence[dict]) -> str:
+    """Where two renders part, for an error: each one's text there, messages' contents named."""
     k = len(os.path.commonprefix([one, other]))
+    index = {m["content"]: f"{{message {i}}}" for i, m in reversed(list(enumerate(messages))) if m["content"]}
+    named = re.compile("|".join(map(re.escape, sorted(index, key=len, reverse=True)))) if index else None
 
     def show(text: str) -> str:
-        return repr(_MARKS.sub(lambda m: f"{{message {m.group(1)}}}" if m.group(1) else "", text[k : k + 40]))
+        text = named.sub(lambda m: index[m.group()], text[k:]) if named else text[k:]
+        return repr(text.replace(_TYPED, "")[:40])
 
     return f"{names[0]} has {show(one)} where {names[1]} has {show(other)}"
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' filter: Jinja's own escapes HTML characters ("<" as "\u003c"), which a chat must not.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str):
