@@ -17,7 +17,6 @@ encodes as the tokenizer.json of its export does (sentencepiece itself never par
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 from abc import ABC, abstractmethod
@@ -29,6 +28,7 @@ import tokenizers as hf
 from tokenizers import decoders, models, pre_tokenizers
 
 from lmforge.errors import UserError
+from lmforge.tokenizer_specials import declared_special_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -180,20 +180,12 @@ class Tokenizer(ABC):
         logger.debug("saved tokenizer files %s to %s", [f.name for f in self.files], out_dir)
 
     def _set_special_ids(self) -> None:
-        """Let HF config files beside the tokenizer override bos/eos/pad, then pick eod."""
-        for name in CONFIG_FILES:
-            cfg = self.files[0].parent / name
-            if not cfg.is_file():
-                continue
-            data = _read_json(cfg)
-            if isinstance(data.get("add_bos_token"), bool):
-                self._declared_add_bos = data["add_bos_token"]
-            for key in ("bos", "eos", "pad"):
-                tok = data.get(f"{key}_token")
-                if isinstance(tok, dict):  # AddedToken serialised as {"content": ..., "lstrip": ...}
-                    tok = tok.get("content")
-                if isinstance(tok, str) and (i := self.token_to_id(tok)) is not None:
-                    setattr(self, f"{key}_id", i)
+        """Let HF config files beside the tokenizer decide bos/eos/pad, a null there meaning none, as transformers
+        reads them (lmforge.tokenizer_specials); then pick eod."""
+        declared, self._declared_add_bos = declared_special_tokens(self.files[0].parent)
+        for key, text in declared.items():
+            if text is None or (i := self.token_to_id(text)) is not None:
+                setattr(self, f"{key}_id", None if text is None else i)
         # GPT-2 and NeoX separate documents with <|endoftext|>; Llama with eos </s>.
         endoftext = self.token_to_id(ENDOFTEXT)
         self.eod_id = endoftext if endoftext is not None else self.eos_id
@@ -214,6 +206,7 @@ class HFTokenizer(Tokenizer):
         self.files = files
         # max id + 1 rather than a count: an embedding needs a row for every id, holes included.
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        # Guesses, for files that say nothing: the config files' bos/eos/pad (nulls too) win in _set_special_ids.
         self.eos_id = self._first_id(ENDOFTEXT, "</s>")
         self.bos_id = self._first_id(ENDOFTEXT, "<s>")
         self.pad_id = self._first_id(*PAD_TOKENS)
@@ -437,13 +430,3 @@ def _wrap(what: str, load, *files: Path):
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         names = " + ".join(map(str, files))
         raise UserError(f"cannot read {names} as {what} ({reason}): check the file is intact") from e
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path} as JSON ({e}): fix or delete the file") from e
-    if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object: fix or delete the file")
-    return data

@@ -273,6 +273,57 @@ def test_add_bos_token_follows_the_files_then_the_eod_rule(gpt2_bpe, gpt2_json, 
 
 
 
+def chat_tokenizer_json(folder: Path) -> dict[str, int]:
+    """A small tokenizer.json with Qwen's specials (<|endoftext|> first, then <|im_start|> and <|im_end|>)."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    inner = HF(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    inner.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    folder.mkdir()
+    inner.save(str(folder / "tokenizer.json"))
+    return {t: inner.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+
+
+QWEN_CHAT = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+# transformers 4's AddedToken in a tokenizer_config.json (Llama 2's published folders)
+ADDED_TOKEN = {"__type": "AddedToken", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+# (tokenizer_config.json, special_tokens_map.json or None, the bos then named: a token, or None for none)
+DECLARED = {
+    "qwen2.5-null": ({**QWEN_CHAT, "tokenizer_class": "Qwen2Tokenizer", "bos_token": None}, None, None),
+    "resaved-absent": ({**QWEN_CHAT, "tokenizer_class": "TokenizersBackend"}, None, None),  # transformers 5's save
+    "qwen2-class-absent": ({**QWEN_CHAT, "tokenizer_class": "Qwen2Tokenizer"}, None, None),
+    "no-class-null": ({**QWEN_CHAT, "bos_token": None}, None, None),
+    "gpt2-class-absent": ({**QWEN_CHAT, "tokenizer_class": "GPT2Tokenizer"}, None, "<|endoftext|>"),  # its default
+    "declared": ({**QWEN_CHAT, "bos_token": ADDED_TOKEN | {"content": "<|im_start|>"}}, None, "<|im_start|>"),
+    "map-wins": ({**QWEN_CHAT, "bos_token": "<|endoftext|>"}, {"bos_token": "<|im_start|>"}, "<|im_start|>"),
+    "map-null-wins": ({**QWEN_CHAT, "bos_token": "<|endoftext|>"}, {"bos_token": None}, None),
+}
+
+
+@pytest.mark.parametrize("name", DECLARED)
+def test_declared_special_tokens_win_over_guesses_as_autotokenizer_reads_them(name, tmp_path):
+    """Qwen2.5's tokenizer_config.json says "bos_token": null; lmforge guessed <|endoftext|> for bos all the same,
+    so lmforge eval conditioned an empty context on it where lm-eval's hf backend (AutoTokenizer: no bos, so eos)
+    used <|im_end|>, and the export wrote that bos into config.json. A declaration wins, nulls and
+    special_tokens_map.json's included, and so does a class without a default bos (transformers 5 re-saves Qwen's
+    tokenizer without the key)."""
+    transformers = pytest.importorskip("transformers")
+    config, tokens_map, bos = DECLARED[name]
+    ids = chat_tokenizer_json(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    if tokens_map is not None:
+        (tmp_path / "tok" / "special_tokens_map.json").write_text(json.dumps(tokens_map))
+    ours = load_tokenizer(tmp_path / "tok")
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (ids.get(bos), ids["<|im_end|>"], ids["<|endoftext|>"])
+    assert ours.eod_id == ids["<|endoftext|>"] and not ours.add_bos_token
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
+    assert ours.encode("w5 w7", add_bos=ours.add_bos_token) == [5, 7]
+
+
+
 @pytest.mark.parametrize("saved_by", ["transformers", "lmforge"])
 def test_a_tokenizer_json_adds_bos_where_its_post_processor_does(saved_by, tmp_path):
     """A distinct bos (Llama 3's <|begin_of_text|>, a trained tokenizer's <s>) beside a tokenizer.json whose

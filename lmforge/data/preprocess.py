@@ -22,6 +22,8 @@ Special tokens: by default text is text, so a literal "<|endoftext|>" in a docum
 characters it is made of (lmforge.tokenizers' rule: scraped text cannot forge a document boundary).
 `parse_special_tokens=True` turns such text into the control id, as Hugging Face's tokenizers do by default and
 therefore Megatron's tool does: the same bytes as Megatron's output for corpora that contain such strings.
+Left as text, such strings are counted (one regex search per text, a count only where it finds one) and said in
+one warning at the end: lmforge eval and transformers read them as the special ids (WikiText's 11,718 "<unk>").
 
 Sharding (`shard=(I, N)`): only slice I of N of the input is tokenized, into `...document.shard-I-of-N`
 files plus a record of how they were made; `lmforge.data.shards.merge` joins the N shards into the files one
@@ -39,6 +41,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -69,10 +72,11 @@ THREADS_IN_FLIGHT = 2  # with --workers 1: batch calls in flight on the tokenize
 START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 MAX_LOGGED_SKIPS = 10
 
-# A chunk's result: per key, the ids of its good documents end to end; and per record, an error message or per
-# key (token count, sequence lengths). One array per key and chunk rather than one per document: cheaper to
-# build, and to send back from a worker process, when documents are short.
-Encoded = tuple[list[np.ndarray], list[str | list[tuple[int, list[int]]]]]
+# A chunk's result: per key, the ids of its good documents end to end; per record, an error message or per
+# key (token count, sequence lengths); and the special-token text found (SpecialText). One array per key and chunk
+# rather than one per document: cheaper to build, and to send back from a worker process, when documents are short.
+SpecialText = tuple[dict[str, int], int]  # occurrences of special-token text by token, and documents holding any
+Encoded = tuple[list[np.ndarray], list[str | list[tuple[int, list[int]]]], SpecialText]
 Done = tuple[list[Record], Encoded]  # a chunk and its result
 
 
@@ -84,6 +88,9 @@ class PreprocessStats:
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)  # key -> prefix of its .bin/.idx
     shard: tuple[int, int] | None = None  # (I, N) when one slice of N was tokenized
+    # Special-token text tokenized as plain text (parse_special_tokens off): occurrences by token, and documents
+    special_text: dict[str, int] = field(default_factory=dict)
+    special_text_documents: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -114,6 +121,10 @@ class _Encoder:
     def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, prepend_bos: bool = False):
         self.tokenizer, self.json_keys, self.append_eod = tokenizer, list(json_keys), append_eod
         self.prepend_bos = prepend_bos
+        # Special-token text that stays text, to be said at the end: longest first, so "<|im_start|>" is one match.
+        names = [] if tokenizer.parse_special_tokens else sorted(filter(None, tokenizer.special_tokens), key=len,
+                                                                 reverse=True)
+        self.special_text = re.compile("|".join(map(re.escape, names))) if names else None
 
     def texts(self, kind: str, payload) -> list[list[str]] | str:
         """Per key, the document's sentences; or what is wrong with the record (its place is added later)."""
@@ -177,7 +188,24 @@ class _Encoder:
                 doc.append((sum(lengths), lengths))
             records.append(doc)
         arrays = [np.fromiter(chain.from_iterable(p), np.int64, count=sum(map(len, p))) for p in parts]
-        return arrays, records
+        return arrays, records, self._special_text(parsed)
+
+    def _special_text(self, parsed: list[list[list[str]] | str]) -> SpecialText:
+        """The special-token text in the chunk's good records (none looked for where it is parsed)."""
+        found: dict[str, int] = {}
+        documents = 0
+        if self.special_text is None:
+            return found, documents
+        search, findall = self.special_text.search, self.special_text.findall
+        for p in parsed:
+            hit = False
+            for text in () if isinstance(p, str) else chain.from_iterable(p):
+                if search(text):  # the common case, no match, costs one scan in C
+                    hit = True
+                    for name in findall(text):
+                        found[name] = found.get(name, 0) + 1
+            documents += hit
+        return found, documents
 
 
 def _init_worker(encoder: _Encoder | None, tokenizer_file: str, json_keys: list[str], append_eod: bool,
@@ -321,9 +349,23 @@ def preprocess(
             raise
     if stats.skipped:
         logger.warning("skipped %d bad line(s) in all", stats.skipped)
+    if stats.special_text:
+        _warn_special_text(stats)
     logger.debug("wrote %d documents, %d tokens in %.1f s (%.0f tokens/s)", stats.documents, stats.tokens,
                 stats.seconds, stats.tokens_per_second)
     return stats
+
+
+def _warn_special_text(stats: PreprocessStats) -> None:
+    """One warning for the special-token text left as text (a shard's: its own counts)."""
+    found = sorted(stats.special_text.items(), key=lambda kv: (-kv[1], kv[0]))
+    listed = ", ".join(f"{name} x{count:,}" for name, count in found[:5]) + (", ..." if len(found) > 5 else "")
+    shard = f"shard {stats.shard[0]}/{stats.shard[1]}: " if stats.shard else ""
+    logger.warning("%s%s occurrences of special-token text (%s) in %s documents were tokenized as plain text "
+                   "(lmforge's default, as Megatron's preprocess_data.py does with its own GPT-2 BPE and SentencePiece "
+                   "tokenizers); lmforge eval and transformers read such text as the special ids: "
+                   "--parse-special-tokens tokenizes them so",
+                   shard, f"{sum(stats.special_text.values()):,}", listed, f"{stats.special_text_documents:,}")
 
 
 def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: str, progress: bool, dtype: np.dtype,
@@ -339,7 +381,10 @@ def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: s
     try:
         for key, prefix in stats.outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, dtype)
-        for chunk, (arrays, results) in encoded:
+        for chunk, (arrays, results, (special_text, special_documents)) in encoded:
+            for name, count in special_text.items():
+                stats.special_text[name] = stats.special_text.get(name, 0) + count
+            stats.special_text_documents += special_documents
             offsets = [0] * len(encoder.json_keys)
             for (where, kind, _, _), res in zip(chunk, results):
                 if isinstance(res, str):

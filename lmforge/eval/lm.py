@@ -9,7 +9,8 @@ lmforge.models.source, or a live model handed over by the trainer):
 
 What is scored is what lm-eval's own causal `hf` backend scores, token for token: the continuation's
 tokens are those of encode(context + continuation) after encode(context) (a context's trailing spaces move
-to the continuation), an empty context is the prefix token (bos, else eos), text starts with bos exactly
+to the continuation), an empty context is the prefix token (the hf backend's: `prefix_token_id` where given,
+else the tokenizer's bos, else its eos; Qwen's declare no bos), text starts with bos exactly
 when the tokenizer's rule says so (Tokenizer.add_bos_token: Llama yes, GPT-2 and NeoX no), inputs are cut
 from the left to the model's context, and a generation is decoded on its own, special tokens skipped, and
 cut at the first stop string. The computing is lmforge.eval.scoring's and lmforge.inference's.
@@ -61,6 +62,7 @@ class LMForgeLM(TemplateLM):
         dtype: str | None = None,
         max_length: int | str | None = None,
         max_gen_toks: int | str = 256,
+        prefix_token_id: int | str | None = None,  # what an empty context is conditioned on (the hf backend's name)
         progress: bool = True,  # False: no progress bars (an eval inside training logs one line)
     ):
         super().__init__()
@@ -91,6 +93,7 @@ class LMForgeLM(TemplateLM):
             raise UserError("neither the tokenizer nor the model config names an eos token, which lm-eval "
                             "needs (the prefix of an empty context, the end of a generation)")
         self._eos = eos
+        self.custom_prefix_token_id = _token_id(prefix_token_id, model.config.vocab_size)
 
     # -- what lm-eval asks of a model ------------------------------------------------------------
 
@@ -100,7 +103,11 @@ class LMForgeLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        """The token an empty context (and a rolling window's first) is conditioned on: bos, else eos."""
+        """The token an empty context (and a rolling window's first) is conditioned on, as lm-eval's HFLM picks
+        it: the one given, else bos, else eos. bos is the one the tokenizer files declare, none where they say null
+        (Qwen2.5): AutoTokenizer's, which the hf backend reads."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
         return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self._eos
 
     @property
@@ -206,6 +213,19 @@ def context_length(max_length: int | str | None, positions: int, param: str = "m
         raise UserError(f"this model's context is {positions} tokens (max_position_embeddings) and {param} is "
                         f"{length}: give {param} {positions} or less, or omit it to use the model's")
     return length
+
+
+def _token_id(value: int | str | None, vocab_size: int) -> int | None:
+    """`prefix_token_id` as given (None: not given), checked to be one of the model's ids."""
+    if value in (None, ""):
+        return None
+    try:
+        token = int(value)
+    except ValueError:
+        raise UserError(f"prefix_token_id must be a token id (a whole number), got {value!r}") from None
+    if not 0 <= token < vocab_size:
+        raise UserError(f"prefix_token_id {token} is not one of the model's ids (0 to {vocab_size - 1}): give one")
+    return token
 
 
 def _batch_size(value: int | str | None) -> int:

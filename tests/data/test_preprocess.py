@@ -348,6 +348,49 @@ def test_prepend_bos_matches_megatrons_llama_tokenizer(mcore, tmp_path, articles
     assert not list(tmp_path.glob("none*"))
 
 
+def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared_data, monkeypatch, caplog):
+    """WikiText holds 11,718 "<unk>" strings: preprocess wrote them as text (the bytes Megatron's SentencePiece
+    tokenizer writes, kept) where lmforge eval and transformers read the unk id, and said nothing. One warning at
+    the end counts them, each shard its own; none where --parse-special-tokens reads them, or none is there."""
+    import logging
+
+    import lmforge.data.preprocess as pp
+
+    spm = pytest.importorskip("sentencepiece")
+    model = shared_data / "tokenizers" / "llama2" / "tokenizer.model"
+    lines = [*articles, json.dumps({"text": "a <s> forged </s> turn"}) + "\n"]
+    (tmp_path / "in.jsonl").write_text("".join(lines), encoding="utf-8")
+    texts = [json.loads(line)["text"] for line in lines]
+    found = {name: sum(t.count(name) for t in texts) for name in ("<unk>", "<s>", "</s>")}
+    documents = sum(any(name in t for name in found) for t in texts)
+    assert found["<unk>"] > 1000 and found["<s>"] == found["</s>"] == 1 and 1 < documents < len(texts)
+    said = (f"{sum(found.values()):,} occurrences of special-token text (<unk> x{found['<unk>']:,}, </s> x1, <s> x1) "
+            f"in {documents} documents were tokenized as plain text (lmforge's default, as Megatron's "
+            "preprocess_data.py does with its own GPT-2 BPE and SentencePiece tokenizers); lmforge eval and "
+            "transformers read such text as the special ids: --parse-special-tokens tokenizes them so")
+    monkeypatch.setattr(pp, "CHUNK_DOCS", 4)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+
+    def warnings_of(**kw) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lmforge.data.preprocess"):
+            stats = preprocess(tmp_path / "in.jsonl", tmp_path / "out", model, progress=False, **kw)
+        if not kw.get("parse_special_tokens") and "shard" not in kw:
+            ds = IndexedDataset(stats.outputs["text"])  # the text stays sentencepiece's, as Megatron's
+            last = json.loads((tmp_path / "in.jsonl").read_text(encoding="utf-8").splitlines()[-1])["text"]
+            assert ds.document(ds.num_documents - 1).tolist() == sp.encode(last)
+        return [r.getMessage() for r in caplog.records]
+
+    for workers in (1, 2):
+        assert warnings_of(workers=workers) == [said]
+    shards = [warnings_of(shard=f"{i}/2") for i in range(2)]
+    assert [w[0].split(": ")[0] for w in shards] == ["shard 0/2", "shard 1/2"]
+    assert sum(int(w[0].split(": ")[1].split()[0].replace(",", "")) for w in shards) == sum(found.values())
+    assert warnings_of(parse_special_tokens=True) == []
+    (tmp_path / "in.jsonl").write_text("".join(line.replace("<", "[") for line in lines), encoding="utf-8")
+    assert warnings_of() == []
+
+
 @pytest.mark.slow  # spawned workers import lmforge and load the tokenizer themselves: seconds
 def test_spawned_workers_parse_special_tokens_when_asked(tmp_path, gpt2, monkeypatch):
     import lmforge.data.preprocess as pp

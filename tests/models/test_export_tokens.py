@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -194,3 +195,75 @@ def test_a_list_of_eos_ids_is_read_back_and_exported(tmp_path):
     assert read_config(tmp_path / "m").eos_token_id == [0, 2]
     export_hf(tmp_path / "m", tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == [0, 2]
+
+
+def test_an_export_keeps_a_declared_null_bos(tmp_path):
+    """A Qwen-style tokenizer says "bos_token": null; lmforge took <|endoftext|> for bos all the same and the export
+    wrote its id into config.json, where the source's config said null and AutoTokenizer on the export has none."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_tokenizers import chat_tokenizer_json
+
+    ids = chat_tokenizer_json(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+         "pad_token": "<|endoftext|>"}))
+    tok = load_tokenizer(tmp_path / "tok")
+    cfg = dataclasses.replace(preset("tiny-qwen3"), vocab_size=tok.vocab_size, max_position_embeddings=64,
+                              bos_token_id=None)
+    _export(cfg, tmp_path / "tok", tmp_path)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert tuple(hf[k] for k in IDS) == (None, ids["<|im_end|>"], ids["<|endoftext|>"])
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == tuple(hf[k] for k in IDS)
+
+
+# Llama 2's published tokenizer_config.json (meta-llama/Llama-2-7b-chat-hf), its chat template shortened; "legacy"
+# as there (false), as transformers 4 wrote it when asked (true), and absent (transformers 5 reads absent as false).
+LLAMA2_CONFIG = {
+    "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+    "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False,
+                  "single_word": False},
+    "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False, "rstrip": False,
+                  "single_word": False},
+    "unk_token": {"__type": "AddedToken", "content": "<unk>", "lstrip": False, "normalized": False, "rstrip": False,
+                  "single_word": False},
+    "pad_token": None, "padding_side": "right", "sp_model_kwargs": {}, "tokenizer_class": "LlamaTokenizer",
+    "model_max_length": 1000000000000000019884624838656,
+    "chat_template": "{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+                     "m['content'].strip() + ' [/INST]' }}{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}"
+                     "{% endif %}{% endfor %}",
+}
+CHAT = [("user", "Hi there"), ("assistant", "Hello!  How can I help?"), ("user", " Tell me a joke.")]
+
+
+@pytest.mark.parametrize("legacy", [False, True, None], ids=["legacy-false", "legacy-true", "legacy-absent"])
+def test_autotokenizer_on_an_export_of_a_tokenizer_model_with_its_config_gives_lmforges_ids(legacy, shared_data,
+                                                                                             tmp_path):
+    """A Llama folder with tokenizer.model and tokenizer_config.json but no tokenizer.json: the export kept the
+    source's config and wrote no tokenizer.json, so AutoTokenizer built transformers' LlamaTokenizer from
+    tokenizer.model, which puts no prefix space after a special token ("<s>[INST]": "[" where sentencepiece, so
+    lmforge's training, has "▁["; 300 of 300 of the audit's chats differed). Now the export carries lmforge's
+    tokenizer.json and the source's config, naming the class that reads it as it is."""
+    transformers = pytest.importorskip("transformers")
+    from lmforge.chat_template import ChatTemplate
+    from lmforge.models.hf.tokenizer import FAST
+
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(shared_data / "tokenizers" / "llama2" / "tokenizer.model", src)
+    config = LLAMA2_CONFIG | ({} if legacy is None else {"legacy": legacy})
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(src)
+    cfg = dataclasses.replace(preset("tiny-llama"), vocab_size=tok.vocab_size, max_position_embeddings=64)
+    _export(cfg, src, tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    chat = [{"role": role, "content": content} for role, content in CHAT]
+    trained = ChatTemplate(config["chat_template"], tok, src).prompt_ids(CHAT)  # as lmforge finetune encodes it
+    assert trained[:2] == [1, 518]  # <s> "▁["
+    assert auto.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"] == trained
+    for text in ("Hello world", " leading  and two spaces", "a\n\n b"):
+        assert auto(text)["input_ids"] == tok.encode(text, add_bos=True)
+    written = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert written == {**written, **config, "tokenizer_class": FAST}  # the source's, but the class
+    again = load_tokenizer(tmp_path / "hf")  # and lmforge reads the export as the source
+    assert ChatTemplate(config["chat_template"], again, tmp_path / "hf").prompt_ids(CHAT) == trained

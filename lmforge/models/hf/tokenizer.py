@@ -7,7 +7,10 @@ Llama-shaped model nothing at all, and on a GPT-NeoX-shaped model it added a pad
 So an export whose tokenizer came without a tokenizer_config.json gets one naming the class to build, bos, eos,
 pad and whether bos starts a text; and a SentencePiece BPE model gets a tokenizer.json that encodes as
 sentencepiece does (dummy prefix "▁", spaces as "▁", byte fallback), which the generic fast tokenizer reads
-as it is.
+as it is. That tokenizer.json is written beside the source's tokenizer_config.json too, which then names the generic
+fast class: transformers 5's LlamaTokenizer, from tokenizer.model or tokenizer.json alike, puts no prefix space after
+a special token where "legacy" is false (Llama 2's published folders say so) or absent, and sentencepiece, so
+lmforge's training, does ("<s>[INST]": 29961 "[" there, 518 "▁[" here).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 from pathlib import Path
 
 from lmforge.sentencepiece_bpe import sentencepiece_tokenizer_json
+from lmforge.tokenizer_specials import read_json
 from lmforge.tokenizers import SentencePieceTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -25,13 +29,17 @@ FAST = "PreTrainedTokenizerFast"  # transformers' class that takes tokenizer.jso
 
 
 def write_tokenizer_files(tok: Tokenizer, folder: Path, max_length: int, pad_id: int | None) -> None:
-    """tokenizer_config.json (and for SentencePiece tokenizer.json) in `folder`, unless the source had them."""
-    if (folder / "tokenizer_config.json").exists():
-        return
+    """tokenizer.json for a SentencePiece model in `folder` unless the source had one, and tokenizer_config.json:
+    lmforge's where the source had none, else the source's, naming the fast class where tokenizer.json was written
+    (the keys it lacks lmforge's: that class has no default bos or eos)."""
+    source = folder / "tokenizer_config.json"
+    converted = None
     if isinstance(tok, SentencePieceTokenizer) and not (folder / "tokenizer.json").exists():
         converted = sentencepiece_tokenizer_json(tok)
         if converted is not None:
             converted.save(str(folder / "tokenizer.json"))
+    if source.exists() and converted is None:
+        return
     if (folder / "tokenizer.json").exists():
         kind = FAST
     else:  # GPT-2's vocab.json + merges.txt, or a SentencePiece model the conversion does not cover
@@ -49,7 +57,10 @@ def write_tokenizer_files(tok: Tokenizer, folder: Path, max_length: int, pad_id:
     }
     if isinstance(tok, SentencePieceTokenizer):
         config["unk_token"] = _token(tok, tok.unk_id)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    if source.exists():
+        config = {**config, **read_json(source), "tokenizer_class": FAST}
+        log.debug("%s: the source's, naming %s for the tokenizer.json written beside it", source, FAST)
+    source.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _token(tok: Tokenizer, i: int | None) -> str | None:
