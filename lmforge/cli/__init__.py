@@ -52,9 +52,35 @@ def verb_module(verb: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{VERBS[verb].module}")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (and, as add_subparsers makes them of its parent's class, every verb's), which leaves on the
+    namespace the innermost parser that read the words (`_verb_parser`: an error about a verb's words shows that
+    verb's usage, not lmforge's), and whose errors first name an option spelt with underscores that this parser
+    spells with dashes (lm-eval's and torchrun's habit: --num_fewshot, --batch_size, --output_path)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)
+        parsed, extra = super().parse_known_args(args, namespace)
+        if not hasattr(parsed, "_verb_parser"):  # a verb's parser returns before the one that called it
+            parsed._verb_parser = self
+        return parsed, extra
+
+    def error(self, message: str):
+        for arg in getattr(self, "argv", ()):
+            if arg == "--":  # what follows is positional
+                break
+            name = arg.split("=", 1)[0]
+            dashed = "--" + name[2:].replace("_", "-")
+            if name.startswith("--") and name not in self._option_string_actions and \
+                    dashed in self._option_string_actions:
+                message = f"unknown option {name}: {self.prog} spells it {dashed}"
+                break
+        super().error(message)
+
+
 def parser(only: str | None = None) -> argparse.ArgumentParser:
     """The `lmforge` parser. With `only`, only that verb's arguments are built (its module imported)."""
-    p = argparse.ArgumentParser(prog="lmforge", description="From raw text to a trained, served language model.")
+    p = Parser(prog="lmforge", description="From raw text to a trained, served language model.")
     p.add_argument("--version", action="version", version=f"lmforge {__version__}")
     p.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
@@ -87,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     verb = next((a for a in argv if not a.startswith("-")), None)  # top-level options take no value
     p = parser(verb if verb in VERBS else None)
     args, extra = p.parse_known_args(argv)
+    verb_parser = vars(args).pop("_verb_parser", p)  # the verb's (`lmforge data merge`: merge's): its usage
     # key=value overrides after the verb's options (`lmforge plan cfg.yaml --world-size 8 parallel.tensor=8`): argparse
     # takes a positional list only before them, so those that follow are the overrides' too.
     if extra and isinstance(getattr(args, "overrides", None), list) and all(
@@ -96,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         dashed = [a for a in extra if a.startswith("--") and "." in a.split("=", 1)[0]]
         if dashed and isinstance(getattr(args, "overrides", None), list):  # torchtitan/NeMo habit: --trainer.x=3
             fixed = dashed[0].lstrip("-") if "=" in dashed[0] else f"{dashed[0].lstrip('-')}=VALUE"
-            p.error(f"unrecognized argument {dashed[0]}: config overrides are key=value without dashes, e.g. {fixed}")
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
+            verb_parser.error(f"unrecognized argument {dashed[0]}: config overrides are key=value without dashes, "
+                              f"e.g. {fixed}")
+        verb_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.verb is None:
         parser().print_help()
         return 2

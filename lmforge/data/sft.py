@@ -50,6 +50,7 @@ from torch.utils.data import Dataset
 from lmforge.chat_template import (
     ALPACA_PROMPT_INPUT,
     ALPACA_PROMPT_NO_INPUT,
+    CHAT_TEMPLATE_FILE,
     ChatTemplate,
     TemplateRefused,
     builtin_template,
@@ -66,6 +67,8 @@ TRUNCATE = ("drop", "cut")
 # How a record kind is rendered when no chat template is given, and the built-in that serves it the same way.
 KIND_TEMPLATE = {"chat": "lmforge", "alpaca": "plain", "plain": "plain"}
 KIND_EXPORT = {"chat": "lmforge", "alpaca": "alpaca", "plain": "plain"}
+# KIND_TEMPLATE as a run names it (an Alpaca record's built-in is plain text of Stanford's prompt).
+KIND_RENDERING = {"chat": "the built-in lmforge", "alpaca": "Stanford Alpaca's prompt", "plain": "the built-in plain"}
 
 # One example: its kind ("chat", "alpaca", "plain"), its messages, and where it came from (file:line).
 Example = tuple[str, list[dict], str]
@@ -161,6 +164,26 @@ def resolve_chat_template(setting: str, tokenizer: Tokenizer, folder: str | Path
     return ChatTemplate(source, tokenizer, folder, f"the built-in chat template {setting}", builtin=True)
 
 
+def template_origin(setting: str, folder: str | Path) -> str:
+    """Where the template that resolve_chat_template(setting, tokenizer, folder) found comes from, as a run says it:
+    the model's file (chat_template.jinja wins over tokenizer_config.json, as read_chat_template reads them), a
+    .jinja file, or a built-in."""
+    if setting in ("auto", "model"):
+        path = Path(folder) / CHAT_TEMPLATE_FILE
+        return f"the model's, from {path if path.is_file() else Path(folder) / 'tokenizer_config.json'}"
+    if setting.endswith(".jinja") or Path(setting).is_file():
+        return f"file {setting}"
+    return f"the built-in {setting}"
+
+
+def kind_rendering(kinds: collections.Counter, prompt_template: str | None = None) -> str:
+    """What renders each record kind of `kinds` without a chat template (KIND_TEMPLATE), most common first."""
+    said = {**KIND_RENDERING, "alpaca": "data.prompt_template"} if prompt_template else KIND_RENDERING
+    (first, _), *others = kinds.most_common()
+    return ", ".join([f"{said[first]} renders the {first} examples",
+                      *(f"{said[kind]} the {kind} examples" for kind, _ in others)])
+
+
 def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, template: ChatTemplate | None,
                       assistant_only_loss: bool = True, prompt_template: str | None = None,
                       context_answers: Sequence[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -200,15 +223,20 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Tokenizer, templat
     return out
 
 
-def _ends_turn(tok: Tokenizer, trained: np.ndarray) -> bool:
+def _ends_turn(tok: Tokenizer, trained: np.ndarray, stop_strings: tuple[str, ...] = ()) -> bool:
     """Whether an answer's trained tokens end in an end-of-turn token: eos, eod or another special one, whitespace
-    after it aside (ChatML's "<|im_end|>\\n", Gemma's "<end_of_turn>\\n" are trained to the newline)."""
+    after it aside (ChatML's "<|im_end|>\\n", Gemma's "<end_of_turn>\\n" are trained to the newline); or in one of
+    the template's `stop_strings`, turn ends that are text in this tokenizer, at which generation stops."""
     for i in trained[::-1].tolist():
         if i in (tok.eos_id, tok.eod_id) or tok.is_special(i):
             return True
         if tok.decode([i]).strip():
-            return False
-    return False
+            break
+    if not stop_strings:
+        return False
+    # Decoded, not matched token by token: the text's first piece may merge with the answer's end (Llama's ".<").
+    tail = trained[-(max(map(len, stop_strings)) + 8):].tolist()  # a token holds a character at least
+    return tok.decode(tail).rstrip().endswith(stop_strings)
 
 
 def _drop_spans(pieces: list, count: int) -> list:
@@ -270,10 +298,10 @@ class SFTDataset(Dataset):
         records = list(read_json_records(path))
         examples = [ex for where, rec in records for ex in record_examples(rec, where, prompt, templated)]
         self.kind = None  # the records' kind whose built-in template the export carries (none: chat_template's)
+        self.kinds = kinds = collections.Counter(kind for kind, _, _ in examples)
         if chat_template is not None:
             self.export_template = chat_template.source
         else:  # the built-in that serves the most common kind as it was trained (chats first)
-            kinds = collections.Counter(kind for kind, _, _ in examples)
             kind = self.kind = next(k for k in ("chat", "alpaca", "plain") if k in kinds)
             self.export_template = builtin_template(KIND_EXPORT[kind], tok.add_bos_token, prompt_template)
             if len(kinds) > 1:
@@ -300,7 +328,8 @@ class SFTDataset(Dataset):
         if not self.examples:
             raise UserError(f"{path}: no example fits seq_length {seq_length}: raise it or pass truncate='cut'")
         scored = (labels[labels != IGNORE_INDEX] for _, labels in self.examples)
-        if assistant_only_loss and not any(_ends_turn(tok, s) for s in scored if len(s)):
+        stops = chat_template.stop_strings if chat_template is not None else ()
+        if assistant_only_loss and not any(_ends_turn(tok, s, stops) for s in scored if len(s)):
             logger.warning("%s: no answer ends in an end-of-turn token (eos or another special one): the chat "
                            "template writes none inside the answer's span, so the model does not learn to stop; a "
                            "template that ends answers with eos (the built-ins do) teaches it", self.path)

@@ -288,10 +288,10 @@ def _draw_a(a: torch.Tensor, generator: torch.Generator | None) -> None:
     nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
 
-def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
+def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0, quiet: bool = False) -> int:
     """Freeze `model` and wrap its targeted linears (and stacked experts) with adapters (fp32; the base in bf16
     with lora.bf16_base); a classification head (HEADS) stays trainable, in fp32. Returns the number of trainable
-    parameters.
+    parameters, which it logs unless `quiet` (a LoRA checkpoint read to be merged and used: nothing trains).
 
     A model on the meta device (a layout that shards it) gets meta adapters: once it is laid out and its base
     filled, init_adapters gives each rank its pieces of the adapters this call would have drawn."""
@@ -325,6 +325,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> int:
         wrapped.train(base.training)
         setattr(parent, attr, wrapped)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if quiet:
+        return trainable
     total = sum(p.numel() for p in model.parameters())
     adapted = sorted({p for parts in targets.values() for p in parts})
     adapted += [f"experts.{w} (rank {r})" for w, r in next(iter(experts.values()), {}).items()]

@@ -39,7 +39,7 @@ class SFT(Task):
     name = "sft"
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
-        from lmforge.data.sft import SFTDataset
+        from lmforge.data.sft import SFTDataset, kind_rendering, template_origin
 
         d = cfg.data
         train_file, valid_file = data_files(cfg)
@@ -54,6 +54,14 @@ class SFT(Task):
                               assistant_only_loss=d.assistant_only_loss)
 
         train = make(train_file)
+        # Said as generate and serve say theirs: data.chat_template=auto on a folder without one renders by built-ins.
+        folder = tokenizer.files[0].parent
+        if template is not None:
+            log.info("chat template: %s (data.chat_template=%s) renders the examples",
+                     template_origin(d.chat_template, folder), d.chat_template)
+        else:
+            log.info("chat template: %s has none (data.chat_template=%s), so %s", folder, d.chat_template,
+                     kind_rendering(train.kinds, d.prompt_template))
         valid = make(valid_file) if valid_file else None
         if valid is not None and valid.kind != train.kind:
             log.warning("data.valid_file holds %s records, data.train_file %s ones: each kind is rendered by its own "
