@@ -5,16 +5,17 @@
                         .../rng-rank0.json python/numpy/torch RNG states of each rank
                         .../lmforge.json the model config (so the folder says what it holds)
                         .../chat_template.jinja the template a fine-tuning run rendered its examples with
+                        .../tokenizer.json ... a copy of the run's tokenizer files (lmforge.train.checkpointing)
 
                         .../checksums.json size and SHA-256 of every other file
 
 Each checkpoint is written under `.step-N.tmp` and renamed when complete: a crash at any moment
-leaves either the previous set of checkpoints or the new one, never a torn folder. Retention keeps
-the `save_top_k` best by the monitored metric plus the newest (`save_last`; a run stopped before its end keeps its
-stop's checkpoint until a newer one is written, whatever save_last says); a checkpoint it drops is
-renamed `.step-N.deleting` before its files go, so a kill mid-deletion leaves no half checkpoint under
-a checkpoint's name. A resume first removes such leftovers, then takes the newest checkpoint whose files
-match their checksums: one that does not is renamed `step-N.corrupt` with a warning.
+leaves either the previous set of checkpoints or the new one, never a torn folder. Retention keeps the
+`save_top_k` best by the monitored metric plus the newest (`save_last`; a run stopped before its end keeps its
+stop's checkpoint until a newer one is written, whatever save_last says): lmforge.checkpoint.retention, which
+deletes by renaming to `.step-N.deleting` first. A resume first removes such leftovers and `.step-N.tmp`, then takes
+the newest checkpoint whose files match their checksums: one that does not is renamed `step-N.corrupt` with a
+warning.
 A full disk is found before writing where it can be (the state's bytes against the free bytes) and is
 one UserError either way, with the temporary folder removed.
 
@@ -31,7 +32,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lmforge.checkpoint.hold import hold_for_test
+from lmforge.checkpoint.retention import LEFTOVER, NAME, Retention
 from lmforge.checkpoint.rng import rng_state, set_rng_state
 from lmforge.errors import UserError
 from lmforge.fsutil import CHECKSUMS, atomic_write, checksum_problems, file_checksums, out_of_space
@@ -56,9 +57,6 @@ from lmforge.models.source import dcp_error_line, load_checkpoint_model, one_pro
 
 log = logging.getLogger(__name__)
 
-NAME = re.compile(r"^step-(\d{8})$")
-# What a save or a deletion cut short leaves: the folder being written, the folder being deleted.
-LEFTOVER = re.compile(r"^\.step-\d{8}\.(tmp|deleting)$")
 DISK_FIX = "free space there, keep fewer checkpoints (checkpoint.save_top_k) or set run_dir on a larger disk"
 # One process without a process group is a normal way to run: DCP need not warn about it.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -110,7 +108,7 @@ def checkpoint_bytes(state: dict) -> int:
     return sum(sizes.values())
 
 
-class CheckpointManager:
+class CheckpointManager(Retention):
     def __init__(self, root: Path, save_top_k: int = 1, monitor: str = "val_loss", mode: str = "min",
                  save_last: bool = True, async_save: bool = False):
         """Every rank builds it, at the same point (with `async_save` it creates a process group)."""
@@ -141,13 +139,17 @@ class CheckpointManager:
     # -- writing ------------------------------------------------------------------------------
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-             model_config: ModelConfig, side_files: dict[str, str] | None = None, resume_point: bool = False) -> Path:
-        """Write checkpoint `step` (every rank calls this), with rank 0's `side_files` (name -> text) beside it.
-        With `async_save` it returns once the state is copied aside: the folder appears under the returned name
-        when the write in the background is done (wait()). A `resume_point` (written because the run stops before
-        its end) outlives retention until a newer checkpoint is written, whatever save_last says: it is where the
-        rerun goes on."""
+             model_config: ModelConfig, side_files: dict[str, str | bytes] | None = None,
+             resume_point: bool = False) -> Path | None:
+        """Write checkpoint `step` (every rank calls this), with rank 0's `side_files` (name -> text or bytes)
+        beside it. With `async_save` it returns once the state is copied aside: the folder appears under the
+        returned name when the write in the background is done (wait()). A `resume_point` (written because the run
+        stops before its end) outlives retention until a newer checkpoint is written, whatever save_last says: it
+        is where the rerun goes on. None, and nothing written, where retention would delete it at once
+        (dropped_at_once)."""
         self.wait()  # at most one save in flight
+        if self.dropped_at_once(step, trainer_state.get("metrics") or {}, resume_point):
+            return None
         hold_for_test("save", step, _rank())
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".step-{step:08d}.tmp"
@@ -189,6 +191,22 @@ class CheckpointManager:
                                               resume_point)
         return final
 
+    def dropped_at_once(self, step: int, metrics: dict, resume_point: bool) -> bool:
+        """Whether retention would delete checkpoint `step`, with these metrics, as soon as it were written
+        (Retention.would_drop): then it is not written (as Lightning's ModelCheckpoint skips it), rank 0 deciding for
+        all ranks, and retention runs as it would have."""
+        if resume_point or self.save_last or self.save_top_k < 0:
+            return False
+        drop = _rank() == 0 and self.would_drop(step, metrics)
+        if drop:
+            self._apply_retention()  # as after a save: a stop's checkpoint was kept until a newer one came
+        return bool(_gather(drop)[0])
+
+    def kept(self, path: Path | None) -> bool:
+        """Whether checkpoint `path` is in place (written, and not since dropped by retention), as rank 0 sees it:
+        every rank the same answer (a save is collective)."""
+        return bool(_gather(path is not None and _rank() == 0 and path.is_dir())[0])
+
     def wait(self) -> None:
         """Return once the save in flight (if any) is in place under its name; its failure is raised here, on every
         rank alike (a UserError where the user can fix it, such as a full disk)."""
@@ -203,7 +221,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             log.error("the checkpoint being written when the run stopped failed too: %s", e)
 
-    def _seal_written(self, written: Future, final: Path, tmp: Path, needed: int, files: dict[str, str],
+    def _seal_written(self, written: Future, final: Path, tmp: Path, needed: int, files: dict[str, str | bytes],
                       model_config: ModelConfig, resume_point: bool) -> None:
         """The writer thread: once DCP's write has finished on every rank (its future), seal the folder."""
         try:
@@ -213,14 +231,14 @@ class CheckpointManager:
             error = e
         self._seal(error, final, tmp, needed, files, model_config, self._group, resume_point)
 
-    def _seal(self, error: BaseException | None, final: Path, tmp: Path, needed: int, files: dict[str, str],
+    def _seal(self, error: BaseException | None, final: Path, tmp: Path, needed: int, files: dict[str, str | bytes],
               model_config: ModelConfig, group: dist.ProcessGroup | None = None, resume_point: bool = False) -> None:
         """After DCP's write (failed with `error`, or not): the files beside the tensors, the checksums of all (each
         rank hashes a share, read back while still in the page cache), the rename into place and retention."""
         if error is None:
             try:
-                for name, text in files.items():
-                    (tmp / name).write_text(text)
+                for name, content in files.items():
+                    (tmp / name).write_bytes(content if isinstance(content, bytes) else content.encode())
                 if _rank() == 0:
                     write_config(tmp, model_config)
             except Exception as e:
@@ -367,60 +385,6 @@ class CheckpointManager:
             set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
         else:
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-
-    # -- retention ----------------------------------------------------------------------------
-
-    def _metric(self, path: Path) -> float | None:
-        return self._metrics(path).get(self.monitor)
-
-    @staticmethod
-    def _metrics(path: Path) -> dict:
-        try:
-            metrics = json.loads((path / "trainer.json").read_text()).get("metrics", {})
-        except (OSError, ValueError, AttributeError):
-            return {}
-        return metrics if isinstance(metrics, dict) else {}
-
-    def _apply_retention(self, resume_point: Path | None = None) -> None:
-        found = self.checkpoints()
-        if self.save_top_k < 0 or not found:
-            return
-        scored = [(value, path) for _, path in found if (value := self._metric(path)) is not None]
-        # The newest is kept as last; where it has no score (saved between validations, or at Ctrl-C) it is kept
-        # anyway until a newer one is written: it is where a resume starts.
-        keep = {found[-1][1]} if self.save_last or found[-1][1] not in {p for _, p in scored} else set()
-        if not scored and not self._said_unmonitored:
-            held = self._metrics(found[-1][1])
-            if held:  # metrics were recorded, the monitored one is not among them: a typo, or never measured
-                self._said_unmonitored = True
-                log.warning("checkpoint.monitor=%s is not among the metrics the checkpoints record (%s): retention "
-                            "keeps the newest", self.monitor, ", ".join(sorted(held)))
-        scored.sort(key=lambda x: x[0], reverse=self.mode == "max")
-        keep |= {path for _, path in scored[: self.save_top_k]}
-        if not scored and not self.save_last:
-            keep.add(found[-1][1])  # never delete everything
-        if resume_point is not None:
-            keep.add(resume_point)
-        for _, path in found:
-            if path not in keep:
-                self._delete(path)
-                log.info("removed checkpoint %s (retention)", path.name)
-
-    @staticmethod
-    def _delete(path: Path) -> None:
-        """Rename, then delete: a kill mid-deletion leaves `.step-N.deleting`, which the next start removes,
-        never a `step-N` with some of its files gone."""
-        trash = path
-        if not LEFTOVER.match(path.name):
-            trash = path.with_name(f".{path.name}.deleting")
-            shutil.rmtree(trash, ignore_errors=True)  # an earlier deletion of the same step, cut short
-            os.replace(path, trash)
-            if m := NAME.match(path.name):
-                hold_for_test("retention", int(m.group(1)), _rank())
-        if trash.is_dir():
-            shutil.rmtree(trash)
-        else:
-            trash.unlink(missing_ok=True)
 
 
 def _free_name(path: Path) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import time
 from pathlib import Path
@@ -37,10 +38,14 @@ def run(args: argparse.Namespace) -> None:
         checkpoint=dataclasses.replace(cfg.checkpoint, every_n_steps=0, convert_to_hf=False))
     shutil.rmtree(job, ignore_errors=True)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, planned)
-    trainer.fit()
+    try:
+        trainer = Trainer(cfg, planned)
+        trainer.save_at_end = False  # no checkpoint: nothing resumes from throwaway steps (neox-20b's: ~165 GB)
+        trainer.fit()
+    finally:  # the job's folder goes, failed or not (only rank 0 ever writes in it)
+        if int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(job, ignore_errors=True)
     leave_process_group()
     if trainer.world.is_main:
-        shutil.rmtree(job, ignore_errors=True)
         print(f"compiled {steps} step(s) in {time.perf_counter() - t0:.1f} s; cache {cache}: run the same "
               "config with trainer.compile=true to reuse it")

@@ -13,6 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "PEFT adapter in OUT_DIR-adapter)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast weights (default: keep)")
     p.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    p.add_argument("--tokenizer", help="a checkpoint's tokenizer to export instead of the copy it holds (or, for "
+                                       "older checkpoints, the one its run's config names)")
     p.set_defaults(func=run)
 
 
@@ -23,7 +25,8 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.models.io import parse_dtype
     from lmforge.models.source import checkpoint_lora, is_checkpoint
 
-    hf = export_folder(args.checkpoint_dir, args.out_dir, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    hf = export_folder(args.checkpoint_dir, args.out_dir, dtype=parse_dtype(args.dtype), overwrite=args.overwrite,
+                       tokenizer=args.tokenizer)
     out = Path(args.out_dir)
     lora = is_checkpoint(Path(args.checkpoint_dir)) and checkpoint_lora(Path(args.checkpoint_dir)) is not None
     adapter = f" (LoRA merged; the PEFT adapter in {out.with_name(out.name + '-adapter')})" if lora else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from lmforge.errors import UserError
 
@@ -78,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from lmforge.train.config import load_run_config
+    from lmforge.train.run_files import finished_already
     from lmforge.train.tasks import get_task
     from lmforge.train.trainer import Trainer
 
@@ -89,6 +91,10 @@ def run(args: argparse.Namespace) -> None:
         fine_tuning = "|".join(name for name, task in TASKS.items() if not task.pretraining)
         fix = f"set data.task={fine_tuning}" if finetune else "use `lmforge finetune`"
         raise UserError(f"`lmforge {args.verb}` got data.task={cfg.data.task}: {fix}")
+    if (done := finished_already(cfg)) is not None:  # every rank alike: the same files
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{done}; run folder {cfg.run_dir}")
+        return
     trainer = Trainer(cfg)
     last = trainer.fit()
     leave_process_group()

@@ -39,15 +39,21 @@ log = logging.getLogger(__name__)
 
 
 def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
-                  overwrite: bool = False) -> dict:
-    """Write `source`, an lmforge model folder or a training checkpoint, as a Hugging Face folder; its config.json."""
+                  overwrite: bool = False, tokenizer: str | Path | None = None) -> dict:
+    """Write `source`, an lmforge model folder or a training checkpoint, as a Hugging Face folder; its config.json.
+    `tokenizer`: for a checkpoint, the tokenizer to export with it instead of its run's."""
     from lmforge.models.io import is_model_dir
 
     source, out = Path(source), Path(out_dir)
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):  # before reading any weights
         raise UserError(f"output '{out}' already exists and is not empty: choose another path or pass --overwrite")
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise UserError(f"--tokenizer {tokenizer} does not exist: give a tokenizer file or a folder holding one")
     if is_checkpoint(source):
-        return _export_checkpoint(source, out, dtype, overwrite)
+        return _export_checkpoint(source, out, dtype, overwrite, tokenizer)
+    if tokenizer is not None and is_model_dir(source):
+        raise UserError(f"--tokenizer is for a training checkpoint: the lmforge model folder '{source}' exports the "
+                        "tokenizer files it holds (copy others into it to export those)")
     if is_model_dir(source):
         return export_hf(source, out_dir, dtype, overwrite)
     if not source.is_dir():
@@ -60,7 +66,8 @@ def export_folder(source: str | Path, out_dir: str | Path, dtype: torch.dtype | 
                     "checkpoint (RUN_DIR/checkpoints/step-N)" + (f": give '{inside}'" if inside else ""))
 
 
-def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool) -> dict:
+def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool,
+                       tokenizer: str | Path | None = None) -> dict:
     from lmforge.chat_template import CHAT_TEMPLATE_FILE
     from lmforge.models.io import copy_origin_files, copy_side_files
     from lmforge.tokenizers import load_tokenizer
@@ -80,7 +87,10 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
         held = next(iter(state.values())).dtype  # the merged model in its embedding's dtype, as the run exports it
         state = {name: t.to(held) for name, t in state.items()}
     needed = sum(t.numel() * t.element_size() for t in state.values()) if dtype is None else None
-    tokenizer = run_tokenizer_source(folder)
+    tokenizer = tokenizer or run_tokenizer_source(folder)
+    if tokenizer is not None and not Path(tokenizer).exists():  # an older checkpoint (no copy), its source gone
+        raise UserError(f"the tokenizer the run of '{folder}' read, {tokenizer}, no longer exists and the checkpoint "
+                        "holds no copy of it (written by an lmforge before 2026-11-29): pass --tokenizer PATH")
     with tempfile.TemporaryDirectory(prefix="lmforge-export-") as side:
         if tokenizer is not None:  # the files the run's lmforge model folder holds beside its weights
             load_tokenizer(tokenizer).save(Path(side))

@@ -159,8 +159,13 @@ def _run_field(run: dict, section: str, key: str):
 
 
 def run_tokenizer_source(checkpoint: Path, _depth: int = 0) -> Path | None:
-    """The tokenizer a training checkpoint's run used: its data.tokenizer, else that of model.init_from (an HF or
-    lmforge folder; an earlier run's checkpoint: that run's tokenizer, followed back), else None."""
+    """The tokenizer a training checkpoint's run used: the copy the checkpoint holds (since 2026-11-29), else its
+    data.tokenizer, else that of model.init_from (an HF or lmforge folder; an earlier run's checkpoint: that run's
+    tokenizer, followed back), else None."""
+    from lmforge.tokenizers import find_tokenizer_file
+
+    if find_tokenizer_file(checkpoint) is not None:
+        return Path(checkpoint)
     run = _recorded_run(checkpoint)
     tokenizer, init_from = _run_field(run, "data", "tokenizer"), _run_field(run, "model", "init_from")
     if tokenizer:
@@ -372,7 +377,7 @@ def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None
     lora = checkpoint_lora(folder)
     model = build(read_config(folder), device="meta")
     if lora is not None:  # as the run wrapped it, so the checkpoint's names have their places
-        apply_lora(model, lora)
+        apply_lora(model, lora, quiet=True)  # a reader: the line is the training run's
     if lora is not None and lora.base_dtype == "nf4":
         base = ((checkpoint_run(folder) or {}).get("model") or {}).get("init_from")
         base = str(run_path(folder, base)) if base is not None else None

@@ -9,6 +9,7 @@ Checkpoints written before the flat form (one "optim.param_groups" list) still l
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from lmforge.checkpoint import CheckpointManager
@@ -50,3 +51,14 @@ class TrainCheckpoints(CheckpointManager):
             super().load_state_dicts(model.pm.parts[0], model.optimizer.optimizers[0], model_sd, optim_sd, path)
         else:
             model.load_state_dicts(model_sd, optim_sd)
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files of a run's tokenizer (name -> bytes: its tokenizer file(s), the HF config files and chat template
+    beside them), which each checkpoint holds a copy of: a checkpoint is resumed, exported and served with the
+    tokenizer its run read, wherever that came from and whether or not it is still there. {} for no tokenizer."""
+    if tokenizer is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(Path(tmp))
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}

@@ -228,6 +228,9 @@ class ModelSection:
     init_from: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # the ModelConfig fields as written
     config: ModelConfig | None = None
+    # A resume whose init_from is gone: the run's newest checkpoint, whose config then defines the model (the resume
+    # fills every weight; lmforge.train.setup.stand_in_source). Not part of the section as written.
+    stand_in: str | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, section: dict[str, Any]) -> ModelSection:
@@ -272,9 +275,12 @@ class ModelSection:
         """The run's ModelConfig: the section's own, or model.init_from's with the allowed overrides."""
         if self.init_from is None:
             return self.config
+        from lmforge.models.io import missing_model_folder
         from lmforge.models.source import source_config  # reads the folder's config.json / lmforge.json
 
-        source = source_config(self.init_from)
+        if self.stand_in is None and not Path(self.init_from).exists():
+            raise UserError(f"model.init_from: {missing_model_folder(self.init_from)}")
+        source = source_config(self.stand_in or self.init_from)
         # A preset's recipe was written for another model: its context is not a request to extend this one's.
         allowed = [k for k in RUN_OVERRIDES if not (self.preset and k in CONTEXT_OVERRIDES)]
         if self.config is not None and self.config != source and not getattr(self, "_said", False):

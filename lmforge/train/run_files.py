@@ -39,6 +39,32 @@ def read_finished(run_dir: Path) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
+def finished_already(cfg) -> str | None:
+    """A rerun's last line, said before anything is read or built, where its folder records an end (finished.json)
+    at or past trainer.max_steps under the very config it ran with (config.yaml, to the byte), with its export in
+    place and the checkpoint it ended with still there; else None, and the Trainer decides (it resumes, checking the
+    checkpoint's files and the config's changes): a finished 7B run's rerun read its source and checked a 90 GB
+    checkpoint to say there was nothing to do."""
+    from lmforge.train.config import to_yaml
+
+    run_dir = Path(cfg.run_dir)
+    record = read_finished(run_dir)
+    if record is None or record["step"] < cfg.trainer.max_steps:
+        return None
+    try:
+        if (run_dir / "config.yaml").read_text() != to_yaml(cfg):
+            return None
+    except OSError:
+        return None
+    kept = record.get("checkpoint")
+    if not isinstance(kept, str) or not (run_dir / "checkpoints" / kept / "trainer.json").is_file():
+        return None
+    if cfg.checkpoint.convert_to_hf and not (run_dir / "hf").is_dir():
+        return None
+    return (f"the run is at step {record['step']} already (trainer.max_steps={cfg.trainer.max_steps}): nothing to "
+            "train, nothing written; raise trainer.max_steps to train it further")
+
+
 def forget_finished(run_dir: Path) -> None:
     (Path(run_dir) / FINISHED).unlink(missing_ok=True)
 

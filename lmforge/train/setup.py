@@ -57,7 +57,7 @@ def init_model(cfg: RunConfig, num_labels: int = 0, meta: bool = False, device: 
 
     mcfg, section, seed = cfg.model.resolve(), cfg.model, cfg.trainer.seed
     device = device or torch.device("cpu")
-    if section.init_from is None:
+    if section.init_from is None or section.stand_in is not None:  # (a stand-in: the resume fills every weight)
         fresh = dataclasses.replace(mcfg, num_labels=num_labels)
         model = build(fresh, device="meta").to(dtype).train()
         if meta:
@@ -101,6 +101,8 @@ def warn_about_the_start(cfg: RunConfig, mcfg: ModelConfig) -> None:
             log.warning("data.task=%s on randomly initialised weights (model.preset %s, no model.init_from): "
                         "fine-tuning starts from a trained model: set model.init_from=FOLDER", cfg.data.task,
                         cfg.model.preset)
+        return
+    if cfg.model.stand_in is not None:  # a resume: the source was checked when the run started
         return
     trained = source_config(cfg.model.init_from).max_position_embeddings
     if mcfg.max_position_embeddings > trained:
@@ -155,12 +157,49 @@ def check_fit(cfg: RunConfig, mcfg: ModelConfig, data_parallel: int) -> int:
     return t.global_batch_size // per_step
 
 
-def load_run_tokenizer(cfg: RunConfig, needed: bool):
-    """data.tokenizer, else the tokenizer beside model.init_from (an HF or lmforge folder); `needed` (fine-tuning
-    tasks) makes a missing one an error."""
-    from lmforge.tokenizers import load_tokenizer
+def stand_in_source(cfg: RunConfig, newest: Path | None) -> Path | None:
+    """Where model.init_from is gone and the run has a checkpoint to resume from (`newest`): that one, whose
+    config then defines the model (its weights come from the resume, which fills all of them). None where
+    init_from exists or is not set. A run without a checkpoint gets the missing folder's error, naming the key;
+    so does a LoRA run, which reads its frozen base from init_from on every start."""
+    from lmforge.models.io import missing_model_folder
 
     init_from = cfg.model.init_from
+    if init_from is None or Path(init_from).exists():
+        return None
+    if newest is None:
+        raise UserError(f"model.init_from: {missing_model_folder(init_from)}")
+    if cfg.lora is not None:
+        raise UserError(f"model.init_from: model folder '{init_from}' does not exist, and a LoRA run reads its "
+                        f"frozen base from it on every start (a resume too): restore it, or point model.init_from "
+                        f"at a copy of it")
+    log.info("model.init_from '%s' no longer exists: resuming, the model is built as %s says and every weight read "
+             "from the checkpoint", init_from, newest)
+    return newest
+
+
+def tokenizer_copy(folder: Path | None) -> Path | None:
+    """`folder` (a checkpoint) where it holds a copy of its run's tokenizer (checkpoints written since 2026-11-29
+    do), else None."""
+    from lmforge.tokenizers import find_tokenizer_file
+
+    return folder if folder is not None and find_tokenizer_file(folder) is not None else None
+
+
+def load_run_tokenizer(cfg: RunConfig, needed: bool, resume_copy: Path | None = None):
+    """data.tokenizer, else the tokenizer beside model.init_from (an HF or lmforge folder); `needed` (fine-tuning
+    tasks) makes a missing one an error. `resume_copy`: the copy in the checkpoint a resume starts from, read where
+    the run's own source is gone (the same files, as the run read them)."""
+    from lmforge.tokenizers import KINDS_HINT, load_tokenizer
+
+    init_from = cfg.model.init_from
+    named = cfg.data.tokenizer or init_from
+    if resume_copy is not None and named is not None and not Path(named).exists():
+        log.info("%s '%s' no longer exists: reading the copy of the run's tokenizer in %s",
+                 "data.tokenizer" if cfg.data.tokenizer else "model.init_from", named, resume_copy)
+        return load_tokenizer(resume_copy)
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).exists():
+        raise UserError(f"data.tokenizer: tokenizer path {cfg.data.tokenizer} does not exist: {KINDS_HINT}")
     path = cfg.data.tokenizer or (tokenizer_folder(init_from) if init_from else None)
     if path is None:
         if needed and init_from:
@@ -218,13 +257,16 @@ def check_tokenizer(tok, mcfg: ModelConfig, from_scratch: bool = False) -> None:
                         mcfg.padded_vocab_size, tok.vocab_size, unused, tok.vocab_size)
 
 
-def use_compile_cache(path: Path) -> None:
+def use_compile_cache(path: Path) -> bool:
     """Point Inductor's on-disk caches at `path`: `lmforge compile` fills it, the run that follows
-    (same config, same path) loads compiled graphs instead of compiling them again."""
+    (same config, same path) loads compiled graphs instead of compiling them again. Whether it holds anything yet
+    (an earlier run's or a compile job's graphs)."""
+    filled = path.is_dir() and any(path.iterdir())
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    return filled
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.chat_template import CHAT_TEMPLATE_FILE
+from lmforge.checkpoint import CheckpointManager
 from lmforge.checkpoint.manager import DISK_FIX
 from lmforge.checkpoint.rng import seed_all
 from lmforge.devices import device_label, set_tf32, synchronize
@@ -28,7 +29,7 @@ from lmforge.parallel.compose import ParallelModel
 from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import build_mesh
-from lmforge.train.checkpointing import TrainCheckpoints
+from lmforge.train.checkpointing import TrainCheckpoints, tokenizer_files
 from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
 from lmforge.train.config_checks import check_torch_for_layout, schedule_warning
 from lmforge.train.data import loader_workers, micro_batches
@@ -64,6 +65,8 @@ from lmforge.train.setup import (
     init_model,
     load_run_tokenizer,
     memory_gb,
+    stand_in_source,
+    tokenizer_copy,
     use_compile_cache,
     warn_about_the_start,
 )
@@ -82,6 +85,7 @@ class Trainer:
         self.started = time.perf_counter()
         self.cfg, t = cfg, cfg.trainer
         self.planned = planned or cfg
+        self.save_at_end = True  # lmforge compile's throwaway steps: False, nothing to resume from
         self.task = get_task(cfg.data.task)
         self.world = init_world(cfg.trainer.device, cfg.trainer.dist_backend)
         self.run_dir = Path(cfg.run_dir)
@@ -97,6 +101,9 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         if self.world.is_main:
             remove_run_leftovers(self.run_dir, held=self.run_lock is not None and self.run_lock.held)
+        # A resume reads its model's config and tokenizer from its checkpoint where model.init_from is gone.
+        newest = CheckpointManager(self.run_dir / "checkpoints").latest()
+        cfg.model.stand_in = stand_in_source(cfg, newest)
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
         if t.float8:
             check_float8(self.world.device, layout.tensor, cfg.lora is not None)
@@ -105,7 +112,9 @@ class Trainer:
         # Batch and sequence length before the data: building it writes sample indices beside the data.
         check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
                              t.global_batch_size, layout.data_parallel)
-        self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining)
+        self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining, resume_copy=tokenizer_copy(newest))
+        # Each checkpoint holds a copy of the tokenizer: resumed, exported or served with its source gone.
+        self.tokenizer_files = tokenizer_files(self.tokenizer) if self.world.is_main else {}
         self.data = self.task.build_data(cfg, self.tokenizer)
         # The eval tasks' data is read now: a missing file fails before any compute.
         self.downstream = DownstreamEval(cfg.eval, self.tokenizer, self.world.is_main) if cfg.eval.tasks else None
@@ -151,10 +160,14 @@ class Trainer:
         apply_activation_checkpointing(model, t.activation_checkpointing)
         compile_block = None
         if t.compile:  # each block this rank holds, once laid out (a pipeline stage's own blocks, before FSDP)
-            use_compile_cache(Path(t.compile_cache_dir or self.run_dir / "compile_cache"))
-            if self.world.is_main:  # else the first step's minutes look like a hang
+            cache = Path(t.compile_cache_dir or self.run_dir / "compile_cache")
+            filled = use_compile_cache(cache)  # every rank points Inductor there
+            if filled and self.world.is_main:
+                log.info("trainer.compile: reusing the compiled code in %s (an earlier run's or lmforge compile's): "
+                         "the first step loads what it holds and compiles the rest", cache)
+            elif self.world.is_main:  # else the first step's minutes look like a hang
                 log.info("trainer.compile: the blocks compile during the first step (again for a new input shape); "
-                         "compiled code is cached in %s for later runs", t.compile_cache_dir or "RUN_DIR/compile_cache")
+                         "compiled code is cached in %s for later runs", cache)
 
             def compile_block(block: torch.nn.Module) -> None:
                 block.compile(backend=t.compile_backend)
@@ -346,10 +359,12 @@ class Trainer:
             signum, out_of_time = stop.agree(world.device, out_of_time and step + 1 < t.max_steps)
             if every and (step + 1) % every == 0 and step + 1 != t.max_steps and not out_of_time:
                 saved = self.save(wait=False, resume_point=signum is not None)
+                if signum is None:  # a signal that came while it was written stops the run here, not a step later
+                    signum, _ = stop.agree(world.device, False)
             if signum is not None:
-                if saved is None:
-                    saved = self.save(resume_point=True)
                 self.checkpoints.wait()
+                if not self.checkpoints.kept(saved):  # none, or one retention has let go of since
+                    saved = self.save(resume_point=True)
                 stopped = Stopped(f"stopped by {signal.Signals(signum).name} at step {step + 1}: saved checkpoint "
                                   f"{saved}; run the same command again to resume", signum)
                 break
@@ -367,7 +382,7 @@ class Trainer:
         if stopped is not None:
             sink.close()
             raise stopped
-        if self.state["step"] > start or self.checkpoints.latest() is None:
+        if self.save_at_end and (self.state["step"] > start or self.checkpoints.latest() is None):
             self.save(resume_point=timed_out)
         sink.close()
         if cfg.checkpoint.convert_to_hf:
@@ -403,18 +418,19 @@ class Trainer:
             **({"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar} if per_dollar else {}),
         }
 
-    def save(self, wait: bool = True, resume_point: bool = False) -> Path:
+    def save(self, wait: bool = True, resume_point: bool = False) -> Path | None:
         """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written. A
-        `resume_point` (the run stops before its end) is kept by retention until a newer checkpoint exists."""
+        `resume_point` (the run stops before its end) is kept by retention until a newer checkpoint exists. None
+        where retention would have deleted it at once (nothing written: CheckpointManager.dropped_at_once)."""
         self.state["elapsed"] = self.elapsed()
         # What a resume compares its config and world size with, and the folder its relative paths are from (a
         # checkpoint read from elsewhere finds its model.init_from and tokenizer: lmforge.models.source.run_path).
         state = {**self.state, "run_config": run_dict(self.cfg), "working_dir": os.getcwd(),
                  "processes": self.world.size}
         # The chat template the examples were rendered with: an export or `serve` of the checkpoint prompts as trained.
-        template = {CHAT_TEMPLATE_FILE: self.data.chat_template} if self.data.chat_template is not None else None
-        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg, template,
-                                     resume_point=resume_point)
+        template = {CHAT_TEMPLATE_FILE: self.data.chat_template} if self.data.chat_template is not None else {}
+        path = self.checkpoints.save(self.state["step"], self.training, self.optimizer, state, self.mcfg,
+                                     {**self.tokenizer_files, **template}, resume_point=resume_point)
         if wait:
             self.checkpoints.wait()
         return path

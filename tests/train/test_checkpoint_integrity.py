@@ -351,6 +351,8 @@ def test_two_ranks_agree_on_a_damaged_checkpoint_and_on_a_full_disk(tiny_corpus,
     data = bytearray((step8 / "__1_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (step8 / "__1_0.distcp").write_bytes(bytes(data))
+    # As a run killed after its last save: a finished run's rerun says so before reading a checkpoint.
+    (run / "finished.json").unlink()
     again = _torchrun(run, tiny_corpus)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "moved to step-00000008.corrupt, resuming from step-00000004" in again.stderr

@@ -191,7 +191,7 @@ def test_lora_under_tensor_and_pipeline_parallelism_trains_and_exports_like_one_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("base", ["fp32", "bf16"])
-def test_export_hf_of_a_lora_checkpoint_equals_the_runs_own_export(base, tiny_llama, chats, tmp_path):
+def test_export_hf_of_a_lora_checkpoint_equals_the_runs_own_export(base, tiny_llama, chats, tmp_path, caplog):
     """`lmforge export-hf RUN/checkpoints/step-N` of a LoRA run said "does not fit this model": the checkpoint holds
     the adapters beside the base. It writes what the run's checkpoint.convert_to_hf writes from the same weights:
     the merged Hugging Face folder and, beside it, the PEFT adapter folder (OUT-adapter), file for file."""
@@ -215,7 +215,10 @@ def test_export_hf_of_a_lora_checkpoint_equals_the_runs_own_export(base, tiny_ll
     assert main(["export-hf", str(run / "checkpoints" / "step-00000002"), str(tmp_path / "hf2")]) == 0
     ids = torch.randint(0, 50257, (2, 23), generator=torch.Generator().manual_seed(0))
     early = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", torch_dtype=torch.float32).eval()
-    served = load_pretrained(run / "checkpoints" / "step-00000002", dtype=torch.float32)
+    with caplog.at_level("INFO", logger="lmforge.models.lora"):
+        caplog.clear()
+        served = load_pretrained(run / "checkpoints" / "step-00000002", dtype=torch.float32)
+    assert not caplog.records  # "LoRA rank 4 ... trainable parameters" is the training run's line, not a reader's
     assert (_logits(early, ids) - _logits(served, ids)).abs().max().item() <= TOL
     final = tf.AutoModelForCausalLM.from_pretrained(run / "hf", torch_dtype=torch.float32).eval()
     assert (_logits(early, ids) - _logits(final, ids)).abs().max().item() > 1e-4

@@ -1,6 +1,7 @@
 """A second phase started from a first phase's checkpoint (`model.init_from=RUN/checkpoints/step-N`, the README's
-way to change the batch or context): it finds the tokenizer the first phase used, and its exports carry what the
-original Hugging Face folder carried (license files, generation settings), as the first phase's do."""
+way to change the batch or context): it finds the tokenizer the first phase used (the copy in its checkpoint), and
+its exports carry what the original Hugging Face folder carried (license files, generation settings), as the first
+phase's do."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def test_a_phase_from_a_checkpoint_keeps_the_tokenizer_license_and_generation_se
     step = one / "checkpoints" / "step-00000002"
     two_cfg = run_config(tiny_corpus, two, f"model.init_from={step}", "data.seq_length=64", *common)
     trainer = Trainer(two_cfg)
-    assert trainer.tokenizer is not None and trainer.tokenizer.files[0].parent == tiny_llama
+    # The copy of phase 1's tokenizer its checkpoint holds (the same bytes as the original's).
+    assert trainer.tokenizer is not None and trainer.tokenizer.files[0].parent == step
+    assert (step / "tokenizer.json").read_bytes() == (tiny_llama / "tokenizer.json").read_bytes()
     trainer.fit()
     for folder in (one / "hf", two / "hf"):
         assert all((folder / name).is_file() for name in KEPT), sorted(p.name for p in folder.iterdir())
     later = two / "checkpoints" / "step-00000002"
-    assert tokenizer_source(later) == tiny_llama and model_origin(later) == tiny_llama
+    assert tokenizer_source(later) == later and model_origin(later) == tiny_llama
     assert main(["export-hf", str(later), str(tmp_path / "out")]) == 0  # was "no single tokenizer file found"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in (two / "hf").iterdir())
 
