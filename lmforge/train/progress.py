@@ -23,6 +23,7 @@ class Progress:
         self.total, self.initial, self.interval, self.max_seconds = total, initial, interval, max_seconds
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self.started = time.perf_counter()
+        self.first_done: float | None = None  # the end of the first step: start-up and compilation are before it
         self.logged_at: float | None = None  # when the last plain line was written
         self.pending: tuple[int, dict] | None = None  # the last step not shown as a plain line yet
         self.bar = None
@@ -39,6 +40,8 @@ class Progress:
                                  **({"val": f"{metrics['val_loss']:.3f}"} if "val_loss" in metrics else {}))
             return
         now = time.perf_counter()
+        if self.first_done is None:
+            self.first_done = now
         # The first step, each validation and the last step are always shown; others once per interval.
         if (self.logged_at is None or "val_loss" in metrics or step >= self.total
                 or now - self.logged_at >= self.interval):
@@ -48,17 +51,20 @@ class Progress:
 
     def _line(self, step: int, metrics: dict[str, float], now: float) -> None:
         done = step - self.initial
-        rate = (now - self.started) / done if done > 0 else 0.0
+        # The steps after the first give the rate: the first holds the start-up (a compiled run's minutes).
+        later = done > 1 and self.first_done is not None and now > self.first_done
+        rate = (now - self.first_done) / (done - 1) if later else (now - self.started) / done if done > 0 else 0.0
         parts = [f"step {step}/{self.total} ({step / self.total:.0%})", f"loss {metrics['loss']:.4f}"]
-        if "val_loss" in metrics:
-            parts.append(f"val_loss {metrics['val_loss']:.4f}")
+        for key in ("val_loss", "val_accuracy"):
+            if key in metrics:
+                parts.append(f"{key} {metrics[key]:.4f}")
         parts.append(f"{metrics['tokens_per_second']:,.0f} tokens/s")
         if step < self.total and rate > 0:
             eta = rate * (self.total - step)
             if self.max_seconds is not None and self.max_seconds - (now - self.started) < eta:
                 parts.append(f"ETA {_clock(max(0.0, self.max_seconds - (now - self.started)))} (trainer.max_minutes)")
             else:
-                parts.append(f"ETA {_clock(eta)}")
+                parts.append(f"ETA {_clock(eta)}" + ("" if later else " (at the first step's pace, start-up in it)"))
         log.info("%s", ", ".join(parts))
         self.logged_at, self.pending = now, None
 
