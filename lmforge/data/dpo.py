@@ -16,6 +16,7 @@ default, as `data.truncate`'s; a pair with a side left without an answer token i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from pathlib import Path
@@ -88,7 +89,8 @@ class PreferenceDataset(Dataset):
                             "for every record or for none")
         self.has_reference = with_refs == len(refs)
         sequences = tokenize_examples(examples, tokenizer, chat_template, context_answers=context)
-        kind = "chat" if any(k == "chat" for k, _, _ in examples) else "plain"
+        self.kinds = collections.Counter(k for k, _, _ in examples)  # what renders them, said by the run
+        kind = "chat" if self.kinds["chat"] else "plain"
         self.export_template = chat_template.source if chat_template is not None else \
             builtin_template(KIND_EXPORT[kind], tokenizer.add_bos_token)
         self.pairs: list[tuple] = []

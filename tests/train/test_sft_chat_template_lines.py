@@ -74,3 +74,22 @@ def test_a_text_turn_end_is_one_warning_not_two(shared_data, tmp_path, caplog, p
                        "{% endgeneration %}{% else %}{{ m['content'] + '\n' }}{% endif %}{% endfor %}")
     _build(shared_data / "tokenizers" / "llama2", [CHAT], tmp_path, caplog, f"data.chat_template={endless}")
     assert "no answer ends in an end-of-turn token" in caplog.text
+
+
+def test_a_dpo_run_says_it_too(shared_data, tmp_path, caplog):
+    """DPO renders its pairs as SFT renders a chat, and said nothing of which template did."""
+    from lmforge.train.tasks.dpo import DPO
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(shared_data / "tokenizers" / "gpt2" / "tokenizer.json", folder)
+    pair = {"prompt": "Add 2 and 3.", "chosen": "5", "rejected": "6"}
+    train = tmp_path / "pairs.jsonl"
+    train.write_text(json.dumps(pair) + "\n")
+    cfg = load_run_config(None, [f"run_dir={tmp_path / 'run'}", "model.preset=tiny-gpt2", "data.task=dpo",
+                                 "data.seq_length=64", f"data.train_file={train}"])
+    with caplog.at_level("INFO", logger="lmforge"):
+        DPO().build_data(cfg, load_tokenizer(folder))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chat template")]
+    assert lines == [f"chat template: {folder} has none (data.chat_template=auto), so the built-in plain renders the "
+                     "plain examples"]

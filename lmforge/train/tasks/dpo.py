@@ -36,7 +36,7 @@ from lmforge.train.tasks.base import (
     total_samples,
     with_padding,
 )
-from lmforge.train.tasks.sft import SFT, run_chat_template
+from lmforge.train.tasks.sft import SFT, run_chat_template, say_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class DPO(Task):
             return PreferenceDataset(path, tokenizer, d.seq_length, d.truncate, template)
 
         train = make(train_file)
+        say_chat_template(template, train.kinds, cfg, tokenizer)
         valid = make(valid_file) if valid_file else None
         self.precomputed = train.has_reference and (valid is None or valid.has_reference)
         data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate,

@@ -39,7 +39,7 @@ class SFT(Task):
     name = "sft"
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
-        from lmforge.data.sft import SFTDataset, kind_rendering, template_origin
+        from lmforge.data.sft import SFTDataset
 
         d = cfg.data
         train_file, valid_file = data_files(cfg)
@@ -54,14 +54,7 @@ class SFT(Task):
                               assistant_only_loss=d.assistant_only_loss)
 
         train = make(train_file)
-        # Said as generate and serve say theirs: data.chat_template=auto on a folder without one renders by built-ins.
-        folder = tokenizer.files[0].parent
-        if template is not None:
-            log.info("chat template: %s (data.chat_template=%s) renders the examples",
-                     template_origin(d.chat_template, folder), d.chat_template)
-        else:
-            log.info("chat template: %s has none (data.chat_template=%s), so %s", folder, d.chat_template,
-                     kind_rendering(train.kinds, d.prompt_template))
+        say_chat_template(template, train.kinds, cfg, tokenizer)
         valid = make(valid_file) if valid_file else None
         if valid is not None and valid.kind != train.kind:
             log.warning("data.valid_file holds %s records, data.train_file %s ones: each kind is rendered by its own "
@@ -83,3 +76,17 @@ class SFT(Task):
         labels = batch["labels"]  # aligned with the inputs (HF): position t is scored on label t + 1
         labels = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), IGNORE_INDEX)], 1)
         return batch["input_ids"], labels, inputs
+
+
+def say_chat_template(template, kinds, cfg: RunConfig, tokenizer) -> None:
+    """One line naming what renders the examples (`kinds`: a Counter of their record kinds), as generate and serve
+    say theirs: data.chat_template=auto on a folder without a template renders by lmforge's built-ins."""
+    from lmforge.data.sft import kind_rendering, template_origin
+
+    d, folder = cfg.data, tokenizer.files[0].parent
+    if template is not None:
+        log.info("chat template: %s (data.chat_template=%s) renders the examples",
+                 template_origin(d.chat_template, folder), d.chat_template)
+    else:
+        log.info("chat template: %s has none (data.chat_template=%s), so %s", folder, d.chat_template,
+                 kind_rendering(kinds, d.prompt_template))
