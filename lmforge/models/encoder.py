@@ -48,7 +48,14 @@ class MLMHead(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        return self.vocab_projection(self.norm(self.act(self.dense(h))), word_embeddings, self.bias)
+        logits = self.vocab_projection(self.norm(self.act(self.dense(h))), word_embeddings, self.bias)
+        # F.linear with a bias returns its 2-D product viewed as (batch, seq, vocab). A view returned by an FSDP2
+        # unit (a pipeline's last stage) draws torch's warning that an in-place op on it would drop the unit's
+        # pre-backward hook: none is made, but the warning would hide one that matters. _unsafe_view is what
+        # torch's matmul returns: the same storage, not tracked as a view (nothing else holds the product).
+        if type(logits) is torch.Tensor and logits._base is not None:
+            logits = torch.ops.aten._unsafe_view(logits, logits.shape)
+        return logits
 
 
 class Bert(nn.Module):

@@ -113,3 +113,79 @@ def test_a_compiled_mixture_of_experts_trains_like_eager(tiny_corpus, tmp_path):
     assert len(curves["true"]) == len(curves["false"]) == 3
     for eager, compiled in zip(curves["false"], curves["true"], strict=True):
         assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+@pytest.fixture
+def inductor_fusion(monkeypatch):
+    """Inductor's horizontal fusion limit, put back after the test (parallelize sets it for the process)."""
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "max_horizontal_fusion_size", config.cpp.max_horizontal_fusion_size)
+    return config.cpp
+
+
+@pytest.mark.slow
+def test_neox_blocks_compile_and_train_in_bf16_on_the_cpu(inductor_fusion):
+    """bf16 weights (trainer.precision=bf16 / bf16-sr) and compiled blocks on the CPU: a NeoX step's gradients equal
+    eager bf16's. torch 2.13's C++ code generator failed to build the backward (g++: "conflicting declaration 'auto
+    at_BFloat16_tmp_acc0_vec'") where one kernel stored the one column sum that is the gradient of both of NeoX's
+    residual biases (attention and MLP output) twice; parallelize keeps those sums in kernels of their own."""
+    from lmforge.models import build
+    from lmforge.parallel import ParallelConfig
+    from lmforge.parallel.compose import parallelize
+
+    ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
+    eager, compiled = (build("tiny-neox", dtype=torch.bfloat16, seed=0) for _ in range(2))
+    pm = parallelize(compiled, ParallelConfig(), None, compile_block=lambda block: block.compile())
+    for model in (eager, pm):
+        model(ids).float().logsumexp(-1).mean().backward()
+    assert inductor_fusion.max_horizontal_fusion_size == 1
+    grads = {name: p.grad for name, p in compiled.named_parameters()}
+    # The two residual biases, whose gradients broke the build, are the one column sum: equal to each other.
+    assert torch.equal(grads["layers.0.attn.proj.bias"], grads["layers.0.mlp.down.bias"])
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("dtype, mp_bf16, expected", [(torch.float32, False, False), (torch.bfloat16, False, True),
+                                                      (torch.float32, True, True)],
+                         ids=["fp32", "bf16", "bf16-mixed-fsdp"])
+def test_the_inductor_workaround_is_only_for_bf16_on_the_cpu(inductor_fusion, dtype, mp_bf16, expected):
+    """Horizontal fusion goes off only where compiled blocks compute in bf16 on the CPU: bf16 weights, or fp32 ones
+    that FSDP2 gathers as bf16 (bf16-mixed); fp32 and one-process bf16-mixed compile as they always did."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lmforge.models import build
+    from lmforge.parallel.compose import work_around_inductor
+
+    default = inductor_fusion.max_horizontal_fusion_size
+    assert default > 1
+    model = build("tiny-neox", device="meta", dtype=dtype)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp_bf16 else None
+    assert not work_around_inductor(model, torch.device("cuda"), policy)
+    assert work_around_inductor(model, torch.device("cpu"), policy) == expected
+    assert inductor_fusion.max_horizontal_fusion_size == (1 if expected else default)
+
+
+def test_the_default_padding_multiple_is_logged_with_its_reason(caplog):
+    """With data.pad_to_multiple_of unset, fine-tuning batches pad to 64 under trainer.compile and to 8 eager: an eager
+    and a compiled run of one config compute different shapes, which the log says (and how to set it); a set value
+    is used as given, without a word."""
+    from lmforge.train.config import load_run_config
+    from lmforge.train.tasks.base import pad_multiple
+
+    def logged(*overrides: str) -> tuple[int, list[str]]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lmforge.train.tasks.base"):
+            multiple = pad_multiple(load_run_config(None, ["model.preset=tiny-gpt2", "data.seq_length=128",
+                                                           *overrides]))
+        return multiple, [r.getMessage() for r in caplog.records]
+
+    multiple, lines = logged("trainer.compile=true")
+    assert multiple == 64 and len(lines) == 1
+    assert lines[0].startswith("data.pad_to_multiple_of unset: batches padded to a multiple of 64 tokens "
+                               "(trainer.compile=true: few lengths, few graphs to compile; eager runs pad to 8)")
+    assert "data.pad_to_multiple_of=128 = data.seq_length" in lines[0]
+    multiple, lines = logged("trainer.compile=false")
+    assert multiple == 8 and "a multiple of 8 tokens (trainer.compile=false; compiled runs pad to 64" in lines[0]
+    assert logged("trainer.compile=true", "data.pad_to_multiple_of=16") == (16, [])

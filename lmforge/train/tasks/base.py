@@ -205,10 +205,16 @@ def total_samples(cfg: RunConfig) -> int:
 
 
 def pad_multiple(cfg: RunConfig) -> int:
-    """data.pad_to_multiple_of, or its default: 64 under trainer.compile, 8 otherwise."""
+    """data.pad_to_multiple_of, or its default: 64 under trainer.compile, 8 otherwise. The default is logged: an
+    eager and a compiled run of one config pad their batches differently (other shapes, other padding to compute)."""
     multiple = cfg.data.pad_to_multiple_of
     if multiple is None:
-        return 64 if cfg.trainer.compile else 8
+        multiple, why = (64, "trainer.compile=true: few lengths, few graphs to compile; eager runs pad to 8") if (
+            cfg.trainer.compile) else (8, "trainer.compile=false; compiled runs pad to 64, fewer lengths to compile")
+        log.info("data.pad_to_multiple_of unset: batches padded to a multiple of %d tokens (%s); set it to choose, "
+                 "the same in runs to compare (data.pad_to_multiple_of=%d = data.seq_length: every batch at full "
+                 "length, one shape)", multiple, why, cfg.data.seq_length)
+        return multiple
     if multiple < 1:
         raise UserError(f"data.pad_to_multiple_of must be >= 1, got {multiple}")
     return multiple
