@@ -15,7 +15,8 @@ data.train_file      JSON lines (or a JSON list); data.valid_file the same, for 
                             one example per instance) or {"prompt", "completion"}
                        dpo: {"prompt", "chosen", "rejected"} (strings or chat message lists), optionally
                             "ref_chosen_logps" and "ref_rejected_logps"
-                       classification: TSV/CSV/JSONL of text and label
+                       classification: TSV/CSV/JSONL of text and label (columns: data.text_key, default
+                            sentence or text; data.label_key, default label)
 data.chat_template   auto (the model's own, else built-ins), model, lmforge, chatml, alpaca, plain, or FILE.jinja
 data.assistant_only_loss  true: loss on the assistant's tokens only; false: on every token (sft)
 data.packing         true: several examples per sequence, attention kept inside each (sft)

@@ -8,13 +8,15 @@ Files, by suffix (optionally `.gz`):
 
 Columns: the text is `text_key`, by default whichever of `sentence` and `text` is present; the label is
 `label_key` (`label`). A file without the label column is unlabelled: its items have no `label`, for
-prediction (GLUE's test files; their `index` column is kept in `row_ids`). Leading and trailing whitespace
-of the text is stripped: GLUE pads every SST-2 sentence with a space before the tab.
+prediction (GLUE's test files; their `index` column is kept in `row_ids`); `require_labels` refuses one
+instead (a file to train or validate on, whose label column may only be misnamed). The text is kept as
+given: GLUE pads every SST-2 sentence with a space before the tab, and transformers' run_glue reads it too.
 
 Labels: when every label is a non-negative integer (or its string), it is the class id. Otherwise the
 distinct strings, sorted, are the class names and their positions the ids. Either way `label_names`
 holds the names; pass a training set's `label_names` to its dev/test sets so ids agree, and store them
-with the model (`id2label`).
+with the model (`id2label`). Deriving the classes, label_ids warns of labels that look mistyped: a few
+non-integer labels among integer ones (or the reverse), and classes of almost no rows or none.
 
 Tokens: `prefix_ids + text + suffix_ids`, cut to `max_length` by cutting the text, so a BERT's [CLS] ...
 [SEP] (prefix_ids=[cls], suffix_ids=[sep]) stay in place. The collator right-pads a batch to its longest.
@@ -41,6 +43,8 @@ TEXT_KEYS = ("sentence", "text")
 ROW_ID_KEYS = ("index", "idx", "id")
 SUFFIXES = {".tsv": "tsv", ".csv": "csv", ".jsonl": "json", ".json": "json", ".ndjson": "json"}
 ENCODE_CHUNK = 4096  # texts per encode_batch call
+# A class with fewer rows than both of these is worth a warning (a typo makes a class of one row).
+RARE_CLASS_ROWS, RARE_CLASS_SHARE = 5, 0.01
 
 
 def read_rows(path: Path) -> Iterator[tuple[str, dict]]:
@@ -103,10 +107,51 @@ def label_ids(raw: Sequence, wheres: Sequence[str], label_names: Sequence[str] |
         for i, v, where in zip(ints, raw, wheres):
             if i < 0:
                 raise UserError(f"{where}: label {v!r} is negative: class ids start at 0")
+    warn_of_odd_labels(raw, wheres)
+    if all(i is not None for i in ints):
         return np.array(ints, np.int64), [str(i) for i in range(max(ints) + 1)]
     names = sorted({str(v).strip() for v in raw})
     index = {n: i for i, n in enumerate(names)}
     return np.array([index[str(v).strip()] for v in raw], np.int64), names
+
+
+def warn_of_odd_labels(raw: Sequence, wheres: Sequence[str]) -> list[str]:
+    """Warn of the labels of a training set that look mistyped, each with its first row: the integer-looking labels
+    where most rows have non-integer ones or the reverse (one `positive` among 0/1 labels silently makes a third
+    class), labels of fewer than RARE_CLASS_ROWS rows that are under RARE_CLASS_SHARE of them, and class ids that
+    leave classes without rows (a 7 among 0/1 labels makes 8 classes). The labels warned of."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for v, where in zip(raw, wheres):
+        key = str(v).strip()
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, where)
+    numeric = {k for k in counts if _int_label(k) is not None}
+    odd: list[str] = []
+    if numeric and len(numeric) < len(counts):
+        numeric_rows = sum(counts[k] for k in numeric)
+        in_integers = numeric_rows * 2 >= len(raw)  # most rows are integer-labelled: the other labels are odd
+        odd = sorted(set(counts) - numeric if in_integers else numeric, key=lambda k: counts[k])
+        usual = sorted(numeric if in_integers else set(counts) - numeric)
+        for k in odd:
+            logger.warning("%s: label %r (%d row%s) is %s, unlike the labels %s of most rows: it makes a class of its "
+                           "own (%d classes); fix it if it is a typo", first[k], k, counts[k],
+                           "" if counts[k] == 1 else "s", "not an integer" if in_integers else "an integer",
+                           usual[:10], len(counts))
+    if numeric and len(numeric) == len(counts):  # class ids: 0 to the largest, each a class, rows or none
+        ids = {_int_label(k): k for k in counts}
+        top = max(ids)
+        empty = sorted(set(range(top + 1)) - set(ids))
+        if empty:
+            logger.warning("%s: label %r makes %d classes, of which %s ha%s no rows: fix it if it is a typo",
+                           first[ids[top]], ids[top], top + 1, empty[:10], "s" if len(empty) == 1 else "ve")
+            odd.append(ids[top])
+    for k, n in counts.items():
+        if k not in odd and n < RARE_CLASS_ROWS and n < RARE_CLASS_SHARE * len(raw):
+            logger.warning("%s: label %r labels only %d of %d rows: a class of its own, learnt from almost nothing; "
+                           "fix it if it is a typo", first[k], k, n, len(raw))
+            odd.append(k)
+    return odd
 
 
 class ClassificationDataset(Dataset):
@@ -122,6 +167,7 @@ class ClassificationDataset(Dataset):
         label_names: Sequence[str] | None = None,
         prefix_ids: Sequence[int] = (),
         suffix_ids: Sequence[int] = (),
+        require_labels: bool = False,
     ):
         self.path = Path(path)
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -138,9 +184,14 @@ class ClassificationDataset(Dataset):
                 text_key = next((k for k in TEXT_KEYS if k in row), None)
             if text_key not in row:
                 wanted = repr(text_key) if text_key else " or ".join(map(repr, TEXT_KEYS))
-                raise UserError(f"{where}: no text column {wanted} among {sorted(row)}: set text_key")
+                raise UserError(f"{where}: no text column {wanted} among {sorted(row)}: set text_key "
+                                f"(data.text_key in a run)")
             if self.has_labels is None:
                 self.has_labels = label_key in row
+                if require_labels and not self.has_labels:  # else read as unlabelled: no `label` to train on
+                    raise UserError(f"{self.path}: no label column {label_key!r} among its columns {list(row)}: "
+                                    f"a file to train or validate on needs one: rename the column that holds the "
+                                    f"classes to {label_key!r}, or name it (data.label_key=COLUMN in a run)")
             if self.has_labels and label_key not in row:
                 raise UserError(f"{where}: no label {label_key!r} here, though earlier rows have one")
             if not isinstance(row[text_key], str):

@@ -77,6 +77,8 @@ class DataConfig:
     chat_template: str = "auto"
     assistant_only_loss: bool = True  # sft: loss on the assistant's tokens only; false: on every token
     truncate: str = "cut"  # sft/dpo: an example longer than seq_length is cut to it, or dropped ("drop")
+    text_key: str | None = None  # classification: the text column (default: `sentence`, else `text`)
+    label_key: str = "label"  # classification: the label column
     # Data-loader processes. None: 2 on an accelerator (batches are read while the device computes), 0 on the CPU
     # (its cores compute the step). Every sample depends on its index only: the data are the same either way.
     num_workers: int | None = None
@@ -375,7 +377,8 @@ def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
     trainer.data_parallel is then not consulted (HSDP: both > 1).
 
     Every layout, one process included, goes through lmforge.parallel.parallelize: replicated data
-    ranks alone are DDP, sharded ones FSDP2 (HSDP with both), under tensor and pipeline parallelism too.
+    ranks alone are DDP, sharded ones FSDP2 (HSDP with both), under tensor parallelism too; under a pipeline the
+    data ranks are FSDP2 (replicas: one shard each, whole parameters and all-reduced gradients, DDP's arithmetic).
     """
     p = cfg.parallel
     if p.data_shard == -1 and p.data_replicate == 1:

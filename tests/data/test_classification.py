@@ -4,8 +4,10 @@ The 67,349-row training file is tokenized with a byte tokenizer (ids = UTF-8 byt
 can compute itself and which is fast; dev and test use the real GPT-2 tokenizer.
 """
 
+import dataclasses
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,100 @@ def test_bad_files_are_one_line_user_errors(tmp_path, gpt2, name, content, match
     with pytest.raises(UserError, match=match) as e:
         ClassificationDataset(path, gpt2)
     assert "\n" not in str(e.value)
+
+
+def test_a_file_to_train_on_without_its_label_column_is_refused(tmp_path, gpt2):
+    """A misnamed label column (sentence<TAB>sentiment) read as unlabelled trained a head of no classes and failed
+    at the first step (KeyError: 'label'); a file to train or validate on is refused at its header instead."""
+    path = tmp_path / "train.tsv"
+    path.write_text("sentence\tsentiment\ngood\t1\nbad\t0\n", encoding="utf-8")
+    assert not ClassificationDataset(path, gpt2).has_labels  # for prediction: unlabelled, as GLUE's test files
+    with pytest.raises(UserError) as e:
+        ClassificationDataset(path, gpt2, require_labels=True)
+    assert str(e.value) == (f"{path}: no label column 'label' among its columns ['sentence', 'sentiment']: a file to "
+                            "train or validate on needs one: rename the column that holds the classes to 'label', "
+                            "or name it (data.label_key=COLUMN in a run)")
+
+
+@pytest.mark.parametrize("bad", ["train", "valid"])
+def test_finetune_refuses_an_unlabelled_file_before_writing_the_run_folder(sst2, shared_data, tmp_path, bad):
+    from lmforge.train.config import load_run_config
+    from lmforge.train.trainer import Trainer
+
+    unlabelled = tmp_path / "unlabelled.tsv"
+    rows = (sst2 / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:50]
+    unlabelled.write_text("\n".join(["sentence\tsentiment", *rows]) + "\n", encoding="utf-8")
+    files = {"train": sst2 / "dev.tsv", "valid": sst2 / "dev.tsv", bad: unlabelled}
+    run = tmp_path / "run"
+    cfg = load_run_config(None, ["model.preset=tiny-gpt2", "model.vocab_size=50257", "data.task=classification",
+                                 f"data.tokenizer={shared_data / 'tokenizers' / 'gpt2'}", "data.seq_length=64",
+                                 f"data.train_file={files['train']}", f"data.valid_file={files['valid']}",
+                                 "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+                                 "trainer.precision=fp32", "trainer.progress_bar=false", f"run_dir={run}"])
+    with pytest.raises(UserError, match="^" + re.escape(f"{unlabelled}: no label column 'label' among its columns")):
+        Trainer(cfg)
+    assert not run.exists() or not any(run.iterdir())
+    if bad == "train":  # named, the same file trains: data.label_key (and data.text_key) as the run's keys
+        named = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, label_key="sentiment",
+                                                                  text_key="sentence", valid_file=str(unlabelled)))
+        trainer = Trainer(named)
+        assert trainer.data.num_labels == 2
+        trainer.close()
+
+
+def _labels_file(path: Path, labels: list[str]) -> Path:
+    path.write_text("sentence\tlabel\n" + "".join(f"row {i}\t{y}\n" for i, y in enumerate(labels)), encoding="utf-8")
+    return path
+
+
+def test_one_mistyped_label_among_integers_is_warned_of_with_its_line(tmp_path, caplog):
+    labels = ["0", "1"] * 150
+    labels[41] = "positive"  # line 43 of the file (a header, then row 0 on line 2)
+    with caplog.at_level("WARNING", logger="lmforge.data.classification"):
+        ds = ClassificationDataset(_labels_file(tmp_path / "t.tsv", labels), ByteTokenizer())
+    assert ds.label_names == ["0", "1", "positive"]  # trained as given: a warning, not a refusal
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"{tmp_path / 't.tsv'}:43: label 'positive' (1 row) is not an integer, unlike the labels "
+                      "['0', '1'] of most rows: it makes a class of its own (3 classes); fix it if it is a typo"]
+
+
+def test_an_integer_among_class_names_and_a_class_of_almost_no_rows_are_warned_of(tmp_path, caplog):
+    labels = ["neg", "pos"] * 300
+    labels[10], labels[500] = "1", "nuetral"
+    with caplog.at_level("WARNING", logger="lmforge.data.classification"):
+        ClassificationDataset(_labels_file(tmp_path / "t.tsv", labels), ByteTokenizer())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2
+    assert warned[0].startswith(f"{tmp_path / 't.tsv'}:12: label '1' (1 row) is an integer, unlike the labels "
+                                "['neg', 'nuetral', 'pos'] of most rows")
+    assert warned[1] == (f"{tmp_path / 't.tsv'}:502: label 'nuetral' labels only 1 of 600 rows: a class of its own, "
+                         "learnt from almost nothing; fix it if it is a typo")
+
+
+def test_a_class_id_that_leaves_classes_without_rows_is_warned_of(tmp_path, caplog):
+    """Integer labels are class ids, 0 to the largest: a 7 among 0/1 labels makes 8 classes, 6 of them empty (one
+    warning, though its row is also a rare class's)."""
+    labels = ["0", "1"] * 300
+    labels[100] = "7"
+    with caplog.at_level("WARNING", logger="lmforge.data.classification"):
+        assert ClassificationDataset(_labels_file(tmp_path / "t.tsv", labels), ByteTokenizer()).num_labels == 8
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{tmp_path / 't.tsv'}:102: label '7' makes 8 classes, of which [2, 3, 4, 5, 6] have no rows: fix it if it "
+        "is a typo"]
+
+
+@pytest.mark.parametrize("labels", [["0", "1"] * 150 + ["2"] * 5, ["0", "1", "2", "1"], ["a", "b", "c"]],
+                         ids=["five-rows", "small-file", "names"])
+def test_ordinary_labels_are_not_warned_of(tmp_path, caplog, labels):
+    """A class of 5 rows or more, or of 1% of the rows (a small file's), is a class, not a typo."""
+    with caplog.at_level("WARNING", logger="lmforge.data.classification"):
+        ClassificationDataset(_labels_file(tmp_path / "t.tsv", labels), ByteTokenizer())
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_the_validation_set_draws_no_label_warnings(tmp_path, caplog):
+    """A validation file's labels are checked against the training classes (an unknown one is an error)."""
+    with caplog.at_level("WARNING", logger="lmforge.data.classification"):
+        ClassificationDataset(_labels_file(tmp_path / "v.tsv", ["0"] * 300 + ["1"]), ByteTokenizer(),
+                              label_names=["0", "1"])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -21,10 +21,13 @@ class Classification(Task):
         train_file, valid_file = data_files(cfg)
         special = [tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]")]
         prefix, suffix = ([special[0]], [special[1]]) if None not in special else ([], [])
-        train = ClassificationDataset(train_file, tokenizer, d.seq_length,
-                                      prefix_ids=prefix, suffix_ids=suffix)
-        valid = ClassificationDataset(valid_file, tokenizer, d.seq_length, label_names=train.label_names,
-                                      prefix_ids=prefix, suffix_ids=suffix) if valid_file else None
+        # Both files must be labelled: one without the label column would read as unlabelled (for prediction) and
+        # the run would build a head of no classes, then fail at its first step.
+        columns = {"text_key": d.text_key, "label_key": d.label_key}
+        train = ClassificationDataset(train_file, tokenizer, d.seq_length, **columns,
+                                      prefix_ids=prefix, suffix_ids=suffix, require_labels=True)
+        valid = ClassificationDataset(valid_file, tokenizer, d.seq_length, **columns, label_names=train.label_names,
+                                      prefix_ids=prefix, suffix_ids=suffix, require_labels=True) if valid_file else None
         data = TaskData(Epochs(train, total_samples(cfg), cfg.trainer.seed), valid, train.collate, train.num_labels,
                         train.label_names)
         return with_padding(data, cfg)
