@@ -24,7 +24,7 @@ from lmforge.devices import device_label, set_tf32, synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write, out_of_space
 from lmforge.models.config import ModelConfig
-from lmforge.models.source import is_checkpoint, model_origin
+from lmforge.models.source import is_checkpoint
 from lmforge.parallel.compose import ParallelModel
 from lmforge.parallel.data_parallel import init_world
 from lmforge.parallel.load import read_nf4_base
@@ -34,8 +34,9 @@ from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
 from lmforge.train.config_checks import check_torch_for_layout, schedule_warning
 from lmforge.train.data import loader_workers, micro_batches
 from lmforge.train.downstream import DownstreamEval
+from lmforge.train.export import write_run_export
 from lmforge.train.float8 import check_float8, convert_to_float8
-from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, check_qlora, merged, write_adapter
+from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, check_qlora
 from lmforge.train.metrics import (
     MFU,
     MetricSink,
@@ -436,28 +437,12 @@ class Trainer:
         return path
 
     def export_hf(self, out: Path) -> None:
-        """Write the final weights as an lmforge model folder and a Hugging Face folder beside it. Every rank
-        takes part (sharded tensors are gathered); rank 0 writes."""
-        from lmforge.models.hf import export_hf
-        from lmforge.models.io import copy_origin_files, materialize, save_model
-
+        """Write the final weights as an lmforge model folder (RUN_DIR/model) and a Hugging Face folder `out` beside
+        it (a LoRA run's adapter too). Every rank takes part (sharded tensors are gathered); rank 0 writes."""
         full = self.training.full_state_dict()
         if self.world.is_main:
-            adapters, full = (full, merged(full, self.cfg, self.mcfg)) if self.cfg.lora is not None else (None, full)
-            model = materialize(self.mcfg, full.items(), dtype=next(iter(full.values())).dtype)
-            model_dir = self.run_dir / "model"
-            tokenizer = self.tokenizer.files[0] if self.tokenizer is not None else None
-            save_model(model, model_dir, tokenizer_from=tokenizer, overwrite=True)
-            copy_origin_files(model_origin(self.cfg.model.init_from), model_dir)  # its license, generation settings
-            if self.data.chat_template is not None:  # served as trained (chat_template.jinja wins over the config's)
-                atomic_write(model_dir / CHAT_TEMPLATE_FILE, self.data.chat_template)
-            export_hf(model_dir, out, overwrite=True)
-            log.info("wrote Hugging Face folder %s", out)
-            if tokenizer is None:  # transformers' AutoTokenizer then loads an empty tokenizer without a word
-                log.warning("the run names no tokenizer (data.tokenizer, or one beside model.init_from): %s has none; "
-                            "copy the tokenizer the data was made with into it", out)
-            if adapters is not None:
-                write_adapter(adapters, self.cfg, self.mcfg, out.with_name(out.name + "-adapter"), model_dir)
+            write_run_export(full, self.cfg, self.mcfg, self.tokenizer, self.data.chat_template, self.run_dir / "model",
+                             out, self.state["step"])
         if dist.is_initialized():
             dist.barrier()
 
