@@ -168,7 +168,7 @@ class ModelConfig:
                 fixed = self.family in FIXED_HEAD_DIM
                 raise UserError(_indivisible(self.hidden_size, self.num_heads,
                                              f" (a {self.family} head is hidden_size / num_heads)" if fixed else "",
-                                             "" if fixed else ", or set head_dim"))
+                                             "" if fixed else ", or set head_dim", self._rotary_pct()))
             self.head_dim = self.hidden_size // self.num_heads
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
@@ -196,6 +196,10 @@ class ModelConfig:
                     f"rotary_pct {self.rotary_pct} of head_dim {self.head_dim} gives {self.rotary_dim} rotary dims: "
                     f"both the rotary and the pass-through part must be even: {self._even_rotary(derived_head_dim)}"
                 )
+
+    def _rotary_pct(self) -> float | None:
+        """rotary_pct where the heads rotate (what a head_dim must fit), else None."""
+        return self.rotary_pct if self.position_embedding == "rotary" and 0.0 < self.rotary_pct <= 1.0 else None
 
     def _even_rotary(self, derived_head_dim: bool) -> str:
         """A rotary_pct (or head_dim, or the hidden_size that gives it) whose rotary and pass-through dims are both
@@ -242,10 +246,11 @@ class ModelConfig:
         divides = hidden % heads == 0
         if self.family in HEADS_DIVIDE_HIDDEN and not divides:
             raise UserError(_indivisible(hidden, heads, f" (transformers rejects such a {self.family} config, even "
-                                                        "with head_dim set)"))
+                                                        "with head_dim set)", rotary_pct=self._rotary_pct()))
         if self.family in FIXED_HEAD_DIM and head_dim is not None and (not divides or head_dim != hidden // heads):
             if not divides:
-                raise UserError(_indivisible(hidden, heads, f" (a {self.family} head is hidden_size / num_heads)"))
+                raise UserError(_indivisible(hidden, heads, f" (a {self.family} head is hidden_size / num_heads)",
+                                             rotary_pct=self._rotary_pct()))
             keep = f", or num_heads={hidden // head_dim} to keep head_dim {head_dim}" if hidden % head_dim == 0 else ""
             raise UserError(f"head_dim {head_dim} does not fit a {self.family} model: its head_dim is always "
                             f"hidden_size / num_heads ({hidden} / {heads}): use head_dim={hidden // heads}{keep}")
@@ -340,9 +345,17 @@ def _nearest_divisor(n: int, target: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), -d))
 
 
-def _indivisible(hidden: int, heads: int, note: str, other: str = "") -> str:
-    """One line for a hidden_size that num_heads does not divide, with two shapes that fit (the second with an
-    even head_dim, which rotary embeddings need)."""
-    return (f"hidden_size {hidden} is not divisible by num_heads {heads}{note}: use num_heads="
-            f"{_nearest_divisor(hidden, heads)} or hidden_size={max(2, round(hidden / heads / 2) * 2) * heads}{other} "
-            "(a Hugging Face config.json: num_attention_heads)")
+def _indivisible(hidden: int, heads: int, note: str, other: str = "", rotary_pct: float | None = None) -> str:
+    """One line for a hidden_size that num_heads does not divide, with two shapes that fit: a head_dim whose rotary
+    part (`rotary_pct` of it, for a rotary model) and pass-through part are even, as the rotary embeddings need
+    (without rotary: any divisor, and an even head_dim for the second)."""
+
+    def fits(head_dim: int) -> bool:
+        rotary = int(head_dim * rotary_pct + 1e-6) if rotary_pct is not None else 0
+        return rotary % 2 == 0 and (head_dim - rotary) % 2 == 0 and (rotary_pct is None or rotary > 0)
+
+    divisors = [d for d in range(1, hidden + 1) if hidden % d == 0 and (rotary_pct is None or fits(hidden // d))]
+    use_heads = min(divisors or [heads], key=lambda d: (abs(d - heads), -d))
+    head_dim = min((d for d in range(2, 4 * max(hidden, 8)) if fits(d)), key=lambda d: (abs(d - hidden / heads), d))
+    return (f"hidden_size {hidden} is not divisible by num_heads {heads}{note}: use num_heads={use_heads} or "
+            f"hidden_size={head_dim * heads}{other} (a Hugging Face config.json: num_attention_heads)")

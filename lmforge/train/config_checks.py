@@ -27,6 +27,8 @@ def check_run(cfg: RunConfig) -> None:
     for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every_n_steps"):
         _at_least(f"trainer.{name}", getattr(t, name), 1)
     _at_least("trainer.val_check_interval", t.val_check_interval, 0, " (0: no validation)")
+    if t.max_minutes is not None:
+        _positive("trainer.max_minutes", t.max_minutes)
     _at_least("trainer.val_batches", t.val_batches, 0)
     _at_least("checkpoint.every_n_steps", c.every_n_steps, 0, " (0: a checkpoint at the end only)")
     _at_least("checkpoint.save_top_k", c.save_top_k, -1, " (-1 keeps every checkpoint)")

@@ -101,6 +101,10 @@ def warn_about_the_start(cfg: RunConfig, mcfg: ModelConfig) -> None:
             log.warning("data.task=%s on randomly initialised weights (model.preset %s, no model.init_from): "
                         "fine-tuning starts from a trained model: set model.init_from=FOLDER", cfg.data.task,
                         cfg.model.preset)
+        elif cfg.lora is not None:  # (pretraining) adapters on a frozen base that never learns
+            log.warning("lora.rank=%d on randomly initialised weights (model.preset %s, no model.init_from): LoRA "
+                        "trains adapters beside a frozen base, random here: set model.init_from=FOLDER, or drop "
+                        "lora.* to pretrain the whole model", cfg.lora.rank, cfg.model.preset)
         return
     if cfg.model.stand_in is not None:  # a resume: the source was checked when the run started
         return

@@ -152,6 +152,8 @@ def test_a_preset_with_init_from_takes_the_sources_architecture(tmp_path, caplog
 IMPOSSIBLE = [
     ("tiny-neox", {"hidden_size": 128, "head_dim": 16}, r"head_dim 16 does not fit a gpt_neox model.*use head_dim=32"),
     ("tiny-gpt2", {"num_heads": 3}, r"hidden_size 64 is not divisible by num_heads 3.*use num_heads=4"),
+    # Both shapes suggested keep the rotary quarter even (were num_heads=16 and hidden_size=72: 1 rotary dim each).
+    ("pythia-160m", {"hidden_size": 64}, r"not divisible by num_heads 12 .*use num_heads=8 or hidden_size=96 "),
     ("tiny-llama", {"num_heads": 3}, r"transformers rejects such a llama config.*use num_heads=4"),
     ("tiny-llama", {"num_kv_heads": 3}, r"not a multiple of num_kv_heads 3.*use num_kv_heads=4"),
     ("tiny-llama", {"num_kv_heads": 8}, r"num_kv_heads 8 is more than num_heads 4: use num_kv_heads=4"),
@@ -318,6 +320,7 @@ def test_settings_a_megatron_user_types_get_the_right_fix(override, message):
     ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1)"),
     ("optim.betas=[0.9,1.0]", "optim.betas must be two numbers in [0, 1)"),
     ("optim.lr=-1", "optim.lr must be > 0, got -1"),
+    ("trainer.max_minutes=-1", "trainer.max_minutes must be > 0, got -1.0"),  # trained a step and exited 0
     ("optim.lr=0", "optim.lr must be > 0"),
     ("optim.eps=0", "optim.eps must be > 0"),
     ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
@@ -365,3 +368,14 @@ def test_a_run_from_init_from_says_where_its_weights_come_from(tmp_path, caplog)
     assert (f"vocabulary rows re-padded {source.padded_vocab_size} -> {model.config.padded_vocab_size} (a multiple "
             f"of 256; the Hugging Face export cuts them back to {source.vocab_size})") in line
     assert source.padded_vocab_size != model.config.padded_vocab_size
+
+
+def test_both_shapes_a_head_count_error_suggests_read():
+    """pythia-160m shrunk to hidden_size=64: the error suggested num_heads=16 and hidden_size=72, and each failed
+    next ("rotary_pct 0.25 of head_dim 4 gives 1 rotary dims")."""
+    from lmforge.errors import UserError
+
+    with pytest.raises(UserError, match="use num_heads=8 or hidden_size=96 "):
+        load_run_config(None, ["model.preset=pythia-160m", "model.hidden_size=64"])
+    for fix in ("model.num_heads=8", "model.hidden_size=96"):
+        load_run_config(None, ["model.preset=pythia-160m", "model.hidden_size=64", fix])

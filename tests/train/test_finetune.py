@@ -373,6 +373,7 @@ def test_starts_seldom_meant_are_warned_of(tmp_path, caplog):
         (["model.preset=tiny-neox", "data.task=sft"], "data.task=sft on randomly initialised weights"),
         (["model.preset=tiny-neox", "data.task=dpo"], "data.task=dpo on randomly initialised weights"),
         (["model.preset=tiny-neox"], None),  # pretraining starts from random weights
+        (["model.preset=tiny-neox", "lora.rank=4"], "lora.rank=4 on randomly initialised weights"),  # said nothing
         ([f"model.init_from={source}", "model.max_position_embeddings=1024", "data.seq_length=1024"],
          "model.max_position_embeddings 1024 is over the 128 positions"),
         ([f"model.init_from={source}", "data.seq_length=128"], None),
