@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -57,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time a request's headers, and then its body, may take to arrive before a 408 (default 10)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="time an idle connection stays open after a response (default 5)")
+    p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto (the default, as vLLM's): a request that leaves temperature, top_k, top_p or "
+                        "repetition_penalty out gets the model folder's generation_config.json value (temperature, "
+                        "top_k, top_p where it sets do_sample, greedy where it sets do_sample false; "
+                        "repetition_penalty), as `lmforge generate` reads it; none: OpenAI's defaults")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: keep)")
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a run's "
@@ -108,8 +114,9 @@ def run(args: argparse.Namespace) -> None:
             log.warning("'%s' has no chat template: /v1/chat/completions renders plain 'User: ... Assistant:' turns",
                         chat_folder)
         name = args.model_name or served_name(Path(args.lora) if args.lora else folder)
+        defaults = generation_defaults(folder) if args.generation_config == "auto" else {}
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,
-                             args.max_choices, args.read_timeout, args.keep_alive_timeout)
+                             args.max_choices, args.read_timeout, args.keep_alive_timeout, defaults)
         app = create_app(engine, tokenizer, chat, config)
     except BaseException:
         sock.close()
@@ -188,6 +195,37 @@ def add_generation_eos(model, folder: Path) -> None:
         return
     if more and all(isinstance(i, int) and 0 <= i < model.config.vocab_size for i in more):
         model.config.eos_token_id = sorted(have | more)
+
+
+def generation_defaults(folder: Path) -> dict[str, float | int]:
+    """The sampling defaults of the folder's generation_config.json (its model's origin's, for a checkpoint), read as
+    `lmforge generate` and transformers' generate read them: temperature, top_k and top_p where do_sample is true,
+    greedy (temperature 0) where it is false, repetition_penalty either way; a value they would refuse is left out.
+    Said in one line, as vLLM's --generation-config auto says it."""
+    from lmforge.models.source import generation_config
+
+    config, path = generation_config(folder)
+
+    def number(name: str, ok) -> bool:
+        value = config.get(name)
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and ok(value)
+
+    defaults: dict[str, float | int] = {}
+    if config.get("do_sample") is True:
+        if number("temperature", lambda v: v >= 0):
+            defaults["temperature"] = float(config["temperature"])
+        if number("top_k", lambda v: v == int(v) and v > 0):
+            defaults["top_k"] = int(config["top_k"])
+        if number("top_p", lambda v: 0 < v < 1):
+            defaults["top_p"] = float(config["top_p"])
+    elif config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    if number("repetition_penalty", lambda v: v > 0 and v != 1):
+        defaults["repetition_penalty"] = float(config["repetition_penalty"])
+    if defaults:
+        log.info("default sampling parameters from %s (a request's own values win; --generation-config none for "
+                 "OpenAI's defaults): %s", path, ", ".join(f"{k} {v}" for k, v in defaults.items()))
+    return defaults
 
 
 def served_name(folder: Path) -> str:

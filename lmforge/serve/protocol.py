@@ -2,19 +2,23 @@
 
 Bodies are validated strictly (a string where a number belongs is a 400, not a silent conversion);
 fields OpenAI defines that change nothing here (`user`, `logprobs: null` ...) are accepted, and
-those that would change the answer but are not implemented (`logprobs`, `echo`, penalties, `suffix`)
-are refused by name rather than ignored, vLLM's extensions of that kind (`min_tokens`, `ignore_eos`, guided
-decoding, `response_format` other than text) too. Other unknown fields are ignored, as OpenAI-compatible servers do,
-with a warning in the server's log naming them (and the parameter a mistyped one was likely meant to be).
-A top-level `null` means the field's default, as OpenAI's schema has it. Extensions beyond OpenAI's schema: `top_k`
-(-1 or 0: off, as in vLLM) and `repetition_penalty` (as in vLLM and TGI).
+those that would change the answer but are not implemented (`logprobs`, any value of it, `echo`, penalties, `suffix`,
+the deprecated `functions`) are refused by name rather than ignored, vLLM's extensions of that kind (`min_tokens`,
+`ignore_eos`, `min_p`, `stop_token_ids`, `bad_words`, guided decoding, `response_format` other than text, the chat
+template's `chat_template`, `add_generation_prompt: false`, `continue_final_message` ...) too. Other unknown fields are
+ignored, as OpenAI-compatible servers do, with a warning in the server's log naming them (and the parameter a mistyped
+one was likely meant to be). A top-level `null` means the field's default, as OpenAI's schema has it; the server may
+take its sampling defaults from the model folder (`lmforge serve --generation-config`), which a request's own fields
+override. Extensions beyond OpenAI's schema: `top_k` (-1 or 0: off, as in vLLM), `repetition_penalty` (as in vLLM
+and TGI), vLLM's `include_stop_str_in_output` (the stop string that ended a choice kept in its text; on chat only a
+request's own `stop` strings, not those the chat format adds) and `max_completion_tokens` on completions too.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -24,7 +28,12 @@ MAX_STOP_STRINGS = 16
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|literal|tagged-union|function-[\w-]+)\[.*\])$")
 # vLLM's request fields that change the answer, which this server does not do: refused by name when set.
 VLLM_UNSUPPORTED = ("min_tokens", "ignore_eos", "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex",
-                    "guided_choice", "guided_grammar", "structured_outputs", "logits_processors")
+                    "guided_choice", "guided_grammar", "structured_outputs", "logits_processors", "min_p",
+                    "stop_token_ids", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_embeds")
+# Those of vLLM's chat route: they change the prompt the chat template renders.
+VLLM_CHAT_UNSUPPORTED = ("chat_template", "chat_template_kwargs", "continue_final_message", "documents")
+# A vLLM field set to one of these asks for nothing: accepted.
+_OFF = (None, False, 0, "", [], {})
 # torch.Generator.manual_seed takes [-2**63, 2**64); a request's choices use seed, seed + 1, ... seed + n - 1.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -45,9 +54,12 @@ class _Body(BaseModel):
     # allow_inf_nan=False: Python's json reads NaN and Infinity, which compare false with every bound. Unknown fields
     # are kept aside (model_extra) for unsupported() to look at, and otherwise ignored.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    vllm_refused: ClassVar[tuple[str, ...]] = VLLM_UNSUPPORTED  # read from model_extra: refused unless _OFF
 
     model: str | None = None  # left out or "": the model served, as in vLLM
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens; wins over it
+    # The defaults below are OpenAI's; a field a request leaves out takes the server's (sampling_of) where it has one.
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # -1, 0 or None = off
@@ -63,6 +75,7 @@ class _Body(BaseModel):
     user: str | None = None
     response_format: dict[str, Any] | None = None
     skip_special_tokens: bool = True  # vLLM's: special tokens the model writes are left out of the text
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended a choice stays in its text
 
     @field_validator("top_k")
     @classmethod
@@ -84,7 +97,13 @@ class _Body(BaseModel):
         if self.response_format and self.response_format.get("type", "text") != "text":
             bad.append("response_format")
         extra = self.model_extra or {}
-        return bad + [name for name in VLLM_UNSUPPORTED if extra.get(name) not in (None, False, 0, [], {})]
+        return bad + [name for name in self.vllm_refused if extra.get(name) not in _OFF]
+
+    def requested_tokens(self) -> tuple[int | None, str]:
+        """(the tokens asked for, the field that asked): max_completion_tokens where given, as OpenAI reads both."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -99,7 +118,8 @@ class CompletionRequest(_Body):
     best_of: int | None = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + [name for name in ("echo", "logprobs", "suffix") if getattr(self, name)]
+        bad = super().unsupported() + [name for name in ("echo", "suffix") if getattr(self, name)]
+        bad += ["logprobs"] if self.logprobs is not None else []  # 0 too: vLLM gives the chosen token's logprob
         return bad + (["best_of"] if self.best_of not in (None, self.n) else [])
 
     def prompts(self) -> list[str | list[int]]:
@@ -137,14 +157,22 @@ class Message(BaseModel):
 
 
 class ChatRequest(_Body):
+    vllm_refused: ClassVar[tuple[str, ...]] = (*VLLM_UNSUPPORTED, *VLLM_CHAT_UNSUPPORTED)
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools
+    tool_choice: str | dict[str, Any] | None = None  # "none" and "auto" ask for nothing without tools
+    function_call: str | dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the last message's text before the reply
+    add_generation_prompt: bool = True  # vLLM's: false renders the messages without the assistant's turn opened
 
     def unsupported(self) -> list[str]:
-        return super().unsupported() + [name for name in ("logprobs", "top_logprobs", "tools") if getattr(self, name)]
+        bad = super().unsupported() + [name for name in ("logprobs", "top_logprobs", "tools", "functions", "echo")
+                                       if getattr(self, name)]
+        bad += [name for name in ("tool_choice", "function_call") if getattr(self, name) not in (None, "none", "auto")]
+        return bad + ([] if self.add_generation_prompt else ["add_generation_prompt"])
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
@@ -166,19 +194,25 @@ def parse(model: type[BaseModel], data: Any) -> Any:
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported by this server: leave it out", param=bad[0],
                        code="unsupported_parameter")
-    ignored = [k for k in (getattr(body, "model_extra", None) or {}) if k not in VLLM_UNSUPPORTED]
-    if ignored:  # as vLLM does: answered, but a mistyped `max_token` should not pass unseen
+    warn_ignored(body, getattr(body, "vllm_refused", ()))
+    return body
+
+
+def warn_ignored(body: BaseModel, read: tuple[str, ...] = (), where: str = "request fields") -> None:
+    """As vLLM does: a field the body does not define is answered as absent, but a mistyped `max_token` should not
+    pass unseen: the log names it, and the parameter it resembles."""
+    ignored = [k for k in (body.model_extra or {}) if k not in read]
+    if ignored:
         from lmforge.config import closest
 
-        log.warning("request fields ignored (not parameters this server reads): %s", ", ".join(
+        log.warning("%s ignored (not parameters this server reads): %s", where, ", ".join(
             f"'{k}'{closest(k, type(body).model_fields)}" for k in ignored))
-    return body
 
 
 class TGIParameters(BaseModel):
     """`parameters` of Hugging Face's text-generation container (TGI), which SageMaker's LLM images run."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # others: warn_ignored
     max_new_tokens: int | None = Field(None, ge=1)
     do_sample: bool = False  # TGI samples when this or any of temperature, top_k, top_p asks to (sampling())
     temperature: float | None = Field(None, gt=0.0)
@@ -196,6 +230,9 @@ class TGIParameters(BaseModel):
     watermark: bool = False
     decoder_input_details: bool = False
     top_n_tokens: int | None = None
+    frequency_penalty: float | None = None
+    grammar: Any = None  # {"type": "json" | "regex", "value": ...}
+    adapter_id: str | None = None  # a LoRA adapter TGI loaded beside the model; `serve --lora` merges one in
 
     def sampling(self) -> bool:
         """TGI's rule: do_sample, or a temperature, top_k or top_p that changes the distribution."""
@@ -203,8 +240,9 @@ class TGIParameters(BaseModel):
             or (self.top_p is not None and self.top_p < 1.0)
 
     def unsupported(self) -> list[str]:
-        return [name for name in ("typical_p", "truncate", "watermark", "decoder_input_details", "top_n_tokens")
-                if getattr(self, name)] + (["best_of"] if self.best_of not in (None, 1) else [])
+        return [name for name in ("typical_p", "truncate", "watermark", "decoder_input_details", "top_n_tokens",
+                                  "frequency_penalty", "adapter_id") if getattr(self, name)] + \
+            (["grammar"] if self.grammar is not None else []) + (["best_of"] if self.best_of not in (None, 1) else [])
 
 
 class TGIRequest(BaseModel):

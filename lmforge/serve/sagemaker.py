@@ -11,7 +11,8 @@
   "generated_tokens", "seed"}` (the seed drawn when sampling without one), without TGI's per-token `prefill` and
   `tokens`. TGI's errors: 422 `{"error", "error_type": "validation"}` for a request it cannot take, its other
   parameters that change the answer (typical_p, truncate, best_of, watermark, top_n_tokens, decoder_input_details,
-  `stream`) refused by name.
+  frequency_penalty, grammar, adapter_id, `stream`) refused by name; a parameter TGI does not define is ignored, with
+  a warning in the log naming it. Sampling defaults are TGI's (greedy unless asked), not the model folder's.
 * an OpenAI chat body (has "messages"): answered as /v1/chat/completions, `stream` included;
 * an OpenAI completion body (has "prompt"): answered as /v1/completions.
 
@@ -27,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from lmforge.inference.sampling import SamplingParams
-from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, TGIRequest, parse
+from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, TGIRequest, parse, warn_ignored
 from lmforge.serve.server import Server
 
 
@@ -50,6 +51,7 @@ async def _tgi(server: Server, request: Request, data, start: float) -> list[dic
     bad = [f"parameters.{name}" for name in p.unsupported()] + (["stream"] if body.stream else [])
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported by this server: leave it out", param=bad[0])
+    warn_ignored(p, where="TGI parameters")
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
         raise APIError(400, "'inputs' is an empty list: give at least one text", param="inputs")

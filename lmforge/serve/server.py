@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
@@ -42,6 +42,10 @@ class ServeConfig:
     max_choices: int = 128  # prompts x n in one request: each is an engine request, all in the waiting queue
     read_timeout: float = 10.0  # seconds a request's headers, and then its body, may take to arrive
     keep_alive_timeout: float = 5.0  # seconds an idle connection stays open after a response
+    # What a request that leaves temperature, top_k, top_p or repetition_penalty out gets instead of OpenAI's
+    # defaults: the model folder's generation_config.json's (lmforge.cli.serve.generation_defaults), as vLLM's
+    # --generation-config auto. Keys: those four SamplingParams fields.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 class Generation:
@@ -254,21 +258,22 @@ class Server:
         prompts = [self.encode_prompt(p) for p in body.prompts()]
         if not prompts:
             raise APIError(400, "no prompt given", param="prompt")
-        gen = self.start(prompts, body.max_tokens, sampling_of(body), body.n, body.stop, body.seed,
-                         skip_special_tokens=body.skip_special_tokens)
+        requested, param = body.requested_tokens()
+        gen = self.start(prompts, requested, sampling_of(body, self.config.sampling_defaults), body.n, body.stop,
+                         body.seed, param, skip_special_tokens=body.skip_special_tokens)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.config.model_name}
         if body.stream:
             def chunk(i, ev):
                 if i is None:
                     return dict(head)
-                return {**head, "choices": [{"index": i, "text": ev.text, "logprobs": None,
-                                             "finish_reason": ev.finish_reason}]}
+                return {**head, "choices": [{"index": i, "text": ev.text + kept_stop(body, ev.stop_string),
+                                             "logprobs": None, "finish_reason": ev.finish_reason}]}
 
             return EventStream(self.chunks(gen, body.include_usage, chunk, route, start))
         out = await self.collect(request, gen, route, start)
-        choices = [{"index": i, "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
-                   for i, c in sorted(out.items())]
+        choices = [{"index": i, "text": c["text"] + kept_stop(body, c.get("stop_string")), "logprobs": None,
+                    "finish_reason": c["finish_reason"]} for i, c in sorted(out.items())]
         return {**head, "choices": choices, "usage": usage(gen)}
 
     async def chat_completions(self, request: Request, body: ChatRequest):
@@ -276,11 +281,9 @@ class Server:
         if body.model:  # none or "": the model served, as vLLM reads a body's `model`
             self.check_model(body.model)
         ids = self.chat.encode([(m.role, m.text()) for m in body.messages])
-        requested, param = body.max_tokens, "max_tokens"
-        if body.max_completion_tokens is not None:
-            requested, param = body.max_completion_tokens, "max_completion_tokens"
-        gen = self.start([ids], requested, sampling_of(body), body.n, [*body.stop, *self.chat.stop], body.seed,
-                         param, "messages", body.skip_special_tokens)
+        requested, param = body.requested_tokens()
+        gen = self.start([ids], requested, sampling_of(body, self.config.sampling_defaults), body.n,
+                         [*body.stop, *self.chat.stop], body.seed, param, "messages", body.skip_special_tokens)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
@@ -288,7 +291,8 @@ class Server:
             def chunk(i, ev):
                 if i is None:
                     return dict(head)
-                delta = {"content": ev.text} if ev.text else {}
+                text = ev.text + kept_stop(body, ev.stop_string)
+                delta = {"content": text} if text else {}
                 return {**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
                                              "finish_reason": ev.finish_reason}]}
 
@@ -298,8 +302,9 @@ class Server:
 
             return EventStream(self.chunks(gen, body.include_usage, chunk, route, start, role))
         out = await self.collect(request, gen, route, start)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c["text"]}, "logprobs": None,
-                    "finish_reason": c["finish_reason"]} for i, c in sorted(out.items())]
+        choices = [{"index": i, "message": {"role": "assistant", "content": c["text"] + kept_stop(
+            body, c.get("stop_string"))}, "logprobs": None, "finish_reason": c["finish_reason"]}
+            for i, c in sorted(out.items())]
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(gen)}
 
     def model_card(self) -> dict:
@@ -308,8 +313,21 @@ class Server:
                 "max_model_len": self.engine.context}
 
 
-def sampling_of(body) -> SamplingParams:
-    return SamplingParams(body.temperature, body.top_k, body.top_p, body.repetition_penalty)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def sampling_of(body, defaults: dict[str, float | int] | None = None) -> SamplingParams:
+    """The body's sampling fields; one it left out (or sent as null) is the server's default where it has one
+    (`defaults`: the model folder's), else OpenAI's. A request's temperature 0 is greedy whatever the defaults."""
+    values = {name: getattr(body, name) if name in body.model_fields_set else (defaults or {}).get(
+        name, getattr(body, name)) for name in SAMPLING_FIELDS}
+    return SamplingParams(**values)
+
+
+def kept_stop(body, stop_string: str | None) -> str:
+    """The stop string that ended a choice, to append to its text where the request asks (vLLM's
+    include_stop_str_in_output): only one of the request's own, not those the chat format adds."""
+    return stop_string if stop_string and body.include_stop_str_in_output and stop_string in body.stop else ""
 
 
 def usage(gen: Generation) -> dict:
