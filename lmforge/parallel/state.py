@@ -3,6 +3,9 @@ state dicts under the model's own parameter names, for DCP checkpoints that resh
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -45,6 +48,47 @@ def _placements_of_squares(placements) -> list:
     return [Replicate() if p.is_replicate() else Partial("sum") for p in placements]
 
 
+_FLATTENED: set[tuple] = set()
+
+
+class _NoGatherWarnings(logging.Filter):
+    """torch's warning that a DTensor is gathered by all-gathers in a row (FSDP2's _StridedShard over tensor
+    parallelism: not mergeable, "non-ascending" dims) says their reduction order could differ between ranks: a
+    gather reduces nothing, and the export's gather printed it once per rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def gathers_quietly():
+    """full_tensor() of the model's DTensors without torch's all-gathers-in-a-row warning (_NoGatherWarnings)."""
+    logger, quiet = logging.getLogger("torch.distributed.tensor._redistribute"), _NoGatherWarnings()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _flatten_partial_dims(mesh, placements) -> None:
+    """A flattened mesh over the dims a sum of squares is partial on (FSDP2's dp_shard and tp), made once: DTensor
+    then reduces it with one all-reduce, where it made one per dim in a row and warned on every rank that their order
+    could leave ranks with other values (torch 2.12+: "To optimize, flatten mesh dimensions"). DeviceMesh._flatten
+    is private (torchtitan flattens its meshes so); without it, the all-reduces in a row. Every rank calls it alike
+    (it creates process groups)."""
+    names = mesh.mesh_dim_names
+    dims = tuple(names[i] for i, p in enumerate(placements) if p.is_partial()) if names else ()
+    key = (id(mesh), dims)
+    if len(dims) < 2 or key in _FLATTENED:
+        return
+    _FLATTENED.add(key)
+    try:
+        mesh[dims]._flatten("_".join(dims))
+    except (AttributeError, NotImplementedError, RuntimeError, ValueError, KeyError):
+        pass
+
+
 def grad_norm(pm) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (float64 scalar, equal on every rank, equal for every layout).
 
@@ -64,7 +108,9 @@ def grad_norm(pm) -> torch.Tensor:
             total += _sum_of_squares(g)
     for (mesh, placements), group in groups.items():
         local = torch.stack([_sum_of_squares(g.to_local()) for g in group]).sum()
-        squares = DTensor.from_local(local, mesh, _placements_of_squares(placements), run_check=False)
+        placements = _placements_of_squares(placements)
+        _flatten_partial_dims(mesh, placements)
+        squares = DTensor.from_local(local, mesh, placements, run_check=False)
         total += squares.full_tensor().to(total.device)
     if pm.mesh is not None and pm.size("pp") > 1:
         dist.all_reduce(total, group=pm.mesh["pp"].get_group())
