@@ -13,13 +13,16 @@ import ast
 import json
 import logging
 import os
+import shlex
 import shutil
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
 
-from lmforge.fsutil import atomic_write
+from lmforge.errors import UserError
+from lmforge.fsutil import LEFTOVER, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,19 @@ log = logging.getLogger(__name__)
 # a couple of minutes on two CPU cores.
 MODEL = {"family": "gpt_neox", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4, "num_heads": 4,
          "max_position_embeddings": 128, "parallel_residual": True, "rotary_pct": 0.25}
+# The [5/6] sample; the printed `lmforge generate` command passes the same, so it prints the same text.
+PROMPT = "Return a new list"
+SAMPLING = {"max_new_tokens": 40, "temperature": 0.8, "top_k": 40, "seed": 0}
+
+# Written into --out before anything else: a rerun replaces what quickstart made only in a folder holding it.
+MARKER = ".lmforge-quickstart"
+# What quickstart (and the trainer it runs) writes under --out, to recognise a folder an earlier quickstart made
+# before it wrote MARKER. A last `**` matches any path below; leftovers of killed writes (fsutil.LEFTOVER) too.
+OWN = ("corpus.jsonl", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
+       "data/stdlib_text_document.bin", "data/stdlib_text_document.idx", "data/cache/stdlib_text_document-*",
+       "model/*.json", "model/*.safetensors", "hf/*.json", "hf/*.safetensors",
+       "run/config.yaml", "run/metrics.jsonl", "run/finished.json", "run/history.jsonl", "run/run.lock",
+       "run/tensorboard/**", "run/checkpoints/**")
 
 
 def gather_corpus(out: Path, max_chars: int = 3_000_000) -> tuple[int, int]:
@@ -53,6 +69,95 @@ def gather_corpus(out: Path, max_chars: int = 3_000_000) -> tuple[int, int]:
     return len(lines), chars
 
 
+def check_arguments(minutes: float, max_steps: int) -> None:
+    if not minutes > 0:  # nan too
+        raise UserError(f"--minutes must be > 0 (the training time budget), got {minutes:g}")
+    if max_steps < 1:
+        raise UserError(f"--max-steps must be >= 1, got {max_steps}")
+
+
+def _files(folder: Path, parts: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], bool]]:
+    """(path parts below `folder`, whether a plain file) of everything not a folder, in order; a link is no file."""
+    for path in sorted(folder.iterdir()):
+        if path.is_dir() and not path.is_symlink():
+            yield from _files(path, (*parts, path.name))
+        else:
+            yield (*parts, path.name), path.is_file() and not path.is_symlink()
+
+
+def _own(parts: tuple[str, ...]) -> bool:
+    if any(LEFTOVER.match(part) for part in parts):
+        return True
+    for pattern in OWN:
+        pat = pattern.split("/")
+        if pat[-1] == "**":
+            if len(parts) >= len(pat) and all(map(fnmatchcase, parts, pat[:-1])):
+                return True
+        elif len(parts) == len(pat) and all(map(fnmatchcase, parts, pat)):
+            return True
+    return False
+
+
+def _quickstart_corpus(path: Path) -> bool:
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and set(first) == {"title", "text"}
+
+
+def not_quickstarts(out: Path) -> str | None:
+    """Why the existing folder `out`, without MARKER, is no quickstart's; None where it is empty or an earlier
+    quickstart's: nothing but what quickstart writes (OWN), starting with the corpus it writes first."""
+    foreign, own = [], []
+    for parts, plain in _files(out):
+        (own if plain and _own(parts) else foreign).append("/".join(parts))
+        if len(foreign) > 3:  # enough to say; a large folder is not walked to its end
+            break
+
+    def some(paths: list[str]) -> str:
+        return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+
+    if foreign:
+        return f"holds {some(foreign)}, which lmforge quickstart did not make"
+    real = [p for p in own if not any(LEFTOVER.match(part) for part in p.split("/"))]
+    if real and not _quickstart_corpus(out / "corpus.jsonl"):
+        return f"holds {some(real)} but neither {MARKER} nor the corpus.jsonl a quickstart writes first"
+    return None
+
+
+def claim_folder(out: Path) -> None:
+    """Make `out` quickstart's: create it, or check an existing one is empty or quickstart's (its MARKER, or
+    recognised), then write MARKER. Everything quickstart replaces lies in a folder it claimed."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out '{out}' is a file, not a folder: choose another --out")
+    marker = out / MARKER
+    if out.is_dir() and not marker.is_file() and (why := not_quickstarts(out)) is not None:
+        raise UserError(f"--out '{out}' {why}: choose another --out (a new or empty folder)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not marker.is_file():
+            atomic_write(marker, "made by `lmforge quickstart`: a rerun replaces what it made here\n")
+    except OSError as e:
+        raise UserError(f"cannot make the folder --out '{out}': {e.strerror or e}: choose another --out") from None
+
+
+def next_steps(run_dir: Path, hf_dir: Path) -> str:
+    """The commands to try next; `lmforge generate` prints the [5/6] sample again."""
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in SAMPLING.items())
+    hf = shlex.quote(str(hf_dir))
+    kwargs = ", ".join(f"{k}={v}" for k, v in SAMPLING.items() if k != "seed")  # transformers' generate has no seed
+    # JSON strings are Python strings in double quotes, which the shell's single quotes leave alone.
+    code = (f"import transformers as t; print(t.pipeline(\"text-generation\", {json.dumps(str(hf_dir))})"
+            f"({json.dumps(PROMPT)}, {kwargs}, do_sample=True)[0][\"generated_text\"])")
+    return (f"  tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}\n"
+            f"  lmforge generate {hf} --prompt {shlex.quote(PROMPT)} {flags}  # the sample above again\n"
+            f"  lmforge serve {hf}\n"
+            "  # with Hugging Face transformers, which lmforge does not install (pip install transformers):\n"
+            f"  python -c {shlex.quote(code)}")
+
+
 def clear_run(run_dir: Path, resume: bool) -> bool:
     """Remove the run an earlier quickstart left (unless `resume`); True if there was one. It is renamed
     first, so a kill during the deletion leaves no half-deleted run where the next one starts; what such
@@ -72,7 +177,7 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
     """The whole walk-through; `say` reports each step (the CLI passes print). Training stops at
     `max_steps` or after `minutes`, whichever comes first. A run left in `out_dir` by an earlier
     quickstart is removed first (the corpus, tokenizer and data are rebuilt anyway), or continued with
-    `resume`."""
+    `resume`. Only a new or empty `out_dir`, or one a quickstart made, is written to (claim_folder)."""
     from lmforge.data.preprocess import preprocess
     from lmforge.data.tokenizer_train import train_tokenizer
     from lmforge.inference import generate_text
@@ -82,8 +187,9 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
     from lmforge.train.config import load_run_config
     from lmforge.train.trainer import Trainer
 
+    check_arguments(minutes, max_steps)
     out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out)
     t0 = time.perf_counter()
 
     corpus = out / "corpus.jsonl"
@@ -120,20 +226,19 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     say("      validation loss: " + "  ".join(f"step {s}: {v:.2f}" for s, v in val))
-    say(f"      {trainer.summary(last)}")
+    if trainer.finished:  # the trainer's own line names trainer.max_steps and says nothing is written
+        say(f"      the run is at step {trainer.end_step} already (--max-steps {max_steps}): nothing to train; "
+            "raise --max-steps to train it further")
+    else:
+        say(f"      {trainer.summary(last)}")
 
     model = trainer.model.eval()
-    prompt = "Return a new list"
-    sample = generate_text(model, tokenizer, [prompt], max_new_tokens=40, temperature=0.8, top_k=40, seed=0)[0]
-    say(f"[5/6] sample: {prompt}{sample}")
+    sample = generate_text(model, tokenizer, [PROMPT], **SAMPLING)[0]
+    say(f"[5/6] sample: {PROMPT}{sample}")
 
     model_dir, hf_dir = out / "model", out / "hf"
     save_model(model, model_dir, tokenizer_from=tok_dir / "tokenizer.json", overwrite=True)
     export_hf(model_dir, hf_dir, overwrite=True)
     say(f"[6/6] exported: lmforge model {model_dir}, Hugging Face folder {hf_dir}")
-    say(f"done in {time.perf_counter() - t0:.0f} s. Next:\n"
-        f"  tensorboard --logdir {run_dir}/tensorboard\n"
-        f"  lmforge generate {hf_dir} --prompt \"{prompt}\"\n"
-        f"  lmforge serve {hf_dir}\n"
-        f"  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('{hf_dir}')\"")
+    say(f"done in {time.perf_counter() - t0:.0f} s. Next:\n{next_steps(run_dir, hf_dir)}")
     return {"val": val, "sample": sample, "hf_dir": str(hf_dir)}
