@@ -189,4 +189,4 @@ def test_a_rerun_resume_and_the_printed_generate_command(tmp_path, monkeypatch, 
     lines.clear()
     quickstart.run(tmp_path, minutes=5, say=lines.append, max_steps=1)
     assert f"      removed the previous run in {tmp_path / 'run'} (--resume continues it instead)" in lines
-    assert any(line.startswith("      finished at step 1: 1 steps") for line in lines)
+    assert any(line.startswith("      finished at step 1: 1 step,") for line in lines)

@@ -242,7 +242,7 @@ class RunTotals:
             return f"at step {step}: no steps to run"
         resumed = f", resumed at {self.first_step}" if self.first_step else ""
         speed = self.tokens / self.step_time if self.step_time > 0 else 0.0
-        parts = [f"{self.steps} steps{resumed}, {self.tokens:,.0f} tokens in {_duration(wall)} "
+        parts = [f"{self.steps} step{'s' * (self.steps != 1)}{resumed}, {self.tokens:,.0f} tokens in {_duration(wall)} "
                  f"({_duration(self.step_time)} in steps): {speed:,.0f} tokens/s"
                  + (f", MFU {mfu(speed):.1%}" if mfu is not None and speed > 0 else "")
                  + (f", {self.tokens * 3600 / (usd_per_hour * wall):,.0f} tokens/$ at ${usd_per_hour:g}/h"
