@@ -27,7 +27,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--special-tokens", nargs="*", default=[ENDOFTEXT], metavar="TOK",
                         help=f"special tokens, given the first ids; the first is bos/eos (default: {ENDOFTEXT})")
     parser.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default: 2)")
-    parser.add_argument("--json-key", default="text", help="key holding the text in JSON lines (default: text)")
+    parser.add_argument("--json-key", "--json-keys", dest="json_key", default="text",  # (preprocess's spelling too)
+                        help="key holding the text in JSON lines (default: text)")
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     parser.set_defaults(func=run)
 
