@@ -48,45 +48,28 @@ def _placements_of_squares(placements) -> list:
     return [Replicate() if p.is_replicate() else Partial("sum") for p in placements]
 
 
-_FLATTENED: set[tuple] = set()
-
-
-class _NoGatherWarnings(logging.Filter):
-    """torch's warning that a DTensor is gathered by all-gathers in a row (FSDP2's _StridedShard over tensor
-    parallelism: not mergeable, "non-ascending" dims) says their reduction order could differ between ranks: a
-    gather reduces nothing, and the export's gather printed it once per rank."""
+class _NoSequenceWarnings(logging.Filter):
+    """torch 2.12+ warns, on every rank, when DTensor reduces or gathers over two mesh dims with two collectives in
+    a row ("may give inconsistent results between ranks due to different reduction orders ... flatten mesh
+    dimensions"). A gather reduces nothing (the export's: FSDP2's _StridedShard over tensor parallelism). The
+    gradient norm's two all-reduces give every rank the same sums: the first leaves one value per group, the second
+    adds those same values on every rank (tested: every layout's norm equals one process's). Flattening the mesh
+    instead (DeviceMesh._flatten, private) gave expert-parallel layouts, whose ranks are permuted, other values."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "sequential all_gather" not in record.getMessage()
+        message = record.getMessage()
+        return not ("sequential all_gather" in message or "sequential all_reduce" in message)
 
 
 @contextlib.contextmanager
-def gathers_quietly():
-    """full_tensor() of the model's DTensors without torch's all-gathers-in-a-row warning (_NoGatherWarnings)."""
-    logger, quiet = logging.getLogger("torch.distributed.tensor._redistribute"), _NoGatherWarnings()
+def redistributing_quietly():
+    """full_tensor() of the model's DTensors without torch's collectives-in-a-row warning (_NoSequenceWarnings)."""
+    logger, quiet = logging.getLogger("torch.distributed.tensor._redistribute"), _NoSequenceWarnings()
     logger.addFilter(quiet)
     try:
         yield
     finally:
         logger.removeFilter(quiet)
-
-
-def _flatten_partial_dims(mesh, placements) -> None:
-    """A flattened mesh over the dims a sum of squares is partial on (FSDP2's dp_shard and tp), made once: DTensor
-    then reduces it with one all-reduce, where it made one per dim in a row and warned on every rank that their order
-    could leave ranks with other values (torch 2.12+: "To optimize, flatten mesh dimensions"). DeviceMesh._flatten
-    is private (torchtitan flattens its meshes so); without it, the all-reduces in a row. Every rank calls it alike
-    (it creates process groups)."""
-    names = mesh.mesh_dim_names
-    dims = tuple(names[i] for i, p in enumerate(placements) if p.is_partial()) if names else ()
-    key = (id(mesh), dims)
-    if len(dims) < 2 or key in _FLATTENED:
-        return
-    _FLATTENED.add(key)
-    try:
-        mesh[dims]._flatten("_".join(dims))
-    except (AttributeError, NotImplementedError, RuntimeError, ValueError, KeyError):
-        pass
 
 
 def grad_norm(pm) -> torch.Tensor:
@@ -108,10 +91,9 @@ def grad_norm(pm) -> torch.Tensor:
             total += _sum_of_squares(g)
     for (mesh, placements), group in groups.items():
         local = torch.stack([_sum_of_squares(g.to_local()) for g in group]).sum()
-        placements = _placements_of_squares(placements)
-        _flatten_partial_dims(mesh, placements)
-        squares = DTensor.from_local(local, mesh, placements, run_check=False)
-        total += squares.full_tensor().to(total.device)
+        squares = DTensor.from_local(local, mesh, _placements_of_squares(placements), run_check=False)
+        with redistributing_quietly():
+            total += squares.full_tensor().to(total.device)
     if pm.mesh is not None and pm.size("pp") > 1:
         dist.all_reduce(total, group=pm.mesh["pp"].get_group())
     return total.sqrt()

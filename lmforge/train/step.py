@@ -49,7 +49,7 @@ from lmforge.parallel import (
 from lmforge.parallel.compose import fsdp_mixed_precision
 from lmforge.parallel.data_parallel import gradient_sync, unwrap
 from lmforge.parallel.pipeline import StageShapes
-from lmforge.parallel.state import gathers_quietly
+from lmforge.parallel.state import redistributing_quietly
 from lmforge.train.config import OptimConfig, Precision
 from lmforge.train.loss import IGNORE_INDEX, SCORED_PER_ROW, SCORED_ROWS
 from lmforge.train.optim import build_optimizer
@@ -396,7 +396,7 @@ class ParallelTraining:
         Each pipeline stage gathers its sharded tensors (full_tensor, within the stage's ranks); then
         the first rank of every later stage sends rank 0 the tensors no earlier stage holds.
         """
-        with gathers_quietly():
+        with redistributing_quietly():
             local = {name: (gathered(t) if isinstance(t, DTensor) else t).detach().cpu()
                      for name, t in model_state_dict(self.pm).items()}
         pp = self.pm.size("pp")
