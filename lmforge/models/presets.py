@@ -7,7 +7,9 @@ parameter count of the transformers model with the same config (vocabulary paddi
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import replace
+from typing import Any
 
 from lmforge.config import closest
 from lmforge.errors import UserError
@@ -272,3 +274,26 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise UserError(f"unknown model preset '{name}'{closest(name, PRESETS)}: see `lmforge.models.PRESETS`")
     return copy.deepcopy(PRESETS[name])
+
+
+# Fields a preset derives from others when it leaves them out, and what from: ModelConfig's defaults.
+DERIVED = {"head_dim": ("hidden_size", "num_heads"), "num_kv_heads": ("num_heads",),
+           "intermediate_size": ("hidden_size",), "qkv_bias": ("attention_bias",)}
+
+
+def preset_fields(base: ModelConfig, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The preset's fields under the recipe's overrides. A value the preset derived (head_dim = hidden_size /
+    num_heads, num_kv_heads = num_heads, intermediate_size = 4 x hidden_size, qkv_bias = attention_bias) is
+    derived again from the overridden fields, as writing the fields out would: model.hidden_size=128 on a
+    preset of 4 heads of 16 is 4 heads of 32, not a head_dim 16 that no longer fits. Values the preset sets
+    apart from that rule stay, and a shape they cannot fit fails in ModelConfig."""
+    derived_from = {"head_dim": base.hidden_size % base.num_heads == 0 and
+                    base.head_dim == base.hidden_size // base.num_heads,
+                    "num_kv_heads": base.num_kv_heads == base.num_heads,
+                    "intermediate_size": base.intermediate_size == 4 * base.hidden_size,
+                    "qkv_bias": base.qkv_bias == base.attention_bias}
+    fields = dataclasses.asdict(base)
+    for name, basis in DERIVED.items():
+        if derived_from[name] and name not in overrides and any(k in overrides for k in basis):
+            fields[name] = None
+    return {**fields, **overrides}

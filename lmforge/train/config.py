@@ -186,29 +186,6 @@ class CostConfig:
                 raise UserError(f"cost.{name} must be >= 0, got {value}")
 
 
-# Fields a preset derives from others when it leaves them out, and what from: ModelConfig's defaults.
-DERIVED = {"head_dim": ("hidden_size", "num_heads"), "num_kv_heads": ("num_heads",),
-           "intermediate_size": ("hidden_size",), "qkv_bias": ("attention_bias",)}
-
-
-def preset_fields(base: ModelConfig, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The preset's fields under the recipe's overrides. A value the preset derived (head_dim = hidden_size /
-    num_heads, num_kv_heads = num_heads, intermediate_size = 4 x hidden_size, qkv_bias = attention_bias) is
-    derived again from the overridden fields, as writing the fields out would: model.hidden_size=128 on a
-    preset of 4 heads of 16 is 4 heads of 32, not a head_dim 16 that no longer fits. Values the preset sets
-    apart from that rule stay, and a shape they cannot fit fails in ModelConfig."""
-    derived_from = {"head_dim": base.hidden_size % base.num_heads == 0 and
-                    base.head_dim == base.hidden_size // base.num_heads,
-                    "num_kv_heads": base.num_kv_heads == base.num_heads,
-                    "intermediate_size": base.intermediate_size == 4 * base.hidden_size,
-                    "qkv_bias": base.qkv_bias == base.attention_bias}
-    fields = dataclasses.asdict(base)
-    for name, basis in DERIVED.items():
-        if derived_from[name] and name not in overrides and any(k in overrides for k in basis):
-            fields[name] = None
-    return {**fields, **overrides}
-
-
 def exportable(config: ModelConfig) -> ModelConfig:
     """`config`, if its family's Hugging Face class can hold it: a switch that class hard-wires otherwise (grouped
     key/value heads on GPT-NeoX, a layernorm Llama) fails when the recipe is read, not at the export after training."""
@@ -236,7 +213,7 @@ class ModelSection:
 
     @classmethod
     def parse(cls, section: dict[str, Any]) -> ModelSection:
-        from lmforge.models.presets import preset
+        from lmforge.models.presets import preset, preset_fields
 
         if not isinstance(section, dict):
             raise UserError(f"config section 'model' must be a mapping, got {section!r}")
