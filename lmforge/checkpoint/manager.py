@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from lmforge.checkpoint.hold import hold_for_test
 from lmforge.checkpoint.retention import LEFTOVER, NAME, Retention
 from lmforge.checkpoint.rng import rng_state, set_rng_state
+from lmforge.dcp_read import load_state
 from lmforge.errors import UserError
 from lmforge.fsutil import CHECKSUMS, atomic_write, checksum_problems, file_checksums, out_of_space
 from lmforge.models.config import ModelConfig
@@ -358,7 +359,9 @@ class CheckpointManager(Retention):
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         try:
             with one_process_quietly():
-                dcp.load(state, checkpoint_id=str(path))
+                load_state(state, path)
+        except UserError:  # the checkpoint's contents refused (lmforge.dcp_read)
+            raise
         # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
         # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
         except (Exception, CheckpointException) as e:

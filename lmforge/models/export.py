@@ -116,10 +116,10 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
 def lora_state(folder: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """A LoRA run's checkpoint as the run held it (what its export gathers): the base and the adapters, each tensor
     in the dtype the checkpoint keeps it in."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from lmforge.dcp_read import read_metadata
 
     model = load_checkpoint_whole(folder)
-    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    meta = read_metadata(folder).state_dict_metadata
     kept = {k.removeprefix("model."): m.properties.dtype for k, m in meta.items()
             if k.startswith("model.") and hasattr(m, "properties")}
     state = {name: t.to(kept[name]) if type(t) is torch.Tensor and name in kept else t

@@ -283,12 +283,12 @@ def checkpoint_run(folder: Path) -> dict | None:
 def checkpoint_lora(folder: Path) -> LoRAConfig | None:
     """The `lora:` section of a training checkpoint's run (its model then holds adapters beside the base), or None;
     a UserError for a checkpoint that holds adapters without it."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from lmforge.dcp_read import read_metadata
 
     section = (checkpoint_run(folder) or {}).get("lora")
     if section is not None:
         return LoRAConfig(**section)
-    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    keys = read_metadata(folder).state_dict_metadata
     if any(k.startswith("model.") and is_adapter(k) for k in keys):
         raise UserError(f"checkpoint '{folder}' holds LoRA adapters but its trainer.json has no run config naming "
                         "their lora: settings (an older lmforge wrote it): resume the run once with a newer lmforge")
@@ -298,9 +298,9 @@ def checkpoint_lora(folder: Path) -> LoRAConfig | None:
 def checkpoint_dtype(folder: Path) -> torch.dtype | None:
     """The dtype a training checkpoint holds its model's weights in (bf16 under bf16-sr, else fp32); None when
     they are not all alike."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from lmforge.dcp_read import read_metadata
 
-    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    meta = read_metadata(folder).state_dict_metadata
     dtypes = {m.properties.dtype for k, m in meta.items() if k.startswith("model.") and hasattr(m, "properties")}
     return dtypes.pop() if len(dtypes) == 1 else None
 
@@ -308,13 +308,16 @@ def checkpoint_dtype(folder: Path) -> torch.dtype | None:
 def load_checkpoint_model(state: dict[str, torch.Tensor], folder: Path) -> None:
     """Fill `state` (a model state dict, DTensors where sharded) in place from a training checkpoint's model
     part: only the chunks overlapping each tensor are read. A checkpoint that does not fit is one UserError."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from lmforge.dcp_read import load_state
 
     check_checkpoint_files(folder)
     try:
         with one_process_quietly():
-            dcp.load({"model": state}, checkpoint_id=str(folder))
+            load_state({"model": state}, folder)
+    except UserError:  # the checkpoint's contents refused (lmforge.dcp_read)
+        raise
     # Across processes DCP gathers every rank's failure into a CheckpointException, a BaseException
     # (not an Exception); in one process the planner's own ValueError/RuntimeError comes through.
     except (Exception, CheckpointException) as e:

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from lmforge.checkpoint import CheckpointManager
+from lmforge.dcp_read import read_metadata
 from lmforge.models.nf4 import is_nf4
 from lmforge.train.step import ParallelTraining
 
@@ -21,13 +22,7 @@ def _nested_optimizer_state(path: Path | None) -> bool:
     """Whether the checkpoint at `path` holds optimizer state in torch's nested form (older lmforge)."""
     if path is None:
         return False
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except (OSError, ValueError):
-        return False  # dcp.load reports what is wrong with the folder
-    return "optim.param_groups" in keys
+    return "optim.param_groups" in read_metadata(path).state_dict_metadata
 
 
 class TrainCheckpoints(CheckpointManager):
