@@ -11,6 +11,12 @@ Kinds of input, each streamed (a bounded amount in memory whatever the file size
 * a folder: every file of those kinds below it (and `datasets` folders as units), in sorted path order,
   hidden names skipped; a glob pattern (`'data/*.parquet'`, quoted so the shell leaves it) the same.
 
+Documents over a size limit (`max_bytes`: a JSON line's bytes, a plain-text file's, a row's UTF-8 bytes of its
+`--json-keys` columns, counted by Arrow before any Python string is made) are never read whole: the reader
+yields a `TooLarge` in their place, and reads past them in blocks, so memory stays bounded by the limit even for
+a line of many GB without a newline. A JSON line's bytes bound its text's (escapes only shrink), so no text
+over the limit reaches a tokenizer.
+
 Slices (`--shard I/N`): the inputs, in order, lie end to end on one axis of bytes; it is cut at N equal
 points, and each unit of work belongs to the slice in which it starts. A unit is a line of an uncompressed
 JSON-lines file (so one file can be spread over several slices, cut at line starts), a Parquet row group, or
@@ -34,6 +40,8 @@ from glob import glob, has_magic
 from itertools import accumulate
 from pathlib import Path
 
+import numpy as np
+
 from lmforge.errors import UserError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -49,9 +57,27 @@ READ_BLOCK = 1 << 20  # bytes read from a compressed file at a time
 # A record: (where, kind, payload, size). `where` is (file, base, index): for JSON lines, the byte offset at
 # which this slice's reading started in the file and the 1-based line within the slice; for rows, the row's
 # index in the file. `kind` is "json" (payload: a raw line), "text" (the file's bytes) or "row" (a tuple of
-# the --json-keys columns' values). `size` is about the payload's bytes, for chunking.
+# the --json-keys columns' values), or a TooLarge in place of any of them. `size` is about the payload's bytes,
+# for chunking.
 Where = tuple[str, int, int]
 Record = tuple[Where, str, object, int]
+
+
+@dataclass(frozen=True)
+class TooLarge:
+    """A record's payload in place of a document over the size limit, which was read past, never held."""
+
+    size: int  # the document's bytes (a JSON line's without its newline)
+    limit: int
+
+    def reason(self, kind: str) -> str:
+        """What is wrong, for `describe(where): reason` messages."""
+        over = f"more than the --max-document-bytes limit of {self.limit:,}"
+        if kind == "text":
+            return (f"{self.size:,} bytes, {over} (a plain-text file is one document): split it into JSON lines, "
+                    "or raise the limit")
+        what = "a line" if kind == "json" else "a row of text"
+        return f"{what} of {self.size:,} bytes, {over}: raise the limit to tokenize it"
 
 
 @dataclass(frozen=True)
@@ -306,53 +332,104 @@ def open_binary(source: Source):
     return open(source.path, "rb")
 
 
-def _json_records(piece: Piece) -> Iterator[Record]:
+def _read_past_line(f) -> tuple[int, bool]:
+    """Read to the end of the current line a block at a time: (bytes read, whether a newline ended them)."""
+    n = 0
+    while block := f.readline(READ_BLOCK):
+        n += len(block)
+        if block.endswith(b"\n"):
+            return n, True
+    return n, False
+
+
+def _json_records(piece: Piece, max_bytes: int | None = None) -> Iterator[Record]:
     path, stop = str(piece.source.path), piece.stop
+    # A line of max_bytes bytes and its newline is read whole; one more byte without a newline means it is over.
+    read = -1 if max_bytes is None else max_bytes + 1
     with open_binary(piece.source) as f:
         base = 0
         if piece.start:  # begin at the first line that starts at or after `start`
             f.seek(piece.start - 1)
             if f.read(1) != b"\n":
-                f.readline()
+                _read_past_line(f)
             base = f.tell()
-        pos = base
-        for n, line in enumerate(f, start=1):
-            if stop is not None and pos >= stop:
+        pos, n = base, 0
+        while stop is None or pos < stop:
+            line = f.readline(read)
+            if not line:
                 break
+            n += 1
             pos += len(line)
-            if line.strip():
+            if len(line) == read and not line.endswith(b"\n"):
+                rest, newline = _read_past_line(f)
+                pos += rest
+                yield (path, base, n), "json", TooLarge(len(line) + rest - newline, max_bytes), 0
+            elif line.strip():
                 yield (path, base, n), "json", line, len(line)
 
 
-def _row_bytes(values: tuple) -> int:
-    return sum(len(v) if isinstance(v, str) else sum(map(len, v)) if isinstance(v, list) else 0 for v in values)
+def _text_record(source: Source, max_bytes: int | None) -> Record:
+    where = (str(source.path), 0, 0)
+    with open_binary(source) as f:
+        data = f.read(-1 if max_bytes is None else max_bytes + 1)
+        if max_bytes is None or len(data) <= max_bytes:
+            return where, "text", data, len(data)
+        size = len(data)
+        del data
+        if source.compression:  # its size is known only once read through
+            while block := f.read(READ_BLOCK):
+                size += len(block)
+        else:
+            size = source.size
+    return where, "text", TooLarge(size, max_bytes), 0
 
 
-def _batch_records(path: str, batches, keys: Sequence[str], row: int) -> Iterator[Record]:
+def _text_bytes(array) -> np.ndarray:
+    """The UTF-8 bytes of each value of a string (or list of strings) column, nulls 0: from Arrow's offsets."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        values = _text_bytes(pc.list_flatten(array))
+        parents = pc.list_parent_indices(array).to_numpy()
+        return np.bincount(parents, weights=values, minlength=len(array)).astype(np.int64)
+    if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
+        array = array.cast(pa.large_string())  # string_view, which binary_length does not take
+    return pc.binary_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _batch_records(path: str, batches, keys: Sequence[str], row: int, max_bytes: int | None = None
+                   ) -> Iterator[Record]:
+    import pyarrow as pa
+
     for batch in batches:
         # Python strings for PARQUET_BATCH_ROWS rows at a time: an Arrow file's batches can be far larger.
         for start in range(0, batch.num_rows, PARQUET_BATCH_ROWS):
             part = batch.slice(start, PARQUET_BATCH_ROWS)
-            columns = [part.column(k).to_pylist() for k in keys]
-            for i, values in enumerate(zip(*columns)):
-                yield (path, 0, row + i), "row", values, _row_bytes(values)
+            sizes = sum(_text_bytes(part.column(k)) for k in keys)
+            over = sizes > max_bytes if max_bytes is not None else np.zeros(len(sizes), bool)
+            kept = part.filter(pa.array(~over)) if over.any() else part  # rows over it never become strings
+            values = zip(*(kept.column(k).to_pylist() for k in keys))
+            for i, (size, too_large) in enumerate(zip(sizes.tolist(), over.tolist())):
+                payload = TooLarge(size, max_bytes) if too_large else next(values)
+                yield (path, 0, row + i), "row", payload, 0 if too_large else size
             row += part.num_rows
 
 
-def _parquet_records(piece: Piece, keys: Sequence[str]) -> Iterator[Record]:
+def _parquet_records(piece: Piece, keys: Sequence[str], max_bytes: int | None = None) -> Iterator[Record]:
     pa = _need("pyarrow", "reading Parquet files")
     pf = _parquet_file(piece.source.path, keys)
     batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=range(piece.start, piece.stop),
                               columns=list(keys))
     try:
-        yield from _batch_records(str(piece.source.path), batches, keys, piece.first_row)
+        yield from _batch_records(str(piece.source.path), batches, keys, piece.first_row, max_bytes)
     except pa.ArrowException as e:
         raise UserError(f"cannot read {piece.source.path} as Parquet ({e}): check the file is intact") from e
     finally:
         pf.close()
 
 
-def _arrow_records(piece: Piece, keys: Sequence[str]) -> Iterator[Record]:
+def _arrow_records(piece: Piece, keys: Sequence[str], max_bytes: int | None = None) -> Iterator[Record]:
     pa = _need("pyarrow", "reading datasets folders")
     import pyarrow.ipc
 
@@ -369,26 +446,24 @@ def _arrow_records(piece: Piece, keys: Sequence[str]) -> Iterator[Record]:
                 reader = pyarrow.ipc.open_stream(f)
                 batches = iter(reader)
             _text_columns(path, reader.schema, keys)
-            yield from _batch_records(str(path), batches, keys, 0)
+            yield from _batch_records(str(path), batches, keys, 0, max_bytes)
         except pa.ArrowException as e:
             raise UserError(f"cannot read {path} as Arrow ({e}): check the file is intact") from e
 
 
-def records(pieces: Iterable[Piece], keys: Sequence[str]) -> Iterator[Record]:
-    """Every document of the pieces, in order."""
+def records(pieces: Iterable[Piece], keys: Sequence[str], max_bytes: int | None = None) -> Iterator[Record]:
+    """Every document of the pieces, in order; one over `max_bytes` as a TooLarge (see the module docstring)."""
     for piece in pieces:
         source = piece.source
         try:
             if source.kind == "json":
-                yield from _json_records(piece)
+                yield from _json_records(piece, max_bytes)
             elif source.kind == "text":
-                with open_binary(source) as f:
-                    data = f.read()
-                yield (str(source.path), 0, 0), "text", data, len(data)
+                yield _text_record(source, max_bytes)
             elif source.kind == "parquet":
-                yield from _parquet_records(piece, keys)
+                yield from _parquet_records(piece, keys, max_bytes)
             else:
-                yield from _arrow_records(piece, keys)
+                yield from _arrow_records(piece, keys, max_bytes)
         except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
             raise UserError(f"cannot read {source.path} ({e}): check the file is intact") from e
         except UserError:

@@ -25,6 +25,16 @@ therefore Megatron's tool does: the same bytes as Megatron's output for corpora 
 Left as text, such strings are counted (one regex search per text, a count only where it finds one) and said in
 one warning at the end: lmforge eval and transformers read them as the special ids (WikiText's 11,718 "<unk>").
 
+Document size: a document over `max_document_bytes` (a JSON line's bytes, a plain-text file's, a row's text's
+UTF-8 bytes) is refused before it is parsed or tokenized, naming its file and line (or row) and its size; with
+`on_error="skip"` it is skipped and counted instead. The reader never holds more of it than the limit
+(lmforge.data.inputs). Tokenizing takes memory in proportion to a document's tokens, and a tokenizer that cannot
+allocate it aborts the whole process (Rust's allocation failure: rc 134), which nothing can catch; the limit is
+what prevents it. Measured peak memory of one tokenizer call per MB of text (8 MiB documents): Hugging Face
+tokenizers (GPT-2, GPT-NeoX) 120 MB on prose, 140-170 MB on text without spaces; SentencePiece (Llama 2) 45 MB.
+The default of 8 MiB keeps one document's tokenization under about 1.5 GB whatever the text (twice that with
+one worker, which keeps two calls in flight), and passes any real document (a long book is a few MB).
+
 Sharding (`shard=(I, N)`): only slice I of N of the input is tokenized, into `...document.shard-I-of-N`
 files plus a record of how they were made; `lmforge.data.shards.merge` joins the N shards into the files one
 run over the whole input writes, byte for byte.
@@ -57,7 +67,7 @@ from tqdm import tqdm
 
 from lmforge.data import shards as sharding
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
-from lmforge.data.inputs import Piece, Record, Source, describe, find_inputs, inputs_digest, plan, records
+from lmforge.data.inputs import Piece, Record, Source, TooLarge, describe, find_inputs, inputs_digest, plan, records
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
 
@@ -71,6 +81,8 @@ THREADS_IN_FLIGHT = 2  # with --workers 1: batch calls in flight on the tokenize
 # (Windows): spawn.
 START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 MAX_LOGGED_SKIPS = 10
+# The default document size limit, in bytes: see the module docstring for the measurement behind it.
+MAX_DOCUMENT_BYTES = 8 << 20
 
 # A chunk's result: per key, the ids of its good documents end to end; per record, an error message or per
 # key (token count, sequence lengths); and the special-token text found (SpecialText). One array per key and chunk
@@ -85,6 +97,7 @@ class PreprocessStats:
     documents: int = 0  # input documents written (each to every key's file)
     tokens: int = 0  # tokens written, eod included, summed over keys
     skipped: int = 0  # bad lines skipped with on_error="skip"
+    too_large: int = 0  # ... of which documents over max_document_bytes
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)  # key -> prefix of its .bin/.idx
     shard: tuple[int, int] | None = None  # (I, N) when one slice of N was tokenized
@@ -128,6 +141,8 @@ class _Encoder:
 
     def texts(self, kind: str, payload) -> list[list[str]] | str:
         """Per key, the document's sentences; or what is wrong with the record (its place is added later)."""
+        if isinstance(payload, TooLarge):
+            return payload.reason(kind)
         if kind == "row":  # Parquet/Arrow: the --json-keys columns' values, already text (or null)
             return self._sentences(dict(zip(self.json_keys, payload)), check_surrogates=False)
         try:
@@ -294,18 +309,21 @@ def preprocess(
     shard: str | tuple[int, int] | None = None,
     parse_special_tokens: bool = False,
     prepend_bos: bool = False,
+    max_document_bytes: int = MAX_DOCUMENT_BYTES,
 ) -> PreprocessStats:
     """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each key; see the module docstring.
 
-    `on_error="fail"` stops at the first bad line (malformed JSON, missing key, not UTF-8) with a
-    UserError naming file:line; `"skip"` skips such lines and counts them. On any error no output
-    file is left under its final name. `shard` ("I/N" or (I, N)) tokenizes slice I of N only, into
+    `on_error="fail"` stops at the first bad line (malformed JSON, missing key, not UTF-8, a document over
+    `max_document_bytes`) with a UserError naming file:line; `"skip"` skips such lines and counts them. On any
+    error no output file is left under its final name. `shard` ("I/N" or (I, N)) tokenizes slice I of N only, into
     `{output_prefix}_{key}_document.shard-I-of-N.bin/.idx` and its `.json` record (lmforge.data.shards).
     """
     if on_error not in ("fail", "skip"):
         raise UserError(f"on_error must be 'fail' or 'skip', not {on_error!r}")
     if workers < 1:
         raise UserError(f"workers must be at least 1, not {workers}")
+    if max_document_bytes < 1:
+        raise UserError(f"--max-document-bytes must be at least 1, not {max_document_bytes}")
     i, n = sharding.parse_shard(shard) if shard is not None else (0, 1)
     sources = find_inputs(inputs)
     json_keys = _check_arguments(json_keys, sources)
@@ -329,7 +347,7 @@ def preprocess(
     tok.parse_special_tokens = parse_special_tokens
     try:
         file_tokens = _write(pieces, _Encoder(tok, json_keys, append_eod, prepend_bos), workers, on_error, progress,
-                             dtype, stats)
+                             dtype, stats, max_document_bytes)
     finally:
         tok.parse_special_tokens = parsed_before
     if shard is not None:
@@ -348,12 +366,17 @@ def preprocess(
                     path.unlink(missing_ok=True)
             raise
     if stats.skipped:
-        logger.warning("skipped %d bad line(s) in all", stats.skipped)
+        logger.warning("skipped %d bad line(s) in all%s", stats.skipped, _too_large(stats))
     if stats.special_text:
         _warn_special_text(stats)
     logger.debug("wrote %d documents, %d tokens in %.1f s (%.0f tokens/s)", stats.documents, stats.tokens,
                 stats.seconds, stats.tokens_per_second)
     return stats
+
+
+def _too_large(stats: PreprocessStats) -> str:
+    """How many of the skipped documents were over the size limit, for the summary lines."""
+    return f", {stats.too_large} of them over --max-document-bytes" if stats.too_large else ""
 
 
 def _warn_special_text(stats: PreprocessStats) -> None:
@@ -369,7 +392,7 @@ def _warn_special_text(stats: PreprocessStats) -> None:
 
 
 def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: str, progress: bool, dtype: np.dtype,
-           stats: PreprocessStats) -> dict[str, int]:
+           stats: PreprocessStats, max_document_bytes: int) -> dict[str, int]:
     """Tokenize the pieces into stats.outputs' files; returns the tokens written per input file."""
     start = time.perf_counter()
     writers: dict[str, IndexedDatasetWriter] = {}
@@ -377,7 +400,7 @@ def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: s
     file_tokens = {str(p.source.path): 0 for p in pieces}
     lines: dict = {}  # describe()'s cache of line counts
     bar = tqdm(unit="doc", desc="preprocess", file=sys.stderr, disable=not (progress and sys.stderr.isatty()))
-    encoded = _encoded_chunks(_chunks(records(pieces, encoder.json_keys)), encoder, workers)
+    encoded = _encoded_chunks(_chunks(records(pieces, encoder.json_keys, max_document_bytes)), encoder, workers)
     try:
         for key, prefix in stats.outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, dtype)
@@ -386,12 +409,13 @@ def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: s
                 stats.special_text[name] = stats.special_text.get(name, 0) + count
             stats.special_text_documents += special_documents
             offsets = [0] * len(encoder.json_keys)
-            for (where, kind, _, _), res in zip(chunk, results):
+            for (where, kind, payload, _), res in zip(chunk, results):
                 if isinstance(res, str):
                     message = f"{describe(where, kind, lines)}: {res}"
                     if on_error == "fail":
                         raise UserError(f"{message} (or pass --on-error skip)")
                     stats.skipped += 1
+                    stats.too_large += isinstance(payload, TooLarge)
                     if stats.skipped <= MAX_LOGGED_SKIPS:
                         logger.warning("skipped %s", message)
                     continue
