@@ -34,6 +34,9 @@ what prevents it. Measured peak memory of one tokenizer call per MB of text (8 M
 tokenizers (GPT-2, GPT-NeoX) 120 MB on prose, 140-170 MB on text without spaces; SentencePiece (Llama 2) 45 MB.
 The default of 8 MiB keeps one document's tokenization under about 1.5 GB whatever the text (twice that with
 one worker, which keeps two calls in flight), and passes any real document (a long book is a few MB).
+A run killed anyway (that abort, kill -9) leaves the prefix's existing .bin/.idx as they were: the new files
+are written under temporary names (`.NAME.bin.tmp-PID`), renamed only when whole, and the next run of the
+prefix removes those a dead process left.
 
 Sharding (`shard=(I, N)`): only slice I of N of the input is tokenized, into `...document.shard-I-of-N`
 files plus a record of how they were made; `lmforge.data.shards.merge` joins the N shards into the files one
@@ -66,7 +69,14 @@ import numpy as np
 from tqdm import tqdm
 
 from lmforge.data import shards as sharding
-from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
+from lmforge.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    bin_path,
+    idx_path,
+    optimal_dtype,
+    remove_stale_temporaries,
+)
 from lmforge.data.inputs import Piece, Record, Source, TooLarge, describe, find_inputs, inputs_digest, plan, records
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
@@ -339,6 +349,8 @@ def preprocess(
         outputs = {k: sharding.shard_prefix(p, i, n) for k, p in outputs.items()}
         if not pieces:
             logger.info("shard %d/%d has no input (fewer units of input than shards): writing it empty", i, n)
+    for prefix in outputs.values():  # what killed runs of these prefixes left (a live process's stay)
+        remove_stale_temporaries(prefix, also=[sharding.record_path(prefix)] if shard is not None else [])
     stats = PreprocessStats(outputs=outputs, shard=(i, n) if shard is not None else None)
     logger.info("tokenizing %d file(s)%s into %s (%s, %d workers)", len(pieces),
                 f" (shard {i}/{n} of {len(sources)})" if shard is not None else "", list(outputs.values()),
