@@ -16,8 +16,9 @@ import pytest
 
 import lmforge.data.preprocess as pp
 from lmforge.cli.preprocess import MAX_DOCUMENT_BYTES, add_arguments, run
-from lmforge.data.inputs import READ_BLOCK, TooLarge, find_inputs, plan, records
+from lmforge.data.inputs import READ_BLOCK, find_inputs, plan
 from lmforge.data.preprocess import preprocess
+from lmforge.data.reader import TooLarge, records
 from lmforge.errors import UserError
 from lmforge.tokenizers import load_tokenizer
 from tests.data.test_inputs import jsonl, parquet

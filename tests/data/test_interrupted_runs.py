@@ -70,13 +70,14 @@ def test_dead_runs_temporaries_of_the_prefix_are_removed_a_live_ones_kept(tmp_pa
 
 KILLED_RUN = """
 import os, signal, sys
+import lmforge.data.encoding as enc
 import lmforge.data.preprocess as pp
 from lmforge.data.indexed import IndexedDatasetWriter
 from lmforge.tokenizers import load_tokenizer
 
 tokenizer, inputs, prefix, how = sys.argv[1:]
 tok = load_tokenizer(tokenizer)
-pp.CHUNK_DOCS = 2
+enc.CHUNK_DOCS = 2
 if how == "abort":  # what a tokenizer that cannot allocate does: abort() in native code, SIGABRT (rc 134)
     encode_batch = tok.encode_batch
     def aborting(texts, *a, **kw):
