@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+# lmforge.data.preprocess.MAX_DOCUMENT_BYTES, which this module does not import: parsing stays light.
+MAX_DOCUMENT_BYTES = 8 << 20
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `lmforge preprocess` arguments (the CLI contract)."""
@@ -31,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="tokenizer processes (default: 1, which tokenizes on the tokenizer's own threads)")
     parser.add_argument("--on-error", choices=["fail", "skip"], default="fail",
-                        help="on a bad line: stop (default) or skip it and count it")
+                        help="on a bad line (or a document over --max-document-bytes): stop (default) or skip it "
+                        "and count it")
+    parser.add_argument("--max-document-bytes", type=int, default=MAX_DOCUMENT_BYTES, metavar="N",
+                        help="refuse (or with --on-error skip, skip) a document over N bytes: a JSON line, a .txt "
+                        f"file, a row's text (default: {MAX_DOCUMENT_BYTES:,}, 8 MiB); tokenizing one takes up to "
+                        "~170 times its size in memory, per worker")
     parser.add_argument("--shard", metavar="I/N",
                         help="tokenize only slice I of N (I from 0) into PREFIX_<key>_document.shard-I-of-N; "
                         "`lmforge data merge PREFIX` (or --merge) joins the N shards afterwards")
@@ -61,8 +69,10 @@ def run(args: argparse.Namespace):
     stats = preprocess(args.input, args.output_prefix, args.tokenizer, json_keys=args.json_keys,
                        append_eod=args.append_eod, workers=args.workers, on_error=args.on_error,
                        progress=getattr(args, "progress", True), shard=getattr(args, "shard", None),
-                       parse_special_tokens=parse_special, prepend_bos=getattr(args, "prepend_bos", False))
-    skipped = f", skipped {stats.skipped} bad line(s)" if stats.skipped else ""
+                       parse_special_tokens=parse_special, prepend_bos=getattr(args, "prepend_bos", False),
+                       max_document_bytes=getattr(args, "max_document_bytes", MAX_DOCUMENT_BYTES))
+    too_large = f", {stats.too_large} of them over --max-document-bytes" if stats.too_large else ""
+    skipped = f", skipped {stats.skipped} bad line(s){too_large}" if stats.skipped else ""
     shard = f"shard {stats.shard[0]}/{stats.shard[1]}: " if stats.shard else ""
     keys = f" (over its {len(stats.outputs)} keys' datasets)" if len(stats.outputs) > 1 else ""
     print(f"{shard}wrote {stats.documents} documents, {stats.tokens} tokens{keys} in {stats.seconds:.1f} s "

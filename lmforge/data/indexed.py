@@ -20,15 +20,19 @@ A document made by `preprocess` is one sequence; an empty document (no tokens) h
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from lmforge.errors import UserError
+from lmforge.fsutil import LEFTOVER, remove_leftovers
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -52,6 +56,20 @@ def bin_path(prefix: str | Path) -> Path:
 
 def idx_path(prefix: str | Path) -> Path:
     return Path(f"{prefix}.idx")
+
+
+def remove_stale_temporaries(prefix: str | Path, also: Iterable[Path] = ()) -> list[Path]:
+    """Remove the temporaries of `prefix`'s .bin/.idx (and of the files `also` names) that a killed writer left:
+    `.NAME.tmp-PID`, the names IndexedDatasetWriter, the shard merge and fsutil.atomic_write use, where process
+    PID is no longer running. A live process's are kept: another run of the same prefix may be writing them.
+    Each removal is logged; returns what was removed."""
+    removed = []
+    for path in (bin_path(prefix), idx_path(prefix), *also):
+        for left in remove_leftovers(path.parent, path.name):
+            logger.info("removed %s, which process %s (no longer running) left writing %s", left,
+                        LEFTOVER.match(left.name)["pid"], path)
+            removed.append(left)
+    return removed
 
 
 class IndexedDataset:
@@ -160,8 +178,9 @@ class IndexedDataset:
 class IndexedDatasetWriter:
     """Write `PREFIX.bin/.idx` byte-identical to megatron.core's `IndexedDatasetBuilder` for the same calls.
 
-    Both files are written under temporary names and renamed only by `finalize`; `abort` (or leaving a
-    `with` block by an exception) deletes them, so a final-named pair is always complete. `finalize`
+    Both files are written under temporary names (`.NAME.bin.tmp-PID`: one writer of a prefix per process) and
+    renamed only by `finalize`; `abort` (or leaving a `with` block by an exception) deletes them, so a final-named
+    pair is always complete; those a killed process left go with `remove_stale_temporaries`. `finalize`
     removes an older `.idx` of the prefix, then renames `.bin`, then `.idx`: a crash between leaves a `.bin`
     without its index, which the reader refuses in one line, never a new `.bin` beside an old `.idx` (whose
     sizes could agree by chance).
@@ -175,8 +194,9 @@ class IndexedDatasetWriter:
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         final_bin = bin_path(self.prefix)
         final_bin.parent.mkdir(parents=True, exist_ok=True)
-        # Hidden temporary names: a glob for *.bin never picks up a file still being written.
-        tag = f".tmp-{os.getpid()}-{id(self):x}"
+        # Hidden temporary names: a glob for *.bin never picks up a file still being written. fsutil's leftover
+        # names, so a later run knows whose they are; a PID reused (a container's) reuses a dead run's name.
+        tag = f".tmp-{os.getpid()}"
         self._tmp_bin = final_bin.with_name(f".{final_bin.name}{tag}")
         self._tmp_idx = final_bin.with_name(f".{idx_path(self.prefix).name}{tag}")
         self._bin = open(self._tmp_bin, "wb", buffering=1 << 20)
@@ -232,6 +252,10 @@ class IndexedDatasetWriter:
                 f.write(lengths.tobytes())
                 f.write(pointers.tobytes())
                 f.write(np.frombuffer(self._document_indices, np.int64).tobytes())
+            if not self._tmp_bin.exists():  # before the old index goes
+                raise UserError(f"{self._tmp_bin} was removed while it was written (by a run of the same prefix on "
+                                "another host, to which this process looked dead?): run one preprocess per output "
+                                "prefix at a time")
             idx_path(self.prefix).unlink(missing_ok=True)  # never an old index beside the new tokens
             os.replace(self._tmp_bin, bin_path(self.prefix))
             os.replace(self._tmp_idx, idx_path(self.prefix))

@@ -1,4 +1,4 @@
-"""What `preprocess` reads: input files found, cut into N deterministic slices, and read as records.
+"""What `preprocess` reads: input files found and cut into N deterministic slices (lmforge.data.reader reads them).
 
 Kinds of input, each streamed (a bounded amount in memory whatever the file size):
 
@@ -23,12 +23,9 @@ The cut depends only on the file list, sizes and Parquet metadata: every shard j
 from __future__ import annotations
 
 import bisect
-import gzip
 import hashlib
-import io
 import json
-import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from glob import glob, has_magic
 from itertools import accumulate
@@ -43,15 +40,11 @@ COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
 KINDS_HINT = ("give .jsonl/.json/.ndjson or .txt files (optionally .gz or .zst), .parquet files, Hugging Face "
               "datasets folders (save_to_disk), or folders or glob patterns of them")
 DATA_EXTRA = "pip install 'lmforge[data]'"
-PARQUET_BATCH_ROWS = 256  # rows per record batch read from Parquet: a few MB of long documents, cheap per batch
 READ_BLOCK = 1 << 20  # bytes read from a compressed file at a time
 
-# A record: (where, kind, payload, size). `where` is (file, base, index): for JSON lines, the byte offset at
-# which this slice's reading started in the file and the 1-based line within the slice; for rows, the row's
-# index in the file. `kind` is "json" (payload: a raw line), "text" (the file's bytes) or "row" (a tuple of
-# the --json-keys columns' values). `size` is about the payload's bytes, for chunking.
+# Where a document is: (file, base, index). For JSON lines, the byte offset at which a slice's reading started in
+# the file and the 1-based line within the slice; for rows, the row's index in the file (see describe).
 Where = tuple[str, int, int]
-Record = tuple[Where, str, object, int]
 
 
 @dataclass(frozen=True)
@@ -177,7 +170,7 @@ def inputs_digest(sources: Sequence[Source]) -> str:
     return h.hexdigest()
 
 
-def _need(module: str, what: str):
+def need(module: str, what: str):
     """Import an optional dependency, or fail with the one command that installs it."""
     import importlib
 
@@ -187,8 +180,8 @@ def _need(module: str, what: str):
         raise UserError(f"{what} needs {module.split('.')[0]}, which is not installed: {DATA_EXTRA}") from None
 
 
-def _text_columns(path: Path, schema, keys: Sequence[str]) -> None:
-    pa = _need("pyarrow", "reading Parquet and Arrow files")
+def text_columns(path: Path, schema, keys: Sequence[str]) -> None:
+    pa = need("pyarrow", "reading Parquet and Arrow files")
     names = schema.names
     for key in keys:
         if key not in names:
@@ -204,16 +197,16 @@ def _text_columns(path: Path, schema, keys: Sequence[str]) -> None:
                             "check --json-keys")
 
 
-def _parquet_file(path: Path, keys: Sequence[str]):
-    pq = _need("pyarrow.parquet", "reading Parquet files")
-    pa = _need("pyarrow", "reading Parquet files")
+def parquet_file(path: Path, keys: Sequence[str]):
+    pq = need("pyarrow.parquet", "reading Parquet files")
+    pa = need("pyarrow", "reading Parquet files")
     try:
         # Streamed reads through a small buffer instead of pyarrow's default of fetching each row group's column
         # chunks whole first: memory then follows the batch, not the row group (which some writers make 1 GB).
         pf = pq.ParquetFile(path, buffer_size=READ_BLOCK, pre_buffer=False)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"cannot read {path} as Parquet ({e}): check the file is intact") from e
-    _text_columns(path, pf.schema_arrow, keys)
+    text_columns(path, pf.schema_arrow, keys)
     return pf
 
 
@@ -221,7 +214,7 @@ def _units(source: Source, keys: Sequence[str]) -> list[tuple[int, int]]:
     """(weight in bytes, first row) of each unit of a source that cannot be split further."""
     if source.kind != "parquet":
         return [(source.size, 0)]
-    meta = _parquet_file(source.path, keys).metadata
+    meta = parquet_file(source.path, keys).metadata
     if meta.num_rows == 0:
         raise UserError(f"input {source.path} has no rows: remove it from the input")
     units, row = [], 0
@@ -258,145 +251,6 @@ def plan(sources: Sequence[Source], keys: Sequence[str], shard: int = 0, num_sha
             pieces.append(Piece(source, 0, None, 0, whole=True))
         offset += sum(w for w, _ in units)
     return pieces
-
-
-class _ZstdRaw(io.RawIOBase):
-    """A zstd file's decompressed bytes, frame after frame; a truncated last frame is an error, not an end
-    (zstandard's stream_reader stops there silently)."""
-
-    def __init__(self, f):
-        zstd = _need("zstandard", "reading .zst files")
-        self._f, self._new = f, zstd.ZstdDecompressor().decompressobj
-        self._d, self._pending, self._in_frame = self._new(), b"", False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        while not self._pending:
-            block = self._f.read(READ_BLOCK)
-            if not block:
-                if self._in_frame:
-                    raise EOFError("the file ends inside a zstd frame: it is truncated")
-                return 0
-            while block:
-                out = self._d.decompress(block)
-                self._pending += out
-                self._in_frame = not self._d.eof
-                block = self._d.unused_data if self._d.eof else b""
-                if self._d.eof:
-                    self._d = self._new()
-        n = min(len(buf), len(self._pending))
-        buf[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-def open_binary(source: Source):
-    """The source's (decompressed) bytes as a binary file object."""
-    if source.compression == "gz":
-        return gzip.open(source.path, "rb")
-    if source.compression == "zst":
-        raw = _ZstdRaw(open(source.path, "rb"))
-        return io.BufferedReader(raw, READ_BLOCK)
-    return open(source.path, "rb")
-
-
-def _json_records(piece: Piece) -> Iterator[Record]:
-    path, stop = str(piece.source.path), piece.stop
-    with open_binary(piece.source) as f:
-        base = 0
-        if piece.start:  # begin at the first line that starts at or after `start`
-            f.seek(piece.start - 1)
-            if f.read(1) != b"\n":
-                f.readline()
-            base = f.tell()
-        pos = base
-        for n, line in enumerate(f, start=1):
-            if stop is not None and pos >= stop:
-                break
-            pos += len(line)
-            if line.strip():
-                yield (path, base, n), "json", line, len(line)
-
-
-def _row_bytes(values: tuple) -> int:
-    return sum(len(v) if isinstance(v, str) else sum(map(len, v)) if isinstance(v, list) else 0 for v in values)
-
-
-def _batch_records(path: str, batches, keys: Sequence[str], row: int) -> Iterator[Record]:
-    for batch in batches:
-        # Python strings for PARQUET_BATCH_ROWS rows at a time: an Arrow file's batches can be far larger.
-        for start in range(0, batch.num_rows, PARQUET_BATCH_ROWS):
-            part = batch.slice(start, PARQUET_BATCH_ROWS)
-            columns = [part.column(k).to_pylist() for k in keys]
-            for i, values in enumerate(zip(*columns)):
-                yield (path, 0, row + i), "row", values, _row_bytes(values)
-            row += part.num_rows
-
-
-def _parquet_records(piece: Piece, keys: Sequence[str]) -> Iterator[Record]:
-    pa = _need("pyarrow", "reading Parquet files")
-    pf = _parquet_file(piece.source.path, keys)
-    batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=range(piece.start, piece.stop),
-                              columns=list(keys))
-    try:
-        yield from _batch_records(str(piece.source.path), batches, keys, piece.first_row)
-    except pa.ArrowException as e:
-        raise UserError(f"cannot read {piece.source.path} as Parquet ({e}): check the file is intact") from e
-    finally:
-        pf.close()
-
-
-def _arrow_records(piece: Piece, keys: Sequence[str]) -> Iterator[Record]:
-    pa = _need("pyarrow", "reading datasets folders")
-    import pyarrow.ipc
-
-    path = piece.source.path
-    # Read through a file handle, not a memory map: mapped pages would count in resident memory up to the
-    # file's size. datasets writes the stream format; the file format (Feather v2) starts with ARROW1.
-    with pa.OSFile(str(path)) as f:
-        try:
-            if f.read(6) == b"ARROW1":
-                reader = pyarrow.ipc.open_file(f)
-                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-            else:
-                f.seek(0)
-                reader = pyarrow.ipc.open_stream(f)
-                batches = iter(reader)
-            _text_columns(path, reader.schema, keys)
-            yield from _batch_records(str(path), batches, keys, 0)
-        except pa.ArrowException as e:
-            raise UserError(f"cannot read {path} as Arrow ({e}): check the file is intact") from e
-
-
-def records(pieces: Iterable[Piece], keys: Sequence[str]) -> Iterator[Record]:
-    """Every document of the pieces, in order."""
-    for piece in pieces:
-        source = piece.source
-        try:
-            if source.kind == "json":
-                yield from _json_records(piece)
-            elif source.kind == "text":
-                with open_binary(source) as f:
-                    data = f.read()
-                yield (str(source.path), 0, 0), "text", data, len(data)
-            elif source.kind == "parquet":
-                yield from _parquet_records(piece, keys)
-            else:
-                yield from _arrow_records(piece, keys)
-        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-            raise UserError(f"cannot read {source.path} ({e}): check the file is intact") from e
-        except UserError:
-            raise
-        except Exception as e:  # zstandard.ZstdError, which is no OSError
-            if type(e).__name__ != "ZstdError":
-                raise
-            raise UserError(f"cannot read {source.path} ({e}): check the file is intact") from e
 
 
 def describe(where: Where, kind: str, lines: dict | None = None) -> str:

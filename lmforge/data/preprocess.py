@@ -1,11 +1,12 @@
 """Raw text -> Megatron `PREFIX_<key>_document.bin/.idx`, as Megatron-LM's `tools/preprocess_data.py` writes them.
 
 Inputs (JSON lines, plain or .gz/.zst; plain text; Parquet; Hugging Face `datasets` folders; folders and glob
-patterns of them) are found, read and cut into slices by `lmforge.data.inputs`, streamed: only a bounded window
-of chunks is in memory at once. In JSON lines each line is one document per `--json-keys` key, in Parquet and
-Arrow each row, its columns named by `--json-keys`. A value is a string, or a list of strings (sentences, as
-Megatron's `--split-sentences` pass writes them; each non-empty one becomes a sequence). Blank lines are
-skipped. Plain text fills the one output key, so it needs exactly one `--json-keys` key.
+patterns of them) are found and cut into slices by `lmforge.data.inputs`, and read by `lmforge.data.reader`,
+streamed: only a bounded window of chunks is in memory at once. In JSON lines each line is one document per
+`--json-keys` key, in Parquet and Arrow each row, its columns named by `--json-keys`. A value is a string, or a
+list of strings (sentences, as Megatron's `--split-sentences` pass writes them; each non-empty one becomes a
+sequence). Blank lines are skipped. Plain text fills the one output key, so it needs exactly one `--json-keys`
+key.
 
 Per document and key, as Megatron does: ids = tokenize(text), and with `append_eod` the tokenizer's eod id
 is appended to a non-empty document; `add_document(ids, [len(ids)])`. With `prepend_bos` each text (each sentence)
@@ -25,59 +26,59 @@ therefore Megatron's tool does: the same bytes as Megatron's output for corpora 
 Left as text, such strings are counted (one regex search per text, a count only where it finds one) and said in
 one warning at the end: lmforge eval and transformers read them as the special ids (WikiText's 11,718 "<unk>").
 
+Document size: a document over `max_document_bytes` (a JSON line's bytes, a plain-text file's, a row's text's
+UTF-8 bytes) is refused before it is parsed or tokenized, naming its file and line (or row) and its size; with
+`on_error="skip"` it is skipped and counted instead. The reader never holds more of it than the limit
+(lmforge.data.reader). Tokenizing takes memory in proportion to a document's tokens, and a tokenizer that cannot
+allocate it aborts the whole process (Rust's allocation failure: rc 134), which nothing can catch; the limit is
+what prevents it. Measured peak memory of one tokenizer call per MB of text (8 MiB documents): Hugging Face
+tokenizers (GPT-2, GPT-NeoX) 120 MB on prose, 140-170 MB on text without spaces; SentencePiece (Llama 2) 45 MB.
+The default of 8 MiB keeps one document's tokenization under about 1.5 GB whatever the text (twice that with
+one worker, which keeps two calls in flight), and passes any real document (a long book is a few MB).
+A run killed anyway (that abort, kill -9) leaves the prefix's existing .bin/.idx as they were: the new files
+are written under temporary names (`.NAME.bin.tmp-PID`), renamed only when whole, and the next run of the
+prefix removes those a dead process left.
+
 Sharding (`shard=(I, N)`): only slice I of N of the input is tokenized, into `...document.shard-I-of-N`
 files plus a record of how they were made; `lmforge.data.shards.merge` joins the N shards into the files one
 run over the whole input writes, byte for byte.
 
-Parallelism: with one worker, chunks of documents are tokenized in this process by the tokenizer's batch
-call, which runs on its own thread pool (Hugging Face `tokenizers` uses every core unless
-TOKENIZERS_PARALLELISM=false); with N > 1, N worker processes tokenize one chunk each, single-threaded.
-Tokenizing is most of the CPU time (see BENCHMARKS.md); the rest is parsing and writing, in Python.
+Tokenizing, in chunks on threads or worker processes: lmforge.data.encoding.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing
-import os
-import re
 import sys
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from lmforge.data import shards as sharding
-from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
-from lmforge.data.inputs import Piece, Record, Source, describe, find_inputs, inputs_digest, plan, records
+from lmforge.data.encoding import Encoder, chunked, encoded_chunks
+from lmforge.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    bin_path,
+    idx_path,
+    optimal_dtype,
+    remove_stale_temporaries,
+)
+from lmforge.data.inputs import Piece, Source, describe, find_inputs, inputs_digest, plan
+from lmforge.data.reader import TooLarge, records
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-CHUNK_DOCS = 64  # documents per task: enough to amortise IPC and let encode_batch batch
-CHUNK_BYTES = 1 << 18  # ... but at most about this much raw text per task, so memory stays bounded
-THREADS_IN_FLIGHT = 2  # with --workers 1: batch calls in flight on the tokenizer's thread pool
-# Worker processes: fork on Linux, so no importable __main__ is needed (notebooks, `python -`) and the children,
-# which only run the tokenizer single-threaded, inherit it loaded. Elsewhere fork is unsafe (macOS) or absent
-# (Windows): spawn.
-START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 MAX_LOGGED_SKIPS = 10
+# The default document size limit, in bytes: see the module docstring for the measurement behind it.
+MAX_DOCUMENT_BYTES = 8 << 20
 
-# A chunk's result: per key, the ids of its good documents end to end; per record, an error message or per
-# key (token count, sequence lengths); and the special-token text found (SpecialText). One array per key and chunk
-# rather than one per document: cheaper to build, and to send back from a worker process, when documents are short.
-SpecialText = tuple[dict[str, int], int]  # occurrences of special-token text by token, and documents holding any
-Encoded = tuple[list[np.ndarray], list[str | list[tuple[int, list[int]]]], SpecialText]
-Done = tuple[list[Record], Encoded]  # a chunk and its result
 
 
 @dataclass
@@ -85,6 +86,7 @@ class PreprocessStats:
     documents: int = 0  # input documents written (each to every key's file)
     tokens: int = 0  # tokens written, eod included, summed over keys
     skipped: int = 0  # bad lines skipped with on_error="skip"
+    too_large: int = 0  # ... of which documents over max_document_bytes
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)  # key -> prefix of its .bin/.idx
     shard: tuple[int, int] | None = None  # (I, N) when one slice of N was tokenized
@@ -99,169 +101,6 @@ class PreprocessStats:
     @property
     def documents_per_second(self) -> float:
         return self.documents / self.seconds if self.seconds else 0.0
-
-
-def _chunks(records: Iterator[Record]) -> Iterator[list[Record]]:
-    chunk, size = [], 0
-    for rec in records:
-        chunk.append(rec)
-        size += rec[3]
-        if len(chunk) >= CHUNK_DOCS or size >= CHUNK_BYTES:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-class _Encoder:
-    """Decode, parse and tokenize chunks of records; runs in the main process or in each worker."""
-
-    current: _Encoder | None = None  # the worker process's own encoder, set once by the Pool initializer
-
-    def __init__(self, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool, prepend_bos: bool = False):
-        self.tokenizer, self.json_keys, self.append_eod = tokenizer, list(json_keys), append_eod
-        self.prepend_bos = prepend_bos
-        # Special-token text that stays text, to be said at the end: longest first, so "<|im_start|>" is one match.
-        names = [] if tokenizer.parse_special_tokens else sorted(filter(None, tokenizer.special_tokens), key=len,
-                                                                 reverse=True)
-        self.special_text = re.compile("|".join(map(re.escape, names))) if names else None
-
-    def texts(self, kind: str, payload) -> list[list[str]] | str:
-        """Per key, the document's sentences; or what is wrong with the record (its place is added later)."""
-        if kind == "row":  # Parquet/Arrow: the --json-keys columns' values, already text (or null)
-            return self._sentences(dict(zip(self.json_keys, payload)), check_surrogates=False)
-        try:
-            text = payload.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return f"not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file as UTF-8"
-        if kind == "text":
-            return [[text]]
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            return f"malformed JSON ({e.msg} at column {e.colno})"
-        if not isinstance(data, dict):
-            return f"a line must be a JSON object, got {type(data).__name__}"
-        return self._sentences(data, check_surrogates=True)
-
-    def _sentences(self, data: dict, check_surrogates: bool) -> list[list[str]] | str:
-        out = []
-        for key in self.json_keys:
-            if key not in data:
-                return f"no key {key!r} (keys: {', '.join(map(repr, data)) or 'none'}): check --json-keys"
-            value = data[key]
-            sentences = value if isinstance(value, list) else [value]
-            if not all(isinstance(s, str) for s in sentences):
-                return f"key {key!r} must hold a string or a list of strings, got {type(value).__name__}"
-            if check_surrogates:
-                try:  # a JSON escape like "\ud800" gives a lone surrogate, which no tokenizer can take
-                    for s in sentences:
-                        s.encode("utf-8")
-                except UnicodeEncodeError:
-                    return f"key {key!r} holds a lone UTF-16 surrogate escape, which is not text"
-            out.append(sentences)
-        return out
-
-    def encode_chunk(self, chunk: list[Record]) -> Encoded:
-        parsed = [self.texts(kind, payload) for _, kind, payload, _ in chunk]
-        # One encode_batch over every text of the chunk: the tokenizer's batch path is its fast path.
-        flat = [s for p in parsed if not isinstance(p, str) for sentences in p for s in sentences]
-        ids = iter(self.tokenizer.encode_batch(flat) if flat else [])
-        eod, bos = [self.tokenizer.eod_id], [self.tokenizer.bos_id] if self.prepend_bos else []
-        parts: list[list[list[int]]] = [[] for _ in self.json_keys]
-        records: list[str | list[tuple[int, list[int]]]] = []
-        for p in parsed:
-            if isinstance(p, str):
-                records.append(p)
-                continue
-            doc = []
-            for key_parts, sentences in zip(parts, p):
-                lengths = []
-                for _ in sentences:
-                    sentence_ids = bos + next(ids)
-                    if sentence_ids:  # Megatron drops empty sentences from the sequence lengths
-                        key_parts.append(sentence_ids)
-                        lengths.append(len(sentence_ids))
-                if lengths and self.append_eod:
-                    key_parts.append(eod)
-                    lengths[-1] += 1
-                doc.append((sum(lengths), lengths))
-            records.append(doc)
-        arrays = [np.fromiter(chain.from_iterable(p), np.int64, count=sum(map(len, p))) for p in parts]
-        return arrays, records, self._special_text(parsed)
-
-    def _special_text(self, parsed: list[list[list[str]] | str]) -> SpecialText:
-        """The special-token text in the chunk's good records (none looked for where it is parsed)."""
-        found: dict[str, int] = {}
-        documents = 0
-        if self.special_text is None:
-            return found, documents
-        search, findall = self.special_text.search, self.special_text.findall
-        for p in parsed:
-            hit = False
-            for text in () if isinstance(p, str) else chain.from_iterable(p):
-                if search(text):  # the common case, no match, costs one scan in C
-                    hit = True
-                    for name in findall(text):
-                        found[name] = found.get(name, 0) + 1
-            documents += hit
-        return found, documents
-
-
-def _init_worker(encoder: _Encoder | None, tokenizer_file: str, json_keys: list[str], append_eod: bool,
-                 parse_special_tokens: bool, prepend_bos: bool) -> None:
-    # encode_batch would otherwise start a thread per core in every worker; the workers are the parallelism.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if encoder is None:  # spawned: load our own copy (forked workers get the parent's, loaded once)
-        logging.getLogger("lmforge.tokenizers").setLevel(logging.WARNING)
-        tok = load_tokenizer(tokenizer_file)
-        tok.parse_special_tokens = parse_special_tokens
-        encoder = _Encoder(tok, json_keys, append_eod, prepend_bos)
-    _Encoder.current = encoder
-
-
-def _encode_in_worker(chunk: list[Record]) -> Encoded:
-    return _Encoder.current.encode_chunk(chunk)
-
-
-def _in_order(pool: Executor, fn, chunks: Iterator[list[Record]], window: int) -> Iterator[Done]:
-    """(chunk, fn(chunk)) for each chunk on `pool`, in input order, at most `window` chunks in flight."""
-    pending: deque[tuple[list[Record], Future]] = deque()
-    try:
-        for chunk in chunks:
-            pending.append((chunk, pool.submit(fn, chunk)))
-            if len(pending) >= window:
-                chunk, future = pending.popleft()
-                yield chunk, future.result()
-        while pending:
-            chunk, future = pending.popleft()
-            yield chunk, future.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _encoded_chunks(chunks: Iterator[list[Record]], encoder: _Encoder, workers: int) -> Iterator[Done]:
-    """Encoded chunks in input order; memory stays bounded by the window of chunks in flight."""
-    if workers == 1:
-        # The batch call releases the GIL and tokenizes on the tokenizer's own thread pool (every core, unless
-        # TOKENIZERS_PARALLELISM=false). Two calls in flight keep that pool fed while Python parses and writes,
-        # and while one call waits on its longest document; one call at a time leaves cores idle then.
-        pool = ThreadPoolExecutor(THREADS_IN_FLIGHT, thread_name_prefix="preprocess")
-        yield from _in_order(pool, encoder.encode_chunk, chunks, window=THREADS_IN_FLIGHT + 1)
-        return
-    ctx = multiprocessing.get_context(START_METHOD)
-    # A forked worker inherits the loaded tokenizer as it is (initargs are not pickled under fork): loading
-    # it again costs each worker ~0.3 s of CPU before its first chunk.
-    inherited = encoder if ctx.get_start_method() == "fork" else None
-    init_args = (inherited, str(encoder.tokenizer.files[0]), encoder.json_keys, encoder.append_eod,
-                 encoder.tokenizer.parse_special_tokens, encoder.prepend_bos)
-    # Not Pool.imap, as Megatron does: it reads the whole input ahead into its task queue, and a Pool whose
-    # worker dies respawns it and waits forever. A window of futures bounds memory; a dead worker raises.
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init_args)
-    try:
-        yield from _in_order(pool, _encode_in_worker, chunks, window=4 * workers)
-    except BrokenProcessPool as e:
-        raise RuntimeError(f"a preprocess worker process died ({e}): out of memory? try fewer --workers") from e
 
 
 def _check_arguments(json_keys: Sequence[str] | str, sources: Sequence[Source]) -> list[str]:
@@ -294,18 +133,21 @@ def preprocess(
     shard: str | tuple[int, int] | None = None,
     parse_special_tokens: bool = False,
     prepend_bos: bool = False,
+    max_document_bytes: int = MAX_DOCUMENT_BYTES,
 ) -> PreprocessStats:
     """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each key; see the module docstring.
 
-    `on_error="fail"` stops at the first bad line (malformed JSON, missing key, not UTF-8) with a
-    UserError naming file:line; `"skip"` skips such lines and counts them. On any error no output
-    file is left under its final name. `shard` ("I/N" or (I, N)) tokenizes slice I of N only, into
+    `on_error="fail"` stops at the first bad line (malformed JSON, missing key, not UTF-8, a document over
+    `max_document_bytes`) with a UserError naming file:line; `"skip"` skips such lines and counts them. On any
+    error no output file is left under its final name. `shard` ("I/N" or (I, N)) tokenizes slice I of N only, into
     `{output_prefix}_{key}_document.shard-I-of-N.bin/.idx` and its `.json` record (lmforge.data.shards).
     """
     if on_error not in ("fail", "skip"):
         raise UserError(f"on_error must be 'fail' or 'skip', not {on_error!r}")
     if workers < 1:
         raise UserError(f"workers must be at least 1, not {workers}")
+    if max_document_bytes < 1:
+        raise UserError(f"--max-document-bytes must be at least 1, not {max_document_bytes}")
     i, n = sharding.parse_shard(shard) if shard is not None else (0, 1)
     sources = find_inputs(inputs)
     json_keys = _check_arguments(json_keys, sources)
@@ -321,6 +163,8 @@ def preprocess(
         outputs = {k: sharding.shard_prefix(p, i, n) for k, p in outputs.items()}
         if not pieces:
             logger.info("shard %d/%d has no input (fewer units of input than shards): writing it empty", i, n)
+    for prefix in outputs.values():  # what killed runs of these prefixes left (a live process's stay)
+        remove_stale_temporaries(prefix, also=[sharding.record_path(prefix)] if shard is not None else [])
     stats = PreprocessStats(outputs=outputs, shard=(i, n) if shard is not None else None)
     logger.info("tokenizing %d file(s)%s into %s (%s, %d workers)", len(pieces),
                 f" (shard {i}/{n} of {len(sources)})" if shard is not None else "", list(outputs.values()),
@@ -328,8 +172,8 @@ def preprocess(
     parsed_before = tok.parse_special_tokens  # a caller's tokenizer object is given back as it came
     tok.parse_special_tokens = parse_special_tokens
     try:
-        file_tokens = _write(pieces, _Encoder(tok, json_keys, append_eod, prepend_bos), workers, on_error, progress,
-                             dtype, stats)
+        file_tokens = _write(pieces, Encoder(tok, json_keys, append_eod, prepend_bos), workers, on_error, progress,
+                             dtype, stats, max_document_bytes)
     finally:
         tok.parse_special_tokens = parsed_before
     if shard is not None:
@@ -348,12 +192,17 @@ def preprocess(
                     path.unlink(missing_ok=True)
             raise
     if stats.skipped:
-        logger.warning("skipped %d bad line(s) in all", stats.skipped)
+        logger.warning("skipped %d bad line(s) in all%s", stats.skipped, _too_large(stats))
     if stats.special_text:
         _warn_special_text(stats)
     logger.debug("wrote %d documents, %d tokens in %.1f s (%.0f tokens/s)", stats.documents, stats.tokens,
                 stats.seconds, stats.tokens_per_second)
     return stats
+
+
+def _too_large(stats: PreprocessStats) -> str:
+    """How many of the skipped documents were over the size limit, for the summary lines."""
+    return f", {stats.too_large} of them over --max-document-bytes" if stats.too_large else ""
 
 
 def _warn_special_text(stats: PreprocessStats) -> None:
@@ -368,8 +217,8 @@ def _warn_special_text(stats: PreprocessStats) -> None:
                    shard, f"{sum(stats.special_text.values()):,}", listed, f"{stats.special_text_documents:,}")
 
 
-def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: str, progress: bool, dtype: np.dtype,
-           stats: PreprocessStats) -> dict[str, int]:
+def _write(pieces: Sequence[Piece], encoder: Encoder, workers: int, on_error: str, progress: bool, dtype: np.dtype,
+           stats: PreprocessStats, max_document_bytes: int) -> dict[str, int]:
     """Tokenize the pieces into stats.outputs' files; returns the tokens written per input file."""
     start = time.perf_counter()
     writers: dict[str, IndexedDatasetWriter] = {}
@@ -377,7 +226,7 @@ def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: s
     file_tokens = {str(p.source.path): 0 for p in pieces}
     lines: dict = {}  # describe()'s cache of line counts
     bar = tqdm(unit="doc", desc="preprocess", file=sys.stderr, disable=not (progress and sys.stderr.isatty()))
-    encoded = _encoded_chunks(_chunks(records(pieces, encoder.json_keys)), encoder, workers)
+    encoded = encoded_chunks(chunked(records(pieces, encoder.json_keys, max_document_bytes)), encoder, workers)
     try:
         for key, prefix in stats.outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, dtype)
@@ -386,12 +235,13 @@ def _write(pieces: Sequence[Piece], encoder: _Encoder, workers: int, on_error: s
                 stats.special_text[name] = stats.special_text.get(name, 0) + count
             stats.special_text_documents += special_documents
             offsets = [0] * len(encoder.json_keys)
-            for (where, kind, _, _), res in zip(chunk, results):
+            for (where, kind, payload, _), res in zip(chunk, results):
                 if isinstance(res, str):
                     message = f"{describe(where, kind, lines)}: {res}"
                     if on_error == "fail":
                         raise UserError(f"{message} (or pass --on-error skip)")
                     stats.skipped += 1
+                    stats.too_large += isinstance(payload, TooLarge)
                     if stats.skipped <= MAX_LOGGED_SKIPS:
                         logger.warning("skipped %s", message)
                     continue

@@ -29,7 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.data.indexed import CODES, HEADER, MAGIC, VERSION, IndexedDataset, bin_path, idx_path
+from lmforge.data.indexed import (
+    CODES,
+    HEADER,
+    MAGIC,
+    VERSION,
+    IndexedDataset,
+    bin_path,
+    idx_path,
+    remove_stale_temporaries,
+)
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
 from lmforge.tokenizers import CONFIG_FILES, Tokenizer
@@ -237,6 +246,7 @@ def merge(prefix: str | Path, expect: dict | None = None) -> MergeStats:
                             f"{ds.dtype.name}: run that shard again")
     _check_same(prefix, records, expect)
     _check_partial_files(prefix, records)
+    remove_stale_temporaries(prefix)  # what a killed merge (or preprocess) of this prefix left
     _write_merged(prefix, datasets)
     stats = MergeStats(prefix, len(shards), sum(ds.num_documents for ds in datasets), sum(map(len, datasets)),
                        sum(int(ds.sequence_lengths.sum(dtype=np.int64)) for ds in datasets),

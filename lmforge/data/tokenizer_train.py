@@ -5,9 +5,9 @@ printable characters, and merges are learned on those. Every string is encodable
 `decode(encode(text)) == text`. No prefix space is added, as in GPT-2. The 256 byte symbols and the special
 tokens count towards `vocab_size`; the special tokens take the first ids (`<|endoftext|>` is 0).
 
-Inputs are found and opened as `preprocess` finds them (lmforge.data.inputs: JSON lines with a text key and
-`.txt`, plain, `.gz` or `.zst`; Parquet; `datasets` folders; folders and globs of them) and streamed: a bounded
-batch of text is in memory at a time.
+Inputs are found and opened as `preprocess` finds them (lmforge.data.inputs and reader: JSON lines with a text
+key and `.txt`, plain, `.gz` or `.zst`; Parquet; `datasets` folders; folders and globs of them) and streamed: a
+bounded batch of text is in memory at a time.
 
 Output, written to a temporary folder renamed into place: `tokenizer.json`, and `tokenizer_config.json` naming
 the special tokens' roles where their names say them (BERT's [CLS], [SEP], [MASK], [PAD], [UNK], whose texts
@@ -26,7 +26,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from lmforge.data.inputs import describe, find_inputs, open_binary, plan, records
+from lmforge.data.inputs import describe, find_inputs, plan
+from lmforge.data.reader import open_binary, records
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_dir
 

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-import lmforge.data.inputs as inputs
-from lmforge.data.inputs import describe, find_inputs, plan, records
+import lmforge.data.reader as reader
+from lmforge.data.inputs import describe, find_inputs, plan
 from lmforge.data.preprocess import preprocess
+from lmforge.data.reader import records
 from lmforge.errors import UserError
 from tests.data.test_preprocess import articles, gpt2, same_files  # noqa: F401  (fixtures)
 
@@ -114,7 +115,7 @@ def test_bad_rows_name_file_and_row_and_can_be_skipped(tmp_path, gpt2, monkeypat
     # an Arrow batch larger than the rows turned into Python strings at a time: row numbers run on across slices
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["a", "b", "c", "d", None]}).save_to_disk(str(tmp_path / "ds"))
-    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 2)
+    monkeypatch.setattr(reader, "PARQUET_BATCH_ROWS", 2)
     with pytest.raises(UserError, match=r"data-00000-of-00001\.arrow row 4: key 'text' must hold a string"):
         preprocess(tmp_path / "ds", tmp_path / "out", gpt2, progress=False)
 

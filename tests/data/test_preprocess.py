@@ -243,9 +243,9 @@ def _die(chunk):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the patched task reaches the workers by fork")
 def test_a_dead_worker_raises_instead_of_hanging(tmp_path, small_jsonl, gpt2, monkeypatch):
-    import lmforge.data.preprocess as pp
+    import lmforge.data.encoding as enc
 
-    monkeypatch.setattr(pp, "_encode_in_worker", _die)
+    monkeypatch.setattr(enc, "_encode_in_worker", _die)
     with pytest.raises(RuntimeError, match="worker process died"):
         preprocess(small_jsonl, tmp_path / "out" / "p", gpt2, workers=2, progress=False)
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
@@ -255,17 +255,17 @@ def test_chunks_finishing_out_of_order_are_written_in_input_order(mcore, tmp_pat
                                                                    monkeypatch):
     """Chunks run concurrently (tokenizer threads with 1 worker, processes with 2); the first one is made the
     slowest, so the others finish before it, and the files must still be Megatron's byte for byte."""
-    import lmforge.data.preprocess as pp
+    import lmforge.data.encoding as enc
 
-    encode_chunk = pp._Encoder.encode_chunk
+    encode_chunk = enc.Encoder.encode_chunk
 
     def first_chunk_last(self, chunk):
         if chunk[0][0][2] == 1:  # where = (file, base, line): the first line
             time.sleep(0.5)
         return encode_chunk(self, chunk)
 
-    monkeypatch.setattr(pp, "CHUNK_DOCS", 2)
-    monkeypatch.setattr(pp._Encoder, "encode_chunk", first_chunk_last)  # forked workers inherit it
+    monkeypatch.setattr(enc, "CHUNK_DOCS", 2)
+    monkeypatch.setattr(enc.Encoder, "encode_chunk", first_chunk_last)  # forked workers inherit it
     megatron_preprocess(mcore, articles, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True)
     for workers in (1, 2):
         stats = preprocess(small_jsonl, tmp_path / f"w{workers}", gpt2, append_eod=True, workers=workers,
@@ -286,11 +286,11 @@ def test_cli_preprocess_does_not_import_torch(tmp_path, small_jsonl, gpt2):
 
 def test_spawned_workers_load_their_own_tokenizer(tmp_path, small_jsonl, articles, gpt2, monkeypatch):
     """macOS and Windows start workers by spawn: they load the tokenizer from its file, same bytes as fork."""
-    import lmforge.data.preprocess as pp
+    import lmforge.data.encoding as enc
 
     small_jsonl.write_text("".join(articles[:6]), encoding="utf-8")
-    monkeypatch.setattr(pp, "START_METHOD", "spawn")
-    monkeypatch.setattr(pp, "CHUNK_DOCS", 2)
+    monkeypatch.setattr(enc, "START_METHOD", "spawn")
+    monkeypatch.setattr(enc, "CHUNK_DOCS", 2)
     spawned = preprocess(small_jsonl, tmp_path / "spawn", gpt2 / "vocab.json", append_eod=True, workers=2,
                          progress=False)
     ref = preprocess(small_jsonl, tmp_path / "one", gpt2 / "vocab.json", append_eod=True, progress=False)
@@ -322,7 +322,7 @@ def test_parse_special_tokens_matches_megatron_and_the_default_keeps_text(mcore,
 def test_prepend_bos_matches_megatrons_llama_tokenizer(mcore, tmp_path, articles, shared_data, monkeypatch):
     """Llama 2 continued pretraining: Megatron's Llama tokenizer starts every text with <s> (tokenize(text,
     bos=True): [bos] + SentencePiece's ids, an empty text the bos alone); --prepend-bos writes the same bytes."""
-    import lmforge.data.preprocess as pp
+    import lmforge.data.encoding as enc
 
     spm = pytest.importorskip("sentencepiece")
     model = shared_data / "tokenizers" / "llama2" / "tokenizer.model"
@@ -334,7 +334,7 @@ def test_prepend_bos_matches_megatrons_llama_tokenizer(mcore, tmp_path, articles
         ids = [sp.bos_id()] + sp.encode(json.loads(line)["text"])
         builder.add_document(ids + [sp.eos_id()], [len(ids) + 1])
     builder.finalize(str(tmp_path / "ref.idx"))
-    monkeypatch.setattr(pp, "CHUNK_DOCS", 2)
+    monkeypatch.setattr(enc, "CHUNK_DOCS", 2)
     for workers in (1, 2):
         out = preprocess(tmp_path / "in.jsonl", tmp_path / f"bos{workers}", model, append_eod=True, prepend_bos=True,
                          workers=workers, progress=False)
@@ -354,7 +354,7 @@ def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared
     the end counts them, each shard its own; none where --parse-special-tokens reads them, or none is there."""
     import logging
 
-    import lmforge.data.preprocess as pp
+    import lmforge.data.encoding as enc
 
     spm = pytest.importorskip("sentencepiece")
     model = shared_data / "tokenizers" / "llama2" / "tokenizer.model"
@@ -368,7 +368,7 @@ def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared
             f"in {documents} documents were tokenized as plain text (lmforge's default, as Megatron's "
             "preprocess_data.py does with its own GPT-2 BPE and SentencePiece tokenizers); lmforge eval and "
             "transformers read such text as the special ids: --parse-special-tokens tokenizes them so")
-    monkeypatch.setattr(pp, "CHUNK_DOCS", 4)
+    monkeypatch.setattr(enc, "CHUNK_DOCS", 4)
     sp = spm.SentencePieceProcessor(model_file=str(model))
 
     def warnings_of(**kw) -> list[str]:
@@ -393,11 +393,11 @@ def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared
 
 @pytest.mark.slow  # spawned workers import lmforge and load the tokenizer themselves: seconds
 def test_spawned_workers_parse_special_tokens_when_asked(tmp_path, gpt2, monkeypatch):
-    import lmforge.data.preprocess as pp
+    import lmforge.data.encoding as enc
 
     (tmp_path / "s.jsonl").write_text(json.dumps({"text": "a<|endoftext|>b"}) + "\n" + '{"text": "c"}\n')
-    monkeypatch.setattr(pp, "START_METHOD", "spawn")
-    monkeypatch.setattr(pp, "CHUNK_DOCS", 1)
+    monkeypatch.setattr(enc, "START_METHOD", "spawn")
+    monkeypatch.setattr(enc, "CHUNK_DOCS", 1)
     spawned = preprocess(tmp_path / "s.jsonl", tmp_path / "spawn", gpt2, workers=2, parse_special_tokens=True,
                          progress=False)
     assert IndexedDataset(spawned.outputs["text"]).document(0).tolist() == [64, 50256, 65]
