@@ -101,8 +101,8 @@ def load_state(state: dict, folder: str | Path, planner: CheckedBytes | None = N
     reader.read_metadata()  # refused here, outside DCP's collectives, where it is hostile or damaged
     try:
         dcp.load(state, storage_reader=reader, planner=planner or CheckpointLoadPlanner(folder))
-    except CheckpointException as e:  # DCP gathers each rank's failure: a refusal is still ours to say
-        refusal = _refusal(e)
+    except (pickle.UnpicklingError, CheckpointException) as e:  # DCP gathers each rank's failure
+        refusal = _refusal(e, Path(folder))
         if refusal is None:
             raise
         raise refusal from None
@@ -136,12 +136,8 @@ class CheckedBytes:
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            named = re.search(r"GLOBAL ([\w.]+)", str(e))
-            name = named.group(1) if named else None
-            name = f"builtins.{name}" if name and "." not in name else name  # torch leaves builtins' module out
-            what = f"names {name}, which" if name else "is not plain data, which"
-            raise UserError(f"checkpoint '{self.folder}' item {fqn!r} {what} lmforge does not unpickle: nothing was "
-                            "loaded (use a checkpoint from a source you trust)") from None
+            raise UserError(f"checkpoint '{self.folder}' item {fqn!r} {_unpickled_name(e)} lmforge does not "
+                            "unpickle: nothing was loaded (use a checkpoint from a source you trust)") from None
         except (RuntimeError, EOFError, ValueError) as e:
             raise UserError(f"checkpoint '{self.folder}' item {fqn!r} is damaged ({_first_line(e)}): use another "
                             "checkpoint of the run") from None
@@ -196,13 +192,27 @@ def _plain_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\0" not in name
 
 
-def _refusal(e: BaseException) -> UserError | None:
-    """Our UserError inside a CheckpointException (DCP wraps each rank's failure)."""
-    for failure in getattr(e, "failures", {}).values():
+def _refusal(e: BaseException, folder: Path) -> UserError | None:
+    """Our UserError inside a CheckpointException (DCP wraps each rank's failure), or the one line for a tensor
+    item that torch's weights-only unpickler refused."""
+    failures = getattr(e, "failures", {0: e})
+    for failure in failures.values():
         original = failure[0] if isinstance(failure, tuple) else failure  # (exception, its traceback summary)
         if isinstance(original, UserError):
             return original
+        if isinstance(original, pickle.UnpicklingError):
+            return UserError(f"checkpoint '{folder}' holds a tensor item that {_unpickled_name(original)} lmforge "
+                             "does not unpickle: nothing was loaded (use a checkpoint from a source you trust)")
     return None
+
+
+def _unpickled_name(e: pickle.UnpicklingError) -> str:
+    """'names builtins.eval, which' from torch's weights-only refusal (which leaves builtins' module out)."""
+    named = re.search(r"GLOBAL ([\w.]+)", str(e))
+    if named is None:
+        return "is not plain data, which"
+    name = named.group(1)
+    return f"names {name if '.' in name else 'builtins.' + name}, which"
 
 
 def _first_line(e: BaseException) -> str:

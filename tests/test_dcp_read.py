@@ -76,6 +76,29 @@ def hostile_item(good: Path, out: Path, marker: Path) -> Path:
     return out
 
 
+def hostile_tensor(good: Path, out: Path, marker: Path) -> Path:
+    """A copy of checkpoint `good` whose first model tensor's bytes are a torch.save'd pickle that runs code, then
+    gives the real tensor: appended to its .distcp file, the (torch-made) metadata pointed at it."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(good, out)
+    meta = FileSystemReader(str(good)).read_metadata()
+    index = next(i for i in meta.storage_data if i.fqn.startswith("model."))
+    info = meta.storage_data[index]
+    real = (good / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    payload = io.BytesIO()
+    torch.save(Payload(marker, f"__import__('torch').load(__import__('io').BytesIO({real!r}))"), payload)
+    with open(out / info.relative_path, "ab") as f:
+        info.offset, info.length = f.tell(), len(payload.getvalue())
+        f.write(payload.getvalue())
+    meta.storage_meta.load_id = None
+    (out / METADATA).write_bytes(pickle.dumps(meta))
+    reseal(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A 4-step tiny-neox run with a 300-id tokenizer (copied into its checkpoint)."""
@@ -160,6 +183,21 @@ def test_hostile_optimizer_item_is_refused_on_load(run, tmp_path):
     with pytest.raises(UserError, match=r"item 'optim\.param_groups\..*\.lr' names builtins\.eval, which lmforge"):
         load_state({}, bad, EveryItem())
     assert not marker.exists()
+
+
+def test_hostile_tensor_item_is_refused_in_one_line(run, tmp_path):
+    marker = tmp_path / "ran"
+    bad = hostile_tensor(run / "checkpoints" / STEP, tmp_path / "bad", marker)
+    meta = read_metadata(bad)
+    state = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(m, "size")}
+    with pytest.raises(UserError, match=r"^checkpoint '.*/bad' holds a tensor item that names builtins\.eval, which"):
+        load_state(state, bad)
+    assert not marker.exists()
+    from lmforge.models.source import load_pretrained
+
+    with pytest.raises(UserError, match="holds a tensor item that names builtins.eval"):
+        load_pretrained(bad)
 
 
 def test_a_good_checkpoint_loads_through_the_checked_reader_as_through_torchs(run):
