@@ -5,6 +5,7 @@ alone, with OpenAI's error object (or an error event when streamed), while the r
 from __future__ import annotations
 
 import threading
+import time
 
 import openai
 import pytest
@@ -99,4 +100,7 @@ def test_a_request_whose_own_processing_fails_ends_alone_with_an_error(wide, alo
     assert whole.body["type"] == "server_error"
     assert whole.body["message"] == "generation failed: RuntimeError: the detokenizer broke on this request"
     assert isinstance(streamed, openai.APIError) and "the detokenizer broke on this request" in streamed.message
+    deadline = time.monotonic() + 10  # the rows are freed just after the last events went out
+    while wide.engine.running and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert wide.engine.running == 0
