@@ -19,6 +19,11 @@ computes exactly what `generate` does on its prompt alone, and greedy output is 
 The engine never waits for a consumer: it hands each request's events to a callback (the server puts
 them on that request's asyncio queue), so a slow reader only lets its own queue grow.
 
+One request never fails the others: what goes wrong in one row (its scores, its sampling call, its detokenizer or
+stop strings, its consumer) ends that request alone with an "error" event (a consumer that raised is dropped), and a
+prefill forward that raises is retried one request at a time, so only the prompt that breaks it fails. Only a decode
+forward that raises fails every running request, as it is one computation for all of them.
+
     engine = Engine(model, tokenizer, EngineConfig(max_batch=8)).start()
     req = engine.submit(prompt_ids, RequestParams(max_tokens=64), on_event=print)
 """
@@ -37,7 +42,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
-from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
+from lmforge.inference.sampling import NO_TOKEN, SamplingParams, choose_next, no_token_reason, seeded_generator
 from lmforge.inference.text import TextStream, eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -216,7 +221,7 @@ class Engine:
             while self._running:
                 try:
                     worked = self.step()
-                except Exception as e:  # a bug or out of memory: fail the running requests, keep serving
+                except Exception as e:  # the decode forward (out of memory) or a bug: fail the running, keep serving
                     log.exception("engine step failed")
                     for req in [r for r in self.slots if r is not None]:
                         self._finish(req, Event("", len(req.output_ids), "error", f"{type(e).__name__}: {e}"))
@@ -242,7 +247,21 @@ class Engine:
     def _admit(self) -> None:
         """Give free rows to waiting requests, prefilling them a batch at a time."""
         while batch := self._take_waiting():
-            self._prefill(batch)
+            self._prefill_apart(batch)
+
+    def _prefill_apart(self, reqs: list[EngineRequest]) -> None:
+        """_prefill, and where its forward raises, each request again on its own: only one that fails alone fails
+        (out of memory for a long prompt, or a prompt that breaks the model), never the rows already decoding."""
+        try:
+            self._prefill(reqs)
+        except Exception as e:
+            if len(reqs) == 1:
+                return self._fail(reqs[0], e)
+            log.warning("a prefill of %d requests failed (%s: %s): prefilling them one at a time", len(reqs),
+                        type(e).__name__, e)
+            for req in reqs:
+                if not req.output_ids and req.finish_reason is None:  # not one that got its token before the error
+                    self._prefill_apart([req])
 
     def _take_waiting(self) -> list[EngineRequest]:
         """The next requests to prefill together, each given a free row: up to prefill_batch of them, while the
@@ -327,7 +346,8 @@ class Engine:
 
         Rows with the same settings and no state of their own (a seeded generator, a repetition-penalty
         history) share one choose_next call; the others get one each, so that a seeded request draws
-        exactly the random numbers `generate` would for it alone.
+        exactly the random numbers `generate` would for it alone. A shared call that raises is made again one
+        row at a time, so that only the row that raises alone fails.
         """
         groups: dict[tuple, list[int]] = {}
         for k, r in enumerate(reqs):
@@ -336,12 +356,35 @@ class Engine:
             key = ("greedy",) if shared and s.greedy else (s.temperature, s.top_k, s.top_p) if shared else (k,)
             groups.setdefault(key, []).append(k)
         chosen = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        failed: dict[int, Exception] = {}
         for ks in groups.values():
             r = reqs[ks[0]]
             index = torch.tensor(ks, device=logits.device) if len(ks) < len(reqs) else slice(None)
-            chosen[index] = choose_next(logits[index], r.params.sampling, r.seen, r.generator)
-        for req, token in zip(reqs, chosen.tolist()):  # one device sync for the whole batch
-            self._take(req, token)
+            try:
+                chosen[index] = choose_next(logits[index], r.params.sampling, r.seen, r.generator)
+            except Exception as e:  # never retried alone: a row of its own may hold a generator it has drawn from
+                if len(ks) == 1:
+                    failed[ks[0]] = e
+                    continue
+                log.warning("sampling %d rows together failed (%s: %s): sampling them one at a time", len(ks),
+                            type(e).__name__, e)
+                for k in ks:
+                    try:
+                        chosen[k] = choose_next(logits[k : k + 1], reqs[k].params.sampling)[0]
+                    except Exception as err:
+                        failed[k] = err
+        for k, (req, token) in enumerate(zip(reqs, chosen.tolist())):  # one device sync for the whole batch
+            if k in failed:
+                self._fail(req, failed[k])
+            elif token == NO_TOKEN:
+                reason = no_token_reason(logits[k])
+                log.warning("a request ended with no token to choose: %s", reason)
+                self._finish(req, Event("", len(req.output_ids), "error", reason))
+            else:
+                try:
+                    self._take(req, token)
+                except Exception as e:  # its detokenizer or stop strings: that request alone ends
+                    self._fail(req, e)
 
     def _take(self, req: EngineRequest, token: int) -> None:
         req.output_ids.append(token)
@@ -363,6 +406,11 @@ class Engine:
         except Exception:  # the consumer is gone (its event loop closed): stop generating for it
             log.debug("dropping a request whose consumer failed", exc_info=True)
             req.cancelled = True
+
+    def _fail(self, req: EngineRequest, error: Exception) -> None:
+        """End one request with the error that broke it (logged with its traceback for the operator)."""
+        log.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
+        self._finish(req, Event("", len(req.output_ids), "error", f"{type(error).__name__}: {error}"))
 
     def _finish(self, req: EngineRequest, event: Event) -> None:
         self._emit(req, event)

@@ -30,7 +30,7 @@ from lmforge.inference.decode_step import (
     length_dynamic,
     static_cache,
 )
-from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
+from lmforge.inference.sampling import NO_TOKEN, SamplingParams, choose_next, no_token_reason, seeded_generator
 from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
 
 log = logging.getLogger(__name__)
@@ -185,18 +185,23 @@ def generate(
     # once), elsewhere it is asked every SYNC_EVERY steps (a few extra steps, trimmed away, at most).
     watch = bool(stop.numel()) or host is not None
     check_every = 1 if device.type == "cpu" or host is not None else SYNC_EVERY
-    steps = 0
+    steps, lost = 0, torch.zeros(b, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
         token = choose_next(logits, params, seen, generator)
         if watch:
             token = torch.where(finished, pad_id, token)  # a finished row keeps padding
+        # A row with no score left (NO_TOKEN) stops, fed padding (never an id past the embedding), and is reported
+        # when generation ends: no host sync here.
+        lost_now = token == NO_TOKEN
+        lost = lost | lost_now
+        token = torch.where(lost_now, pad_id, token)
         out[:, step] = token
         steps = step + 1
         if seen is not None:
             seen[torch.arange(b, device=device), token] = True
         if watch:
             running = ~finished
-            finished = finished | torch.isin(token, stop)
+            finished = finished | torch.isin(token, stop) | lost_now
         if host is not None:
             was_running = running.tolist()
             for row, t in enumerate(token.tolist()):
@@ -222,6 +227,9 @@ def generate(
         if mode and step == 0:
             log.info("first decode step (compiles it unless cached) took %.1f s", time.perf_counter() - start)
         next_position, cache_position = next_position + 1, cache_position + 1
+    if bool(lost.any()):  # the reason read from the row's last scores: a broken model's stay NaN
+        row = int(lost.nonzero()[0, 0])
+        raise UserError(f"generation of prompt {row} stopped: {no_token_reason(logits[row])}")
     return _trim(out[:, :steps].tolist(), stop.tolist(), host)
 
 

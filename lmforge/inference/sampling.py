@@ -3,6 +3,12 @@
 The steps and their order are those of transformers' `generate` (RepetitionPenaltyLogitsProcessor,
 then TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper), so a seeded run of ours and
 theirs filter the same tokens. Filtered logits become -inf, never a finite "small" number.
+
+Every row is safe on its own, whatever its settings or the model's scores, so that one request never fails the
+rows sampled beside it: a temperature below SAMPLING_EPS decodes greedily (dividing by it overflows fp32, and 1e-300
+is 0 there); a NaN score counts as -inf; a row whose scores overflowed to +inf (a repetition_penalty of 1e-40) is
+decided greedily, the limit of its distribution; a row with no score left gets NO_TOKEN, for the caller to end it
+alone, instead of NaN probabilities that make torch.multinomial raise for the whole batch.
 """
 
 from __future__ import annotations
@@ -14,10 +20,15 @@ import torch
 
 from lmforge.errors import UserError
 
+# Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): there the softmax is one-hot but for scores closer
+# than ~1e-4, fp32's rounding of a logit in the hundreds; above it a logit up to 1e33 divides without overflow.
+SAMPLING_EPS = 1e-5
+NO_TOKEN = -1  # choose_next's token for a row with no score left (NaN or -inf everywhere)
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below SAMPLING_EPS) = greedy
     top_k: int | None = None  # None or 0 = off
     top_p: float | None = None  # None or 1.0 = off
     repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in prompt + output
@@ -39,7 +50,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
+        return not self.do_sample or self.temperature < SAMPLING_EPS
 
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -93,8 +104,11 @@ def top_p_filter(logits: torch.Tensor, p: float | None, min_keep: int = 1) -> to
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Penalty, temperature, top-k, top-p on fp32 logits (batch, vocab); greedy applies only the penalty."""
-    logits = logits.float()
+    """Penalty, temperature, top-k, top-p on fp32 logits (batch, vocab); greedy applies only the penalty.
+
+    A NaN logit (a broken or overflowing model's) becomes -inf first: never chosen, and no NaN reaches the sums.
+    """
+    logits = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
@@ -110,9 +124,27 @@ def choose_next(
     seen: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Next token ids (batch,) from the last position's logits (batch, vocab)."""
+    """Next token ids (batch,) from the last position's logits (batch, vocab); NO_TOKEN for a row with no score left.
+
+    No row can make the call raise (the module's docstring says how each is made safe), and no host sync is added:
+    healthy rows draw exactly the numbers they draw without the guards.
+    """
     logits = process_logits(logits, params, seen)
+    peak, best = logits.max(dim=-1)  # best: the first index of the largest score, as argmax
     if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = best
+    else:
+        probs = logits.softmax(dim=-1)
+        # Where the peak is +inf or -inf the softmax is NaN: that row's probability goes to its best token instead.
+        broken = ~peak.isfinite()
+        probs = probs.nan_to_num(nan=0.0).scatter_add_(-1, best[:, None], broken[:, None].to(probs.dtype))
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.where(peak > -math.inf, token, NO_TOKEN)
+
+
+def no_token_reason(logits: torch.Tensor) -> str:
+    """Why choose_next found no token in a row of raw logits (vocab,): the model's scores, or the settings."""
+    if not (logits.float().nan_to_num(nan=-math.inf) > -math.inf).any():
+        return ("the model's scores for the next token are NaN or -inf for every token: its weights are broken or "
+                "overflow their dtype (try float32)")
+    return "repetition_penalty took every token's score to -inf: use one closer to 1"

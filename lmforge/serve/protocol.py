@@ -60,10 +60,10 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens; wins over it
     # The defaults below are OpenAI's; a field a request leaves out takes the server's (sampling_of) where it has one.
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # below 1e-5 greedy (sampling.SAMPLING_EPS)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # -1, 0 or None = off
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # any: a score it overflows is made safe (sampling.py)
     n: int = Field(1, ge=1)  # prompts x n is capped by the server's --max-choices
     stream: bool = False
     stream_options: dict[str, Any] | None = None

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
+from lmforge.inference import generate, generate_text
 from lmforge.inference.sampling import (
+    NO_TOKEN,
+    SAMPLING_EPS,
     SamplingParams,
     apply_repetition_penalty,
     choose_next,
@@ -14,6 +17,7 @@ from lmforge.inference.sampling import (
     top_k_filter,
     top_p_filter,
 )
+from tests.inference.test_generate import _cli, run, text_model  # noqa: F401 (the fixture, shared)
 
 lp = pytest.importorskip("transformers.generation.logits_process")
 
@@ -39,7 +43,7 @@ def test_top_k_matches_transformers(k):
         assert (torch.isfinite(got).sum(-1) >= min(k, VOCAB)).all()
 
 
-@pytest.mark.parametrize("p", [1e-9, 0.05, 0.3, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("p", [1e-300, 1e-9, 0.05, 0.3, 0.5, 0.9, 0.99])
 def test_top_p_matches_transformers_and_keeps_at_least_one(p):
     for seed in range(5):
         for scale in (0.1, 3.0, 30.0):  # flat to peaked distributions
@@ -130,3 +134,76 @@ def test_sampling_follows_the_distribution():
 def test_invalid_parameters_are_user_errors(kwargs):
     with pytest.raises(UserError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, SAMPLING_EPS / 2])
+def test_a_temperature_below_the_floor_is_greedy(temperature):
+    """Dividing by such a temperature overflows fp32 (1e-300 is 0 there): below SAMPLING_EPS a row decodes greedily,
+    as vLLM's temperature < 1e-5 did, instead of NaN probabilities that made torch.multinomial raise."""
+    logits = _logits(8, scale=30.0)
+    params = SamplingParams(temperature=temperature, top_k=50, top_p=0.9)
+    assert params.greedy
+    assert torch.equal(choose_next(logits, params, generator=torch.Generator().manual_seed(0)), logits.argmax(-1))
+    # Just above the floor it still samples, and a draw that peaked is the argmax.
+    above = SamplingParams(temperature=2 * SAMPLING_EPS)
+    assert not above.greedy
+    assert torch.equal(choose_next(logits, above, generator=torch.Generator().manual_seed(0)), logits.argmax(-1))
+
+
+def test_rows_without_a_distribution_do_not_fail_the_batch():
+    """One row's scores overflow to +inf, one holds NaN, one is NaN everywhere, one has every score -inf after its
+    repetition penalty: none raises inside torch.multinomial, and the healthy rows draw what they draw alone."""
+    inf, nan = float("inf"), float("nan")
+    logits = _logits(9, batch=6, scale=1.0)
+    healthy = [0, 5]
+    bad = logits.clone()
+    bad[1, [7, 3]] = inf  # overflowed: decided greedily among them (the first)
+    bad[2, [4, 9]] = nan  # NaN counts as -inf: never chosen
+    bad[3] = nan  # nothing to choose from
+    bad[4] = -bad[4].abs() - 1  # every score negative and seen: repetition_penalty 1e40 takes them all to -inf
+    seen = torch.zeros_like(bad, dtype=torch.bool)
+    seen[4] = True
+    for params in (SamplingParams(temperature=0.7, repetition_penalty=1e40), SamplingParams(temperature=0.0,
+                                                                                            repetition_penalty=1e40)):
+        got = choose_next(bad, params, seen, generator=torch.Generator().manual_seed(3))
+        alone = choose_next(logits[healthy], params, seen[healthy], generator=torch.Generator().manual_seed(3))
+        assert got[1] == 3 and got[3] == NO_TOKEN and got[4] == NO_TOKEN
+        assert got[2] not in (4, 9) and 0 <= got[2] < VOCAB
+        if params.greedy:
+            assert got[2] == bad[2].nan_to_num(-inf).argmax()
+            assert torch.equal(got[healthy], alone)
+        else:  # one generator over the batch: the healthy rows' draws are those of the same rows without the others
+            rows = choose_next(logits, params, seen, generator=torch.Generator().manual_seed(3))
+            assert torch.equal(got[healthy], rows[healthy])
+    # The processed scores themselves hold no NaN, and a penalty as small as 1e-40 leaves no NaN either.
+    assert not process_logits(bad, SamplingParams(temperature=0.5), seen).isnan().any()
+    tiny = SamplingParams(temperature=1.0, repetition_penalty=1e-40)
+    apart = logits + logits.sign() * 0.1  # every positive score over 0.035: divided by 1e-40 it overflows
+    got = choose_next(apart, tiny, torch.ones_like(seen), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got, (apart > 0).int().argmax(-1))  # the first positive (now +inf) score wins every row
+
+
+def test_generate_and_its_cli_take_the_floor_and_name_a_broken_model(text_model, capsys, monkeypatch):  # noqa: F811
+    """`lmforge generate --temperature 1e-300` printed a traceback from torch.multinomial: it prints the greedy text.
+    A model whose scores are NaN is one line naming the problem, not a traceback (sampled) or made-up tokens
+    (greedy: argmax picks a NaN)."""
+    folder, model, tok = text_model
+    prompts = ["t5 t17 t33 t2 t99", "t8 t9 t10"]
+    greedy = generate_text(model, tok, prompts, 8, temperature=0)
+    assert generate_text(model, tok, prompts, 8, temperature=1e-300, top_k=20, seed=3) == greedy
+    run(_cli([str(folder), "--prompt", prompts[0], "--max-new-tokens", "8", "--temperature", "1e-300"]))
+    assert capsys.readouterr().out == greedy[0] + "\n"
+    head = model.logits
+
+    def one_row_nan(h):
+        out = head(h)
+        out[-1] = float("nan")
+        return out
+
+    monkeypatch.setattr(model, "logits", one_row_nan)
+    for kw in (dict(temperature=0.7, seed=1), dict(temperature=0)):
+        with pytest.raises(UserError, match=r"^generation of prompt 1 stopped: the model's scores for the next token "
+                                            r"are NaN or -inf for every token: its weights are broken"):
+            generate_text(model, tok, prompts, 8, **kw)
+        with pytest.raises(UserError, match="prompt 1 stopped"):
+            generate(model, tok.encode_batch(prompts), 8, stop_token_ids=[], **kw)  # no eos watched: to the end

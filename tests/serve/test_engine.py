@@ -206,6 +206,90 @@ def test_eos_stop_strings_and_events(models_):
     assert req.finish_reason == "stop" and len(req.output_ids) == 5
 
 
+def test_a_request_that_fails_ends_alone_and_its_batch_goes_on(models_, monkeypatch):
+    """In one batch of eight: one request's detokenizer raises at its third token, one's consumer at its second event,
+    one's scores are NaN (sampled, so they once reached torch.multinomial), and one makes the batch's shared sampling
+    call raise (then its own): each ends alone, and the four others decode exactly what generate gives them alone."""
+    from lmforge.inference import engine as engine_module
+
+    model = models_["llama_gqa"]
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=8, max_context=64))
+    raising = SamplingParams(temperature=0)
+    real, head, reqs = engine_module.choose_next, model.logits, {}
+
+    def choose(logits, params, seen=None, generator=None):
+        if params is raising or (logits.shape[0] > 1 and params.greedy and reqs["sampling"].finish_reason is None):
+            raise RuntimeError("sampling broke on one row")
+        return real(logits, params, seen, generator)
+
+    def scores(h):  # the NaN request's row NaN (its slot: the eight are prefilled in slots 0-7, in order)
+        out, slot = head(h), reqs["nan"].slot
+        if reqs["nan"].finish_reason is None and slot is not None and out.shape[0] > slot:
+            out[slot] = float("nan")
+        return out
+
+    monkeypatch.setattr(engine_module, "choose_next", choose)
+    monkeypatch.setattr(model, "logits", scores)
+    prompts = _prompts(8, seed=6)
+    good = {"greedy": (GREEDY, None), "greedy2": (GREEDY, None), "seeded": (SamplingParams(0.8, 20), 11),
+            "seeded2": (SamplingParams(1.1, None, 0.9, 1.2), 12)}
+    bad = {"detokenizer": (GREEDY, None), "consumer": (GREEDY, None), "nan": (SamplingParams(0.8), 13),
+           "sampling": (raising, None)}
+    events = {name: [] for name in [*good, *bad]}
+
+    def gone(event):
+        if events["consumer"]:
+            raise RuntimeError("the consumer went away")
+        events["consumer"].append(event)
+
+    for prompt, (name, (sampling, seed)) in zip(prompts, {**good, **bad}.items()):
+        reqs[name] = engine.submit(prompt, RequestParams(12, sampling, seed=seed),
+                                   gone if name == "consumer" else events[name].append)
+    push = reqs["detokenizer"].text.push
+    reqs["detokenizer"].text.push = lambda t: push(t) if len(reqs["detokenizer"].output_ids) < 3 else 1 / 0
+    while engine.step():
+        pass
+    assert engine.prefills == 1 and engine.running == 0  # all eight were in one batch
+    for prompt, (name, (sampling, seed)) in zip(prompts, good.items()):
+        kw = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  repetition_penalty=sampling.repetition_penalty)
+        assert reqs[name].finish_reason == "length"
+        assert reqs[name].output_ids == generate(model, [prompt], 12, seed=seed, stop_token_ids=[], **kw)[0]
+    assert reqs["consumer"].finish_reason == "cancelled" and len(reqs["consumer"].output_ids) == 2
+    assert [e.finish_reason for e in events["detokenizer"]] == [None, None, "error"]
+    assert events["detokenizer"][-1].error == "ZeroDivisionError: division by zero"
+    assert [e.finish_reason for e in events["nan"]] == ["error"] and reqs["nan"].output_ids == []
+    assert events["nan"][0].error.startswith("the model's scores for the next token are NaN or -inf")
+    assert [e.error for e in events["sampling"]] == ["RuntimeError: sampling broke on one row"]
+
+
+def test_a_prompt_whose_prefill_raises_fails_alone(models_, monkeypatch):
+    """Three prompts arrive while one request decodes, and the forward that prefills them together raises on one
+    of them: they are prefilled again one by one, and only that one fails."""
+    model = models_["gpt_neox"]
+    prompts = _prompts(4, seed=7)
+    breaking, forward = torch.tensor(prompts[2]), model.hidden_states
+
+    def hidden_states(ids, mask, *args):
+        if mask is not None and ids.shape[1] >= len(breaking) and (ids[:, : len(breaking)] == breaking).all(-1).any():
+            raise RuntimeError("this prompt breaks the forward")
+        return forward(ids, mask, *args)
+
+    monkeypatch.setattr(model, "hidden_states", hidden_states)
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=4, max_context=64))
+    first = engine.submit(prompts[0], RequestParams(12, GREEDY), lambda e: None)
+    engine.step()
+    events = []
+    later = [engine.submit(p, RequestParams(8, GREEDY), events.append if i == 1 else lambda e: None)
+             for i, p in enumerate(prompts[1:])]
+    while engine.step():
+        pass
+    assert later[1].finish_reason == "error" and events[-1].error == "RuntimeError: this prompt breaks the forward"
+    for req, n in zip([first, later[0], later[2]], (12, 8, 8)):
+        assert req.finish_reason == "length"
+        assert req.output_ids == generate(model, [req.prompt_ids], n, do_sample=False, stop_token_ids=[])[0]
+
+
 def test_cancel_frees_the_row_and_queue_limits(models_):
     engine = Engine(models_["gpt_neox"], IdTokenizer(), EngineConfig(max_batch=1, max_context=64, max_queue=2))
     a = engine.submit([5, 6, 7], RequestParams(40, GREEDY), lambda e: None)
