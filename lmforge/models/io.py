@@ -23,7 +23,7 @@ from torch import nn
 
 from lmforge.config import from_dict, to_dict
 from lmforge.errors import UserError
-from lmforge.fsutil import open_safetensors
+from lmforge.fsutil import folder_file, open_safetensors, read_weight_map
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.rope import RotaryEmbedding
@@ -82,7 +82,7 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path,
 def copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> None:
     for name in names:
         if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+            shutil.copy2(folder_file(src, name), dst / name)
 
 
 # A model's license and notice files (Llama's LICENSE and USE_POLICY.md, an Apache NOTICE): their terms ask that they
@@ -94,8 +94,8 @@ def copy_licenses(src: str | Path | None, dst: Path) -> None:
     if src is None or not Path(src).is_dir():
         return
     for f in sorted(Path(src).iterdir()):
-        if f.is_file() and f.name.upper().startswith(LICENSE_STEMS):
-            shutil.copy2(f, dst / f.name)
+        if f.name.upper().startswith(LICENSE_STEMS) and f.is_file():
+            shutil.copy2(folder_file(src, f.name), dst / f.name)
 
 
 def copy_origin_files(origin: str | Path | None, dst: Path) -> None:
@@ -132,11 +132,12 @@ def missing_model_folder(folder: str | Path) -> UserError:
 
 def read_config(folder: Path) -> ModelConfig:
     try:
-        meta = json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json.loads(folder_file(folder, CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read '{folder / CONFIG_NAME}': {e}") from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"'{folder / CONFIG_NAME}' is not an lmforge model config (format={meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta:
+        shown = meta.get("format") if isinstance(meta, dict) else None
+        raise UserError(f"'{folder / CONFIG_NAME}' is not an lmforge model config (format={shown!r})")
     return from_dict(ModelConfig, meta["model"], where="model.")
 
 
@@ -144,11 +145,11 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (one model.safetensors, or shards and their index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        return read_weight_map(index)
     single = folder / "model.safetensors"
     if not single.is_file():
         raise UserError(f"no model.safetensors in '{folder}': is it an lmforge model folder?")
-    with open_safetensors(single) as f:
+    with open_safetensors(folder_file(folder, single.name)) as f:
         return dict.fromkeys(f.keys(), single)
 
 

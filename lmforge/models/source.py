@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
-from lmforge.fsutil import checksum_problems
+from lmforge.fsutil import checksum_problems, folder_file
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import adapter_for, hf_tensors, is_hf_dir, read_hf_config
@@ -205,7 +205,7 @@ def generation_config(folder: str | Path | None) -> tuple[dict, Path | None]:
     if path is None or not path.is_file():
         return {}, None
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(folder_file(origin, path.name).read_text())
     except (OSError, ValueError):
         return {}, path
     return (config if isinstance(config, dict) else {}), path

@@ -12,7 +12,7 @@ import torch
 
 from lmforge.config import closest
 from lmforge.errors import UserError
-from lmforge.fsutil import atomic_dir
+from lmforge.fsutil import atomic_dir, folder_file
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import QKV_SEPARATE, SIDE_FILES, HFAdapter, export_tensors, import_tensors
@@ -99,10 +99,10 @@ def read_hf_config(folder: Path) -> dict:
                             "(model.init_from, generate, serve, eval), or export-hf it to a Hugging Face one")
         raise UserError(f"no config.json in '{folder}': point at a Hugging Face model folder")
     try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(folder_file(folder, path.name).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"'{path}' is not valid JSON ({e})") from None
-    if "model_type" not in hf:
+    if not isinstance(hf, dict) or "model_type" not in hf:
         raise UserError(f"'{path}' has no model_type: it is not a transformers model config")
     return hf
 
@@ -198,7 +198,7 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
         if not (tmp / "tokenizer.json").exists() and len(own) == 1:
             # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which transformers never looks
             # for: without tokenizer.json its AutoTokenizer loads an empty tokenizer and says nothing.
-            shutil.copy2(own[0], tmp / "tokenizer.json")
+            shutil.copy2(folder_file(side_dir, own[0].name), tmp / "tokenizer.json")
         if tokenizer is not None:
             write_tokenizer_files(tokenizer, tmp, cfg.max_position_embeddings, cfg.pad_token_id)
     return hf
