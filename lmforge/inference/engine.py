@@ -39,6 +39,7 @@ from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.sampling import SamplingParams, choose_next, seeded_generator
 from lmforge.inference.text import TextStream, eos_token_ids
+from lmforge.models.sizes import check_cache_memory
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,9 @@ class Engine:
             CPU_PREFILL_TOKENS if p.device.type == "cpu" else ACCELERATOR_PREFILL_TOKENS)
         # Every layer keeps a slot per position (no rings for sliding-window layers): a batched prefill is right-
         # padded, and a ring keeps the last `window` slots of the forward, the padding's for a shorter prompt.
+        check_cache_memory(model.config, config.max_batch, self.context, p.dtype, p.device,
+                           "max_context" if config.max_context else "the model's max_position_embeddings",
+                           "lower max_context or max_batch (serve: --max-context, --max-batch)", ring=False)
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device, ring=False)
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.slots: list[EngineRequest | None] = [None] * config.max_batch

@@ -27,6 +27,7 @@ from lmforge.fsutil import folder_file, open_safetensors, read_weight_map
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.rope import RotaryEmbedding
+from lmforge.models.sizes import check_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,21 @@ def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
         return stored_layout(name, handles[path].get_tensor(name))
 
     get.names = list(where)  # type: ignore[attr-defined]
+    get.nbytes = sum(p.stat().st_size for p in set(where.values()))  # type: ignore[attr-defined]
     return get
+
+
+def read_folder(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
+                ) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
+    """An lmforge model folder's config and its tensors (read_tensors), the parameters its config declares checked
+    against the bytes its files hold before anything is built (lmforge.models.sizes); `fits(cfg)` first, where
+    given (load_pretrained: the device's memory)."""
+    cfg = read_config(folder)
+    if fits is not None:
+        fits(cfg)
+    get = read_tensors(folder)
+    check_weight_bytes(cfg, get.nbytes, folder)
+    return cfg, get
 
 
 def stored_layout(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -180,11 +195,11 @@ def stored_layout(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def materialize(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
-    """A model whose parameters are filled from `tensors`, allocated once (meta build + to_empty)."""
+    """A model whose parameters are filled from `tensors`, allocated once, in `dtype` (meta build + to_empty)."""
     model = build(cfg, device="meta")
-    model.to_empty(device=device or "cpu")
     if dtype is not None:
         model.to(dtype)
+    model.to_empty(device=device or "cpu")
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():

@@ -19,19 +19,9 @@ from lmforge.fsutil import folder_file
 SECRET = "the secret of another project\n"
 
 
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory):
-    """A tiny Llama folder as save_pretrained writes it, with a tokenizer and a license."""
-    tf = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models
-
-    out = tmp_path_factory.mktemp("folder") / "hf"
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=32)
-    tf.LlamaForCausalLM(config).save_pretrained(out)
-    Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0")).save(str(out / "tokenizer.json"))
-    (out / "LICENSE").write_text("the model's license\n")
-    return out
+@pytest.fixture
+def hf_folder(tiny_hf):
+    return tiny_hf
 
 
 @pytest.fixture
