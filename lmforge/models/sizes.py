@@ -108,20 +108,22 @@ def describe_parts(cfg: ModelConfig, parts: dict[str, int]) -> str:
 
 
 def free_memory(device: torch.device | str | None) -> tuple[int, str] | None:
-    """(bytes free on `device`, how that was told) before anything more is allocated: a CUDA device's free memory
-    (torch.cuda.mem_get_info; any accelerator whose torch module has mem_get_info alike), the host's available RAM
-    for the CPU (MemAvailable, else the physical pages); None where it cannot be told."""
+    """(bytes free on `device`, its name) before anything more is allocated: a CUDA device's free memory plus what
+    torch's allocator holds unused (torch.cuda.mem_get_info; an accelerator whose torch module has mem_get_info
+    alike), the host's available RAM for the CPU (host_available); None where it cannot be told."""
     device = torch.device(device or "cpu")
     if device.type == "cpu":
-        return host_available(), "the host has available"
+        return host_available(), "the host"
     module = getattr(torch, device.type, None)
-    mem_get_info = getattr(module, "mem_get_info", None)
-    if mem_get_info is None:
+    if getattr(module, "mem_get_info", None) is None:
         return None
     try:
-        return int(mem_get_info(device)[0]), f"{device} has free"
-    except (RuntimeError, AssertionError, ValueError):  # not there, or no driver: the allocation says so itself
+        free = int(module.mem_get_info(device)[0])
+        if hasattr(module, "memory_reserved"):  # cached blocks the next allocation takes first
+            free += int(module.memory_reserved(device) - module.memory_allocated(device))
+    except (RuntimeError, AssertionError, ValueError):  # no such device, no driver: the allocation says so itself
         return None
+    return free, str(device)
 
 
 def host_available() -> int:
@@ -152,8 +154,8 @@ def check_model_memory(cfg: ModelConfig, device: torch.device | str | None, dtyp
         return
     name = str(dtype or torch.float32).removeprefix("torch.")
     raise UserError(f"'{where}' declares a model of {n:,} parameters ({describe_parts(cfg, parts)}), "
-                    f"{human_bytes(need)} in {name}: more than the {human_bytes(free[0])} {free[1]}: check its config, "
-                    "or load it where there is the memory for it")
+                    f"{human_bytes(need)} in {name}: more than the {human_bytes(free[0])} free on {free[1]}: check its "
+                    "config, or load it where there is the memory for it")
 
 
 def check_weight_bytes(cfg: ModelConfig, stored: int, where: str | Path) -> None:
@@ -203,4 +205,4 @@ def check_cache_memory(cfg: ModelConfig, batch_size: int, max_len: int, dtype: t
         return
     name = str(dtype or torch.float32).removeprefix("torch.")
     raise UserError(f"the KV cache of {batch_size} row(s) x {max_len} tokens ({sized_by}) takes {human_bytes(need)} in "
-                    f"{name}: more than the {human_bytes(free[0])} {free[1]}: {fix}")
+                    f"{name}: more than the {human_bytes(free[0])} free on {free[1]}: {fix}")

@@ -39,7 +39,7 @@ def refused(capsys, *args) -> str:
 
 
 def generate(folder) -> list[str]:
-    return ["generate", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "2"]
+    return ["generate", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "2", "--device", "cpu"]
 
 
 @pytest.mark.parametrize(("key", "value", "shown"), [("vocab_size", "32", "'32'"), ("num_hidden_layers", 2.5, "2.5"),
@@ -57,7 +57,7 @@ def test_a_vocabulary_past_the_memory_is_refused_before_allocating(tiny_hf, tmp_
     line = refused(capsys, *generate(folder))
     assert line.startswith(f"'{folder}' declares a model of 32,")
     assert "(vocab_size 1000000000000 x hidden_size 16: 100% of them)" in line
-    assert "TiB in float32: more than the " in line and "the host has available" in line
+    assert "TiB in float32: more than the " in line and " free on the host: check its config" in line
 
 
 def test_a_million_layers_are_refused_before_the_build(tiny_hf, tmp_path, capsys):
@@ -111,14 +111,25 @@ def test_learned_positions_past_the_memory_are_refused(tiny_gpt2, tmp_path, caps
 def test_a_context_past_the_memory_gives_serve_one_line(tiny_hf, tmp_path, capsys):
     """max_position_embeddings 10**12 made serve size a KV cache of 8 rows of 10**12 tokens."""
     folder = edited(tiny_hf, tmp_path / "m", max_position_embeddings=10**12)
-    line = refused(capsys, "serve", str(folder), "--port", "0")
+    line = refused(capsys, "serve", str(folder), "--port", "0", "--device", "cpu")
     assert line.startswith("the KV cache of 8 row(s) x 1000000000000 tokens (the model's max_position_embeddings) "
                            "takes 931.3 TiB in float32: more than the ")
-    assert line.endswith(" the host has available: lower max_context or max_batch (serve: --max-context, --max-batch)")
-    assert refused(capsys, "serve", str(folder), "--port", "0", "--max-context", str(10**11)).startswith(
-        "the KV cache of 8 row(s) x 100000000000 tokens (max_context) takes ")
+    assert line.endswith(" free on the host: lower max_context or max_batch (serve: --max-context, --max-batch)")
+    line = refused(capsys, "serve", str(folder), "--port", "0", "--device", "cpu", "--max-context", str(10**11))
+    assert line.startswith("the KV cache of 8 row(s) x 100000000000 tokens (max_context) takes ")
     # generate sizes its cache by the prompt and --max-new-tokens: those fit
     assert main(generate(folder)) == 0
+
+
+def test_the_memory_of_a_gpu_is_its_free_memory_and_the_allocators_unused_cache(monkeypatch):
+    import torch
+
+    import lmforge.models.sizes as sizes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
+    assert sizes.free_memory("cuda:1") == (6 << 30, "cuda:1")
 
 
 def test_generate_sizes_its_cache_before_allocating(tiny_hf, tmp_path):
