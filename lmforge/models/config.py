@@ -59,6 +59,9 @@ class RopeScaling:
     long_factor: list[float] | None = None  # longrope
 
     def __post_init__(self) -> None:
+        hints = _field_types(RopeScaling)
+        for f in fields(self):
+            checked(getattr(self, f.name), hints[f.name], f"rope_scaling.{f.name}")
         if self.type not in ROPE_SCALINGS:
             hint = closest(str(self.type), ROPE_SCALINGS)
             raise UserError(f"unknown rope_scaling.type '{self.type}'{hint}: choose one of {', '.join(ROPE_SCALINGS)}")
@@ -152,7 +155,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         # Built from a config.json as well as through from_dict: a "32" or a 2.5 is named here, not a TypeError
         # deep in the build.
-        hints = _field_types()
+        hints = _field_types(ModelConfig)
         for f in fields(self):
             checked(getattr(self, f.name), hints[f.name], f.name)
         self._check_choice("family", FAMILIES)
@@ -350,9 +353,9 @@ class ModelConfig:
 
 
 @functools.cache
-def _field_types() -> dict:
-    """ModelConfig's field types (typing.get_type_hints takes 0.7 ms: a config is built often)."""
-    return typing.get_type_hints(ModelConfig)
+def _field_types(cls: type) -> dict:
+    """A config dataclass's field types (typing.get_type_hints takes 0.7 ms: a config is built often)."""
+    return typing.get_type_hints(cls)
 
 
 def _nearest(target: float, ok, lowest: int, highest: int, larger_on_tie: bool = False) -> int | None:

@@ -166,3 +166,28 @@ def test_a_damaged_index_is_one_line_naming_it(tiny_hf, tmp_path, capsys, index,
     line = refused(capsys, *generate(folder))
     assert f"'{folder / 'model.safetensors.index.json'}'" in line
     assert says.format(index=folder / "model.safetensors.index.json", folder=folder) in line
+
+
+@pytest.mark.parametrize(("family", "fields", "says"), [
+    ("llama", {"hidden_act": ["silu"]}, "activation '['silu']' in config.json is not supported"),
+    ("llama", {"rope_scaling": "linear"}, "config.json: rope_scaling: expected a mapping, got 'linear'"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": "2"}},
+     "rope_scaling.factor: expected a number, got '2'"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": [], "original_max_position_embeddings": 16}},
+     "rope_scaling.factor: expected a number, got []"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": "16"}},
+     "rope_scaling.original_max_position_embeddings: expected a positive integer, got '16'"),
+    ("llama", {"num_attention_heads": 0}, "config.json: num_attention_heads: expected a positive integer, got 0"),
+    ("llama", {"rms_norm_eps": "1e-6"}, "norm_eps: expected a number, got '1e-6'"),
+    ("gpt2", {"n_embd": None}, "config.json: n_embd: expected an integer, got None"),
+])
+def test_a_value_of_another_kind_anywhere_is_one_line(tiny_hf, tiny_gpt2, tmp_path, family, fields, says):
+    """Found by setting each config.json key to 0, -1, "x", 2.5, null, [], {}, true, 10**30 and 2**63 (and the rope
+    sections' keys alike): these gave a TypeError (a factor "2" was read as 2.0; 0 heads was named by lmforge's
+    name for them); every other value was one line already."""
+    from lmforge.models.source import load_pretrained
+
+    folder = edited(tiny_hf if family == "llama" else tiny_gpt2, tmp_path / "m", **fields)
+    with pytest.raises(UserError) as e:
+        load_pretrained(folder)
+    assert says in str(e.value)

@@ -109,26 +109,42 @@ def read_hf_config(folder: Path) -> dict:
 
 
 # config.json's counts and sizes, as every family's transformers config names them (Gemma 3 nests its text model's
-# under text_config): an integer, or null where a family leaves one out. Checked before an adapter reads them.
-INTEGER_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "max_position_embeddings", "head_dim", "n_embd", "n_layer", "n_head", "n_inner",
-                "n_positions", "rotary_dim", "type_vocab_size", "sliding_window", "max_window_layers",
-                "sliding_window_pattern", "num_local_experts", "num_experts", "num_experts_per_tok",
-                "moe_intermediate_size", "decoder_sparse_step", "num_labels")
+# under text_config), checked before an adapter reads them: those every model has are positive integers, the others
+# integers or null where a family leaves them out; its nested sections are mappings.
+POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
+INTEGER_KEYS = ("num_key_value_heads", "head_dim", "n_inner", "rotary_dim", "type_vocab_size", "sliding_window",
+                "max_window_layers", "sliding_window_pattern", "num_local_experts", "num_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "num_labels")
+MAPPING_KEYS = ("text_config", "rope_scaling", "rope_parameters")
 LAYER_KEYS = ("num_hidden_layers", "n_layer")
 
 
 def check_integers(hf: dict, path: Path) -> None:
-    """A UserError naming the first of INTEGER_KEYS in `hf` (config.json at `path`) that is not an integer."""
-    if not isinstance(hf.get("text_config") or {}, dict):
-        raise UserError(f"{path}: text_config: expected a mapping, got {hf['text_config']!r}")
+    """A UserError naming the first of config.json's sizes (at `path`) that is not what it must be (POSITIVE_KEYS,
+    INTEGER_KEYS, MAPPING_KEYS), its value and what it must be."""
+
+    def check(value, hint, key: str) -> None:
+        try:
+            checked(value, hint, key)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+
+    for key in MAPPING_KEYS:
+        if key in hf:
+            check(hf[key], dict | None, key)
     for section, where in ((hf, ""), (hf.get("text_config") or {}, "text_config.")):
+        for key in MAPPING_KEYS[1:]:
+            if key in section:
+                check(section[key], dict | None, f"{where}{key}")
         for key in INTEGER_KEYS:
             if key in section:
-                try:
-                    checked(section[key], int | None, f"{where}{key}")
-                except UserError as e:
-                    raise UserError(f"{path}: {e}") from None
+                check(section[key], int | None, f"{where}{key}")
+        for key in POSITIVE_KEYS:
+            if key in section:
+                check(section[key], int, f"{where}{key}")
+                if section[key] < 1:
+                    raise UserError(f"{path}: {where}{key}: expected a positive integer, got {section[key]}")
 
 
 def hf_config(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
