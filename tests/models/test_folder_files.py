@@ -186,3 +186,21 @@ def test_a_tokenizer_copy_takes_no_linked_file(hf_folder, tmp_path, secret):
     with pytest.raises(UserError, match="chat_template.jinja' points outside its folder"):
         tok.save(tmp_path / "copy")
     assert not copies_of(secret, tmp_path)
+
+
+def test_an_lmforge_folder_names_no_file_outside_it(hf_folder, tmp_path, secret):
+    """The same reader for lmforge's own folders: lmforge.json, its weights and its index."""
+    from lmforge.models.hf import import_hf
+    from lmforge.models.source import load_pretrained
+
+    import_hf(hf_folder, tmp_path / "lm")
+    other = copy_of(tmp_path / "lm", tmp_path / "other")
+    (tmp_path / "lm" / "model.safetensors").unlink()
+    (tmp_path / "lm" / "model.safetensors").symlink_to(other / "model.safetensors")
+    with pytest.raises(UserError, match=r"model\.safetensors' points outside its folder"):
+        load_pretrained(tmp_path / "lm")
+    (tmp_path / "lm" / "model.safetensors").unlink()
+    index = {"weight_map": {"embed.weight": "../other/model.safetensors"}}
+    (tmp_path / "lm" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=r"other/model\.safetensors' points outside its folder"):
+        load_pretrained(tmp_path / "lm")
