@@ -127,11 +127,11 @@ class Engine:
         self.prefill_batch = min(config.prefill_batch or config.max_batch, config.max_batch)
         self.prefill_tokens = config.max_prefill_tokens or (
             CPU_PREFILL_TOKENS if p.device.type == "cpu" else ACCELERATOR_PREFILL_TOKENS)
-        # Every layer keeps a slot per position (no rings for sliding-window layers): a batched prefill is right-
-        # padded, and a ring keeps the last `window` slots of the forward, the padding's for a shorter prompt.
         check_cache_memory(model.config, config.max_batch, self.context, p.dtype, p.device,
                            "max_context" if config.max_context else "the model's max_position_embeddings",
                            "lower max_context or max_batch (serve: --max-context, --max-batch)", ring=False)
+        # Every layer keeps a slot per position (no rings for sliding-window layers): a batched prefill is right-
+        # padded, and a ring keeps the last `window` slots of the forward, the padding's for a shorter prompt.
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device, ring=False)
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.slots: list[EngineRequest | None] = [None] * config.max_batch
