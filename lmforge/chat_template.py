@@ -48,6 +48,7 @@ from datetime import datetime
 from pathlib import Path
 
 from lmforge.errors import UserError
+from lmforge.fsutil import folder_file
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def read_chat_template(folder: str | Path) -> str | None:
     """The folder's chat template, or None. A list of named templates picks "default"."""
     folder = Path(folder)
     if (folder / CHAT_TEMPLATE_FILE).is_file():
-        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        return folder_file(folder, CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     template = tokenizer_config(folder).get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
@@ -136,6 +137,7 @@ def tokenizer_config(folder: Path, name: str = "tokenizer_config.json") -> dict:
     path = Path(folder) / name
     if not path.is_file():
         return {}
+    folder_file(folder, name)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

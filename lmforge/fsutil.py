@@ -116,6 +116,59 @@ def _umask_modes(folder: Path) -> None:
             f.chmod(mode)
 
 
+# -- files a model folder names ------------------------------------------------------------------
+
+def folder_file(folder: str | Path, name: str | Path) -> Path:
+    """`folder/name`: a file read by name from a model folder (a shard an index names, a tokenizer, chat template,
+    generation or license file), where it resolves inside `folder`; a UserError naming it and where it points where
+    it leads outside (`../`, an absolute name, a symlink), so that a folder from someone else cannot have lmforge read
+    a file of this machine, or copy one into an export. A link that stays inside the folder reads nothing the folder
+    does not hold: it is followed. A Hugging Face cache snapshot (models--ORG--NAME/snapshots/REV) holds links into
+    its entry's blobs/ (`config.json -> ../../blobs/SHA`), which is what that layout is: those are followed too."""
+    folder = Path(folder)
+    path = folder / name
+    try:
+        root, target = folder.resolve(), path.resolve()
+    except (OSError, RuntimeError) as e:  # a link loop
+        raise UserError(f"'{path}' cannot be followed ({e}): replace the link by the file") from None
+    if target.is_relative_to(root) or (_cache_snapshot(root) and target.parent == root.parent.parent / "blobs"
+                                       and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))):
+        return path
+    raise UserError(f"'{path}' points outside its folder, to '{target}': lmforge reads no file a model folder names "
+                    "outside it; copy that file into the folder if it belongs to the model")
+
+
+def _cache_snapshot(folder: Path) -> bool:
+    """Whether `folder` (resolved) is a revision of a Hugging Face hub cache entry: models--ORG--NAME/snapshots/REV."""
+    return folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--")
+
+
+def read_weight_map(index: Path) -> dict[str, Path]:
+    """Tensor name -> the shard that holds it, from a sharded checkpoint's index (model.safetensors.index.json,
+    pytorch_model.bin.index.json): each shard checked to be in the index's folder (folder_file) and there. A damaged
+    index is one UserError naming it."""
+    folder = index.parent
+    folder_file(folder, index.name)
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"cannot read '{index}' as JSON ({e}): the index is damaged: copy it again") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise UserError(f"'{index}' has no weight_map (tensor name -> shard file): it is not a checkpoint index: "
+                        "copy it again")
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise UserError(f"'{index}' maps tensor '{bad[0]}' to {bad[1]!r}, not a shard file name: the index is damaged: "
+                        "copy it again")
+    shards = {name: folder_file(folder, name) for name in sorted(set(weight_map.values()))}
+    missing = [name for name, path in shards.items() if not path.is_file()]
+    if missing:
+        raise UserError(f"'{index}' names {len(missing)} shard(s) missing in '{folder}', first '{missing[0]}': copy "
+                        "the folder again")
+    return {k: shards[v] for k, v in weight_map.items()}
+
+
 # -- checksums -------------------------------------------------------------------------------------
 
 CHECKSUMS = "checksums.json"

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from lmforge.errors import UserError
+from lmforge.fsutil import folder_file
 
 TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP = "tokenizer_config.json", "special_tokens_map.json"
 KEYS = ("bos", "eos", "pad")
@@ -27,8 +28,8 @@ NO_DEFAULT_BOS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend", "Qwe
 def declared_special_tokens(folder: Path) -> tuple[dict[str, str | None], bool | None]:
     """({"bos"/"eos"/"pad": token text, or None for none} for each key the files in `folder` decide, in
     transformers' order; tokenizer_config.json's add_bos_token, None where it says nothing)."""
-    config = read_json(folder / TOKENIZER_CONFIG) if (folder / TOKENIZER_CONFIG).is_file() else None
-    tokens_map = read_json(folder / SPECIAL_TOKENS_MAP) if (folder / SPECIAL_TOKENS_MAP).is_file() else {}
+    config = read_json(folder_file(folder, TOKENIZER_CONFIG)) if (folder / TOKENIZER_CONFIG).is_file() else None
+    tokens_map = read_json(folder_file(folder, SPECIAL_TOKENS_MAP)) if (folder / SPECIAL_TOKENS_MAP).is_file() else {}
     declared: dict[str, str | None] = {}
     for key in KEYS:
         for data in (tokens_map, config or {}):

@@ -28,6 +28,7 @@ import tokenizers as hf
 from tokenizers import decoders, models, pre_tokenizers
 
 from lmforge.errors import UserError
+from lmforge.fsutil import folder_file
 from lmforge.tokenizer_specials import declared_special_tokens
 
 logger = logging.getLogger(__name__)
@@ -172,8 +173,9 @@ class Tokenizer(ABC):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         # The chat template travels with the tokenizer: a fine-tuned model is then prompted as it was trained.
-        extras = [f.parent / name for f in self.files for name in (*CONFIG_FILES, "chat_template.jinja")]
-        for src in dict.fromkeys(self.files + [p for p in extras if p.is_file()]):
+        extras = [folder_file(f.parent, name) for f in self.files for name in (*CONFIG_FILES, "chat_template.jinja")
+                  if (f.parent / name).is_file()]
+        for src in dict.fromkeys(self.files + extras):
             dst = out_dir / src.name
             if not (dst.exists() and dst.samefile(src)):
                 shutil.copyfile(src, dst)
@@ -365,6 +367,8 @@ def load_tokenizer(path: str | Path, quiet: bool = False) -> Tokenizer:
     file = find_tokenizer_file(path) if path.is_dir() else path
     if file is None:
         raise UserError(f"no single tokenizer file found in {path}: {KINDS_HINT}")
+    if path.is_dir():  # a file the folder names; one given by itself is the user's choice, a link or not
+        folder_file(path, file.name)
     if file.name.endswith(("vocab.json", "merges.txt")):
         # Pairs share a prefix: HF's vocab.json + merges.txt, Megatron's gpt2-vocab.json + gpt2-merges.txt
         prefix = file.name.removesuffix("vocab.json").removesuffix("merges.txt")
@@ -372,6 +376,7 @@ def load_tokenizer(path: str | Path, quiet: bool = False) -> Tokenizer:
         missing = merges if file == vocab else vocab
         if not missing.is_file():
             raise UserError(f"{file} needs {missing.name} beside it for GPT-2 BPE: copy it there")
+        folder_file(file.parent, missing.name)
         tok = _load_gpt2_bpe(vocab, merges)
     elif file.suffix == ".json":
         tok = HFTokenizer(_wrap("a tokenizer.json", hf.Tokenizer.from_file, file), [file])

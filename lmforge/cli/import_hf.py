@@ -18,13 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from lmforge.models import build, num_parameters
     from lmforge.models.hf import import_hf
     from lmforge.models.io import parse_dtype
+    from lmforge.models.sizes import parameter_count
     from lmforge.tokenizers import find_tokenizer_file
 
     cfg = import_hf(args.hf_dir, args.out_dir, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
-    n = num_parameters(build(cfg, device="meta"))
+    n = parameter_count(cfg, padded=False)
     print(f"imported {cfg.family} model ({n / 1e6:.1f}M parameters) from {args.hf_dir} to {args.out_dir}")
     if find_tokenizer_file(args.out_dir) is None:  # the import is whole; what it lacks shows up only at generate
         log.warning("'%s' has no tokenizer (none in '%s' that import-hf copies: tokenizer.json, vocab.json + "

@@ -44,6 +44,7 @@ from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.sampling import NO_TOKEN, SamplingParams, choose_next, no_token_reason, seeded_generator
 from lmforge.inference.text import TextStream, eos_token_ids
+from lmforge.models.sizes import check_cache_memory
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,9 @@ class Engine:
         self.prefill_batch = min(config.prefill_batch or config.max_batch, config.max_batch)
         self.prefill_tokens = config.max_prefill_tokens or (
             CPU_PREFILL_TOKENS if p.device.type == "cpu" else ACCELERATOR_PREFILL_TOKENS)
+        check_cache_memory(model.config, config.max_batch, self.context, p.dtype, p.device,
+                           "max_context" if config.max_context else "the model's max_position_embeddings",
+                           "lower max_context or max_batch (serve: --max-context, --max-batch)", ring=False)
         # Every layer keeps a slot per position (no rings for sliding-window layers): a batched prefill is right-
         # padded, and a ring keeps the last `window` slots of the forward, the padding's for a shorter prompt.
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device, ring=False)

@@ -32,6 +32,7 @@ from lmforge.inference.decode_step import (
 )
 from lmforge.inference.sampling import NO_TOKEN, SamplingParams, choose_next, no_token_reason, seeded_generator
 from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
+from lmforge.models.sizes import check_cache_memory
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,8 @@ def generate(
 
     # The last generated token is never fed back, so the cache needs one slot less than the total.
     slots = cache_slots(s + max_new_tokens - 1, mode)
+    check_cache_memory(cfg, b, slots, next(model.parameters()).dtype, device, "the prompt and max_new_tokens",
+                       "lower max_new_tokens")
     cache = static_cache(model, b, slots) if static else KVCache.for_model(model, b, slots)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     prefill = cache.view(slice(None), s)  # attend over the prompt's slots only, not the whole buffer

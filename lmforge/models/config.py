@@ -6,10 +6,12 @@ not a class. Names follow the words Megatron/NeMo and Hugging Face users already
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, fields
 
-from lmforge.config import closest
+from lmforge.config import checked, closest
 from lmforge.errors import UserError
 
 FAMILIES = ("gpt_neox", "llama", "gpt2", "gptj", "bert", "qwen2", "mistral", "qwen3", "olmo2", "phi3", "gemma2",
@@ -25,6 +27,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 FIXED_HEAD_DIM = ("gpt_neox", "gpt2", "gptj", "bert", "qwen2", "olmo2", "phi3")
 # Families whose transformers config rejects hidden_size % num_heads != 0 even with an explicit head_dim.
 HEADS_DIVIDE_HIDDEN = ("llama", "gemma2", "gemma3_text")
+# How far from a size its advice looks for one that fits (a divisor, an even head_dim): the nearest is close by.
+SEARCH = 4096
 
 
 @dataclass
@@ -55,6 +59,9 @@ class RopeScaling:
     long_factor: list[float] | None = None  # longrope
 
     def __post_init__(self) -> None:
+        hints = _field_types(RopeScaling)
+        for f in fields(self):
+            checked(getattr(self, f.name), hints[f.name], f"rope_scaling.{f.name}")
         if self.type not in ROPE_SCALINGS:
             hint = closest(str(self.type), ROPE_SCALINGS)
             raise UserError(f"unknown rope_scaling.type '{self.type}'{hint}: choose one of {', '.join(ROPE_SCALINGS)}")
@@ -146,6 +153,11 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        # Built from a config.json as well as through from_dict: a "32" or a 2.5 is named here, not a TypeError
+        # deep in the build.
+        hints = _field_types(ModelConfig)
+        for f in fields(self):
+            checked(getattr(self, f.name), hints[f.name], f.name)
         self._check_choice("family", FAMILIES)
         self._check_choice("norm", NORMS)
         self._check_choice("norm_position", NORM_POSITIONS)
@@ -340,9 +352,23 @@ class ModelConfig:
         return self.family != "bert"
 
 
+@functools.cache
+def _field_types(cls: type) -> dict:
+    """A config dataclass's field types (typing.get_type_hints takes 0.7 ms: a config is built often)."""
+    return typing.get_type_hints(cls)
+
+
+def _nearest(target: float, ok, lowest: int, highest: int, larger_on_tie: bool = False) -> int | None:
+    """The integer in [lowest, highest] nearest `target` for which ok(d), among those within SEARCH of it (a config
+    from elsewhere may give a size of 2**40: its advice must not count up to it); None where there is none."""
+    centre = round(target)
+    found = [d for d in range(max(lowest, centre - SEARCH), min(highest, centre + SEARCH) + 1) if ok(d)]
+    return min(found, key=lambda d: (abs(d - target), -d if larger_on_tie else d), default=None)
+
+
 def _nearest_divisor(n: int, target: int) -> int:
-    """The divisor of n closest to target (the larger one on a tie)."""
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), -d))
+    """The divisor of n closest to target (the larger one on a tie); 1 where none is within SEARCH of it."""
+    return _nearest(target, lambda d: n % d == 0, 1, n, larger_on_tie=True) or 1
 
 
 def _indivisible(hidden: int, heads: int, note: str, other: str = "", rotary_pct: float | None = None) -> str:
@@ -354,8 +380,9 @@ def _indivisible(hidden: int, heads: int, note: str, other: str = "", rotary_pct
         rotary = int(head_dim * rotary_pct + 1e-6) if rotary_pct is not None else 0
         return rotary % 2 == 0 and (head_dim - rotary) % 2 == 0 and (rotary_pct is None or rotary > 0)
 
-    divisors = [d for d in range(1, hidden + 1) if hidden % d == 0 and (rotary_pct is None or fits(hidden // d))]
-    use_heads = min(divisors or [heads], key=lambda d: (abs(d - heads), -d))
-    head_dim = min((d for d in range(2, 4 * max(hidden, 8)) if fits(d)), key=lambda d: (abs(d - hidden / heads), d))
-    return (f"hidden_size {hidden} is not divisible by num_heads {heads}{note}: use num_heads={use_heads} or "
-            f"hidden_size={head_dim * heads}{other} (a Hugging Face config.json: num_attention_heads)")
+    use_heads = _nearest(heads, lambda d: hidden % d == 0 and (rotary_pct is None or fits(hidden // d)), 1, hidden,
+                         larger_on_tie=True)
+    head_dim = _nearest(hidden / heads, fits, 2, 4 * max(hidden, 8) - 1)
+    shapes = [f"num_heads={use_heads or heads}"] + ([f"hidden_size={head_dim * heads}{other}"] if head_dim else [])
+    return (f"hidden_size {hidden} is not divisible by num_heads {heads}{note}: use {' or '.join(shapes)} (a Hugging "
+            "Face config.json: num_attention_heads)")

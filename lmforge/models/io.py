@@ -23,10 +23,11 @@ from torch import nn
 
 from lmforge.config import from_dict, to_dict
 from lmforge.errors import UserError
-from lmforge.fsutil import open_safetensors
+from lmforge.fsutil import folder_file, open_safetensors, read_weight_map
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.rope import RotaryEmbedding
+from lmforge.models.sizes import check_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path,
 def copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> None:
     for name in names:
         if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+            shutil.copy2(folder_file(src, name), dst / name)
 
 
 # A model's license and notice files (Llama's LICENSE and USE_POLICY.md, an Apache NOTICE): their terms ask that they
@@ -94,8 +95,8 @@ def copy_licenses(src: str | Path | None, dst: Path) -> None:
     if src is None or not Path(src).is_dir():
         return
     for f in sorted(Path(src).iterdir()):
-        if f.is_file() and f.name.upper().startswith(LICENSE_STEMS):
-            shutil.copy2(f, dst / f.name)
+        if f.name.upper().startswith(LICENSE_STEMS) and f.is_file():
+            shutil.copy2(folder_file(src, f.name), dst / f.name)
 
 
 def copy_origin_files(origin: str | Path | None, dst: Path) -> None:
@@ -132,11 +133,12 @@ def missing_model_folder(folder: str | Path) -> UserError:
 
 def read_config(folder: Path) -> ModelConfig:
     try:
-        meta = json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json.loads(folder_file(folder, CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read '{folder / CONFIG_NAME}': {e}") from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"'{folder / CONFIG_NAME}' is not an lmforge model config (format={meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta:
+        shown = meta.get("format") if isinstance(meta, dict) else None
+        raise UserError(f"'{folder / CONFIG_NAME}' is not an lmforge model config (format={shown!r})")
     return from_dict(ModelConfig, meta["model"], where="model.")
 
 
@@ -144,11 +146,11 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (one model.safetensors, or shards and their index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        return read_weight_map(index)
     single = folder / "model.safetensors"
     if not single.is_file():
         raise UserError(f"no model.safetensors in '{folder}': is it an lmforge model folder?")
-    with open_safetensors(single) as f:
+    with open_safetensors(folder_file(folder, single.name)) as f:
         return dict.fromkeys(f.keys(), single)
 
 
@@ -166,7 +168,21 @@ def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
         return stored_layout(name, handles[path].get_tensor(name))
 
     get.names = list(where)  # type: ignore[attr-defined]
+    get.nbytes = sum(p.stat().st_size for p in set(where.values()))  # type: ignore[attr-defined]
     return get
+
+
+def read_folder(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
+                ) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
+    """An lmforge model folder's config and its tensors (read_tensors), the parameters its config declares checked
+    against the bytes its files hold before anything is built (lmforge.models.sizes); `fits(cfg)` first, where
+    given (load_pretrained: the device's memory)."""
+    cfg = read_config(folder)
+    if fits is not None:
+        fits(cfg)
+    get = read_tensors(folder)
+    check_weight_bytes(cfg, get.nbytes, folder)
+    return cfg, get
 
 
 def stored_layout(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -179,11 +195,11 @@ def stored_layout(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def materialize(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
-    """A model whose parameters are filled from `tensors`, allocated once (meta build + to_empty)."""
+    """A model whose parameters are filled from `tensors`, allocated once, in `dtype` (meta build + to_empty)."""
     model = build(cfg, device="meta")
-    model.to_empty(device=device or "cpu")
     if dtype is not None:
         model.to(dtype)
+    model.to_empty(device=device or "cpu")
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():

@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
-from lmforge.fsutil import checksum_problems
+from lmforge.fsutil import checksum_problems, folder_file
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf import adapter_for, hf_tensors, is_hf_dir, read_hf_config
-from lmforge.models.hf.weights import HFWeights
-from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, missing_model_folder, read_config, read_tensors
+from lmforge.models.hf import hf_config, hf_tensors, is_hf_dir
+from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, missing_model_folder, read_config, read_folder
 from lmforge.models.lora import LoRAConfig, apply_lora, is_adapter, merge_lora
 from lmforge.models.peft import CONFIG as PEFT_CONFIG
+from lmforge.models.sizes import check_model_memory
 
 # A rotary model's context: no weight depends on it, so a run may extend it (continued pretraining at a longer
 # seq_length, with a larger rotary base or a rope_scaling, as Code Llama and Llama 3.1 did); learned positions are
@@ -124,12 +124,7 @@ def source_config(folder: str | Path, named_by: str = "init_from") -> ModelConfi
     folder = Path(folder)
     if source_kind(folder, named_by) != "hf":
         return read_config(folder)  # a checkpoint records its model config beside the shards
-    hf = read_hf_config(folder)
-    try:
-        return adapter_for(hf["model_type"]).config_from_hf(hf, HFWeights(folder).keys())
-    except KeyError as e:
-        raise UserError(f"config.json in '{folder}' lacks the field {e} that a {hf['model_type']} config "
-                        "needs") from None
+    return hf_config(folder)[0]
 
 
 def tokenizer_folder(folder: str | Path) -> Path | None:
@@ -205,7 +200,7 @@ def generation_config(folder: str | Path | None) -> tuple[dict, Path | None]:
     if path is None or not path.is_file():
         return {}, None
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(folder_file(origin, path.name).read_text())
     except (OSError, ValueError):
         return {}, path
     return (config if isinstance(config, dict) else {}), path
@@ -353,11 +348,15 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None,
     is compared with: lmforge.models.peft_read.load_peft_adapter)."""
     folder = Path(path)
     kind = source_kind(folder)
+
+    def fits(cfg: ModelConfig) -> None:  # before anything is built
+        check_model_memory(cfg, device, dtype, folder)
+
     if kind == "lmforge":
-        get = read_tensors(folder)
-        model = materialize(read_config(folder), ((n, get(n)) for n in get.names), device, dtype)
+        cfg, get = read_folder(folder, fits)
+        model = materialize(cfg, ((n, get(n)) for n in get.names), device, dtype)
     elif kind == "hf":
-        cfg, tensors = hf_tensors(folder)
+        cfg, tensors = hf_tensors(folder, fits)
         model = materialize(cfg, tensors, device, dtype)
     else:
         model = load_checkpoint_whole(folder, device)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from lmforge.config import closest
+from lmforge.config import checked, closest
 from lmforge.errors import UserError
-from lmforge.fsutil import atomic_dir
+from lmforge.fsutil import atomic_dir, folder_file
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf.base import QKV_SEPARATE, SIDE_FILES, HFAdapter, export_tensors, import_tensors
@@ -37,12 +37,12 @@ from lmforge.models.io import (
     copy_side_files,
     is_model_dir,
     missing_model_folder,
-    read_config,
-    read_tensors,
+    read_folder,
     with_special_ids,
     write_config,
     write_safetensors,
 )
+from lmforge.models.sizes import check_layer_count, check_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -99,28 +99,85 @@ def read_hf_config(folder: Path) -> dict:
                             "(model.init_from, generate, serve, eval), or export-hf it to a Hugging Face one")
         raise UserError(f"no config.json in '{folder}': point at a Hugging Face model folder")
     try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(folder_file(folder, path.name).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"'{path}' is not valid JSON ({e})") from None
-    if "model_type" not in hf:
+    if not isinstance(hf, dict) or "model_type" not in hf:
         raise UserError(f"'{path}' has no model_type: it is not a transformers model config")
+    check_integers(hf, path)
     return hf
 
 
-def hf_tensors(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The ModelConfig of an HF folder and a stream of its tensors in lmforge layout.
+# config.json's counts and sizes, as every family's transformers config names them (Gemma 3 nests its text model's
+# under text_config), checked before an adapter reads them: those every model has are positive integers, the others
+# integers or null where a family leaves them out; its nested sections are mappings.
+POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
+INTEGER_KEYS = ("num_key_value_heads", "head_dim", "n_inner", "rotary_dim", "type_vocab_size", "sliding_window",
+                "max_window_layers", "sliding_window_pattern", "num_local_experts", "num_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "num_labels")
+MAPPING_KEYS = ("text_config", "rope_scaling", "rope_parameters")
+LAYER_KEYS = ("num_hidden_layers", "n_layer")
 
-    When the stream ends, every checkpoint tensor must have been used or be known-ignorable:
-    a leftover weight means the model has a part lmforge would silently drop.
-    """
+
+def check_integers(hf: dict, path: Path) -> None:
+    """A UserError naming the first of config.json's sizes (at `path`) that is not what it must be (POSITIVE_KEYS,
+    INTEGER_KEYS, MAPPING_KEYS), its value and what it must be."""
+
+    def check(value, hint, key: str) -> None:
+        try:
+            checked(value, hint, key)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+
+    for key in MAPPING_KEYS:
+        if key in hf:
+            check(hf[key], dict | None, key)
+    for section, where in ((hf, ""), (hf.get("text_config") or {}, "text_config.")):
+        for key in MAPPING_KEYS[1:]:
+            if key in section:
+                check(section[key], dict | None, f"{where}{key}")
+        for key in INTEGER_KEYS:
+            if key in section:
+                check(section[key], int | None, f"{where}{key}")
+        for key in POSITIVE_KEYS:
+            if key in section:
+                check(section[key], int, f"{where}{key}")
+                if section[key] < 1:
+                    raise UserError(f"{path}: {where}{key}: expected a positive integer, got {section[key]}")
+
+
+def hf_config(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
+              ) -> tuple[ModelConfig, HFAdapter, HFWeights]:
+    """The ModelConfig of an HF folder, its family's adapter and its weights (not read yet), the sizes its
+    config.json declares checked against them (lmforge.models.sizes) before anything is built: no more layers than
+    the weights hold tensors, no more parameters than their files hold bytes; `fits(cfg)` first, where given
+    (load_pretrained: the device's memory)."""
     hf = read_hf_config(folder)
     adapter = adapter_for(hf["model_type"])
     weights = HFWeights(folder)
+    text = hf.get("text_config") or {}
+    for key in LAYER_KEYS:  # before the adapter, which lists the layers (their kinds) in some families
+        check_layer_count(text.get(key, hf.get(key)), key, len(weights.keys()), folder / "config.json")
     try:
         cfg = adapter.config_from_hf(hf, weights.keys())
     except KeyError as e:
         kind = hf["model_type"]
         raise UserError(f"config.json in '{folder}' lacks the field {e} that a {kind} config needs") from None
+    if fits is not None:
+        fits(cfg)
+    check_weight_bytes(cfg, weights.nbytes(), folder)
+    return cfg, adapter, weights
+
+
+def hf_tensors(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
+               ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The ModelConfig of an HF folder (hf_config, `fits` as there) and a stream of its tensors in lmforge layout.
+
+    When the stream ends, every checkpoint tensor must have been used or be known-ignorable:
+    a leftover weight means the model has a part lmforge would silently drop.
+    """
+    cfg, adapter, weights = hf_config(folder, fits)
     model = build(cfg, device="meta")
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     source = Source(weights, adapter.aliases)
@@ -160,8 +217,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | N
         raise UserError(f"'{model_dir}' is not an lmforge model folder (no lmforge.json)")
     # The export holds the same tensors: about the folder's weight bytes (another dtype: unknown until written).
     needed = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) if dtype is None else None
-    return write_hf(read_config(model_dir), read_tensors(model_dir), model_dir, Path(out_dir), dtype, overwrite,
-                    needed)
+    return write_hf(*read_folder(model_dir), model_dir, Path(out_dir), dtype, overwrite, needed)
 
 
 def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool,
@@ -198,11 +254,11 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
         if not (tmp / "tokenizer.json").exists() and len(own) == 1:
             # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which transformers never looks
             # for: without tokenizer.json its AutoTokenizer loads an empty tokenizer and says nothing.
-            shutil.copy2(own[0], tmp / "tokenizer.json")
+            shutil.copy2(folder_file(side_dir, own[0].name), tmp / "tokenizer.json")
         if tokenizer is not None:
             write_tokenizer_files(tokenizer, tmp, cfg.max_position_embeddings, cfg.pad_token_id)
     return hf
 
 
-__all__ = ["ADAPTERS", "adapter_for", "export_hf", "hf_tensors", "import_hf", "is_hf_dir", "read_hf_config",
-           "write_hf"]
+__all__ = ["ADAPTERS", "adapter_for", "export_hf", "hf_config", "hf_tensors", "import_hf", "is_hf_dir",
+           "read_hf_config", "write_hf"]

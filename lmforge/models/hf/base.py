@@ -132,7 +132,7 @@ _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu", "relu": "
 
 
 def activation_from_hf(name: str) -> str:
-    if name not in _ACT_FROM_HF:
+    if not isinstance(name, str) or name not in _ACT_FROM_HF:
         raise UserError(f"activation '{name}' in config.json is not supported: lmforge has {', '.join(_ACT_FROM_HF)}")
     return _ACT_FROM_HF[name]
 

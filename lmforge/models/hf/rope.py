@@ -39,10 +39,16 @@ def rope_from_hf(hf: dict, params: dict | None = None,
                           hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
     factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope"):
-        factor = hf["max_position_embeddings"] / fields["original_max_position_embeddings"]
+        original = fields["original_max_position_embeddings"]
+        if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+            raise UserError(f"rope_scaling.original_max_position_embeddings: expected a positive integer, got "
+                            f"{original!r}")
+        factor = hf["max_position_embeddings"] / original
     if factor is None:
         raise UserError(f"rope scaling '{kind}' in config.json has no factor")
-    return theta, pct, RopeScaling(type=kind, factor=float(factor), **fields)
+    if isinstance(factor, int | float) and not isinstance(factor, bool):
+        factor = float(factor)  # else RopeScaling names it
+    return theta, pct, RopeScaling(type=kind, factor=factor, **fields)
 
 
 def rope_parameters(cfg: ModelConfig) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +9,10 @@ from pathlib import Path
 import torch
 
 from lmforge.errors import UserError
-from lmforge.fsutil import open_safetensors
+from lmforge.fsutil import folder_file, open_safetensors, read_weight_map
+
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class HFWeights:
@@ -21,24 +23,21 @@ class HFWeights:
         self.folder = folder
         self._where: dict[str, Path] = {}
         self._open: dict[Path, object] = {}
-        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        for index_name in INDEXES:
             index = folder / index_name
             if index.exists():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                self._where = {k: folder / v for k, v in weight_map.items()}
+                self._where = read_weight_map(index)
                 break
         else:
-            for name in ("model.safetensors", "pytorch_model.bin"):
+            for name in WEIGHT_FILES:
                 if (folder / name).exists():
-                    self._where = {k: folder / name for k in self._keys_of(folder / name)}
+                    path = folder_file(folder, name)
+                    self._where = {k: path for k in self._keys_of(path)}
                     break
         if not self._where:
             raise UserError(
                 f"no weights in '{folder}': expected model.safetensors, pytorch_model.bin or a sharded index"
             )
-        missing = sorted({str(p.name) for p in self._where.values() if not p.exists()})
-        if missing:
-            raise UserError(f"weight shard(s) {', '.join(missing)} named by the index are missing in '{folder}'")
 
     def _file(self, path: Path):
         if path not in self._open:
@@ -53,6 +52,10 @@ class HFWeights:
 
     def keys(self) -> list[str]:
         return list(self._where)
+
+    def nbytes(self) -> int:
+        """Bytes of the weight files (headers included)."""
+        return sum(p.stat().st_size for p in set(self._where.values()))
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
