@@ -34,9 +34,8 @@ ESCAPES = {
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from tests.eval.conftest import train_tokenizer
-
     from lmforge.tokenizers import load_tokenizer
+    from tests.eval.conftest import train_tokenizer
 
     folder = train_tokenizer("the quick brown fox jumps over the lazy dog " * 50, ["<|endoftext|>"], "<|endoftext|>",
                              "<|endoftext|>", False, tmp_path_factory.mktemp("tok") / "tok")
@@ -63,10 +62,9 @@ def test_a_model_folders_python_files_never_run(tmp_path):
     """A Hugging Face folder whose config.json names `auto_map` code (what `trust_remote_code` would import) and
     holds that code: importing, converting and generating from it never runs the file."""
     pytest.importorskip("transformers")
-    from tests.conftest import make_hf_model
-
     from lmforge.models.hf import import_hf
     from lmforge.models.source import load_pretrained
+    from tests.conftest import make_hf_model
 
     folder = tmp_path / "hf"
     make_hf_model("llama").save_pretrained(folder)

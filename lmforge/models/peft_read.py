@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
-from lmforge.fsutil import open_safetensors
+from lmforge.fsutil import folder_file, open_safetensors
 from lmforge.models.config import ModelConfig
 from lmforge.models.hf import hf_modules, is_hf_dir
 from lmforge.models.hf.base import (
@@ -43,7 +43,7 @@ _MOE_MODULES = ("mlp.router", "mlp.experts.gate_up", "mlp.experts.down")  # read
 def read_peft_config(folder: Path, classifier: bool = False) -> dict:
     """adapter_config.json of a LoRA adapter lmforge can load; `classifier`: into a classification model, whose
     head the adapter may hold whole (modules_to_save: score or classifier)."""
-    path = Path(folder) / CONFIG
+    path = folder_file(folder, CONFIG)
     if not path.is_file():
         raise UserError(f"no {CONFIG} in '{folder}': point --lora at a PEFT LoRA adapter folder")
     try:
@@ -98,7 +98,7 @@ def check_peft_adapter(model: nn.Module, folder: str | Path) -> tuple[dict, dict
     folder = Path(folder)
     cfg: ModelConfig = model.config
     config = read_peft_config(folder, classifier=bool(cfg.num_labels))
-    weights = folder / WEIGHTS
+    weights = folder_file(folder, WEIGHTS)
     if not weights.is_file():
         raise UserError(f"no {WEIGHTS} in '{folder}'")
     with open_safetensors(weights) as f:

@@ -204,3 +204,21 @@ def test_an_lmforge_folder_names_no_file_outside_it(hf_folder, tmp_path, secret)
     (tmp_path / "lm" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(UserError, match=r"other/model\.safetensors' points outside its folder"):
         load_pretrained(tmp_path / "lm")
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_lora_adapter_folder_names_no_file_outside_it(tmp_path, secret, name):
+    """`--lora DIR` / `load_peft_adapter`: an adapter folder's files are read from inside it too."""
+    pytest.importorskip("peft")
+    from lmforge.models.peft_read import load_peft_adapter
+    from lmforge.models.source import load_pretrained
+    from tests.conftest import make_hf_model
+    from tests.models.test_peft_fit import peft_adapter
+
+    make_hf_model("llama").save_pretrained(tmp_path / "base")
+    adapter = peft_adapter(tmp_path / "base", tmp_path / "adapter", ["q_proj", "v_proj"])
+    (tmp_path / "elsewhere" / name).write_bytes((adapter / name).read_bytes())
+    (adapter / name).unlink()
+    (adapter / name).symlink_to(tmp_path / "elsewhere" / name)
+    with pytest.raises(UserError, match=f"'{adapter / name}' points outside its folder"):
+        load_peft_adapter(load_pretrained(tmp_path / "base"), adapter)
