@@ -251,6 +251,24 @@ def test_a_storage_entry_outside_the_folder_is_refused(run, tmp_path, name):
         read_metadata(folder)
 
 
+@pytest.mark.parametrize("key, value, said", [
+    ("vocab_size", 10**12, "declares a model of"), ("num_layers", 10**6, "declares a model of"),
+    ("hidden_size", "64", "expected an integer"), ("num_layers", 2.5, "expected an integer"),
+])
+def test_a_checkpoints_absurd_config_is_one_line_before_anything_is_built(run, tmp_path, key, value, said):
+    from lmforge.models.source import load_pretrained
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(run / "checkpoints" / STEP, folder)
+    config = json.loads((folder / "lmforge.json").read_text())
+    config["model"][key] = value
+    (folder / "lmforge.json").write_text(json.dumps(config))
+    reseal(folder)
+    with pytest.raises(UserError, match=said) as e:
+        load_pretrained(folder)
+    assert "\n" not in str(e.value)
+
+
 # --- every verb that reads a checkpoint (through the CLI, as a user runs it) ----------------------------------
 
 def _cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

@@ -30,7 +30,7 @@ from lmforge.models.hf import hf_config, hf_tensors, is_hf_dir
 from lmforge.models.io import CONFIG_NAME, is_model_dir, materialize, missing_model_folder, read_config, read_folder
 from lmforge.models.lora import LoRAConfig, apply_lora, is_adapter, merge_lora
 from lmforge.models.peft import CONFIG as PEFT_CONFIG
-from lmforge.models.sizes import check_model_memory
+from lmforge.models.sizes import check_model_memory, check_weight_bytes
 
 # A rotary model's context: no weight depends on it, so a run may extend it (continued pretraining at a longer
 # seq_length, with a larger rotary base or a rope_scaling, as Code Llama and Llama 3.1 did); learned positions are
@@ -377,7 +377,11 @@ def load_checkpoint_whole(folder: Path, device: torch.device | str | None = None
     from lmforge.models.nf4 import is_nf4, quantize_nf4
 
     lora = checkpoint_lora(folder)
-    model = build(read_config(folder), device="meta")
+    cfg = read_config(folder)
+    check_model_memory(cfg, device, checkpoint_dtype(folder), folder)  # before anything is built
+    if lora is None or lora.base_dtype != "nf4":  # a QLoRA run's NF4 base is not in its checkpoints
+        check_weight_bytes(cfg, sum(p.stat().st_size for p in folder.glob("*.distcp")), folder)
+    model = build(cfg, device="meta")
     if lora is not None:  # as the run wrapped it, so the checkpoint's names have their places
         apply_lora(model, lora, quiet=True)  # a reader: the line is the training run's
     if lora is not None and lora.base_dtype == "nf4":
