@@ -4,6 +4,7 @@ A block on a docs page is either run here (slow lane: the pages in RUN, in order
 the earlier ones filled, with `lmforge` this checkout's and `$DATA` the tests' real assets) or titled
 *illustrative* (```` ```bash title="illustrative: why" ````: it needs the reader's corpus, a GPU, several processes
 or a cluster). A `DATA=...` line in a block names the reader's folder; here DATA is the tests' shared data.
+The README's journey lines are lines these pages run.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def _commands(body: str) -> list[str]:
     """The block's command lines, continuations joined and comments dropped."""
     joined = re.sub(r"\\\n\s*", "", body)
     return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip().startswith("lmforge ")]
+
+
+def test_the_readme_journeys_are_lines_the_pages_run():
+    ran = {line for page in RUN for body in runnable(DOCS / page) for line in _commands(body)}
+    readme = [line for lang, info, body in fences(ROOT / "README.md") if lang in SHELLS and "illustrative" not in info
+              for line in _commands(body)]
+    assert len(readme) >= 8
+    assert [line for line in readme if line not in ran and not line.startswith("lmforge quickstart")] == []
 
 
 @pytest.fixture(scope="module")
