@@ -44,15 +44,15 @@ class RopeScaling:
     Fields left None take transformers' defaults (and are left out of an exported config.json).
     """
 
-    type: str
-    factor: float = 1.0
+    type: str  # linear | dynamic | yarn | llama3 | longrope
+    factor: float = 1.0  # how many times the pretraining context to reach
     original_max_position_embeddings: int | None = None  # llama3, yarn, longrope: the pretraining context
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
+    low_freq_factor: float | None = None  # llama3: wavelengths above original / this are slowed by factor
+    high_freq_factor: float | None = None  # llama3: wavelengths below original / this are kept
     beta_fast: float | None = None  # yarn (32)
     beta_slow: float | None = None  # yarn (1)
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
+    mscale: float | None = None  # yarn: with mscale_all_dim, attention_factor = m(factor, mscale) / m(.., all_dim)
+    mscale_all_dim: float | None = None  # yarn: the divisor's mscale (see mscale)
     attention_factor: float | None = None  # yarn, longrope: cos/sin scale; default from factor (and mscale)
     truncate: bool | None = None  # yarn: floor/ceil the correction range (True)
     short_factor: list[float] | None = None  # longrope: one per rotated pair
@@ -82,50 +82,50 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    family: str
+    family: str  # the architecture: gpt_neox, llama, gpt2, gptj, bert, qwen2, mistral, qwen3, olmo2, phi3, ...
     vocab_size: int  # ids the model can see; rows past it are Megatron padding (see padded_vocab_size)
-    hidden_size: int
-    num_layers: int
-    num_heads: int
+    hidden_size: int  # the residual stream's width
+    num_layers: int  # transformer blocks
+    num_heads: int  # query heads per attention layer
     num_kv_heads: int | None = None  # grouped-query attention when < num_heads (Llama-2-70B: 8)
     head_dim: int | None = None  # default hidden_size // num_heads
     intermediate_size: int | None = None  # default 4 * hidden_size
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 2048  # the context: positions a forward may reach
 
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5  # the norms' epsilon
     norm_position: str = "pre"  # "post" (BERT): norm(x + f(x)); "output" (OLMo 2): x + norm(f(x)); "sandwich" (Gemma)
     norm_scale_fp32: bool = False  # RMSNorm scales before casting back from fp32 (OLMo 2, Gemma), not after (Llama)
     norm_unit_offset: bool = False  # RMSNorm scales by 1 + weight, the weight starting at 0 (Gemma)
-    activation: str = "gelu"
+    activation: str = "gelu"  # the MLP's: gelu | gelu_tanh | silu | relu
     gated_mlp: bool = False  # SwiGLU: down(act(gate(x)) * up(x))
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x))  (NeoX, GPT-J)
     shared_norm: bool = False  # GPT-J: one norm feeds both attention and MLP
 
-    position_embedding: str = "rotary"
+    position_embedding: str = "rotary"  # rotary | learned (GPT-2, BERT: a weight per position)
     rotary_pct: float = 1.0  # fraction of each head that rotates (Pythia/NeoX 0.25, GPT-J 64/256)
-    rotary_base: float = 10000.0
+    rotary_base: float = 10000.0  # rotary's theta: the frequencies are base^(-2i/d)
     rotary_interleaved: bool = False  # the HF checkpoint pairs dims (2i, 2i+1) (GPT-J), not (i, i+r/2)
     rope_scaling: RopeScaling | None = None  # context extension (Llama 3.1: llama3, factor 8)
     rotary_base_local: float | None = None  # sliding-window layers' own plain rotary base (Gemma 3: 10,000)
     # Sliding-window attention (Mistral, Gemma 2/3): a token attends to itself and the sliding_window - 1 before
     # it, on the layers whose layer_types entry is "sliding_attention" (None: every layer once a window is set).
     sliding_window: int | None = None
-    layer_types: list[str] | None = None
+    layer_types: list[str] | None = None  # per layer: full_attention | sliding_attention (transformers' names)
 
-    attention_bias: bool = True
+    attention_bias: bool = True  # biases on the attention projections
     qkv_bias: bool | None = None  # the q/k/v projections' bias; default attention_bias (Qwen2: True, o_proj none)
     # Normalise queries and keys before the rotation: "head" over each head's dims, one weight shared by the heads
     # (Qwen3, Gemma 3); "full" over all of q (and all of k) at once (OLMo 2). Same norm type and eps as the model's.
     qk_norm: str = "none"
-    mlp_bias: bool = True
-    lm_head_bias: bool = False
-    tie_embeddings: bool = False
+    mlp_bias: bool = True  # biases on the MLP's linears
+    lm_head_bias: bool = False  # a bias on the output head
+    tie_embeddings: bool = False  # the output head is the input embedding's weight
     scale_embeddings: bool = False  # input embeddings times sqrt(hidden_size) (Gemma)
     query_pre_attn_scalar: int | None = None  # attention scores scaled by its -1/2, not head_dim's (Gemma)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
-    causal: bool = True
+    causal: bool = True  # false: every token sees every other (BERT)
     type_vocab_size: int = 0  # BERT token-type (segment) embeddings
     num_labels: int = 0  # > 0: sequence-classification head instead of the LM/MLM head
     pooler: bool = False  # BERT pooler (dense + tanh over [CLS]); implied by num_labels > 0
@@ -133,24 +133,25 @@ class ModelConfig:
     # Mixture of experts (Mixtral, Qwen3-MoE): num_experts > 0 replaces the MLP of the MoE layers by a router and
     # num_experts SwiGLU experts of moe_intermediate_size, each token going to its experts_per_token best.
     num_experts: int = 0
-    experts_per_token: int = 2
+    experts_per_token: int = 2  # the top k experts a token is routed to
     moe_intermediate_size: int | None = None  # default intermediate_size (which the dense layers keep)
-    router_norm_topk: bool = True  # the chosen experts' softmax weights renormalised to sum 1 (Mixtral; Qwen3-MoE's
-    # norm_topk_prob), else the softmax over all experts as it is
+    # The chosen experts' softmax weights renormalised to sum 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else the
+    # softmax over all experts as it is.
+    router_norm_topk: bool = True
     moe_every: int = 1  # layer i is a MoE layer when (i + 1) % moe_every == 0 (Qwen3-MoE's decoder_sparse_step) ...
     dense_layers: list[int] | None = None  # ... and it is not listed here (Qwen3-MoE's mlp_only_layers)
     # Training: the load-balancing loss (Switch Transformer, as transformers computes it over all MoE layers) times
     # this is added to the loss; the router z-loss (ST-MoE: mean squared logsumexp of the router logits) times its own.
     router_aux_loss_coef: float = 0.001
-    router_z_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0  # the router z-loss's weight in the loss
 
-    make_vocab_size_divisible_by: int = 128
-    init_std: float = 0.02
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    bos_token_id: int | None = None
+    make_vocab_size_divisible_by: int = 128  # embedding rows padded to a multiple (Megatron's); x the TP degree
+    init_std: float = 0.02  # a fresh model's weights: N(0, init_std), output projections / sqrt(2 layers)
+    dropout: float = 0.0  # on the embeddings and the residual branches, in training
+    attention_dropout: float = 0.0  # on the attention probabilities, in training
+    bos_token_id: int | None = None  # as config.json names it (the tokenizer's)
     eos_token_id: int | list[int] | None = None  # a list: each ends a generation (Llama 3.1 Instruct, Gemma 3)
-    pad_token_id: int | None = None
+    pad_token_id: int | None = None  # a classifier finds each row's last token by it
 
     def __post_init__(self) -> None:
         # Built from a config.json as well as through from_dict: a "32" or a 2.5 is named here, not a TypeError

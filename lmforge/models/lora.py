@@ -73,7 +73,7 @@ BASE_DTYPES = ("fp32", "bf16", "nf4")
 class LoRAConfig:
     """The `lora:` section of a run: its presence turns LoRA on."""
 
-    rank: int = 8
+    rank: int = 8  # r: each adapter is B (out x r) times A (r x in)
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapters' input
     # Short names ("q,v", a list), "all-linear", or "default": PEFT's default for the family, q and v (the fused qkv

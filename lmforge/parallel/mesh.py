@@ -33,14 +33,14 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class ParallelConfig:
     """`parallel.*` in a run config. data_shard=-1 takes whatever the other dims leave of the world."""
 
-    pipeline: int = 1
+    pipeline: int = 1  # pipeline stages, the model split by layer (torch.distributed.pipelining)
     data_replicate: int = 1  # DDP-like replicas (HSDP's replicate dim when data_shard > 1)
     data_shard: int = -1  # FSDP2 shards parameters, gradients and optimizer state over this dim
-    tensor: int = 1
+    tensor: int = 1  # Megatron tensor parallelism: column/row-parallel linears, vocabulary-parallel head
     sequence_parallel: bool = True  # with tensor > 1: norms/dropout on sequence shards (Megatron SP)
     loss_parallel: bool = True  # with tensor > 1: cross-entropy on vocabulary shards, no full logits
-    pipeline_schedule: str = "1f1b"
-    microbatches: int = 0  # per pipeline step; 0: pipeline x virtual_stages
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    microbatches: int = 0  # per pipeline step; 0: a run derives it, global / (micro x data-parallel size)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b needs >= 2)
     # FSDP2 under bf16-mixed all-gathers bf16 parameters (half the bytes of fp32); gradients are reduce-scattered
     # in this dtype: fp32 (torchtitan's default: sums of many ranks' bf16 gradients lose bits) or bf16.

@@ -62,13 +62,13 @@ PRECISIONS = {
 class DataConfig:
     # Megatron-style prefixes (PREFIX.bin/.idx), optionally weighted: [0.7, a, 0.3, b]; one bare PREFIX is [PREFIX].
     paths: list[Any] | str = field(default_factory=list)
-    split: str = "969,30,1"
-    seq_length: int = 2048
+    split: str = "969,30,1"  # train,valid,test weights; each prefix is cut by sequence, as Megatron's --split
+    seq_length: int = 2048  # tokens per training sample (the run's context length)
     tokenizer: str | None = None  # default: the tokenizer beside model.init_from
     task: str = "pretrain"  # a name in lmforge.train.tasks.TASKS
     # Fine-tuning files (SFT JSON/JSONL, classification TSV/CSV/JSONL).
     train_file: str | None = None
-    valid_file: str | None = None
+    valid_file: str | None = None  # scored once whole at each validation
     cache_dir: str | None = None  # sample-index cache; default beside the data
     packing: bool = False  # sft: pack several examples per sequence (attention kept inside each)
     prompt_template: str | None = None  # sft without a chat template: Alpaca records' prompt (default Stanford's)
@@ -97,16 +97,16 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000
+    max_steps: int = 1000  # optimizer steps to train to (a finished run given more trains on)
     max_minutes: float | None = None  # stop (validate, save) once training has run this long
-    global_batch_size: int = 8
-    micro_batch_size: int = 1
+    global_batch_size: int = 8  # sequences per optimizer step: micro x accumulation (derived) x data-parallel size
+    micro_batch_size: int = 1  # sequences per forward and backward on one rank
     precision: str = "auto"  # auto: bf16-mixed where the device has bf16 matrix units, else fp32 (precision_for)
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # the gradients' global norm is scaled down to this; 0 = no clipping
     val_check_interval: int = 100  # steps between validations (and at the last step); 0 = never
     val_batches: int = 4  # global batches per validation
     log_every_n_steps: int = 1  # a row's loss is its step's alone, not the mean over the N (as Megatron, HF log)
-    seed: int = 1234
+    seed: int = 1234  # initial weights, sample order, dropout: a run is the same for a seed
     device: str = "auto"  # auto: the accelerator torch.accelerator reports (CUDA, ...), else cpu; or cpu, cuda, ...
     dist_backend: str | None = None  # default: gloo for CPU tensors + the device's own (cpu:gloo,cuda:nccl)
     compile: bool = False  # torch.compile each block
@@ -126,13 +126,13 @@ class TrainerConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: str = "cosine"
+    lr: float = 3e-4  # the peak learning rate, reached at the end of the warmup
+    min_lr: float = 3e-5  # where the schedule ends, at optim.decay_steps
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's two moment decays
+    eps: float = 1e-8  # Adam's epsilon
+    warmup_steps: int = 0  # linear warmup: step n of W trains at lr * n / W
+    schedule: str = "cosine"  # after the warmup, down to min_lr: cosine | linear | constant (stays at lr)
     decay_steps: int | None = None  # default: trainer.max_steps
 
 
@@ -140,9 +140,9 @@ class OptimConfig:
 class CheckpointConfig:
     every_n_steps: int = 0  # 0 = only at the end
     save_top_k: int = 1  # by `monitor` at validation; -1 keeps all
-    monitor: str = "val_loss"
-    mode: str = "min"
-    save_last: bool = True
+    monitor: str = "val_loss"  # the metric that ranks checkpoints for save_top_k, measured at their step
+    mode: str = "min"  # min | max: which end of `monitor` is best
+    save_last: bool = True  # keep the newest checkpoint beside the top k (resume from it)
     convert_to_hf: bool = False  # also write a Hugging Face folder at the end
     # Write in the background while training goes on (DCP async_save; the state is copied to host memory first).
     async_save: bool = False
@@ -161,7 +161,7 @@ class EvalConfig:
     every_n_steps: int = 0  # and at the last step; 0: the last step only
     num_fewshot: int | None = None  # default: each task's own
     limit: float | None = None  # the first N documents of each task (a fraction of them if < 1)
-    batch_size: int = 16
+    batch_size: int = 16  # requests per forward
     data_dir: str | None = None  # where the tasks' relative data files are (`lmforge eval --data-dir`)
     include_path: list[str] = field(default_factory=list)  # folders of your own task YAMLs
 
@@ -203,7 +203,8 @@ class ModelSection:
     `config` is the run's ModelConfig when the section defines it (a preset, or every field); with
     init_from and no preset it is None until `resolve()` reads the source's config (no weights)."""
 
-    preset: str | None = None
+    preset: str | None = None  # a name in lmforge.models.PRESETS (pythia-160m, llama-3.1-8b, tiny-neox ...)
+    # A Hugging Face or lmforge folder, or a training checkpoint: its config and weights (and tokenizer) start the run.
     init_from: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # the ModelConfig fields as written
     config: ModelConfig | None = None
@@ -296,17 +297,17 @@ SHIPPED_RECIPES = Path(__file__).resolve().parents[2] / "configs"
 
 @dataclass
 class RunConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    cost: CostConfig = field(default_factory=CostConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelSection = field(default_factory=ModelSection)  # the model: a preset and its fields, or init_from
+    data: DataConfig = field(default_factory=DataConfig)  # what the run reads: tokenized prefixes or task files
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # steps, batch, precision, device, validation
+    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and the learning-rate schedule
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # when to save, what to keep, exports
+    cost: CostConfig = field(default_factory=CostConfig)  # price and peak FLOP/s: tokens per dollar, MFU
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor, pipeline, data, expert layout
     lora: LoRAConfig | None = None  # a `lora:` section (e.g. lora.rank=8) trains adapters on a frozen base
     dpo: DPOConfig = field(default_factory=DPOConfig)  # data.task=dpo
     eval: EvalConfig = field(default_factory=EvalConfig)  # downstream evals during training (eval.tasks)
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # the run folder: checkpoints, metrics.jsonl, tensorboard/, exports
 
     def __post_init__(self) -> None:
         t = self.trainer
