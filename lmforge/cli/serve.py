@@ -25,6 +25,27 @@ TOKENIZER_FIX = ("pass --tokenizer PATH (a tokenizer.json, vocab.json + merges.t
                  "folder holding one)")
 
 
+def add_template_limits(p: argparse.ArgumentParser, chars_default: str) -> None:
+    """--template-timeout and --max-template-chars, of serve and generate: what one render of the chat template may
+    take (lmforge.chat_sandbox)."""
+    p.add_argument("--template-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="time one prompt's chat template render may take before it is stopped and the request refused "
+                        "(default 5; a chat renders in milliseconds)")
+    p.add_argument("--max-template-chars", type=int, default=None, metavar="N",
+                   help=f"most characters one chat template render may write (default {chars_default})")
+
+
+def template_limits(args: argparse.Namespace, chars_default: int):
+    from lmforge.chat_sandbox import RenderLimits
+
+    if not 0 < args.template_timeout < float("inf"):
+        raise UserError(f"--template-timeout must be a positive number of seconds, got {args.template_timeout}")
+    chars = chars_default if args.max_template_chars is None else args.max_template_chars
+    if chars < 1:
+        raise UserError(f"--max-template-chars must be >= 1, got {chars}")
+    return RenderLimits(args.template_timeout, chars)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files (or "
                                      "--tokenizer), or a training checkpoint (RUN_DIR/checkpoints/step-N: its run's "
@@ -58,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time a request's headers, and then its body, may take to arrive before a 408 (default 10)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="time an idle connection stays open after a response (default 5)")
+    add_template_limits(p, "4 x --max-body-bytes")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto (the default, as vLLM's): a request that leaves temperature, top_k, top_p or "
                         "repetition_penalty out gets the model folder's generation_config.json value (temperature, "
@@ -96,6 +118,7 @@ def run(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not 0 < value < float("inf"):
             raise UserError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+    limits = template_limits(args, 4 * args.max_body_bytes)
     device = resolve_device(args.device)
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY") or None
     host, port = listen_address(args.host, args.port)
@@ -109,7 +132,7 @@ def run(args: argparse.Namespace) -> None:
         if args.max_context is not None and args.max_context > engine.context:
             log.warning("--max-context %d is past what the model reads: requests get its %d tokens", args.max_context,
                         engine.context)
-        chat = ChatFormat(tokenizer, chat_folder)
+        chat = ChatFormat(tokenizer, chat_folder, limits=limits)
         if chat.chat is None:
             log.warning("'%s' has no chat template: /v1/chat/completions renders plain 'User: ... Assistant:' turns",
                         chat_folder)

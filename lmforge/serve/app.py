@@ -19,7 +19,7 @@ from lmforge.serve.metrics import MetricsMiddleware
 from lmforge.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from lmforge.serve.sagemaker import invocations
-from lmforge.serve.server import ServeConfig, Server, error_response
+from lmforge.serve.server import ServeConfig, Server, error_response, read_json
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,14 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        if chat.sandbox is not None:  # the template's renderers, so that the first chat does not wait for them
+            await asyncio.to_thread(chat.sandbox.start)
         try:
             yield
         finally:
             await asyncio.to_thread(engine.stop)
+            server.prompts.close()
+            chat.close()
 
     app = FastAPI(title="lmforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -67,11 +71,13 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await server.completions(request, parse(CompletionRequest, await server.read_json(request)))
+        body = await server.prompts.body(request, lambda raw: parse(CompletionRequest, read_json(raw)))
+        return await server.completions(request, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await server.chat_completions(request, parse(ChatRequest, await server.read_json(request)))
+        body = await server.prompts.body(request, lambda raw: parse(ChatRequest, read_json(raw)))
+        return await server.chat_completions(request, body)
 
     @app.get("/v1/models")
     async def models():
