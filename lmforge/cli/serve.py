@@ -80,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="time an idle connection stays open after a response (default 5)")
     add_template_limits(p, "4 x --max-body-bytes")
+    p.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="comma-separated Host names to answer to besides IP addresses, localhost and --host (and this "
+                        "machine's name when --host is not loopback); '.example.com' admits it and every name under "
+                        "it, '*' any Host. Others get 421: a web page could otherwise reach a local server through "
+                        "DNS rebinding (default: none more; inside SageMaker, '*')")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto (the default, as vLLM's): a request that leaves temperature, top_k, top_p or "
                         "repetition_penalty out gets the model folder's generation_config.json value (temperature, "
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
     from lmforge.serve.http import uvicorn_config
-    from lmforge.serve.listen import bind, is_loopback, listen_address
+    from lmforge.serve.listen import allowed_hosts, bind, is_loopback, listen_address
     from lmforge.serve.server import ServeConfig
 
     folder = Path(args.model_dir)
@@ -122,6 +127,7 @@ def run(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY") or None
     host, port = listen_address(args.host, args.port)
+    hosts = allowed_hosts(host, args.allowed_hosts)
     sock = bind(host, port)
     try:
         tokenizer = served_tokenizer(folder, args.tokenizer)
@@ -139,7 +145,8 @@ def run(args: argparse.Namespace) -> None:
         name = args.model_name or served_name(Path(args.lora) if args.lora else folder)
         defaults = generation_defaults(folder) if args.generation_config == "auto" else {}
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,
-                             args.max_choices, args.read_timeout, args.keep_alive_timeout, defaults)
+                             args.max_choices, args.read_timeout, args.keep_alive_timeout, defaults,
+                             allowed_hosts=tuple(hosts), sagemaker=bool(os.environ.get("SAGEMAKER_BIND_TO_PORT")))
         app = create_app(engine, tokenizer, chat, config)
     except BaseException:
         sock.close()

@@ -16,7 +16,13 @@ from starlette.exceptions import HTTPException
 from lmforge.inference.engine import Engine
 from lmforge.serve.chat import ChatFormat
 from lmforge.serve.metrics import MetricsMiddleware
-from lmforge.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from lmforge.serve.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    HostCheck,
+    HostCheckMiddleware,
+    JsonContentTypeMiddleware,
+)
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from lmforge.serve.sagemaker import invocations
 from lmforge.serve.server import ServeConfig, Server, error_response, read_json
@@ -25,6 +31,7 @@ log = logging.getLogger(__name__)
 
 ROUTES = {"/", "/health", "/ping", "/metrics", "/invocations", "/v1/models", "/v1/completions",
           "/v1/chat/completions"}
+JSON_ROUTES = {"/v1/completions", "/v1/chat/completions", "/invocations"}  # POST bodies, read as JSON
 
 
 def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig | None = None) -> FastAPI:
@@ -110,9 +117,13 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
     async def chat_page():
         return HTMLResponse(page)
 
-    # Added last runs first: count everything, then check the key, then the body size, then route.
+    # Added last runs first: count everything, then check the Host, the key, the content type, the body size, then
+    # route. Inside SageMaker, /invocations takes what its callers send (the platform signs every request).
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, read_timeout=config.read_timeout)
+    json_routes = JSON_ROUTES - {"/invocations"} if config.sagemaker else JSON_ROUTES
+    app.add_middleware(JsonContentTypeMiddleware, routes=json_routes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(HostCheckMiddleware, check=HostCheck(config.allowed_hosts))
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)
     return app

@@ -47,6 +47,10 @@ class ServeConfig:
     # defaults: the model folder's generation_config.json's (lmforge.cli.serve.generation_defaults), as vLLM's
     # --generation-config auto. Keys: those four SamplingParams fields.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # Host names answered to besides addresses and localhost ("*": any; lmforge.serve.middleware.HostCheck), and
+    # whether this is a SageMaker container, where /invocations takes any content type.
+    allowed_hosts: tuple[str, ...] = ()
+    sagemaker: bool = False
 
 
 class Generation:
