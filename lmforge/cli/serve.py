@@ -29,8 +29,8 @@ def add_template_limits(p: argparse.ArgumentParser, chars_default: str) -> None:
     """--template-timeout and --max-template-chars, of serve and generate: what one render of the chat template may
     take (lmforge.chat_sandbox)."""
     p.add_argument("--template-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="time one prompt's chat template render may take before it is stopped and the request refused "
-                        "(default 5; a chat renders in milliseconds)")
+                   help="time the chat template's render of one prompt may take before it is stopped and the prompt "
+                        "refused (default 5; a chat renders in milliseconds)")
     p.add_argument("--max-template-chars", type=int, default=None, metavar="N",
                    help=f"most characters one chat template render may write (default {chars_default})")
 
