@@ -79,9 +79,11 @@ class _Child:
         if not self.alive:
             self.spawn(limits)
         if not self.ready:
-            if self._reply(time.monotonic() + START_TIMEOUT, None) != {"ready": True}:
+            reply = self._reply(time.monotonic() + START_TIMEOUT, None)
+            if reply != {"ready": True}:
                 self.kill()
-                raise RuntimeError(f"the chat template renderer did not start within {START_TIMEOUT:g} s")
+                why = f"did not start within {START_TIMEOUT:g} s" if reply is None else "exited as it started"
+                raise RuntimeError(f"the chat template renderer (a child process) {why}: see the log above")
             self.ready = True
 
     def kill(self) -> None:
