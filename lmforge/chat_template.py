@@ -40,13 +40,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 import string
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 
+from lmforge.chat_render import Piece, TemplateRefused, TemplateRender  # noqa: F401 (callers import it here)
 from lmforge.errors import UserError
 from lmforge.fsutil import folder_file
 
@@ -54,12 +52,6 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5's name; it wins over tokenizer_config.json's
-# Noncharacters (Unicode keeps U+FDD0..U+FDEF for a program's own use): the edges of an assistant span, the mark
-# before a special token's text typed in a message, and the probe that finds where each message's text ends.
-_SPAN_START, _SPAN_END, _TYPED, _PROBE = "\ufdd0", "\ufdd1", "\ufdd2", "\ufdd3"
-_SPANS = re.compile("[\ufdd0\ufdd1]")
-_INTERNAL = re.compile("[\ufdd0-\ufdd3]")
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 # Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca, train.py), verbatim.
 ALPACA_PROMPT_INPUT = (
@@ -161,204 +153,51 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class TemplateRefused(Exception):
-    """The template raised (raise_exception) or failed on these messages; the message says why."""
-
-
-# A piece of a rendered chat: text to tokenize, or a special token's id; and whether it is in an assistant span.
-Piece = tuple[str | int, bool]
-
-
-class ChatTemplate:
+class ChatTemplate(TemplateRender):
     """A Jinja chat template bound to a tokenizer: `source` is its text, `folder` (optional) the tokenizer folder
     whose tokenizer_config.json names the special tokens (else the tokenizer file's folder); `builtin`: one of
     lmforge's templates (BUILTIN)."""
 
     def __init__(self, source: str, tokenizer, folder: str | Path | None = None, where: str = "the chat template",
                  builtin: bool = False):
-        try:
-            from jinja2 import TemplateError, nodes
-            from jinja2.ext import Extension, loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise UserError(f"{where} needs jinja2: pip install jinja2") from None
-
-        class Generation(Extension):
-            """`{% generation %}...{% endgeneration %}`: marks what it renders as an assistant span."""
-
-            tags = {"generation"}
-
-            def parse(self, parser):
-                lineno = next(parser.stream).lineno
-                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-            def _mark(self, caller):
-                return _SPAN_START + caller() + _SPAN_END
-
-        self.source, self.tokenizer = source, tokenizer
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols, Generation])
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = _tojson
-        try:
-            self.template = env.from_string(source)
-        except TemplateError as e:
-            raise UserError(f"{where} does not parse ({e}): fix it") from None
-        self.marks_spans = bool(_GENERATION_TAG.search(source))
+        self.tokenizer = tokenizer
         files = getattr(tokenizer, "files", None)
         declared = declared_tokens(folder, Path(files[0]).parent if files else None)
         config = declared or {}
         # What the tokenizer files declare, as transformers renders them: a token they name none of is "" (OLMo 2's
         # bos). A bare tokenizer file declares nothing: its bos and eos are then those lmforge's export writes into
         # tokenizer_config.json (lmforge.models.hf.tokenizer), as are a built-in template's, which writes eos itself.
-        self.variables = {f"{k}_token": _token_text(config.get(f"{k}_token")) or ""
-                          for k in ("bos", "eos", "unk", "pad")}
+        variables = {f"{k}_token": _token_text(config.get(f"{k}_token")) or "" for k in ("bos", "eos", "unk", "pad")}
         for key, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id if tokenizer.eos_id is not None
                                                            else tokenizer.eod_id)):
-            if (declared is None or builtin) and not self.variables[f"{key}_token"] and i is not None:
-                self.variables[f"{key}_token"] = tokenizer.id_to_token(i) or ""
+            if (declared is None or builtin) and not variables[f"{key}_token"] and i is not None:
+                variables[f"{key}_token"] = tokenizer.id_to_token(i) or ""
         # Every special token, as transformers' tokenizer(rendered, add_special_tokens=False) reads the template's
         # text: the tokenizer's own (transformers 5 keeps added tokens only in tokenizer.json) and those the config
         # names (transformers 4's additional_special_tokens and added_tokens_decoder, 5's extra_special_tokens).
         extra = config.get("extra_special_tokens") or []
-        named = [*self.variables.values(), *(config.get("additional_special_tokens") or []),
+        named = [*variables.values(), *(config.get("additional_special_tokens") or []),
                  *(extra.values() if isinstance(extra, dict) else extra),
                  *(t for t in (config.get("added_tokens_decoder") or {}).values()
                    if isinstance(t, dict) and t.get("special"))]
-        self.specials = dict(tokenizer.special_tokens)
-        self._add_specials([s for s in map(_token_text, named) if s])
-        self._add_specials(("<|im_start|>", "<|im_end|>") if "<|im_start|>" in source else ())
-        # Longest first, so that "<|im_start|>" is not read as a shorter token inside it; one marked typed is text.
-        names = "|".join(map(re.escape, sorted(self.specials, key=len, reverse=True)))
-        self._special_re = re.compile(f"{_TYPED}?(?:{names})")
-
-    def _add_specials(self, names: Sequence[str]) -> None:
-        for name in names:
-            if name not in self.specials and (i := self.tokenizer.token_to_id(name)) is not None:
-                self.specials[name] = i
+        specials = dict(tokenizer.special_tokens)
+        for name in [*(s for s in map(_token_text, named) if s),
+                     *(("<|im_start|>", "<|im_end|>") if "<|im_start|>" in source else ())]:
+            if name not in specials and (i := tokenizer.token_to_id(name)) is not None:
+                specials[name] = i
+        super().__init__(source, variables, specials, where)
 
     @classmethod
     def from_folder(cls, tokenizer, folder: str | Path) -> ChatTemplate | None:
         source = read_chat_template(folder)
         return None if source is None else cls(source, tokenizer, folder, f"the chat template of {folder}")
 
-    # -- rendering ----------------------------------------------------------------------------
-
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        """The template's text for `messages`, {% generation %} blocks marked as spans (TemplateRefused)."""
-        from jinja2 import TemplateError
-
-        try:
-            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.variables)
-        except TemplateError as e:
-            raise TemplateRefused(str(e)) from None
-
-    def _typed(self, messages: Sequence[dict], prompt: bool) -> Sequence[dict]:
-        """`messages` with each special token's text in a content marked as typed, where the template renders them as
-        it renders `messages` (marks aside); else `messages`, its tokens then read as transformers reads them."""
-        if not self.specials or not any(self._special_re.search(m["content"]) for m in messages):
-            return messages
-        typed = [{**m, "content": self._special_re.sub(lambda t: _TYPED + t.group(), m["content"])} for m in messages]
-        try:
-            same = self.render(typed, prompt).replace(_TYPED, "") == self.render(messages, prompt)
-        except TemplateRefused:
-            same = False
-        return typed if same else messages
-
-    def _spans_by_prefix(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        """The whole render with each assistant message's span marked, found from renders turn by turn."""
-        full = self.render(messages, add_generation_prompt)
-        out, at = [], 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before, after = self.render(messages[:i], True), self.render(messages[: i + 1], False)
-            if after == full or not full.startswith(after):
-                after = after[: self._closing(messages[: i + 1], after)]
-            if not after.startswith(before):
-                where = _parting(before, after, ("the prompt", "the answer"), messages)
-                raise TemplateRefused(f"the generation prompt is not how the template starts assistant message {i} "
-                                      f"({where}), so its answer cannot be found turn by turn; give the template "
-                                      "{% generation %} blocks or choose another data.chat_template")
-            if not full.startswith(after) or len(before) < at:
-                where = _parting(after, full, ("its turn", "the whole chat"), messages)
-                raise TemplateRefused(f"rendering the chat turn by turn does not give prefixes of the whole chat (at "
-                                      f"message {i}, {where}): the template rewrites earlier turns; give it "
-                                      "{% generation %} blocks or choose another data.chat_template")
-            out += [full[at : len(before)], _SPAN_START, full[len(before) : len(after)], _SPAN_END]
-            at = len(after)
-        return "".join(out) + full[at:]
-
-    def _closing(self, messages: Sequence[dict], rendered: str) -> int:
-        """Where `rendered` (`messages` without the generation prompt) ends before what the template writes only to
-        close a whole chat (Phi-3's "{% else %}{{ eos_token }}"): where it parts from the render with the generation
-        prompt, at the start of a special token split there; no message's text may follow (a probe put at the end of
-        each content must come before it). That text closes the chat, it is no answer's: it is in no span, and a turn
-        followed by more messages is a prefix of the chat without it."""
-        try:
-            prompted = self.render(messages, True)
-        except TemplateRefused:
-            return len(rendered)
-        k = len(os.path.commonprefix([rendered, prompted]))
-        k = next((m.start() for m in self._special_re.finditer(rendered) if m.start() < k < m.end()), k) \
-            if self.specials else k
-        if k == len(rendered):
-            return k
-        try:
-            probed = self.render([{**m, "content": m["content"] + _PROBE} for m in messages], False)
-        except TemplateRefused:
-            return len(rendered)
-        return k if probed.endswith(rendered[k:]) and _PROBE not in probed[k - len(rendered) :] else len(rendered)
-
-    def pieces(self, messages: Sequence[dict], add_generation_prompt: bool, spans: bool = True) -> list[Piece]:
-        """The rendered chat as text runs and special-token ids, each flagged in or out of an assistant span.
-
-        spans=False (serving a template without {% generation %} blocks that cannot be split turn by turn):
-        no spans, the text cut at special tokens only.
-        """
-        for i, m in enumerate(messages):
-            if found := _INTERNAL.search(m["content"]):
-                raise TemplateRefused(f"message {i} holds the character U+{ord(found.group()):04X}, a Unicode "
-                                      "noncharacter that lmforge uses to mark the render: remove it from the text")
-        messages = self._typed(messages, add_generation_prompt)
-        if self.marks_spans or not spans:
-            rendered = self.render(messages, add_generation_prompt)
-        else:
-            rendered = self._spans_by_prefix(messages, add_generation_prompt)
-        if not spans:
-            rendered = _SPANS.sub("", rendered)
-        out: list[Piece] = []
-        in_span, at = False, 0
-        for m in [*_SPANS.finditer(rendered), None]:
-            self._template_text(rendered[at : m.start() if m else len(rendered)], in_span, out)
-            if m:
-                in_span, at = m.group() == _SPAN_START, m.end()
-        return out
-
-    def _template_text(self, part: str, in_span: bool, out: list[Piece]) -> None:
-        """Append rendered text to `out`: text runs cut at each special token the template wrote, and its id."""
-        at = 0
-        for m in self._special_re.finditer(part) if self.specials else ():
-            if not m.group().startswith(_TYPED):
-                if text := part[at : m.start()].replace(_TYPED, ""):
-                    out.append((text, in_span))
-                out.append((self.specials[m.group()], in_span))
-                at = m.end()
-        if text := part[at:].replace(_TYPED, ""):
-            out.append((text, in_span))
-
     # -- ids ----------------------------------------------------------------------------------
 
     def prompt_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Ids of a chat so far plus the generation prompt: what the model continues (TemplateRefused)."""
-        chat = [{"role": "system" if role == "developer" else role, "content": content} for role, content in messages]
-        try:
-            pieces = self.pieces(chat, True)
-        except TemplateRefused:  # a template that rewrites earlier turns: no spans to cut at, as transformers
-            pieces = self.pieces(chat, True, spans=False)
+        """Ids of a chat so far plus the generation prompt: what the model continues (TemplateRefused). Rendered once,
+        without spans: they would only flag the ids, and finding them turn by turn renders the chat once per answer."""
+        pieces = self.pieces(chat_messages(messages), True, spans=False)
         return encode_pieces(self.tokenizer, [pieces])[0][0]
 
     @property
@@ -412,6 +251,11 @@ def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[in
     return out
 
 
+def chat_messages(messages: Sequence[tuple[str, str]]) -> list[dict]:
+    """(role, text) pairs as a template's `messages`; OpenAI's "developer" is the system."""
+    return [{"role": "system" if role == "developer" else role, "content": content} for role, content in messages]
+
+
 def check_messages(messages, where: str) -> list[dict]:
     """`messages` as {role, content} dicts up to the last assistant message (later turns teach nothing)."""
     if not isinstance(messages, list) or not messages:
@@ -426,27 +270,3 @@ def check_messages(messages, where: str) -> list[dict]:
     if last is None:
         raise UserError(f"{where}: the chat has no assistant message, so nothing to learn: add one or drop the record")
     return out[: last + 1]
-
-
-def _parting(one: str, other: str, names: tuple[str, str], messages: Sequence[dict]) -> str:
-    """Where two renders part, for an error: each one's text there, messages' contents named."""
-    k = len(os.path.commonprefix([one, other]))
-    index = {m["content"]: f"{{message {i}}}" for i, m in reversed(list(enumerate(messages))) if m["content"]}
-    named = re.compile("|".join(map(re.escape, sorted(index, key=len, reverse=True)))) if index else None
-
-    def show(text: str) -> str:
-        text = named.sub(lambda m: index[m.group()], text[k:]) if named else text[k:]
-        return repr(text.replace(_TYPED, "")[:40])
-
-    return f"{names[0]} has {show(one)} where {names[1]} has {show(other)}"
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # transformers' filter: Jinja's own escapes HTML characters ("<" as "\u003c"), which a chat must not.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message: str):
-    from jinja2 import TemplateError
-
-    raise TemplateError(message)

@@ -7,10 +7,11 @@ import logging
 import time
 from pathlib import Path
 
-from lmforge.cli.serve import TOKENIZER_HELP
+from lmforge.cli.serve import TOKENIZER_HELP, add_template_limits
 from lmforge.errors import UserError
 
 log = logging.getLogger(__name__)
+CHAT_MAX_CHARS = 4 << 20  # --max-template-chars: serve's default for its default body limit
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "carry the one it trained with; else --tokenizer's folder's), as /v1/chat/completions renders "
                         "it; the completion is the assistant's reply")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each prompt")
+    add_template_limits(p, str(CHAT_MAX_CHARS))
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter folder (e.g. a run's hf-adapter/), merged into MODEL_DIR on load")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help=TOKENIZER_HELP)
@@ -49,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from lmforge.cli.serve import check_vocabulary, load_served, served_tokenizer
+    from lmforge.cli.serve import check_vocabulary, load_served, served_tokenizer, template_limits
     from lmforge.devices import resolve_device
     from lmforge.inference import generate_text
     from lmforge.inference.generate import check_fits
@@ -61,13 +63,14 @@ def run(args: argparse.Namespace) -> None:
         raise UserError("--system is a chat message: add --chat")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    limits = template_limits(args, CHAT_MAX_CHARS)
     device = resolve_device(args.device)
     tokenizer = served_tokenizer(Path(args.model_dir), args.tokenizer)
     model, chat_folder = load_served(Path(args.model_dir), args.lora, device, parse_dtype(args.dtype), args.tokenizer)
     check_vocabulary(tokenizer, model, args.tokenizer)
     prompts, stop = args.prompt, list(args.stop)
     if args.chat:
-        prompts, chat_stop = chat_prompts(tokenizer, chat_folder, args.prompt, args.system)
+        prompts, chat_stop = chat_prompts(tokenizer, chat_folder, args.prompt, args.system, limits)
         stop += chat_stop
     # generate() checks the same, but this line can name the flag.
     longest = max(len(ids) for ids in (prompts if args.chat else
@@ -88,21 +91,26 @@ def run(args: argparse.Namespace) -> None:
         print(text)
 
 
-def chat_prompts(tokenizer, folder: Path, prompts: list[str], system: str | None) -> tuple[list[list[int]], list[str]]:
+def chat_prompts(tokenizer, folder: Path, prompts: list[str], system: str | None, limits=None
+                 ) -> tuple[list[list[int]], list[str]]:
     """(each prompt as a user message after `system`, rendered to ids with `folder`'s chat template as the server
-    renders a chat; the stop strings that format needs)."""
+    renders a chat, under the same limits (lmforge.chat_sandbox.RenderLimits); the stop strings that format needs)."""
     from lmforge.serve.chat import ChatFormat
     from lmforge.serve.protocol import APIError
 
-    chat = ChatFormat(tokenizer, folder)
+    chat = ChatFormat(tokenizer, folder, limits=limits)
     if chat.chat is None:
         log.warning("'%s' has no chat template: the prompts are rendered as plain 'User: ... Assistant:' turns", folder)
     head = [("system", system)] if system is not None else []
     try:
         return [chat.encode([*head, ("user", p)]) for p in prompts], list(chat.stop)
     except APIError as e:
+        if e.code in ("template_limit", "tokenizer_error"):  # the line names its fix
+            raise UserError(e.message) from None
         fix = "drop --system if it takes no system message" if system is not None else "prompt without --chat"
         raise UserError(f"{e.message}: {fix}") from None
+    finally:
+        chat.close()
 
 
 def repetition_penalty(args: argparse.Namespace, folder: Path) -> float:

@@ -25,6 +25,27 @@ TOKENIZER_FIX = ("pass --tokenizer PATH (a tokenizer.json, vocab.json + merges.t
                  "folder holding one)")
 
 
+def add_template_limits(p: argparse.ArgumentParser, chars_default: str) -> None:
+    """--template-timeout and --max-template-chars, of serve and generate: what one render of the chat template may
+    take (lmforge.chat_sandbox)."""
+    p.add_argument("--template-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="time the chat template's render of one prompt may take before it is stopped and the prompt "
+                        "refused (default 5; a chat renders in milliseconds)")
+    p.add_argument("--max-template-chars", type=int, default=None, metavar="N",
+                   help=f"most characters one chat template render may write (default {chars_default})")
+
+
+def template_limits(args: argparse.Namespace, chars_default: int):
+    from lmforge.chat_sandbox import RenderLimits
+
+    if not 0 < args.template_timeout < float("inf"):
+        raise UserError(f"--template-timeout must be a positive number of seconds, got {args.template_timeout}")
+    chars = chars_default if args.max_template_chars is None else args.max_template_chars
+    if chars < 1:
+        raise UserError(f"--max-template-chars must be >= 1, got {chars}")
+    return RenderLimits(args.template_timeout, chars)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="lmforge model folder or Hugging Face folder, with its tokenizer files (or "
                                      "--tokenizer), or a training checkpoint (RUN_DIR/checkpoints/step-N: its run's "
@@ -58,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time a request's headers, and then its body, may take to arrive before a 408 (default 10)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="time an idle connection stays open after a response (default 5)")
+    add_template_limits(p, "4 x --max-body-bytes")
+    p.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="comma-separated Host names to answer to besides IP addresses, localhost and --host (and this "
+                        "machine's name when --host is not loopback); '.example.com' admits it and every name under "
+                        "it, '*' any Host. Others get 421: a web page could otherwise reach a local server through "
+                        "DNS rebinding (default: none more; inside SageMaker, '*')")
     p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto (the default, as vLLM's): a request that leaves temperature, top_k, top_p or "
                         "repetition_penalty out gets the model folder's generation_config.json value (temperature, "
@@ -82,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.serve.app import create_app
     from lmforge.serve.chat import ChatFormat
     from lmforge.serve.http import uvicorn_config
-    from lmforge.serve.listen import bind, is_loopback, listen_address
+    from lmforge.serve.listen import allowed_hosts, bind, is_loopback, listen_address
     from lmforge.serve.server import ServeConfig
 
     folder = Path(args.model_dir)
@@ -96,9 +123,11 @@ def run(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not 0 < value < float("inf"):
             raise UserError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+    limits = template_limits(args, 4 * args.max_body_bytes)
     device = resolve_device(args.device)
     api_key = args.api_key or os.environ.get("LMFORGE_API_KEY") or None
     host, port = listen_address(args.host, args.port)
+    hosts = allowed_hosts(host, args.allowed_hosts)
     sock = bind(host, port)
     try:
         tokenizer = served_tokenizer(folder, args.tokenizer)
@@ -109,14 +138,15 @@ def run(args: argparse.Namespace) -> None:
         if args.max_context is not None and args.max_context > engine.context:
             log.warning("--max-context %d is past what the model reads: requests get its %d tokens", args.max_context,
                         engine.context)
-        chat = ChatFormat(tokenizer, chat_folder)
+        chat = ChatFormat(tokenizer, chat_folder, limits=limits)
         if chat.chat is None:
             log.warning("'%s' has no chat template: /v1/chat/completions renders plain 'User: ... Assistant:' turns",
                         chat_folder)
         name = args.model_name or served_name(Path(args.lora) if args.lora else folder)
         defaults = generation_defaults(folder) if args.generation_config == "auto" else {}
         config = ServeConfig(name, args.max_tokens_limit, args.default_max_tokens, api_key, args.max_body_bytes,
-                             args.max_choices, args.read_timeout, args.keep_alive_timeout, defaults)
+                             args.max_choices, args.read_timeout, args.keep_alive_timeout, defaults,
+                             allowed_hosts=tuple(hosts), sagemaker=bool(os.environ.get("SAGEMAKER_BIND_TO_PORT")))
         app = create_app(engine, tokenizer, chat, config)
     except BaseException:
         sock.close()

@@ -16,15 +16,22 @@ from starlette.exceptions import HTTPException
 from lmforge.inference.engine import Engine
 from lmforge.serve.chat import ChatFormat
 from lmforge.serve.metrics import MetricsMiddleware
-from lmforge.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from lmforge.serve.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    HostCheck,
+    HostCheckMiddleware,
+    JsonContentTypeMiddleware,
+)
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from lmforge.serve.sagemaker import invocations
-from lmforge.serve.server import ServeConfig, Server, error_response
+from lmforge.serve.server import ServeConfig, Server, error_response, read_json
 
 log = logging.getLogger(__name__)
 
 ROUTES = {"/", "/health", "/ping", "/metrics", "/invocations", "/v1/models", "/v1/completions",
           "/v1/chat/completions"}
+JSON_ROUTES = {"/v1/completions", "/v1/chat/completions", "/invocations"}  # POST bodies, read as JSON
 
 
 def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig | None = None) -> FastAPI:
@@ -42,10 +49,14 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        if chat.sandbox is not None:  # the template's renderers, so that the first chat does not wait for them
+            await asyncio.to_thread(chat.sandbox.start)
         try:
             yield
         finally:
             await asyncio.to_thread(engine.stop)
+            server.prompts.close()
+            chat.close()
 
     app = FastAPI(title="lmforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -67,11 +78,13 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await server.completions(request, parse(CompletionRequest, await server.read_json(request)))
+        body = await server.prompts.body(request, lambda raw: parse(CompletionRequest, read_json(raw)))
+        return await server.completions(request, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await server.chat_completions(request, parse(ChatRequest, await server.read_json(request)))
+        body = await server.prompts.body(request, lambda raw: parse(ChatRequest, read_json(raw)))
+        return await server.chat_completions(request, body)
 
     @app.get("/v1/models")
     async def models():
@@ -104,9 +117,13 @@ def create_app(engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig 
     async def chat_page():
         return HTMLResponse(page)
 
-    # Added last runs first: count everything, then check the key, then the body size, then route.
+    # Added last runs first: count everything, then check the Host, the key, the content type, the body size, then
+    # route. Inside SageMaker, /invocations takes what its callers send (the platform signs every request).
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, read_timeout=config.read_timeout)
+    json_routes = JSON_ROUTES - {"/invocations"} if config.sagemaker else JSON_ROUTES
+    app.add_middleware(JsonContentTypeMiddleware, routes=json_routes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(HostCheckMiddleware, check=HostCheck(config.allowed_hosts))
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=ROUTES)
     return app

@@ -3,6 +3,10 @@ clear error line at once.
 
 Binds 127.0.0.1 unless told otherwise. Inside a SageMaker container (SAGEMAKER_BIND_TO_PORT set) the
 port comes from that variable and the host defaults to 0.0.0.0, as the platform's health checks need.
+
+The Host names the server answers to (lmforge.serve.middleware.HostCheck) beyond IP addresses and localhost: the
+--host name, this machine's name where it listens beyond loopback, and --allowed-hosts. Inside SageMaker, any: its
+proxy sends a Host of its own, and the endpoint is reached only through SageMaker's signed (IAM) API.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Sequence
 
 from lmforge.errors import UserError
 
@@ -46,3 +51,24 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def allowed_hosts(host: str, flag: str | None) -> Sequence[str]:
+    """The Host names `lmforge serve --host HOST --allowed-hosts FLAG` answers to besides addresses and localhost."""
+    if flag is None and os.environ.get("SAGEMAKER_BIND_TO_PORT"):
+        return ("*",)
+    names = [n.strip().lower() for n in (flag or "").split(",") if n.strip()]
+    if "*" in names:
+        return ("*",)
+    extra = [host.lower()] if host and not _is_address(host) else []
+    if not is_loopback(host):  # reached from other machines, most often by this one's name
+        extra.append(socket.gethostname().lower())
+    return tuple(dict.fromkeys(n for n in [*names, *extra] if n))
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False

@@ -1,14 +1,25 @@
-"""ASGI middleware in front of the routes: the API key check and the request-body size and time limits.
+"""ASGI middleware in front of the routes: the Host check, the API key check, the JSON content type, and the
+request-body size and time limits.
 
-Both answer with OpenAI's error object before any route code runs, so an unauthenticated or oversized
-request never reaches JSON parsing or the engine.
+Each answers with OpenAI's error object before any route code runs, so a request from a web page of another site,
+an unauthenticated or an oversized one never reaches JSON parsing or the engine.
+
+A web page can make a browser send requests to a server on the user's machine (or network) that needs no key: a form
+or a `fetch` with a text/plain body goes to any address without asking it first (a CORS preflight, which this server
+never answers, is sent only for other content types, JSON's among them), and DNS rebinding points the page's own
+domain at 127.0.0.1, making its requests same-origin, answers readable. The first is stopped by taking only
+`Content-Type: application/json` on JSON routes (415 otherwise), the second by answering 421 to a Host header that is
+none of this server's names: an IP address (a rebinding page's requests carry its domain name, never an address),
+localhost and the names under .localhost (which resolve to loopback only), and those the server adds (`HostCheck`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
+from collections.abc import Iterable
 
 from lmforge.serve.protocol import APIError
 
@@ -45,6 +56,75 @@ class ApiKeyMiddleware:
                 err = APIError(401, f"{what}: send the header 'Authorization: Bearer YOUR_KEY'",
                                code="invalid_api_key")
                 return await send_error(send, err, [(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, send)
+
+
+class HostCheck:
+    """The Host names a server answers to: IP addresses, localhost and *.localhost, and `names` (a name, ".suffix" for
+    it and every name under it, "*" for any Host at all), compared without case or port."""
+
+    def __init__(self, names: Iterable[str] = ()):
+        names = [n.strip().lower().rstrip(".") for n in names if n.strip()]
+        self.any = "*" in names
+        self.names = {n for n in names if not n.startswith(".")} | {"localhost"}
+        self.suffixes = (".localhost", *(n for n in names if n.startswith(".")))
+
+    def allows(self, host: str) -> bool:
+        if self.any:
+            return True
+        name = host_name(host)
+        try:
+            ipaddress.ip_address(name.partition("%")[0])  # an IPv6 address may carry its zone ("fe80::1%eth0")
+            return True
+        except ValueError:
+            pass
+        return name in self.names or any(name.endswith(s) or name == s[1:] for s in self.suffixes)
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, lower case, without its port, brackets or a final dot."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [IPv6]:port
+        host = host[1 : host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+class HostCheckMiddleware:
+    """A request whose Host is none of the server's names (HostCheck) gets 421 Misdirected Request: this server does
+    not answer for that name. A request without Host (HTTP/1.0) is let through: a browser always sends one."""
+
+    def __init__(self, app, check: HostCheck):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not self.check.any:
+            host = dict(scope["headers"]).get(b"host")
+            if host is not None and not self.check.allows(host.decode("latin-1")):
+                shown = host.decode("latin-1")[:100]
+                err = APIError(421, f"this server does not answer for the host '{shown}' (a web page's requests to "
+                                    "a local server carry such a name): reach it by its address or localhost, or "
+                                    "start it with --allowed-hosts naming that host", code="invalid_host")
+                return await send_error(send, err)
+        await self.app(scope, receive, send)
+
+
+class JsonContentTypeMiddleware:
+    """POSTs to `routes` must say `Content-Type: application/json` (a charset or other parameter may follow), or get
+    415: a form or text/plain body is what a web page can send to any server without its consent."""
+
+    def __init__(self, app, routes: Iterable[str]):
+        self.app, self.routes = app, frozenset(routes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.routes:
+            given = dict(scope["headers"]).get(b"content-type", b"")
+            if given.partition(b";")[0].strip().lower() != b"application/json":
+                what = f"'{given.decode('latin-1')[:100]}'" if given else "no Content-Type"
+                err = APIError(415, f"{scope['path']} takes a JSON body and this request has {what}: send the header "
+                                    "'Content-Type: application/json'", code="unsupported_media_type")
+                return await send_error(send, err)
         await self.app(scope, receive, send)
 
 

@@ -58,8 +58,8 @@ async def _tgi(server: Server, request: Request, data, start: float) -> list[dic
     sampled = p.sampling()
     seed = p.seed if p.seed is not None or not sampled else random.randrange(2**63)  # TGI reports the one it drew
     sampling = SamplingParams(p.temperature or 1.0, p.top_k, p.top_p, p.repetition_penalty or 1.0, do_sample=sampled)
-    gen = server.start([server.encode_prompt(t) for t in texts], p.max_new_tokens, sampling, 1, p.stop, seed,
-                       "max_new_tokens")
+    gen = server.start(await server.prompts.texts(request, texts, "inputs"), p.max_new_tokens, sampling, 1, p.stop,
+                       seed, "max_new_tokens")
     out = await server.collect(request, gen, "/invocations", start)
     results = []
     for i, text in enumerate(texts):

@@ -29,6 +29,7 @@ from lmforge.inference.generate import context_overflow
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.chat import ChatFormat
 from lmforge.serve.metrics import Metrics
+from lmforge.serve.prompts import PromptWork
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest
 
 
@@ -46,6 +47,10 @@ class ServeConfig:
     # defaults: the model folder's generation_config.json's (lmforge.cli.serve.generation_defaults), as vLLM's
     # --generation-config auto. Keys: those four SamplingParams fields.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # Host names answered to besides addresses and localhost ("*": any; lmforge.serve.middleware.HostCheck), and
+    # whether this is a SageMaker container, where /invocations takes any content type.
+    allowed_hosts: tuple[str, ...] = ()
+    sagemaker: bool = False
 
 
 class Generation:
@@ -143,11 +148,12 @@ class Server:
 
     def __init__(self, engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig):
         self.engine, self.tokenizer, self.chat, self.config = engine, tokenizer, chat, config
+        self.prompts = PromptWork(tokenizer, chat)  # parsing, rendering, tokenizing: off the event loop
         self.metrics = Metrics()
         self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
 
     async def read_json(self, request: Request):
-        return read_json(await request.body())
+        return await self.prompts.body(request, read_json)
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -165,17 +171,6 @@ class Server:
             raise APIError(400, problem, param=param if prompt_len < context else prompt_param,
                            code="context_length_exceeded")
         return requested if requested is not None else min(self.config.default_max_tokens, limit, context - prompt_len)
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        # The whole model input, written by the client: special-token text is those tokens, as vLLM and TGI read a
-        # raw prompt (a chat message's never is: lmforge.serve.chat).
-        with self.tokenizer.reading_special_tokens():
-            ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
-        if not ids:
-            raise APIError(400, "the prompt is empty: give it some text", param="prompt")
-        return ids
 
     def start(self, prompts: list[list[int]], requested: int | None, sampling: SamplingParams, n: int,
               stop: list[str], seed: int | None, param: str = "max_tokens", prompt_param: str = "prompt",
@@ -255,7 +250,7 @@ class Server:
         start, route = time.perf_counter(), "/v1/completions"
         if body.model:  # none or "": the model served, as vLLM reads a body's `model`
             self.check_model(body.model)
-        prompts = [self.encode_prompt(p) for p in body.prompts()]
+        prompts = await self.prompts.texts(request, body.prompts())
         if not prompts:
             raise APIError(400, "no prompt given", param="prompt")
         requested, param = body.requested_tokens()
@@ -280,7 +275,7 @@ class Server:
         start, route = time.perf_counter(), "/v1/chat/completions"
         if body.model:  # none or "": the model served, as vLLM reads a body's `model`
             self.check_model(body.model)
-        ids = self.chat.encode([(m.role, m.text()) for m in body.messages])
+        ids = await self.prompts.chat_ids(request, [(m.role, m.text()) for m in body.messages])
         requested, param = body.requested_tokens()
         gen = self.start([ids], requested, sampling_of(body, self.config.sampling_defaults), body.n,
                          [*body.stop, *self.chat.stop], body.seed, param, "messages", body.skip_special_tokens)

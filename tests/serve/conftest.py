@@ -72,7 +72,8 @@ class LiveServer:
 
 
 @contextmanager
-def serve(model_dir: Path, api_key: str | None = None, max_batch: int = 4, **config):
+def serve(model_dir: Path, api_key: str | None = None, max_batch: int = 4, template_limits=None, **config):
+    """A live server of `model_dir`; `template_limits`: its chat template's (lmforge.chat_sandbox.RenderLimits)."""
     from lmforge.inference.engine import Engine, EngineConfig
     from lmforge.models import load_pretrained
     from lmforge.serve.app import create_app
@@ -83,7 +84,8 @@ def serve(model_dir: Path, api_key: str | None = None, max_batch: int = 4, **con
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(load_pretrained(model_dir), tokenizer, EngineConfig(max_batch=max_batch))
     config = ServeConfig(model_dir.name, api_key=api_key, **config)
-    server = LiveServer(create_app(engine, tokenizer, ChatFormat(tokenizer, model_dir), config), engine, config)
+    chat = ChatFormat(tokenizer, model_dir, limits=template_limits)
+    server = LiveServer(create_app(engine, tokenizer, chat, config), engine, config)
     try:
         yield server
     finally:

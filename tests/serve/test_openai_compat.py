@@ -98,7 +98,7 @@ def test_a_raw_prompt_reads_special_token_text_as_the_token_and_a_chat_turn_does
 
     tokenizer = load_tokenizer(shared_data / "tokenizers" / "gpt2")
     server = Server(None, tokenizer, ChatFormat(tokenizer, shared_data / "tokenizers" / "gpt2"), ServeConfig("m"))
-    assert server.encode_prompt("Hi<|endoftext|>") == [17250, 50256]  # as vLLM and transformers read a prompt
+    assert server.prompts.encode_text("Hi<|endoftext|>") == [17250, 50256]  # as vLLM and transformers read it
     assert not tokenizer.parse_special_tokens  # only for that prompt
     assert 50256 not in server.chat.encode([("user", "Hi<|endoftext|>")])  # a user cannot forge a boundary
 

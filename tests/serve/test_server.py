@@ -17,6 +17,7 @@ from lmforge.errors import UserError
 from lmforge.inference import generate_text
 from tests.serve.conftest import API_KEY, slowed
 
+JSON = {"content-type": "application/json"}  # what the server reads a body as, and requires
 PROMPTS = ["t5 t17 t33 t2 t99", "t8 t9 t10", "t250 t1 t2 t3 t4 t77 t41", "t7", "t120 t121", "t64 t32 t16 t8"]
 
 
@@ -151,18 +152,18 @@ def _error(r: httpx.Response) -> dict:
 
 def test_malformed_bodies_with_httpx(server, model_dir):
     url = server.url
-    r = httpx.post(url + "/v1/completions", content=b'{"model": "x", "prompt": ')
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "x", "prompt": ', headers=JSON)
     assert r.status_code == 400 and "JSON" in _error(r)["message"]
     r = httpx.post(url + "/v1/chat/completions", json=[1, 2])
     assert r.status_code == 400 and "object" in _error(r)["message"]
-    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "' + b"t5 " * 30000 + b'"}')
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "' + b"t5 " * 30000 + b'"}', headers=JSON)
     assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
 
     def chunked():  # no Content-Length: the limit applies while reading
         for _ in range(100):
             yield b"x" * 1000
 
-    r = httpx.post(url + "/v1/completions", content=chunked())
+    r = httpx.post(url + "/v1/completions", content=chunked(), headers=JSON)
     assert r.status_code == 413
     r = httpx.get(url + "/v2/nothing")
     assert r.status_code == 404 and _error(r)["code"] == "not_found"
@@ -186,7 +187,7 @@ def test_health_ping_metrics(server, model_dir):
 
     before = scrape()
     r = client(server).completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=5, temperature=0)
-    httpx.post(server.url + "/v1/completions", content=b"{")
+    httpx.post(server.url + "/v1/completions", content=b"{", headers=JSON)
     after = scrape()
 
     def delta(name, **labels):
@@ -277,8 +278,8 @@ def _raw_stream(server, body: dict, rcvbuf: int | None = None) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", server.port))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
     return sock
 
 
@@ -357,9 +358,10 @@ def test_hostile_values_are_400_not_500(server, model_dir):
     # Each of these once reached the engine or the tokenizer and came back as a 500.
     url, name = server.url, model_dir.name
     lone = b'{"model": "%s", "messages": [{"role": "user", "content": "t5 \\ud800 t6"}]}' % name.encode()
-    r = httpx.post(url + "/v1/chat/completions", content=lone)
+    r = httpx.post(url + "/v1/chat/completions", content=lone, headers=JSON)
     assert r.status_code == 400 and "surrogate" in _error(r)["message"]
-    r = httpx.post(url + "/v1/completions", content=b"[" * 30_000 + b"]" * 30_000)  # 60 kB: under the 64 kB limit
+    deep = b"[" * 30_000 + b"]" * 30_000  # 60 kB: under the 64 kB limit
+    r = httpx.post(url + "/v1/completions", content=deep, headers=JSON)
     assert r.status_code == 400 and "nested" in _error(r)["message"]
     for seed in (2**64, -(2**63) - 1):
         r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": "t5", "max_tokens": 2, "seed": seed})
@@ -371,9 +373,10 @@ def test_hostile_values_are_400_not_500(server, model_dir):
                          ("repetition_penalty", "NaN"), ("temperature", "-Infinity")]:
         body = b'{"model": "%s", "prompt": "t5", "max_tokens": 2, "%s": %s}' % (name.encode(), field.encode(),
                                                                                value.encode())
-        r = httpx.post(url + "/v1/completions", content=body)
+        r = httpx.post(url + "/v1/completions", content=body, headers=JSON)
         assert r.status_code == 400 and _error(r)["param"] == field, (field, value)
-    r = httpx.post(url + "/invocations", content=b'{"inputs": "t5", "parameters": {"temperature": Infinity}}')
+    r = httpx.post(url + "/invocations", content=b'{"inputs": "t5", "parameters": {"temperature": Infinity}}',
+                   headers=JSON)
     assert r.status_code == 422 and "'parameters.temperature'" in r.json()["error"]
     c = client(server)
     assert c.completions.create(model=name, prompt="t5", max_tokens=2, seed=2**63 - 1).choices[0].text

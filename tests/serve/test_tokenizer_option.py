@@ -39,7 +39,8 @@ def _serve(monkeypatch, args: list[str], requests: list[tuple[str, dict]]) -> li
     def run(server, sockets=None):
         for sock in sockets or []:
             sock.close()
-        with TestClient(server.config.app) as client:  # the app's lifespan runs the engine, as under uvicorn
+        # The app's lifespan runs the engine, as under uvicorn; TestClient's own Host (testserver) would get 421.
+        with TestClient(server.config.app, base_url="http://localhost") as client:
             answers.extend(client.post(route, json=body) for route, body in requests)
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
