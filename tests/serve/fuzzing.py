@@ -86,7 +86,7 @@ def error_message(r, tgi: bool = False) -> str:
         err = data["error"]
         assert set(err) == {"message", "type", "param", "code"} and isinstance(err["type"], str), r.text
         message = err["message"]
-    assert isinstance(message, str) and message.strip() and "\n" not in message, r.text
+    assert isinstance(message, str) and message.strip() and message.splitlines() == [message], r.text
     return message
 
 
