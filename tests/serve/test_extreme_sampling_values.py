@@ -1,7 +1,8 @@
-"""The fuzz tests' smallest 5xx (tests/serve/test_fuzz.py, shrunk by hypothesis): a temperature or
-repetition_penalty the schema admits (> 0) but below float32's smallest normal number (~1.2e-38) divided the
-logits into inf and NaN, and sampling failed: a 500, or an error event inside a streamed 200. Whether the server
-answers such a value or refuses it with a 400 is its choice; a server error is not."""
+"""The fuzz tests' 5xx (tests/serve/test_fuzz.py, shrunk by hypothesis): sampling values the schema admits that
+turn the float32 logits into inf and NaN, and sampling fails (a 500, or an error event inside a streamed 200):
+a temperature or repetition_penalty > 0 but below float32's smallest normal number (~1.2e-38), and on TGI's
+/invocations (whose temperature has no upper bound) a huge temperature with a huge repetition_penalty. Whether
+the server answers such values or refuses them with a 400 is its choice; a server error is not."""
 
 from __future__ import annotations
 
@@ -29,7 +30,16 @@ def test_a_tiny_positive_sampling_value_is_no_server_error(server, path, body, v
     def filled(d):
         return {k: value if v == "VALUE" else filled(v) if isinstance(v, dict) else v for k, v in d.items()}
 
-    body = filled(body)
+    post(server, path, filled(body))
+
+
+@pytest.mark.parametrize("value", [3.4028235677973366e38, 1e300])  # both inf as float32
+def test_a_huge_tgi_temperature_with_a_huge_repetition_penalty_is_no_server_error(server, value):
+    post(server, "/invocations", {"inputs": "t5 t17", "parameters": {**TGI, "temperature": value,
+                                                                     "repetition_penalty": value}})
+
+
+def post(server, path: str, body: dict) -> None:
     r = httpx.post(server.url + path, json=body, headers={**HEADERS, "host": f"127.0.0.1:{server.port}"},
                    timeout=60)
     check_answer("POST", path, body, r)
