@@ -1,7 +1,8 @@
 """Bodies the request schema does not admit, sent to a real server (uvicorn, h11) as an attacker would: invalid
 UTF-8, JSON nested 100,000 deep, number literals past what floats and Python's int parsing take, NaN and
-Infinity, duplicate keys, 50 MB, and JSON that is not an object. Each is a 4xx one-line error object (TGI's shape
-for /invocations' TGI bodies), and the server answers /health after each."""
+Infinity, duplicate keys, 50 MB, JSON that is not an object, and methods a route does not serve. None is a server
+error; each refused one is a 4xx one-line error object (TGI's shape for /invocations' TGI bodies); and the server
+answers /health after each."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.serve.conftest import serve
 from tests.serve.fuzzing import HEADERS, check_answer, error_message
 
 POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/invocations"]
-# Every route with each method it does not serve: 405 (or 404), as error objects too.
+# Every route and the method it serves: the others are 405s, as error objects too.
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/invocations": "POST", "/v1/models": "GET",
           "/v1/models/x": "GET", "/health": "GET", "/ping": "GET", "/metrics": "GET", "/": "GET"}
 
@@ -72,8 +73,9 @@ def test_json_nested_100k_deep_is_a_400(live, path, raw):
     assert "nested too deeply" in error_message(post(live, path, raw, 400))
 
 
-def test_huge_number_literals_are_400s(live):
-    # Python's float() reads these as inf or rounds them: the strict, finite-only fields refuse the first
+def test_huge_number_literals_are_read_or_refused(live):
+    # Python's json reads 1e999999 as inf (refused: the fields are finite-only) and rounds a 100,000-digit fraction;
+    # a 4000-digit integer is under its 4300-digit limit, and out of range of the seed and the vocabulary
     assert "finite" in error_message(post(live, "/v1/completions", b'{"prompt": "t5", "temperature": 1e999999}', 400))
     post(live, "/v1/completions", b'{"prompt": "t5", "max_tokens": 2, "temperature": 0.' + b"3" * 100_000 + b"}", 200)
     post(live, "/v1/completions", b'{"prompt": "t5", "seed": -' + b"9" * 4000 + b"}", 400)
