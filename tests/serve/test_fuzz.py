@@ -25,7 +25,7 @@ from tests.serve.conftest import WORDS
 from tests.serve.fuzzing import HEADERS, check_answer, openapi_document, reachable
 
 schemathesis = pytest.importorskip("schemathesis")
-hypothesis = pytest.importorskip("hypothesis")
+pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -48,8 +48,8 @@ def operations() -> dict[tuple[str, str], object]:
 def strategy(path: str, mode: str, served: str):
     method = "POST" if path in BODY_ROUTES else "GET"
     op = operations()[(method, path)]
-    negative = schemathesis.GenerationMode.NEGATIVE if mode == "negative" else schemathesis.GenerationMode.POSITIVE
-    cases = op.as_strategy(generation_mode=negative)
+    modes = schemathesis.GenerationMode
+    cases = op.as_strategy(generation_mode=modes.NEGATIVE if mode == "negative" else modes.POSITIVE)
     if mode != "reachable":
         return cases
     vocab = len(WORDS)
@@ -127,6 +127,6 @@ def test_no_request_gets_a_server_error(app_client, model_dir, path, mode):
 
     fuzz()
     assert seen, "no request was sent"
-    if mode == "reachable":  # the edits reach the engine: most of these are answered
+    if mode == "reachable":  # the edits get some of these past every refusal to an answer
         assert seen[2] > 0, seen
     assert_still_serving(app_client)
