@@ -36,13 +36,24 @@ VLLM_CHAT_UNSUPPORTED = ("chat_template", "chat_template_kwargs", "continue_fina
 _OFF = (None, False, 0, "", [], {})
 # torch.Generator.manual_seed takes [-2**63, 2**64); a request's choices use seed, seed + 1, ... seed + n - 1.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# What str.splitlines() breaks at, the other C0/C1 control characters (a terminal's escape sequences), and lone
+# surrogates (UTF-8 has no bytes for them: the answer could not be written).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def one_line(text: str) -> str:
+    """`text` with line breaks, control characters and lone surrogates written as escapes (\\n, \\x1b, \\ud800):
+    a message quoting what a client sent stays one line, in the answer and in a log."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status; the
+    message one line (one_line)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
+        message = one_line(message)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -141,7 +152,8 @@ class ContentPart(BaseModel):
     @classmethod
     def _text_only(cls, v):
         if v != "text":
-            raise ValueError(f"this server reads text only, not '{v}' content parts")
+            # escaped here: pydantic cannot carry a lone surrogate in an error's message (UnicodeEncodeError)
+            raise ValueError(f"this server reads text only, not '{one_line(v)}' content parts")
         return v
 
 
