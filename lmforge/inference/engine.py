@@ -42,7 +42,14 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
-from lmforge.inference.sampling import NO_TOKEN, SamplingParams, choose_next, no_token_reason, seeded_generator
+from lmforge.inference.sampling import (
+    NO_TOKEN,
+    SamplingParams,
+    choose_next,
+    model_scores_broken,
+    no_token_reason,
+    seeded_generator,
+)
 from lmforge.inference.text import TextStream, eos_token_ids
 from lmforge.models.sizes import check_cache_memory
 
@@ -85,6 +92,7 @@ class Event:
     completion_tokens: int  # tokens generated so far (a stop token included)
     finish_reason: str | None = None  # "stop" (eos or stop string), "length", "error", or None while running
     error: str | None = None
+    client_error: bool = False  # the error came from the request's own settings (a 400, not a 500)
     stop_string: str | None = None  # the stop string that ended it (left out of the text), if one did
 
 
@@ -381,9 +389,9 @@ class Engine:
             if k in failed:
                 self._fail(req, failed[k])
             elif token == NO_TOKEN:
-                reason = no_token_reason(logits[k])
+                reason, settings = no_token_reason(logits[k]), not model_scores_broken(logits[k])
                 log.warning("a request ended with no token to choose: %s", reason)
-                self._finish(req, Event("", len(req.output_ids), "error", reason))
+                self._finish(req, Event("", len(req.output_ids), "error", reason, client_error=settings))
             else:
                 try:
                     self._take(req, token)

@@ -142,9 +142,14 @@ def choose_next(
     return torch.where(peak > -math.inf, token, NO_TOKEN)
 
 
+def model_scores_broken(logits: torch.Tensor) -> bool:
+    """Whether a row of raw logits (vocab,) has no usable score of its own (NaN or -inf everywhere)."""
+    return not bool((logits.float().nan_to_num(nan=-math.inf) > -math.inf).any())
+
+
 def no_token_reason(logits: torch.Tensor) -> str:
     """Why choose_next found no token in a row of raw logits (vocab,): the model's scores, or the settings."""
-    if not (logits.float().nan_to_num(nan=-math.inf) > -math.inf).any():
+    if model_scores_broken(logits):
         return ("the model's scores for the next token are NaN or -inf for every token: its weights are broken or "
                 "overflow their dtype (try float32)")
     return "repetition_penalty took every token's score to -inf: use one closer to 1"

@@ -121,7 +121,8 @@ def read_json(raw: bytes):
     """The body as a JSON value, or a 400: not JSON, nested past Python's recursion limit, or holding a lone
     UTF-16 surrogate (valid JSON escapes, but not text: the tokenizer would fail on it)."""
     try:
-        data = json.loads(raw)
+        # Decoded strictly first: json.loads(bytes) lets UTF-8-encoded surrogates (ED A0 80) through.
+        data = json.loads(raw.decode("utf-8-sig") if isinstance(raw, bytes) else raw)
         if _SURROGATE_ESCAPE.search(raw):
             json.dumps(data, ensure_ascii=False).encode("utf-8")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -132,7 +133,16 @@ def read_json(raw: bytes):
         bad = f"\\u{ord(e.object[e.start]):04x}"
         raise APIError(400, f"the request body holds a lone UTF-16 surrogate ({bad}) in a string: send text as "
                             "UTF-8, or a character outside the BMP as a surrogate pair") from None
+    except ValueError as e:  # an integer literal past Python's digit limit (a UnicodeError is caught above)
+        raise APIError(400, f"the request body holds a number Python will not read ({e}): send a shorter one") from None
     return data
+
+
+def generation_error(ev) -> APIError:
+    """A request's generation that ended in error: a 400 where its own settings caused it, else a 500."""
+    if ev.client_error:
+        return APIError(400, f"generation stopped: {ev.error}")
+    return APIError(500, f"generation failed: {ev.error}", type="server_error")
 
 
 def _sse(data: dict) -> str:
@@ -202,7 +212,7 @@ class Server:
                 if ev.stop_string is not None:
                     choice["stop_string"] = ev.stop_string
                 if ev.error:
-                    raise APIError(500, f"generation failed: {ev.error}", type="server_error")
+                    raise generation_error(ev)
 
         async def disconnected():
             while (await request.receive())["type"] != "http.disconnect":
@@ -233,7 +243,7 @@ class Server:
                     yield _sse(role_chunk(i))
                 started.add(i)
                 if ev.error:
-                    yield _sse(APIError(500, f"generation failed: {ev.error}", type="server_error").body())
+                    yield _sse(generation_error(ev).body())
                     return
                 if ev.text or ev.finish_reason:
                     yield _sse(make_chunk(i, ev))
