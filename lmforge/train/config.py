@@ -69,6 +69,9 @@ class DataConfig:
     # Fine-tuning files (SFT JSON/JSONL, classification TSV/CSV/JSONL).
     train_file: str | None = None
     valid_file: str | None = None  # scored once whole at each validation
+    # sft/dpo: train on the first N records of data.train_file only (transformers' examples' --max_train_samples):
+    # a first try or a debugging run that learns its few records visibly in seconds. None: every record.
+    max_train_examples: int | None = None
     cache_dir: str | None = None  # sample-index cache; default beside the data
     packing: bool = False  # sft: pack several examples per sequence (attention kept inside each)
     prompt_template: str | None = None  # sft without a chat template: Alpaca records' prompt (default Stanford's)
@@ -90,6 +93,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):  # data.paths=PREFIX, without brackets
             self.paths = [self.paths]
+        if self.max_train_examples is not None and self.max_train_examples < 1:
+            raise UserError(f"data.max_train_examples must be >= 1 (or unset: every record), got "
+                            f"{self.max_train_examples}")
         if self.num_workers is not None and self.num_workers < 0:
             raise UserError(f"data.num_workers must be >= 0 (or unset: 2 on an accelerator, 0 on the CPU), "
                             f"got {self.num_workers}")
