@@ -22,7 +22,7 @@ class GRPOConfig:
     reward_weights: list[float] | None = None  # a weight per reward function, summed with them (None: 1.0 each)
     format_pattern: str = R1_FORMAT  # the regex the built-in `format` reward wants a whole completion to match
     num_generations: int = 8  # completions sampled per prompt: the group whose mean reward is each one's baseline
-    max_completion_length: int = 256  # new tokens per completion at most; one that reaches it without eos is truncated
+    max_completion_length: int = 512  # new tokens per completion at most; one that reaches it without eos is truncated
     temperature: float = 1.0  # sampling temperature (> 0); log-probabilities are of logits / temperature, as TRL's
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability (1.0: off)
     top_k: int = 0  # sample among the k most likely tokens (0: off)
