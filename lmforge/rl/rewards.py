@@ -130,8 +130,11 @@ def format_reward(pattern: str = R1_FORMAT) -> RewardFn:
 BUILTIN = ("accuracy", "format")
 
 
-def load_reward(spec: str, format_pattern: str = R1_FORMAT) -> tuple[str, RewardFn]:
-    """(name, function) for one entry of grpo.rewards: a built-in, `module:function` or `file.py:function`."""
+def load_reward(spec: str | RewardFn, format_pattern: str = R1_FORMAT) -> tuple[str, RewardFn]:
+    """(name, function) for one entry of grpo.rewards: a built-in, `module:function` or `file.py:function`; from
+    Python, a function itself (as TRL's reward_funcs takes one)."""
+    if callable(spec):
+        return getattr(spec, "__name__", type(spec).__name__), spec
     if spec == "accuracy":
         return "accuracy", accuracy
     if spec == "format":
@@ -198,7 +201,9 @@ class Scores:
 class Rewards:
     """The run's reward functions and their weights (grpo.rewards, grpo.reward_weights)."""
 
-    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, format_pattern: str = R1_FORMAT):
+    def __init__(
+        self, specs: Sequence[str | RewardFn], weights: Sequence[float] | None = None, format_pattern: str = R1_FORMAT
+    ):
         loaded = [load_reward(spec, format_pattern) for spec in specs]
         self.names = [name for name, _ in loaded]
         self.functions = [fn for _, fn in loaded]
