@@ -25,6 +25,14 @@ def rolled(model):
     return rollout(model, PROMPTS, G, LENGTH, temperature=0.9, stop_token_ids=[STOP, 3], seed=7)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(40, 0.9), (0, 0.5)])
+def test_filtered_sampling_draws_what_generate_draws(model, top_k, top_p):
+    rows = [p for p in PROMPTS for _ in range(G)]
+    want = generate(model, rows, 6, temperature=1.3, top_k=top_k, top_p=top_p, stop_token_ids=[], seed=3)
+    got = rollout(model, PROMPTS, G, 6, temperature=1.3, top_k=top_k, top_p=top_p, stop_token_ids=[], seed=3)
+    assert got.completions() == want and got.truncated.all()
+
+
 def test_samples_what_generate_samples_with_the_same_seed(model, rolled):
     rows = [p for p in PROMPTS for _ in range(G)]
     want = generate(model, rows, LENGTH, temperature=0.9, stop_token_ids=[STOP, 3], seed=7)
