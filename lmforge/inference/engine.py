@@ -106,7 +106,7 @@ class Event:
     client_error: bool = False  # the error came from the request's own settings (a 400, not a 500)
     stop_string: str | None = None  # the stop string that ended it (left out of the text), if one did
     logprobs: list[TokenLogprob] | None = None  # the tokens generated since the previous event (those shown)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first event, where asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first event, where asked
 
 
 class EngineRequest:
@@ -127,7 +127,7 @@ class EngineRequest:
         self.settings = RowSettings(params.sampling.repetition_penalty, params.frequency_penalty,
                                     params.presence_penalty, params.logit_bias, params.min_tokens,
                                     tuple(sorted(self.stop_ids)))
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # handed out with the first event
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # handed out with the first event
 
 
 class Engine:

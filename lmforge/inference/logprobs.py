@@ -19,8 +19,8 @@ FLOOR = -9999.0
 @dataclass
 class TokenLogprob:
     token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens at that position, most likely first
+    logprob: float | None  # None: a prompt's first token, which nothing scores
+    top: list[tuple[int, float]] | None  # the most likely tokens at that position, most likely first
 
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: list[int]) -> list[TokenLogprob]:
@@ -38,10 +38,11 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: list[int]) -
     ]
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top: int) -> list[TokenLogprob | None]:
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
     """The prompt's own tokens scored by the logits at the positions before them (len(prompt) - 1 rows): the first
-    token has none (None, as OpenAI and vLLM give)."""
+    token has none (logprob and top None, as OpenAI and vLLM give)."""
+    first = TokenLogprob(prompt_ids[0], None, None)
     if len(prompt_ids) < 2:
-        return [None]
+        return [first]
     chosen = torch.tensor(prompt_ids[1:], device=logits.device)
-    return [None, *token_logprobs(logits[: len(prompt_ids) - 1], chosen, [top] * (len(prompt_ids) - 1))]
+    return [first, *token_logprobs(logits[: len(prompt_ids) - 1], chosen, [top] * (len(prompt_ids) - 1))]
