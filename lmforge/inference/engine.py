@@ -16,7 +16,9 @@ scheduling, Yu et al., Orca, OSDI 2022), and a finished or cancelled request fre
 Every row starts at cache slot 0, so its slot is also its position id: prompts of a prefill batch are padded
 on the right (slots past a prompt's end are masked out, and its decode overwrites them), so each request
 computes exactly what `generate` does on its prompt alone, and greedy output is the same token for token.
-The engine never waits for a consumer: it hands each request's events to a callback (the server puts
+Each row keeps its request's own sampling settings; a step chooses every row's token in one call (penalties.py
+over per-row tables, then sampling.choose_rows with a value per row), a seeded row drawing from its own generator,
+so a request gets the same tokens whatever shares its batch. The engine never waits for a consumer: it hands each request's events to a callback (the server puts
 them on that request's asyncio queue), so a slow reader only lets its own queue grow.
 
 One request never fails the others: what goes wrong in one row (its scores, its sampling call, its detokenizer or
@@ -34,7 +36,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,17 +45,16 @@ from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
-from lmforge.inference.penalties import RowPenalties, RowSettings
+from lmforge.inference.penalties import RowPenalties
+from lmforge.inference.requests import EngineRequest, Event, RequestParams
 from lmforge.inference.sampling import (
     NO_TOKEN,
     RowSampling,
-    SamplingParams,
     choose_rows,
     model_scores_broken,
     no_token_reason,
-    seeded_generator,
 )
-from lmforge.inference.text import TextStream, eos_token_ids
+from lmforge.inference.text import eos_token_ids
 from lmforge.models.sizes import check_cache_memory
 
 log = logging.getLogger(__name__)
@@ -78,56 +79,6 @@ class EngineConfig:
 # faster together than one by one, 8 of 128 no faster). An accelerator's forward is far from full at that size.
 CPU_PREFILL_TOKENS = 256
 ACCELERATOR_PREFILL_TOKENS = 8192
-
-
-@dataclass
-class RequestParams:
-    max_tokens: int = 16
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: Sequence[str] = ()  # stop strings: generation ends at the first, which the text leaves out
-    seed: int | None = None  # reproducible sampling (a generator of the request's own)
-    skip_special_tokens: bool = True  # special tokens left out of the text (vLLM's default)
-    frequency_penalty: float = 0.0  # OpenAI's, over the output tokens (penalties.py)
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None  # token id -> added to its score
-    min_tokens: int = 0  # eos and stop_token_ids masked until this many tokens are generated
-    stop_token_ids: Sequence[int] = ()  # ids that end generation besides eos (not shown in the text)
-    ignore_eos: bool = False  # eos does not end generation (stop_token_ids still do)
-    logprobs: int | None = None  # each chosen token's log-probability and this many alternatives; None = off
-    prompt_logprobs: int | None = None  # the prompt's tokens' too (echo); then max_tokens may be 0
-
-
-@dataclass
-class Event:
-    text: str  # text added since the previous event
-    completion_tokens: int  # tokens generated so far (a stop token included)
-    finish_reason: str | None = None  # "stop" (eos or stop string), "length", "error", or None while running
-    error: str | None = None
-    client_error: bool = False  # the error came from the request's own settings (a 400, not a 500)
-    stop_string: str | None = None  # the stop string that ended it (left out of the text), if one did
-    logprobs: list[TokenLogprob] | None = None  # the tokens generated since the previous event (those shown)
-    prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first event, where asked
-
-
-class EngineRequest:
-    def __init__(self, prompt_ids: Sequence[int], params: RequestParams, on_event: Callable[[Event], None],
-                 tokenizer, device: torch.device, eos_ids: set[int]):
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        self.on_event = on_event
-        self.output_ids: list[int] = []
-        self.text = TextStream(tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
-        self.cancelled = False  # set from the server's thread; read by the engine between steps
-        self.finish_reason: str | None = None
-        self.slot: int | None = None
-        self.admitted_at_step: int | None = None  # the engine's decode step count when it got a row
-        self.length = 0  # tokens of this request in the cache
-        self.generator = seeded_generator(params.seed, device)
-        self.stop_ids = (set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids)
-        self.settings = RowSettings(params.sampling.repetition_penalty, params.frequency_penalty,
-                                    params.presence_penalty, params.logit_bias, params.min_tokens,
-                                    tuple(sorted(self.stop_ids)))
-        self.prompt_logprobs: list[TokenLogprob] | None = None  # handed out with the first event
 
 
 class Engine:

@@ -127,7 +127,7 @@ class RowSampling:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
-    params: tuple[SamplingParams, ...] = ()  # the settings the rows came from
+    params: tuple[SamplingParams, ...]  # the settings the rows came from (which rows sample, known on the host)
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device | str | None = None) -> RowSampling:
@@ -169,13 +169,12 @@ def filter_rows(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
 Generators = torch.Generator | list[torch.Generator | None] | None
 
 
-def _draw(probs: torch.Tensor, rows: torch.Tensor, generators: Generators) -> torch.Tensor:
-    """A token per row of `probs` (only rows `rows` matter): one draw for the rows that share a generator (or use
-    torch's), and one for each row that has its own, from that row alone."""
+def _draw(probs: torch.Tensor, picked: list[bool], generators: Generators) -> torch.Tensor:
+    """A token per row of `probs` (only the rows `picked` matter): one draw for the rows that share a generator (or
+    use torch's), and one for each row that has its own, from that row alone."""
     if not isinstance(generators, list):
         return torch.multinomial(probs, 1, generator=generators).squeeze(-1)
     token = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
-    picked = rows.tolist()  # which rows sample is the caller's settings, known on the host: no device sync here
     shared = [k for k, (g, on) in enumerate(zip(generators, picked)) if on and g is None]
     if shared:
         index = torch.tensor(shared, device=probs.device)
@@ -203,7 +202,8 @@ def choose_rows(logits: torch.Tensor, rows: RowSampling, generators: Generators 
         # Where the peak is +inf or -inf the softmax is NaN: that row's probability goes to its best token instead.
         broken = ~top.isfinite()
         probs = probs.nan_to_num(nan=0.0).scatter_add_(-1, top_best[:, None], broken[:, None].to(probs.dtype))
-        token = torch.where(rows.greedy, best, _draw(probs, ~rows.greedy, generators))
+        picked = [not p.greedy for p in rows.params]  # known on the host: no device sync
+        token = torch.where(rows.greedy, best, _draw(probs, picked, generators))
     return torch.where(peak > -math.inf, token, NO_TOKEN)
 
 
