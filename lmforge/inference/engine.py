@@ -18,8 +18,10 @@ on the right (slots past a prompt's end are masked out, and its decode overwrite
 computes exactly what `generate` does on its prompt alone, and greedy output is the same token for token.
 Each row keeps its request's own sampling settings; a step chooses every row's token in one call (penalties.py
 over per-row tables, then sampling.choose_rows with a value per row), a seeded row drawing from its own generator,
-so a request gets the same tokens whatever shares its batch. The engine never waits for a consumer: it hands each request's events to a callback (the server puts
-them on that request's asyncio queue), so a slow reader only lets its own queue grow.
+so a request gets the same tokens whatever shares its batch.
+
+The engine never waits for a consumer: it hands each request's events to a callback (the server puts them on that
+request's asyncio queue), so a slow reader only lets its own queue grow.
 
 One request never fails the others: what goes wrong in one row (its scores, its sampling call, its detokenizer or
 stop strings, its consumer) ends that request alone with an "error" event (a consumer that raised is dropped), and a
