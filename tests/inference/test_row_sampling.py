@@ -15,8 +15,10 @@ from lmforge.inference.sampling import RowSampling, SamplingParams, choose_rows,
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -152,3 +154,19 @@ def test_min_tokens_masks_the_ending_ids_until_reached_and_a_new_request_starts_
     assert torch.equal(rows.apply(logits, torch.arange(2), settings, [3, 3]), logits)
     rows.admit(0, [1], RowSettings())  # the row's next request has none of it
     assert torch.equal(rows.apply(logits, torch.arange(2), [RowSettings(), settings[1]], [0, 0]), logits)
+
+
+def test_logit_bias_and_min_tokens_equal_transformers_processors():
+    """logit_bias as SequenceBiasLogitsProcessor with one-token sequences; min_tokens as
+    MinNewTokensLengthLogitsProcessor over the ending ids, at each count of generated tokens."""
+    bias = {3: 100.0, 9: -55.5, 40: 0.25}
+    settings = [RowSettings(logit_bias=bias), RowSettings(min_tokens=3, ending_ids=(0, 5))]
+    rows = _penalties(settings, [[1], [2]])
+    logits = _logits(7, 2)
+    for generated in range(5):
+        got = rows.apply(logits, torch.arange(2), settings, [generated] * 2)
+        prompt = torch.tensor([[1, 2]])
+        ids = torch.cat([prompt, torch.ones(1, generated, dtype=torch.long)], dim=1)
+        biased = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(ids, logits[:1].clone())
+        masked = MinNewTokensLengthLogitsProcessor(2, 3, [0, 5])(ids, logits[1:].clone())
+        assert torch.equal(got[0], biased[0]) and torch.equal(got[1], masked[0]), generated

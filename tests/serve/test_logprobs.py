@@ -163,3 +163,17 @@ def test_out_of_range_values_are_400s_naming_the_field(server, route, field, val
     r = httpx.post(server.url + url, json=body, timeout=60)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == field and err["type"] == "invalid_request_error", r.text
+
+
+def test_a_byte_level_tokens_bytes_are_the_bytes_it_stands_for(shared_data):
+    """An emoji that GPT-2's BPE splits over several tokens: each token's text alone is U+FFFD, and their `bytes`
+    put together are the emoji's UTF-8, as OpenAI's field is meant to be read."""
+    from lmforge.serve.logprobs import TokenText
+    from lmforge.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(shared_data / "tokenizers" / "gpt2")
+    text = " caf\u00e9 \U0001f9ec"
+    ids = tokenizer.encode(text)
+    pieces = [TokenText(tokenizer)(i) for i in ids]
+    assert any("\ufffd" in t for t, _ in pieces)  # a token that is part of a character
+    assert b"".join(bytes(raw) for _, raw in pieces) == text.encode()
