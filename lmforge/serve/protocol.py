@@ -5,13 +5,14 @@ ranges (penalties in [-2, 2], a logit_bias in [-100, 100], top_logprobs in [0, 2
 nothing here (`user` ...) are accepted, and those that would change the answer but are not implemented (`tools`,
 `response_format` other than text, `suffix`, the deprecated `functions`) are refused by name rather than ignored,
 vLLM's extensions of that kind (`bad_words`, `prompt_logprobs`, guided decoding, the chat template's `chat_template`,
-`add_generation_prompt: false`, `continue_final_message` ...) too. Other unknown fields are
-ignored, as OpenAI-compatible servers do, with a warning in the server's log naming them (and the parameter a mistyped
-one was likely meant to be). A top-level `null` means the field's default, as OpenAI's schema has it; the server may
-take its sampling defaults from the model folder (`lmforge serve --generation-config`), which a request's own fields
-override. Extensions beyond OpenAI's schema: `top_k` (-1 or 0: off, as in vLLM), `repetition_penalty` (as in vLLM
-and TGI), vLLM's `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` (the stop string that ended a choice kept in its text; on chat only a
-request's own `stop` strings, not those the chat format adds) and `max_completion_tokens` on completions too.
+`add_generation_prompt: false`, `continue_final_message` ...) too. Other unknown fields are ignored, as
+OpenAI-compatible servers do, with a warning in the server's log naming them (and the parameter a mistyped one was
+likely meant to be). A top-level `null` means the field's default, as OpenAI's schema has it; the server may take its
+sampling defaults from the model folder (`lmforge serve --generation-config`), which a request's own fields override.
+Extensions beyond OpenAI's schema: `top_k` (-1 or 0: off, as in vLLM), `repetition_penalty` (as in vLLM and TGI),
+vLLM's `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` (the stop string that
+ended a choice kept in its text; on chat only a request's own `stop` strings, not those the chat format adds) and
+`max_completion_tokens` on completions too.
 """
 
 from __future__ import annotations
