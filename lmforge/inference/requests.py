@@ -24,7 +24,7 @@ class RequestParams:
     frequency_penalty: float = 0.0  # OpenAI's, over the output tokens (penalties.py)
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its score
-    min_tokens: int = 0  # eos and stop_token_ids masked until this many tokens are generated
+    min_tokens: int = 0  # eos and stop_token_ids masked, stop strings not matched, until this many are generated
     stop_token_ids: Sequence[int] = ()  # ids that end generation besides eos (not shown in the text)
     ignore_eos: bool = False  # eos does not end generation (stop_token_ids still do)
     logprobs: int | None = None  # each chosen token's log-probability and this many alternatives; None = off
@@ -57,7 +57,7 @@ class EngineRequest:
         self.params = params
         self.on_event = on_event
         self.output_ids: list[int] = []
-        self.text = TextStream(tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
+        self.text = TextStream(tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens, params.min_tokens)
         self.cancelled = False  # set from the server's thread; read by the engine between steps
         self.finish_reason: str | None = None
         self.slot: int | None = None

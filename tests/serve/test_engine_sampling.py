@@ -115,3 +115,19 @@ def test_max_tokens_0_with_prompt_logprobs_scores_the_prompt_only(tiny):
     (req,), (events,) = _run(model, [(prompt, RequestParams(0, GREEDY, prompt_logprobs=0))])
     assert req.output_ids == [] and [e.finish_reason for e in events] == ["length"]
     assert len(events[0].prompt_logprobs) == len(prompt)
+
+
+def test_min_tokens_holds_off_stop_strings_too(tiny):
+    """As vLLM: before min_tokens a stop string ends nothing; after, it does again."""
+    _, model = tiny
+    prompt = _prompts(1, seed=25)[0]
+    (plain,), _ = _run(model, [(prompt, RequestParams(12, GREEDY))])
+    stop = f"t{plain.output_ids[1]}"
+    (early,), _ = _run(model, [(prompt, RequestParams(12, GREEDY, stop=[stop]))])
+    assert len(early.output_ids) == 2 and early.finish_reason == "stop"
+    (held,), (events,) = _run(model, [(prompt, RequestParams(12, GREEDY, stop=[stop], min_tokens=4))])
+    assert held.output_ids == plain.output_ids[: len(held.output_ids)] and len(held.output_ids) >= 4
+    text = "".join(e.text for e in events)
+    assert text.startswith(" " + IdTokenizer().decode(plain.output_ids[:4]))
+    later = [k for k in range(4, 12) if f"t{plain.output_ids[k]}" == stop]
+    assert len(held.output_ids) == (later[0] + 1 if later else 12)
