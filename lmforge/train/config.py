@@ -63,6 +63,9 @@ class DataConfig:
     # Megatron-style prefixes (PREFIX.bin/.idx), optionally weighted: [0.7, a, 0.3, b]; one bare PREFIX is [PREFIX].
     paths: list[Any] | str = field(default_factory=list)
     split: str = "969,30,1"  # train,valid,test weights; each prefix is cut by sequence, as Megatron's --split
+    # Held-out prefixes to validate on, weighted as data.paths (Megatron's --valid-data-path): each is read whole, and
+    # data.paths then trains whole (data.split is not read).
+    valid_paths: list[Any] | str = field(default_factory=list)
     seq_length: int = 2048  # tokens per training sample (the run's context length)
     tokenizer: str | None = None  # default: the tokenizer beside model.init_from
     task: str = "pretrain"  # a name in lmforge.train.tasks.TASKS
@@ -90,6 +93,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):  # data.paths=PREFIX, without brackets
             self.paths = [self.paths]
+        if isinstance(self.valid_paths, str):
+            self.valid_paths = [self.valid_paths]
         if self.num_workers is not None and self.num_workers < 0:
             raise UserError(f"data.num_workers must be >= 0 (or unset: 2 on an accelerator, 0 on the CPU), "
                             f"got {self.num_workers}")
@@ -322,6 +327,9 @@ class RunConfig:
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))
         _choice("trainer.float8_recipe", t.float8_recipe, ("tensorwise", "rowwise"))
         check_run(self)  # the values no run can use (negative steps, betas that are not two, ...)
+        from lmforge.train.data_keys import check_data_keys  # (the tasks import this module)
+
+        check_data_keys(self)
 
     @property
     def precision(self) -> Precision:

@@ -10,6 +10,10 @@ from lmforge.train.tasks.base import Epochs, Task, TaskData, total_samples, with
 
 class MaskedLM(Task):
     name = "mlm"
+    data_keys = frozenset({"paths", "valid_file", "cache_dir", "pad_to_multiple_of"})
+    instead = {"split": "data.task=mlm trains on data.paths whole and validates on data.valid_file (a prefix)",
+               "valid_paths": "data.task=mlm validates on data.valid_file (one prefix)",
+               "train_file": "data.task=mlm reads a tokenized prefix, data.paths"}
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         from lmforge.data.mlm import MLMDataset
