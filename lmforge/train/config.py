@@ -29,6 +29,7 @@ from lmforge.models.lora import LoRAConfig
 from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config_checks import check_run
+from lmforge.train.data_keys import check_data_keys
 
 log = logging.getLogger(__name__)
 
@@ -327,9 +328,7 @@ class RunConfig:
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))
         _choice("trainer.float8_recipe", t.float8_recipe, ("tensorwise", "rowwise"))
         check_run(self)  # the values no run can use (negative steps, betas that are not two, ...)
-        from lmforge.train.data_keys import check_data_keys  # (the tasks import this module)
-
-        check_data_keys(self)
+        check_data_keys(self.data)  # a key the task does not read, set as if it did
 
     @property
     def precision(self) -> Precision:

@@ -9,7 +9,7 @@ import pytest
 
 from lmforge.errors import UserError
 from lmforge.train.config import DataConfig, load_run_config
-from lmforge.train.data_keys import READ_BY_ALL, readers
+from lmforge.train.data_keys import READ_BY_ALL, READS, readers
 from lmforge.train.tasks import TASKS
 
 
@@ -86,5 +86,6 @@ def test_a_key_at_its_default_is_no_error_and_every_key_has_a_reader():
     _load("data.task=sft", "data.split=969,30,1", "data.paths=[]", "data.cache_dir=null")
     for f in dataclasses.fields(DataConfig):
         assert f.name in READ_BY_ALL or readers(f.name), f"data.{f.name} is read by no task"
-    for name, task in TASKS.items():
-        assert task.data_keys <= {f.name for f in dataclasses.fields(DataConfig)}, name
+    assert set(READS) == set(TASKS)  # every task declares what it reads
+    for name, keys in READS.items():
+        assert keys <= {f.name for f in dataclasses.fields(DataConfig)}, name

@@ -32,15 +32,6 @@ Count = torch.Tensor | int  # a count or statistic of a micro-batch: a number, o
 
 log = logging.getLogger(__name__)
 
-# What a fine-tuning task uses instead of the pretraining keys.
-FINE_TUNING_INSTEAD = {
-    "paths": "fine-tuning reads data.train_file (JSON lines; classification: TSV, CSV or JSONL), not "
-             "tokenized prefixes",
-    "valid_paths": "fine-tuning validates on data.valid_file, scored whole",
-    "split": "fine-tuning trains on data.train_file whole and validates on data.valid_file",
-    "cache_dir": "fine-tuning reads its files whole, with no sample-index cache",
-}
-
 
 @dataclass
 class TaskData:
@@ -65,14 +56,6 @@ class Task:
     # How many statistics `loss` returns after the loss and the count (a tuple when more than one): summed over
     # micro-batches and data-parallel ranks, then handed to `metrics` (validation) and `train_metrics` (each step).
     num_stats: ClassVar[int] = 1
-    # The data.* keys the task reads beyond lmforge.train.data_keys.READ_BY_ALL: any other set away from its default
-    # is refused when the config is read; `instead` says, per key it does not read, what this task uses instead.
-    data_keys: ClassVar[frozenset[str]] = frozenset()
-    instead: ClassVar[dict[str, str]] = {}
-
-    def reads(self, data) -> frozenset[str]:
-        """The data keys the task reads with `data` (a DataConfig) as set."""
-        return self.data_keys
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         raise NotImplementedError

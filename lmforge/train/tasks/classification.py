@@ -8,23 +8,11 @@ from lmforge.models.decoder import Decoder
 from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX
-from lmforge.train.tasks.base import (
-    FINE_TUNING_INSTEAD,
-    Batch,
-    Epochs,
-    Task,
-    TaskData,
-    data_files,
-    logits_loss,
-    total_samples,
-    with_padding,
-)
+from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, data_files, logits_loss, total_samples, with_padding
 
 
 class Classification(Task):
     name = "classification"
-    data_keys = frozenset({"train_file", "valid_file", "text_key", "label_key", "pad_to_multiple_of"})
-    instead = FINE_TUNING_INSTEAD
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         from lmforge.data.classification import ClassificationDataset

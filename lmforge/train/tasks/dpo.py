@@ -27,7 +27,6 @@ from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX, SCORED_PER_ROW, SCORED_ROWS
 from lmforge.train.tasks.base import (
-    FINE_TUNING_INSTEAD,
     Batch,
     Epochs,
     Task,
@@ -102,10 +101,6 @@ class DPO(Task):
     # reads no data, sizes the reference model.
     precomputed = False
     rows_per_example = 2  # a pair: its chosen and rejected sequences, interleaved rows of one batch
-    data_keys = frozenset({"train_file", "valid_file", "prompt_template", "chat_template", "truncate",
-                           "pad_to_multiple_of"})
-    instead = {**FINE_TUNING_INSTEAD, "packing": "preference pairs are not packed",
-               "assistant_only_loss": "DPO compares the log-probabilities of the answers alone"}
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         from lmforge.data.dpo import PreferenceDataset

@@ -12,19 +12,6 @@ from lmforge.train.tasks.base import Batch, Task, TaskData
 class Pretrain(Task):
     name = "pretrain"
     pretraining = True
-    data_keys = frozenset({"paths", "split", "valid_paths", "cache_dir"})
-    instead = {
-        "train_file": "pretraining reads Megatron .bin/.idx prefixes, data.paths (lmforge preprocess makes them)",
-        "valid_file": "pretraining validates on data.valid_paths (held-out prefixes) or on data.split's validation "
-                      "part",
-        "split": "with data.valid_paths, data.paths trains whole and data.valid_paths validates (Megatron's "
-                 "--train-data-path and --valid-data-path): unset data.split, or unset data.valid_paths to cut "
-                 "data.paths by the split",
-        "pad_to_multiple_of": "pretraining samples are data.seq_length tokens each, never padded",
-    }
-
-    def reads(self, data) -> frozenset[str]:
-        return self.data_keys - {"split"} if data.valid_paths else self.data_keys
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         train, valid = pretrain_datasets(cfg, tokenizer)

@@ -9,16 +9,7 @@ import torch
 from lmforge.errors import UserError
 from lmforge.train.config import DPOConfig, RunConfig
 from lmforge.train.loss import IGNORE_INDEX
-from lmforge.train.tasks.base import (
-    FINE_TUNING_INSTEAD,
-    Batch,
-    Epochs,
-    Task,
-    TaskData,
-    data_files,
-    total_samples,
-    with_padding,
-)
+from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, data_files, total_samples, with_padding
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +37,6 @@ def run_chat_template(cfg: RunConfig, tokenizer, logger: logging.Logger = log):
 
 class SFT(Task):
     name = "sft"
-    data_keys = frozenset({"train_file", "valid_file", "packing", "prompt_template", "chat_template",
-                           "assistant_only_loss", "truncate", "pad_to_multiple_of"})
-    instead = FINE_TUNING_INSTEAD
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         from lmforge.data.sft import SFTDataset
