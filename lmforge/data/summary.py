@@ -48,13 +48,11 @@ class DatasetSummary:
     mismatch: str | None = None  # why the data looks made by another tokenizer (foreign_end_marker)
 
 
-def foreign_end_marker(ds: IndexedDataset, tokenizer: Tokenizer) -> str | None:
-    """Why a dataset looks made by another tokenizer, or None: nearly all its documents end in one token that is not
-    the tokenizer's end of document, and which they never hold elsewhere (an end-of-document marker appended by
-    another tokenizer: GPT-2's 50256 read by a Pythia model, whose id 50256 is a rare added token). Its ids are in
-    range, so nothing else notices. (A period ends most articles too, but not only there.) Up to 256 documents'
-    last 2,048 tokens are read."""
-    if tokenizer.eod_id is None or ds.num_documents < 8:  # too few to tell a marker from the documents' last words
+def end_marker(ds: IndexedDataset) -> int | None:
+    """The token nearly all of a dataset's documents end in and never hold elsewhere (an end-of-document marker
+    appended by its tokenizer), or None: no such token, or too few documents to tell one from their last words. (A
+    period ends most articles too, but not only there.) Up to 256 documents' last 2,048 tokens are read."""
+    if ds.num_documents < 8:
         return None
     picks = np.unique(np.linspace(0, ds.num_documents - 1, min(ds.num_documents, 256)).astype(np.int64))
     tails = [tail for tail in (ds.document(int(d))[-2048:] for d in picks) if len(tail)]
@@ -63,12 +61,23 @@ def foreign_end_marker(ds: IndexedDataset, tokenizer: Tokenizer) -> str | None:
     values, counts = np.unique([int(tail[-1]) for tail in tails], return_counts=True)
     marker = int(values[counts.argmax()])
     inside = sum(bool((tail[:-1] == marker).any()) for tail in tails)
-    if marker == tokenizer.eod_id or counts.max() < 0.9 * len(tails) or inside > 0.02 * len(tails):
+    if counts.max() < 0.9 * len(tails) or inside > 0.02 * len(tails):
         return None
-    return (f"data prefix '{ds.prefix}': {counts.max()} of {len(tails)} documents sampled end in token {marker} "
-            f"({tokenizer.decode([marker])!r} to this tokenizer) and hold it nowhere else, but this tokenizer's end of "
-            f"document is {tokenizer.eod_id}: was it preprocessed with another tokenizer? Preprocess it with the "
-            "model's (data.tokenizer / the one beside model.init_from)")
+    return marker
+
+
+def foreign_end_marker(ds: IndexedDataset, tokenizer: Tokenizer) -> str | None:
+    """Why a dataset looks made by another tokenizer, or None: its documents end in a marker (end_marker) that is
+    not the tokenizer's end of document (GPT-2's 50256 read by a Pythia model, whose id 50256 is a rare added
+    token). Its ids are in range, so nothing else notices."""
+    if tokenizer.eod_id is None or (marker := end_marker(ds)) is None or marker == tokenizer.eod_id:
+        return None
+    picks = np.unique(np.linspace(0, ds.num_documents - 1, min(ds.num_documents, 256)).astype(np.int64))
+    tails = [int(tail[-1]) for tail in (ds.document(int(d))[-2048:] for d in picks) if len(tail)]
+    return (f"data prefix '{ds.prefix}': {tails.count(marker)} of {len(tails)} documents sampled end in token "
+            f"{marker} ({tokenizer.decode([marker])!r} to this tokenizer) and hold it nowhere else, but this "
+            f"tokenizer's end of document is {tokenizer.eod_id}: was it preprocessed with another tokenizer? "
+            "Preprocess it with the model's (data.tokenizer / the one beside model.init_from)")
 
 
 def find_prefixes(prefix: str | Path) -> list[str]:

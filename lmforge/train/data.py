@@ -105,6 +105,40 @@ def check_tokenizer_holds(indexed: list[IndexedDataset], tokenizer, cache_dir: s
                             "this one, or set data.tokenizer to the one that made it")
 
 
+def check_data_tokenizer(indexed: list[IndexedDataset], tokenizer) -> None:
+    """Each prefix's tokenizer record (PREFIX.tokenizer.json, lmforge.data.fingerprint) against the run's tokenizer:
+    a UserError naming both where another made the data. A prefix without a record (older data, Megatron's own) whose
+    documents end in the run's end-of-document id passes; a foreign end marker is check_document_ends' warning; the
+    others, which nothing here can tell, are named in one warning."""
+    if tokenizer is None:
+        return
+    from lmforge.data.fingerprint import describe, read_fingerprint, tokenizer_fingerprint, verdict
+    from lmforge.data.summary import end_marker
+
+    run, unknown = None, []
+    for ds in {ds.prefix: ds for ds in indexed}.values():
+        record = read_fingerprint(ds.prefix)
+        if record is None:
+            if tokenizer.eod_id is None or end_marker(ds) is None:
+                unknown.append(ds.prefix)
+            continue
+        run = run or tokenizer_fingerprint(tokenizer)
+        found = verdict(record, run)
+        if found == "other":
+            raise UserError(f"data prefix '{ds.prefix}' was tokenized with {describe(record)}, but this run's "
+                            f"tokenizer is {describe(run)}: preprocess the data again with the run's tokenizer "
+                            f"(lmforge preprocess --tokenizer {run['tokenizer']}), or set "
+                            f"data.tokenizer={record.get('tokenizer')}")
+        if found == "unknown":
+            unknown.append(ds.prefix)
+    if unknown:
+        named = ", ".join(f"'{p}'" for p in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        log.warning("nothing shows that data prefix %s %s made with this run's tokenizer %s: no PREFIX.tokenizer.json "
+                    "beside %s (lmforge preprocess writes it) and no end-of-document id at the documents' ends; only "
+                    "their ids' range is checked (preprocess with the run's tokenizer to have it checked)", named,
+                    "was" if len(unknown) == 1 else "were", tokenizer.files[0], "it" if len(unknown) == 1 else "them")
+
+
 def _prefix_near(prefix: str) -> str | None:
     """What a user most likely meant by a prefix that is not one: the file's name without .bin/.idx, or the
     single `PREFIX_<key>_document` that preprocess wrote for an --output-prefix."""
@@ -153,6 +187,7 @@ def pretrain_datasets(cfg: RunConfig, tokenizer=None) -> tuple[torch.utils.data.
     check_token_ids(indexed + held, cfg.model.resolve().vocab_size, d.cache_dir, fixed_vocab=bool(cfg.model.init_from))
     check_document_ends(indexed + held, tokenizer)
     check_tokenizer_holds(indexed + held, tokenizer, d.cache_dir)
+    check_data_tokenizer(indexed + held, tokenizer)
     held_out = bool(d.valid_paths)
     train = _split_dataset(indexed, weights, None if held_out else 0, t.max_steps * t.global_batch_size, cfg)
     valid = None
