@@ -13,12 +13,21 @@ import pytest
 import tokenizers
 
 from lmforge.cli import main
-from lmforge.data.fingerprint import fingerprint_path
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
 from lmforge.data.preprocess import merge_shards, preprocess
 from lmforge.errors import UserError
 from lmforge.tokenizers import load_tokenizer
-from lmforge.train.data import check_data_tokenizer
+
+
+def fingerprint_path(prefix) -> Path:
+    return Path(f"{prefix}.tokenizer.json")
+
+
+def check_data_tokenizer(indexed, tokenizer) -> None:
+    from lmforge.train.data import check_data_tokenizer
+
+    check_data_tokenizer(indexed, tokenizer)
+
 
 TEXTS = [f"Document {i} says that {i} plus {i} is {2 * i}, which it checks twice." for i in range(40)]
 
@@ -99,6 +108,9 @@ def test_pretrain_refuses_it_in_one_line(corpus, tokenizers_dir, tmp_path, capsy
             "data.seq_length=32",
             f"run_dir={tmp_path / 'run'}",
             "trainer.device=cpu",
+            "trainer.max_steps=1",  # (were the data taken, one short step)
+            "trainer.global_batch_size=1",
+            "trainer.val_check_interval=0",
         ]
     )
     err = capsys.readouterr().err.strip().splitlines()

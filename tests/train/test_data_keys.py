@@ -9,7 +9,6 @@ import pytest
 
 from lmforge.errors import UserError
 from lmforge.train.config import DataConfig, load_run_config
-from lmforge.train.data_keys import READ_BY_ALL, READS, readers
 from lmforge.train.tasks import TASKS
 
 
@@ -83,6 +82,8 @@ def test_held_out_prefixes_leave_the_split_unread():
 def test_a_key_at_its_default_is_no_error_and_every_key_has_a_reader():
     """Written out at its default (a recipe's `split: "969,30,1"` beside data.task=sft), a key says nothing; and
     no field of DataConfig is left that no task reads."""
+    from lmforge.train.data_keys import READ_BY_ALL, READS, readers
+
     _load("data.task=sft", "data.split=969,30,1", "data.paths=[]", "data.cache_dir=null")
     for f in dataclasses.fields(DataConfig):
         assert f.name in READ_BY_ALL or readers(f.name), f"data.{f.name} is read by no task"
