@@ -28,6 +28,7 @@ from lmforge.tokenizers import CONFIG_FILES, Tokenizer
 logger = logging.getLogger(__name__)
 
 FORMAT = "lmforge-tokenizer/1"
+MAX_BYTES = 1 << 20  # a record is well under a kilobyte and a list of file names
 
 
 def fingerprint_path(prefix: str | Path) -> Path:
@@ -42,8 +43,12 @@ def tokenizer_identity(tok: Tokenizer) -> dict:
     for path in dict.fromkeys(files):
         if path.is_file():
             h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return {"files": [str(f) for f in tok.files], "sha256": h.hexdigest(), "vocab_size": tok.vocab_size,
-            "eod_id": tok.eod_id}
+    return {
+        "files": [str(f) for f in tok.files],
+        "sha256": h.hexdigest(),
+        "vocab_size": tok.vocab_size,
+        "eod_id": tok.eod_id,
+    }
 
 
 def vocab_digest(tok) -> str:
@@ -77,6 +82,8 @@ def read_fingerprint(prefix: str | Path) -> dict | None:
     """The record beside `prefix`, or None where there is none, it cannot be read, or it describes other files."""
     path = fingerprint_path(prefix)
     try:
+        if path.stat().st_size > MAX_BYTES:  # a data folder is not trusted: no file read whole for a few fields
+            raise ValueError(f"{path.stat().st_size:,} bytes, over {MAX_BYTES:,}")
         record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None

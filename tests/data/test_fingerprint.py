@@ -162,3 +162,14 @@ def test_a_record_of_files_made_again_is_not_read(corpus, tokenizers_dir, tmp_pa
     with caplog.at_level(logging.WARNING, logger="lmforge.train.data"):
         check_data_tokenizer([again], gpt2)
     assert not caplog.records
+
+
+def test_a_record_too_large_to_be_one_is_not_read(tmp_path, caplog):
+    """A data folder is not trusted: a 2 MiB 'record' is not read whole for its few fields."""
+    from lmforge.data.fingerprint import read_fingerprint
+
+    ds = _unrecorded(tmp_path, "big_text_document", [[1, 2, 3]])
+    fingerprint_path(ds.prefix).write_text(" " * (2 << 20) + "{}")
+    with caplog.at_level(logging.WARNING, logger="lmforge.data.fingerprint"):
+        assert read_fingerprint(ds.prefix) is None
+    assert "over 1,048,576" in caplog.text and "the data's tokenizer is not checked" in caplog.text
