@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmforge.data.fingerprint import describe, read_fingerprint, tokenizer_fingerprint, verdict
 from lmforge.data.indexed import IndexedDataset, bin_path, idx_path
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
@@ -45,7 +46,8 @@ class DatasetSummary:
     first_documents: list[list[int]] = field(default_factory=list)  # their ids
     decoded: list[str] | None = None  # their text, when a tokenizer was given
     tokenizer: str | None = None
-    mismatch: str | None = None  # why the data looks made by another tokenizer (foreign_end_marker)
+    mismatch: str | None = None  # why the data looks made by another tokenizer (its record, foreign_end_marker)
+    made_by: str | None = None  # the tokenizer its PREFIX.tokenizer.json names (lmforge.data.fingerprint)
 
 
 def end_marker(ds: IndexedDataset) -> int | None:
@@ -123,12 +125,17 @@ def summarize(prefix: str | Path, tokenizer: str | Path | Tokenizer | None = Non
     used = [i for i, b in enumerate(histogram) if b.documents]
     histogram = histogram[used[0] : used[-1] + 1] if used else []
     first = [ds.document(d).tolist() for d in range(min(num_docs, docs))]
+    record = read_fingerprint(ds.prefix)
+    mismatch = foreign_end_marker(ds, tok) if tok else None
+    if tok and record and verdict(record, tokenizer_fingerprint(tok)) == "other":
+        mismatch = (f"data prefix '{ds.prefix}' was tokenized with {describe(record)}, not with {tok.files[0]}: "
+                    f"decode it with --tokenizer {record.get('tokenizer')}")
     return DatasetSummary(
         prefix=ds.prefix, dtype=ds.dtype.name, documents=docs, empty_documents=empty, sequences=len(ds),
         tokens=tokens, bin_bytes=bin_path(ds.prefix).stat().st_size, idx_bytes=idx_path(ds.prefix).stat().st_size,
         min_tokens=low or 0, max_tokens=high, mean_tokens=tokens / docs if docs else 0.0, histogram=histogram,
         first_documents=first, decoded=[tok.decode(ids) for ids in first] if tok else None,
-        tokenizer=str(tok.files[0]) if tok else None, mismatch=foreign_end_marker(ds, tok) if tok else None,
+        tokenizer=str(tok.files[0]) if tok else None, mismatch=mismatch, made_by=describe(record) if record else None,
     )
 
 

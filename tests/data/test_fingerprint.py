@@ -173,3 +173,13 @@ def test_a_record_too_large_to_be_one_is_not_read(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lmforge.data.fingerprint"):
         assert read_fingerprint(ds.prefix) is None
     assert "over 1,048,576" in caplog.text and "the data's tokenizer is not checked" in caplog.text
+
+
+def test_inspect_names_the_tokenizer_and_a_wrong_one(corpus, tokenizers_dir, tmp_path, capsys):
+    llama = tokenizers_dir / "llama2" / "tokenizer.model"
+    preprocess(corpus, tmp_path / "llama", llama, progress=False)
+    prefix = tmp_path / "llama_text_document"
+    assert main(["data", "inspect", str(prefix)]) == 0
+    assert f"tokenized with {llama} (32000 ids, end of document 2) (its .tokenizer.json)" in capsys.readouterr().out
+    assert main(["data", "inspect", str(prefix), "--tokenizer", str(tokenizers_dir / "gpt2")]) == 0
+    assert f"warning: data prefix '{prefix}' was tokenized with {llama}" in capsys.readouterr().out
