@@ -1,0 +1,150 @@
+"""Worker for test_context: context-parallel attention and a tiny decoder on C gloo ranks, each rank holding its two
+chunks of the sequence; rank 0 saves the whole outputs and gradients put back together (gather_sequence) for the
+test to compare with one process. Run with launch.torchrun:
+
+    context_worker.py OUT.pt
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+# (name, batch, heads, kv_heads, seq, head_dim, document lengths per row or None, window, softcap)
+ATTENTION_CASES = [
+    ("gqa", 2, 4, 2, 32, 8, None, None, None),
+    # Documents of odd lengths: their boundaries fall inside chunks and across them; row 1 ends in padding.
+    ("packed_gqa", 2, 4, 1, 32, 8, [[5, 13, 9, 5], [11, 3, 14]], None, None),
+    ("packed_window_softcap", 1, 2, 2, 32, 8, [[7, 19, 6]], 5, 30.0),
+]
+METHODS = ("allgather", "ring")
+
+
+def packed(lengths: list[list[int]] | None, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_ids and position_ids of rows packed with documents of `lengths` (padding after them); None: one
+    document per row."""
+    if lengths is None:
+        return torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq).clone()
+    segments, positions = torch.zeros(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.long)
+    for r, row in enumerate(lengths):
+        start = 0
+        for d, n in enumerate(row, start=1):
+            segments[r, start : start + n], positions[r, start : start + n] = d, torch.arange(n)
+            start += n
+    return segments, positions
+
+
+def attention_inputs(case) -> dict[str, torch.Tensor]:
+    _, b, h, g, s, d, lengths, _, _ = case
+    gen = torch.Generator().manual_seed(7)
+    segments, _ = packed(lengths, b, s)
+    return {
+        "q": torch.randn(b, h, s, d, generator=gen),
+        "k": torch.randn(b, g, s, d, generator=gen),
+        "v": torch.randn(b, g, s, d, generator=gen),
+        "weight": torch.randn(b, h, s, d, generator=gen),
+        "segments": segments,
+    }
+
+
+DECODER = dict(
+    family="llama",
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
+DECODER_LENGTHS = [[9, 14, 5], [20, 8]]  # row 1 ends in 4 padding slots (labels -100 there)
+DECODER_SEQ = 32
+
+
+def decoder_inputs() -> dict[str, torch.Tensor]:
+    segments, positions = packed(DECODER_LENGTHS, 2, DECODER_SEQ)
+    ids = torch.randint(1, DECODER["vocab_size"], segments.shape, generator=torch.Generator().manual_seed(5))
+    labels = torch.where(segments > 0, torch.roll(ids, -1, 1), -100)
+    labels[:, -1] = -100
+    return {"input_ids": ids, "labels": labels, "segment_ids": segments, "position_ids": positions}
+
+
+def run_attention(shard, case, method) -> dict[str, torch.Tensor]:
+    from lmforge.parallel.context import gather_sequence, split_sequence
+    from lmforge.parallel.context_attention import ContextPlan, context_attention
+
+    name, b, h, g, s, d, lengths, window, softcap = case
+    x = attention_inputs(case)
+    q, k, v = (split_sequence(x[n], shard, 2).requires_grad_() for n in ("q", "k", "v"))
+    seg = split_sequence(x["segments"], shard, 1)
+    parts = [torch.empty_like(seg) for _ in range(shard.context)]
+    dist.all_gather(parts, seg)
+    plan = ContextPlan(
+        None,
+        shard.context,
+        shard.rank,
+        s // (2 * shard.context),
+        torch.stack(parts) if lengths is not None else None,
+        window,
+        None,
+        softcap,
+    )
+    out = context_attention(q, k, v, plan, method)
+    (out * split_sequence(x["weight"], shard, 2)).sum().backward()
+    return {
+        n: gather_sequence(t, shard, 2)
+        for n, t in {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}.items()
+    }
+
+
+def run_decoder(shard, method) -> dict[str, torch.Tensor]:
+    """Loss summed over every token of the batch over the global count (as one process divides), gradients summed
+    over the ranks (what FSDP's reduce-scatter does)."""
+    from lmforge.models import build
+    from lmforge.parallel.context import ContextDocuments, context_parallel_decoder, split_batch
+
+    model = build(DECODER, seed=3)
+    batch = decoder_inputs()
+    tokens = (batch["labels"] != -100).sum()
+    local = split_batch(batch, shard)
+    with context_parallel_decoder(shard, method):
+        seen = []
+        model.layers[0].attn.register_forward_pre_hook(lambda m, a: seen.append(type(a[2])))
+        logits = model(local["input_ids"], segment_ids=local["segment_ids"], position_ids=local["position_ids"])
+    assert seen == [ContextDocuments], seen
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(), reduction="sum")
+    loss = loss / tokens
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {}
+    for n, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        grads[n] = p.grad
+    return {"loss": total, **{f"grad.{n}": t for n, t in grads.items()}}
+
+
+def main(out: str) -> None:
+    from lmforge.parallel.context import ContextShard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    shard = ContextShard.of()
+    results = {}
+    for method in METHODS:
+        for case in ATTENTION_CASES:
+            results[(method, case[0])] = run_attention(shard, case, method)
+        results[(method, "decoder")] = run_decoder(shard, method)
+    if shard.rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
