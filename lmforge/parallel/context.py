@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lmforge.errors import UserError
+from lmforge.models.config import ModelConfig
 from lmforge.models.documents import Documents
 from lmforge.parallel.context_attention import METHODS, ContextPlan, context_attention
 
@@ -135,12 +137,30 @@ class ContextDocuments(Documents):
         return context_attention(q, k, v, plan, self.method, dropout)
 
 
+def refuse_unsupported(cfg: ModelConfig) -> None:
+    """A UserError naming the first of the model's settings that context parallelism cannot run exactly."""
+    if not cfg.causal:
+        raise UserError("context parallelism needs causal attention: an encoder (causal=false) is not supported")
+    if cfg.attention_dropout:
+        raise UserError("attention_dropout under context parallelism is not supported: set attention_dropout=0")
+    scaling = cfg.rope_scaling.type if cfg.rope_scaling is not None else None
+    if scaling in ("dynamic", "longrope"):
+        # Their frequencies follow the forward's longest position, which differs between the ranks' chunks.
+        raise UserError(
+            f"rope_scaling {scaling} under context parallelism is not supported: its frequencies "
+            "depend on each forward's longest position; use linear, yarn or llama3"
+        )
+
+
 @contextlib.contextmanager
-def context_parallel_decoder(shard: ContextShard, method: str = "ring") -> Iterator[None]:
-    """Inside: a Decoder called with this rank's split segment_ids (lmforge.models.decoder builds its layers'
-    Documents through `Documents.of`) attends across the context group. A batch without packed documents passes
-    segment_ids of ones (one document per row). Position ids must be the split ones (split_batch)."""
+def context_parallel_decoder(model: nn.Module, shard: ContextShard, method: str = "ring") -> Iterator[None]:
+    """Inside: `model` (a Decoder) called with this rank's split segment_ids attends across the context group
+    (lmforge.models.decoder builds its layers' Documents through `Documents.of`, which this swaps). A batch without
+    packed documents passes segment_ids of ones (one document per row); position_ids must be the split ones
+    (split_batch)."""
     from lmforge.models import decoder
+
+    refuse_unsupported(model.config)
 
     class _Factory(Documents):
         @classmethod

@@ -12,8 +12,10 @@ rank. Two autograd Functions move them:
   before this block's compute so the two overlap; the backward sends the blocks round again and with them the
   dK/dV accumulated so far, which reach their owner after C-1 hops. Memory: two blocks at a time.
 
-Per block the scores are formed explicitly in fp32 (matmul, mask, softmax with its log-sum-exp): SDPA's public
-call returns no log-sum-exp, which the merge needs, and takes no soft cap. A (query chunk, key chunk) pair that
+K/V travel in their own dtype; their gradients accumulate and travel in fp32 (the bytes:
+lmforge.parallel.comm_volume.context_bytes). Per block the scores are formed explicitly in fp32 (matmul, mask,
+softmax with its log-sum-exp): SDPA's public call returns no log-sum-exp, which the merge needs, and takes no
+soft cap. A (query chunk, key chunk) pair that
 the causal rule (or a sliding window) masks whole is skipped, read from the chunks' slot ranges on the host, so
 with the load-balanced split every rank computes the same number of pairs. The mask inside a pair is built from
 the tokens' global slots and segment ids, and is lmforge.models.documents.document_mask's rule: causal, within
@@ -159,7 +161,7 @@ def _forward_block(out, lse, q, k, v, plan: ContextPlan, k_rank: int) -> None:
     c = plan.chunk
     for qp, kp in _pairs(plan, k_rank):
         mask = plan.mask(plan.rank, qp, k_rank, kp)
-        o, l = _block_forward(_piece(q, qp, c), _piece(k, kp, c), _piece(v, kp, c), mask, plan)
+        o, l = _block_forward(_piece(q, qp, c), _piece(k, kp, c).float(), _piece(v, kp, c).float(), mask, plan)
         _merge(_piece(out, qp, c), lse[..., qp * c : (qp + 1) * c], o, l)
 
 
@@ -171,8 +173,8 @@ def _backward_block(dq, dk, dv, q, k, v, plan: ContextPlan, k_rank: int, dout, l
         rows = slice(qp * c, (qp + 1) * c)
         g = _block_backward(
             _piece(q, qp, c),
-            _piece(k, kp, c),
-            _piece(v, kp, c),
+            _piece(k, kp, c).float(),
+            _piece(v, kp, c).float(),
             mask,
             plan,
             _piece(dout, qp, c),
@@ -199,7 +201,7 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: ContextPlan):
         qg = _grouped(q, k.shape[1])
-        kv = torch.stack([k.float(), v.float()])
+        kv = torch.stack([k, v])
         blocks = _all_gather(kv, plan)
         out, lse = _start(q, k)
         for r in _own_first(plan):
@@ -216,7 +218,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dout = _grouped(grad, qg.shape[1])
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qg)
-        dkv = [torch.zeros_like(b) for b in blocks]
+        dkv = [torch.zeros_like(b, dtype=torch.float32) for b in blocks]
         for r in _own_first(plan):
             _backward_block(dq, dkv[r][0], dkv[r][1], qg, blocks[r][0], blocks[r][1], plan, r, dout, lse, delta)
         own = _reduce_scatter(dkv, plan)
@@ -228,7 +230,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: ContextPlan):
         qg = _grouped(q, k.shape[1])
         out, lse = _start(q, k)
-        kv = torch.stack([k.float(), v.float()])
+        kv = torch.stack([k, v])
         for step in range(plan.context):
             works = []
             if step < plan.context - 1:  # the next block's transfer posted before this block's compute
@@ -251,16 +253,16 @@ class _RingAttention(torch.autograd.Function):
         qg, out, lse, k, v = ctx.saved_tensors
         dout = _grouped(grad, qg.shape[1])
         delta = (dout * out).sum(-1)
-        kv = torch.stack([k.float(), v.float()])
+        kv = torch.stack([k, v])
         dq = torch.zeros_like(qg)
-        own = torch.zeros_like(kv)  # this rank's queries' part of its own block's dK/dV
+        own = torch.zeros_like(kv, dtype=torch.float32)  # this rank's queries' part of its own block's dK/dV
         received, grad_works = None, []
         for step in range(plan.context):
             works = []
             if step < plan.context - 1:
                 nxt = torch.empty_like(kv)
                 works = _exchange(kv, nxt, plan, KV_TAG)
-            part = own if step == 0 else torch.zeros_like(kv)
+            part = own if step == 0 else torch.zeros_like(own)
             _backward_block(
                 dq, part[0], part[1], qg, kv[0], kv[1], plan, (plan.rank - step) % plan.context, dout, lse, delta
             )
@@ -270,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
                 if received is not None:
                     part.add_(received)
                 # Sent on; what arrives is the next block's, or at the last step this rank's own block's.
-                received = torch.empty_like(kv)
+                received = torch.empty_like(own)
                 grad_works = _exchange(part, received, plan, GRAD_TAG)
             for w in works:
                 w.wait()

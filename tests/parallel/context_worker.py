@@ -81,9 +81,9 @@ def run_attention(shard, case, method) -> dict[str, torch.Tensor]:
     q, k, v = (split_sequence(x[n], shard, 2).requires_grad_() for n in ("q", "k", "v"))
     seg = split_sequence(x["segments"], shard, 1)
     parts = [torch.empty_like(seg) for _ in range(shard.context)]
-    dist.all_gather(parts, seg)
+    dist.all_gather(parts, seg, group=shard.group)
     plan = ContextPlan(
-        None,
+        shard.group,
         shard.context,
         shard.rank,
         s // (2 * shard.context),
@@ -110,7 +110,7 @@ def run_decoder(shard, method) -> dict[str, torch.Tensor]:
     batch = decoder_inputs()
     tokens = (batch["labels"] != -100).sum()
     local = split_batch(batch, shard)
-    with context_parallel_decoder(shard, method):
+    with context_parallel_decoder(model, shard, method):
         seen = []
         model.layers[0].attn.register_forward_pre_hook(lambda m, a: seen.append(type(a[2])))
         logits = model(local["input_ids"], segment_ids=local["segment_ids"], position_ids=local["position_ids"])
@@ -127,6 +127,40 @@ def run_decoder(shard, method) -> dict[str, torch.Tensor]:
     return {"loss": total, **{f"grad.{n}": t for n, t in grads.items()}}
 
 
+def count_bytes(shard, method) -> dict[str, int]:
+    """The bytes this rank hands to the collectives over the decoder's forward and backward, as a ring algorithm
+    moves them: a send whole, an all-gather or reduce-scatter C-1 of the rank's parts."""
+    sent = {"n": 0}
+    isend, all_gather, reduce_scatter = dist.isend, dist.all_gather, dist.reduce_scatter
+
+    def counting_isend(t, *a, **k):
+        sent["n"] += t.numel() * t.element_size()
+        return isend(t, *a, **k)
+
+    def counting_all_gather(parts, t, *a, **k):
+        sent["n"] += (len(parts) - 1) * t.numel() * t.element_size()
+        return all_gather(parts, t, *a, **k)
+
+    def counting_reduce_scatter(out, parts, *a, **k):
+        sent["n"] += (len(parts) - 1) * out.numel() * out.element_size()
+        return reduce_scatter(out, parts, *a, **k)
+
+    dist.isend, dist.all_gather, dist.reduce_scatter = counting_isend, counting_all_gather, counting_reduce_scatter
+    try:
+        from lmforge.models import build
+        from lmforge.parallel.context import context_parallel_decoder, split_batch
+
+        model = build(DECODER, seed=3)
+        local = split_batch(decoder_inputs(), shard)
+        with context_parallel_decoder(model, shard, method):
+            logits = model(local["input_ids"], segment_ids=local["segment_ids"], position_ids=local["position_ids"])
+        forward = sent["n"]
+        logits.square().mean().backward()
+    finally:
+        dist.isend, dist.all_gather, dist.reduce_scatter = isend, all_gather, reduce_scatter
+    return {"forward": forward, "total": sent["n"]}
+
+
 def main(out: str) -> None:
     from lmforge.parallel.context import ContextShard
 
@@ -138,6 +172,17 @@ def main(out: str) -> None:
         for case in ATTENTION_CASES:
             results[(method, case[0])] = run_attention(shard, case, method)
         results[(method, "decoder")] = run_decoder(shard, method)
+        counts = [None] * shard.context
+        dist.all_gather_object(counts, count_bytes(shard, method))
+        results[(method, "bytes")] = counts
+    if shard.context == 4:
+        # Two context groups of 2 inside the 4 ranks, as a mesh makes them: peers are named by global rank.
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        sub = ContextShard.of(groups[dist.get_rank() // 2])
+        for method in METHODS:
+            got = [None] * 4
+            dist.all_gather_object(got, run_attention(sub, ATTENTION_CASES[1], method))
+            results[(method, "subgroups")] = [got[0], got[2]]
     if shard.rank == 0:
         torch.save(results, out)
     dist.barrier()

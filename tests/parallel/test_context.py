@@ -14,6 +14,7 @@ import torch
 from lmforge.models import build
 from lmforge.models.attention import attention
 from lmforge.models.documents import document_mask
+from lmforge.parallel.comm_volume import context_bytes
 from lmforge.parallel.context import ContextShard, split_batch, split_sequence
 from tests.parallel import context_worker as cw
 from tests.parallel.launch import torchrun
@@ -64,6 +65,33 @@ def test_decoder_loss_and_gradients_equal_one_process(results, method):
         torch.testing.assert_close(got[f"grad.{n}"], p.grad, atol=1e-5, rtol=1e-5, msg=n)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", cw.METHODS)
+def test_bytes_handed_to_the_collectives_match_the_formula(results, method):
+    """Every rank hands the collectives what comm_volume.context_bytes predicts for the decoder's step (fp32 K/V:
+    kv_bytes 4; packed segment ids gathered once per forward)."""
+    from lmforge.models.config import ModelConfig
+
+    cfg = ModelConfig(**cw.DECODER)
+    counts = results[(method, "bytes")]
+    want = context_bytes(cfg, len(counts), cw.DECODER_SEQ, 2, method, kv_bytes=4, packed=True)
+    for rank in counts:
+        assert rank["forward"] == want["forward"]
+        assert rank["total"] == want["total"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", cw.METHODS)
+def test_context_groups_inside_a_larger_world(results, method):
+    """Two context groups of 2 in a world of 4 (as a mesh builds them): each equals one process."""
+    if (method, "subgroups") not in results:
+        pytest.skip("the world of 4 runs it")
+    ref = reference_attention(cw.ATTENTION_CASES[1])
+    for got in results[(method, "subgroups")]:
+        for name in ("out", "dq", "dk", "dv"):
+            torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_split_holds_chunks_i_and_2c_minus_1_minus_i():
     """Every slot on exactly one rank; rank i holds chunks i and 2C-1-i; position ids travel with their tokens."""
     seq, context = 16, 4
@@ -88,3 +116,20 @@ def test_uneven_sequence_is_refused():
 
     with pytest.raises(UserError, match="multiple of 8"):
         split_sequence(torch.zeros(1, 12), ContextShard(4, 0))
+
+
+@pytest.mark.parametrize(
+    "setting,match",
+    [
+        ({"causal": False}, "causal"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling dynamic"),
+    ],
+)
+def test_settings_it_cannot_run_exactly_are_refused(setting, match):
+    from lmforge.errors import UserError
+    from lmforge.parallel.context import context_parallel_decoder
+
+    model = build({**cw.DECODER, **setting}, device="meta")
+    with pytest.raises(UserError, match=match), context_parallel_decoder(model, ContextShard(2, 0)):
+        pass
