@@ -17,7 +17,8 @@ lmforge.parallel.comm_volume.context_bytes). Per block the scores are formed exp
 softmax with its log-sum-exp): SDPA's public call returns no log-sum-exp, which the merge needs, and takes no
 soft cap. A (query chunk, key chunk) pair that
 the causal rule (or a sliding window) masks whole is skipped, read from the chunks' slot ranges on the host, so
-with the load-balanced split every rank computes the same number of pairs. The mask inside a pair is built from
+with the load-balanced split every rank computes the same number of pairs; the queries go QUERY_TILE at a time,
+which bounds the scores' memory. The mask inside a pair is built from
 the tokens' global slots and segment ids, and is lmforge.models.documents.document_mask's rule: causal, within
 a document, within the window; a padding token (segment 0) sees itself only.
 
@@ -36,6 +37,8 @@ import torch.distributed as dist
 from lmforge.errors import UserError
 
 METHODS = ("allgather", "ring")
+# Queries per score block: the fp32 scores of one block are QUERY_TILE x chunk per head, whatever the chunk.
+QUERY_TILE = 1024
 KV_TAG, GRAD_TAG = 0, 1  # point-to-point tags: a block's K/V and its accumulated dK/dV travel the same edge
 
 
@@ -64,19 +67,22 @@ class ContextPlan:
             return False
         return self.window is None or k[1] - 1 > q[0] - self.window
 
-    def mask(self, q_rank: int, q_piece: int, k_rank: int, k_piece: int) -> torch.Tensor:
-        """(batch or 1, chunk, chunk) bool: True where the query may attend to the key (see the docstring)."""
-        qs, ks = self.ranges(q_rank)[q_piece][0], self.ranges(k_rank)[k_piece][0]
+    def mask(self, q_rank: int, rows: slice, k_rank: int, k_piece: int) -> torch.Tensor:
+        """(batch or 1, len(rows), chunk) bool for the queries of local `rows` (inside one of q_rank's chunks)
+        against k_rank's chunk `k_piece`: True where the query may attend to the key (see the docstring)."""
+        c = self.chunk
+        qs = self.ranges(q_rank)[rows.start // c][0] + rows.start % c
+        ks = self.ranges(k_rank)[k_piece][0]
         device = self.segments.device if self.segments is not None else None
-        q_slots = torch.arange(qs, qs + self.chunk, device=device)[:, None]
-        k_slots = torch.arange(ks, ks + self.chunk, device=device)[None, :]
+        q_slots = torch.arange(qs, qs + rows.stop - rows.start, device=device)[:, None]
+        k_slots = torch.arange(ks, ks + c, device=device)[None, :]
         allowed = k_slots <= q_slots
         if self.window is not None:
             allowed = allowed & (k_slots > q_slots - self.window)
         allowed = allowed[None]
         if self.segments is not None:
-            q_seg = self.segments[q_rank][:, q_piece * self.chunk : (q_piece + 1) * self.chunk]
-            k_seg = self.segments[k_rank][:, k_piece * self.chunk : (k_piece + 1) * self.chunk]
+            q_seg = self.segments[q_rank][:, rows]
+            k_seg = self.segments[k_rank][:, k_piece * c : (k_piece + 1) * c]
             allowed = allowed & (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] != 0)
         return allowed | (q_slots == k_slots)[None]
 
@@ -145,45 +151,40 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.float().reshape(b, kv_heads, h // kv_heads, n, d)
 
 
-def _pairs(plan: ContextPlan, k_rank: int):
-    """The live (query piece, key piece) pairs of this rank's queries against `k_rank`'s keys."""
-    for qp, qr in enumerate(plan.ranges(plan.rank)):
-        for kp, kr in enumerate(plan.ranges(k_rank)):
-            if plan.live(qr, kr):
-                yield qp, kp
+def _tiles(plan: ContextPlan, k_rank: int):
+    """(local query rows, key chunk) of this rank's queries against `k_rank`'s keys, QUERY_TILE rows at most,
+    skipping those the causal rule or the window masks whole."""
+    c = plan.chunk
+    for qp, (qs, _) in enumerate(plan.ranges(plan.rank)):
+        for t in range(0, c, QUERY_TILE):
+            n = min(QUERY_TILE, c - t)
+            for kp, kr in enumerate(plan.ranges(k_rank)):
+                if plan.live((qs + t, qs + t + n), kr):
+                    yield slice(qp * c + t, qp * c + t + n), kp
 
 
-def _piece(t: torch.Tensor, piece: int, chunk: int) -> torch.Tensor:
-    return t[..., piece * chunk : (piece + 1) * chunk, :]
+def _keys(t: torch.Tensor, piece: int, chunk: int) -> torch.Tensor:
+    return t[..., piece * chunk : (piece + 1) * chunk, :].float()
 
 
 def _forward_block(out, lse, q, k, v, plan: ContextPlan, k_rank: int) -> None:
     c = plan.chunk
-    for qp, kp in _pairs(plan, k_rank):
-        mask = plan.mask(plan.rank, qp, k_rank, kp)
-        o, l = _block_forward(_piece(q, qp, c), _piece(k, kp, c).float(), _piece(v, kp, c).float(), mask, plan)
-        _merge(_piece(out, qp, c), lse[..., qp * c : (qp + 1) * c], o, l)
+    for rows, kp in _tiles(plan, k_rank):
+        mask = plan.mask(plan.rank, rows, k_rank, kp)
+        o, l = _block_forward(q[..., rows, :], _keys(k, kp, c), _keys(v, kp, c), mask, plan)
+        _merge(out[..., rows, :], lse[..., rows], o, l)
 
 
 def _backward_block(dq, dk, dv, q, k, v, plan: ContextPlan, k_rank: int, dout, lse, delta) -> None:
     """Accumulates this rank's queries' gradients against `k_rank`'s block into dq and that block's dk, dv."""
     c = plan.chunk
-    for qp, kp in _pairs(plan, k_rank):
-        mask = plan.mask(plan.rank, qp, k_rank, kp)
-        rows = slice(qp * c, (qp + 1) * c)
-        g = _block_backward(
-            _piece(q, qp, c),
-            _piece(k, kp, c).float(),
-            _piece(v, kp, c).float(),
-            mask,
-            plan,
-            _piece(dout, qp, c),
-            lse[..., rows],
-            delta[..., rows],
-        )
-        _piece(dq, qp, c).add_(g[0])
-        _piece(dk, kp, c).add_(g[1])
-        _piece(dv, kp, c).add_(g[2])
+    for rows, kp in _tiles(plan, k_rank):
+        mask = plan.mask(plan.rank, rows, k_rank, kp)
+        kc, vc = _keys(k, kp, c), _keys(v, kp, c)
+        g = _block_backward(q[..., rows, :], kc, vc, mask, plan, dout[..., rows, :], lse[..., rows], delta[..., rows])
+        dq[..., rows, :].add_(g[0])
+        dk[..., kp * c : (kp + 1) * c, :].add_(g[1])
+        dv[..., kp * c : (kp + 1) * c, :].add_(g[2])
 
 
 def _start(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
