@@ -158,8 +158,10 @@ def main() -> None:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for layout, method, r, t, diff in rows:
-        lines.append(f"| {layout} | {method} | {r['saved'] / mib:.2f} | {r['peak_growth'] / mib:.1f} | {t:.2f} | "
-                     f"{t / base:.2f}x | {diff:.1e} |")
+        lines.append(
+            f"| {layout} | {method} | {r['saved'] / mib:.2f} | {r['peak_growth'] / mib:.1f} | {t:.2f} | "
+            f"{t / base:.2f}x | {diff:.1e} |"
+        )
     body = (
         f"{cpu_run_line('context_parallel.py')}; one sequence of {args.seq} tokens, {HEADS} query heads over "
         f"{KV_HEADS} key/value heads of {HEAD_DIM}, causal, fp32; a step: attention forward + backward; every "

@@ -9,8 +9,8 @@ positions (packed documents: the positions restart with each document, as in one
 ranks is lmforge.parallel.context_attention (all-gather of K/V, or a ring); a decoder runs it through
 `ContextDocuments`, which its layers receive where they would receive a packed batch's Documents.
 
-Why lmforge's own, not torch.distributed.tensor.experimental.context_parallel (read in torch 2.13; the API is
-experimental from 2.5 on and was reorganised under _context_parallel/ in 2.9):
+Why lmforge's own, not torch.distributed.tensor.experimental.context_parallel (an experimental API; read and
+run here in torch 2.13, the source under its _context_parallel/ package; 2.6-2.11 not run here):
 * It runs only on SDPA's flash, memory-efficient and cuDNN kernels (its dispatcher handles those aten ops and
   raises "CP only supports flash attention and memory efficient attention" for the others). On the CPU, SDPA
   calls _scaled_dot_product_flash_attention_for_cpu, which has no sharding rule: a causal call under

@@ -72,13 +72,13 @@ def decoder_inputs() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "segment_ids": segments, "position_ids": positions}
 
 
-def run_attention(shard, case, method) -> dict[str, torch.Tensor]:
+def run_attention(shard, case, method, dtype=torch.float32) -> dict[str, torch.Tensor]:
     from lmforge.parallel.context import gather_sequence, split_sequence
     from lmforge.parallel.context_attention import ContextPlan, context_attention
 
     name, b, h, g, s, d, lengths, window, softcap = case
     x = attention_inputs(case)
-    q, k, v = (split_sequence(x[n], shard, 2).requires_grad_() for n in ("q", "k", "v"))
+    q, k, v = (split_sequence(x[n], shard, 2).to(dtype).requires_grad_() for n in ("q", "k", "v"))
     seg = split_sequence(x["segments"], shard, 1)
     parts = [torch.empty_like(seg) for _ in range(shard.context)]
     dist.all_gather(parts, seg, group=shard.group)
@@ -93,7 +93,7 @@ def run_attention(shard, case, method) -> dict[str, torch.Tensor]:
         softcap,
     )
     out = context_attention(q, k, v, plan, method)
-    (out * split_sequence(x["weight"], shard, 2)).sum().backward()
+    (out.float() * split_sequence(x["weight"], shard, 2)).sum().backward()
     return {
         n: gather_sequence(t, shard, 2)
         for n, t in {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}.items()
@@ -174,6 +174,7 @@ def main(out: str) -> None:
         context_attention.QUERY_TILE = 3 if method == "ring" else 1024
         for case in ATTENTION_CASES:
             results[(method, case[0])] = run_attention(shard, case, method)
+        results[(method, "packed_gqa_bf16")] = run_attention(shard, ATTENTION_CASES[1], method, torch.bfloat16)
         results[(method, "decoder")] = run_decoder(shard, method)
         counts = [None] * shard.context
         dist.all_gather_object(counts, count_bytes(shard, method))

@@ -31,10 +31,12 @@ def results(request, tmp_path_factory):
     return torch.load(out)
 
 
-def reference_attention(case) -> dict[str, torch.Tensor]:
+def reference_attention(case, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """One process, lmforge's attention on the whole sequence; `dtype`: the inputs rounded to it first, then
+    computed in fp32 and in that dtype (the one-process result at that precision)."""
     name, b, h, g, s, d, lengths, window, softcap = case
     x = cw.attention_inputs(case)
-    q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    q, k, v = (x[n].to(dtype).to(torch.float32).requires_grad_() for n in ("q", "k", "v"))
     mask = document_mask(x["segments"], window) if lengths is not None or window is not None else None
     out = attention(q, k, v, mask, mask is None, None, softcap, 0.0)
     (out * x["weight"]).sum().backward()
@@ -49,6 +51,27 @@ def test_attention_and_gradients_equal_one_process(results, case, method):
     got = results[(method, case[0])]
     for name in ("out", "dq", "dk", "dv"):
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=f"{name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", cw.METHODS)
+def test_bf16_inputs_are_as_close_as_one_process_in_bf16(results, method):
+    """bf16 q/k/v (fp32 inside the blocks): within bf16's rounding of the fp32 result on the same rounded inputs,
+    and no further from it than one process's bf16 SDPA."""
+    case = cw.ATTENTION_CASES[1]
+    exact = reference_attention(case, torch.bfloat16)
+    x = cw.attention_inputs(case)
+    q, k, v = (x[n].to(torch.bfloat16).requires_grad_() for n in ("q", "k", "v"))
+    one = attention(q, k, v, document_mask(x["segments"]), False, None, None, 0.0)
+    (one.float() * x["weight"]).sum().backward()
+    one_process = {"out": one.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    got = results[(method, "packed_gqa_bf16")]
+    for name in ("out", "dq", "dk", "dv"):
+        assert got[name].dtype == torch.bfloat16
+        ours = (got[name].float() - exact[name]).abs().max()
+        theirs = (one_process[name].float() - exact[name]).abs().max()
+        assert ours <= theirs * 1.5 + 1e-3, (name, ours, theirs)
+        torch.testing.assert_close(got[name].float(), exact[name], atol=2e-2, rtol=2e-2, msg=name)
 
 
 @pytest.mark.slow
