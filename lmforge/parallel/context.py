@@ -84,7 +84,8 @@ def split_batch(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the batch split along its sequence dimension `dim`, except those named in `keep`;
     position_ids added (0 .. seq-1 on every row) where the batch has none, so that rotary positions stay
-    global."""
+    global. Labels must already be aligned with their inputs (a task's `inputs` shifts them): the target of a
+    chunk's last token lives in the next chunk, on another rank."""
     keep = set(keep)
     out = dict(batch)
     if "position_ids" not in out:
