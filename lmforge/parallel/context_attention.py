@@ -87,6 +87,7 @@ class ContextPlan:
         return allowed | (q_slots == k_slots)[None]
 
 
+@torch.compiler.disable  # host-side loops over blocks and point-to-point sends: run between a block's graphs
 def context_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ContextPlan, method: str = "ring", dropout: float = 0.0
 ) -> torch.Tensor:
