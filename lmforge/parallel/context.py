@@ -23,8 +23,9 @@ run here in torch 2.13, the source under its _context_parallel/ package; 2.6-2.1
 * It shards buffers in place by resizing them (a leaf that requires grad is refused) and patches
   F.scaled_dot_product_attention globally for the duration of a context manager.
 On CUDA, for plain causal attention without a mask, torch's ring (its SDPA kernels, all-gather or all-to-all
-rotation) is a candidate for speed; lmforge's explicit fp32 blocks are the reference it would be measured and
-tested against, and the per-block kernel is the piece to swap (the flash kernels return the log-sum-exp).
+rotation) is a candidate for speed; lmforge's blocks are the reference it would be measured and tested against.
+Per block lmforge calls SDPA's CPU flash kernel (lmforge.parallel.context_attention), and the CUDA flash kernel
+(which returns the log-sum-exp too) is the piece to add there.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ ATTENTION_CASES = [
     # Documents of odd lengths: their boundaries fall inside chunks and across them; row 1 ends in padding.
     ("packed_gqa", 2, 4, 1, 32, 8, [[5, 13, 9, 5], [11, 3, 14]], None, None),
     ("packed_window_softcap", 1, 2, 2, 32, 8, [[7, 19, 6]], 5, 30.0),
+    ("window", 1, 4, 2, 32, 8, None, 6, None),
 ]
+KERNELS = ("auto", "explicit")  # lmforge.parallel.context_attention.KERNEL
 METHODS = ("allgather", "ring")
 
 
@@ -172,8 +174,11 @@ def main(out: str) -> None:
     for method in METHODS:
         # The ring runs its queries 3 at a time (tiles that do not divide the chunk), the all-gather whole chunks.
         context_attention.QUERY_TILE = 3 if method == "ring" else 1024
-        for case in ATTENTION_CASES:
-            results[(method, case[0])] = run_attention(shard, case, method)
+        for kernel in KERNELS:
+            context_attention.KERNEL = kernel
+            for case in ATTENTION_CASES:
+                results[(method, kernel, case[0])] = run_attention(shard, case, method)
+        context_attention.KERNEL = "auto"
         results[(method, "packed_gqa_bf16")] = run_attention(shard, ATTENTION_CASES[1], method, torch.bfloat16)
         results[(method, "decoder")] = run_decoder(shard, method)
         counts = [None] * shard.context

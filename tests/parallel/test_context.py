@@ -44,11 +44,13 @@ def reference_attention(case, dtype=torch.float32) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernel", cw.KERNELS)
 @pytest.mark.parametrize("method", cw.METHODS)
 @pytest.mark.parametrize("case", cw.ATTENTION_CASES, ids=[c[0] for c in cw.ATTENTION_CASES])
-def test_attention_and_gradients_equal_one_process(results, case, method):
+def test_attention_and_gradients_equal_one_process(results, case, method, kernel):
+    """Per block SDPA's CPU kernel ("auto"; a soft cap takes the explicit math) or the explicit fp32 math."""
     ref = reference_attention(case)
-    got = results[(method, case[0])]
+    got = results[(method, kernel, case[0])]
     for name in ("out", "dq", "dk", "dv"):
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=f"{name}")
 
