@@ -5,7 +5,8 @@ over C = 1, 2, 4 gloo processes (lmforge.parallel.context), both methods, agains
 Tiny heads (grouped-query: 4 query heads over 2 key/value heads of 16 dims), fp32, one sequence of --seq tokens;
 a step is the attention's forward and backward (the loss: the output times fixed weights, summed). Per rank:
 the bytes autograd saves for the backward (exact: counted through saved_tensors_hooks), the growth of the
-process's peak resident memory over the step (ru_maxrss; the transient scores included), and the step time (the
+process's peak resident memory over the step (ru_maxrss, under MALLOC_MMAP_THRESHOLD_=65536 so that freed memory
+leaves; the transient blocks included), and the step time (the
 slowest rank's, median of --repeats). Every configuration starts fresh processes, one thread each. The outputs of
 every C are checked equal to the one process's first. `--help` lists the options.
 """
@@ -138,6 +139,9 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="put the table into BENCHMARKS.md")
     args = p.parse_args()
     torch.set_num_threads(1)  # as every process measured runs
+    # Every allocation over 64 KiB its own mapping, returned when freed: peak RSS then follows the live tensors,
+    # not glibc's heap, which keeps what it freed (the processes measured inherit it).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,7 +169,8 @@ def main() -> None:
     body = (
         f"{cpu_run_line('context_parallel.py')}; one sequence of {args.seq} tokens, {HEADS} query heads over "
         f"{KV_HEADS} key/value heads of {HEAD_DIM}, causal, fp32; a step: attention forward + backward; every "
-        f"layout in fresh processes of one thread each; time: the slowest rank, median of {args.repeats}; "
+        f"layout in fresh processes of one thread each, MALLOC_MMAP_THRESHOLD_=65536; time: the slowest rank, "
+        f"median of {args.repeats}; "
         f"{time.perf_counter() - started:.0f} s in all, load average {os.getloadavg()[0]:.1f} at the end.\n\n"
         + "\n".join(lines)
     )
