@@ -24,10 +24,7 @@ from lmforge.devices import device_label, set_tf32, synchronize
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write, out_of_space
 from lmforge.models.config import ModelConfig
-from lmforge.models.source import is_checkpoint
-from lmforge.parallel.compose import ParallelModel
 from lmforge.parallel.data_parallel import init_world
-from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints, tokenizer_files
 from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
@@ -35,8 +32,8 @@ from lmforge.train.config_checks import check_torch_for_layout, schedule_warning
 from lmforge.train.data import loader_workers, micro_batches
 from lmforge.train.downstream import DownstreamEval
 from lmforge.train.export import write_run_export
-from lmforge.train.float8 import check_float8, convert_to_float8
-from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, check_qlora
+from lmforge.train.float8 import check_float8
+from lmforge.train.lora import LORA_FLOPS_FRACTION, check_qlora
 from lmforge.train.metrics import (
     MFU,
     MetricSink,
@@ -60,7 +57,6 @@ from lmforge.train.run_files import (
 )
 from lmforge.train.run_lock import hold_run_dir
 from lmforge.train.setup import (
-    apply_activation_checkpointing,
     check_fit,
     check_tokenizer,
     init_model,
@@ -68,13 +64,13 @@ from lmforge.train.setup import (
     memory_gb,
     stand_in_source,
     tokenizer_copy,
-    use_compile_cache,
     warn_about_the_start,
 )
-from lmforge.train.step import ParallelTraining, check_pipeline_batch
+from lmforge.train.step import check_pipeline_batch
 from lmforge.train.stopping import Stopped, StopSignals
 from lmforge.train.tasks import get_task
 from lmforge.train.tasks.base import Blanks
+from lmforge.train.transforms import lay_out_model, placement
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +124,8 @@ class Trainer:
             log.info("fp32 matrix products on %s: %s", self.world.device.type,
                      "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")
         seed_all(t.seed)  # dropout, data order, Python, NumPy: the same run draws the same (weights seed their own)
-        # A layout that shards the model gets it on the meta device: each rank fills only its own shards (a LoRA
-        # run's adapters too). So does QLoRA's from a folder, whose linear weights are read and quantized whole
-        # before the layout (FSDP2 then shards them: read_nf4_base); from a checkpoint or fresh it is built whole.
-        nf4 = cfg.lora is not None and cfg.lora.base_dtype == "nf4"
-        nf4_from = cfg.model.init_from if nf4 and cfg.model.init_from and not is_checkpoint(
-            Path(cfg.model.init_from)) else None
-        # A LoRA run's frozen base in bf16 (lora.base_dtype bf16, nf4) is read in bf16: an fp32 copy first would
-        # double what the process holds while it starts (a one-process run's peak memory).
-        base_dtype = torch.bfloat16 if cfg.lora is not None and cfg.lora.bf16_base else precision.param_dtype
-        model, fill = init_model(cfg, self.data.num_labels, meta=(layout.shards_model and not nf4) or bool(nf4_from),
-                                 device=self.world.device, dtype=base_dtype)
+        meta, base_dtype = placement(cfg, layout, precision)
+        model, fill = init_model(cfg, self.data.num_labels, meta=meta, device=self.world.device, dtype=base_dtype)
         self.mcfg: ModelConfig = model.config
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
         layout = check_pipeline_batch(layout, self.grad_accum, t.micro_batch_size, t.global_batch_size,
@@ -148,35 +135,11 @@ class Trainer:
             warn_about_the_start(cfg, self.mcfg)
         if fill is None:
             model.to(self.world.device, base_dtype)
-        if cfg.lora is not None:
-            fill = apply_run_lora(model, cfg, fill)
-        if nf4_from and fill is not None:
-            read_nf4_base(model, nf4_from, self.world.device, shards=max(layout.data_shard, 1))
-            if not layout.shards_model:  # one process or DDP replicas: the rest filled now, DDP wraps a whole model
-                fill(ParallelModel([model], layout, device=self.world.device))
-                fill = None
-        self.task.prepare(model, cfg, layout, self.world.device)
-        if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
-            convert_to_float8(model, t.float8_recipe)
-        apply_activation_checkpointing(model, t.activation_checkpointing)
-        compile_block = None
-        if t.compile:  # each block this rank holds, once laid out (a pipeline stage's own blocks, before FSDP)
-            cache = Path(t.compile_cache_dir or self.run_dir / "compile_cache")
-            filled = use_compile_cache(cache)  # every rank points Inductor there
-            if filled and self.world.is_main:
-                log.info("trainer.compile: reusing the compiled code in %s (an earlier run's or lmforge compile's): "
-                         "the first step loads what it holds and compiles the rest", cache)
-            elif self.world.is_main:  # else the first step's minutes look like a hang
-                log.info("trainer.compile: the blocks compile during the first step (again for a new input shape); "
-                         "compiled code is cached in %s for later runs", cache)
-
-            def compile_block(block: torch.nn.Module) -> None:
-                block.compile(backend=t.compile_backend)
         self.layout = layout
         mesh = build_mesh(layout, self.mcfg, device_type=self.world.device.type)
-        self.training = ParallelTraining(model, layout, mesh, self.task, cfg.optim, precision, t.seed,
-                                         cfg.data.seq_length, self.world.device, fill=fill,
-                                         compile_block=compile_block)
+        # The model's transforms and parallel plans, in their order (lmforge.train.transforms), and its optimizer.
+        self.training = lay_out_model(model, fill, cfg, layout, mesh, self.task, precision, self.world.device,
+                                      self.run_dir, self.world.is_main)
         self.optimizer = self.training.optimizer
         self.dp_rank, self.dp_size = self.training.dp_rank, self.training.dp_size
         c = cfg.checkpoint
