@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.train.trainer import Trainer, truncate_metrics
+from lmforge.train.run_files import truncate_metrics
+from lmforge.train.trainer import Trainer
 from tests.train.conftest import run_config
 
 
