@@ -161,24 +161,6 @@ def check_fit(cfg: RunConfig, mcfg: ModelConfig, data_parallel: int) -> int:
     return t.global_batch_size // per_step
 
 
-def check_layout(cfg: RunConfig, layout, device: torch.device) -> None:
-    """A layout's refusals before any compute: FP8 or QLoRA where the device or the layout cannot run them, a torch
-    too old for the layout, a batch that does not divide over its ranks or pipeline microbatches."""
-    from lmforge.train.config_checks import check_torch_for_layout
-    from lmforge.train.float8 import check_float8
-    from lmforge.train.lora import check_qlora
-    from lmforge.train.step import check_pipeline_batch
-
-    t = cfg.trainer
-    if t.float8:
-        check_float8(device, layout.tensor, cfg.lora is not None)
-    check_qlora(cfg.lora, device, layout, cfg.model.init_from)
-    check_torch_for_layout(cfg, layout.tensor)
-    # Batch and sequence length before the data: building it writes sample indices beside the data.
-    check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
-                         t.global_batch_size, layout.data_parallel)
-
-
 def stand_in_source(cfg: RunConfig, newest: Path | None) -> Path | None:
     """Where model.init_from is gone and the run has a checkpoint to resume from (`newest`): that one, whose
     config then defines the model (its weights come from the resume, which fills all of them). None where

@@ -38,7 +38,6 @@ from lmforge.train.run_files import begin_training, end_step, remove_run_leftove
 from lmforge.train.run_lock import hold_run_dir
 from lmforge.train.setup import (
     check_fit,
-    check_layout,
     check_tokenizer,
     init_model,
     load_run_tokenizer,
@@ -50,7 +49,7 @@ from lmforge.train.step import check_pipeline_batch
 from lmforge.train.stopping import Stopped, StopSignals
 from lmforge.train.tasks import get_task
 from lmforge.train.tasks.base import Blanks
-from lmforge.train.transforms import lay_out_model, placement
+from lmforge.train.transforms import check_layout, lay_out_model, placement
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@
     6. the parallel plans: pipeline, tensor, expert, FSDP2/HSDP or DDP (lmforge.parallel.compose.parallelize)
     7. the fill: each rank's own shards of a meta-device model, read or initialised once laid out
 
-Steps 6 and 7 run in lmforge.train.step.ParallelTraining, which then builds the optimizer. The task sees the
+Steps 6 and 7 run in lmforge.train.step.ParallelTraining, which then builds the optimizer; check_layout refuses
+what they cannot run before anything is built. The task sees the
 adapted model between steps 2 and 3 (Task.prepare: DPO's frozen reference is built then).
 """
 
@@ -26,15 +27,34 @@ from lmforge.parallel.compose import ParallelModel
 from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config import Precision, RunConfig
-from lmforge.train.float8 import convert_to_float8
-from lmforge.train.lora import apply_run_lora
-from lmforge.train.setup import apply_activation_checkpointing, use_compile_cache
-from lmforge.train.step import ParallelTraining
+from lmforge.train.config_checks import check_torch_for_layout
+from lmforge.train.float8 import check_float8, convert_to_float8
+from lmforge.train.lora import apply_run_lora, check_qlora
+from lmforge.train.setup import apply_activation_checkpointing, check_fit, use_compile_cache
+from lmforge.train.step import ParallelTraining, check_pipeline_batch
 from lmforge.train.tasks import Task
 
 log = logging.getLogger(__name__)
 
 Fill = Callable[[ParallelModel], object] | None
+
+
+def check_layout(cfg: RunConfig, layout, device: torch.device) -> None:
+    """The refusals before any compute: FP8 or QLoRA where the device or the layout cannot run them, a torch too old
+    for the layout, a batch that does not divide over its ranks or pipeline microbatches."""
+    t = cfg.trainer
+    if t.float8:
+        check_float8(device, layout.tensor, cfg.lora is not None)
+    check_qlora(cfg.lora, device, layout, cfg.model.init_from)
+    check_torch_for_layout(cfg, layout.tensor)
+    # Batch and sequence length before the data: building it writes sample indices beside the data.
+    check_pipeline_batch(
+        layout,
+        check_fit(cfg, cfg.model.resolve(), layout.data_parallel),
+        t.micro_batch_size,
+        t.global_batch_size,
+        layout.data_parallel,
+    )
 
 
 def nf4_source(cfg: RunConfig) -> str | None:
