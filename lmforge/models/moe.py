@@ -14,7 +14,7 @@ GROUPED_MM names: the same GEMMs as a loop, without a Python round trip (and on 
 which dominates with many small experts (Qwen3-MoE); elsewhere a loop of torch.mm over the experts. The CPU's
 grouped GEMM takes every float dtype and is checked against the loop here; CUDA's takes bf16 with every row stride a
 multiple of 16 bytes, and is used from compute capability 9.0 (Hopper), where scripts/gpu_check.py's `moe` check
-passed (an H200, 2026-11-28: the fp32 loop equal to an fp32 CPU reference within 2.3e-6, bf16 grouped equal to the
+passed (on an H200: the fp32 loop equal to an fp32 CPU reference within 2.3e-6, bf16 grouped equal to the
 bf16 loop, outputs and gradients; 1.3x the loop at Mixtral's width, 4.3x with 64 experts, 8.3x with their
 adapters). Older GPUs keep the loop until the check has passed on one.
 

@@ -17,7 +17,7 @@ from lmforge.models.source import model_origin
 from lmforge.train.config import RunConfig
 from lmforge.train.lora import merged, write_adapter
 
-log = logging.getLogger("lmforge.train.trainer")  # the run's lines, as before this moved out of the trainer
+log = logging.getLogger("lmforge.train.trainer")  # the run's lines, under the trainer's name
 
 
 def export_run(training, cfg: RunConfig, mcfg: ModelConfig, tokenizer, chat_template: str | None, model_dir: Path,

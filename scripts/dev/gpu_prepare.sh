@@ -7,7 +7,7 @@
 #   .gpu/data/   from ../shared/data (never committed): the GPT-NeoX tokenizer (gpu_check's text check) and the Alpaca
 #                subset (benchmarks/sft_attention.py); with --eval, SST-2 and WikiText-2 (benchmarks/eval.py's tasks)
 #
-# The pins are the versions `pip install -e ".[test]"` resolved here on 2026-11-27 (torchao 0.18.0: the release
+# The pins are the versions `pip install -e ".[test]"` resolves on the workstation (torchao 0.18.0: the release
 # built against the GPU machine's torch 2.11). Usage: bash scripts/gpu_prepare.sh [--eval]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

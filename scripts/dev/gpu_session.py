@@ -13,7 +13,7 @@ killed at its limit still returns the others' results:
     check     scripts/gpu_check.py: correctness on the device (every family's parity, generate and CUDA graphs,
               training in each precision, resume, export, serving, two ranks)  ->  gpu_check.json
     train     benchmarks/train.py --write: Pythia-1B, seq 2048, bf16: transformers eager and compiled vs lmforge
-              bf16-mixed eager and compiled, bf16-sr compiled (issue 14's MFU / 1.3x / bf16-sr goals), and a kernel
+              bf16-mixed eager and compiled, bf16-sr compiled (the MFU, 1.3x and bf16-sr goals), and a kernel
               profile of one step of each compiled side (where the device time goes, how long it sat idle)
     generate  benchmarks/generate.py --write: Pythia-1B bf16 greedy decode, batch 1, lmforge eager /
               compiled / CUDA graphs vs transformers' dynamic and compiled static cache (the 2x batch-1 goal)
