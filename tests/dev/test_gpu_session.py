@@ -1,5 +1,6 @@
-"""scripts/gpu_session.py (scripts/dev/gpu_session.py, through the path sessions call), a GPU lease's work in one call, run here on the CPU: the stages it would run, and a stage
-cut at its time limit killed with everything it started while the report still comes back."""
+"""scripts/gpu_session.py (scripts/dev/gpu_session.py, through the path sessions call), a GPU lease's work in one
+call, run here on the CPU: the stages it would run, and a stage cut at its time limit killed with everything it
+started while the report still comes back."""
 
 from __future__ import annotations
 
