@@ -195,7 +195,7 @@ def main() -> None:
         "page faults here (the hf backend's logits and log-softmax of a batch of two windows are 2 x 824 MB). "
         "The rest is the same work on both sides: on pythia-70m's shape, one thread, a position costs about "
         "0.77 ms in the layers (both sides alike) and 0.67 ms in lmforge's head (0.80 ms with a fresh "
-        "log-softmax per chunk; timed apart on this machine, 2026-11-25), so the ratio there is bounded by "
+        "log-softmax per chunk; timed apart on this machine), so the ratio there is bounded by "
         "(layers + the hf backend's head at every position) / (layers + lmforge's head at the scored positions): "
         "1.5x would need the layers themselves, which both sides run through the same kernels, to be faster. "
         "The 1.5x of the loglikelihood tasks is out of reach for rolling "

@@ -192,7 +192,7 @@ def table(rows: list[dict], args, load: tuple[float, float]) -> str:
                       f"{span('grouped_vs_grouped')} against grouped_mm.")
     if on_cpu:
         lines[-1] += (" On the CPU lmforge and grouped_mm run the same grouped GEMMs through torch's kernel (a "
-                      "profile, BENCHMARKS.md 2026-11-27, counted the same GEMMs on both sides, ~87% of either's "
+                      "profile in BENCHMARKS.md counted the same GEMMs on both sides, ~87% of either's "
                       "time): what can differ is the work around them (gathers, the scatter-add backward of "
                       "transformers' indexing, the activation).")
     return "\n".join(lines) + "\n"

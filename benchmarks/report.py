@@ -67,7 +67,7 @@ def write_block(heading: str, intro: str, label: str, body: str) -> None:
 
 
 def cpu_run_line(script: str) -> str:
-    """'Command: `python benchmarks/X.py ARGS`. AMD EPYC, 2 threads, fp32, torch 2.13.0+cpu, 2026-11-25': how a CPU
+    """'Command: `python benchmarks/X.py ARGS`. AMD EPYC, 2 threads, fp32, torch 2.13.0+cpu, YYYY-MM-DD': how a CPU
     fp32 benchmark section starts."""
     import datetime
     import re

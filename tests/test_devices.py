@@ -66,7 +66,7 @@ def test_suite_hides_accelerators_unless_asked():
     (False, False, {"avx2", "fma"}, (False, None)),  # the AVX2-only EPYC these notes were written on
 ])
 def test_bf16_matrix_units_of_a_cpu(amx, avx512_bf16, flags, expected, monkeypatch):
-    """What trainer.precision=auto asks (issue 18 item 13): torch's own CPU checks, then /proc/cpuinfo's flags."""
+    """What trainer.precision=auto asks: torch's own CPU checks, then /proc/cpuinfo's flags."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(devices, "cpu_flags", lambda: flags)

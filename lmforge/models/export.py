@@ -90,7 +90,7 @@ def _export_checkpoint(folder: Path, out_dir: Path, dtype: torch.dtype | None, o
     tokenizer = tokenizer or run_tokenizer_source(folder)
     if tokenizer is not None and not Path(tokenizer).exists():  # an older checkpoint (no copy), its source gone
         raise UserError(f"the tokenizer the run of '{folder}' read, {tokenizer}, no longer exists and the checkpoint "
-                        "holds no copy of it (written by an lmforge before 2026-11-29): pass --tokenizer PATH")
+                        "holds no copy of it (written by an older lmforge): pass --tokenizer PATH")
     with tempfile.TemporaryDirectory(prefix="lmforge-export-") as side:
         if tokenizer is not None:  # the files the run's lmforge model folder holds beside its weights
             load_tokenizer(tokenizer).save(Path(side))

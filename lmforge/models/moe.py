@@ -14,7 +14,7 @@ GROUPED_MM names: the same GEMMs as a loop, without a Python round trip (and on 
 which dominates with many small experts (Qwen3-MoE); elsewhere a loop of torch.mm over the experts. The CPU's
 grouped GEMM takes every float dtype and is checked against the loop here; CUDA's takes bf16 with every row stride a
 multiple of 16 bytes, and is used from compute capability 9.0 (Hopper), where scripts/gpu_check.py's `moe` check
-passed (an H200, 2026-11-28: the fp32 loop equal to an fp32 CPU reference within 2.3e-6, bf16 grouped equal to the
+passed (on an H200: the fp32 loop equal to an fp32 CPU reference within 2.3e-6, bf16 grouped equal to the
 bf16 loop, outputs and gradients; 1.3x the loop at Mixtral's width, 4.3x with 64 experts, 8.3x with their
 adapters). Older GPUs keep the loop until the check has passed on one.
 
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from lmforge.models.config import ModelConfig
 from lmforge.models.nf4 import dequantize, is_nf4
@@ -191,15 +190,18 @@ def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     flat = chosen.reshape(-1)
     # Stable, so each expert's rows keep token order (the same GEMM rows whatever the sort's implementation).
     order = torch.sort(flat, stable=True).indices
-    if is_fake(flat):  # lmforge plan traces a step on fake tensors: no routing to count, take it balanced
-        counts = [flat.numel() // num_experts + (e < flat.numel() % num_experts) for e in range(num_experts)]
-    else:
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = expert_counts(flat, num_experts)
     adapters = _NO_LORA if lora is None else lora.map(lambda _, t: t.to(dtype)).args()
     if not nf4:
         gate_up, down = gate_up.to(dtype), down.to(dtype)
     with torch.autocast(x.device.type, enabled=False):
         return _GroupedExperts.apply(x.to(dtype), weights.to(dtype), gate_up, down, order, counts, act, *adapters)
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> list[int]:
+    """How many of the routed rows (`flat`: each row's expert) each expert gets, read on the host: they decide the
+    GEMMs' shapes."""
+    return torch.bincount(flat, minlength=num_experts).tolist()
 
 
 def expert_rows(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int],

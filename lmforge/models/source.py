@@ -154,9 +154,9 @@ def _run_field(run: dict, section: str, key: str):
 
 
 def run_tokenizer_source(checkpoint: Path, _depth: int = 0) -> Path | None:
-    """The tokenizer a training checkpoint's run used: the copy the checkpoint holds (since 2026-11-29), else its
-    data.tokenizer, else that of model.init_from (an HF or lmforge folder; an earlier run's checkpoint: that run's
-    tokenizer, followed back), else None."""
+    """The tokenizer a training checkpoint's run used: the copy the checkpoint holds (an older lmforge's holds
+    none), else its data.tokenizer, else that of model.init_from (an HF or lmforge folder; an earlier run's
+    checkpoint: that run's tokenizer, followed back), else None."""
     from lmforge.tokenizers import find_tokenizer_file
 
     if find_tokenizer_file(checkpoint) is not None:

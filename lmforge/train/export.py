@@ -17,7 +17,19 @@ from lmforge.models.source import model_origin
 from lmforge.train.config import RunConfig
 from lmforge.train.lora import merged, write_adapter
 
-log = logging.getLogger("lmforge.train.trainer")  # the run's lines, as before this moved out of the trainer
+log = logging.getLogger("lmforge.train.trainer")  # the run's lines, under the trainer's name
+
+
+def export_run(training, cfg: RunConfig, mcfg: ModelConfig, tokenizer, chat_template: str | None, model_dir: Path,
+               out: Path, step: int, is_main: bool) -> None:
+    """Trainer.export_hf: every rank takes part (`training`'s sharded tensors are gathered); rank 0 writes."""
+    import torch.distributed as dist
+
+    full = training.full_state_dict()
+    if is_main:
+        write_run_export(full, cfg, mcfg, tokenizer, chat_template, model_dir, out, step)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def write_run_export(full: dict[str, torch.Tensor], cfg: RunConfig, mcfg: ModelConfig, tokenizer,

@@ -120,6 +120,7 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
     from lmforge.parallel.mesh import check_model
     from lmforge.train.lora import check_qlora
     from lmforge.train.plan_sizing import nf4_as_traced, notes, sized
+    from lmforge.train.plan_tasks import task_plan
     from lmforge.train.setup import check_fit
     from lmforge.train.step import check_pipeline_batch
     from lmforge.train.tasks import get_task
@@ -134,7 +135,7 @@ def plan_run(cfg: RunConfig, world_size: int, device: str = "cuda", device_memor
         raise UserError(f"--world-size must be >= 1, got {world_size}")
     task = get_task(cfg.data.task)
     layout = parallel_layout(cfg, world_size)
-    mcfg = dataclasses.replace(cfg.model.resolve(), num_labels=task.example_labels)
+    mcfg = dataclasses.replace(cfg.model.resolve(), num_labels=task_plan(task).labels)
     check_model(layout, mcfg)  # the run's refusals: the trace below changes the depth, and would not see them
     t = cfg.trainer
     grad_accum = check_fit(cfg, mcfg, layout.data_parallel)
@@ -333,10 +334,11 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
     from lmforge.parallel.load import allocated_bytes, materialize_empty
     from lmforge.parallel.mesh import build_mesh
     from lmforge.train.plan_sizing import quantize_as_read, wrap_as_trained
+    from lmforge.train.plan_tasks import as_traced, task_plan
     from lmforge.train.setup import apply_activation_checkpointing
     from lmforge.train.step import ParallelTraining
 
-    t, precision = cfg.trainer, cfg.precision
+    t, precision, plan = cfg.trainer, cfg.precision, task_plan(task)
 
     def init_model(run_cfg: RunConfig, num_labels: int = 0, meta: bool = False, device=None, dtype=None):
         """lmforge.train.setup.init_model as traced: the model at the traced depth on the meta device, filled with
@@ -345,20 +347,20 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
         model = build(dataclasses.replace(mcfg, num_labels=num_labels), device="meta").to(dtype).train()
         return model, materialize_empty
 
-    with fake_world(device, world_size, rank):
+    with fake_world(device, world_size, rank), as_traced(init_model):
         mesh = build_mesh(layout, mcfg, world_size=world_size, device_type=device.type)
         # The trainer's steps: the model, its adapters, the task's preparation (DPO's reference), checkpointing.
         model, fill = init_model(cfg, mcfg.num_labels, meta=True, dtype=precision.param_dtype)
         if cfg.lora is not None:
             fill = wrap_as_trained(model, cfg, fill, layout.shards_model)
-        task.prepare(model, cfg, layout, device, init_model=init_model)
+        task.prepare(model, cfg, layout, device)
         apply_activation_checkpointing(model, t.activation_checkpointing)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, TraceMode(device, fake) as trace:
             if cfg.lora is not None and cfg.lora.base_dtype == "nf4":
                 quantize_as_read(model, device)  # before the layout, as the trainer reads it (FSDP2 shards NF4)
             training = ParallelTraining(model, layout, mesh, task, cfg.optim, precision, t.seed, cfg.data.seq_length,
-                                        device, fill=fill, pipeline_rows=t.micro_batch_size * task.rows_per_example)
+                                        device, fill=fill, pipeline_rows=t.micro_batch_size * plan.rows_per_example)
             del model
             for part in training.pm.parts:  # phases: before the blocks, the blocks, after them (see _extrapolate)
                 layers = list(unwrap(part).layers)
@@ -368,7 +370,7 @@ def _trace_rank(cfg: RunConfig, mcfg, task, layout, n: int, device: torch.device
             params = allocated_bytes(training.pm) + reference
             trace.reset_peak()
             trace.at_backward = None
-            micro = [task.example_batch(t.micro_batch_size, cfg.data.seq_length, mcfg.vocab_size, device)
+            micro = [plan.example_batch(t.micro_batch_size, cfg.data.seq_length, mcfg.vocab_size, device)
                      for _ in range(n)]
             counts = training.global_counts(micro)
             training.step(micro, counts, t.grad_clip)

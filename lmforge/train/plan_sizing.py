@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from lmforge.train.config import Precision, RunConfig
+from lmforge.train.plan_tasks import task_plan
 
 GiB = 1 << 30
 
@@ -78,8 +79,8 @@ def sized(cfg: RunConfig, mcfg, task) -> dict:
                 "adapted": adapted, "base_dtype": base, "adapter_dtype": "fp32"}
     return {"parameters": sum(p.numel() for p in model.parameters()),
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad), "lora": lora,
-            "reference": task.planned_reference(cfg),
-            "sequences_per_micro_batch": cfg.trainer.micro_batch_size * task.rows_per_example}
+            "reference": task_plan(task).reference(cfg),
+            "sequences_per_micro_batch": cfg.trainer.micro_batch_size * task_plan(task).rows_per_example}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -110,7 +111,7 @@ def notes(s: dict, task, reference_bytes: int, nf4_note: str | None, precision: 
     lines.append(precision_line(precision, s["lora"] is not None, precision_name))
     if nf4_note:
         lines.append(nf4_note)
-    task_line = task.plan_line(s["reference"], _size(reference_bytes), s["sequences_per_micro_batch"])
+    task_line = task_plan(task).line(s["reference"], _size(reference_bytes), s["sequences_per_micro_batch"])
     return lines + ([task_line] if task_line else [])
 
 

@@ -16,11 +16,30 @@ import json
 import logging
 from pathlib import Path
 
-from lmforge.fsutil import atomic_write, remove_leftovers
+from lmforge.fsutil import atomic_write, out_of_space, remove_leftovers
 
 log = logging.getLogger(__name__)
 
 FINISHED = "finished.json"
+
+
+def begin_training(run_dir: Path, start: int, config_yaml: str, resumed_from: Path | None, changes: dict,
+                   consumed_samples: int) -> None:
+    """The run folder as a start trains on from step `start`: its config, the changes since the checkpoint it resumed
+    from (lmforge.train.resume), no finished.json (the end recorded is not its end), no metric rows past `start`."""
+    from lmforge.checkpoint.manager import DISK_FIX
+    from lmforge.train.resume import record_changes
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record_changes(run_dir, start, resumed_from, changes, consumed_samples)
+        atomic_write(run_dir / "config.yaml", config_yaml)
+        forget_finished(run_dir)
+        truncate_metrics(run_dir / "metrics.jsonl", start)
+    except OSError as e:  # a full disk is one line here too, as for a checkpoint
+        if (full := out_of_space(e, run_dir, fix=DISK_FIX)) is None:
+            raise
+        raise full from None
 
 
 def write_finished(run_dir: Path, step: int, elapsed: float, tokens: float | None, usd_per_hour: float,

@@ -183,8 +183,8 @@ def stand_in_source(cfg: RunConfig, newest: Path | None) -> Path | None:
 
 
 def tokenizer_copy(folder: Path | None) -> Path | None:
-    """`folder` (a checkpoint) where it holds a copy of its run's tokenizer (checkpoints written since 2026-11-29
-    do), else None."""
+    """`folder` (a checkpoint) where it holds a copy of its run's tokenizer (an older lmforge's checkpoints hold
+    none), else None."""
     from lmforge.tokenizers import find_tokenizer_file
 
     return folder if folder is not None and find_tokenizer_file(folder) is not None else None

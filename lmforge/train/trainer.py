@@ -14,67 +14,42 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from lmforge.chat_template import CHAT_TEMPLATE_FILE
 from lmforge.checkpoint import CheckpointManager
-from lmforge.checkpoint.manager import DISK_FIX
 from lmforge.checkpoint.rng import seed_all
-from lmforge.devices import device_label, set_tf32, synchronize
-from lmforge.errors import UserError
-from lmforge.fsutil import atomic_write, out_of_space
+from lmforge.devices import set_tf32, synchronize
 from lmforge.models.config import ModelConfig
-from lmforge.models.source import is_checkpoint
-from lmforge.parallel.compose import ParallelModel
 from lmforge.parallel.data_parallel import init_world
-from lmforge.parallel.load import read_nf4_base
-from lmforge.parallel.mesh import build_mesh
+from lmforge.parallel.mesh import ParallelConfig, build_mesh
 from lmforge.train.checkpointing import TrainCheckpoints, tokenizer_files
-from lmforge.train.config import RunConfig, parallel_layout, run_dict, to_yaml
-from lmforge.train.config_checks import check_torch_for_layout, schedule_warning
+from lmforge.train.config import Precision, RunConfig, parallel_layout, run_dict, to_yaml
+from lmforge.train.config_checks import schedule_warning
 from lmforge.train.data import loader_workers, micro_batches
 from lmforge.train.downstream import DownstreamEval
-from lmforge.train.export import write_run_export
-from lmforge.train.float8 import check_float8, convert_to_float8
-from lmforge.train.lora import LORA_FLOPS_FRACTION, apply_run_lora, check_qlora
-from lmforge.train.metrics import (
-    MFU,
-    MetricSink,
-    RunTotals,
-    cpu_peak_key,
-    float8_mfu,
-    flops_per_token,
-    nodes_from_env,
-    peak_flops,
-    tokens_per_dollar,
-)
+from lmforge.train.export import export_run
+from lmforge.train.meters import RunMeters
+from lmforge.train.metrics import MetricSink, nodes_from_env
 from lmforge.train.optim import lr_at
+from lmforge.train.policies import CheckpointCadence, LogCadence, StopCheck, TimeLimit, ValidationDue, check_skips
 from lmforge.train.progress import Progress
-from lmforge.train.resume import ConfigDiff, record_changes
-from lmforge.train.run_files import (
-    end_step,
-    forget_finished,
-    remove_run_leftovers,
-    truncate_metrics,
-    write_finished,
-)
+from lmforge.train.resume import ConfigDiff
+from lmforge.train.run_files import begin_training, end_step, remove_run_leftovers, write_finished
 from lmforge.train.run_lock import hold_run_dir
 from lmforge.train.setup import (
-    apply_activation_checkpointing,
     check_fit,
     check_tokenizer,
     init_model,
     load_run_tokenizer,
-    memory_gb,
     stand_in_source,
     tokenizer_copy,
-    use_compile_cache,
     warn_about_the_start,
 )
-from lmforge.train.step import ParallelTraining, check_pipeline_batch
+from lmforge.train.step import check_pipeline_batch
 from lmforge.train.stopping import Stopped, StopSignals
 from lmforge.train.tasks import get_task
 from lmforge.train.tasks.base import Blanks
+from lmforge.train.transforms import check_layout, lay_out_model, placement
 
 log = logging.getLogger(__name__)
 
@@ -99,46 +74,57 @@ class Trainer:
             raise
 
     def _build(self) -> None:
-        cfg, t = self.cfg, self.cfg.trainer
+        """The set-up in phases, each checking what it can before the next spends anything."""
+        layout, newest = self._check_layout()
+        self._read_data(newest)
+        precision = self._precision()
+        model, fill, self.layout = self._build_model(layout, precision)
+        self._lay_out(model, fill, precision)
+        self._resume()
+        self._meters(precision)
+
+    def _check_layout(self) -> tuple[ParallelConfig, Path | None]:
+        """The run folder's leftovers gone; the layout, the device's and torch's support of it, and the batch checked
+        before any compute. (the layout, the newest checkpoint or None)"""
+        cfg = self.cfg
         if self.world.is_main:
             remove_run_leftovers(self.run_dir, held=self.run_lock is not None and self.run_lock.held)
         # A resume reads its model's config and tokenizer from its checkpoint where model.init_from is gone.
         newest = CheckpointManager(self.run_dir / "checkpoints").latest()
         cfg.model.stand_in = stand_in_source(cfg, newest)
         layout = parallel_layout(cfg, self.world.size)  # before any compute: the world must fit the layout
-        if t.float8:
-            check_float8(self.world.device, layout.tensor, cfg.lora is not None)
-        check_qlora(cfg.lora, self.world.device, layout, cfg.model.init_from)
-        check_torch_for_layout(cfg, layout.tensor)
-        # Batch and sequence length before the data: building it writes sample indices beside the data.
-        check_pipeline_batch(layout, check_fit(cfg, cfg.model.resolve(), layout.data_parallel), t.micro_batch_size,
-                             t.global_batch_size, layout.data_parallel)
+        check_layout(cfg, layout, self.world.device)
+        return layout, newest
+
+    def _read_data(self, newest: Path | None) -> None:
+        """The tokenizer (the checkpoint's copy where its source is gone), the task's data and the eval tasks'."""
+        cfg = self.cfg
         self.tokenizer = load_run_tokenizer(cfg, needed=not self.task.pretraining, resume_copy=tokenizer_copy(newest))
         # Each checkpoint holds a copy of the tokenizer: resumed, exported or served with its source gone.
         self.tokenizer_files = tokenizer_files(self.tokenizer) if self.world.is_main else {}
         self.data = self.task.build_data(cfg, self.tokenizer)
         # The eval tasks' data is read now: a missing file fails before any compute.
         self.downstream = DownstreamEval(cfg.eval, self.tokenizer, self.world.is_main) if cfg.eval.tasks else None
-        precision = cfg.precision_for(self.world.device)
+
+    def _precision(self) -> Precision:
+        t, device = self.cfg.trainer, self.world.device
+        precision = self.cfg.precision_for(device)
         if t.precision == "auto" and self.world.is_main:
             from lmforge.devices import bf16_matmul
 
-            log.info("trainer.precision=auto: %s (%s)", precision.name, bf16_matmul(self.world.device)[1])
-        if set_tf32(self.world.device, t.tf32) and self.world.is_main:
-            log.info("fp32 matrix products on %s: %s", self.world.device.type,
+            log.info("trainer.precision=auto: %s (%s)", precision.name, bf16_matmul(device)[1])
+        if set_tf32(device, t.tf32) and self.world.is_main:
+            log.info("fp32 matrix products on %s: %s", device.type,
                      "TF32 (trainer.tf32=false for full fp32)" if t.tf32 else "full fp32 (trainer.tf32=false)")
+        return precision
+
+    def _build_model(self, layout: ParallelConfig, precision: Precision):
+        """The model built (on the meta device where the layout shards it), the batch checked against it.
+        (model, its fill or None, the layout with its pipeline microbatches)"""
+        cfg, t = self.cfg, self.cfg.trainer
         seed_all(t.seed)  # dropout, data order, Python, NumPy: the same run draws the same (weights seed their own)
-        # A layout that shards the model gets it on the meta device: each rank fills only its own shards (a LoRA
-        # run's adapters too). So does QLoRA's from a folder, whose linear weights are read and quantized whole
-        # before the layout (FSDP2 then shards them: read_nf4_base); from a checkpoint or fresh it is built whole.
-        nf4 = cfg.lora is not None and cfg.lora.base_dtype == "nf4"
-        nf4_from = cfg.model.init_from if nf4 and cfg.model.init_from and not is_checkpoint(
-            Path(cfg.model.init_from)) else None
-        # A LoRA run's frozen base in bf16 (lora.base_dtype bf16, nf4) is read in bf16: an fp32 copy first would
-        # double what the process holds while it starts (a one-process run's peak memory).
-        base_dtype = torch.bfloat16 if cfg.lora is not None and cfg.lora.bf16_base else precision.param_dtype
-        model, fill = init_model(cfg, self.data.num_labels, meta=(layout.shards_model and not nf4) or bool(nf4_from),
-                                 device=self.world.device, dtype=base_dtype)
+        meta, base_dtype = placement(cfg, layout, precision)
+        model, fill = init_model(cfg, self.data.num_labels, meta=meta, device=self.world.device, dtype=base_dtype)
         self.mcfg: ModelConfig = model.config
         self.grad_accum = check_fit(cfg, self.mcfg, layout.data_parallel)
         layout = check_pipeline_batch(layout, self.grad_accum, t.micro_batch_size, t.global_batch_size,
@@ -148,43 +134,23 @@ class Trainer:
             warn_about_the_start(cfg, self.mcfg)
         if fill is None:
             model.to(self.world.device, base_dtype)
-        if cfg.lora is not None:
-            fill = apply_run_lora(model, cfg, fill)
-        if nf4_from and fill is not None:
-            read_nf4_base(model, nf4_from, self.world.device, shards=max(layout.data_shard, 1))
-            if not layout.shards_model:  # one process or DDP replicas: the rest filled now, DDP wraps a whole model
-                fill(ParallelModel([model], layout, device=self.world.device))
-                fill = None
-        self.task.prepare(model, cfg, layout, self.world.device)
-        if t.float8:  # before activation checkpointing, compile and FSDP wrap the linears
-            convert_to_float8(model, t.float8_recipe)
-        apply_activation_checkpointing(model, t.activation_checkpointing)
-        compile_block = None
-        if t.compile:  # each block this rank holds, once laid out (a pipeline stage's own blocks, before FSDP)
-            cache = Path(t.compile_cache_dir or self.run_dir / "compile_cache")
-            filled = use_compile_cache(cache)  # every rank points Inductor there
-            if filled and self.world.is_main:
-                log.info("trainer.compile: reusing the compiled code in %s (an earlier run's or lmforge compile's): "
-                         "the first step loads what it holds and compiles the rest", cache)
-            elif self.world.is_main:  # else the first step's minutes look like a hang
-                log.info("trainer.compile: the blocks compile during the first step (again for a new input shape); "
-                         "compiled code is cached in %s for later runs", cache)
+        return model, fill, layout
 
-            def compile_block(block: torch.nn.Module) -> None:
-                block.compile(backend=t.compile_backend)
-        self.layout = layout
-        mesh = build_mesh(layout, self.mcfg, device_type=self.world.device.type)
-        self.training = ParallelTraining(model, layout, mesh, self.task, cfg.optim, precision, t.seed,
-                                         cfg.data.seq_length, self.world.device, fill=fill,
-                                         compile_block=compile_block)
+    def _lay_out(self, model: torch.nn.Module, fill, precision: Precision) -> None:
+        """The model's transforms and parallel plans, in their order (lmforge.train.transforms), and its optimizer."""
+        mesh = build_mesh(self.layout, self.mcfg, device_type=self.world.device.type)
+        self.training = lay_out_model(model, fill, self.cfg, self.layout, mesh, self.task, precision,
+                                      self.world.device, self.run_dir, self.world.is_main)
         self.optimizer = self.training.optimizer
         self.dp_rank, self.dp_size = self.training.dp_rank, self.training.dp_size
-        c = cfg.checkpoint
+
+    def _resume(self) -> None:
+        """The newest checkpoint that verifies, once its config is compared with this run's (lmforge.train.resume)."""
+        cfg, t, c = self.cfg, self.cfg.trainer, self.cfg.checkpoint
         self.checkpoints = TrainCheckpoints(self.run_dir / "checkpoints", c.save_top_k, c.monitor, c.mode, c.save_last,
                                             c.async_save)
         self.state = {"step": 0, "consumed_samples": 0, "skipped_steps": 0, "consecutive_skips": 0, "metrics": {},
                       "elapsed": 0.0, "tokens": 0.0}
-        # The newest checkpoint that verifies, once its config is compared with this run's (lmforge.train.resume).
         diff = ConfigDiff(cfg, self.mcfg, self.run_dir, self.world.size)
         resumed = self.checkpoints.resume(self.training, self.optimizer, check=diff)
         self.resumed_from, self.changes = None, diff.changes
@@ -199,22 +165,13 @@ class Trainer:
         self.finished = resumed is not None and self.end_step >= t.max_steps
         if self.world.is_main and not self.finished and (warning := schedule_warning(self.planned)):
             log.warning(warning)  # a finished run's rerun trains nothing: no schedule to warn of
+
+    def _meters(self, precision: Precision) -> None:
+        """The run's clock, and what its throughput and MFU are measured against (lmforge.train.meters)."""
         # The wall clock of the run goes on from the checkpoint's: a resumed run's `elapsed` continues its curve.
         self.clock_zero = self.started - self.state["elapsed"]
-        if cfg.cost.peak_flops or self.finished:  # a finished run rerun trains nothing: no seconds measuring a peak
-            self.peak, self.peak_source = cfg.cost.peak_flops or 1.0, "config" if cfg.cost.peak_flops else "unused"
-        else:
-            self.peak, self.peak_source = peak_flops(self.world.device, precision.compute_dtype)
-        self.flops_per_token = flops_per_token(self.mcfg, cfg.data.seq_length)
-        if cfg.lora is not None:
-            self.flops_per_token *= LORA_FLOPS_FRACTION
-        measured = not cfg.cost.peak_flops and self.world.device.type == "cpu"
-        self.mfu = MFU(self.flops_per_token, self.peak, self.peak_source, self.world.size,
-                       cpu_peak_key(precision.compute_dtype) if measured else None)
-        self.mfu_fp8 = (float8_mfu(self.world.device, self.flops_per_token, self.world.size, cfg.cost.peak_flops_fp8)
-                        if t.float8 else None)
-        self.totals = RunTotals(self.state["step"])
-        self.nodes = nodes_from_env()
+        self.meters = RunMeters.of(self.cfg, self.mcfg, precision, self.world.device, self.world.size,
+                                   self.state["step"], nodes_from_env(), trains=not self.finished)
 
     def close(self) -> None:
         """Let go of the run folder (fit() does at its end; a process that dies lets go of it anyway)."""
@@ -287,22 +244,12 @@ class Trainer:
                 self.export_hf(self.run_dir / "hf")
             return {}
         if world.is_main:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                record_changes(self.run_dir, start, self.resumed_from, self.changes, self.state["consumed_samples"])
-                atomic_write(self.run_dir / "config.yaml", to_yaml(cfg))
-                forget_finished(self.run_dir)  # the run trains on: its end is no longer the one recorded
-                truncate_metrics(self.run_dir / "metrics.jsonl", start)
-            except OSError as e:  # a full disk is one line here too, as for a checkpoint
-                if (full := out_of_space(e, self.run_dir, fix=DISK_FIX)) is None:
-                    raise
-                raise full from None
+            begin_training(self.run_dir, start, to_yaml(cfg), self.resumed_from, self.changes,
+                           self.state["consumed_samples"])
         # TensorBoard hides events at steps >= purge_step: those a killed run logged past the checkpoint, not its own.
         sink = MetricSink(self.run_dir, enabled=world.is_main, purge_step=start + 1)
         if world.is_main:
-            log.info("%d process%s on %s; peak %.3g TFLOP/s per process (%s); %.3g model FLOPs per token",
-                     world.size, "es" * (world.size > 1), device_label(world.device), self.peak / 1e12,
-                     self.peak_source, self.flops_per_token)
+            log.info("%s", self.meters.describe(world.size))
         batches = micro_batches(self.data.train, self.state["consumed_samples"], t.max_steps * t.global_batch_size,
                                 t.micro_batch_size, self.dp_rank, self.dp_size,
                                 loader_workers(cfg.data.num_workers, world.device), self.data.collate,
@@ -310,73 +257,45 @@ class Trainer:
         # A bar on a terminal, plain lines in a log file; trainer.progress_bar=false: plain lines on a terminal too.
         progress = (Progress(t.max_steps, start, terminal=None if t.progress_bar else False,
                              max_seconds=60 * t.max_minutes if t.max_minutes else None) if world.is_main else None)
+        logged = LogCadence(t.log_every_n_steps, start)
+        validation = ValidationDue.of(self.data.valid, t.val_check_interval, t.max_steps)
+        cadence = CheckpointCadence(cfg.checkpoint.every_n_steps, t.max_steps)
         self.model.train()
         last: dict[str, float] = {}
         stopped: Stopped | None = None
         timed_out = False  # stopped by trainer.max_minutes
-        fit_started = time.perf_counter()
+        stopping = StopCheck(stop, world.device, TimeLimit(t.max_minutes, t.max_steps, time.perf_counter))
         for step in range(start, t.max_steps):
-            # A checkpoint records the validation of its own step, or none: one carrying an earlier step's val_loss
-            # was ranked by it, and retention dropped better checkpoints for it (lmforge.checkpoint.manager).
-            self.state["metrics"] = {}
-            lr = lr_at(step, cfg.optim, t.max_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            synchronize(world.device)
-            t0 = time.perf_counter()
-            out = self.train_step(batches)
-            synchronize(world.device)
-            step_time = time.perf_counter() - t0
-            self.state["step"] = step + 1
-            self.state["consumed_samples"] += t.global_batch_size
-            if self.state["consecutive_skips"] >= t.max_consecutive_skips:
-                raise UserError(f"{t.max_consecutive_skips} steps in a row had a non-finite loss or gradient "
-                                f"(step {step}): lower optim.lr or check the data; the last good checkpoint is "
-                                f"{self.checkpoints.latest()}")
-            tokens = out.pop("_tokens")  # a count for throughput, not a metric of its own
-            self.totals.add(tokens, step_time)
-            if self.state.get("tokens") is not None:  # (None: resumed from a checkpoint that did not count them)
-                self.state["tokens"] += tokens
-            last = {**out, "lr": lr, **self._throughput(step_time, tokens)}
+            last, done = self._step(step, batches), step + 1
             if step == start:  # start-up cost: setup, data, compilation, the first step
                 last["time_to_first_step"] = time.perf_counter() - self.started
-            if self.data.valid is not None and t.val_check_interval and (
-                    (step + 1) % t.val_check_interval == 0 or step + 1 == t.max_steps):
-                last.update(self.validate())
-                self.state["metrics"] = {k: v for k, v in last.items() if k.startswith("val_")}
-            evals = self.downstream is not None and self.downstream.due(step + 1, t.max_steps)
+            if validation.due(done):
+                self._validate_into(last)
+            evals = self.downstream is not None and self.downstream.due(done, t.max_steps)
             if evals:
                 last.update(self.downstream.run(self.training, self.mcfg, world.device))
             # Each start's first step is logged: its time_to_first_step is the start-up `lmforge compare` shows.
-            logged = (step + 1) % t.log_every_n_steps == 0 or step == start
-            if world.is_main and (logged or "val_loss" in last or evals):
-                sink.log(step + 1, {**last, "elapsed": self.elapsed()})
+            if world.is_main and (logged.due(done) or "val_loss" in last or evals):
+                sink.log(done, {**last, "elapsed": self.elapsed()})
             if progress is not None:
-                progress.update(step + 1, last)
-            every = cfg.checkpoint.every_n_steps
+                progress.update(done, last)
             saved = None
-            out_of_time = bool(t.max_minutes) and time.perf_counter() - fit_started > 60 * t.max_minutes
             # Ctrl-C, SIGTERM: save this step (kept by retention) and stop; trainer.max_minutes: validate, save, stop
-            signum, out_of_time = stop.agree(world.device, out_of_time and step + 1 < t.max_steps)
-            if every and (step + 1) % every == 0 and step + 1 != t.max_steps and not out_of_time:
+            signum, out_of_time = stopping.after(done)
+            if cadence.due(done, out_of_time):
                 saved = self.save(wait=False, resume_point=signum is not None)
-                if signum is None:  # a signal that came while it was written stops the run here, not a step later
-                    signum, _ = stop.agree(world.device, False)
+                if signum is None:
+                    signum = stopping.signal()
             if signum is not None:
-                self.checkpoints.wait()
-                if not self.checkpoints.kept(saved):  # none, or one retention has let go of since
-                    saved = self.save(resume_point=True)
-                stopped = Stopped(f"stopped by {signal.Signals(signum).name} at step {step + 1}: saved checkpoint "
-                                  f"{saved}; run the same command again to resume", signum)
+                stopped = self._stop(signum, saved, done)
                 break
             if out_of_time:  # the end's save below writes this step
-                log.info("trainer.max_minutes=%s reached at step %d: stopping", t.max_minutes, step + 1)
+                log.info("trainer.max_minutes=%s reached at step %d: stopping", t.max_minutes, done)
                 timed_out = True
-                if self.data.valid is not None and t.val_check_interval and "val_loss" not in last:
-                    last.update(self.validate())
-                    self.state["metrics"] = {k: v for k, v in last.items() if k.startswith("val_")}
+                if validation.before_stop(last):
+                    self._validate_into(last)
                     if world.is_main:
-                        sink.log(step + 1, {**last, "elapsed": self.elapsed()})
+                        sink.log(done, {**last, "elapsed": self.elapsed()})
                 break
         if progress is not None:
             progress.close()
@@ -392,8 +311,42 @@ class Trainer:
         self.ended = self.elapsed()  # the run's clock at its end: finished.json and the last line give this one time
         if world.is_main:
             write_finished(self.run_dir, self.state["step"], self.ended, self.state.get("tokens"),
-                           cfg.cost.usd_per_hour * self.nodes, self.checkpoints.latest())
+                           self.meters.usd_per_hour_paid, self.checkpoints.latest())
         return last
+
+    def _step(self, step: int, batches) -> dict[str, float]:
+        """Step `step` trained at its learning rate and counted: its metrics, throughput included."""
+        t = self.cfg.trainer
+        # A checkpoint records the validation of its own step, or none: one carrying an earlier step's val_loss
+        # was ranked by it, and retention dropped better checkpoints for it (lmforge.checkpoint.manager).
+        self.state["metrics"] = {}
+        lr = lr_at(step, self.cfg.optim, t.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        synchronize(self.world.device)
+        t0 = time.perf_counter()
+        out = self.train_step(batches)
+        synchronize(self.world.device)
+        step_time = time.perf_counter() - t0
+        self.state["step"] = step + 1
+        self.state["consumed_samples"] += t.global_batch_size
+        check_skips(self.state["consecutive_skips"], t.max_consecutive_skips, step, self.checkpoints.latest)
+        tokens = out.pop("_tokens")  # a count for throughput, not a metric of its own
+        if self.state.get("tokens") is not None:  # (None: resumed from a checkpoint that did not count them)
+            self.state["tokens"] += tokens
+        return {**out, "lr": lr, **self.meters.step(step_time, tokens)}
+
+    def _validate_into(self, last: dict[str, float]) -> None:
+        last.update(self.validate())
+        self.state["metrics"] = {k: v for k, v in last.items() if k.startswith("val_")}
+
+    def _stop(self, signum: int, saved: Path | None, done: int) -> Stopped:
+        """A signal's stop: the checkpoint of step `done` written (unless a periodic one was, and retention kept it)."""
+        self.checkpoints.wait()
+        if not self.checkpoints.kept(saved):  # none, or one retention has let go of since
+            saved = self.save(resume_point=True)
+        return Stopped(f"stopped by {signal.Signals(signum).name} at step {done}: saved checkpoint {saved}; run the "
+                       "same command again to resume", signum)
 
     def summary(self, last: dict[str, float]) -> str:
         """The run's last line: this invocation's steps, tokens, time, average tokens/s and MFU, final losses."""
@@ -402,22 +355,7 @@ class Trainer:
             return (f"the run is at step {step} already (trainer.max_steps={max_steps}): nothing to train, nothing "
                     "written; raise trainer.max_steps to train it further")
         wall = self.ended - (self.started - self.clock_zero)  # this invocation's part of the clock
-        return self.totals.summary(self.state["step"], wall, last, self.mfu, self.cfg.cost.usd_per_hour * self.nodes)
-
-    def _throughput(self, step_time: float, tokens: float) -> dict[str, float]:
-        t = self.cfg.trainer
-        tps = tokens / step_time
-        # cost.usd_per_hour prices one machine; a multi-node torchrun pays for every node.
-        per_dollar = tokens_per_dollar(tps, self.cfg.cost.usd_per_hour, nodes=self.nodes)
-        return {
-            "step_time": step_time,
-            "tokens_per_second": tps,
-            "sequences_per_second": t.global_batch_size / step_time,
-            "mfu": self.mfu(tps),
-            **({"mfu_fp8": self.mfu_fp8(tps)} if self.mfu_fp8 is not None else {}),
-            "memory_gb": memory_gb(self.world.device),
-            **({"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar} if per_dollar else {}),
-        }
+        return self.meters.summary(self.state["step"], wall, last)
 
     def save(self, wait: bool = True, resume_point: bool = False) -> Path | None:
         """Checkpoint the run; with checkpoint.async_save and `wait` false, return while it is written. A
@@ -439,10 +377,6 @@ class Trainer:
     def export_hf(self, out: Path) -> None:
         """Write the final weights as an lmforge model folder (RUN_DIR/model) and a Hugging Face folder `out` beside
         it (a LoRA run's adapter too). Every rank takes part (sharded tensors are gathered); rank 0 writes."""
-        full = self.training.full_state_dict()
-        if self.world.is_main:
-            write_run_export(full, self.cfg, self.mcfg, self.tokenizer, self.data.chat_template, self.run_dir / "model",
-                             out, self.state["step"])
-        if dist.is_initialized():
-            dist.barrier()
+        export_run(self.training, self.cfg, self.mcfg, self.tokenizer, self.data.chat_template, self.run_dir / "model",
+                   out, self.state["step"], self.world.is_main)
 

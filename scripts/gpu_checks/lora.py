@@ -65,7 +65,7 @@ def _timed(ctx: Context, args: list[str]) -> tuple[list[dict], float, float]:
     """(metrics rows, peak device memory in GiB, tokens/s in its steps) of one run in this process."""
     reset_peak_memory_stats(ctx.device)
     trainer, rows = train(ctx, args)
-    totals = trainer.totals
+    totals = trainer.meters.totals
     del trainer
     peak = (max_memory_allocated(ctx.device) or 0) / 2**30  # 0 where the device does not count (the CPU)
     free(ctx)

@@ -29,6 +29,7 @@ def _grouped_calls(hidden: int, inter: int, experts: int, k: int, ranks: dict[st
     backward on fake bf16 tensors of the stand-in GPU listed in GROUPED_MM; the grouped GEMMs it asked for (their
     operands' shapes), and what came out. `forbid_loop`: the loop over experts raises."""
     from lmforge.parallel.fake import trace_device
+    from lmforge.train.plan_tasks import as_traced
 
     device, _ = trace_device("cuda")  # the stand-in
     moe_module.GROUPED_MM[device.type] = (torch.bfloat16,)
@@ -47,7 +48,8 @@ def _grouped_calls(hidden: int, inter: int, experts: int, k: int, ranks: dict[st
     if forbid_loop:
         moe_module._segments = no_loop
     try:
-        return _forward_backward(device, hidden, inter, experts, k, ranks, calls)
+        with as_traced(None):  # fake routing has no values to count: even, as lmforge plan traces it
+            return _forward_backward(device, hidden, inter, experts, k, ranks, calls)
     finally:  # the pool's process runs the next case
         moe_module.F.grouped_mm, moe_module._segments = real, segments
 

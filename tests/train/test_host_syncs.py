@@ -22,6 +22,7 @@ from lmforge.parallel.fake import TraceMode, fake_world, trace_device
 from lmforge.parallel.load import materialize_empty
 from lmforge.train.config import parallel_layout
 from lmforge.train.loss import IGNORE_INDEX
+from lmforge.train.plan_tasks import task_plan
 from lmforge.train.step import ParallelTraining
 from lmforge.train.tasks import get_task
 from tests.train.conftest import run_config
@@ -68,7 +69,7 @@ def _step_reads(task_name: str, accumulation: int, corpus, tmp_path) -> list[str
     mcfg = cfg.model.resolve()
     micro = []
     for _ in range(accumulation):  # host batches, as the data loader gives them
-        batch = task.example_batch(2, 32, mcfg.vocab_size, torch.device("cpu"))
+        batch = task_plan(task).example_batch(2, 32, mcfg.vocab_size, torch.device("cpu"))
         if "labels" in batch and task_name == "sft":
             batch["labels"][:, :5] = IGNORE_INDEX  # prompts: not scored
         micro.append(batch)

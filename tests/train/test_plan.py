@@ -130,9 +130,9 @@ def planned(tmp_path_factory) -> dict:
 
 def _param_bytes(case: dict, within: str = "") -> int:
     cfg = load_run_config(case["config"], case["overrides"])
-    from lmforge.train.tasks import get_task
+    from lmforge.train.plan_tasks import task_plan
 
-    model_cfg = dataclasses.replace(cfg.model.resolve(), num_labels=get_task(cfg.data.task).example_labels)
+    model_cfg = dataclasses.replace(cfg.model.resolve(), num_labels=task_plan(cfg.data.task).labels)
     return sum(p.numel() for n, p in build(model_cfg, device="meta").named_parameters() if within in n) * 4
 
 

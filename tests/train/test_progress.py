@@ -1,4 +1,4 @@
-"""Progress off a terminal: plain log lines at an interval, not a bar's carriage returns (issue 18 item 21)."""
+"""Progress off a terminal: plain log lines at an interval, not a bar's carriage returns."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.train.trainer import Trainer, truncate_metrics
+from lmforge.train.run_files import truncate_metrics
+from lmforge.train.trainer import Trainer
 from tests.train.conftest import run_config
 
 
@@ -359,7 +360,7 @@ def test_a_checkpoint_finds_its_runs_relative_paths_from_any_folder(tiny_corpus,
                        "data.tokenizer=tok", "model.vocab_size=50277")).fit()
     step = work / "runs" / "x" / "checkpoints" / "step-00000001"
     monkeypatch.chdir(elsewhere)
-    assert tokenizer_source(step) == step  # the copy every checkpoint holds since 2026-11-29
+    assert tokenizer_source(step) == step  # the copy every checkpoint holds
     (step / "20B_tokenizer.json").unlink()  # as an older one was
     assert tokenizer_source(step) == work / "tok" and run_path(step, "tok") == work / "tok"
     # A checkpoint from before trainer.json recorded the working folder: the one its relative run_dir leads back to.

@@ -63,11 +63,9 @@ class Task:
     # Another model the task holds beside the run's, laid out like it (DPO's frozen reference): a ParallelModel.
     reference = None
 
-    def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device,
-                init_model: Callable | None = None) -> None:
-        """Called with the run's built model (adapters applied) before it is laid out over `layout`. `init_model`:
-        how the task builds another model of the run (lmforge.train.setup.init_model's signature, the default);
-        lmforge plan gives one that builds it on the meta device at the depth it traces."""
+    def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
+        """Called with the run's built model (adapters applied) before it is laid out over `layout`; another model
+        of the run is built with lmforge.train.setup.init_model."""
 
     def lay_out(self, lay_out: Callable) -> None:
         """Called once the run's model is laid out, with `lay_out(model, fill)` -> ParallelModel, which lays out
@@ -78,27 +76,6 @@ class Task:
         """(input_ids, labels, keyword inputs) of a collated micro-batch: what the model is called with
         and what its output is scored against (logits_loss)."""
         return batch["input_ids"], batch["labels"], {"attention_mask": batch["attention_mask"]}
-
-    # The labels of the model's classification head (0: an LM head), for a run planned without its data.
-    example_labels: ClassVar[int] = 0
-    # Sequences per example of trainer.micro_batch_size (DPO: a pair, chosen and rejected).
-    rows_per_example: ClassVar[int] = 1
-
-    def planned_reference(self, cfg: RunConfig) -> str | None:
-        """What lmforge plan sizes of `reference` for the run `cfg` (its data unread), in words; None: nothing."""
-        return None
-
-    def plan_line(self, reference: str | None, reference_size: str, sequences: int) -> str | None:
-        """A line of lmforge plan's report on what the task adds (`reference`: planned_reference's, `reference_size`:
-        what a rank holds of it, `sequences`: a micro-batch's), or None."""
-        return None
-
-    def example_batch(self, rows: int, length: int, vocab_size: int, device: torch.device) -> Batch:
-        """A collated micro-batch of this task's form, `rows` x `length` tokens, made on `device` (lmforge plan
-        traces a step on it): every position a real, scored token."""
-        ids = torch.randint(0, vocab_size, (rows, length), device=device)
-        return {"input_ids": ids, "labels": ids.clone(),
-                "attention_mask": torch.ones(rows, length, dtype=torch.long, device=device)}
 
     def count(self, batch: Batch) -> int:
         """What a step's loss is normalised by: the labelled tokens."""

@@ -32,15 +32,8 @@ class Classification(Task):
                         train.label_names)
         return with_padding(data, cfg)
 
-    example_labels = 2
-
     def inputs(self, batch: Batch):
         return batch["input_ids"], batch["label"], {"attention_mask": batch["attention_mask"]}
-
-    def example_batch(self, rows: int, length: int, vocab_size: int, device: torch.device) -> Batch:
-        batch = super().example_batch(rows, length, vocab_size, device)
-        del batch["labels"]
-        return {**batch, "label": torch.randint(0, self.example_labels, (rows,), device=device)}
 
     def count(self, batch: Batch) -> int:
         return int((batch["label"] != IGNORE_INDEX).sum())  # examples, not tokens (blanks not counted)

@@ -100,7 +100,6 @@ class DPO(Task):
     # Whether the data files carry the reference's log-probabilities (build_data reads them); lmforge plan, which
     # reads no data, sizes the reference model.
     precomputed = False
-    rows_per_example = 2  # a pair: its chosen and rejected sequences, interleaved rows of one batch
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         from lmforge.data.dpo import PreferenceDataset
@@ -123,16 +122,14 @@ class DPO(Task):
                         chat_template=train.export_template)
         return with_padding(data, cfg)
 
-    def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device,
-                init_model=None) -> None:
+    def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
         if self.precomputed:
             log.info("DPO reference: the log-probabilities in the data files")
         elif cfg.lora is not None:
             self.lora_reference = True
             log.info("DPO reference: the base model without its adapters")
         else:
-            if init_model is None:
-                from lmforge.train.setup import init_model
+            from lmforge.train.setup import init_model
 
             # The run's initial model again, laid out like the policy in lay_out: under FSDP2 or tensor
             # parallelism each rank builds it on the meta device and fills only its own shards.
@@ -150,22 +147,6 @@ class DPO(Task):
             self.reference, self._unlaid = lay_out(*self._unlaid), None
 
     inputs = SFT.inputs
-
-    def example_batch(self, rows: int, length: int, vocab_size: int, device: torch.device) -> Batch:
-        """`rows` pairs: 2 x rows sequences, chosen and rejected interleaved as the collator lays them out."""
-        return super().example_batch(rows * self.rows_per_example, length, vocab_size, device)
-
-    def planned_reference(self, cfg: RunConfig) -> str | None:
-        return "base without adapters" if cfg.lora is not None else "frozen copy"
-
-    def plan_line(self, reference: str | None, reference_size: str, sequences: int) -> str | None:
-        if reference == "frozen copy":
-            held = (f"a frozen copy of the model laid out like the policy, {reference_size} of a rank's params without "
-                    "gradients or optimizer state (data files with ref_chosen_logps and ref_rejected_logps need none)")
-        else:
-            held = "the base without its adapters, no second model"
-        return (f"DPO: the reference is {held}; each micro-batch is {sequences} sequences (chosen and rejected) in one "
-                "forward, after the reference's under no_grad")
 
     def count(self, batch: Batch) -> int:
         return int(scored_pairs(self.inputs(batch)[1]).sum())  # pairs (blanks not counted)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from lmforge.train.config import RunConfig
 from lmforge.train.data import pretrain_datasets
 from lmforge.train.tasks.base import Batch, Task, TaskData
@@ -19,10 +17,6 @@ class Pretrain(Task):
 
     def inputs(self, batch: Batch):
         return batch["tokens"], batch["labels"], {}
-
-    def example_batch(self, rows: int, length: int, vocab_size: int, device: torch.device) -> Batch:
-        tokens = torch.randint(0, vocab_size, (rows, length), device=device)
-        return {"tokens": tokens, "labels": tokens.clone()}
 
     def validation_samples(self, cfg: RunConfig, valid, unit: int) -> int:
         # The same fixed samples every time, so the validation curve is comparable between runs.

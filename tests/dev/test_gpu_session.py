@@ -1,5 +1,6 @@
-"""scripts/gpu_session.py, a GPU lease's work in one call, run here on the CPU: the stages it would run, and a stage
-cut at its time limit killed with everything it started while the report still comes back."""
+"""scripts/gpu_session.py (scripts/dev/gpu_session.py, through the path sessions call), a GPU lease's work in one
+call, run here on the CPU: the stages it would run, and a stage cut at its time limit killed with everything it
+started while the report still comes back."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_session.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_session.py"
 
 
 def test_the_dry_run_lists_each_stage_with_its_limit_and_an_unknown_stage_is_one_line(tmp_path):
