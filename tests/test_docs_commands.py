@@ -37,7 +37,8 @@ def documented_commands() -> list[tuple[str, list[str]]]:
                 starts = [k for k, t in enumerate(tokens) if t in ("lmforge", "lmforge.cli")]
                 if starts:
                     rest = tokens[starts[-1] + 1:]
-                    end = rest.index("&&") if "&&" in rest else len(rest)
+                    # The command ends where the shell's next one starts (`&&`, `;`, `|`) or it goes to the background.
+                    end = next((k for k, t in enumerate(rest) if t in ("&&", "&", ";", "|")), len(rest))
                     found.append((where, [t for t in rest[:end] if t != "..."]))
     return found
 
