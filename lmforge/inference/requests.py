@@ -29,6 +29,7 @@ class RequestParams:
     ignore_eos: bool = False  # eos does not end generation (stop_token_ids still do)
     logprobs: int | None = None  # each chosen token's log-probability and this many alternatives; None = off
     prompt_logprobs: int | None = None  # the prompt's tokens' too (echo); then max_tokens may be 0
+    grammar: str | None = None  # a compiled response_format (Grammars.compile): the tokens are masked to fit it
 
 
 @dataclass
@@ -74,3 +75,4 @@ class EngineRequest:
             tuple(sorted(self.stop_ids)),
         )
         self.prompt_logprobs: list[TokenLogprob] | None = None  # handed out with the first event
+        self.grammar = None  # its RowGrammar, made by the engine when it gets a row
