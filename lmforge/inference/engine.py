@@ -19,6 +19,8 @@ computes exactly what `generate` does on its prompt alone, and greedy output is 
 Each row keeps its request's own sampling settings; a step chooses every row's token in one call (penalties.py
 over per-row tables, then sampling.choose_rows with a value per row), a seeded row drawing from its own generator,
 so a request gets the same tokens whatever shares its batch.
+A request with a response_format also has a grammar (grammar.py): its row's disallowed tokens go to -inf between
+the penalties and the sampling call, and the grammar takes each token chosen; rows without one compute nothing.
 
 The engine never waits for a consumer: it hands each request's events to a callback (the server puts them on that
 request's asyncio queue), so a slow reader only lets its own queue grow.
