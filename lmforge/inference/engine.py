@@ -48,7 +48,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
-from lmforge.inference.grammar import Grammars, allowed_tokens
+from lmforge.inference.grammar import Grammars, RowGrammar, allowed_tokens
 from lmforge.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lmforge.inference.penalties import RowPenalties
 from lmforge.inference.requests import EngineRequest, Event, RequestParams
@@ -303,7 +303,7 @@ class Engine:
             r.length = n
             self.penalties.admit(r.slot, r.prompt_ids, r.settings)
             if r.params.grammar is not None:
-                r.grammar = self.grammars.matcher(r.params.grammar)
+                r.grammar = RowGrammar(r.params.grammar)
             if r.params.prompt_logprobs is not None:
                 r.prompt_logprobs = prompt_logprobs(self.model.logits(h[i, : n - 1]), r.prompt_ids,
                                                     r.params.prompt_logprobs)

@@ -6,10 +6,12 @@ keyword it cannot enforce by name instead of ignoring it, and needs no other pac
 (`pip install 'lmforge[structured]'`).
 
 `Grammars` is the server's: it builds llguidance's view of the vocabulary once (seconds for 50k tokens, so in a
-thread, on the first request that needs it) and compiles each schema once (cached by its JSON text). A compiled
-grammar is a string; each engine row makes its own matcher of it (`RowGrammar`), asks it for the mask before each
-token and advances it with the token chosen. The mask is computed on the host as a bitmask and expanded to a bool
-row; rows without a grammar compute nothing. End-of-sequence is in the mask only where the grammar accepts.
+thread, on the first request that needs it) and compiles each schema once (cached by its JSON text) into a
+`CompiledGrammar`: a matcher in its start state, built off the engine thread (llguidance builds its parser there,
+up to a second for a very large schema). Each engine row takes a copy of it (`RowGrammar`), asks it for the mask
+before each token and advances it with the token chosen. The mask is computed on the host as a bitmask and
+expanded to a bool row; rows without a grammar compute nothing. End-of-sequence is in the mask only where the
+grammar accepts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -72,13 +75,22 @@ def schema_of(response_format: dict) -> dict:
     return spec.get("schema") or {}
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A response_format compiled: the llguidance grammar and a matcher in its start state (never advanced)."""
+
+    grammar: str
+    start: object  # llguidance.LLMatcher
+    vocab_size: int
+
+
 class Grammars:
     """The vocabulary as llguidance sees it, and compiled grammars cached by schema (thread-safe)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._ll_tokenizer = None
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -93,7 +105,7 @@ class Grammars:
                 )
             return self._ll_tokenizer
 
-    def compile(self, response_format: dict) -> str:
+    def compile(self, response_format: dict) -> CompiledGrammar:
         """The grammar of a response_format; a UserError naming what is wrong with the schema (a keyword llguidance
         does not implement, a $ref that points nowhere). Slow the first time: call it off the event loop."""
         llg = llguidance_module()
@@ -107,25 +119,23 @@ class Grammars:
         problem = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if problem and not problem.startswith("WARNING"):
             raise UserError(f"response_format's JSON schema is not supported: {problem.splitlines()[0]}")
+        start = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if start.is_error():
+            raise UserError(f"response_format's JSON schema is not supported: {start.get_error()}")
+        compiled = CompiledGrammar(grammar, start, self.vocab_size)
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[key] = compiled
             while len(self._cache) > MAX_CACHED:
                 self._cache.popitem(last=False)
-        return grammar
-
-    def matcher(self, grammar: str) -> RowGrammar:
-        return RowGrammar(self, grammar)
+        return compiled
 
 
 class RowGrammar:
     """One request's grammar state: the mask of the tokens it allows next, advanced by each token taken."""
 
-    def __init__(self, grammars: Grammars, grammar: str):
-        llg = llguidance_module()
-        self.vocab_size = grammars.vocab_size
-        self.matcher = llg.LLMatcher(grammars.ll_tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise UserError(f"response_format's grammar failed: {self.matcher.get_error()}")
+    def __init__(self, compiled: CompiledGrammar):
+        self.vocab_size = compiled.vocab_size
+        self.matcher = compiled.start.deep_copy()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance_module().torch.fill_next_token_bitmask(self.matcher, bitmask, row)

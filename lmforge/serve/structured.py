@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from lmforge.errors import UserError
+from lmforge.inference.grammar import CompiledGrammar
 from lmforge.serve.protocol import APIError
 
 
-async def grammar_of(engine, body) -> str | None:
+async def grammar_of(engine, body) -> CompiledGrammar | None:
     """The compiled grammar of the body's response_format (None for none or text); a 400 naming what is wrong."""
     fmt = body.response_format
     if not fmt or fmt.get("type", "text") == "text":
