@@ -100,9 +100,12 @@ class Grammars:
                 llg = llguidance_module()
                 if not self.eos_ids:
                     raise UserError("response_format needs an end-of-sequence token, and this tokenizer has none")
-                self._ll_tokenizer = llg.LLTokenizer(
-                    tokenizer_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_ids
-                )
+                try:
+                    self._ll_tokenizer = llg.LLTokenizer(
+                        tokenizer_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_ids
+                    )
+                except ValueError as e:  # a tokenizer.json llguidance cannot map to bytes (no decoder ...)
+                    raise UserError(f"response_format cannot be served with this model's tokenizer: {e}") from None
             return self._ll_tokenizer
 
     def compile(self, response_format: dict) -> CompiledGrammar:
@@ -115,10 +118,13 @@ class Grammars:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"response_format's JSON schema cannot be read: {e}") from None
         problem = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if problem and not problem.startswith("WARNING"):
-            raise UserError(f"response_format's JSON schema is not supported: {problem.splitlines()[0]}")
+            raise UserError(f"response_format's JSON schema is not supported: {' '.join(problem.split())[:300]}")
         start = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if start.is_error():
             raise UserError(f"response_format's JSON schema is not supported: {start.get_error()}")

@@ -201,6 +201,15 @@ def test_without_llguidance_a_format_is_a_400_naming_the_install(json_server, js
     assert "pip install 'lmforge[structured]'" in e.value.message
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_a_400_not_a_500(server, model_dir):
+    """The package's word-level tokenizer has no decoder: llguidance cannot map its tokens to bytes."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).chat.completions.create(
+            model=model_dir.name, messages=MESSAGES, max_tokens=4, response_format={"type": "json_object"}
+        )
+    assert e.value.param == "response_format" and "tokenizer" in e.value.message
+
+
 def test_unconstrained_rows_beside_constrained_ones_get_their_tokens_alone(json_model_dir):
     """Greedy rows without a format, decoded in one batch with rows that have one, equal transformers' greedy
     generate on each prompt alone; the constrained rows validate."""
