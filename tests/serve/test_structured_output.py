@@ -261,3 +261,27 @@ def test_compiled_grammars_are_cached_by_schema(json_server):
     for t in threads:
         t.join()
     assert results[0].grammar == results[1].grammar and grammars.compile(fmt) is grammars.compile(same)
+
+
+def test_eos_is_allowed_exactly_where_the_text_is_a_complete_valid_answer(json_model_dir):
+    """Along the tokens of a valid instance, the mask allows end-of-sequence at a prefix iff json.loads parses it and
+    jsonschema accepts it; each next token of the instance is always allowed."""
+    from lmforge.inference.grammar import Grammars, RowGrammar, allowed_tokens
+    from lmforge.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(json_model_dir)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]}
+    row = RowGrammar(Grammars(tokenizer, 300, {0}).compile(schema_format(schema)))
+    ids = tokenizer.encode('{"n":12,"s":"ab"}')
+    for k in range(len(ids) + 1):
+        allowed = allowed_tokens([row], 300)[0]
+        text = tokenizer.decode(ids[:k])
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            complete = True
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            complete = False
+        assert bool(allowed[0]) == complete, text
+        if k < len(ids):
+            assert allowed[ids[k]], text
+            row.accept(ids[k])
