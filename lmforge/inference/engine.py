@@ -19,6 +19,8 @@ computes exactly what `generate` does on its prompt alone, and greedy output is 
 Each row keeps its request's own sampling settings; a step chooses every row's token in one call (penalties.py
 over per-row tables, then sampling.choose_rows with a value per row), a seeded row drawing from its own generator,
 so a request gets the same tokens whatever shares its batch.
+A request with a response_format also has a grammar (grammar.py): its row's disallowed tokens go to -inf between
+the penalties and the sampling call, and the grammar takes each token chosen; rows without one compute nothing.
 
 The engine never waits for a consumer: it hands each request's events to a callback (the server puts them on that
 request's asyncio queue), so a slow reader only lets its own queue grow.
@@ -46,6 +48,7 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
+from lmforge.inference.grammar import Grammars, RowGrammar, allowed_tokens
 from lmforge.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lmforge.inference.penalties import RowPenalties
 from lmforge.inference.requests import EngineRequest, Event, RequestParams
@@ -115,6 +118,7 @@ class Engine:
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device, ring=False)
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.penalties = RowPenalties(config.max_batch, model.config.vocab_size, self.device)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size, self.stop_ids)  # response_format's
         self.slots: list[EngineRequest | None] = [None] * config.max_batch
         # Waiting requests by group, the groups in the order they take turns (first = next to be served).
         self.waiting: dict[object, deque[EngineRequest]] = {}
@@ -298,6 +302,8 @@ class Engine:
         for i, (r, n) in enumerate(zip(reqs, lengths)):
             r.length = n
             self.penalties.admit(r.slot, r.prompt_ids, r.settings)
+            if r.params.grammar is not None:
+                r.grammar = RowGrammar(r.params.grammar)
             if r.params.prompt_logprobs is not None:
                 r.prompt_logprobs = prompt_logprobs(self.model.logits(h[i, : n - 1]), r.prompt_ids,
                                                     r.params.prompt_logprobs)
@@ -357,6 +363,7 @@ class Engine:
         try:
             penalized = self.penalties.apply(scores, slots, [r.settings for r in reqs],
                                              [len(r.output_ids) for r in reqs])
+            penalized = constrain(penalized, reqs)
             chosen = choose_rows(penalized, RowSampling.of([r.params.sampling for r in reqs], device), generators)
         except Exception as e:
             log.warning("sampling %d rows together failed (%s: %s): sampling them one at a time", len(reqs),
@@ -368,6 +375,7 @@ class Engine:
                 try:
                     one = self.penalties.apply(scores[k : k + 1], slots[k : k + 1], [r.settings],
                                                [len(r.output_ids)])
+                    one = constrain(one, [r])
                     chosen[k] = choose_rows(one, RowSampling.of([r.params.sampling], device), [generators[k]])[0]
                 except Exception as err:
                     failed[k] = err
@@ -387,8 +395,10 @@ class Engine:
                 self._finish(req, Event("", len(req.output_ids), "error", reason, client_error=settings))
             else:
                 try:
+                    if req.grammar is not None:
+                        req.grammar.accept(token)
                     self._take(req, token, logprobs.get(k))
-                except Exception as e:  # its detokenizer or stop strings: that request alone ends
+                except Exception as e:  # its grammar, detokenizer or stop strings: that request alone ends
                     self._fail(req, e)
 
     def _take(self, req: EngineRequest, token: int, logprob: TokenLogprob | None = None) -> None:
@@ -426,3 +436,15 @@ class Engine:
         req.finish_reason = req.finish_reason or reason
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
+
+
+def constrain(logits: torch.Tensor, reqs: list[EngineRequest]) -> torch.Tensor:
+    """The rows whose request has a response_format grammar with the tokens it forbids at -inf (after logit_bias and
+    the penalties, before temperature and the filters, where vLLM applies guided decoding); the others untouched.
+    The masks are computed on the host for those rows only: a batch without a grammar pays nothing."""
+    rows = [k for k, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return logits
+    allowed = torch.ones(logits.shape, dtype=torch.bool)
+    allowed[rows] = allowed_tokens([reqs[k].grammar for k in rows], logits.shape[-1])
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

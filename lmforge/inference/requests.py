@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmforge.inference.grammar import CompiledGrammar
 from lmforge.inference.logprobs import TokenLogprob
 from lmforge.inference.penalties import RowSettings
 from lmforge.inference.sampling import SamplingParams, seeded_generator
@@ -29,6 +30,7 @@ class RequestParams:
     ignore_eos: bool = False  # eos does not end generation (stop_token_ids still do)
     logprobs: int | None = None  # each chosen token's log-probability and this many alternatives; None = off
     prompt_logprobs: int | None = None  # the prompt's tokens' too (echo); then max_tokens may be 0
+    grammar: CompiledGrammar | None = None  # a response_format (Grammars.compile): the tokens are masked to fit it
 
 
 @dataclass
@@ -74,3 +76,4 @@ class EngineRequest:
             tuple(sorted(self.stop_ids)),
         )
         self.prompt_logprobs: list[TokenLogprob] | None = None  # handed out with the first event
+        self.grammar = None  # its RowGrammar, made by the engine when it gets a row

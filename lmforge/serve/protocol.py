@@ -3,7 +3,7 @@
 Bodies are validated strictly (a string where a number belongs is a 400, not a silent conversion), with OpenAI's
 ranges (penalties in [-2, 2], a logit_bias in [-100, 100], top_logprobs in [0, 20]); fields OpenAI defines that change
 nothing here (`user` ...) are accepted, and those that would change the answer but are not implemented (`tools`,
-`response_format` other than text, `suffix`, the deprecated `functions`) are refused by name rather than ignored,
+`suffix`, the deprecated `functions`) are refused by name rather than ignored,
 vLLM's extensions of that kind (`bad_words`, `prompt_logprobs`, guided decoding, the chat template's `chat_template`,
 `add_generation_prompt: false`, `continue_final_message` ...) too. Other unknown fields are ignored, as
 OpenAI-compatible servers do, with a warning in the server's log naming them (and the parameter a mistyped one was
@@ -124,11 +124,8 @@ class _Body(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do."""
-        bad = []
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            bad.append("response_format")
         extra = self.model_extra or {}
-        return bad + [name for name in self.vllm_refused if extra.get(name) not in _OFF]
+        return [name for name in self.vllm_refused if extra.get(name) not in _OFF]
 
     def requested_tokens(self) -> tuple[int | None, str]:
         """(the tokens asked for, the field that asked): max_completion_tokens where given, as OpenAI reads both."""

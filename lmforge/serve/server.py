@@ -32,6 +32,7 @@ from lmforge.serve.logprobs import TokenText, chat_content, completion_logprobs
 from lmforge.serve.metrics import Metrics
 from lmforge.serve.prompts import PromptWork
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest
+from lmforge.serve.structured import grammar_of
 
 
 @dataclass
@@ -284,6 +285,7 @@ class Server:
             raise APIError(400, "no prompt given", param="prompt")
         requested, param = body.requested_tokens()
         extra = self.request_extras(body, body.logprobs)
+        extra["grammar"] = await grammar_of(self.engine, body)
         if body.echo:  # the prompt's tokens scored too: what an evaluator sends (with max_tokens 0 or 1)
             extra["prompt_logprobs"] = body.logprobs or 0
         gen = self.start(prompts, requested, sampling_of(body, self.config.sampling_defaults), body.n, body.stop,
@@ -341,6 +343,7 @@ class Server:
         ids = await self.prompts.chat_ids(request, [(m.role, m.text()) for m in body.messages])
         requested, param = body.requested_tokens()
         extra = self.request_extras(body, (body.top_logprobs or 0) if body.logprobs else None)
+        extra["grammar"] = await grammar_of(self.engine, body)
         gen = self.start([ids], requested, sampling_of(body, self.config.sampling_defaults), body.n,
                          [*body.stop, *self.chat.stop], body.seed, param, "messages", body.skip_special_tokens, extra)
 

@@ -78,7 +78,7 @@ def test_vllm_idioms_are_honoured_or_refused_by_name(server, model_dir):
     greedy = c.completions.create(model=name, prompt="t5 t6", max_tokens=4, temperature=0).choices[0].text
     off = c.completions.create(model=name, prompt="t5 t6", max_tokens=4, temperature=0, extra_body={"top_k": -1})
     assert off.choices[0].text == greedy  # vLLM's top_k -1: no top-k
-    for extra in ({"guided_choice": ["t5", "t6"]}, {"response_format": {"type": "json_object"}}):
+    for extra in ({"guided_choice": ["t5", "t6"]}, {"guided_json": {"type": "object"}}):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model=name, prompt="t5", max_tokens=2, extra_body=extra)
         assert e.value.code == "unsupported_parameter" and e.value.param == next(iter(extra)), extra

@@ -36,7 +36,7 @@ def test_completion_fields_that_change_the_answer_are_refused_by_name(server, fi
     ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"text": "t5"}]), ("echo", True),
     ("functions", [{"name": "f", "parameters": {"type": "object"}}]), ("function_call", {"name": "f"}),
     ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("response_format", {"type": "json_object"}), ("bad_words", ["t9"])])
+    ("bad_words", ["t9"])])
 def test_chat_fields_that_change_the_prompt_or_answer_are_refused_by_name(server, field, value):
     r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, field: value})
     err = r.json()["error"]
