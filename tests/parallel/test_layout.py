@@ -259,6 +259,6 @@ def test_lora_under_tensor_parallelism_before_torch_2_9_is_one_line(tmp_path, mo
         check_torch_for_layout(lora, 2)
     check_torch_for_layout(lora, 1)
     for task in ("sft", "dpo"):
-        check_torch_for_layout(run_config("c", tmp_path, f"data.task={task}"), 2)
+        check_torch_for_layout(run_config("c", tmp_path, f"data.task={task}", "data.paths=[]"), 2)
     monkeypatch.setattr(mesh, "torch_version", lambda: (2, 9))
     check_torch_for_layout(lora, 2)
