@@ -121,8 +121,12 @@ def test_checkpoints_page_round_trips_through_hugging_face(workspace):
 
 @pytest.mark.slow
 def test_fine_tuning_page(workspace):
-    run_page(workspace, "fine-tuning.md")
+    """The first try visibly learns: the tiny model answers noise before, the trained record's answer after."""
+    out = run_page(workspace, "fine-tuning.md")
     assert (workspace["dir"] / "runs/sft-tiny/hf/chat_template.jinja").is_file()
+    before, after = out.split("finished at step 200", 1)
+    answer = "What lies under the shade of a big tree, yet is seen in the sky?\nAnswer: A kite."
+    assert "kite" not in before.lower() and answer in after
 
 
 @pytest.mark.slow

@@ -59,6 +59,8 @@ def run_inspect(args: argparse.Namespace):
     for s in summaries:
         print(f"{s.prefix}: {s.documents:,} documents ({s.empty_documents:,} empty), {s.sequences:,} sequences, "
               f"{s.tokens:,} tokens, {s.dtype} (.bin {_size(s.bin_bytes)}, .idx {_size(s.idx_bytes)})")
+        if s.made_by:
+            print(f"tokenized with {s.made_by} (its .tokenizer.json)")
         if not s.documents:
             continue
         if s.mismatch:

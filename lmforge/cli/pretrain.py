@@ -41,6 +41,7 @@ model.preset         a built-in architecture (pythia-1b, llama-3.1-8b, qwen3-0.6
 model.init_from      an HF or lmforge folder, or a training checkpoint, to start from (continued pretraining)
 data.paths           Megatron .bin/.idx prefixes (lmforge preprocess), or a blend [w1, prefix1, w2, prefix2]
 data.split           train,valid,test weights, e.g. 969,30,1; data.seq_length tokens per sample
+data.valid_paths     held-out prefixes to validate on, weighted as data.paths (then data.paths trains whole)
 data.tokenizer       tokenizer.json or its folder (default: model.init_from's)
 trainer.max_steps    optimizer steps; trainer.max_minutes stops (validates, saves) after that long
 trainer.global_batch_size / micro_batch_size   samples per step / per forward on one data rank

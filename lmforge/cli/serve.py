@@ -229,8 +229,9 @@ def add_generation_eos(model, folder: Path) -> None:
 
 def generation_defaults(folder: Path) -> dict[str, float | int]:
     """The sampling defaults of the folder's generation_config.json (its model's origin's, for a checkpoint), read as
-    `lmforge generate` and transformers' generate read them: temperature, top_k and top_p where do_sample is true,
-    greedy (temperature 0) where it is false, repetition_penalty either way; a value they would refuse is left out.
+    `lmforge generate` and transformers' generate read them: temperature, top_k, top_p and min_p where do_sample is
+    true, greedy (temperature 0) where it is false, repetition_penalty either way; a value they would refuse is left
+    out.
     Said in one line, as vLLM's --generation-config auto says it."""
     from lmforge.models.source import generation_config
 
@@ -248,6 +249,8 @@ def generation_defaults(folder: Path) -> dict[str, float | int]:
             defaults["top_k"] = int(config["top_k"])
         if number("top_p", lambda v: 0 < v < 1):
             defaults["top_p"] = float(config["top_p"])
+        if number("min_p", lambda v: 0 < v <= 1):
+            defaults["min_p"] = float(config["min_p"])
     elif config.get("do_sample") is False:
         defaults["temperature"] = 0.0
     if number("repetition_penalty", lambda v: v > 0 and v != 1):

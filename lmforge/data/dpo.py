@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 from pathlib import Path
 
@@ -67,7 +68,7 @@ class PreferenceDataset(Dataset):
     """Preference pairs, tokenized at construction; an item is a pair (see the module docstring)."""
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer, seq_length: int, truncate: str = "cut",
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, max_records: int | None = None):
         if truncate not in TRUNCATE:
             raise UserError(f"truncate must be one of {', '.join(TRUNCATE)}, not {truncate!r}")
         self.path, self.seq_length = Path(path), seq_length
@@ -75,7 +76,7 @@ class PreferenceDataset(Dataset):
             else tokenizer.eod_id
         self.collate = PairCollator(pad)
         examples, context, refs = [], [], []
-        for where, rec in read_json_records(path):
+        for where, rec in itertools.islice(read_json_records(path), max_records):
             pair, counts = pair_examples(rec, where)
             examples += pair
             context += counts

@@ -39,6 +39,10 @@ A run killed anyway (that abort, kill -9) leaves the prefix's existing .bin/.idx
 are written under temporary names (`.NAME.bin.tmp-PID`), renamed only when whole, and the next run of the
 prefix removes those a dead process left.
 
+Beside each whole pair, `PREFIX.tokenizer.json` records the tokenizer that made its ids (its files' sha256, its
+vocabulary's, its size and end-of-document id; lmforge.data.fingerprint), written after the pair the same way:
+a run refuses data made by another tokenizer than its own. The .bin/.idx bytes are Megatron's whatever it holds.
+
 Sharding (`shard=(I, N)`): only slice I of N of the input is tokenized, into `...document.shard-I-of-N`
 files plus a record of how they were made; `lmforge.data.shards.merge` joins the N shards into the files one
 run over the whole input writes, byte for byte.
@@ -60,6 +64,7 @@ from tqdm import tqdm
 
 from lmforge.data import shards as sharding
 from lmforge.data.encoding import Encoder, chunked, encoded_chunks
+from lmforge.data.fingerprint import fingerprint_path, tokenizer_fingerprint, tokenizer_identity, write_fingerprint
 from lmforge.data.indexed import (
     IndexedDataset,
     IndexedDatasetWriter,
@@ -115,7 +120,7 @@ def _check_arguments(json_keys: Sequence[str] | str, sources: Sequence[Source]) 
 def _identity(key: str, tok: Tokenizer, append_eod: bool, parse_special_tokens: bool,
               sources: Sequence[Source], prepend_bos: bool = False) -> dict:
     """What a shard of this run records, and what every shard of one dataset must share (shards.SAME)."""
-    return {"key": key, "dtype": optimal_dtype(tok.vocab_size).name, "tokenizer": sharding.tokenizer_identity(tok),
+    return {"key": key, "dtype": optimal_dtype(tok.vocab_size).name, "tokenizer": tokenizer_identity(tok),
             "append_eod": append_eod, "parse_special_tokens": parse_special_tokens,
             **({"prepend_bos": True} if prepend_bos else {}),  # absent when off: shards made before it still merge
             "inputs": {"sha256": inputs_digest(sources), "files": len(sources)}}
@@ -164,7 +169,8 @@ def preprocess(
         if not pieces:
             logger.info("shard %d/%d has no input (fewer units of input than shards): writing it empty", i, n)
     for prefix in outputs.values():  # what killed runs of these prefixes left (a live process's stay)
-        remove_stale_temporaries(prefix, also=[sharding.record_path(prefix)] if shard is not None else [])
+        record = sharding.record_path(prefix) if shard is not None else fingerprint_path(prefix)
+        remove_stale_temporaries(prefix, also=[record])
     stats = PreprocessStats(outputs=outputs, shard=(i, n) if shard is not None else None)
     logger.info("tokenizing %d file(s)%s into %s (%s, %d workers)", len(pieces),
                 f" (shard {i}/{n} of {len(sources)})" if shard is not None else "", list(outputs.values()),
@@ -176,14 +182,18 @@ def preprocess(
                              dtype, stats, max_document_bytes)
     finally:
         tok.parse_special_tokens = parsed_before
-    if shard is not None:
+    fingerprint = tokenizer_fingerprint(tok)
+    if shard is None:  # beside the whole pairs: what made their ids (lmforge.data.fingerprint)
+        for prefix in outputs.values():
+            write_fingerprint(prefix, fingerprint)
+    else:
         partial = {str(p.source.path): file_tokens[str(p.source.path)] for p in pieces if not p.whole}
         try:
             for key, prefix in outputs.items():
                 ds = IndexedDataset(prefix)
                 sharding.write_record(prefix, {
                     **_identity(key, tok, append_eod, parse_special_tokens, sources, prepend_bos), "shard": i,
-                    "num_shards": n,
+                    "num_shards": n, "tokenizer_vocab_sha256": fingerprint["vocab_sha256"],
                     "documents": ds.num_documents, "tokens": int(ds.sequence_lengths.sum(dtype=np.int64)),
                     "partial_files": partial})
         except BaseException:

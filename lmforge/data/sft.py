@@ -38,6 +38,7 @@ so attention can be kept within an example.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import string
 from collections.abc import Sequence
@@ -280,8 +281,10 @@ class SFTDataset(Dataset):
         prompt_template: str | None = None,
         chat_template: ChatTemplate | str | None = None,
         assistant_only_loss: bool = True,
+        max_records: int | None = None,
     ):
-        """chat_template: a ChatTemplate, the name of a built-in, or None (see the module docstring)."""
+        """chat_template: a ChatTemplate, the name of a built-in, or None (see the module docstring);
+        max_records: the file's first N records only."""
         if truncate not in TRUNCATE:
             raise UserError(f"truncate must be one of {', '.join(TRUNCATE)}, not {truncate!r}")
         if seq_length < 2:
@@ -295,7 +298,7 @@ class SFTDataset(Dataset):
 
         prompt = PromptTemplate(prompt_template)
         templated = chat_template is not None
-        records = list(read_json_records(path))
+        records = list(itertools.islice(read_json_records(path), max_records))
         examples = [ex for where, rec in records for ex in record_examples(rec, where, prompt, templated)]
         self.kind = None  # the records' kind whose built-in template the export carries (none: chat_template's)
         self.kinds = kinds = collections.Counter(kind for kind, _, _ in examples)

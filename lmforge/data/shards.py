@@ -9,13 +9,13 @@ them `...shard-I-of-N.json`: the tokenizer (sha256 of its files), dtype, `--appe
 by the sequences before them (what Megatron's `tools/merge_datasets.py` does). Slices are contiguous in input
 order, so the result is byte for byte what preprocessing the whole input at once writes. Shards that were
 made differently (another tokenizer, dtype, option or input list) are refused with one line, before anything
-is written. Everything is streamed: memory stays bounded whatever the corpus size. The shards are left as
+is written; the merged pair gets the `PREFIX.tokenizer.json` a one-shot run writes (lmforge.data.fingerprint).
+Everything is streamed: memory stays bounded whatever the corpus size. The shards are left as
 they are; delete them once the merged pair is in place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmforge.data.fingerprint import fingerprint_path, write_fingerprint
 from lmforge.data.indexed import (
     CODES,
     HEADER,
@@ -41,7 +42,6 @@ from lmforge.data.indexed import (
 )
 from lmforge.errors import UserError
 from lmforge.fsutil import atomic_write
-from lmforge.tokenizers import CONFIG_FILES, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +76,6 @@ def shard_prefix(prefix: str | Path, shard: int, num_shards: int) -> str:
 def record_path(prefix: str | Path) -> Path:
     """The `.json` a shard writes beside its `.bin/.idx`."""
     return Path(f"{prefix}.json")
-
-
-def tokenizer_identity(tok: Tokenizer) -> dict:
-    """What makes a tokenizer's ids: its files' bytes (Hugging Face config files beside them too, which can
-    change eod), and the vocabulary size and eod id that follow from them."""
-    h = hashlib.sha256()
-    files = [*tok.files, *(f.parent / n for f in tok.files for n in CONFIG_FILES)]
-    for path in dict.fromkeys(files):
-        if path.is_file():
-            h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return {"files": [str(f) for f in tok.files], "sha256": h.hexdigest(), "vocab_size": tok.vocab_size,
-            "eod_id": tok.eod_id}
 
 
 def write_record(prefix: str, record: dict) -> None:
@@ -246,8 +234,12 @@ def merge(prefix: str | Path, expect: dict | None = None) -> MergeStats:
                             f"{ds.dtype.name}: run that shard again")
     _check_same(prefix, records, expect)
     _check_partial_files(prefix, records)
-    remove_stale_temporaries(prefix)  # what a killed merge (or preprocess) of this prefix left
+    remove_stale_temporaries(prefix, also=[fingerprint_path(prefix)])  # what a killed merge (or preprocess) left
     _write_merged(prefix, datasets)
+    made_by = records[0]["tokenizer"]
+    write_fingerprint(prefix, {"tokenizer": made_by["files"][0], "files": made_by["files"], "sha256": made_by["sha256"],
+                               "vocab_sha256": records[0].get("tokenizer_vocab_sha256"),
+                               "vocab_size": made_by["vocab_size"], "eod_id": made_by["eod_id"]})
     stats = MergeStats(prefix, len(shards), sum(ds.num_documents for ds in datasets), sum(map(len, datasets)),
                        sum(int(ds.sequence_lengths.sum(dtype=np.int64)) for ds in datasets),
                        time.perf_counter() - start)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmforge.data.fingerprint import describe, read_fingerprint, tokenizer_fingerprint, verdict
 from lmforge.data.indexed import IndexedDataset, bin_path, idx_path
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
@@ -45,16 +46,15 @@ class DatasetSummary:
     first_documents: list[list[int]] = field(default_factory=list)  # their ids
     decoded: list[str] | None = None  # their text, when a tokenizer was given
     tokenizer: str | None = None
-    mismatch: str | None = None  # why the data looks made by another tokenizer (foreign_end_marker)
+    mismatch: str | None = None  # why the data looks made by another tokenizer (its record, foreign_end_marker)
+    made_by: str | None = None  # the tokenizer its PREFIX.tokenizer.json names (lmforge.data.fingerprint)
 
 
-def foreign_end_marker(ds: IndexedDataset, tokenizer: Tokenizer) -> str | None:
-    """Why a dataset looks made by another tokenizer, or None: nearly all its documents end in one token that is not
-    the tokenizer's end of document, and which they never hold elsewhere (an end-of-document marker appended by
-    another tokenizer: GPT-2's 50256 read by a Pythia model, whose id 50256 is a rare added token). Its ids are in
-    range, so nothing else notices. (A period ends most articles too, but not only there.) Up to 256 documents'
-    last 2,048 tokens are read."""
-    if tokenizer.eod_id is None or ds.num_documents < 8:  # too few to tell a marker from the documents' last words
+def end_marker(ds: IndexedDataset) -> int | None:
+    """The token nearly all of a dataset's documents end in and never hold elsewhere (an end-of-document marker
+    appended by its tokenizer), or None: no such token, or too few documents to tell one from their last words. (A
+    period ends most articles too, but not only there.) Up to 256 documents' last 2,048 tokens are read."""
+    if ds.num_documents < 8:
         return None
     picks = np.unique(np.linspace(0, ds.num_documents - 1, min(ds.num_documents, 256)).astype(np.int64))
     tails = [tail for tail in (ds.document(int(d))[-2048:] for d in picks) if len(tail)]
@@ -63,12 +63,23 @@ def foreign_end_marker(ds: IndexedDataset, tokenizer: Tokenizer) -> str | None:
     values, counts = np.unique([int(tail[-1]) for tail in tails], return_counts=True)
     marker = int(values[counts.argmax()])
     inside = sum(bool((tail[:-1] == marker).any()) for tail in tails)
-    if marker == tokenizer.eod_id or counts.max() < 0.9 * len(tails) or inside > 0.02 * len(tails):
+    if counts.max() < 0.9 * len(tails) or inside > 0.02 * len(tails):
         return None
-    return (f"data prefix '{ds.prefix}': {counts.max()} of {len(tails)} documents sampled end in token {marker} "
-            f"({tokenizer.decode([marker])!r} to this tokenizer) and hold it nowhere else, but this tokenizer's end of "
-            f"document is {tokenizer.eod_id}: was it preprocessed with another tokenizer? Preprocess it with the "
-            "model's (data.tokenizer / the one beside model.init_from)")
+    return marker
+
+
+def foreign_end_marker(ds: IndexedDataset, tokenizer: Tokenizer) -> str | None:
+    """Why a dataset looks made by another tokenizer, or None: its documents end in a marker (end_marker) that is
+    not the tokenizer's end of document (GPT-2's 50256 read by a Pythia model, whose id 50256 is a rare added
+    token). Its ids are in range, so nothing else notices."""
+    if tokenizer.eod_id is None or (marker := end_marker(ds)) is None or marker == tokenizer.eod_id:
+        return None
+    picks = np.unique(np.linspace(0, ds.num_documents - 1, min(ds.num_documents, 256)).astype(np.int64))
+    tails = [int(tail[-1]) for tail in (ds.document(int(d))[-2048:] for d in picks) if len(tail)]
+    return (f"data prefix '{ds.prefix}': {tails.count(marker)} of {len(tails)} documents sampled end in token "
+            f"{marker} ({tokenizer.decode([marker])!r} to this tokenizer) and hold it nowhere else, but this "
+            f"tokenizer's end of document is {tokenizer.eod_id}: was it preprocessed with another tokenizer? "
+            "Preprocess it with the model's (data.tokenizer / the one beside model.init_from)")
 
 
 def find_prefixes(prefix: str | Path) -> list[str]:
@@ -114,12 +125,17 @@ def summarize(prefix: str | Path, tokenizer: str | Path | Tokenizer | None = Non
     used = [i for i, b in enumerate(histogram) if b.documents]
     histogram = histogram[used[0] : used[-1] + 1] if used else []
     first = [ds.document(d).tolist() for d in range(min(num_docs, docs))]
+    record = read_fingerprint(ds.prefix)
+    mismatch = foreign_end_marker(ds, tok) if tok else None
+    if tok and record and verdict(record, tokenizer_fingerprint(tok)) == "other":
+        mismatch = (f"data prefix '{ds.prefix}' was tokenized with {describe(record)}, not with {tok.files[0]}: "
+                    f"decode it with --tokenizer {record.get('tokenizer')}")
     return DatasetSummary(
         prefix=ds.prefix, dtype=ds.dtype.name, documents=docs, empty_documents=empty, sequences=len(ds),
         tokens=tokens, bin_bytes=bin_path(ds.prefix).stat().st_size, idx_bytes=idx_path(ds.prefix).stat().st_size,
         min_tokens=low or 0, max_tokens=high, mean_tokens=tokens / docs if docs else 0.0, histogram=histogram,
         first_documents=first, decoded=[tok.decode(ids) for ids in first] if tok else None,
-        tokenizer=str(tok.files[0]) if tok else None, mismatch=foreign_end_marker(ds, tok) if tok else None,
+        tokenizer=str(tok.files[0]) if tok else None, mismatch=mismatch, made_by=describe(record) if record else None,
     )
 
 

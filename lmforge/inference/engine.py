@@ -16,8 +16,12 @@ scheduling, Yu et al., Orca, OSDI 2022), and a finished or cancelled request fre
 Every row starts at cache slot 0, so its slot is also its position id: prompts of a prefill batch are padded
 on the right (slots past a prompt's end are masked out, and its decode overwrites them), so each request
 computes exactly what `generate` does on its prompt alone, and greedy output is the same token for token.
-The engine never waits for a consumer: it hands each request's events to a callback (the server puts
-them on that request's asyncio queue), so a slow reader only lets its own queue grow.
+Each row keeps its request's own sampling settings; a step chooses every row's token in one call (penalties.py
+over per-row tables, then sampling.choose_rows with a value per row), a seeded row drawing from its own generator,
+so a request gets the same tokens whatever shares its batch.
+
+The engine never waits for a consumer: it hands each request's events to a callback (the server puts them on that
+request's asyncio queue), so a slow reader only lets its own queue grow.
 
 One request never fails the others: what goes wrong in one row (its scores, its sampling call, its detokenizer or
 stop strings, its consumer) ends that request alone with an "error" event (a consumer that raised is dropped), and a
@@ -34,7 +38,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,15 +46,17 @@ from torch import nn
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
 from lmforge.inference.generate import check_can_generate, check_fits
+from lmforge.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from lmforge.inference.penalties import RowPenalties
+from lmforge.inference.requests import EngineRequest, Event, RequestParams
 from lmforge.inference.sampling import (
     NO_TOKEN,
-    SamplingParams,
-    choose_next,
+    RowSampling,
+    choose_rows,
     model_scores_broken,
     no_token_reason,
-    seeded_generator,
 )
-from lmforge.inference.text import TextStream, eos_token_ids
+from lmforge.inference.text import eos_token_ids
 from lmforge.models.sizes import check_cache_memory
 
 log = logging.getLogger(__name__)
@@ -75,45 +81,6 @@ class EngineConfig:
 # faster together than one by one, 8 of 128 no faster). An accelerator's forward is far from full at that size.
 CPU_PREFILL_TOKENS = 256
 ACCELERATOR_PREFILL_TOKENS = 8192
-
-
-@dataclass
-class RequestParams:
-    max_tokens: int = 16
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: Sequence[str] = ()  # stop strings: generation ends at the first, which the text leaves out
-    seed: int | None = None  # reproducible sampling (a generator of the request's own)
-    skip_special_tokens: bool = True  # special tokens left out of the text (vLLM's default)
-
-
-@dataclass
-class Event:
-    text: str  # text added since the previous event
-    completion_tokens: int  # tokens generated so far (a stop token included)
-    finish_reason: str | None = None  # "stop" (eos or stop string), "length", "error", or None while running
-    error: str | None = None
-    client_error: bool = False  # the error came from the request's own settings (a 400, not a 500)
-    stop_string: str | None = None  # the stop string that ended it (left out of the text), if one did
-
-
-class EngineRequest:
-    def __init__(self, prompt_ids: Sequence[int], params: RequestParams, on_event: Callable[[Event], None],
-                 tokenizer, vocab_size: int, device: torch.device):
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        self.on_event = on_event
-        self.output_ids: list[int] = []
-        self.text = TextStream(tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens)
-        self.cancelled = False  # set from the server's thread; read by the engine between steps
-        self.finish_reason: str | None = None
-        self.slot: int | None = None
-        self.admitted_at_step: int | None = None  # the engine's decode step count when it got a row
-        self.length = 0  # tokens of this request in the cache
-        self.generator = seeded_generator(params.seed, device)
-        self.seen = None
-        if params.sampling.repetition_penalty != 1.0:  # as generate: prompt tokens count as seen
-            self.seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
-            self.seen[0, torch.tensor(self.prompt_ids, device=device)] = True
 
 
 class Engine:
@@ -147,6 +114,7 @@ class Engine:
         # padded, and a ring keeps the last `window` slots of the forward, the padding's for a shorter prompt.
         self.cache = KVCache(model.config, config.max_batch, self.context, p.dtype, p.device, ring=False)
         self.stop_ids = eos_token_ids(model, tokenizer)
+        self.penalties = RowPenalties(config.max_batch, model.config.vocab_size, self.device)
         self.slots: list[EngineRequest | None] = [None] * config.max_batch
         # Waiting requests by group, the groups in the order they take turns (first = next to be served).
         self.waiting: dict[object, deque[EngineRequest]] = {}
@@ -172,13 +140,14 @@ class Engine:
         """Whether the engine thread is running (and so requests will be answered)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        """Raise UserError unless a prompt of prompt_len tokens and max_tokens new ones fit in a row."""
+    def check(self, prompt_len: int, max_tokens: int, scored: bool = False) -> None:
+        """Raise UserError unless a prompt of prompt_len tokens and max_tokens new ones fit in a row; max_tokens may
+        be 0 where the prompt is `scored` (its log-probabilities are the answer)."""
         if prompt_len < 1:
             raise UserError("the prompt is empty: give it at least one token")
-        if max_tokens < 1:
+        if max_tokens < (0 if scored else 1):
             raise UserError(f"max_tokens must be >= 1, got {max_tokens}")
-        check_fits(prompt_len, max_tokens, self.context, "max_tokens")
+        check_fits(prompt_len, max(max_tokens, 1), self.context, "max_tokens")
 
     def submit(self, prompt_ids: Sequence[int], params: RequestParams,
                on_event: Callable[[Event], None], group: object = None) -> EngineRequest:
@@ -187,12 +156,17 @@ class Engine:
         Requests of one group (any hashable; None = a group of its own) take turns for free rows with the
         other groups, round-robin, rather than all going first.
         """
-        self.check(len(prompt_ids), params.max_tokens)
-        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        self.check(len(prompt_ids), params.max_tokens, params.prompt_logprobs is not None)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise UserError(f"prompt token id {bad[0]} is outside this model's vocabulary "
-                            f"[0, {self.model.config.vocab_size})")
-        req = EngineRequest(prompt_ids, params, on_event, self.tokenizer, self.model.config.vocab_size, self.device)
+            raise UserError(f"prompt token id {bad[0]} is outside this model's vocabulary [0, {vocab})")
+        named = [*(params.logit_bias or ()), *params.stop_token_ids]
+        bad = [t for t in named if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"token id {bad[0]} (in logit_bias or stop_token_ids) is outside this model's vocabulary "
+                            f"[0, {vocab})")
+        req = EngineRequest(prompt_ids, params, on_event, self.tokenizer, self.device, self.stop_ids)
         with self._cond:
             if self._queued >= self.config.max_queue:
                 raise EngineBusy(f"{self._queued} requests are already waiting")
@@ -321,12 +295,25 @@ class Engine:
             for full, part in zip((*self.cache.k, *self.cache.v), (*cache.k, *cache.v)):
                 full[:, :, :longest].index_copy_(0, rows, part)
             self.cache.valid[:, :longest].index_copy_(0, rows, cache.valid)
-        for r, n in zip(reqs, lengths):
+        for i, (r, n) in enumerate(zip(reqs, lengths)):
             r.length = n
+            self.penalties.admit(r.slot, r.prompt_ids, r.settings)
+            if r.params.prompt_logprobs is not None:
+                r.prompt_logprobs = prompt_logprobs(self.model.logits(h[i, : n - 1]), r.prompt_ids,
+                                                    r.params.prompt_logprobs)
         self.prefills += 1
         self.rows_prefilled += k
         log.debug("prefilled %d request(s) in one forward (%d x %d tokens, rows %s)", k, k, longest, slots)
-        last = h[torch.arange(k, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        scored = [i for i, r in enumerate(reqs) if r.params.max_tokens == 0]  # the prompt's logprobs: done
+        for i in scored:
+            self._finish(reqs[i], Event("", 0, "length"))
+        if scored:
+            keep = [i for i in range(k) if i not in scored]
+            if not keep:
+                return
+            reqs, lengths = [reqs[i] for i in keep], [lengths[i] for i in keep]
+            h = h[torch.tensor(keep, device=self.device)]
+        last = h[torch.arange(len(reqs), device=self.device), torch.tensor(lengths, device=self.device) - 1]
         self._accept(reqs, self.model.logits(last))
 
     def _next_waiting(self) -> EngineRequest:
@@ -356,35 +343,41 @@ class Engine:
     def _accept(self, reqs: list[EngineRequest], logits: torch.Tensor) -> None:
         """Choose each request's next token from its row of logits (len(reqs), vocab); tell the consumers.
 
-        Rows with the same settings and no state of their own (a seeded generator, a repetition-penalty
-        history) share one choose_next call; the others get one each, so that a seeded request draws
-        exactly the random numbers `generate` would for it alone. A shared call that raises is made again one
-        row at a time, so that only the row that raises alone fails.
+        One call for the whole batch, each row with its own settings (penalties.py, then sampling.choose_rows); a
+        seeded row draws from its own generator alone, so it gets exactly the tokens it gets alone. A batch call
+        that raises is made again one row at a time (a seeded row's generator put back first), so that only the
+        row that raises alone fails.
         """
-        groups: dict[tuple, list[int]] = {}
-        for k, r in enumerate(reqs):
-            s = r.params.sampling
-            shared = r.generator is None and r.seen is None
-            key = ("greedy",) if shared and s.greedy else (s.temperature, s.top_k, s.top_p) if shared else (k,)
-            groups.setdefault(key, []).append(k)
-        chosen = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        device = logits.device
+        slots = torch.tensor([r.slot for r in reqs], device=device)
+        scores = torch.nan_to_num(logits.float(), nan=float("-inf"))
+        generators = [r.generator for r in reqs]
+        states = [None if g is None else g.get_state() for g in generators]
         failed: dict[int, Exception] = {}
-        for ks in groups.values():
-            r = reqs[ks[0]]
-            index = torch.tensor(ks, device=logits.device) if len(ks) < len(reqs) else slice(None)
-            try:
-                chosen[index] = choose_next(logits[index], r.params.sampling, r.seen, r.generator)
-            except Exception as e:  # never retried alone: a row of its own may hold a generator it has drawn from
-                if len(ks) == 1:
-                    failed[ks[0]] = e
-                    continue
-                log.warning("sampling %d rows together failed (%s: %s): sampling them one at a time", len(ks),
-                            type(e).__name__, e)
-                for k in ks:
-                    try:
-                        chosen[k] = choose_next(logits[k : k + 1], reqs[k].params.sampling)[0]
-                    except Exception as err:
-                        failed[k] = err
+        try:
+            penalized = self.penalties.apply(scores, slots, [r.settings for r in reqs],
+                                             [len(r.output_ids) for r in reqs])
+            chosen = choose_rows(penalized, RowSampling.of([r.params.sampling for r in reqs], device), generators)
+        except Exception as e:
+            log.warning("sampling %d rows together failed (%s: %s): sampling them one at a time", len(reqs),
+                        type(e).__name__, e)
+            chosen = torch.full((len(reqs),), NO_TOKEN, dtype=torch.long, device=device)
+            for k, r in enumerate(reqs):
+                if states[k] is not None:
+                    generators[k].set_state(states[k])
+                try:
+                    one = self.penalties.apply(scores[k : k + 1], slots[k : k + 1], [r.settings],
+                                               [len(r.output_ids)])
+                    chosen[k] = choose_rows(one, RowSampling.of([r.params.sampling], device), [generators[k]])[0]
+                except Exception as err:
+                    failed[k] = err
+        self.penalties.record(slots, chosen)
+        wanted = [k for k, r in enumerate(reqs) if r.params.logprobs is not None and k not in failed]
+        logprobs: dict[int, TokenLogprob] = {}
+        if wanted:
+            index = torch.tensor(wanted, device=device)
+            found = token_logprobs(scores[index], chosen[index], [reqs[k].params.logprobs for k in wanted])
+            logprobs = dict(zip(wanted, found))
         for k, (req, token) in enumerate(zip(reqs, chosen.tolist())):  # one device sync for the whole batch
             if k in failed:
                 self._fail(req, failed[k])
@@ -394,25 +387,26 @@ class Engine:
                 self._finish(req, Event("", len(req.output_ids), "error", reason, client_error=settings))
             else:
                 try:
-                    self._take(req, token)
+                    self._take(req, token, logprobs.get(k))
                 except Exception as e:  # its detokenizer or stop strings: that request alone ends
                     self._fail(req, e)
 
-    def _take(self, req: EngineRequest, token: int) -> None:
+    def _take(self, req: EngineRequest, token: int, logprob: TokenLogprob | None = None) -> None:
         req.output_ids.append(token)
-        if req.seen is not None:
-            req.seen[0, token] = True
         n = len(req.output_ids)
-        if token in self.stop_ids:  # eos: counted as generated, never shown
+        if token in req.stop_ids:  # eos or a stop_token_id: counted as generated, never shown
             return self._finish(req, Event(req.text.flush(), n, "stop"))
         text, stopped = req.text.push(token)
+        shown = None if logprob is None else [logprob]
         if stopped:
-            return self._finish(req, Event(text, n, "stop", stop_string=req.text.matched))
+            return self._finish(req, Event(text, n, "stop", stop_string=req.text.matched, logprobs=shown))
         if n >= req.params.max_tokens:
-            return self._finish(req, Event(text + req.text.flush(), n, "length"))
-        self._emit(req, Event(text, n))
+            return self._finish(req, Event(text + req.text.flush(), n, "length", logprobs=shown))
+        self._emit(req, Event(text, n, logprobs=shown))
 
     def _emit(self, req: EngineRequest, event: Event) -> None:
+        if req.prompt_logprobs is not None:
+            event.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         try:
             req.on_event(event)
         except Exception:  # the consumer is gone (its event loop closed): stop generating for it

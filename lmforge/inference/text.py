@@ -64,7 +64,7 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.context = list(prompt_ids[-CONTEXT_TOKENS:])
@@ -74,6 +74,7 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already handed out
         self.matched: str | None = None  # the stop string that ended the completion
+        self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's min_tokens)
 
     def text(self) -> str:
         return _decode_after(self.tokenizer, self.context, self.head, self.ids, self.skip)
@@ -81,6 +82,9 @@ class TextStream:
     def push(self, token: int) -> tuple[str, bool]:
         """(text to show now, whether a stop string has ended the completion)."""
         self.ids.append(token)
+        if len(self.ids) < self.min_tokens:  # too early to stop: nothing held back for a stop string either
+            text = self.text()
+            return self._take(text, len(text.rstrip("\ufffd"))), False
         if token in self.special_stops:  # a stop string that is this special token's text, which is not shown
             self.matched = self.special_stops[token]
             return self._take(self.text(), None), True

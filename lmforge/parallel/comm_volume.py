@@ -33,6 +33,12 @@ reduce-scatter (n-1)/n x the full (gathered) tensor. With those:
 - a MoE layer under tensor parallelism also all-reduces its routing weights' gradient in the backward (tokens x
   experts_per_token, fp32), and its input's gradient with an all-reduce, not a reduce-scatter, under sequence
   parallelism (the same bytes on gloo, which runs a reduce-scatter as an all-reduce).
+- context parallel (`context_bytes`, lmforge.parallel.context): per layer and micro batch, each of the C ranks
+  holds 1/C of the sequence's keys and values. All-gather: the forward gathers K and V, (C-1)/C of the whole
+  sequence's, that is C-1 of the rank's blocks; the backward reduce-scatters their fp32 gradients, C-1 blocks.
+  Ring: the forward passes C-1 K/V blocks on; the backward passes C-1 again and C-1 blocks of fp32 dK/dV beside
+  them. A packed batch's segment ids are all-gathered once per forward. Recomputed layers (activation
+  checkpointing) pay their forward again.
 
 Counts are per step of `global_batch_size` sequences, for the busiest rank (the first pipeline
 stage carries the embedding). Payloads without the ring factor are given too (`payload_*`): they
@@ -205,6 +211,28 @@ def expert_bytes(cfg: ModelConfig, expert: int, data: int, tokens: int, micro_ba
     # Once per step, after the last micro-batch: the shard's all-reduce over the replicas (every copy under DDP).
     grads = scatter + 2 * (replicas - 1) / replicas * local / shard * grad_bytes
     return {"all_to_all": all_to_all, "expert_grads": grads, "expert_gathers": gathers}
+
+
+def context_bytes(cfg: ModelConfig, context: int, seq_length: int, micro_batch: int, method: str,
+                  kv_bytes: int = 2, packed: bool = False, recompute: bool = False,
+                  layers: int | None = None) -> dict[str, float]:
+    """Bytes one rank sends per micro batch under context parallelism over `context` ranks (see the module
+    docstring): "forward", "backward" and "total". `kv_bytes`: the keys' and values' element size (the model's
+    activation dtype); their gradients travel in fp32. `layers`: the rank's layers (all of the model's if None).
+    `packed`: segment ids (int64) are gathered too."""
+    if method not in ("allgather", "ring"):
+        raise ValueError(f"unknown context-parallel method {method!r}")
+    layers = cfg.num_layers if layers is None else layers
+    block = 2 * micro_batch * cfg.num_kv_heads * cfg.head_dim * seq_length // context  # K and V, elements
+    hops = context - 1
+    forward = layers * hops * block * kv_bytes
+    grads = layers * hops * block * 4
+    backward = grads if method == "allgather" else grads + forward
+    if recompute:
+        backward += forward
+    if packed:
+        forward += hops * micro_batch * seq_length // context * 8
+    return {"forward": forward, "backward": backward, "total": forward + backward}
 
 
 def bytes_sent() -> int | None:

@@ -1,17 +1,18 @@
 """The OpenAI request bodies the server accepts, and its error object.
 
-Bodies are validated strictly (a string where a number belongs is a 400, not a silent conversion);
-fields OpenAI defines that change nothing here (`user`, `logprobs: null` ...) are accepted, and
-those that would change the answer but are not implemented (`logprobs`, any value of it, `echo`, penalties, `suffix`,
-the deprecated `functions`) are refused by name rather than ignored, vLLM's extensions of that kind (`min_tokens`,
-`ignore_eos`, `min_p`, `stop_token_ids`, `bad_words`, guided decoding, `response_format` other than text, the chat
-template's `chat_template`, `add_generation_prompt: false`, `continue_final_message` ...) too. Other unknown fields are
-ignored, as OpenAI-compatible servers do, with a warning in the server's log naming them (and the parameter a mistyped
-one was likely meant to be). A top-level `null` means the field's default, as OpenAI's schema has it; the server may
-take its sampling defaults from the model folder (`lmforge serve --generation-config`), which a request's own fields
-override. Extensions beyond OpenAI's schema: `top_k` (-1 or 0: off, as in vLLM), `repetition_penalty` (as in vLLM
-and TGI), vLLM's `include_stop_str_in_output` (the stop string that ended a choice kept in its text; on chat only a
-request's own `stop` strings, not those the chat format adds) and `max_completion_tokens` on completions too.
+Bodies are validated strictly (a string where a number belongs is a 400, not a silent conversion), with OpenAI's
+ranges (penalties in [-2, 2], a logit_bias in [-100, 100], top_logprobs in [0, 20]); fields OpenAI defines that change
+nothing here (`user` ...) are accepted, and those that would change the answer but are not implemented (`tools`,
+`response_format` other than text, `suffix`, the deprecated `functions`) are refused by name rather than ignored,
+vLLM's extensions of that kind (`bad_words`, `prompt_logprobs`, guided decoding, the chat template's `chat_template`,
+`add_generation_prompt: false`, `continue_final_message` ...) too. Other unknown fields are ignored, as
+OpenAI-compatible servers do, with a warning in the server's log naming them (and the parameter a mistyped one was
+likely meant to be). A top-level `null` means the field's default, as OpenAI's schema has it; the server may take its
+sampling defaults from the model folder (`lmforge serve --generation-config`), which a request's own fields override.
+Extensions beyond OpenAI's schema: `top_k` (-1 or 0: off, as in vLLM), `repetition_penalty` (as in vLLM and TGI),
+vLLM's `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` (the stop string that
+ended a choice kept in its text; on chat only a request's own `stop` strings, not those the chat format adds) and
+`max_completion_tokens` on completions too.
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ MAX_STOP_STRINGS = 16
 # The parts of a validation error's location that name a type pydantic tried (a union's branches), not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|literal|tagged-union|function-[\w-]+)\[.*\])$")
 # vLLM's request fields that change the answer, which this server does not do: refused by name when set.
-VLLM_UNSUPPORTED = ("min_tokens", "ignore_eos", "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex",
-                    "guided_choice", "guided_grammar", "structured_outputs", "logits_processors", "min_p",
-                    "stop_token_ids", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_embeds")
+VLLM_UNSUPPORTED = ("use_beam_search", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar", "structured_outputs", "logits_processors", "allowed_token_ids", "bad_words",
+                    "truncate_prompt_tokens", "prompt_embeds")
 # Those of vLLM's chat route: they change the prompt the chat template renders.
 VLLM_CHAT_UNSUPPORTED = ("chat_template", "chat_template_kwargs", "continue_final_message", "documents")
 # A vLLM field set to one of these asks for nothing: accepted.
 _OFF = (None, False, 0, "", [], {})
 # torch.Generator.manual_seed takes [-2**63, 2**64); a request's choices use seed, seed + 1, ... seed + n - 1.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions): OpenAI's chat limit, vLLM's max_logprobs
+MAX_STOP_TOKEN_IDS = 64
 # What str.splitlines() breaks at, the other C0/C1 control characters (a terminal's escape sequences), and lone
 # surrogates (UTF-8 has no bytes for them: the answer could not be written).
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
@@ -68,7 +71,7 @@ class _Body(BaseModel):
     vllm_refused: ClassVar[tuple[str, ...]] = VLLM_UNSUPPORTED  # read from model_extra: refused unless _OFF
 
     model: str | None = None  # left out or "": the model served, as in vLLM
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo on completions (the prompt scored, nothing new)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens; wins over it
     # The defaults below are OpenAI's; a field a request leaves out takes the server's (sampling_of) where it has one.
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # below 1e-5 greedy (sampling.SAMPLING_EPS)
@@ -80,9 +83,13 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's: 0 = off
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's ranges
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)  # vLLM's: eos and stop_token_ids masked until this many are generated
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's: more ids that end it
+    ignore_eos: bool = False  # vLLM's: eos does not end the completion
     user: str | None = None
     response_format: dict[str, Any] | None = None
     skip_special_tokens: bool = True  # vLLM's: special tokens the model writes are left out of the text
@@ -92,6 +99,20 @@ class _Body(BaseModel):
     @classmethod
     def _top_k(cls, v):
         return None if v in (-1, 0) else v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if not v:
+            return None
+        bias = {}
+        for key, value in v.items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids written as integers, got '{one_line(key)}'")
+            if not -100 <= value <= 100:
+                raise ValueError(f"the bias of token {key} is {value}: each must be in [-100, 100]")
+            bias[int(key)] = value
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -103,8 +124,7 @@ class _Body(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do."""
-        bad = [name for name in ("frequency_penalty", "presence_penalty") if getattr(self, name)]
-        bad += ["logit_bias"] if self.logit_bias else []
+        bad = []
         if self.response_format and self.response_format.get("type", "text") != "text":
             bad.append("response_format")
         extra = self.model_extra or {}
@@ -123,14 +143,13 @@ class _Body(BaseModel):
 
 class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
+    echo: bool = False  # the prompt in front of the text (and its tokens' logprobs in front of the completion's)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # 0: the chosen tokens' own only
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + [name for name in ("echo", "suffix") if getattr(self, name)]
-        bad += ["logprobs"] if self.logprobs is not None else []  # 0 too: vLLM gives the chosen token's logprob
+        bad = super().unsupported() + [name for name in ("suffix",) if getattr(self, name)]
         return bad + (["best_of"] if self.best_of not in (None, self.n) else [])
 
     def prompts(self) -> list[str | list[int]]:
@@ -171,8 +190,8 @@ class Message(BaseModel):
 class ChatRequest(_Body):
     vllm_refused: ClassVar[tuple[str, ...]] = (*VLLM_UNSUPPORTED, *VLLM_CHAT_UNSUPPORTED)
     messages: list[Message] = Field(min_length=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true, as OpenAI has it
     tools: list[Any] | None = None
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools
     tool_choice: str | dict[str, Any] | None = None  # "none" and "auto" ask for nothing without tools
@@ -181,8 +200,7 @@ class ChatRequest(_Body):
     add_generation_prompt: bool = True  # vLLM's: false renders the messages without the assistant's turn opened
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + [name for name in ("logprobs", "top_logprobs", "tools", "functions", "echo")
-                                       if getattr(self, name)]
+        bad = super().unsupported() + [name for name in ("tools", "functions", "echo") if getattr(self, name)]
         bad += [name for name in ("tool_choice", "function_call") if getattr(self, name) not in (None, "none", "auto")]
         return bad + ([] if self.add_generation_prompt else ["add_generation_prompt"])
 

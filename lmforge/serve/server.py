@@ -28,6 +28,7 @@ from lmforge.inference.engine import Engine, EngineBusy, Event, RequestParams
 from lmforge.inference.generate import context_overflow
 from lmforge.inference.sampling import SamplingParams
 from lmforge.serve.chat import ChatFormat
+from lmforge.serve.logprobs import TokenText, chat_content, completion_logprobs
 from lmforge.serve.metrics import Metrics
 from lmforge.serve.prompts import PromptWork
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -161,6 +162,7 @@ class Server:
         self.prompts = PromptWork(tokenizer, chat)  # parsing, rendering, tokenizing: off the event loop
         self.metrics = Metrics()
         self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
+        self.token_text = TokenText(tokenizer)  # logprobs' token strings and bytes
 
     async def read_json(self, request: Request):
         return await self.prompts.body(request, read_json)
@@ -171,9 +173,13 @@ class Server:
                            param="model", code="model_not_found")
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens",
-                   prompt_param: str = "prompt") -> int:
-        """The tokens to generate for a prompt: as requested if it fits, else a 400 naming the limit."""
+                   prompt_param: str = "prompt", scored: bool = False) -> int:
+        """The tokens to generate for a prompt: as requested if it fits, else a 400 naming the limit; 0 only where
+        the prompt is `scored` (echo with logprobs: its own log-probabilities are the answer)."""
         limit, context = self.config.max_tokens_limit, self.engine.context
+        if requested == 0 and not scored:
+            raise APIError(400, f"{param} is 0: ask for at least 1 token (0 only with echo, on /v1/completions)",
+                           param=param)
         if requested is not None and requested > limit:
             raise APIError(400, f"{param} is {requested}, over this server's limit of {limit}", param=param)
         problem = context_overflow(prompt_len, requested, context, param)
@@ -184,7 +190,9 @@ class Server:
 
     def start(self, prompts: list[list[int]], requested: int | None, sampling: SamplingParams, n: int,
               stop: list[str], seed: int | None, param: str = "max_tokens", prompt_param: str = "prompt",
-              skip_special_tokens: bool = True) -> Generation:
+              skip_special_tokens: bool = True, extra: dict | None = None) -> Generation:
+        """The engine requests behind one HTTP request; `extra`: more RequestParams fields (request_extras)."""
+        extra = extra or {}
         choices = len(prompts) * n
         if choices > self.config.max_choices:
             raise APIError(400, f"this request asks for {choices} choices ({len(prompts)} prompts x n={n}), over this "
@@ -192,10 +200,13 @@ class Server:
                            param="n" if n > 1 else "prompt")
         jobs = []
         for ids in prompts:
-            limit = self.max_tokens(requested, len(ids), param, prompt_param)
+            limit = self.max_tokens(requested, len(ids), param, prompt_param, extra.get("prompt_logprobs") is not None)
+            if extra.get("min_tokens", 0) > limit:
+                raise APIError(400, f"min_tokens is {extra['min_tokens']}, over the {param} of {limit}: lower it",
+                               param="min_tokens")
             for j in range(n):  # the choices of one seeded request differ from each other
                 jobs.append((ids, RequestParams(limit, sampling, stop, None if seed is None else seed + j,
-                                                skip_special_tokens)))
+                                                skip_special_tokens, **extra)))
         return Generation(self.engine, jobs, sum(len(ids) for ids in prompts))
 
     async def collect(self, request: Request, gen: Generation, route: str, start: float) -> dict[int, dict]:
@@ -206,9 +217,12 @@ class Server:
             async for i, ev in gen.events():
                 if not out:
                     self.metrics.first_token(route, time.perf_counter() - start)
-                choice = out.setdefault(i, {"text": "", "finish_reason": None})
+                choice = out.setdefault(i, {"text": "", "finish_reason": None, "logprobs": []})
                 choice["text"] += ev.text
                 choice["finish_reason"] = ev.finish_reason
+                choice["logprobs"] += ev.logprobs or []
+                if ev.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = ev.prompt_logprobs
                 if ev.stop_string is not None:
                     choice["stop_string"] = ev.stop_string
                 if ev.error:
@@ -235,6 +249,7 @@ class Server:
                      role_chunk=None) -> AsyncIterator[str]:
         """A generation as server-sent events; make_chunk(index, event) -> chunk, (None, None) -> the head."""
         started: set[int] = set()
+        held: dict[int, list] = {}  # logprobs of tokens whose text is held back: sent with the next chunk
         try:
             async for i, ev in gen.events():
                 if not started:
@@ -245,7 +260,10 @@ class Server:
                 if ev.error:
                     yield _sse(generation_error(ev).body())
                     return
-                if ev.text or ev.finish_reason:
+                if ev.logprobs:
+                    held.setdefault(i, []).extend(ev.logprobs)
+                if ev.text or ev.finish_reason or ev.prompt_logprobs is not None:
+                    ev.logprobs = held.pop(i, None)
                     yield _sse(make_chunk(i, ev))
             if include_usage:
                 yield _sse({**make_chunk(None, None), "choices": [], "usage": usage(gen)})
@@ -260,35 +278,75 @@ class Server:
         start, route = time.perf_counter(), "/v1/completions"
         if body.model:  # none or "": the model served, as vLLM reads a body's `model`
             self.check_model(body.model)
-        prompts = await self.prompts.texts(request, body.prompts())
+        texts = body.prompts()
+        prompts = await self.prompts.texts(request, texts)
         if not prompts:
             raise APIError(400, "no prompt given", param="prompt")
         requested, param = body.requested_tokens()
+        extra = self.request_extras(body, body.logprobs)
+        if body.echo:  # the prompt's tokens scored too: what an evaluator sends (with max_tokens 0 or 1)
+            extra["prompt_logprobs"] = body.logprobs or 0
         gen = self.start(prompts, requested, sampling_of(body, self.config.sampling_defaults), body.n, body.stop,
-                         body.seed, param, skip_special_tokens=body.skip_special_tokens)
+                         body.seed, param, skip_special_tokens=body.skip_special_tokens, extra=extra)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.config.model_name}
+
+        def echoed(i: int) -> str:  # the prompt as sent (token ids: their text)
+            p = texts[i // body.n]
+            return p if isinstance(p, str) else self.tokenizer.decode(p)
+
+        offsets: dict[int, int] = {}
+
+        def logprobs(i: int, prompt: list | None, tokens: list | None) -> dict | None:
+            if body.logprobs is None:
+                return None
+            out, offsets[i] = completion_logprobs(self.token_text, [*(prompt or []), *(tokens or [])],
+                                                  offsets.get(i, 0))
+            return out
+
         if body.stream:
             def chunk(i, ev):
                 if i is None:
                     return dict(head)
-                return {**head, "choices": [{"index": i, "text": ev.text + kept_stop(body, ev.stop_string),
-                                             "logprobs": None, "finish_reason": ev.finish_reason}]}
+                text = (echoed(i) if ev.prompt_logprobs is not None else "") + ev.text + kept_stop(body, ev.stop_string)
+                return {**head, "choices": [{"index": i, "text": text, "logprobs": logprobs(
+                    i, ev.prompt_logprobs, ev.logprobs), "finish_reason": ev.finish_reason}]}
 
             return EventStream(self.chunks(gen, body.include_usage, chunk, route, start))
         out = await self.collect(request, gen, route, start)
-        choices = [{"index": i, "text": c["text"] + kept_stop(body, c.get("stop_string")), "logprobs": None,
-                    "finish_reason": c["finish_reason"]} for i, c in sorted(out.items())]
+        choices = [{"index": i, "text": (echoed(i) if body.echo else "") + c["text"] + kept_stop(
+            body, c.get("stop_string")), "logprobs": logprobs(i, c.get("prompt_logprobs"), c["logprobs"]),
+            "finish_reason": c["finish_reason"]} for i, c in sorted(out.items())]
         return {**head, "choices": choices, "usage": usage(gen)}
+
+    def request_extras(self, body, logprobs: int | None) -> dict:
+        """The RequestParams fields a body sets beyond sampling_of's: penalties, logit_bias, stop ids, logprobs."""
+        vocab = self.engine.model.config.vocab_size
+        for name, ids in (("logit_bias", body.logit_bias or ()), ("stop_token_ids", body.stop_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"invalid value for '{name}': token id {bad[0]} is outside this model's "
+                                    f"vocabulary [0, {vocab})", param=name)
+        return {"frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+                "logit_bias": body.logit_bias, "min_tokens": body.min_tokens,
+                "stop_token_ids": tuple(body.stop_token_ids or ()), "ignore_eos": body.ignore_eos,
+                "logprobs": logprobs}
 
     async def chat_completions(self, request: Request, body: ChatRequest):
         start, route = time.perf_counter(), "/v1/chat/completions"
         if body.model:  # none or "": the model served, as vLLM reads a body's `model`
             self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         ids = await self.prompts.chat_ids(request, [(m.role, m.text()) for m in body.messages])
         requested, param = body.requested_tokens()
+        extra = self.request_extras(body, (body.top_logprobs or 0) if body.logprobs else None)
         gen = self.start([ids], requested, sampling_of(body, self.config.sampling_defaults), body.n,
-                         [*body.stop, *self.chat.stop], body.seed, param, "messages", body.skip_special_tokens)
+                         [*body.stop, *self.chat.stop], body.seed, param, "messages", body.skip_special_tokens, extra)
+
+        def logprobs(entries: list | None) -> dict | None:
+            return {"content": chat_content(self.token_text, entries or [])} if body.logprobs else None
+
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
@@ -298,7 +356,7 @@ class Server:
                     return dict(head)
                 text = ev.text + kept_stop(body, ev.stop_string)
                 delta = {"content": text} if text else {}
-                return {**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
+                return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs(ev.logprobs),
                                              "finish_reason": ev.finish_reason}]}
 
             def role(i):
@@ -308,7 +366,7 @@ class Server:
             return EventStream(self.chunks(gen, body.include_usage, chunk, route, start, role))
         out = await self.collect(request, gen, route, start)
         choices = [{"index": i, "message": {"role": "assistant", "content": c["text"] + kept_stop(
-            body, c.get("stop_string"))}, "logprobs": None, "finish_reason": c["finish_reason"]}
+            body, c.get("stop_string"))}, "logprobs": logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
             for i, c in sorted(out.items())]
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(gen)}
 
@@ -318,7 +376,7 @@ class Server:
                 "max_model_len": self.engine.context}
 
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "min_p")
 
 
 def sampling_of(body, defaults: dict[str, float | int] | None = None) -> SamplingParams:

@@ -29,6 +29,7 @@ from lmforge.models.lora import LoRAConfig
 from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config_checks import check_run
+from lmforge.train.data_keys import check_data_keys
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,18 @@ class DataConfig:
     # Megatron-style prefixes (PREFIX.bin/.idx), optionally weighted: [0.7, a, 0.3, b]; one bare PREFIX is [PREFIX].
     paths: list[Any] | str = field(default_factory=list)
     split: str = "969,30,1"  # train,valid,test weights; each prefix is cut by sequence, as Megatron's --split
+    # Held-out prefixes to validate on, weighted as data.paths (Megatron's --valid-data-path): each is read whole, and
+    # data.paths then trains whole (data.split is not read).
+    valid_paths: list[Any] | str = field(default_factory=list)
     seq_length: int = 2048  # tokens per training sample (the run's context length)
     tokenizer: str | None = None  # default: the tokenizer beside model.init_from
     task: str = "pretrain"  # a name in lmforge.train.tasks.TASKS
     # Fine-tuning files (SFT JSON/JSONL, classification TSV/CSV/JSONL).
     train_file: str | None = None
     valid_file: str | None = None  # scored once whole at each validation
+    # sft/dpo: train on the first N records of data.train_file only (transformers' examples' --max_train_samples):
+    # a first try or a debugging run that learns its few records visibly in seconds. None: every record.
+    max_train_examples: int | None = None
     cache_dir: str | None = None  # sample-index cache; default beside the data
     packing: bool = False  # sft: pack several examples per sequence (attention kept inside each)
     prompt_template: str | None = None  # sft without a chat template: Alpaca records' prompt (default Stanford's)
@@ -90,6 +97,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):  # data.paths=PREFIX, without brackets
             self.paths = [self.paths]
+        if isinstance(self.valid_paths, str):
+            self.valid_paths = [self.valid_paths]
+        if self.max_train_examples is not None and self.max_train_examples < 1:
+            raise UserError(f"data.max_train_examples must be >= 1 (or unset: every record), got "
+                            f"{self.max_train_examples}")
         if self.num_workers is not None and self.num_workers < 0:
             raise UserError(f"data.num_workers must be >= 0 (or unset: 2 on an accelerator, 0 on the CPU), "
                             f"got {self.num_workers}")
@@ -322,6 +334,7 @@ class RunConfig:
         _choice("trainer.data_parallel", t.data_parallel, ("ddp", "fsdp"))
         _choice("trainer.float8_recipe", t.float8_recipe, ("tensorwise", "rowwise"))
         check_run(self)  # the values no run can use (negative steps, betas that are not two, ...)
+        check_data_keys(self.data)  # a key the task does not read, set as if it did
 
     @property
     def precision(self) -> Precision:

@@ -105,6 +105,40 @@ def check_tokenizer_holds(indexed: list[IndexedDataset], tokenizer, cache_dir: s
                             "this one, or set data.tokenizer to the one that made it")
 
 
+def check_data_tokenizer(indexed: list[IndexedDataset], tokenizer) -> None:
+    """Each prefix's tokenizer record (PREFIX.tokenizer.json, lmforge.data.fingerprint) against the run's tokenizer:
+    a UserError naming both where another made the data. A prefix without a record (older data, Megatron's own) whose
+    documents end in the run's end-of-document id passes; a foreign end marker is check_document_ends' warning; the
+    others, which nothing here can tell, are named in one warning."""
+    if tokenizer is None:
+        return
+    from lmforge.data.fingerprint import describe, read_fingerprint, tokenizer_fingerprint, verdict
+    from lmforge.data.summary import end_marker
+
+    run, unknown = None, []
+    for ds in {ds.prefix: ds for ds in indexed}.values():
+        record = read_fingerprint(ds.prefix)
+        if record is None:
+            if tokenizer.eod_id is None or end_marker(ds) is None:
+                unknown.append(ds.prefix)
+            continue
+        run = run or tokenizer_fingerprint(tokenizer)
+        found = verdict(record, run)
+        if found == "other":
+            raise UserError(f"data prefix '{ds.prefix}' was tokenized with {describe(record)}, but this run's "
+                            f"tokenizer is {describe(run)}: preprocess the data again with the run's tokenizer "
+                            f"(lmforge preprocess --tokenizer {run['tokenizer']}), or set "
+                            f"data.tokenizer={record.get('tokenizer')}")
+        if found == "unknown":
+            unknown.append(ds.prefix)
+    if unknown:
+        named = ", ".join(f"'{p}'" for p in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        log.warning("nothing shows that data prefix %s %s made with this run's tokenizer %s: no PREFIX.tokenizer.json "
+                    "beside %s (lmforge preprocess writes it) and no end-of-document id at the documents' ends; only "
+                    "their ids' range is checked (preprocess with the run's tokenizer to have it checked)", named,
+                    "was" if len(unknown) == 1 else "were", tokenizer.files[0], "it" if len(unknown) == 1 else "them")
+
+
 def _prefix_near(prefix: str) -> str | None:
     """What a user most likely meant by a prefix that is not one: the file's name without .bin/.idx, or the
     single `PREFIX_<key>_document` that preprocess wrote for an --output-prefix."""
@@ -116,26 +150,28 @@ def _prefix_near(prefix: str) -> str | None:
     return str(found[0]) if len(found) == 1 else None
 
 
-def open_prefixes(paths: list) -> tuple[list[IndexedDataset], list[float]]:
+def open_prefixes(paths: list, key: str = "data.paths") -> tuple[list[IndexedDataset], list[float]]:
     if not paths:
-        raise UserError("data.paths is empty: give the .bin/.idx prefix(es) made by `lmforge preprocess`")
+        raise UserError(f"{key} is empty: give the .bin/.idx prefix(es) made by `lmforge preprocess`")
     prefixes, weights = parse_blend(paths)
     for prefix in prefixes:
         for path in (idx_path(prefix), bin_path(prefix)):
             if not Path(path).is_file():
                 raise UserError(f"data prefix '{prefix}' has no {Path(path).name}: "
                                 + (f"give '{near}'" if (near := _prefix_near(prefix)) else
-                                   "run `lmforge preprocess` or fix data.paths"))
+                                   f"run `lmforge preprocess` or fix {key}"))
     return [IndexedDataset(p) for p in prefixes], weights
 
 
-def _split_dataset(indexed: list[IndexedDataset], weights: list[float], split: int, num_samples: int,
+def _split_dataset(indexed: list[IndexedDataset], weights: list[float], split: int | None, num_samples: int,
                    cfg: RunConfig) -> torch.utils.data.Dataset:
-    """One split (0 train, 1 valid) drawing `num_samples` samples, blended when several prefixes."""
+    """One split (0 train, 1 valid; None: every sequence of each prefix) drawing `num_samples` samples, blended
+    when several prefixes."""
     sizes, total = blend_sizes(weights, num_samples) if len(indexed) > 1 else ([num_samples], num_samples)
     parts = []
     for ds, size in zip(indexed, sizes):
-        start, end = parse_split(cfg.data.split, len(ds))[split]  # over sequences, as megatron-core's GPT datasets
+        # Over sequences, as megatron-core's GPT datasets
+        start, end = parse_split(cfg.data.split, len(ds))[split] if split is not None else (0, len(ds))
         parts.append(GPTDataset(ds, np.arange(start, end), size, cfg.data.seq_length, cfg.trainer.seed,
                                 cfg.data.cache_dir))
     return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, total)
@@ -143,19 +179,27 @@ def _split_dataset(indexed: list[IndexedDataset], weights: list[float], split: i
 
 def pretrain_datasets(cfg: RunConfig, tokenizer=None) -> tuple[torch.utils.data.Dataset,
                                                                 torch.utils.data.Dataset | None]:
-    t = cfg.trainer
-    indexed, weights = open_prefixes(cfg.data.paths)
-    check_token_ids(indexed, cfg.model.resolve().vocab_size, cfg.data.cache_dir, fixed_vocab=bool(cfg.model.init_from))
-    check_document_ends(indexed, tokenizer)
-    check_tokenizer_holds(indexed, tokenizer, cfg.data.cache_dir)
-    train = _split_dataset(indexed, weights, 0, t.max_steps * t.global_batch_size, cfg)
+    """(train, valid): data.paths cut by data.split, or, with data.valid_paths, data.paths whole to train on and
+    data.valid_paths whole to validate on (Megatron's --train-data-path and --valid-data-path)."""
+    t, d = cfg.trainer, cfg.data
+    indexed, weights = open_prefixes(d.paths)
+    held, held_weights = open_prefixes(d.valid_paths, "data.valid_paths") if d.valid_paths else ([], [])
+    check_token_ids(indexed + held, cfg.model.resolve().vocab_size, d.cache_dir, fixed_vocab=bool(cfg.model.init_from))
+    check_document_ends(indexed + held, tokenizer)
+    check_tokenizer_holds(indexed + held, tokenizer, d.cache_dir)
+    check_data_tokenizer(indexed + held, tokenizer)
+    held_out = bool(d.valid_paths)
+    train = _split_dataset(indexed, weights, None if held_out else 0, t.max_steps * t.global_batch_size, cfg)
     valid = None
     if t.val_check_interval and t.val_batches:
+        if held_out:
+            return train, _split_dataset(held, held_weights, None, t.val_batches * t.global_batch_size, cfg)
         try:
             valid = _split_dataset(indexed, weights, 1, t.val_batches * t.global_batch_size, cfg)
         except UserError:
-            raise UserError(f"validation is on but split '{cfg.data.split}' leaves no validation sequences: "
-                            "give the split a valid part or set trainer.val_check_interval=0") from None
+            raise UserError(f"validation is on but split '{d.split}' leaves no validation sequences: "
+                            "give the split a valid part, data.valid_paths, or set trainer.val_check_interval=0"
+                            ) from None
     return train, valid
 
 

@@ -66,7 +66,8 @@ REFUSED = {
     "data.seq_length": "another sample length",
 }
 # Allowed changes after which the samples come in another order (the warning says so).
-DATA_ORDER = ("data.paths", "data.split", "data.train_file", "trainer.seed")
+DATA_ORDER = ("data.paths", "data.split", "data.valid_paths", "data.train_file", "data.max_train_examples",
+              "trainer.seed")
 HISTORY = "history.jsonl"
 # Not part of what the run is: the folder it is in (a relative or an absolute spelling of the same one).
 IGNORED = ("run_dir",)

@@ -104,7 +104,8 @@ def test_the_cli_takes_the_flag_and_says_what_it_skipped(tmp_path, gpt2, capsys)
     assert ", skipped 2 bad line(s), 2 of them over --max-document-bytes: " in capsys.readouterr().out
     with pytest.raises(UserError, match="--max-document-bytes must be at least 1, not 0"):
         run(parser.parse_args([*common, "--output-prefix", str(tmp_path / "c"), "--max-document-bytes", "0"]))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b_text_document.bin", "b_text_document.idx", "in.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b_text_document.bin", "b_text_document.idx",
+                                                           "b_text_document.tokenizer.json", "in.jsonl"]
 
 
 def test_shards_name_the_files_line_and_skip_as_one_run(tmp_path, tok):

@@ -84,6 +84,20 @@ def test_alpaca_labels_are_ignored_exactly_on_the_prompt(records, expected, unpa
     assert unpacked[0]["input_ids"][0].item() != 50256
 
 
+def test_max_records_keeps_the_first_records_exactly(alpaca, gpt2, expected):
+    first = SFTDataset(alpaca, gpt2, SEQ, truncate="drop", max_records=16)
+    kept = [e for e in expected[:16] if len(e[0]) <= SEQ]
+    assert len(first) == len(kept) == 16
+    assert [first[i]["input_ids"].tolist() for i in range(16)] == [ids for ids, _ in kept]
+
+
+def test_max_train_examples_below_one_is_refused():
+    from lmforge.train.config import DataConfig
+
+    with pytest.raises(UserError, match="data.max_train_examples must be >= 1"):
+        DataConfig(max_train_examples=0)
+
+
 def test_llama_adds_bos_and_ends_responses_with_eos(shared_data, alpaca, records):
     llama = load_tokenizer(shared_data / "tokenizers" / "llama2" / "tokenizer.model")
     ds = SFTDataset(alpaca, llama, 4096)

@@ -215,12 +215,12 @@ def test_a_request_that_fails_ends_alone_and_its_batch_goes_on(models_, monkeypa
     model = models_["llama_gqa"]
     engine = Engine(model, IdTokenizer(), EngineConfig(max_batch=8, max_context=64))
     raising = SamplingParams(temperature=0)
-    real, head, reqs = engine_module.choose_next, model.logits, {}
+    real, head, reqs = engine_module.choose_rows, model.logits, {}
 
-    def choose(logits, params, seen=None, generator=None):
-        if params is raising or (logits.shape[0] > 1 and params.greedy and reqs["sampling"].finish_reason is None):
+    def choose(logits, rows, generators=None):
+        if any(p is raising for p in rows.params):  # the batch's call, then its own
             raise RuntimeError("sampling broke on one row")
-        return real(logits, params, seen, generator)
+        return real(logits, rows, generators)
 
     def scores(h):  # the NaN request's row NaN (its slot: the eight are prefilled in slots 0-7, in order)
         out, slot = head(h), reqs["nan"].slot
@@ -228,7 +228,7 @@ def test_a_request_that_fails_ends_alone_and_its_batch_goes_on(models_, monkeypa
             out[slot] = float("nan")
         return out
 
-    monkeypatch.setattr(engine_module, "choose_next", choose)
+    monkeypatch.setattr(engine_module, "choose_rows", choose)
     monkeypatch.setattr(model, "logits", scores)
     prompts = _prompts(8, seed=6)
     good = {"greedy": (GREEDY, None), "greedy2": (GREEDY, None), "seeded": (SamplingParams(0.8, 20), 11),

@@ -37,7 +37,9 @@ def test_the_folders_sampling_defaults_are_read_as_generate_reads_them(model_dir
              ({"temperature": 0.6, "top_p": 0.9}, {}),  # no do_sample: transformers' generate is greedy, not these
              ({"do_sample": True, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}, {}),  # each one off
              ({"do_sample": True, "temperature": "hot", "top_k": True, "top_p": 2.0, "repetition_penalty": -1}, {}),
-             ({"do_sample": True, "top_p": 0.9, "repetition_penalty": 1.1}, {"top_p": 0.9, "repetition_penalty": 1.1})]
+             ({"do_sample": True, "top_p": 0.9, "repetition_penalty": 1.1}, {"top_p": 0.9, "repetition_penalty": 1.1}),
+             ({"do_sample": True, "min_p": 0.05}, {"min_p": 0.05}), ({"do_sample": True, "min_p": 0}, {}),
+             ({"do_sample": True, "min_p": 1.5}, {}), ({"min_p": 0.05}, {})]  # (transformers' MinPLogitsWarper)
     for config, expected in cases:
         (folder / "generation_config.json").write_text(json.dumps(config))
         assert generation_defaults(folder) == expected, config

@@ -1,7 +1,7 @@
 """Request fields that change the answer are done or refused by name, never answered 200 while ignored: vLLM's
-extensions to both routes and to chat, `logprobs: 0`, OpenAI's deprecated `functions`, and TGI's `grammar`,
-`frequency_penalty` and `adapter_id` on /invocations (its 422 shape). vLLM's `include_stop_str_in_output` and
-`max_completion_tokens` on completions are done."""
+extensions to both routes and to chat, OpenAI's deprecated `functions`, and TGI's `grammar`, `frequency_penalty` and
+`adapter_id` on /invocations (its 422 shape). vLLM's `include_stop_str_in_output` and `max_completion_tokens` on
+completions are done (the sampling fields and logprobs: test_sampling_fields.py, test_logprobs.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ def _post(server, route: str, body: dict) -> httpx.Response:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("stop_token_ids", [5]), ("include_stop_str_in_output", "yes"), ("allowed_token_ids", [5, 6]),
-    ("bad_words", ["t5"]), ("truncate_prompt_tokens", 2), ("min_p", 0.5), ("logprobs", 0), ("logprobs", 1),
-    ("prompt_embeds", "AAAA")])
+    ("include_stop_str_in_output", "yes"), ("allowed_token_ids", [5, 6]), ("bad_words", ["t5"]),
+    ("truncate_prompt_tokens", 2), ("prompt_logprobs", 1), ("prompt_embeds", "AAAA"), ("suffix", "t9")])
 def test_completion_fields_that_change_the_answer_are_refused_by_name(server, field, value):
     r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: value})
     err = r.json()["error"]
@@ -36,7 +35,8 @@ def test_completion_fields_that_change_the_answer_are_refused_by_name(server, fi
     ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ 'x' }}"),
     ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"text": "t5"}]), ("echo", True),
     ("functions", [{"name": "f", "parameters": {"type": "object"}}]), ("function_call", {"name": "f"}),
-    ("tool_choice", "required"), ("min_p", 0.2), ("stop_token_ids", [7]), ("bad_words", ["t9"])])
+    ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("response_format", {"type": "json_object"}), ("bad_words", ["t9"])])
 def test_chat_fields_that_change_the_prompt_or_answer_are_refused_by_name(server, field, value):
     r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, field: value})
     err = r.json()["error"]

@@ -221,8 +221,8 @@ def test_the_default_padding_multiple_is_logged_with_its_reason(caplog):
     def logged(*overrides: str) -> tuple[int, list[str]]:
         caplog.clear()
         with caplog.at_level("INFO", logger="lmforge.train.tasks.base"):
-            multiple = pad_multiple(load_run_config(None, ["model.preset=tiny-gpt2", "data.seq_length=128",
-                                                           *overrides]))
+            multiple = pad_multiple(load_run_config(None, ["model.preset=tiny-gpt2", "data.task=sft",
+                                                           "data.seq_length=128", *overrides]))
         return multiple, [r.getMessage() for r in caplog.records]
 
     multiple, lines = logged("trainer.compile=true")

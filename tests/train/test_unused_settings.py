@@ -34,6 +34,5 @@ def test_unused_settings_are_said(tiny_llama, chats, tmp_path, caplog):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"{a} plus 1 is", "chosen": f" {a + 1}", "rejected": " 0"}) + "\n"
                              for a in range(16)))
-    lines = _warnings(caplog, "dpo", tokenizer, f"data.train_file={pairs}", "data.assistant_only_loss=false")
-    assert any(line.startswith("data.assistant_only_loss=false is not used") for line in lines)
+    lines = _warnings(caplog, "dpo", tokenizer, f"data.train_file={pairs}")
     assert any(line.endswith("2.50 epochs of the 16 pairs") for line in lines)

@@ -106,19 +106,15 @@ class DPO(Task):
 
         d = cfg.data
         train_file, valid_file = data_files(cfg)
-        if d.packing:
-            raise UserError("data.packing applies to data.task=sft: preference pairs are not packed")
         if cfg.dpo.beta <= 0:
             raise UserError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
         self.beta = cfg.dpo.beta
-        if not d.assistant_only_loss:
-            log.warning("data.assistant_only_loss=false is not used: DPO compares the log-probs of the answers alone")
         template = run_chat_template(cfg, tokenizer, log)
 
-        def make(path):
-            return PreferenceDataset(path, tokenizer, d.seq_length, d.truncate, template)
+        def make(path, max_records=None):
+            return PreferenceDataset(path, tokenizer, d.seq_length, d.truncate, template, max_records)
 
-        train = make(train_file)
+        train = make(train_file, d.max_train_examples)
         say_chat_template(template, train.kinds, cfg, tokenizer)
         valid = make(valid_file) if valid_file else None
         self.precomputed = train.has_reference and (valid is None or valid.has_reference)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lmforge.errors import UserError
 from lmforge.train.config import RunConfig
-from lmforge.train.data import check_token_ids, open_prefixes
+from lmforge.train.data import check_data_tokenizer, check_token_ids, open_prefixes
 from lmforge.train.tasks.base import Epochs, Task, TaskData, total_samples, with_padding
 
 
@@ -25,6 +25,7 @@ class MaskedLM(Task):
         valid_indexed = open_prefixes([d.valid_file])[0] if d.valid_file else []
         check_token_ids(indexed + valid_indexed, cfg.model.resolve().vocab_size, d.cache_dir,
                         fixed_vocab=bool(cfg.model.init_from))
+        check_data_tokenizer(indexed + valid_indexed, tokenizer)
 
         def make(data, seed, epochs=1):
             return MLMDataset(data, d.seq_length, tokenizer.vocab_size, ids["[CLS]"], ids["[SEP]"], ids["[MASK]"],

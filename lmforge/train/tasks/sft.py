@@ -48,12 +48,12 @@ class SFT(Task):
                         cfg.data.task)
         template = run_chat_template(cfg, tokenizer)
 
-        def make(path):
+        def make(path, max_records=None):
             return SFTDataset(path, tokenizer, d.seq_length, packing=d.packing, truncate=d.truncate,
                               prompt_template=d.prompt_template, chat_template=template,
-                              assistant_only_loss=d.assistant_only_loss)
+                              assistant_only_loss=d.assistant_only_loss, max_records=max_records)
 
-        train = make(train_file)
+        train = make(train_file, d.max_train_examples)
         say_chat_template(template, train.kinds, cfg, tokenizer)
         valid = make(valid_file) if valid_file else None
         if valid is not None and valid.kind != train.kind:
