@@ -82,7 +82,7 @@ class GRPO(Task):
     name = "grpo"
     num_stats = len(STATS)
 
-    reference = None  # beta > 0 without LoRA: a frozen copy of the initial model
+    reference = None  # beta > 0 without LoRA: a frozen copy of the initial model (a ParallelModel)
     lora_reference = False
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
@@ -132,7 +132,11 @@ class GRPO(Task):
             log.info("GRPO reference (grpo.beta=%s): the base model without its adapters", cfg.grpo.beta)
         else:
             log.info("GRPO reference (grpo.beta=%s): a frozen copy of the initial model", cfg.grpo.beta)
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            self._unlaid = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def lay_out(self, lay_out) -> None:
+        if getattr(self, "_unlaid", None) is not None:  # laid out as the policy: a ParallelModel, no gradients
+            self.reference, self._unlaid = lay_out(self._unlaid, None), None
 
     # -- the rollouts, before the step's forward ---------------------------------------------
 
@@ -206,12 +210,19 @@ class GRPO(Task):
 
     # -- the loss ------------------------------------------------------------------------------
 
+    # A batch without rollout fields (lmforge plan's stand-in, which samples nothing) is read as a language-model
+    # batch of the same rows: the step's forward and backward, without the rollout's KV cache.
+
     def inputs(self, batch: Batch):
+        if "loss_mask" not in batch:
+            return super().inputs(batch)
         labels = batch["input_ids"].masked_fill(batch["loss_mask"] == 0, IGNORE_INDEX)
         return batch["input_ids"], labels, {"attention_mask": batch["attention_mask"]}
 
     def count(self, batch: Batch) -> int:
         """What the step's summed loss is divided by (lmforge.rl.loss): completions, or tokens for dapo."""
+        if "loss_mask" not in batch:
+            return super().count(batch)
         g, rows = self.cfg.grpo, batch["input_ids"].shape[0]
         if g.loss_type in ("grpo", "bnpo"):
             return rows
@@ -228,7 +239,7 @@ class GRPO(Task):
     def reference_logps(self, model: torch.nn.Module, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         temperature = self.cfg.grpo.temperature
         if self.reference is not None:
-            return completion_logps(self.reference, *parts, temperature)[0]
+            return completion_logps(unwrap(self.reference.parts[0]), *parts, temperature)[0]
         from lmforge.models.lora import adapters_disabled
 
         inner = unwrap(model)  # not through DDP: a forward without a backward
@@ -241,6 +252,9 @@ class GRPO(Task):
             inner.train(was_training)
 
     def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True):
+        if "loss_mask" not in batch:
+            loss, count, _ = super().loss(model, batch, fused)
+            return loss, count, (0,) * self.num_stats
         g = self.cfg.grpo
         parts = self.split(batch)
         completion_mask = parts[3]
