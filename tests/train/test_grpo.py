@@ -224,10 +224,18 @@ def test_a_stopped_run_resumes_exactly(toy_task, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_equal_one(toy_task, tmp_path):
-    """One step over 2 gloo ranks (a micro-batch each) equals one process accumulating the same 2 micro-batches."""
+@pytest.mark.parametrize("data_parallel, beta", [("ddp", 0.0), ("fsdp", 0.04)])
+def test_two_processes_equal_one(toy_task, tmp_path, data_parallel, beta):
+    """Two steps over 2 gloo ranks (a micro-batch each) equal one process accumulating the same 2 micro-batches:
+    DDP, and FSDP2 (the rollout on the gathered parameters, the reference sharded like the policy)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    common = ("trainer.max_steps=2", "trainer.dist_backend=gloo", "trainer.device=cpu")
+    common = (
+        "trainer.max_steps=2",
+        "trainer.dist_backend=gloo",
+        "trainer.device=cpu",
+        f"grpo.beta={beta}",
+        f"trainer.data_parallel={data_parallel}",
+    )
     one = _args(toy_task, tmp_path / "one", *common)
     two = _args(toy_task, tmp_path / "two", *common)
     import subprocess
@@ -244,7 +252,8 @@ def test_ddp_two_processes_equal_one(toy_task, tmp_path):
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert len(a) == len(b) == 2
     for x, y in zip(a, b):
-        for key in ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length"):
+        keys = ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length")
+        for key in keys + (("kl",) if beta else ()):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), key
 
 
@@ -264,7 +273,6 @@ def test_refusals_are_one_line(toy_task, tmp_path):
         assert "\n" not in str(e.value)
     cfg = _config(toy_task, tmp_path / "run")
     for name, what in (
-        ("data_shard", "FSDP2"),
         ("tensor", "tensor parallelism"),
         ("pipeline", "pipeline parallel"),
         ("expert", "expert parallelism"),
@@ -272,8 +280,7 @@ def test_refusals_are_one_line(toy_task, tmp_path):
         layout = SimpleNamespace(**{"data_shard": 1, "tensor": 1, "pipeline": 1, "expert": 1, name: 2})
         with pytest.raises(
             UserError,
-            match=rf"^data\.task=grpo under {what}.* is coming: run it in one process "
-            r"or under DDP",
+            match=rf"^data\.task=grpo under {what}.* is coming: run it in one process, under DDP or FSDP2",
         ) as e:
             get_task("grpo").prepare(None, cfg, layout, torch.device("cpu"))
         assert "\n" not in str(e.value)

@@ -16,6 +16,7 @@ detached: the trainer's recomputation bit for bit (docs/rl.md), so the ratio is 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -115,15 +116,14 @@ class GRPO(Task):
 
     def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
         for size, what in (
-            (layout.data_shard, "FSDP2 (parallel.data_shard > 1, or trainer.data_parallel=fsdp)"),
             (layout.tensor, "tensor parallelism"),
             (layout.pipeline, "pipeline parallelism"),
             (getattr(layout, "expert", 1), "expert parallelism"),
         ):
             if size > 1:
                 raise UserError(
-                    f"data.task=grpo under {what} is coming: run it in one process or under DDP "
-                    "(trainer.data_parallel=ddp)"
+                    f"data.task=grpo under {what} is coming: run it in one process, under DDP or FSDP2 "
+                    "(trainer.data_parallel=ddp|fsdp)"
                 )
         if not cfg.grpo.beta:
             return
@@ -132,11 +132,20 @@ class GRPO(Task):
             log.info("GRPO reference (grpo.beta=%s): the base model without its adapters", cfg.grpo.beta)
         else:
             log.info("GRPO reference (grpo.beta=%s): a frozen copy of the initial model", cfg.grpo.beta)
-            self._unlaid = copy.deepcopy(model).eval().requires_grad_(False)
+            if layout.shards_model:  # built on the meta device: each rank fills its own shards, as the policy's
+                from lmforge.train.setup import init_model
+
+                dtype = cfg.precision_for(device).param_dtype
+                reference, fill = init_model(cfg, meta=True, device=device, dtype=dtype)
+                if fill is None:
+                    reference.to(device, dtype)
+            else:
+                reference, fill = copy.deepcopy(model), None
+            self._unlaid = (reference.eval().requires_grad_(False), fill)
 
     def lay_out(self, lay_out) -> None:
         if getattr(self, "_unlaid", None) is not None:  # laid out as the policy: a ParallelModel, no gradients
-            self.reference, self._unlaid = lay_out(self._unlaid, None), None
+            self.reference, self._unlaid = lay_out(*self._unlaid), None
 
     # -- the rollouts, before the step's forward ---------------------------------------------
 
@@ -146,7 +155,7 @@ class GRPO(Task):
         was_training = model.training
         model.eval()
         try:
-            with training._autocast():
+            with training._autocast(), gathered(model):
                 rolled = [self._roll_out(model, m, step) for m in micro]
         finally:
             model.train(was_training)
@@ -239,7 +248,9 @@ class GRPO(Task):
     def reference_logps(self, model: torch.nn.Module, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         temperature = self.cfg.grpo.temperature
         if self.reference is not None:
-            return completion_logps(unwrap(self.reference.parts[0]), *parts, temperature)[0]
+            logps = completion_logps(unwrap(self.reference.parts[0]), *parts, temperature)[0]
+            self.reference.reshard()  # FSDP2's root unit stays gathered after a forward: free it
+            return logps
         from lmforge.models.lora import adapters_disabled
 
         inner = unwrap(model)  # not through DDP: a forward without a backward
@@ -307,6 +318,35 @@ class GRPO(Task):
             "frac_reward_zero_std": s["zero_std"] / rows,
         }
         return out
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module):
+    """FSDP2: every unit's whole parameters gathered for the rollout and kept through its decode steps (a block
+    would otherwise gather again at each token), sharded again after it, before the step's forward and backward.
+    Anything else: as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    inner = [m for m in units if m is not model]
+    if isinstance(model, FSDPModule):
+        # The root's set-up, which its first forward would run: a block's forward before it would take the block
+        # for a root (the rollout calls the blocks, not the root's forward).
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
+    for m in inner:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+        for m in inner:  # lmforge.parallel.compose shards each block with reshard_after_forward=True
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 def _stop_ids(model: torch.nn.Module) -> list[int]:
