@@ -290,3 +290,30 @@ def _tokenizer(task_dir):
     from lmforge.tokenizers import load_tokenizer
 
     return load_tokenizer(task_dir / "tokenizer.json")
+
+
+@pytest.mark.slow
+def test_chat_prompts_train_and_the_export_carries_their_template(toy_task, tmp_path):
+    """Chat-message prompts are rendered by data.chat_template; the Hugging Face export holds that template."""
+    from lmforge.chat_template import builtin_template
+
+    prompts = tmp_path / "chats.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "a b c"}], "target": "7"}] * 8
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _config(
+        toy_task,
+        tmp_path / "run",
+        f"data.train_file={prompts}",
+        "data.chat_template=plain",
+        "data.seq_length=64",
+        "trainer.max_steps=2",
+        "trainer.micro_batch_size=8",
+        "trainer.global_batch_size=8",
+        "grpo.num_generations=4",
+        "checkpoint.convert_to_hf=true",
+    )
+    trainer = Trainer(cfg)
+    trainer.fit()
+    assert len(_rows(tmp_path / "run")) == 2
+    want = builtin_template("plain", trainer.tokenizer.add_bos_token)
+    assert (tmp_path / "run" / "hf" / "chat_template.jinja").read_text() == want

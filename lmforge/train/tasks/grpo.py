@@ -112,7 +112,9 @@ class GRPO(Task):
         if cfg.data.max_train_examples:
             records = records[: cfg.data.max_train_examples]
         prompts = Epochs(records, total_samples(cfg) // g.num_generations, t.seed)
-        return TaskData(Slots(prompts, g.num_generations), None, collate_slots)
+        # The export and `serve` prompt as the chat prompts were rendered.
+        rendered = template.source if template is not None and any(r.chat for r in records) else None
+        return TaskData(Slots(prompts, g.num_generations), None, collate_slots, chat_template=rendered)
 
     def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
         for size, what in (
