@@ -24,7 +24,7 @@ SHELLS = ("bash", "sh", "shell", "console")
 # The pages whose blocks run, each after the pages it reads the outputs of.
 RUN = {"data.md": (), "pretraining.md": ("data.md",), "checkpoints.md": ("pretraining.md",),
        "fine-tuning.md": ("pretraining.md",), "evaluation.md": ("pretraining.md",),
-       "serving.md": ("pretraining.md",), "planning.md": ()}
+       "serving.md": ("pretraining.md",), "planning.md": (), "rl.md": ()}
 
 
 def fences(path: Path) -> list[tuple[str, str, str]]:
@@ -158,3 +158,10 @@ def test_the_wikitext_split_gives_the_tests_articles_byte_for_byte(tmp_path, sha
     assert r.returncode == 0, r.stderr
     made = (folder / "valid.articles.jsonl").read_bytes()
     assert made == (shared_data / "corpora/wikitext-2/valid.articles.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+def test_rl_page_learns_the_toy_task(workspace):
+    out = run_page(workspace, "rl.md")
+    first, last = (float(x) for x in re.search(r"first 5 steps ([\d.]+), last 5 steps ([\d.]+)", out).groups())
+    assert first < 0.3 and last > first + 0.5

@@ -143,8 +143,9 @@ def completion_logps(
     logp_all = torch.log_softmax(logits, dim=-1)
     logps = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask
     entropy = None
-    if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1) * completion_mask
+    if with_entropy:  # a metric: no gradient, and no (rows, length, vocab) tensor kept for a backward
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1) * completion_mask
     return logps, entropy
 
 

@@ -28,6 +28,7 @@ from lmforge.models.config import ModelConfig
 from lmforge.models.lora import LoRAConfig
 from lmforge.models.source import CONTEXT_OVERRIDES, RUN_OVERRIDES
 from lmforge.parallel.mesh import ParallelConfig
+from lmforge.rl.config import GRPOConfig
 from lmforge.train.config_checks import check_run
 from lmforge.train.data_keys import check_data_keys
 
@@ -318,6 +319,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor, pipeline, data, expert layout
     lora: LoRAConfig | None = None  # a `lora:` section (e.g. lora.rank=8) trains adapters on a frozen base
     dpo: DPOConfig = field(default_factory=DPOConfig)  # data.task=dpo
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # data.task=grpo: rollouts, rewards, the policy loss
     eval: EvalConfig = field(default_factory=EvalConfig)  # downstream evals during training (eval.tasks)
     run_dir: str = "runs/default"  # the run folder: checkpoints, metrics.jsonl, tensorboard/, exports
 

@@ -24,6 +24,7 @@ READS: dict[str, frozenset[str]] = {
     "classification": FINE_TUNING | {"text_key", "label_key"},
     "mlm": frozenset({"paths", "valid_file", "cache_dir", "pad_to_multiple_of"}),
     "dpo": FINE_TUNING | {"prompt_template", "chat_template", "truncate", "max_train_examples"},
+    "grpo": frozenset({"train_file", "chat_template", "max_train_examples"}),
 }
 # Keys a task leaves unread once another is set: with held-out prefixes, pretraining trains on data.paths whole.
 UNREAD_WITH: dict[str, dict[str, frozenset[str]]] = {"pretrain": {"valid_paths": frozenset({"split"})}}
@@ -55,6 +56,15 @@ INSTEAD: dict[str, dict[str, str]] = {
         **FINE_TUNING_INSTEAD,
         "packing": "preference pairs are not packed",
         "assistant_only_loss": "DPO compares the log-probabilities of the answers alone",
+    },
+    "grpo": {
+        **FINE_TUNING_INSTEAD,
+        "valid_file": "data.task=grpo trains on the prompts of data.train_file and validates on none",
+        "pad_to_multiple_of": "rollout batches are as long as their prompts and completions",
+        "packing": "rollouts are not packed",
+        "truncate": "a prompt that does not fit data.seq_length with grpo.max_completion_length is refused",
+        "prompt_template": "a text prompt is used as it is, a chat prompt rendered by data.chat_template",
+        "assistant_only_loss": "the loss is on the completions alone",
     },
 }
 

@@ -192,6 +192,7 @@ class Trainer:
 
     def train_step(self, batches) -> dict[str, float]:
         micro = [next(batches) for _ in range(self.grad_accum)]
+        micro = self.task.before_step(micro, self.training, self.state["step"])  # GRPO's rollouts
         counts = self.training.global_counts(micro)
         loss, grad_norm = self.training.step(micro, counts, self.cfg.trainer.grad_clip)
         task_metrics = self.task.train_metrics(*self.training.step_stats)

@@ -17,7 +17,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 INIT_FROM_MODELS = {"llama2-7b-continued": "llama-2-7b", "gpt-j-6b": "gpt-j-6b", "sft-pythia-160m": "pythia-160m",
                     "lora-pythia-410m": "pythia-410m", "dpo-pythia-160m": "pythia-160m",
                     "llama-3.2-1b-continued": "llama-3.2-1b", "sft-qwen2.5-0.5b": "qwen2.5-0.5b",
-                    "qlora-llama-3.1-8b": "llama-3.1-8b", "qlora-qwen3-30b-a3b": "qwen3-30b-a3b"}
+                    "qlora-llama-3.1-8b": "llama-3.1-8b", "qlora-qwen3-30b-a3b": "qwen3-30b-a3b",
+                    "grpo-qwen2.5-0.5b-gsm8k": "qwen2.5-0.5b"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

@@ -112,7 +112,7 @@ def test_mlm_pretraining_of_a_tiny_bert(shared_data, tmp_path):
 
 def test_finetune_refuses_a_pretraining_config(tiny_corpus, tmp_path, capsys):
     assert main(["finetune", "/dev/null", "model.preset=tiny-neox", f"data.paths=[{tiny_corpus}]"]) == 1
-    assert "got data.task=pretrain: set data.task=sft|classification|mlm|dpo" in capsys.readouterr().err
+    assert "got data.task=pretrain: set data.task=sft|classification|mlm|dpo|grpo" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["finetune", "--help"])
     shown = capsys.readouterr().out

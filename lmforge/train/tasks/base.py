@@ -72,6 +72,11 @@ class Task:
         another model of the task (DPO's frozen reference) as the run's: the same shards, no gradients, no
         optimizer. `fill`: what init_model returned with a meta-device model, else None."""
 
+    def before_step(self, micro: list, training, step: int) -> list:
+        """A step's micro-batches as its forward takes them, given the laid-out model (a ParallelTraining) at step
+        `step`: GRPO samples its rollouts here, on the training weights. The others hand them on as they are."""
+        return micro
+
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(input_ids, labels, keyword inputs) of a collated micro-batch: what the model is called with
         and what its output is scored against (logits_loss)."""
