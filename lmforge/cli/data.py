@@ -1,4 +1,5 @@
-"""`lmforge data merge PREFIX` and `lmforge data inspect PREFIX [--tokenizer TOK]`: tokenized datasets.
+"""`lmforge data merge PREFIX` and `lmforge data inspect PREFIX [--tokenizer TOK]`: tokenized datasets;
+`lmforge data grpo-toy OUT` and `lmforge data gsm8k-prompts IN OUT`: prompt files for data.task=grpo.
 
 `merge` joins the shards `lmforge preprocess --shard I/N` wrote (lmforge.data.shards); `inspect` says what a
 `.bin/.idx` pair holds (lmforge.data.summary). PREFIX is a dataset prefix (data/wiki_text_document) or the
@@ -26,12 +27,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inspect.add_argument("--docs", type=int, default=3, metavar="K", help="documents to show (default: 3)")
     inspect.add_argument("--chars", type=int, default=300, metavar="C",
                          help="characters of each decoded document to show (default: 300; 0: all)")
+    toy = sub.add_parser("grpo-toy", help="the GRPO demo's tokenizer and prompts (a toy verifiable task)",
+                         description="Write OUT/tokenizer.json (38 words) and OUT/prompts.jsonl for "
+                         "configs/grpo-tiny-demo.yaml: the reward is the fraction of a completion's words equal to "
+                         "the record's target (lmforge.rl.toy).")
+    toy.add_argument("out", metavar="OUT", help="folder for tokenizer.json and prompts.jsonl")
+    toy.add_argument("--records", type=int, default=64, help="prompts to write (default: 64)")
+    toy.add_argument("--target", default="7", help="the word the reward asks for (default: 7)")
+    gsm8k = sub.add_parser("gsm8k-prompts", help="GSM8K records as GRPO prompts (chat turns, the answer kept)",
+                           description="Turn GSM8K JSON lines ({question, answer}) into data.task=grpo prompt "
+                           "records: a system prompt asking for <think>/<answer>, the question as the user's turn, "
+                           "the answer kept for the accuracy reward (lmforge.rl.gsm8k).")
+    gsm8k.add_argument("source", metavar="IN", help="GSM8K JSON lines (question, answer)")
+    gsm8k.add_argument("out", metavar="OUT", help="the prompts file to write")
+    gsm8k.add_argument("--limit", type=int, default=None, help="the first N records only")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace):
     """`data merge` returns the MergeStats, `data inspect` the DatasetSummary of each dataset."""
-    return {"merge": run_merge, "inspect": run_inspect}[args.data_verb](args)
+    verbs = {"merge": run_merge, "inspect": run_inspect, "grpo-toy": run_grpo_toy, "gsm8k-prompts": run_gsm8k}
+    return verbs[args.data_verb](args)
+
+
+def run_grpo_toy(args: argparse.Namespace):
+    from pathlib import Path
+
+    from lmforge.errors import UserError
+    from lmforge.rl.toy import WORDS, write_prompts, write_tokenizer
+
+    if args.target not in WORDS[2:]:
+        raise UserError(f"--target {args.target!r} is no word of the toy vocabulary: use a digit or a letter")
+    if args.records < 1:
+        raise UserError(f"--records must be >= 1, got {args.records}")
+    write_tokenizer(Path(args.out) / "tokenizer.json")
+    write_prompts(Path(args.out) / "prompts.jsonl", args.records, args.target)
+    print(f"wrote {args.out}/tokenizer.json and {args.out}/prompts.jsonl ({args.records} prompts)")
+
+
+def run_gsm8k(args: argparse.Namespace):
+    from lmforge.rl.gsm8k import convert
+
+    written = convert(args.source, args.out, args.limit)
+    print(f"wrote {written} prompts to {args.out}")
+    return written
 
 
 def run_merge(args: argparse.Namespace):

@@ -4,12 +4,11 @@ The vocabulary is 38 words (`<eos>`, `<pad>`, the digits, the letters), so a fre
 word now and then and every group's rewards differ; the reward is the fraction of a completion's words that are the
 record's `target`. It checks the loop learns, nothing about language.
 
-    python -m lmforge.rl.toy OUT_DIR [--records N] [--target 7]    # OUT_DIR/tokenizer.json and prompts.jsonl
+    lmforge data grpo-toy OUT_DIR [--records N] [--target 7]    # OUT_DIR/tokenizer.json and prompts.jsonl
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from collections.abc import Sequence
@@ -54,17 +53,3 @@ def target_fraction(completions: Sequence, target: Sequence[str], **kwargs) -> l
         out.append(sum(w == want for w in words) / len(words) if words else 0.0)
     return out
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="folder for tokenizer.json and prompts.jsonl")
-    parser.add_argument("--records", type=int, default=64, help="prompts to write")
-    parser.add_argument("--target", default="7", choices=WORDS[2:], help="the word the reward asks for")
-    args = parser.parse_args(argv)
-    write_tokenizer(Path(args.out) / "tokenizer.json")
-    write_prompts(Path(args.out) / "prompts.jsonl", args.records, args.target)
-    print(f"wrote {args.out}/tokenizer.json and {args.out}/prompts.jsonl ({args.records} prompts)")
-
-
-if __name__ == "__main__":
-    main()
