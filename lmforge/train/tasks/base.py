@@ -241,3 +241,23 @@ def count_tokens(batch: Batch) -> int:
     if "tokens" in batch:
         return batch["tokens"].numel()
     return int(batch["attention_mask"].sum())
+
+
+def reference_forward(reference, model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.Tensor]):
+    """`forward(module)` on a task's frozen reference: its own laid-out model where it holds one (DPO, GRPO with
+    beta > 0; FSDP2's root unit is resharded after, as it stays gathered after a forward), else the policy itself
+    with its LoRA adapters off, in eval mode and not through DDP (a forward without a backward)."""
+    if reference is not None:
+        out = forward(reference.parts[0])
+        reference.reshard()
+        return out
+    from lmforge.models.lora import adapters_disabled
+
+    inner = unwrap(model)
+    training = inner.training
+    inner.eval()
+    try:
+        with adapters_disabled(inner):
+            return forward(inner)
+    finally:
+        inner.train(training)

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.errors import UserError
-from lmforge.parallel.data_parallel import unwrap
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX, SCORED_PER_ROW, SCORED_ROWS
 from lmforge.train.tasks.base import (
@@ -33,6 +32,7 @@ from lmforge.train.tasks.base import (
     TaskData,
     data_files,
     fused_head_loss,
+    reference_forward,
     total_samples,
     with_padding,
 )
@@ -160,20 +160,8 @@ class DPO(Task):
         if "ref_logps" in batch:
             return batch["ref_logps"].float()
         ids, labels, inputs = self.inputs(batch)
-        if self.reference is not None:
-            logps = sequence_logps(self.reference.parts[0], ids, labels, inputs, fused, scored)
-            self.reference.reshard()  # FSDP2's root unit stays gathered after a forward: free it
-            return logps
-        from lmforge.models.lora import adapters_disabled
-
-        inner = unwrap(model)  # not through DDP: a forward without a backward
-        training = inner.training
-        inner.eval()
-        try:
-            with adapters_disabled(inner):
-                return sequence_logps(inner, ids, labels, inputs, fused, scored)
-        finally:
-            inner.train(training)
+        return reference_forward(self.reference, model,
+                                 lambda m: sequence_logps(m, ids, labels, inputs, fused, scored))
 
     def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True):
         ids, labels, inputs = self.inputs(batch)

@@ -33,7 +33,15 @@ from lmforge.rl.rewards import Rewards, RewardState
 from lmforge.rl.rollout import completion_logps, rollout
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX
-from lmforge.train.tasks.base import Batch, Epochs, Task, TaskData, data_files, total_samples
+from lmforge.train.tasks.base import (
+    Batch,
+    Epochs,
+    Task,
+    TaskData,
+    data_files,
+    reference_forward,
+    total_samples,
+)
 
 log = logging.getLogger(__name__)
 
@@ -249,20 +257,8 @@ class GRPO(Task):
 
     def reference_logps(self, model: torch.nn.Module, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         temperature = self.cfg.grpo.temperature
-        if self.reference is not None:
-            logps = completion_logps(unwrap(self.reference.parts[0]), *parts, temperature)[0]
-            self.reference.reshard()  # FSDP2's root unit stays gathered after a forward: free it
-            return logps
-        from lmforge.models.lora import adapters_disabled
-
-        inner = unwrap(model)  # not through DDP: a forward without a backward
-        was_training = inner.training
-        inner.eval()
-        try:
-            with adapters_disabled(inner):
-                return completion_logps(inner, *parts, temperature)[0]
-        finally:
-            inner.train(was_training)
+        return reference_forward(self.reference, model,
+                                 lambda m: completion_logps(unwrap(m), *parts, temperature)[0])
 
     def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True):
         if "loss_mask" not in batch:
