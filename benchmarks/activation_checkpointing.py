@@ -1,10 +1,12 @@
-"""Training step time under trainer.activation_checkpointing=none|selective|full, side by side in one run.
+"""Training step time under trainer.activation_checkpointing=none|selective|full, side by side in
+one run.
 
 One model per preset (random weights, fp32) with three copies of the same weights, one per mode
-(lmforge.train.setup.apply_activation_checkpointing), each taking the pretraining step (fused cross-entropy,
-backward, AdamW) on the same batch; the modes take turns, step by step; times are medians, and each mode's cost
-is the median of its per-turn ratios to `none`. Before timing, the three first steps' gradients must be equal bit
-for bit. The memory each mode saves is what `lmforge plan` traces (README). `--help` lists the options.
+(lmforge.train.setup.apply_activation_checkpointing), each taking the pretraining step (fused
+cross-entropy, backward, AdamW) on the same batch; the modes take turns, step by step; times are
+medians, and each mode's cost is the median of its per-turn ratios to `none`. Before timing, the
+three first steps' gradients must be equal bit for bit. The memory each mode saves is what `lmforge
+plan` traces (README). `--help` lists the options.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def run(args) -> list[dict]:
             (loss / count).backward()
             first.append([p.grad.clone() for p in model.parameters()])
             steps.append(step)
-        if not all(torch.equal(a, b) for grads in first[1:] for a, b in zip(first[0], grads, strict=True)):
+        if not all(
+            torch.equal(a, b) for grads in first[1:] for a, b in zip(first[0], grads, strict=True)
+        ):
             raise SystemExit(f"{name}: the modes' gradients differ")
         times = [[] for _ in MODES]
         for _ in range(args.repeats + 1):  # the first turn warms up
@@ -60,22 +64,39 @@ def run(args) -> list[dict]:
                 t.append(time.perf_counter() - start)
         times = [t[1:] for t in times]
         for mode, t in zip(MODES, times, strict=True):
-            rows.append(dict(model=name, mode=mode, seconds=statistics.median(t),
-                             vs_none=statistics.median(a / b for a, b in zip(t, times[0], strict=True))))
+            rows.append(
+                dict(
+                    model=name,
+                    mode=mode,
+                    seconds=statistics.median(t),
+                    vs_none=statistics.median(a / b for a, b in zip(t, times[0], strict=True)),
+                )
+            )
             print(rows[-1], flush=True)
     return rows
 
 
 def table(rows: list[dict], tokens: int) -> str:
-    lines = ["| model | mode | s/step | tokens/s | time vs none |", "| --- | --- | ---: | ---: | ---: |"]
-    lines += [f"| {x['model']} | {x['mode']} | {x['seconds']:.2f} | {tokens / x['seconds']:,.0f} | "
-              f"**{x['vs_none']:.2f}x** |" for x in rows]
+    lines = [
+        "| model | mode | s/step | tokens/s | time vs none |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {x['model']} | {x['mode']} | {x['seconds']:.2f} | {tokens / x['seconds']:,.0f} | "
+        f"**{x['vs_none']:.2f}x** |"
+        for x in rows
+    ]
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="pythia-70m", type=lambda s: s.split(","), help="presets, comma-separated")
+    p.add_argument(
+        "--models",
+        default="pythia-70m",
+        type=lambda s: s.split(","),
+        help="presets, comma-separated",
+    )
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per mode and model")
@@ -85,10 +106,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows = run(args)
-    body = (f"{cpu_run_line('activation_checkpointing.py')}; {args.rows} x {args.seq} tokens per step "
-            f"(pretraining: fused cross-entropy, backward, AdamW); gradients of the three modes equal bit for bit; "
-            f"median of {args.repeats} steps per mode, taking turns; {time.perf_counter() - t0:.0f} s in all, load "
-            f"average {os.getloadavg()[0]:.1f} at the end.\n\n{table(rows, args.rows * args.seq)}\n")
+    body = (
+        f"{cpu_run_line('activation_checkpointing.py')}; {args.rows} x {args.seq} tokens per step "
+        f"(pretraining: fused cross-entropy, backward, AdamW); gradients of the three modes equal bit for bit; "
+        f"median of {args.repeats} steps per mode, taking turns; {time.perf_counter() - t0:.0f} s in all, load "
+        f"average {os.getloadavg()[0]:.1f} at the end.\n\n{table(rows, args.rows * args.seq)}\n"
+    )
     publish(SECTION, body, args.write)
 
 

@@ -1,14 +1,15 @@
-"""Context parallelism on the CPU: per-rank memory and step time of causal attention over one long sequence split
-over C = 1, 2, 4 gloo processes (lmforge.parallel.context), both methods, against one process's attention
-(lmforge.models.attention: SDPA's CPU kernel).
+"""Context parallelism on the CPU: per-rank memory and step time of causal attention over one long
+sequence split over C = 1, 2, 4 gloo processes (lmforge.parallel.context), both methods, against one
+process's attention (lmforge.models.attention: SDPA's CPU kernel).
 
-Tiny heads (grouped-query: 4 query heads over 2 key/value heads of 16 dims), fp32, one sequence of --seq tokens;
-a step is the attention's forward and backward (the loss: the output times fixed weights, summed). Per rank:
-the bytes autograd saves for the backward (exact: counted through saved_tensors_hooks), the growth of the
-process's peak resident memory over the step (ru_maxrss, under MALLOC_MMAP_THRESHOLD_=65536 so that freed memory
-leaves; the transient blocks included), and the step time (the
-slowest rank's, median of --repeats). Every configuration starts fresh processes, one thread each. The outputs of
-every C are checked equal to the one process's first. `--help` lists the options.
+Tiny heads (grouped-query: 4 query heads over 2 key/value heads of 16 dims), fp32, one sequence of
+--seq tokens; a step is the attention's forward and backward (the loss: the output times fixed
+weights, summed). Per rank: the bytes autograd saves for the backward (exact: counted through
+saved_tensors_hooks), the growth of the process's peak resident memory over the step (ru_maxrss,
+under MALLOC_MMAP_THRESHOLD_=65536 so that freed memory leaves; the transient blocks included), and
+the step time (the slowest rank's, median of --repeats). Every configuration starts fresh processes,
+one thread each. The outputs of every C are checked equal to the one process's first. `--help` lists
+the options.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def single(seq: int, repeats: int, out: str) -> None:
     Path(out).write_text(json.dumps([r]))
 
 
-def rank_worker(rank: int, context: int, method: str, seq: int, repeats: int, port: int, out: str) -> None:
+def rank_worker(
+    rank: int, context: int, method: str, seq: int, repeats: int, port: int, out: str
+) -> None:
     from lmforge.parallel.context import ContextShard, gather_sequence, split_sequence
     from lmforge.parallel.context_attention import ContextPlan, context_attention
 
@@ -120,33 +123,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(context: int, method: str | None, seq: int, repeats: int, tmp: Path) -> tuple[list[dict], torch.Tensor]:
+def run(
+    context: int, method: str | None, seq: int, repeats: int, tmp: Path
+) -> tuple[list[dict], torch.Tensor]:
     out = str(tmp / f"{context}-{method}.json")
     if method is None:
         proc = mp.get_context("spawn").Process(target=single, args=(seq, repeats, out))
         proc.start()
         proc.join()
     else:
-        mp.spawn(rank_worker, args=(context, method, seq, repeats, free_port(), out), nprocs=context)
+        mp.spawn(
+            rank_worker, args=(context, method, seq, repeats, free_port(), out), nprocs=context
+        )
     return json.loads(Path(out).read_text()), torch.load(out + ".pt")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=8192, help="sequence length (a multiple of 8)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes C")
+    p.add_argument(
+        "--contexts", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes C"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median)")
     p.add_argument("--write", action="store_true", help="put the table into BENCHMARKS.md")
     args = p.parse_args()
     torch.set_num_threads(1)  # as every process measured runs
-    # Every allocation over 64 KiB its own mapping, returned when freed: peak RSS then follows the live tensors,
-    # not glibc's heap, which keeps what it freed (the processes measured inherit it).
+    # Every allocation over 64 KiB its own mapping, returned when freed: peak RSS then follows the
+    # live tensors, not glibc's heap, which keeps what it freed (the processes measured inherit it).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ref_ranks, ref = run(1, None, args.seq, args.repeats, Path(tmp))
-        configs = [(c, m) for c in args.contexts for m in (("ring", "allgather") if c > 1 else ("ring",))]
+        configs = [
+            (c, m) for c in args.contexts for m in (("ring", "allgather") if c > 1 else ("ring",))
+        ]
         results = {cfg: run(*cfg, args.seq, args.repeats, Path(tmp)) for cfg in configs}
     base = statistics.median(ref_ranks[0]["times"])
     rows.append(("one process (SDPA)", "-", ref_ranks[0], base, 0.0))

@@ -1,15 +1,16 @@
 """Constrained decoding libraries side by side on the CPU: xgrammar, llguidance and outlines-core.
 
-For three JSON Schemas (a flat object; nested objects with arrays and enums; $ref and anyOf) each library compiles
-the schema against the GPT-2 vocabulary (50,257 tokens), then walks the tokens of one valid instance, computing the
-next-token mask before each token and advancing its matcher with it, as a serving engine does per row and step.
-A table of JSON-Schema keywords says which each one compiles (a keyword it refuses is an error; one it ignores
-would constrain nothing, so "ok" is checked by a second schema that the keyword makes unsatisfiable where possible).
+For three JSON Schemas (a flat object; nested objects with arrays and enums; $ref and anyOf) each
+library compiles the schema against the GPT-2 vocabulary (50,257 tokens), then walks the tokens of
+one valid instance, computing the next-token mask before each token and advancing its matcher with
+it, as a serving engine does per row and step. A table of JSON-Schema keywords says which each one
+compiles (a keyword it refuses is an error; one it ignores would constrain nothing, so "ok" is
+checked by a second schema that the keyword makes unsatisfiable where possible).
 
     python benchmarks/grammar_libs.py --tokenizer ../shared/data/tokenizers/gpt2 [--write]
 
-Needs all three libraries installed (pip install xgrammar llguidance outlines-core); --write puts the tables into
-their section of BENCHMARKS.md.
+Needs all three libraries installed (pip install xgrammar llguidance outlines-core); --write puts
+the tables into their section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ SECTION = "## Constrained decoding: xgrammar, llguidance, outlines-core (CPU)"
 SCHEMAS = {
     "flat": {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "active": {"type": "boolean"}},
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "active": {"type": "boolean"},
+        },
         "required": ["name", "age", "active"],
         "additionalProperties": False,
     },
@@ -54,7 +59,11 @@ SCHEMAS = {
                 "type": "array",
                 "items": {
                     "type": "object",
-                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}, "price": {"type": "number"}},
+                    "properties": {
+                        "sku": {"type": "string"},
+                        "qty": {"type": "integer"},
+                        "price": {"type": "number"},
+                    },
                     "required": ["sku", "qty", "price"],
                 },
             },
@@ -83,14 +92,21 @@ INSTANCES = {
     "nested": {
         "user": {"id": 7, "role": "editor", "address": {"city": "Paris", "zip": "75001"}},
         "tags": ["a", "bb", "ccc"],
-        "orders": [{"sku": "X-1", "qty": 2, "price": 9.5}, {"sku": "Y-22", "qty": 1, "price": 120.0}],
+        "orders": [
+            {"sku": "X-1", "qty": 2, "price": 9.5},
+            {"sku": "Y-22", "qty": 1, "price": 120.0},
+        ],
     },
     "ref_anyof": {
-        "root": {"value": "top", "children": [{"value": 1.5, "children": []}, {"value": None, "children": []}]}
+        "root": {
+            "value": "top",
+            "children": [{"value": 1.5, "children": []}, {"value": None, "children": []}],
+        }
     },
 }
 
-# keyword -> (a schema using it, a JSON text the keyword forbids: a library that ignores it would accept the text)
+# keyword -> (a schema using it, a JSON text the keyword forbids: a library that ignores it would
+# accept the text)
 KEYWORDS = {
     "enum": ({"enum": ["a", "b"]}, '"c"'),
     "const": ({"const": 3}, "4"),
@@ -112,19 +128,31 @@ KEYWORDS = {
         '{"b":1}',
     ),
     "patternProperties": (
-        {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
+        {
+            "type": "object",
+            "patternProperties": {"^x": {"type": "integer"}},
+            "additionalProperties": False,
+        },
         '{"y":1}',
     ),
     "minProperties": ({"type": "object", "minProperties": 1}, "{}"),
     "not": ({"not": {"type": "integer"}}, "1"),
-    "if/then/else": ({"if": {"type": "integer"}, "then": {"minimum": 5}, "else": {"type": "string"}}, "1"),
+    "if/then/else": (
+        {"if": {"type": "integer"}, "then": {"minimum": 5}, "else": {"type": "string"}},
+        "1",
+    ),
     "dependentRequired": ({"type": "object", "dependentRequired": {"a": ["b"]}}, '{"a":1}'),
 }
 
 
 def bytes_of_tokens(vocab: dict[str, int]) -> list[bytes]:
-    """GPT-2's byte-level vocabulary maps each byte to a printable character; undo it to get each token's bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    """GPT-2's byte-level vocabulary maps each byte to a printable character; undo it to get each
+    token's bytes."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, n = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -147,7 +175,10 @@ class XGrammar:
         self.xgr = xgr
         encoded = sorted(vocab, key=vocab.get)
         self.info = xgr.TokenizerInfo(
-            encoded, vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=len(encoded), stop_token_ids=[eos]
+            encoded,
+            vocab_type=xgr.VocabType.BYTE_LEVEL,
+            vocab_size=len(encoded),
+            stop_token_ids=[eos],
         )
         self.vocab_size = len(encoded)
 
@@ -170,7 +201,9 @@ class XGrammar:
 
     def accepts(self, schema: dict, text: str, tokenize) -> bool:
         m = self.xgr.GrammarMatcher(self.compile(schema))
-        return all(m.accept_token(t) for t in tokenize(text)) and m.accept_token(self.info.stop_token_ids[0])
+        return all(m.accept_token(t) for t in tokenize(text)) and m.accept_token(
+            self.info.stop_token_ids[0]
+        )
 
 
 class LLGuidance:
@@ -185,8 +218,11 @@ class LLGuidance:
         self.vocab_size, self.eos = len(vocab), eos
 
     def compile(self, schema: dict):
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-        m = self.llg.LLMatcher(self.tok, grammar, log_level=0)  # builds the parser; masks are computed lazily
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}
+        )
+        # builds the parser; masks are computed lazily
+        m = self.llg.LLMatcher(self.tok, grammar, log_level=0)
         if m.is_error():
             raise ValueError(m.get_error())
         return grammar
@@ -223,7 +259,9 @@ class OutlinesCore:
         self.vocab_size, self.eos = len(vocab), eos
 
     def compile(self, schema: dict):
-        regex = self.oc.json_schema.build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
+        regex = self.oc.json_schema.build_regex_from_schema(
+            json.dumps(schema), whitespace_pattern=""
+        )
         return self.oc.Index(regex, self.vocab)
 
     def walk(self, index, tokens: list[int]) -> tuple[list[float], bool]:
@@ -249,7 +287,8 @@ class OutlinesCore:
 
 
 def keyword_support(lib, tokenize) -> dict[str, str]:
-    """'ok' (compiles and forbids the text), 'ignored' (compiles but accepts it), or 'error' (refuses the schema)."""
+    """'ok' (compiles and forbids the text), 'ignored' (compiles but accepts it), or 'error'
+    (refuses the schema)."""
     out = {}
     for keyword, (schema, forbidden) in KEYWORDS.items():
         try:
@@ -292,7 +331,11 @@ def measure(lib, tokenize, repeats: int) -> dict:
 def cpu_name() -> str:
     try:
         text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in text.splitlines()
+            if line.startswith("Model name")
+        )
     except Exception:
         return "unknown CPU"
 

@@ -39,7 +39,8 @@ def write_section(heading: str, section: str) -> None:
 
 
 def publish(heading: str, body: str, write: bool) -> None:
-    """Print a benchmark's section body; with --write also put it in BENCHMARKS.md under `heading`."""
+    """Print a benchmark's section body; with --write also put it in BENCHMARKS.md under
+    `heading`."""
     print(body)
     if write:
         write_section(heading, f"{heading}\n\n{body}")
@@ -47,7 +48,8 @@ def publish(heading: str, body: str, write: bool) -> None:
 
 
 def accelerator_description(device) -> str:
-    """What a benchmark ran on when it is not the CPU: 'NVIDIA H100 80GB HBM3 (79.1 GiB, CUDA 13.0)'."""
+    """What a benchmark ran on when it is not the CPU: 'NVIDIA H100 80GB HBM3 (79.1 GiB, CUDA
+    13.0)'."""
     import torch
 
     if device.type == "cuda":
@@ -57,8 +59,8 @@ def accelerator_description(device) -> str:
 
 
 def write_block(heading: str, intro: str, label: str, body: str) -> None:
-    """In the section `heading` (intro first), replace the `### label` block by `body`; keep the other ###
-    blocks (other devices' runs, hand-written notes) in their order."""
+    """In the section `heading` (intro first), replace the `### label` block by `body`; keep the
+    other ### blocks (other devices' runs, hand-written notes) in their order."""
     parts = re.split(r"^### (.+)\n", read_section(heading), flags=re.M)
     blocks = dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
     blocks[label] = body.strip()
@@ -67,8 +69,8 @@ def write_block(heading: str, intro: str, label: str, body: str) -> None:
 
 
 def cpu_run_line(script: str) -> str:
-    """'Command: `python benchmarks/X.py ARGS`. AMD EPYC, 2 threads, fp32, torch 2.13.0+cpu, YYYY-MM-DD': how a CPU
-    fp32 benchmark section starts."""
+    """'Command: `python benchmarks/X.py ARGS`. AMD EPYC, 2 threads, fp32, torch 2.13.0+cpu,
+    YYYY-MM-DD': how a CPU fp32 benchmark section starts."""
     import datetime
     import re
     import sys
@@ -77,5 +79,7 @@ def cpu_run_line(script: str) -> str:
 
     cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     command = " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
-    return (f"Command: `{command}`. {cpu.group(1) if cpu else 'CPU'}, {torch.get_num_threads()} threads, fp32, "
-            f"torch {torch.__version__}, {datetime.date.today()}")
+    return (
+        f"Command: `{command}`. {cpu.group(1) if cpu else 'CPU'}, {torch.get_num_threads()} threads, fp32, "
+        f"torch {torch.__version__}, {datetime.date.today()}"
+    )

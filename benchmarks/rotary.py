@@ -1,4 +1,5 @@
-"""Partial rotary (rotary_pct < 1): transformers' slice-and-concatenate vs lmforge's full-head rotation.
+"""Partial rotary (rotary_pct < 1): transformers' slice-and-concatenate vs lmforge's full-head
+rotation.
 
 GPT-NeoX in transformers rotates q[..., :r] and concatenates q[..., r:] back; lmforge rotates
 the whole (permuted) head with cos = 1, sin = 0 on the pass-through dims (lmforge/models/rope.py).
@@ -59,11 +60,16 @@ def rope_full(q, k, cos, sin):
 
 def timed_call(fn, inputs: tuple, grads: list | None):
     """fn(*inputs), then with grads the backward pass into q and k (inputs[:2])."""
-    return (lambda: fn(*inputs)) if grads is None else (lambda: torch.autograd.grad(fn(*inputs), inputs[:2], grads))
+    return (
+        (lambda: fn(*inputs))
+        if grads is None
+        else (lambda: torch.autograd.grad(fn(*inputs), inputs[:2], grads))
+    )
 
 
 def paired_times(fns, sync, repeats: int, inner: int) -> list[list[float]]:
-    """Seconds per call of each fn in every repeat; the fns take turns, so a repeat's times are a fair pair."""
+    """Seconds per call of each fn in every repeat; the fns take turns, so a repeat's times are a
+    fair pair."""
     for fn in fns * 3:  # warm-up
         fn()
     times = [[] for _ in fns]
@@ -82,9 +88,18 @@ def run(args, device: torch.device) -> list[dict]:
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     b, h, s, rows = args.batch, args.heads, args.seq, []
     for head_dim in HEAD_DIMS:
-        cfg = ModelConfig(family="gpt_neox", vocab_size=128, hidden_size=h * head_dim, num_layers=1,
-                          num_heads=h, rotary_pct=ROTARY_PCT)
-        r, perm = cfg.rotary_dim, rotary_permutation(head_dim, cfg.rotary_dim, interleaved=False).to(device)
+        cfg = ModelConfig(
+            family="gpt_neox",
+            vocab_size=128,
+            hidden_size=h * head_dim,
+            num_layers=1,
+            num_heads=h,
+            rotary_pct=ROTARY_PCT,
+        )
+        r, perm = (
+            cfg.rotary_dim,
+            rotary_permutation(head_dim, cfg.rotary_dim, interleaved=False).to(device),
+        )
         position_ids = torch.arange(s, device=device).expand(b, s)
         rope = RotaryEmbedding(cfg).to(device)
         gen = torch.Generator(device).manual_seed(0)
@@ -93,7 +108,9 @@ def run(args, device: torch.device) -> list[dict]:
         # Equal work: full-head on the permuted q/k must give the slice way's attention scores.
         qs, ks = rope_slice(q32, k32, *neox_cos_sin(position_ids, r, cfg.rotary_base, torch.float))
         qf, kf = rope_full(q32[..., perm], k32[..., perm], *rope(position_ids, torch.float))
-        torch.testing.assert_close(qf @ kf.transpose(-1, -2), qs @ ks.transpose(-1, -2), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            qf @ kf.transpose(-1, -2), qs @ ks.transpose(-1, -2), rtol=1e-5, atol=1e-4
+        )
         torch.testing.assert_close(qf, qs[..., perm], rtol=0, atol=1e-6)
 
         for dtype in (torch.float32, torch.bfloat16):
@@ -105,26 +122,47 @@ def run(args, device: torch.device) -> list[dict]:
                 grads = [torch.randn_like(q), torch.randn_like(k)] if backward else None
                 for compiled in [False, True] if args.compile else [False]:
                     torch.compiler.reset()  # each (shape, dtype, grad) gets its own fresh graph
-                    fs, ff = (torch.compile(f, dynamic=False) if compiled else f for f in (rope_slice, rope_full))
+                    fs, ff = (
+                        torch.compile(f, dynamic=False) if compiled else f
+                        for f in (rope_slice, rope_full)
+                    )
                     # Every configuration (compiled, bf16) is checked against the other way too.
                     out_s, out_f = fs(q, k, cos_r, sin_r)[0], ff(qp, kp, cos_f, sin_f)[0]
                     torch.testing.assert_close(out_f, out_s[..., perm])
-                    calls = [timed_call(fs, (q, k, cos_r, sin_r), grads), timed_call(ff, (qp, kp, cos_f, sin_f), grads)]
+                    calls = [
+                        timed_call(fs, (q, k, cos_r, sin_r), grads),
+                        timed_call(ff, (qp, kp, cos_f, sin_f), grads),
+                    ]
                     t_slice, t_full = paired_times(calls, sync, args.repeats, args.inner)
                     ms = [statistics.median(t) * 1e3 for t in (t_slice, t_full)]
-                    ratio = statistics.median(ts / tf for ts, tf in zip(t_slice, t_full, strict=True))
-                    rows.append(dict(head_dim=head_dim, r=r, dtype=str(dtype).removeprefix("torch."),
-                                     pass_="fwd+bwd" if backward else "fwd", mode="compile" if compiled else "eager",
-                                     slice_ms=ms[0], full_ms=ms[1], ratio=ratio))
+                    ratio = statistics.median(
+                        ts / tf for ts, tf in zip(t_slice, t_full, strict=True)
+                    )
+                    rows.append(
+                        dict(
+                            head_dim=head_dim,
+                            r=r,
+                            dtype=str(dtype).removeprefix("torch."),
+                            pass_="fwd+bwd" if backward else "fwd",
+                            mode="compile" if compiled else "eager",
+                            slice_ms=ms[0],
+                            full_ms=ms[1],
+                            ratio=ratio,
+                        )
+                    )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| head_dim (rotary dims) | dtype | pass | mode | slice ms | full ms | slice/full |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: |"]
+    lines = [
+        "| head_dim (rotary dims) | dtype | pass | mode | slice ms | full ms | slice/full |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
     for x in rows:
-        lines.append(f"| {x['head_dim']} ({x['r']}), {HEAD_DIMS[x['head_dim']]} | {x['dtype']} | {x['pass_']} | "
-                     f"{x['mode']} | {x['slice_ms']:.3f} | {x['full_ms']:.3f} | **{x['ratio']:.2f}** |")
+        lines.append(
+            f"| {x['head_dim']} ({x['r']}), {HEAD_DIMS[x['head_dim']]} | {x['dtype']} | {x['pass_']} | "
+            f"{x['mode']} | {x['slice_ms']:.3f} | {x['full_ms']:.3f} | **{x['ratio']:.2f}** |"
+        )
     return "\n".join(lines)
 
 
@@ -156,8 +194,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu")
     if device.type != args.device:
-        print(f"--device cuda: CUDA is not available (torch {torch.__version__}); falling back to CPU.")
-    malloc = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]  # glibc tuning
+        print(
+            f"--device cuda: CUDA is not available (torch {torch.__version__}); falling back to CPU."
+        )
+    # glibc tuning
+    malloc = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]
     if device.type == "cuda":
         machine, label = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}", "CUDA"
     else:
@@ -167,11 +208,13 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = run(args, device)
     command = " ".join([*malloc, "python", "benchmarks/rotary.py", *sys.argv[1:]])
-    body = (f"Command: `{command}`. {machine}, torch {torch.__version__}, {datetime.date.today()}; "
-            f"batch {args.batch}, heads {args.heads}, seq {args.seq}; "
-            f"median of {args.repeats} x {args.inner} calls; {time.perf_counter() - t0:.0f} s in all, "
-            f"load average {os.getloadavg()[0]:.1f} at the end.\n\n"
-            f"{table(rows)}\n\n{summary(rows)}\n")
+    body = (
+        f"Command: `{command}`. {machine}, torch {torch.__version__}, {datetime.date.today()}; "
+        f"batch {args.batch}, heads {args.heads}, seq {args.seq}; "
+        f"median of {args.repeats} x {args.inner} calls; {time.perf_counter() - t0:.0f} s in all, "
+        f"load average {os.getloadavg()[0]:.1f} at the end.\n\n"
+        f"{table(rows)}\n\n{summary(rows)}\n"
+    )
     print(body)
     if args.write:
         write_block(SECTION, INTRO, label, body)

@@ -1,13 +1,14 @@
-"""Load test of `lmforge serve`: many concurrent streaming completions over loopback, batched vs one at a time.
+"""Load test of `lmforge serve`: many concurrent streaming completions over loopback, batched vs one
+at a time.
 
 A random Pythia-70m-shaped model (GPT-NeoX config built in transformers) with the real GPT-NeoX-20B
 tokenizer is served by the real console script in a subprocess; a client process opens --requests
-streams at once (`POST /v1/completions`, `stream: true`, usage in the last chunk) with prompts cut from
-WikiText-2 lines. Reported per server setting: errors (a non-200 answer, an error event, or a stream
-without `data: [DONE]`), time to first token and total time per request (p50/p99), and completion
-tokens/s over the whole load. The same load runs against `--max-batch B` and `--max-batch 1` (each
-request decoded alone, in arrival order), alternating, so the ratio shows what continuous batching buys.
-`--help` lists the options.
+streams at once (`POST /v1/completions`, `stream: true`, usage in the last chunk) with prompts cut
+from WikiText-2 lines. Reported per server setting: errors (a non-200 answer, an error event, or a
+stream without `data: [DONE]`), time to first token and total time per request (p50/p99), and
+completion tokens/s over the whole load. The same load runs against `--max-batch B` and `--max-batch
+1` (each request decoded alone, in arrival order), alternating, so the ratio shows what continuous
+batching buys. `--help` lists the options.
 """
 
 from __future__ import annotations
@@ -33,24 +34,47 @@ import torch
 from report import publish  # benchmarks/report.py
 
 SECTION = "## Serving: concurrent streaming requests (lmforge serve)"
-SHARED = Path(os.environ.get("LMFORGE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-PYTHIA_70M = dict(vocab_size=50304, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
-                  intermediate_size=2048, rotary_pct=0.25, max_position_embeddings=2048)
-QUICK = dict(vocab_size=50304, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-             rotary_pct=0.25, max_position_embeddings=256)
+SHARED = Path(
+    os.environ.get("LMFORGE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
+PYTHIA_70M = dict(
+    vocab_size=50304,
+    hidden_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    intermediate_size=2048,
+    rotary_pct=0.25,
+    max_position_embeddings=2048,
+)
+QUICK = dict(
+    vocab_size=50304,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    rotary_pct=0.25,
+    max_position_embeddings=256,
+)
 
 
 def make_model(shape: dict, folder: Path) -> None:
     import transformers as tf
 
     torch.manual_seed(0)
-    tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**shape, bos_token_id=0, eos_token_id=0)).save_pretrained(folder)
-    shutil.copyfile(SHARED / "tokenizers" / "gpt-neox-20b" / "20B_tokenizer.json", folder / "tokenizer.json")
+    tf.GPTNeoXForCausalLM(
+        tf.GPTNeoXConfig(**shape, bos_token_id=0, eos_token_id=0)
+    ).save_pretrained(folder)
+    shutil.copyfile(
+        SHARED / "tokenizers" / "gpt-neox-20b" / "20B_tokenizer.json", folder / "tokenizer.json"
+    )
 
 
 def prompts(n: int, max_words: int) -> list[str]:
-    lines = [ln.strip() for ln in (SHARED / "corpora" / "wikitext-2" / "valid.txt").read_text().splitlines()
-             if len(ln.split()) > 12 and not ln.strip().startswith("=")]
+    lines = [
+        ln.strip()
+        for ln in (SHARED / "corpora" / "wikitext-2" / "valid.txt").read_text().splitlines()
+        if len(ln.split()) > 12 and not ln.strip().startswith("=")
+    ]
     rng = random.Random(0)
     return [" ".join(rng.choice(lines).split()[: rng.randint(8, max_words)]) for _ in range(n)]
 
@@ -61,12 +85,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(folder: Path, max_batch: int, context: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    folder: Path, max_batch: int, context: int, threads: int | None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    cmd = [sys.executable, "-m", "lmforge.cli", "serve", str(folder), "--port", str(port), "--max-batch",
-           str(max_batch), "--max-context", str(context), "--max-queue", "100000"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmforge.cli",
+        "serve",
+        str(folder),
+        "--port",
+        str(port),
+        "--max-batch",
+        str(max_batch),
+        "--max-context",
+        str(context),
+        "--max-queue",
+        "100000",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -79,9 +120,17 @@ def start_server(folder: Path, max_batch: int, context: int, threads: int | None
     raise SystemExit(f"the server did not start: {proc.communicate()[0][-2000:]}")
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first, tokens, done, error = None, 0, False, None
     try:
@@ -118,7 +167,10 @@ async def load(url: str, model: str, texts: list[str], max_tokens: int) -> tuple
 
 def scrape(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(lmforge_engine_\w+) (\S+)$", text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^(lmforge_engine_\w+) (\S+)$", text, re.M)
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -127,7 +179,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_once(folder: Path, max_batch: int, args, texts: list[str]) -> dict:
-    proc, url = start_server(folder, max_batch, args.prompt_words * 2 + args.max_tokens + 16, args.threads)
+    proc, url = start_server(
+        folder, max_batch, args.prompt_words * 2 + args.max_tokens + 16, args.threads
+    )
     try:
         results, wall = asyncio.run(load(url, folder.name, texts, args.max_tokens))
         engine = scrape(url)
@@ -140,23 +194,39 @@ def run_once(folder: Path, max_batch: int, args, texts: list[str]) -> dict:
         print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     tokens = sum(r["tokens"] for r in ok)
     steps = engine.get("lmforge_engine_decode_steps_total", 0)
-    row = dict(max_batch=max_batch, requests=len(results), errors=len(errors), tokens=tokens, wall=wall,
-               tps=tokens / wall, ttft50=pct([r["ttft"] for r in ok], 0.5), ttft99=pct([r["ttft"] for r in ok], 0.99),
-               total50=pct([r["total"] for r in ok], 0.5), total99=pct([r["total"] for r in ok], 0.99),
-               mean_batch=engine.get("lmforge_engine_decoded_rows_total", 0) / steps if steps else 0.0)
-    print(f"  max-batch {max_batch}: {row['errors']} errors, {row['tps']:.1f} tok/s, TTFT p50 {row['ttft50']:.2f} s "
-          f"p99 {row['ttft99']:.2f} s, total p50 {row['total50']:.2f} s p99 {row['total99']:.2f} s", file=sys.stderr)
+    row = dict(
+        max_batch=max_batch,
+        requests=len(results),
+        errors=len(errors),
+        tokens=tokens,
+        wall=wall,
+        tps=tokens / wall,
+        ttft50=pct([r["ttft"] for r in ok], 0.5),
+        ttft99=pct([r["ttft"] for r in ok], 0.99),
+        total50=pct([r["total"] for r in ok], 0.5),
+        total99=pct([r["total"] for r in ok], 0.99),
+        mean_batch=engine.get("lmforge_engine_decoded_rows_total", 0) / steps if steps else 0.0,
+    )
+    print(
+        f"  max-batch {max_batch}: {row['errors']} errors, {row['tps']:.1f} tok/s, TTFT p50 {row['ttft50']:.2f} s "
+        f"p99 {row['ttft99']:.2f} s, total p50 {row['total50']:.2f} s p99 {row['total99']:.2f} s",
+        file=sys.stderr,
+    )
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| max batch | requests | errors | completion tokens | wall s | tokens/s | TTFT p50 s | TTFT p99 s | "
-             "total p50 s | total p99 s | mean decode batch |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| max batch | requests | errors | completion tokens | wall s | tokens/s | TTFT p50 s | TTFT p99 s | "
+        "total p50 s | total p99 s | mean decode batch |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        lines.append(f"| {r['max_batch']} | {r['requests']} | {r['errors']} | {r['tokens']} | {r['wall']:.1f} | "
-                     f"{r['tps']:.1f} | {r['ttft50']:.2f} | {r['ttft99']:.2f} | {r['total50']:.2f} | "
-                     f"{r['total99']:.2f} | {r['mean_batch']:.1f} |")
+        lines.append(
+            f"| {r['max_batch']} | {r['requests']} | {r['errors']} | {r['tokens']} | {r['wall']:.1f} | "
+            f"{r['tps']:.1f} | {r['ttft50']:.2f} | {r['ttft99']:.2f} | {r['total50']:.2f} | "
+            f"{r['total99']:.2f} | {r['mean_batch']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -166,18 +236,36 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens asked per request")
     p.add_argument("--prompt-words", type=int, default=48, help="prompts are 8 to this many words")
     p.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
-    p.add_argument("--baseline", type=int, default=1, help="the compared --max-batch (0: no comparison)")
-    p.add_argument("--baseline-requests", type=int, default=50,
-                   help="requests of the baseline run (one at a time, its tokens/s does not depend on how many)")
-    p.add_argument("--repeats", type=int, default=1, help="alternating runs of each setting (median tokens/s)")
-    p.add_argument("--threads", type=int, default=None, help="server torch threads (default: torch's choice)")
-    p.add_argument("--quick", action="store_true", help="a tiny model and a small load: checks the script runs")
+    p.add_argument(
+        "--baseline", type=int, default=1, help="the compared --max-batch (0: no comparison)"
+    )
+    p.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=50,
+        help="requests of the baseline run (one at a time, its tokens/s does not depend on how many)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="alternating runs of each setting (median tokens/s)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="server torch threads (default: torch's choice)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny model and a small load: checks the script runs"
+    )
     p.add_argument("--write", action="store_true", help=f"update '{SECTION}' in BENCHMARKS.md")
     args = p.parse_args()
     if args.quick:
         if args.write:
             p.error("--quick numbers are not benchmark numbers: run without --quick to --write")
-        args.requests, args.max_tokens, args.prompt_words, args.repeats, args.baseline_requests = 24, 12, 16, 1, 12
+        args.requests, args.max_tokens, args.prompt_words, args.repeats, args.baseline_requests = (
+            24,
+            12,
+            16,
+            1,
+            12,
+        )
     if not SHARED.is_dir():
         raise SystemExit(f"needs the tokenizer and corpus in {SHARED} (set LMFORGE_SHARED_DATA)")
     texts = prompts(args.requests, args.prompt_words)
@@ -189,19 +277,30 @@ def main() -> None:
         make_model(QUICK if args.quick else PYTHIA_70M, folder)
         for _ in range(args.repeats):
             for b in settings:
-                n = args.requests if b == args.max_batch else min(args.requests, args.baseline_requests)
+                n = (
+                    args.requests
+                    if b == args.max_batch
+                    else min(args.requests, args.baseline_requests)
+                )
                 runs[b].append(run_once(folder, b, args, texts[:n]))
-    rows = [sorted(rs, key=lambda r: r["tps"])[len(rs) // 2] for rs in runs.values()]  # the median run
+    # the median run
+    rows = [sorted(rs, key=lambda r: r["tps"])[len(rs) // 2] for rs in runs.values()]
     errors = sum(r["errors"] for rs in runs.values() for r in rs)
     cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     machine = f"{cpu.group(1) if cpu else 'unknown CPU'}, {os.cpu_count()} cores"
     ratio = ""
     if len(rows) > 1:
-        ratio = (f" Continuous batching (max batch {rows[0]['max_batch']}) gives "
-                 f"**{rows[0]['tps'] / rows[1]['tps']:.1f}x** the tokens/s of max batch {rows[1]['max_batch']} "
-                 "(whose latencies, with another queue length, are not comparable).")
+        ratio = (
+            f" Continuous batching (max batch {rows[0]['max_batch']}) gives "
+            f"**{rows[0]['tps'] / rows[1]['tps']:.1f}x** the tokens/s of max batch {rows[1]['max_batch']} "
+            "(whose latencies, with another queue length, are not comparable)."
+        )
     command = "python benchmarks/serve_load.py" + "".join(f" {a}" for a in sys.argv[1:])
-    what = "tiny GPT-NeoX (--quick)" if args.quick else "Pythia-70m shape (d 512, 6 layers, vocab 50304), random"
+    what = (
+        "tiny GPT-NeoX (--quick)"
+        if args.quick
+        else "Pythia-70m shape (d 512, 6 layers, vocab 50304), random"
+    )
     body = (
         f"Command: `{command}`. {what}, GPT-NeoX-20B tokenizer, served by `lmforge serve` in its own process "
         f"(fp32, CPU, torch threads: {args.threads or 'default'}); one client process opens {args.requests} "

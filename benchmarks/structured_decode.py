@@ -1,13 +1,14 @@
 """The serving engine's decode with response_format on vs off: what the per-row token mask costs.
 
-A random Pythia-14m-shaped model (GPT-NeoX config built in transformers, loaded by lmforge) and the real GPT-2
-tokenizer (../shared/data/tokenizers/gpt2, 50,257 tokens) in the engine that `lmforge serve` runs, in this process,
-without HTTP. --batch requests of a 16-token prompt, --new-tokens each, sampled (temperature 1, a seed per request).
-Sides, taking turns: *off* (no format), *on* (every row with a json_schema: an array of at least 64 short enum
-strings, so no row can finish early), *half on* (every other row, batch > 1): tokens/s = completion tokens / wall
-time of the engine's steps (prefill included), median of --repeats; mask share = time in the engine's mask step
-over that wall time. A warm-up run first checks that the on side's text is
-the start of such an array.
+A random Pythia-14m-shaped model (GPT-NeoX config built in transformers, loaded by lmforge) and the
+real GPT-2 tokenizer (../shared/data/tokenizers/gpt2, 50,257 tokens) in the engine that `lmforge
+serve` runs, in this process, without HTTP. --batch requests of a 16-token prompt, --new-tokens
+each, sampled (temperature 1, a seed per request). Sides, taking turns: *off* (no format), *on*
+(every row with a json_schema: an array of at least 64 short enum strings, so no row can finish
+early), *half on* (every other row, batch > 1): tokens/s = completion tokens / wall time of the
+engine's steps (prefill included), median of --repeats; mask share = time in the engine's mask step
+over that wall time. A warm-up run first checks that the on side's text is the start of such an
+array.
 
     python benchmarks/structured_decode.py --tokenizer ../shared/data/tokenizers/gpt2 [--write]
 """
@@ -42,16 +43,23 @@ SHAPE = dict(
     rotary_pct=0.25,
 )
 SCHEMA = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 64}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "colors", "schema": SCHEMA, "strict": True}}
+FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "colors", "schema": SCHEMA, "strict": True},
+}
 
 
 def make_engine(folder: Path, tokenizer_dir: Path, batch: int) -> Engine:
     import transformers as tf
 
-    tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**SHAPE, bos_token_id=50256, eos_token_id=50256)).save_pretrained(folder)
+    tf.GPTNeoXForCausalLM(
+        tf.GPTNeoXConfig(**SHAPE, bos_token_id=50256, eos_token_id=50256)
+    ).save_pretrained(folder)
     for name in ("tokenizer.json",):
         (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
-    return Engine(load_pretrained(folder).eval(), load_tokenizer(folder), EngineConfig(max_batch=batch))
+    return Engine(
+        load_pretrained(folder).eval(), load_tokenizer(folder), EngineConfig(max_batch=batch)
+    )
 
 
 MASK_SECONDS = [0.0]  # time inside the engine's constrain() (masks filled, expanded, applied)
@@ -68,13 +76,17 @@ def timed_constrain(logits, reqs):
 engine_module.constrain = timed_constrain
 
 
-def run(engine: Engine, batch: int, new_tokens: int, grammar, which: str) -> tuple[float, float, list]:
+def run(
+    engine: Engine, batch: int, new_tokens: int, grammar, which: str
+) -> tuple[float, float, list]:
     """(tokens/s, share of the time spent masking, the requests)."""
     MASK_SECONDS[0] = 0.0
     reqs = []
     for i in range(batch):
         on = which == "on" or (which == "half on" and i % 2 == 1)
-        params = RequestParams(new_tokens, SamplingParams(temperature=1.0), seed=i, grammar=grammar if on else None)
+        params = RequestParams(
+            new_tokens, SamplingParams(temperature=1.0), seed=i, grammar=grammar if on else None
+        )
         reqs.append(engine.submit([464, 2068, 7586, 21831] * 4, params, lambda ev: None))
     start = time.perf_counter()
     while any(r.finish_reason is None for r in reqs):
@@ -99,8 +111,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for batch in args.batches:
             engine = make_engine(Path(tmp) / f"b{batch}", Path(args.tokenizer), batch)
-            grammar = engine.grammars.compile(FORMAT)  # the vocabulary's trie too: once per server, not timed
-            _, _, reqs = run(engine, batch, args.new_tokens, grammar, "on")  # warm-up, and the output checked
+            # the vocabulary's trie too: once per server, not timed
+            grammar = engine.grammars.compile(FORMAT)
+            # warm-up, and the output checked
+            _, _, reqs = run(engine, batch, args.new_tokens, grammar, "on")
             text = engine.tokenizer.decode(reqs[0].output_ids)
             assert text.startswith('["') and set(text[1:]) <= set('"redgnblu,'), text
             sides = ["off", "on"] if batch == 1 else ["off", "on", "half on"]
@@ -115,7 +129,9 @@ def main() -> None:
             for which in sides:
                 tps = statistics.median(times[which])
                 share = statistics.median(shares[which])
-                rows.append(f"| {batch} | {which} | {tps:.1f} | **{tps / off:.2f}x** | {100 * share:.1f}% |")
+                rows.append(
+                    f"| {batch} | {which} | {tps:.1f} | **{tps / off:.2f}x** | {100 * share:.1f}% |"
+                )
     head = (
         f"{cpu_run_line('structured_decode.py')}; {time.perf_counter() - started:.0f} s in all. Pythia-14m "
         f"shape (d 128, 6 layers, vocab 50304), random, GPT-2 tokenizer; {args.new_tokens} new tokens a request, "

@@ -1,15 +1,17 @@
 """Chat templates rendered in child processes, under a time and an output-size limit.
 
-A chat template is code from a model folder. Jinja's sandbox keeps it from Python's internals, but not from
-looping: two nested `range(100000)` loops run for hours, and a loop in a thread cannot be stopped from outside (it
-holds the GIL the server needs too). Each render therefore runs in a child process (`python -c` importing this
-module; no fork of a process with threads and a model) that the parent kills once `timeout` seconds have passed, or
-once the caller stops waiting (a client that left). The child's address space is capped, so a template that builds a
-giant string fails there with MemoryError, and a render that writes more than `max_chars` characters is refused.
+A chat template is code from a model folder. Jinja's sandbox keeps it from Python's internals, but
+not from looping: two nested `range(100000)` loops run for hours, and a loop in a thread cannot be
+stopped from outside (it holds the GIL the server needs too). Each render therefore runs in a child
+process (`python -c` importing this module; no fork of a process with threads and a model) that the
+parent kills once `timeout` seconds have passed, or once the caller stops waiting (a client that
+left). The child's address space is capped, so a template that builds a giant string fails there
+with MemoryError, and a render that writes more than `max_chars` characters is refused.
 
-`workers` children render at once; a caller waits for a free one (its wait is not counted in its time), and a killed
-child is started again for the next render. Messages and pieces travel as one JSON line each way. A child whose
-parent died exits at the end of its input, or, stuck in a render, at its CPU-time limit (set before each render).
+`workers` children render at once; a caller waits for a free one (its wait is not counted in its
+time), and a killed child is started again for the next render. Messages and pieces travel as one
+JSON line each way. A child whose parent died exits at the end of its input, or, stuck in a render,
+at its CPU-time limit (set before each render).
 """
 
 from __future__ import annotations
@@ -66,13 +68,20 @@ class _Child:
         return self.proc is not None and self.proc.poll() is None
 
     def spawn(self, limits: RenderLimits) -> None:
-        root = str(Path(__file__).resolve().parent.parent)  # the lmforge this process runs, in the child too
+        # the lmforge this process runs, in the child too
+        root = str(Path(__file__).resolve().parent.parent)
         memory = max(MIN_MEMORY, 64 * limits.max_chars)
         code = f"import sys; sys.path.insert(0, {root!r}); from lmforge.chat_sandbox import _child; _child({memory})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         self.replies, self.loaded, self.ready = queue.Queue(), set(), False
-        threading.Thread(target=_read_lines, args=(self.proc.stdout, self.replies), daemon=True,
-                         name="lmforge-template-reader").start()
+        threading.Thread(
+            target=_read_lines,
+            args=(self.proc.stdout, self.replies),
+            daemon=True,
+            name="lmforge-template-reader",
+        ).start()
 
     def start(self, limits: RenderLimits) -> None:
         """Running and ready for a job, started (again) where it is not."""
@@ -82,8 +91,14 @@ class _Child:
             reply = self._reply(time.monotonic() + START_TIMEOUT, None)
             if reply != {"ready": True}:
                 self.kill()
-                why = f"did not start within {START_TIMEOUT:g} s" if reply is None else "exited as it started"
-                raise RuntimeError(f"the chat template renderer (a child process) {why}: see the log above")
+                why = (
+                    f"did not start within {START_TIMEOUT:g} s"
+                    if reply is None
+                    else "exited as it started"
+                )
+                raise RuntimeError(
+                    f"the chat template renderer (a child process) {why}: see the log above"
+                )
             self.ready = True
 
     def kill(self) -> None:
@@ -92,7 +107,8 @@ class _Child:
         self.proc = None
 
     def _reply(self, deadline: float, cancel: threading.Event | None) -> dict | None:
-        """The child's next reply; None if time ran out; RenderCancelled if `cancel` was set first."""
+        """The child's next reply; None if time ran out; RenderCancelled if `cancel` was set
+        first."""
         while (left := deadline - time.monotonic()) > 0:
             if cancel is not None and cancel.is_set():
                 raise RenderCancelled
@@ -103,26 +119,48 @@ class _Child:
             if line is None:  # the child died: killed by the kernel (memory, CPU time) or crashed
                 code = self.proc.wait() if self.proc is not None else None
                 self.kill()
-                return {"refused": f"the chat template's renderer died (exit status {code}) on these messages"}
+                return {
+                    "refused": f"the chat template's renderer died (exit status {code}) on these messages"
+                }
             return json.loads(line)
         return None
 
-    def render(self, key: str, template: TemplateRender, messages: list[dict], generation_prompt: bool,
-               limits: RenderLimits, cancel: threading.Event | None, retry: bool = True) -> list[Piece]:
-        job = {"key": key, "messages": messages, "generation_prompt": generation_prompt,
-               "max_chars": limits.max_chars, "timeout": limits.timeout}
+    def render(
+        self,
+        key: str,
+        template: TemplateRender,
+        messages: list[dict],
+        generation_prompt: bool,
+        limits: RenderLimits,
+        cancel: threading.Event | None,
+        retry: bool = True,
+    ) -> list[Piece]:
+        job = {
+            "key": key,
+            "messages": messages,
+            "generation_prompt": generation_prompt,
+            "max_chars": limits.max_chars,
+            "timeout": limits.timeout,
+        }
         if key not in self.loaded:
-            job["template"] = {"source": template.source, "variables": template.variables,
-                               "specials": template.specials}
+            job["template"] = {
+                "source": template.source,
+                "variables": template.variables,
+                "specials": template.specials,
+            }
         try:
             self.proc.stdin.write(json.dumps(job).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:  # it died since it was last asked: once more, from a new one
             self.kill()
             if not retry:
-                raise RuntimeError("the chat template renderer exits as soon as it starts: see the log") from None
+                raise RuntimeError(
+                    "the chat template renderer exits as soon as it starts: see the log"
+                ) from None
             self.start(limits)
-            return self.render(key, template, messages, generation_prompt, limits, cancel, retry=False)
+            return self.render(
+                key, template, messages, generation_prompt, limits, cancel, retry=False
+            )
         self.loaded.add(key)
         try:
             reply = self._reply(time.monotonic() + limits.timeout, cancel)
@@ -131,8 +169,10 @@ class _Child:
             raise
         if reply is None:
             self.kill()
-            raise TemplateLimit(f"the model's chat template took longer than {limits.timeout:g} s to render these "
-                                "messages and was stopped (the limit: --template-timeout)")
+            raise TemplateLimit(
+                f"the model's chat template took longer than {limits.timeout:g} s to render these "
+                "messages and was stopped (the limit: --template-timeout)"
+            )
         if "limit" in reply:
             raise TemplateLimit(reply["limit"])
         if "refused" in reply:
@@ -141,7 +181,8 @@ class _Child:
 
 
 class Sandbox:
-    """Renders chat templates in `limits.workers` child processes, started at the first render (or `start`)."""
+    """Renders chat templates in `limits.workers` child processes, started at the first render
+    (or `start`)."""
 
     def __init__(self, limits: RenderLimits | None = None):
         self.limits = limits or RenderLimits()
@@ -154,7 +195,8 @@ class Sandbox:
         weakref.finalize(self, _kill_all, self._children)
 
     def start(self) -> None:
-        """Start every child now, side by side (a server does, so that its first chat does not wait for one)."""
+        """Start every child now, side by side (a server does, so that its first chat does not
+        wait for one)."""
         children = [self._free.get() for _ in self._children]
         try:
             for child in children:
@@ -166,16 +208,24 @@ class Sandbox:
             for child in children:
                 self._free.put(child)
 
-    def pieces(self, template: TemplateRender, messages: Sequence[dict], generation_prompt: bool,
-               cancel: threading.Event | None = None) -> list[Piece]:
-        """`template.pieces(messages, generation_prompt, spans=False)`, in a child: TemplateRefused where the template
-        fails or refuses, TemplateLimit past a limit, RenderCancelled once `cancel` is set."""
+    def pieces(
+        self,
+        template: TemplateRender,
+        messages: Sequence[dict],
+        generation_prompt: bool,
+        cancel: threading.Event | None = None,
+    ) -> list[Piece]:
+        """`template.pieces(messages, generation_prompt, spans=False)`, in a child:
+        TemplateRefused where the template fails or refuses, TemplateLimit past a limit,
+        RenderCancelled once `cancel` is set."""
         if (key := self._keys.get(template)) is None:
             key = self._keys[template] = str(next(self._count))
         child = self._free.get()
         try:
             child.start(self.limits)
-            return child.render(key, template, list(messages), generation_prompt, self.limits, cancel)
+            return child.render(
+                key, template, list(messages), generation_prompt, self.limits, cancel
+            )
         finally:
             self._free.put(child)
 
@@ -209,10 +259,12 @@ def _read_lines(stream, replies: queue.Queue) -> None:
 
 
 def _child(memory: int) -> None:
-    """Read jobs (one JSON line each) from stdin, answer each with one JSON line on stdout, until stdin ends."""
+    """Read jobs (one JSON line each) from stdin, answer each with one JSON line on stdout, until
+    stdin ends."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the parent stops us
+    # Ctrl+C reaches the whole process group: the parent stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout = sys.stderr  # nothing a library prints may corrupt the replies
     resource = _limit(memory)
@@ -221,11 +273,15 @@ def _child(memory: int) -> None:
     out.flush()
     for line in sys.stdin:
         job = json.loads(line)
-        if resource is not None:  # a child whose parent died mid-render stops itself, a little past the timeout
+        # a child whose parent died mid-render stops itself, a little past the timeout
+        if resource is not None:
             used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
             _, hard = resource.getrlimit(resource.RLIMIT_CPU)
             soft = int(used + job["timeout"]) + 10
-            resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+            resource.setrlimit(
+                resource.RLIMIT_CPU,
+                (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard),
+            )
         out.write(json.dumps(_answer(job, templates)) + "\n")
         out.flush()
 
@@ -246,7 +302,8 @@ def _answer(job: dict, templates: dict[str, TemplateRender]) -> dict:
 
 
 def _limit(memory: int):
-    """Cap the address space at `memory` bytes; the resource module, or None where there is none (Windows)."""
+    """Cap the address space at `memory` bytes; the resource module, or None where there is none
+    (Windows)."""
     try:
         import resource
     except ImportError:

@@ -51,7 +51,8 @@ from lmforge.fsutil import folder_file
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5's name; it wins over tokenizer_config.json's
+# transformers 5's name; it wins over tokenizer_config.json's
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # Stanford Alpaca's PROMPT_DICT (tatsu-lab/stanford_alpaca, train.py), verbatim.
 ALPACA_PROMPT_INPUT = (
@@ -69,7 +70,9 @@ _ANSWER = "{% generation %}{{ message['content'] + eos_token }}{% endgeneration 
 _TEMPLATES = {
     "lmforge": (
         "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
-        "{% if message['role'] == 'assistant' %}" + _ANSWER + "{% else %}{{ message['content'] }}{% endif %}"
+        "{% if message['role'] == 'assistant' %}"
+        + _ANSWER
+        + "{% else %}{{ message['content'] }}{% endif %}"
         "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
     ),
     "chatml": (
@@ -79,8 +82,9 @@ _TEMPLATES = {
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     ),
     "plain": (
-        "{% for message in messages %}{% if message['role'] == 'assistant' %}" + _ANSWER +
-        "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+        + _ANSWER
+        + "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
     ),
 }
 BUILTIN = ("lmforge", "chatml", "alpaca", "plain")
@@ -91,8 +95,8 @@ def _jinja_literal(text: str) -> str:
 
 
 def prompt_template_jinja(prompt_template: str | None) -> str:
-    """The Alpaca-style built-in: each user message formatted as `prompt_template`'s instruction (Stanford Alpaca's
-    no-input prompt by default), each answer followed by eos."""
+    """The Alpaca-style built-in: each user message formatted as `prompt_template`'s instruction
+    (Stanford Alpaca's no-input prompt by default), each answer followed by eos."""
     fmt = prompt_template if prompt_template is not None else ALPACA_PROMPT_NO_INPUT
     parts = []
     for literal, field, _, _ in string.Formatter().parse(fmt):
@@ -101,15 +105,20 @@ def prompt_template_jinja(prompt_template: str | None) -> str:
         if field == "instruction":
             parts.append("message['content']")
     prompt = " + ".join(parts) or "''"
-    return ("{% for message in messages %}{% if message['role'] == 'user' %}{{ " + prompt + " }}"
-            "{% elif message['role'] == 'assistant' %}" + _ANSWER + "{% endif %}{% endfor %}")
+    return (
+        "{% for message in messages %}{% if message['role'] == 'user' %}{{ " + prompt + " }}"
+        "{% elif message['role'] == 'assistant' %}" + _ANSWER + "{% endif %}{% endfor %}"
+    )
 
 
 def builtin_template(name: str, add_bos: bool, prompt_template: str | None = None) -> str:
-    """The Jinja source of built-in template `name`, starting with bos where the tokenizer's texts do."""
+    """The Jinja source of built-in template `name`, starting with bos where the tokenizer's
+    texts do."""
     if name not in BUILTIN:
-        raise UserError(f"unknown chat template '{name}': choose a built-in ({', '.join(BUILTIN)}), "
-                        "'auto', 'model' or a .jinja file")
+        raise UserError(
+            f"unknown chat template '{name}': choose a built-in ({', '.join(BUILTIN)}), "
+            "'auto', 'model' or a .jinja file"
+        )
     body = prompt_template_jinja(prompt_template) if name == "alpaca" else _TEMPLATES[name]
     return ("{{ bos_token }}" if add_bos else "") + body
 
@@ -138,11 +147,19 @@ def tokenizer_config(folder: Path, name: str = "tokenizer_config.json") -> dict:
 
 
 def declared_tokens(*folders: str | Path | None) -> dict | None:
-    """The tokenizer config of the first folder that has tokenizer_config.json or special_tokens_map.json, the
-    latter's tokens over the former's (as transformers reads them); None where none has either."""
+    """The tokenizer config of the first folder that has tokenizer_config.json or
+    special_tokens_map.json, the latter's tokens over the former's (as transformers reads them);
+    None where none has either."""
     for folder in filter(None, folders):
-        if any((Path(folder) / name).is_file() for name in ("tokenizer_config.json", "special_tokens_map.json")):
-            tokens = {k: v for k, v in tokenizer_config(Path(folder), "special_tokens_map.json").items() if v}
+        if any(
+            (Path(folder) / name).is_file()
+            for name in ("tokenizer_config.json", "special_tokens_map.json")
+        ):
+            tokens = {
+                k: v
+                for k, v in tokenizer_config(Path(folder), "special_tokens_map.json").items()
+                if v
+            }
             return tokenizer_config(Path(folder)) | tokens
     return None
 
@@ -154,35 +171,56 @@ def _token_text(value) -> str | None:
 
 
 class ChatTemplate(TemplateRender):
-    """A Jinja chat template bound to a tokenizer: `source` is its text, `folder` (optional) the tokenizer folder
-    whose tokenizer_config.json names the special tokens (else the tokenizer file's folder); `builtin`: one of
-    lmforge's templates (BUILTIN)."""
+    """A Jinja chat template bound to a tokenizer: `source` is its text, `folder` (optional) the
+    tokenizer folder whose tokenizer_config.json names the special tokens (else the tokenizer
+    file's folder); `builtin`: one of lmforge's templates (BUILTIN)."""
 
-    def __init__(self, source: str, tokenizer, folder: str | Path | None = None, where: str = "the chat template",
-                 builtin: bool = False):
+    def __init__(
+        self,
+        source: str,
+        tokenizer,
+        folder: str | Path | None = None,
+        where: str = "the chat template",
+        builtin: bool = False,
+    ):
         self.tokenizer = tokenizer
         files = getattr(tokenizer, "files", None)
         declared = declared_tokens(folder, Path(files[0]).parent if files else None)
         config = declared or {}
-        # What the tokenizer files declare, as transformers renders them: a token they name none of is "" (OLMo 2's
-        # bos). A bare tokenizer file declares nothing: its bos and eos are then those lmforge's export writes into
-        # tokenizer_config.json (lmforge.models.hf.tokenizer), as are a built-in template's, which writes eos itself.
-        variables = {f"{k}_token": _token_text(config.get(f"{k}_token")) or "" for k in ("bos", "eos", "unk", "pad")}
-        for key, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id if tokenizer.eos_id is not None
-                                                           else tokenizer.eod_id)):
+        # What the tokenizer files declare, as transformers renders them: a token they name none of
+        # is "" (OLMo 2's bos). A bare tokenizer file declares nothing: its bos and eos are then
+        # those lmforge's export writes into tokenizer_config.json (lmforge.models.hf.tokenizer), as
+        # are a built-in template's, which writes eos itself.
+        variables = {
+            f"{k}_token": _token_text(config.get(f"{k}_token")) or ""
+            for k in ("bos", "eos", "unk", "pad")
+        }
+        for key, i in (
+            ("bos", tokenizer.bos_id),
+            ("eos", tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.eod_id),
+        ):
             if (declared is None or builtin) and not variables[f"{key}_token"] and i is not None:
                 variables[f"{key}_token"] = tokenizer.id_to_token(i) or ""
-        # Every special token, as transformers' tokenizer(rendered, add_special_tokens=False) reads the template's
-        # text: the tokenizer's own (transformers 5 keeps added tokens only in tokenizer.json) and those the config
-        # names (transformers 4's additional_special_tokens and added_tokens_decoder, 5's extra_special_tokens).
+        # Every special token, as transformers' tokenizer(rendered, add_special_tokens=False) reads
+        # the template's text: the tokenizer's own (transformers 5 keeps added tokens only in
+        # tokenizer.json) and those the config names (transformers 4's additional_special_tokens and
+        # added_tokens_decoder, 5's extra_special_tokens).
         extra = config.get("extra_special_tokens") or []
-        named = [*variables.values(), *(config.get("additional_special_tokens") or []),
-                 *(extra.values() if isinstance(extra, dict) else extra),
-                 *(t for t in (config.get("added_tokens_decoder") or {}).values()
-                   if isinstance(t, dict) and t.get("special"))]
+        named = [
+            *variables.values(),
+            *(config.get("additional_special_tokens") or []),
+            *(extra.values() if isinstance(extra, dict) else extra),
+            *(
+                t
+                for t in (config.get("added_tokens_decoder") or {}).values()
+                if isinstance(t, dict) and t.get("special")
+            ),
+        ]
         specials = dict(tokenizer.special_tokens)
-        for name in [*(s for s in map(_token_text, named) if s),
-                     *(("<|im_start|>", "<|im_end|>") if "<|im_start|>" in source else ())]:
+        for name in [
+            *(s for s in map(_token_text, named) if s),
+            *(("<|im_start|>", "<|im_end|>") if "<|im_start|>" in source else ()),
+        ]:
             if name not in specials and (i := tokenizer.token_to_id(name)) is not None:
                 specials[name] = i
         super().__init__(source, variables, specials, where)
@@ -190,33 +228,41 @@ class ChatTemplate(TemplateRender):
     @classmethod
     def from_folder(cls, tokenizer, folder: str | Path) -> ChatTemplate | None:
         source = read_chat_template(folder)
-        return None if source is None else cls(source, tokenizer, folder, f"the chat template of {folder}")
+        return (
+            None
+            if source is None
+            else cls(source, tokenizer, folder, f"the chat template of {folder}")
+        )
 
     # -- ids ----------------------------------------------------------------------------------
 
     def prompt_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Ids of a chat so far plus the generation prompt: what the model continues (TemplateRefused). Rendered once,
-        without spans: they would only flag the ids, and finding them turn by turn renders the chat once per answer."""
+        """Ids of a chat so far plus the generation prompt: what the model continues
+        (TemplateRefused). Rendered once, without spans: they would only flag the ids, and
+        finding them turn by turn renders the chat once per answer."""
         pieces = self.pieces(chat_messages(messages), True, spans=False)
         return encode_pieces(self.tokenizer, [pieces])[0][0]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        """Turn ends the template writes that are text, not a token, in this tokenizer: generation stops at them."""
+        """Turn ends the template writes that are text, not a token, in this tokenizer:
+        generation stops at them."""
         return tuple(s for s in ("<|im_end|>",) if s in self.source and s not in self.specials)
 
 
 def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[int], list[bool]]]:
-    """(ids, in-span flags) per chat. The text between two special tokens is tokenized whole, as transformers
-    tokenizes a rendered chat, and a token is in a span when any character it covers is (transformers'
-    assistant mask): an answer that starts inside a text run (Llama 2's "[/INST] " + answer) gets the tokens the
-    whole text has, not a separately encoded piece's (SentencePiece's prefix space again). Every run goes through
-    one batched encode."""
+    """(ids, in-span flags) per chat. The text between two special tokens is tokenized whole, as
+    transformers tokenizes a rendered chat, and a token is in a span when any character it covers
+    is (transformers' assistant mask): an answer that starts inside a text run (Llama 2's
+    "[/INST] " + answer) gets the tokens the whole text has, not a separately encoded piece's
+    (SentencePiece's prefix space again). Every run goes through one batched encode."""
     runs: list[tuple[str, list[tuple[int, int]]]] = []
-    continued: list[bool] = []  # whether a run follows a special token (lmforge.tokenizers: encode_batch_offsets)
+    # whether a run follows a special token (lmforge.tokenizers: encode_batch_offsets)
+    continued: list[bool] = []
     layouts = []
     for pieces in chats:
-        layout: list[tuple[int, bool] | int] = []  # (special id, in span), or the index of a text run
+        # (special id, in span), or the index of a text run
+        layout: list[tuple[int, bool] | int] = []
         text, spans = "", []
         for p, in_span in [*pieces, (None, False)]:
             if isinstance(p, str):
@@ -246,27 +292,44 @@ def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[in
             spans = runs[item][1]
             ids += got
             # A token that covers no characters (a prefix space of its own) counts where it stands.
-            mask += [any(a < max(end, start + 1) and start < b for a, b in spans) for start, end in offsets]
+            mask += [
+                any(a < max(end, start + 1) and start < b for a, b in spans)
+                for start, end in offsets
+            ]
         out.append((ids, mask))
     return out
 
 
 def chat_messages(messages: Sequence[tuple[str, str]]) -> list[dict]:
     """(role, text) pairs as a template's `messages`; OpenAI's "developer" is the system."""
-    return [{"role": "system" if role == "developer" else role, "content": content} for role, content in messages]
+    return [
+        {"role": "system" if role == "developer" else role, "content": content}
+        for role, content in messages
+    ]
 
 
 def check_messages(messages, where: str) -> list[dict]:
-    """`messages` as {role, content} dicts up to the last assistant message (later turns teach nothing)."""
+    """`messages` as {role, content} dicts up to the last assistant message (later turns teach
+    nothing)."""
     if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise UserError(
+            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
+        )
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise UserError(f"{where}: message {i} must be {{\"role\": one of {', '.join(ROLES)}, \"content\": "
-                            f"a string}}, got {json.dumps(m, ensure_ascii=False)[:80]}")
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("content"), str)
+            or m.get("role") not in ROLES
+        ):
+            raise UserError(
+                f'{where}: message {i} must be {{"role": one of {", ".join(ROLES)}, "content": '
+                f"a string}}, got {json.dumps(m, ensure_ascii=False)[:80]}"
+            )
         out.append({"role": m["role"], "content": m["content"]})
     last = max((i for i, m in enumerate(out) if m["role"] == "assistant"), default=None)
     if last is None:
-        raise UserError(f"{where}: the chat has no assistant message, so nothing to learn: add one or drop the record")
+        raise UserError(
+            f"{where}: the chat has no assistant message, so nothing to learn: add one or drop the record"
+        )
     return out[: last + 1]

@@ -36,7 +36,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     Unknown keys raise a UserError naming the dotted key and the closest valid one.
     """
     if not isinstance(data, dict):
-        raise UserError(f"config section '{where.rstrip('.') or cls.__name__}' must be a mapping, got {data!r}")
+        raise UserError(
+            f"config section '{where.rstrip('.') or cls.__name__}' must be a mapping, got {data!r}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -47,8 +49,10 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         if sub and isinstance(value, dict):
             kwargs[key] = from_dict(sub, value, f"{where}{key}.")
         elif sub and not (value is None and type(None) in typing.get_args(hints[key])):
-            raise UserError(f"config section '{where}{key}' must be a mapping, got {value!r}: set its keys "
-                            f"('{where}{key}.NAME=VALUE'), or leave it out for the defaults")
+            raise UserError(
+                f"config section '{where}{key}' must be a mapping, got {value!r}: set its keys "
+                f"('{where}{key}.NAME=VALUE'), or leave it out for the defaults"
+            )
         else:
             kwargs[key] = checked(value, hints[key], f"{where}{key}")
     try:
@@ -58,20 +62,28 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
 
 
 def check_types(cls: type, data: dict[str, Any], where: str = "") -> None:
-    """UserError for the first value in `data` whose type does not fit the field of `cls` it names."""
+    """UserError for the first value in `data` whose type does not fit the field of `cls` it
+    names."""
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         if key in hints:
             checked(value, hints[key], f"{where}{key}")
 
 
-_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
-          dict: "a mapping"}
+_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    list: "a list",
+    dict: "a mapping",
+}
 
 
 def checked(value: Any, hint: Any, key: str) -> Any:
-    """`value` if it fits the type hint `hint` (an int where a float is expected becomes a float),
-    else a UserError `key: expected ..., got ...`. Any, and types this does not know, pass unchecked."""
+    """`value` if it fits the type hint `hint` (an int where a float is expected becomes a
+    float), else a UserError `key: expected ..., got ...`. Any, and types this does not know,
+    pass unchecked."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -86,7 +98,11 @@ def checked(value: Any, hint: Any, key: str) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise _type_error(key, list, value)
-        return [checked(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+        return (
+            [checked(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+            if args
+            else list(value)
+        )
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise _type_error(key, dict, value)
@@ -108,10 +124,15 @@ def checked(value: Any, hint: Any, key: str) -> Any:
 
 
 def _type_error(key: str, hint: Any, value: Any) -> UserError:
-    expected = _NAMES.get(hint) or _NAMES.get(typing.get_origin(hint)) or str(hint).replace("typing.", "")
+    expected = (
+        _NAMES.get(hint) or _NAMES.get(typing.get_origin(hint)) or str(hint).replace("typing.", "")
+    )
     # YAML read text with braces, brackets or ': ' as a mapping or a list: the text wanted quoting.
-    quote = (f": quote the text for YAML inside the shell's quotes, '{key}=\"...\"'"
-             if "str" in expected and isinstance(value, (dict, list)) else "")
+    quote = (
+        f": quote the text for YAML inside the shell's quotes, '{key}=\"...\"'"
+        if "str" in expected and isinstance(value, (dict, list))
+        else ""
+    )
     return UserError(f"{key}: expected {expected}, got {value!r}{quote}")
 
 

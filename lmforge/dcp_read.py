@@ -1,16 +1,18 @@
-"""Reading a torch.distributed.checkpoint (DCP) folder from anyone without running code hidden in it.
+"""Reading a torch.distributed.checkpoint (DCP) folder from anyone without running code hidden in
+it.
 
-torch's own reader unpickles a checkpoint's `.metadata` with plain `pickle` and its non-tensor items with
-`torch.load(weights_only=False)`: a `.metadata` crafted to call `os.system` runs it before a single tensor is read,
-whatever checksums sit beside it (whoever rewrites the metadata rewrites the manifest too). Every lmforge read of a
-checkpoint goes through here instead:
+torch's own reader unpickles a checkpoint's `.metadata` with plain `pickle` and its non-tensor items
+with `torch.load(weights_only=False)`: a `.metadata` crafted to call `os.system` runs it before a
+single tensor is read, whatever checksums sit beside it (whoever rewrites the metadata rewrites the
+manifest too). Every lmforge read of a checkpoint goes through here instead:
 
-- `.metadata` through an unpickler that admits only the classes DCP's metadata is made of (its dataclasses,
-  `torch.Size`, dtypes, layouts, memory formats, paths); anything else is refused by name before it is built;
-- the metadata's shape checked: its storage entries name plain files inside the folder (no `../`, no symlink
-  out), with non-negative offsets and lengths;
-- non-tensor items (the optimizer's hyperparameters) through `torch.load(weights_only=True)`, torch's own
-  restricted unpickler, as the tensors already are.
+- `.metadata` through an unpickler that admits only the classes DCP's metadata is made of (its
+  dataclasses, `torch.Size`, dtypes, layouts, memory formats, paths); anything else is refused by
+  name before it is built;
+- the metadata's shape checked: its storage entries name plain files inside the folder (no `../`, no
+  symlink out), with non-negative offsets and lengths;
+- non-tensor items (the optimizer's hyperparameters) through `torch.load(weights_only=True)`,
+  torch's own restricted unpickler, as the tensors already are.
 
 Each refusal is one UserError naming the file and what it held.
 """
@@ -33,19 +35,31 @@ from lmforge.errors import UserError
 METADATA = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
-    (_DCP_METADATA, name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+    (_DCP_METADATA, name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # how torch pickles a layout: a lookup by name
     ("collections", "OrderedDict"),
 }
-# StorageMeta.checkpoint_id is the path the writer saved to; it is rebuilt as a pure path (nothing touches the
-# file system, and a Windows writer's path loads on Linux).
-_PATHS = {"PosixPath": PurePosixPath, "PurePosixPath": PurePosixPath,
-          "WindowsPath": PureWindowsPath, "PureWindowsPath": PureWindowsPath}
+# StorageMeta.checkpoint_id is the path the writer saved to; it is rebuilt as a pure path (nothing
+# touches the file system, and a Windows writer's path loads on Linux).
+_PATHS = {
+    "PosixPath": PurePosixPath,
+    "PurePosixPath": PurePosixPath,
+    "WindowsPath": PureWindowsPath,
+    "PureWindowsPath": PureWindowsPath,
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -56,49 +70,74 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module in ("pathlib", "pathlib._local") and name in _PATHS:
             return _PATHS[name]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format)
+        ):
             return getattr(torch, name)
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        raise UserError(f"checkpoint metadata '{self.source}' names {module}.{name}, which DCP's metadata never "
-                        "holds: lmforge does not unpickle it and loaded nothing (the file was not written by "
-                        "torch.distributed.checkpoint, or was altered: use a checkpoint from a source you trust)")
+        raise UserError(
+            f"checkpoint metadata '{self.source}' names {module}.{name}, which DCP's metadata never "
+            "holds: lmforge does not unpickle it and loaded nothing (the file was not written by "
+            "torch.distributed.checkpoint, or was altered: use a checkpoint from a source you trust)"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UserError(f"checkpoint metadata '{self.source}' holds a persistent reference, which DCP's metadata "
-                        "never does: lmforge loaded nothing from it")
+        raise UserError(
+            f"checkpoint metadata '{self.source}' holds a persistent reference, which DCP's metadata "
+            "never does: lmforge loaded nothing from it"
+        )
 
 
 def read_metadata(folder: str | Path) -> Metadata:
-    """The checked metadata of the DCP checkpoint in `folder` (a UserError naming the file when it is missing,
-    damaged, names a class DCP's metadata does not use, or points outside the folder)."""
+    """The checked metadata of the DCP checkpoint in `folder` (a UserError naming the file when
+    it is missing, damaged, names a class DCP's metadata does not use, or points outside the
+    folder)."""
     folder = Path(folder)
     path = folder / METADATA
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()
     except FileNotFoundError:
-        raise UserError(f"checkpoint '{folder}' has no {METADATA} file: it is not a whole DCP checkpoint (a save "
-                        "that did not finish, or files copied in part): use another checkpoint of the run") from None
+        raise UserError(
+            f"checkpoint '{folder}' has no {METADATA} file: it is not a whole DCP checkpoint (a save "
+            "that did not finish, or files copied in part): use another checkpoint of the run"
+        ) from None
     except UserError:
         raise
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            ImportError, MemoryError, RecursionError, OverflowError) as e:
-        raise UserError(f"checkpoint metadata '{path}' is damaged ({type(e).__name__}: {_first_line(e)}): use "
-                        "another checkpoint of the run") from None
+    except (
+        OSError,
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        ImportError,
+        MemoryError,
+        RecursionError,
+        OverflowError,
+    ) as e:
+        raise UserError(
+            f"checkpoint metadata '{path}' is damaged ({type(e).__name__}: {_first_line(e)}): use "
+            "another checkpoint of the run"
+        ) from None
     _check_shape(metadata, folder, path)
     return metadata
 
 
 def load_state(state: dict, folder: str | Path, planner: CheckedBytes | None = None) -> None:
-    """dcp.load of `state` (filled in place) from `folder` through the checked reader and planner (another
-    planner given has CheckedBytes mixed in). DCP's own failures come through as DCP raises them (the callers
-    say which config to use); a refusal of the checkpoint's contents is its UserError, on every rank."""
+    """dcp.load of `state` (filled in place) from `folder` through the checked reader and planner
+    (another planner given has CheckedBytes mixed in). DCP's own failures come through as DCP
+    raises them (the callers say which config to use); a refusal of the checkpoint's contents is
+    its UserError, on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = CheckpointReader(folder)
-    reader.read_metadata()  # refused here, outside DCP's collectives, where it is hostile or damaged
+    # refused here, outside DCP's collectives, where it is hostile or damaged
+    reader.read_metadata()
     try:
         dcp.load(state, storage_reader=reader, planner=planner or CheckpointLoadPlanner(folder))
     except (pickle.UnpicklingError, CheckpointException) as e:  # DCP gathers each rank's failure
@@ -109,7 +148,8 @@ def load_state(state: dict, folder: str | Path, planner: CheckedBytes | None = N
 
 
 class CheckpointReader(FileSystemReader):
-    """DCP's file-system reader with `.metadata` read by `read_metadata` above (once; DCP asks again)."""
+    """DCP's file-system reader with `.metadata` read by `read_metadata` above (once; DCP asks
+    again)."""
 
     def __init__(self, folder: str | Path):
         super().__init__(str(folder))
@@ -118,7 +158,9 @@ class CheckpointReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata files: not a layout lmforge writes
-            raise UserError(f"checkpoint '{self.folder}' asks for per-rank metadata, which lmforge does not read")
+            raise UserError(
+                f"checkpoint '{self.folder}' asks for per-rank metadata, which lmforge does not read"
+            )
         if self._metadata is None:
             self._metadata = read_metadata(self.folder)
         self._metadata.storage_meta.load_id = self.load_id
@@ -126,8 +168,8 @@ class CheckpointReader(FileSystemReader):
 
 
 class CheckedBytes:
-    """A DCP load planner's `load_bytes` with non-tensor items read by torch's weights-only unpickler (mixed in
-    before the planner class; `folder` names the checkpoint in its refusals)."""
+    """A DCP load planner's `load_bytes` with non-tensor items read by torch's weights-only
+    unpickler (mixed in before the planner class; `folder` names the checkpoint in its refusals)."""
 
     folder: Path
 
@@ -136,11 +178,15 @@ class CheckedBytes:
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise UserError(f"checkpoint '{self.folder}' item {fqn!r} {_unpickled_name(e)} lmforge does not "
-                            "unpickle: nothing was loaded (use a checkpoint from a source you trust)") from None
+            raise UserError(
+                f"checkpoint '{self.folder}' item {fqn!r} {_unpickled_name(e)} lmforge does not "
+                "unpickle: nothing was loaded (use a checkpoint from a source you trust)"
+            ) from None
         except (RuntimeError, EOFError, ValueError) as e:
-            raise UserError(f"checkpoint '{self.folder}' item {fqn!r} is damaged ({_first_line(e)}): use another "
-                            "checkpoint of the run") from None
+            raise UserError(
+                f"checkpoint '{self.folder}' item {fqn!r} is damaged ({_first_line(e)}): use another "
+                "checkpoint of the run"
+            ) from None
         if self.flatten_state_dict:  # placed as DefaultLoadPlanner.load_bytes places it
             from torch.distributed.checkpoint._traverse import set_element
 
@@ -158,17 +204,22 @@ class CheckpointLoadPlanner(CheckedBytes, DefaultLoadPlanner):
 
 
 def _check_shape(metadata: Any, folder: Path, path: Path) -> None:
-    """The metadata is DCP's Metadata, and every storage entry a plain file in `folder` at a sane place."""
+    """The metadata is DCP's Metadata, and every storage entry a plain file in `folder` at a sane
+    place."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     def bad(what: str) -> UserError:
-        return UserError(f"checkpoint metadata '{path}' {what}: lmforge loaded nothing from it (use a checkpoint "
-                         "from a source you trust)")
+        return UserError(
+            f"checkpoint metadata '{path}' {what}: lmforge loaded nothing from it (use a checkpoint "
+            "from a source you trust)"
+        )
 
     if not isinstance(metadata, Metadata):
         raise bad(f"holds a {type(metadata).__name__}, not DCP's Metadata")
-    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(
+        metadata.storage_data, dict
+    ):
         raise bad("is not laid out as DCP writes it")
     root = folder.resolve()
     seen: set[str] = set()
@@ -177,7 +228,11 @@ def _check_shape(metadata: Any, folder: Path, path: Path) -> None:
             raise bad("has a storage entry that is not DCP's")
         name = info.relative_path
         if name not in seen:
-            if not isinstance(name, str) or not _plain_name(name) or not (folder / name).resolve().is_relative_to(root):
+            if (
+                not isinstance(name, str)
+                or not _plain_name(name)
+                or not (folder / name).resolve().is_relative_to(root)
+            ):
                 raise bad(f"names the file {name!r}, outside the checkpoint folder")
             seen.add(name)
         if not all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)):
@@ -189,25 +244,35 @@ def _check_shape(metadata: Any, folder: Path, path: Path) -> None:
 
 
 def _plain_name(name: str) -> bool:
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\0" not in name
+    return (
+        bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and name not in (".", "..")
+        and "\0" not in name
+    )
 
 
 def _refusal(e: BaseException, folder: Path) -> UserError | None:
-    """Our UserError inside a CheckpointException (DCP wraps each rank's failure), or the one line for a tensor
-    item that torch's weights-only unpickler refused."""
+    """Our UserError inside a CheckpointException (DCP wraps each rank's failure), or the one
+    line for a tensor item that torch's weights-only unpickler refused."""
     failures = getattr(e, "failures", {0: e})
     for failure in failures.values():
-        original = failure[0] if isinstance(failure, tuple) else failure  # (exception, its traceback summary)
+        # (exception, its traceback summary)
+        original = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(original, UserError):
             return original
         if isinstance(original, pickle.UnpicklingError):
-            return UserError(f"checkpoint '{folder}' holds a tensor item that {_unpickled_name(original)} lmforge "
-                             "does not unpickle: nothing was loaded (use a checkpoint from a source you trust)")
+            return UserError(
+                f"checkpoint '{folder}' holds a tensor item that {_unpickled_name(original)} lmforge "
+                "does not unpickle: nothing was loaded (use a checkpoint from a source you trust)"
+            )
     return None
 
 
 def _unpickled_name(e: pickle.UnpicklingError) -> str:
-    """'names builtins.eval, which' from torch's weights-only refusal (which leaves builtins' module out)."""
+    """'names builtins.eval, which' from torch's weights-only refusal (which leaves builtins'
+    module out)."""
     named = re.search(r"GLOBAL ([\w.]+)", str(e))
     if named is None:
         return "is not plain data, which"

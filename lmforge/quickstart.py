@@ -28,21 +28,46 @@ log = logging.getLogger(__name__)
 
 # A Pythia-shaped model (parallel residual, rotary on 25% of each head) that learns visibly in
 # a couple of minutes on two CPU cores.
-MODEL = {"family": "gpt_neox", "vocab_size": 4096, "hidden_size": 128, "num_layers": 4, "num_heads": 4,
-         "max_position_embeddings": 128, "parallel_residual": True, "rotary_pct": 0.25}
-# The [5/6] sample; the printed `lmforge generate` command passes the same, so it prints the same text.
+MODEL = {
+    "family": "gpt_neox",
+    "vocab_size": 4096,
+    "hidden_size": 128,
+    "num_layers": 4,
+    "num_heads": 4,
+    "max_position_embeddings": 128,
+    "parallel_residual": True,
+    "rotary_pct": 0.25,
+}
+# The [5/6] sample; the printed `lmforge generate` command passes the same, so it prints the same
+# text.
 PROMPT = "Return a new list"
 SAMPLING = {"max_new_tokens": 40, "temperature": 0.8, "top_k": 40, "seed": 0}
 
-# Written into --out before anything else: a rerun replaces what quickstart made only in a folder holding it.
+# Written into --out before anything else: a rerun replaces what quickstart made only in a folder
+# holding it.
 MARKER = ".lmforge-quickstart"
-# What quickstart (and the trainer it runs) writes under --out, to recognise a folder an earlier quickstart made
-# before it wrote MARKER. A last `**` matches any path below; leftovers of killed writes (fsutil.LEFTOVER) too.
-OWN = ("corpus.jsonl", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
-       "data/stdlib_text_document.bin", "data/stdlib_text_document.idx", "data/cache/stdlib_text_document-*",
-       "model/*.json", "model/*.safetensors", "hf/*.json", "hf/*.safetensors",
-       "run/config.yaml", "run/metrics.jsonl", "run/finished.json", "run/history.jsonl", "run/run.lock",
-       "run/tensorboard/**", "run/checkpoints/**")
+# What quickstart (and the trainer it runs) writes under --out, to recognise a folder an earlier
+# quickstart made before it wrote MARKER. A last `**` matches any path below; leftovers of killed
+# writes (fsutil.LEFTOVER) too.
+OWN = (
+    "corpus.jsonl",
+    "tokenizer/tokenizer.json",
+    "tokenizer/tokenizer_config.json",
+    "data/stdlib_text_document.bin",
+    "data/stdlib_text_document.idx",
+    "data/cache/stdlib_text_document-*",
+    "model/*.json",
+    "model/*.safetensors",
+    "hf/*.json",
+    "hf/*.safetensors",
+    "run/config.yaml",
+    "run/metrics.jsonl",
+    "run/finished.json",
+    "run/history.jsonl",
+    "run/run.lock",
+    "run/tensorboard/**",
+    "run/checkpoints/**",
+)
 
 
 def gather_corpus(out: Path, max_chars: int = 3_000_000) -> tuple[int, int]:
@@ -56,9 +81,13 @@ def gather_corpus(out: Path, max_chars: int = 3_000_000) -> tuple[int, int]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
-        texts = [d for node in ast.walk(tree)
-                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                 and (d := ast.get_docstring(node)) and len(d) > 40]
+        texts = [
+            d
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and (d := ast.get_docstring(node))
+            and len(d) > 40
+        ]
         if texts:
             text = "\n\n".join(texts)
             lines.append(json.dumps({"title": path.stem, "text": text}) + "\n")
@@ -77,7 +106,8 @@ def check_arguments(minutes: float, max_steps: int) -> None:
 
 
 def _files(folder: Path, parts: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], bool]]:
-    """(path parts below `folder`, whether a plain file) of everything not a folder, in order; a link is no file."""
+    """(path parts below `folder`, whether a plain file) of everything not a folder, in order; a
+    link is no file."""
     for path in sorted(folder.iterdir()):
         if path.is_dir() and not path.is_symlink():
             yield from _files(path, (*parts, path.name))
@@ -108,8 +138,9 @@ def _quickstart_corpus(path: Path) -> bool:
 
 
 def not_quickstarts(out: Path) -> str | None:
-    """Why the existing folder `out`, without MARKER, is no quickstart's; None where it is empty or an earlier
-    quickstart's: nothing but what quickstart writes (OWN), starting with the corpus it writes first."""
+    """Why the existing folder `out`, without MARKER, is no quickstart's; None where it is empty
+    or an earlier quickstart's: nothing but what quickstart writes (OWN), starting with the
+    corpus it writes first."""
     foreign, own = [], []
     for parts, plain in _files(out):
         (own if plain and _own(parts) else foreign).append("/".join(parts))
@@ -128,8 +159,9 @@ def not_quickstarts(out: Path) -> str | None:
 
 
 def claim_folder(out: Path) -> None:
-    """Make `out` quickstart's: create it, or check an existing one is empty or quickstart's (its MARKER, or
-    recognised), then write MARKER. Everything quickstart replaces lies in a folder it claimed."""
+    """Make `out` quickstart's: create it, or check an existing one is empty or quickstart's (its
+    MARKER, or recognised), then write MARKER. Everything quickstart replaces lies in a folder it
+    claimed."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out '{out}' is a file, not a folder: choose another --out")
     marker = out / MARKER
@@ -138,30 +170,39 @@ def claim_folder(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not marker.is_file():
-            atomic_write(marker, "made by `lmforge quickstart`: a rerun replaces what it made here\n")
+            atomic_write(
+                marker, "made by `lmforge quickstart`: a rerun replaces what it made here\n"
+            )
     except OSError as e:
-        raise UserError(f"cannot make the folder --out '{out}': {e.strerror or e}: choose another --out") from None
+        raise UserError(
+            f"cannot make the folder --out '{out}': {e.strerror or e}: choose another --out"
+        ) from None
 
 
 def next_steps(run_dir: Path, hf_dir: Path) -> str:
     """The commands to try next; `lmforge generate` prints the [5/6] sample again."""
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in SAMPLING.items())
     hf = shlex.quote(str(hf_dir))
-    kwargs = ", ".join(f"{k}={v}" for k, v in SAMPLING.items() if k != "seed")  # transformers' generate has no seed
+    # transformers' generate has no seed
+    kwargs = ", ".join(f"{k}={v}" for k, v in SAMPLING.items() if k != "seed")
     # JSON strings are Python strings in double quotes, which the shell's single quotes leave alone.
-    code = (f"import transformers as t; print(t.pipeline(\"text-generation\", {json.dumps(str(hf_dir))})"
-            f"({json.dumps(PROMPT)}, {kwargs}, do_sample=True)[0][\"generated_text\"])")
-    return (f"  tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}\n"
-            f"  lmforge generate {hf} --prompt {shlex.quote(PROMPT)} {flags}  # the sample above again\n"
-            f"  lmforge serve {hf}\n"
-            "  # with Hugging Face transformers, which lmforge does not install (pip install transformers):\n"
-            f"  python -c {shlex.quote(code)}")
+    code = (
+        f'import transformers as t; print(t.pipeline("text-generation", {json.dumps(str(hf_dir))})'
+        f'({json.dumps(PROMPT)}, {kwargs}, do_sample=True)[0]["generated_text"])'
+    )
+    return (
+        f"  tensorboard --logdir {shlex.quote(str(run_dir / 'tensorboard'))}\n"
+        f"  lmforge generate {hf} --prompt {shlex.quote(PROMPT)} {flags}  # the sample above again\n"
+        f"  lmforge serve {hf}\n"
+        "  # with Hugging Face transformers, which lmforge does not install (pip install transformers):\n"
+        f"  python -c {shlex.quote(code)}"
+    )
 
 
 def clear_run(run_dir: Path, resume: bool) -> bool:
-    """Remove the run an earlier quickstart left (unless `resume`); True if there was one. It is renamed
-    first, so a kill during the deletion leaves no half-deleted run where the next one starts; what such
-    a kill left is removed here too."""
+    """Remove the run an earlier quickstart left (unless `resume`); True if there was one. It is
+    renamed first, so a kill during the deletion leaves no half-deleted run where the next one
+    starts; what such a kill left is removed here too."""
     for stale in run_dir.parent.glob(f".{run_dir.name}.old-*"):
         shutil.rmtree(stale, ignore_errors=True)
     if resume or not run_dir.exists():
@@ -172,12 +213,18 @@ def clear_run(run_dir: Path, resume: bool) -> bool:
     return True
 
 
-def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[[str], None] = log.info,
-        max_steps: int = 600, resume: bool = False) -> dict:
+def run(
+    out_dir: str | Path = "quickstart",
+    minutes: float = 3.0,
+    say: Callable[[str], None] = log.info,
+    max_steps: int = 600,
+    resume: bool = False,
+) -> dict:
     """The whole walk-through; `say` reports each step (the CLI passes print). Training stops at
     `max_steps` or after `minutes`, whichever comes first. A run left in `out_dir` by an earlier
-    quickstart is removed first (the corpus, tokenizer and data are rebuilt anyway), or continued with
-    `resume`. Only a new or empty `out_dir`, or one a quickstart made, is written to (claim_folder)."""
+    quickstart is removed first (the corpus, tokenizer and data are rebuilt anyway), or continued
+    with `resume`. Only a new or empty `out_dir`, or one a quickstart made, is written to
+    (claim_folder)."""
     from lmforge.data.preprocess import preprocess
     from lmforge.data.tokenizer_train import train_tokenizer
     from lmforge.inference import generate_text
@@ -194,41 +241,63 @@ def run(out_dir: str | Path = "quickstart", minutes: float = 3.0, say: Callable[
 
     corpus = out / "corpus.jsonl"
     docs, chars = gather_corpus(corpus)
-    say(f"[1/6] corpus: {docs} documents, {chars / 1e6:.1f} M characters of Python standard-library docstrings "
-        f"-> {corpus}")
+    say(
+        f"[1/6] corpus: {docs} documents, {chars / 1e6:.1f} M characters of Python standard-library docstrings "
+        f"-> {corpus}"
+    )
 
     tok_dir = out / "tokenizer"
     train_tokenizer([corpus], MODEL["vocab_size"], tok_dir, overwrite=True)
     tokenizer = load_tokenizer(tok_dir)
-    say(f"[2/6] tokenizer: byte-level BPE, {tokenizer.vocab_size} tokens -> {tok_dir}/tokenizer.json")
+    say(
+        f"[2/6] tokenizer: byte-level BPE, {tokenizer.vocab_size} tokens -> {tok_dir}/tokenizer.json"
+    )
 
     prefix = out / "data" / "stdlib"
     prefix.parent.mkdir(exist_ok=True)
     stats = preprocess([corpus], prefix, tok_dir, append_eod=True, progress=False)
-    say(f"[3/6] preprocess: {stats.tokens:,} tokens in {stats.documents} documents -> {prefix}_text_document.bin/.idx")
+    say(
+        f"[3/6] preprocess: {stats.tokens:,} tokens in {stats.documents} documents -> {prefix}_text_document.bin/.idx"
+    )
 
     run_dir = out / "run"
     if clear_run(run_dir, resume):
         say(f"      removed the previous run in {run_dir} (--resume continues it instead)")
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
-        f"data.paths=[{prefix}_text_document]", f"data.tokenizer={tok_dir}", "data.split=95,5,0",
-        "data.seq_length=128", f"trainer.max_steps={max_steps}", f"trainer.max_minutes={minutes}",
-        "trainer.global_batch_size=16", "trainer.micro_batch_size=16", "trainer.precision=fp32",
-        f"trainer.val_check_interval={min(50, max(1, max_steps // 2))}", "trainer.val_batches=4",
-        "optim.lr=3e-3", "optim.min_lr=3e-4",
-        "optim.warmup_steps=30", "optim.weight_decay=0.01", "checkpoint.save_top_k=1", f"run_dir={run_dir}",
+        f"data.paths=[{prefix}_text_document]",
+        f"data.tokenizer={tok_dir}",
+        "data.split=95,5,0",
+        "data.seq_length=128",
+        f"trainer.max_steps={max_steps}",
+        f"trainer.max_minutes={minutes}",
+        "trainer.global_batch_size=16",
+        "trainer.micro_batch_size=16",
+        "trainer.precision=fp32",
+        f"trainer.val_check_interval={min(50, max(1, max_steps // 2))}",
+        "trainer.val_batches=4",
+        "optim.lr=3e-3",
+        "optim.min_lr=3e-4",
+        "optim.warmup_steps=30",
+        "optim.weight_decay=0.01",
+        "checkpoint.save_top_k=1",
+        f"run_dir={run_dir}",
     ]
     cfg = load_run_config(None, overrides)
-    say(f"[4/6] pretrain: Pythia-shaped model ({MODEL['num_layers']} layers, d={MODEL['hidden_size']}), "
-        f"up to {minutes:g} minutes")
+    say(
+        f"[4/6] pretrain: Pythia-shaped model ({MODEL['num_layers']} layers, d={MODEL['hidden_size']}), "
+        f"up to {minutes:g} minutes"
+    )
     trainer = Trainer(cfg)
     last = trainer.fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     say("      validation loss: " + "  ".join(f"step {s}: {v:.2f}" for s, v in val))
-    if trainer.finished:  # the trainer's own line names trainer.max_steps and says nothing is written
-        say(f"      the run is at step {trainer.end_step} already (--max-steps {max_steps}): nothing to train; "
-            "raise --max-steps to train it further")
+    # the trainer's own line names trainer.max_steps and says nothing is written
+    if trainer.finished:
+        say(
+            f"      the run is at step {trainer.end_step} already (--max-steps {max_steps}): nothing to train; "
+            "raise --max-steps to train it further"
+        )
     else:
         say(f"      {trainer.summary(last)}")
 

@@ -2,16 +2,18 @@
 
 Three kinds of file are read:
 
-* a Hugging Face `tokenizer.json` (GPT-NeoX/Pythia's `20B_tokenizer.json`, GPT-2, ...), run by `tokenizers`;
+* a Hugging Face `tokenizer.json` (GPT-NeoX/Pythia's `20B_tokenizer.json`, GPT-2, ...), run by
+  `tokenizers`;
 * OpenAI's GPT-2 `vocab.json` + `merges.txt` (byte-level BPE), also run by `tokenizers`;
 * a SentencePiece `.model` (Llama 2), run by `sentencepiece`, so ids are exactly Meta's.
 
 `encode` treats its input as plain text: a literal "<|endoftext|>" or "<s>" inside a document is
 tokenized as characters, never turned into a control id. Control ids are added by id (`add_bos`,
-Megatron's `append_eod`), so text scraped from the web cannot forge document boundaries. Hugging Face
-tokenizers parse such strings by default; `split_special_tokens=True` there gives our ids. Setting
-`parse_special_tokens = True` gives theirs (and Megatron's preprocessing tool's); a SentencePiece model then
-encodes as the tokenizer.json of its export does (sentencepiece itself never parses its control pieces in text).
+Megatron's `append_eod`), so text scraped from the web cannot forge document boundaries. Hugging
+Face tokenizers parse such strings by default; `split_special_tokens=True` there gives our ids.
+Setting `parse_special_tokens = True` gives theirs (and Megatron's preprocessing tool's); a
+SentencePiece model then encodes as the tokenizer.json of its export does (sentencepiece itself
+never parses its control pieces in text).
 """
 
 from __future__ import annotations
@@ -52,14 +54,15 @@ class Tokenizer(ABC):
     pad_id: int | None = None
     files: list[Path]
     parse_special_tokens: bool = False  # see the module docstring
-    # What the files themselves say about bos (tokenizer_config.json's add_bos_token, a tokenizer.json
-    # template that prepends it); None when they say nothing. Read by add_bos_token.
+    # What the files themselves say about bos (tokenizer_config.json's add_bos_token, a
+    # tokenizer.json template that prepends it); None when they say nothing. Read by add_bos_token.
     _declared_add_bos: bool | None = None
 
     @contextlib.contextmanager
     def reading_special_tokens(self):
-        """Inside, special-token text becomes those tokens, as a Hugging Face tokenizer reads it by default: for a
-        whole model input its caller controls (an eval task, a raw completions prompt), never for a chat turn."""
+        """Inside, special-token text becomes those tokens, as a Hugging Face tokenizer reads it
+        by default: for a whole model input its caller controls (an eval task, a raw completions
+        prompt), never for a chat turn."""
         parsing = self.parse_special_tokens
         self.parse_special_tokens = True
         try:
@@ -69,18 +72,21 @@ class Tokenizer(ABC):
 
     @property
     def add_bos_token(self) -> bool:
-        """Whether the texts this tokenizer's models read start with bos: prompts (generate, serve, the chat
-        fallback) and fine-tuning examples get one exactly when this is True. transformers' name and rule:
+        """Whether the texts this tokenizer's models read start with bos: prompts (generate, serve,
+        the chat fallback) and fine-tuning examples get one exactly when this is True. transformers'
+        name and rule:
 
-        * the files decide when they say: tokenizer_config.json's "add_bos_token" (Llama 2's published
-          folders say true), else a tokenizer.json's post-processor, as in AutoTokenizer (transformers 5 reads
-          no add_bos_token beside a tokenizer.json): a template that prepends bos (Llama 3's "<|begin_of_text|>
-          $A") says yes; one that does not (transformers 5's re-saved "$A"), GPT-2's ByteLevel or none say no;
-        * files that say nothing (a bare SentencePiece .model, GPT-2's vocab.json + merges.txt): bos is added
-          when it is a control token of its own, distinct from the end-of-document
-          token. Llama 2's <s> is; GPT-2 and GPT-NeoX/Pythia have only <|endoftext|> for bos, eos and eod, and
-          their prompts start without it, as with AutoTokenizer. Comparing with eod, not eos, matters where the
-          two differ: Qwen's chat tokenizers name <|im_end|> eos, and their <|endoftext|> is no bos to prepend.
+        * the files decide when they say: tokenizer_config.json's "add_bos_token" (Llama 2's
+          published folders say true), else a tokenizer.json's post-processor, as in AutoTokenizer
+          (transformers 5 reads no add_bos_token beside a tokenizer.json): a template that prepends
+          bos (Llama 3's "<|begin_of_text|> $A") says yes; one that does not (transformers 5's
+          re-saved "$A"), GPT-2's ByteLevel or none say no;
+        * files that say nothing (a bare SentencePiece .model, GPT-2's vocab.json + merges.txt): bos
+          is added when it is a control token of its own, distinct from the end-of-document token.
+          Llama 2's <s> is; GPT-2 and GPT-NeoX/Pythia have only <|endoftext|> for bos, eos and eod,
+          and their prompts start without it, as with AutoTokenizer. Comparing with eod, not eos,
+          matters where the two differ: Qwen's chat tokenizers name <|im_end|> eos, and their
+          <|endoftext|> is no bos to prepend.
         """
         if self.bos_id is None:
             return False
@@ -90,18 +96,27 @@ class Tokenizer(ABC):
 
     @property
     def padding_id(self) -> int:
-        """The id batches are right-padded with: pad, else eos (GPT-2 and Llama 2 have no pad), else 0."""
-        return self.pad_id if self.pad_id is not None else self.eos_id if self.eos_id is not None else 0
+        """The id batches are right-padded with: pad, else eos (GPT-2 and Llama 2 have no pad),
+        else 0."""
+        return (
+            self.pad_id
+            if self.pad_id is not None
+            else self.eos_id
+            if self.eos_id is not None
+            else 0
+        )
 
     def model_special_ids(self, declared: dict, classifier: bool = False) -> dict:
-        """bos_token_id, eos_token_id and pad_token_id for a model that reads this tokenizer's ids, from those a
-        config `declared` (a preset's are its own tokenizer's: Pythia's eos 0 is "!" to GPT-2's vocabulary).
+        """bos_token_id, eos_token_id and pad_token_id for a model that reads this tokenizer's
+        ids, from those a config `declared` (a preset's are its own tokenizer's: Pythia's eos 0
+        is "!" to GPT-2's vocabulary).
 
-        The tokenizer's id wins; a declared id stays where the tokenizer names none and it is a special token
-        of this tokenizer (Llama 3's bos from a tokenizer.json that does not say), and declared eos ids that
-        are special tokens stay beside the tokenizer's (Llama 3 Instruct's <|eot_id|> and <|end_of_text|>).
-        A classifier always gets a pad id, the one its batches are padded with: transformers' decoder
-        classifiers find each row's last token by it, and without one refuse a batch of two."""
+        The tokenizer's id wins; a declared id stays where the tokenizer names none and it is a
+        special token of this tokenizer (Llama 3's bos from a tokenizer.json that does not say),
+        and declared eos ids that are special tokens stay beside the tokenizer's (Llama 3
+        Instruct's <|eot_id|> and <|end_of_text|>). A classifier always gets a pad id, the one
+        its batches are padded with: transformers' decoder classifiers find each row's last token
+        by it, and without one refuse a batch of two."""
         ids = {}
         for key, own in (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id)):
             value = declared.get(f"{key}_token_id")
@@ -112,7 +127,9 @@ class Tokenizer(ABC):
             elif own in listed:
                 ids[key] = value
             elif key == "eos" and special:
-                ids[key] = [*listed, own]  # an eos the config names stops generation as well as the tokenizer's
+                # an eos the config names stops generation as well as the
+                # tokenizer's
+                ids[key] = [*listed, own]
             else:
                 ids[key] = own
         if classifier and ids["pad"] is None:
@@ -125,8 +142,9 @@ class Tokenizer(ABC):
 
     @property
     def special_tokens(self) -> dict[str, int]:
-        """Every control token by its text, each one id to transformers' tokenizer(text): a tokenizer.json's added
-        tokens flagged special; a SentencePiece model's control and unknown pieces (its export's tokenizer.json's)."""
+        """Every control token by its text, each one id to transformers' tokenizer(text): a
+        tokenizer.json's added tokens flagged special; a SentencePiece model's control and
+        unknown pieces (its export's tokenizer.json's)."""
         return {}
 
     @abstractmethod
@@ -135,12 +153,14 @@ class Tokenizer(ABC):
     @abstractmethod
     def _encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
-    def encode_batch_offsets(self, texts: list[str], continued: Sequence[bool] | None = None
-                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """Each text's ids and, per id, the characters [start, end) of the text it covers (no bos). `continued[i]`:
-        text i follows a special token in the same input (a chat's run after "<s>"), which a tokenizer that puts a
-        prefix space only at the start of an input (Metaspace's prepend_scheme "first") does not give one. This
-        generic way decodes each prefix of the ids (quadratic); the tokenizers lmforge loads override it."""
+    def encode_batch_offsets(
+        self, texts: list[str], continued: Sequence[bool] | None = None
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids and, per id, the characters [start, end) of the text it covers (no
+        bos). `continued[i]`: text i follows a special token in the same input (a chat's run
+        after "<s>"), which a tokenizer that puts a prefix space only at the start of an input
+        (Metaspace's prepend_scheme "first") does not give one. This generic way decodes each
+        prefix of the ids (quadratic); the tokenizers lmforge loads override it."""
         out = []
         for ids in self._encode_batch(list(texts)):
             ends = [len(self.decode(ids[: k + 1])) for k in range(len(ids))]
@@ -169,12 +189,18 @@ class Tokenizer(ABC):
         return [self.bos_id] if add_bos else []
 
     def save(self, out_dir: Path) -> None:
-        """Copy the source files (and HF's config files beside them) into `out_dir`, keeping names."""
+        """Copy the source files (and HF's config files beside them) into `out_dir`, keeping
+        names."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        # The chat template travels with the tokenizer: a fine-tuned model is then prompted as it was trained.
-        extras = [folder_file(f.parent, name) for f in self.files for name in (*CONFIG_FILES, "chat_template.jinja")
-                  if (f.parent / name).is_file()]
+        # The chat template travels with the tokenizer: a fine-tuned model is then prompted as it
+        # was trained.
+        extras = [
+            folder_file(f.parent, name)
+            for f in self.files
+            for name in (*CONFIG_FILES, "chat_template.jinja")
+            if (f.parent / name).is_file()
+        ]
         for src in dict.fromkeys(self.files + extras):
             dst = out_dir / src.name
             if not (dst.exists() and dst.samefile(src)):
@@ -182,8 +208,8 @@ class Tokenizer(ABC):
         logger.debug("saved tokenizer files %s to %s", [f.name for f in self.files], out_dir)
 
     def _set_special_ids(self) -> None:
-        """Let HF config files beside the tokenizer decide bos/eos/pad, a null there meaning none, as transformers
-        reads them (lmforge.tokenizer_specials); then pick eod."""
+        """Let HF config files beside the tokenizer decide bos/eos/pad, a null there meaning
+        none, as transformers reads them (lmforge.tokenizer_specials); then pick eod."""
         declared, self._declared_add_bos = declared_special_tokens(self.files[0].parent)
         for key, text in declared.items():
             if text is None or (i := self.token_to_id(text)) is not None:
@@ -208,16 +234,20 @@ class HFTokenizer(Tokenizer):
         self.files = files
         # max id + 1 rather than a count: an embedding needs a row for every id, holes included.
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
-        # Guesses, for files that say nothing: the config files' bos/eos/pad (nulls too) win in _set_special_ids.
+        # Guesses, for files that say nothing: the config files' bos/eos/pad (nulls too) win in
+        # _set_special_ids.
         self.eos_id = self._first_id(ENDOFTEXT, "</s>")
         self.bos_id = self._first_id(ENDOFTEXT, "<s>")
         self.pad_id = self._first_id(*PAD_TOKENS)
         self._set_special_ids()
         if self._declared_add_bos is None and self.bos_id is not None:
-            # AutoTokenizer adds what the post-processor adds: a template that prepends bos (Llama 3) shows in the
-            # encoding of an empty text; one that does not (transformers 5 writes "single": "$A" for every tokenizer
-            # it saves), GPT-2's ByteLevel one or none at all add no bos.
-            self._declared_add_bos = tok.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
+            # AutoTokenizer adds what the post-processor adds: a template that prepends bos (Llama
+            # 3) shows in the encoding of an empty text; one that does not (transformers 5 writes
+            # "single": "$A" for every tokenizer it saves), GPT-2's ByteLevel one or none at all add
+            # no bos.
+            self._declared_add_bos = tok.encode("", add_special_tokens=True).ids[:1] == [
+                self.bos_id
+            ]
 
     @property
     def parse_special_tokens(self) -> bool:
@@ -242,35 +272,43 @@ class HFTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # add_special_tokens=False: a post-processor template (e.g. Llama's "<s> $A") must not add bos.
-        # encode_batch_fast (newer tokenizers) gives the same ids without tracking character offsets, which
-        # we never read: about a quarter less CPU time on GPT-2 BPE. Older releases lack it: encode_batch.
+        # add_special_tokens=False: a post-processor template (e.g. Llama's "<s> $A") must not add
+        # bos. encode_batch_fast (newer tokenizers) gives the same ids without tracking character
+        # offsets, which we never read: about a quarter less CPU time on GPT-2 BPE. Older releases
+        # lack it: encode_batch.
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in batch(texts, add_special_tokens=False)]
 
-    def encode_batch_offsets(self, texts: list[str], continued: Sequence[bool] | None = None
-                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    def encode_batch_offsets(
+        self, texts: list[str], continued: Sequence[bool] | None = None
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
         out: list = [None] * len(texts)
         inner = self._inner_tokenizer() if continued is not None and any(continued) else None
         for tok, wanted in ((self._tok, False), (inner, True)):
-            picked = [i for i in range(len(texts)) if (inner is not None and bool(continued[i])) == wanted]
+            picked = [
+                i for i in range(len(texts)) if (inner is not None and bool(continued[i])) == wanted
+            ]
             if tok is None or not picked:
                 continue
-            for i, e in zip(picked, tok.encode_batch([texts[i] for i in picked], add_special_tokens=False)):
+            for i, e in zip(
+                picked, tok.encode_batch([texts[i] for i in picked], add_special_tokens=False)
+            ):
                 out[i] = (e.ids, e.offsets)
         return out
 
     def _inner_tokenizer(self) -> hf.Tokenizer | None:
-        """This tokenizer without its prefix space, for text inside an input, where a Metaspace pre-tokenizer with
-        prepend_scheme "first" (transformers' non-legacy Llama/Mistral conversion) writes none; None where text
-        inside an input is tokenized as at its start anyway."""
+        """This tokenizer without its prefix space, for text inside an input, where a Metaspace
+        pre-tokenizer with prepend_scheme "first" (transformers' non-legacy Llama/Mistral
+        conversion) writes none; None where text inside an input is tokenized as at its start
+        anyway."""
         if not hasattr(self, "_inner"):
             self._inner = None
             pre = self._tok.pre_tokenizer
             if isinstance(pre, pre_tokenizers.Metaspace) and pre.prepend_scheme == "first":
                 inner = hf.Tokenizer.from_str(self._tok.to_str())
-                inner.pre_tokenizer = pre_tokenizers.Metaspace(replacement=pre.replacement, prepend_scheme="never",
-                                                               split=pre.split)
+                inner.pre_tokenizer = pre_tokenizers.Metaspace(
+                    replacement=pre.replacement, prepend_scheme="never", split=pre.split
+                )
                 inner.encode_special_tokens = True
                 self._inner = inner
         return self._inner
@@ -293,7 +331,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.files = files
         self.vocab_size = sp.get_piece_size()
         ids = (sp.bos_id(), sp.eos_id(), sp.pad_id(), sp.unk_id())
-        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (i if i >= 0 else None for i in ids)  # -1 means none
+        # -1 means none
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (i if i >= 0 else None for i in ids)
         self._set_special_ids()
 
     def is_special(self, i: int) -> bool:
@@ -301,8 +340,11 @@ class SentencePieceTokenizer(Tokenizer):
 
     @property
     def special_tokens(self) -> dict[str, int]:
-        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
-                if self._sp.is_control(i) or self._sp.is_unknown(i)}
+        return {
+            self._sp.id_to_piece(i): i
+            for i in range(self.vocab_size)
+            if self._sp.is_control(i) or self._sp.is_unknown(i)
+        }
 
     def _encode(self, text: str) -> list[int]:
         return self._encode_batch([text])[0]
@@ -313,18 +355,25 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.encode(texts)  # a list in is encoded on sentencepiece's thread pool
 
     def _parser(self) -> hf.Tokenizer | None:
-        """The tokenizer.json lmforge's export writes for this model: AutoTokenizer on the export reads special-token
-        text (WikiText's "<unk>") with it. None for a model it cannot convert."""
+        """The tokenizer.json lmforge's export writes for this model: AutoTokenizer on the export
+        reads special-token text (WikiText's "<unk>") with it. None for a model it cannot
+        convert."""
         if not hasattr(self, "_parsing"):
             from lmforge.sentencepiece_bpe import sentencepiece_tokenizer_json
+
             self._parsing = sentencepiece_tokenizer_json(self)
         return self._parsing
 
-    def encode_batch_offsets(self, texts: list[str], continued: Sequence[bool] | None = None
-                             ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    def encode_batch_offsets(
+        self, texts: list[str], continued: Sequence[bool] | None = None
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
         if self.parse_special_tokens and (parser := self._parser()) is not None:
-            return [(e.ids, e.offsets) for e in parser.encode_batch(list(texts), add_special_tokens=False)]
-        # Meta's tokenizer.model encodes every text with its prefix space (Llama 2's "<s>" then "▁[INST]").
+            return [
+                (e.ids, e.offsets)
+                for e in parser.encode_batch(list(texts), add_special_tokens=False)
+            ]
+        # Meta's tokenizer.model encodes every text with its prefix space (Llama 2's "<s>" then
+        # "▁[INST]").
         try:
             protos = self._sp.encode(texts, out_type="proto")
         except (ValueError, TypeError, RuntimeError):  # sentencepiece before 0.2.1 names it so
@@ -332,8 +381,15 @@ class SentencePieceTokenizer(Tokenizer):
         out = []
         for text, proto in zip(texts, protos):
             # sentencepiece counts UTF-8 bytes: map each byte offset to its character's.
-            chars = [i for i, c in enumerate(text) for _ in range(len(c.encode("utf-8")))] + [len(text)]
-            out.append(([p.id for p in proto.pieces], [(chars[p.begin], chars[p.end]) for p in proto.pieces]))
+            chars = [i for i, c in enumerate(text) for _ in range(len(c.encode("utf-8")))] + [
+                len(text)
+            ]
+            out.append(
+                (
+                    [p.id for p in proto.pieces],
+                    [(chars[p.begin], chars[p.end]) for p in proto.pieces],
+                )
+            )
         return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -359,18 +415,20 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def load_tokenizer(path: str | Path, quiet: bool = False) -> Tokenizer:
-    """Load a tokenizer from a file or a folder (see the module docstring for the kinds); `quiet`: its line at
-    DEBUG (a copy being exported, not the run's tokenizer)."""
+    """Load a tokenizer from a file or a folder (see the module docstring for the kinds);
+    `quiet`: its line at DEBUG (a copy being exported, not the run's tokenizer)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"tokenizer path {path} does not exist: {KINDS_HINT}")
     file = find_tokenizer_file(path) if path.is_dir() else path
     if file is None:
         raise UserError(f"no single tokenizer file found in {path}: {KINDS_HINT}")
-    if path.is_dir():  # a file the folder names; one given by itself is the user's choice, a link or not
+    # a file the folder names; one given by itself is the user's choice, a link or not
+    if path.is_dir():
         folder_file(path, file.name)
     if file.name.endswith(("vocab.json", "merges.txt")):
-        # Pairs share a prefix: HF's vocab.json + merges.txt, Megatron's gpt2-vocab.json + gpt2-merges.txt
+        # Pairs share a prefix: HF's vocab.json + merges.txt, Megatron's gpt2-vocab.json +
+        # gpt2-merges.txt
         prefix = file.name.removesuffix("vocab.json").removesuffix("merges.txt")
         vocab, merges = file.with_name(prefix + "vocab.json"), file.with_name(prefix + "merges.txt")
         missing = merges if file == vocab else vocab
@@ -381,17 +439,34 @@ def load_tokenizer(path: str | Path, quiet: bool = False) -> Tokenizer:
     elif file.suffix == ".json":
         tok = HFTokenizer(_wrap("a tokenizer.json", hf.Tokenizer.from_file, file), [file])
     elif file.suffix == ".model":
-        tok = SentencePieceTokenizer(_wrap("a SentencePiece model", spm.SentencePieceProcessor, file), [file])
+        tok = SentencePieceTokenizer(
+            _wrap("a SentencePiece model", spm.SentencePieceProcessor, file), [file]
+        )
     else:
         raise UserError(f"unknown tokenizer file kind {file}: {KINDS_HINT}")
-    # Once per file and process at INFO: a run's start, its export and the export's folder each load it again.
-    logger.log(logging.DEBUG if quiet or file.resolve() in _SAID else logging.INFO, "loaded %r", tok)
+    # Once per file and process at INFO: a run's start, its export and the export's folder each load
+    # it again.
+    logger.log(
+        logging.DEBUG if quiet or file.resolve() in _SAID else logging.INFO, "loaded %r", tok
+    )
     _SAID.add(file.resolve())
-    if tok.vocab_size < 100:  # no real vocabulary is this small; a byte-level one alone has 256 pieces
-        others = sorted(f.name for f in file.parent.iterdir() if f != file and f.name.endswith((".json", ".model"))
-                        and "tokenizer" in f.name) if path.is_dir() else []
-        logger.warning("tokenizer %s has only %d tokens: is it the model's? Every text will come out as a few ids%s",
-                       file, tok.vocab_size, f" (the folder also holds {', '.join(others)})" if others else "")
+    # no real vocabulary is this small; a byte-level one alone has 256 pieces
+    if tok.vocab_size < 100:
+        others = (
+            sorted(
+                f.name
+                for f in file.parent.iterdir()
+                if f != file and f.name.endswith((".json", ".model")) and "tokenizer" in f.name
+            )
+            if path.is_dir()
+            else []
+        )
+        logger.warning(
+            "tokenizer %s has only %d tokens: is it the model's? Every text will come out as a few ids%s",
+            file,
+            tok.vocab_size,
+            f" (the folder also holds {', '.join(others)})" if others else "",
+        )
     return tok
 
 
@@ -419,11 +494,13 @@ def find_tokenizer_file(folder: str | Path) -> Path | None:
 
 def _load_gpt2_bpe(vocab: Path, merges: Path) -> HFTokenizer:
     tok = hf.Tokenizer(_wrap("GPT-2 BPE", models.BPE.from_file, vocab, merges))
-    # OpenAI's encoder.py adds no prefix space: "Hello" at the start of a text stays one token without "Ġ".
+    # OpenAI's encoder.py adds no prefix space: "Hello" at the start of a text stays one token
+    # without "Ġ".
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     if tok.token_to_id(ENDOFTEXT) is not None:
-        tok.add_special_tokens([ENDOFTEXT])  # keeps its id 50256; marks it special for skip_special_tokens
+        # keeps its id 50256; marks it special for skip_special_tokens
+        tok.add_special_tokens([ENDOFTEXT])
     return HFTokenizer(tok, [vocab, merges])
 
 
@@ -431,7 +508,10 @@ def _wrap(what: str, load, *files: Path):
     """Call a third-party loader, turning its failure on a bad file into a one-line UserError."""
     try:
         return load(*map(str, files))
-    except Exception as e:  # the libraries raise bare Exception/RuntimeError with their parser's message
+    # the libraries raise bare Exception/RuntimeError with their parser's message
+    except Exception as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         names = " + ".join(map(str, files))
-        raise UserError(f"cannot read {names} as {what} ({reason}): check the file is intact") from e
+        raise UserError(
+            f"cannot read {names} as {what} ({reason}): check the file is intact"
+        ) from e

@@ -43,7 +43,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # a bare checkout
+# a bare checkout
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import torch  # noqa: E402
 from gpu_checks import CHECKS, Context, Result, Skip, free, log  # noqa: E402 (scripts/gpu_checks/)
@@ -62,12 +63,18 @@ def run_check(name: str, ctx: Context) -> Result:
     except Skip as e:
         result = Result(name, "skip", str(e), 0.0)
     except Exception as e:  # any failure is recorded, and the other checks still run
-        # The message's head (a compiler's error comes first, its log after) and where it was raised.
+        # The message's head (a compiler's error comes first, its log after) and where it was
+        # raised.
         message = "".join(traceback.format_exception_only(e))
         frames = "".join(traceback.format_tb(e.__traceback__))
         first = next((line for line in str(e).splitlines() if line.strip()), "")[:300]
-        result = Result(name, "fail", f"{type(e).__name__}: {first}", 0.0,
-                        error=f"{frames[-3000:]}{message[:3000]}")
+        result = Result(
+            name,
+            "fail",
+            f"{type(e).__name__}: {first}",
+            0.0,
+            error=f"{frames[-3000:]}{message[:3000]}",
+        )
     free(ctx)
     result.seconds = time.perf_counter() - start
     log(f"   {result.status} in {result.seconds:.0f} s: {result.summary}")
@@ -78,34 +85,66 @@ def table(results: list[Result]) -> str:
     lines = ["| check | result | figures | seconds |", "| --- | --- | --- | ---: |"]
     for r in results:
         text = r.summary.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {r.name} | {'**fail**' if r.status == 'fail' else r.status} | {text} | {r.seconds:.0f} |")
+        lines.append(
+            f"| {r.name} | {'**fail**' if r.status == 'fail' else r.status} | {text} | {r.seconds:.0f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cuda (default), cuda:1, cpu (the same checks on the CPU) ...")
-    p.add_argument("--quick", action="store_true", help="tiny shapes and few steps (what the CPU test runs)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda (default), cuda:1, cpu (the same checks on the CPU) ...",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes and few steps (what the CPU test runs)"
+    )
     p.add_argument("--only", default=None, help=f"comma-separated checks, of: {','.join(CHECKS)}")
-    p.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON report (default gpu_check.json)")
-    p.add_argument("--compile-backend", default=None, help="the Trainer's compile backend in the train check "
-                   "(default inductor; aot_eager under --quick on the CPU, where inductor's C++ builds take minutes)")
-    p.add_argument("--shared-data", type=Path, default=Path(os.environ.get(
-        "LMFORGE_SHARED_DATA", ROOT.parent / "shared" / "data")), help="folder with tokenizers/ (../shared/data)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("gpu_check.json"),
+        help="the JSON report (default gpu_check.json)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="the Trainer's compile backend in the train check "
+        "(default inductor; aot_eager under --quick on the CPU, where inductor's C++ builds take minutes)",
+    )
+    p.add_argument(
+        "--shared-data",
+        type=Path,
+        default=Path(os.environ.get("LMFORGE_SHARED_DATA", ROOT.parent / "shared" / "data")),
+        help="folder with tokenizers/ (../shared/data)",
+    )
     args = p.parse_args()
-    names = list(CHECKS) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    names = (
+        list(CHECKS)
+        if args.only is None
+        else [n.strip() for n in args.only.split(",") if n.strip()]
+    )
     unknown = [n for n in names if n not in CHECKS]
     if unknown or not names:
-        raise SystemExit(f"error: --only {args.only}: unknown check {', '.join(unknown) or '(none given)'}; "
-                         f"choose from {', '.join(CHECKS)}")
+        raise SystemExit(
+            f"error: --only {args.only}: unknown check {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(CHECKS)}"
+        )
     try:
         device = resolve_device(args.device)
     except UserError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.quick and device.type == "cpu":  # tiny shapes on a shared machine: one thread is the fastest
+    # tiny shapes on a shared machine: one thread is the fastest
+    if args.quick and device.type == "cpu":
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
-    backend = args.compile_backend or ("aot_eager" if args.quick and device.type == "cpu" else "inductor")
+    backend = args.compile_backend or (
+        "aot_eager" if args.quick and device.type == "cpu" else "inductor"
+    )
     started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
     command = "python scripts/gpu_check.py" + "".join(f" {a}" for a in sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,10 +152,19 @@ def main() -> int:
 
     def write() -> dict:  # after every check: a run killed at its time limit keeps what it found
         failed = [r.name for r in results if r.status == "fail"]
-        env = next((r.figures for r in results if r.name == "environment" and r.status == "pass"), {})
-        report = {"command": command, "started": started, "seconds": time.perf_counter() - t0,
-                  "device": str(device), "quick": args.quick, "passed": not failed, "environment": env,
-                  "checks": [r.__dict__ for r in results]}
+        env = next(
+            (r.figures for r in results if r.name == "environment" and r.status == "pass"), {}
+        )
+        report = {
+            "command": command,
+            "started": started,
+            "seconds": time.perf_counter() - t0,
+            "device": str(device),
+            "quick": args.quick,
+            "passed": not failed,
+            "environment": env,
+            "checks": [r.__dict__ for r in results],
+        }
         args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
         return report
 
@@ -127,9 +175,13 @@ def main() -> int:
             report = write()
     failed = [r.name for r in results if r.status == "fail"]
     name = report["environment"].get("name", device.type)
-    print(f"Command: `{command}`; {name}, torch {torch.__version__}, {datetime.date.today()}; "
-          f"{report['seconds']:.0f} s in all.\n\n{table(results)}\n")
-    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}; report in {args.out}")
+    print(
+        f"Command: `{command}`; {name}, torch {torch.__version__}, {datetime.date.today()}; "
+        f"{report['seconds']:.0f} s in all.\n\n{table(results)}\n"
+    )
+    print(
+        f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}; report in {args.out}"
+    )
     return 1 if failed else 0
 
 

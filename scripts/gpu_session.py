@@ -1,5 +1,6 @@
-"""Runs scripts/dev/gpu_session.py (a GPU session's work in one device call) with the same arguments: the development
-tool lives under scripts/dev/, this path stays for the instructions that name it."""
+"""Runs scripts/dev/gpu_session.py (a GPU session's work in one device call) with the same
+arguments: the development tool lives under scripts/dev/, this path stays for the instructions
+that name it."""
 
 import runpy
 import sys

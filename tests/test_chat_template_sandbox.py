@@ -1,6 +1,7 @@
-"""A chat template from a model folder is someone else's code: the known ways out of a Jinja sandbox (attribute
-walks to os and builtins, through lmforge's own globals too, format strings, mutation) are refused or render
-nothing of Python's, and a model folder's Python files (`auto_map`, `trust_remote_code`) are never run."""
+"""A chat template from a model folder is someone else's code: the known ways out of a Jinja
+sandbox (attribute walks to os and builtins, through lmforge's own globals too, format strings,
+mutation) are refused or render nothing of Python's, and a model folder's Python files
+(`auto_map`, `trust_remote_code`) are never run."""
 
 from __future__ import annotations
 
@@ -37,8 +38,14 @@ def tokenizer(tmp_path_factory):
     from lmforge.tokenizers import load_tokenizer
     from tests.eval.conftest import train_tokenizer
 
-    folder = train_tokenizer("the quick brown fox jumps over the lazy dog " * 50, ["<|endoftext|>"], "<|endoftext|>",
-                             "<|endoftext|>", False, tmp_path_factory.mktemp("tok") / "tok")
+    folder = train_tokenizer(
+        "the quick brown fox jumps over the lazy dog " * 50,
+        ["<|endoftext|>"],
+        "<|endoftext|>",
+        "<|endoftext|>",
+        False,
+        tmp_path_factory.mktemp("tok") / "tok",
+    )
     return load_tokenizer(folder / "tokenizer.json")
 
 
@@ -48,7 +55,8 @@ def test_a_sandbox_escape_is_refused_or_renders_nothing_of_python(name, tokenize
     source = ESCAPES[name].replace("{marker}", str(marker))
     try:
         rendered = ChatTemplate(source, tokenizer).render(MESSAGES, True)
-    except (TemplateRefused, Exception) as e:  # refused by the sandbox, or undefined: either way not run
+    # refused by the sandbox, or undefined: either way not run
+    except (TemplateRefused, Exception) as e:
         assert not isinstance(e, (AssertionError, SystemExit)), e
         rendered = ""
     assert not marker.exists(), "the template ran a command"
@@ -59,8 +67,9 @@ def test_a_sandbox_escape_is_refused_or_renders_nothing_of_python(name, tokenize
 
 
 def test_a_model_folders_python_files_never_run(tmp_path):
-    """A Hugging Face folder whose config.json names `auto_map` code (what `trust_remote_code` would import) and
-    holds that code: importing, converting and generating from it never runs the file."""
+    """A Hugging Face folder whose config.json names `auto_map` code (what `trust_remote_code`
+    would import) and holds that code: importing, converting and generating from it never runs
+    the file."""
     pytest.importorskip("transformers")
     from lmforge.models.hf import import_hf
     from lmforge.models.source import load_pretrained
@@ -70,11 +79,18 @@ def test_a_model_folders_python_files_never_run(tmp_path):
     make_hf_model("llama").save_pretrained(folder)
     marker = tmp_path / "ran"
     code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
-    for name in ("modeling_evil.py", "configuration_evil.py", "tokenization_evil.py", "__init__.py"):
+    for name in (
+        "modeling_evil.py",
+        "configuration_evil.py",
+        "tokenization_evil.py",
+        "__init__.py",
+    ):
         (folder / name).write_text(code)
     config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig",
-                          "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilModel",
+    }
     (folder / "config.json").write_text(json.dumps(config))
     load_pretrained(folder)
     import_hf(folder, tmp_path / "imported")

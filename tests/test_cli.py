@@ -16,21 +16,39 @@ tf = pytest.importorskip("transformers")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmforge.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_lists_every_contract_verb():
     out = _run("--help").stdout
-    for verb in ["quickstart", "preprocess", "tokenizer", "pretrain", "finetune", "compile", "import-hf",
-                 "export-hf", "generate", "serve", "compare", "bench"]:
+    for verb in [
+        "quickstart",
+        "preprocess",
+        "tokenizer",
+        "pretrain",
+        "finetune",
+        "compile",
+        "import-hf",
+        "export-hf",
+        "generate",
+        "serve",
+        "compare",
+        "bench",
+    ]:
         assert verb in out and verb in VERBS
 
 
 def test_every_contract_verb_is_built():
     from lmforge.cli import verb_module
 
-    built = {verb for verb in VERBS if callable(getattr(verb_module(verb), "add_arguments", None))
-             and callable(getattr(verb_module(verb), "run", None))}
+    built = {
+        verb
+        for verb in VERBS
+        if callable(getattr(verb_module(verb), "add_arguments", None))
+        and callable(getattr(verb_module(verb), "run", None))
+    }
     assert built == set(VERBS)
 
 
@@ -55,13 +73,28 @@ class Evil:
 def _bad_inputs(hf_dirs, tmp):
     neox = hf_dirs["gpt_neox"]
     q = "gpt_neox.layers.0.attention.dense.weight"
-    yield "unsupported model_type 't5'", edited_copy(neox, tmp / "t5", lambda c: c.update(model_type="t5"))
-    yield f"tensor '{q}' is missing", edited_copy(neox, tmp / "missing", edit_weights=lambda w: w.pop(q))
-    yield (f"tensor '{q}' has shape (64, 32) in the checkpoint but config.json implies (64, 64)",
-           edited_copy(neox, tmp / "shape", edit_weights=lambda w: w.update({q: torch.zeros(64, 32)})))
-    yield "tensor(s) a gpt_neox model has no place for, first 'extra.weight'", edited_copy(
-        neox, tmp / "extra", edit_weights=lambda w: w.update({"extra.weight": torch.zeros(2)}))
-    yield "lacks the field 'hidden_size'", edited_copy(neox, tmp / "field", lambda c: c.pop("hidden_size"))
+    yield (
+        "unsupported model_type 't5'",
+        edited_copy(neox, tmp / "t5", lambda c: c.update(model_type="t5")),
+    )
+    yield (
+        f"tensor '{q}' is missing",
+        edited_copy(neox, tmp / "missing", edit_weights=lambda w: w.pop(q)),
+    )
+    yield (
+        f"tensor '{q}' has shape (64, 32) in the checkpoint but config.json implies (64, 64)",
+        edited_copy(neox, tmp / "shape", edit_weights=lambda w: w.update({q: torch.zeros(64, 32)})),
+    )
+    yield (
+        "tensor(s) a gpt_neox model has no place for, first 'extra.weight'",
+        edited_copy(
+            neox, tmp / "extra", edit_weights=lambda w: w.update({"extra.weight": torch.zeros(2)})
+        ),
+    )
+    yield (
+        "lacks the field 'hidden_size'",
+        edited_copy(neox, tmp / "field", lambda c: c.pop("hidden_size")),
+    )
     pickled = tmp / "pickle"
     pickled.mkdir()
     (pickled / "config.json").write_text((neox / "config.json").read_text())
@@ -69,7 +102,7 @@ def _bad_inputs(hf_dirs, tmp):
     yield "is not a weights-only PyTorch file", pickled
     truncated = edited_copy(neox, tmp / "truncated", lambda c: None)
     weights = truncated / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a download cut short
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a download cut short
     yield f"cannot read '{weights}' (", truncated
     empty = tmp / "empty"
     empty.mkdir()
@@ -86,7 +119,9 @@ def test_bad_inputs_give_one_line_and_leave_nothing(hf_dirs, tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: "), err
         assert expected in err[0], (expected, err[0])
         assert not out.exists()
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")], "temporary folder left behind"
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")], (
+            "temporary folder left behind"
+        )
 
 
 def test_existing_output_is_not_overwritten_without_flag(hf_dirs, tmp_path, capsys):
@@ -102,8 +137,10 @@ def test_existing_output_is_not_overwritten_without_flag(hf_dirs, tmp_path, caps
 
 def test_export_of_a_non_lmforge_folder_is_refused(hf_dirs, tmp_path, capsys):
     assert main(["export-hf", str(hf_dirs["gpt2"]), str(tmp_path / "out")]) == 1
-    assert f"'{hf_dirs['gpt2']}' is a Hugging Face folder already: export-hf reads an lmforge model folder " \
-           "(lmforge.json) or a training checkpoint" in capsys.readouterr().err
+    assert (
+        f"'{hf_dirs['gpt2']}' is a Hugging Face folder already: export-hf reads an lmforge model folder "
+        "(lmforge.json) or a training checkpoint" in capsys.readouterr().err
+    )
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -113,13 +150,26 @@ def test_debug_shows_the_traceback(tmp_path):
         main(["--debug", "import-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")])
 
 
-@pytest.mark.parametrize(("config", "overrides", "expected"), [
-    ("trainer:\n  max_steps: 3\n   bad_indent: 1\n", [],
-     "is not valid YAML (mapping values are not allowed in this context at line 3, column 14): fix that line"),
-    ("- model\n- trainer\n", [], "holds a list, not sections: write it as model:, data:, trainer:"),
-    ("model:\n  preset: tiny-neox\n", ["lora.targets=[q,v"],
-     "override 'lora.targets=[q,v' is not valid YAML after the '=' (did not find expected ',' or ']')"),
-])
+@pytest.mark.parametrize(
+    ("config", "overrides", "expected"),
+    [
+        (
+            "trainer:\n  max_steps: 3\n   bad_indent: 1\n",
+            [],
+            "is not valid YAML (mapping values are not allowed in this context at line 3, column 14): fix that line",
+        ),
+        (
+            "- model\n- trainer\n",
+            [],
+            "holds a list, not sections: write it as model:, data:, trainer:",
+        ),
+        (
+            "model:\n  preset: tiny-neox\n",
+            ["lora.targets=[q,v"],
+            "override 'lora.targets=[q,v' is not valid YAML after the '=' (did not find expected ',' or ']')",
+        ),
+    ],
+)
 def test_a_config_that_does_not_parse_is_one_line(config, overrides, expected, tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(config)
@@ -130,18 +180,24 @@ def test_a_config_that_does_not_parse_is_one_line(config, overrides, expected, t
 
 
 def test_overrides_may_follow_a_verbs_options(tmp_path, capsys):
-    """`lmforge plan cfg.yaml --world-size 8 parallel.tensor=8` read the override as an unknown argument (exit 2)."""
+    """`lmforge plan cfg.yaml --world-size 8 parallel.tensor=8` read the override as an unknown
+    argument (exit 2)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model:\n  preset: tiny-neox\n")
-    assert main(["plan", str(recipe), "--world-size", "1", "trainer.max_stpes=3"]) == 1  # read, and checked
-    assert "unknown config key 'trainer.max_stpes' (did you mean 'trainer.max_steps'?)" in capsys.readouterr().err
+    # read, and checked
+    assert main(["plan", str(recipe), "--world-size", "1", "trainer.max_stpes=3"]) == 1
+    assert (
+        "unknown config key 'trainer.max_stpes' (did you mean 'trainer.max_steps'?)"
+        in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit) as e:
         main(["plan", str(recipe), "--world-size", "1", "--bogus"])
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_a_dashed_override_is_answered_with_the_key_value_form(tmp_path, capsys):
-    """torchtitan's and NeMo's CLIs take --trainer.max_steps=3; lmforge's overrides are key=value."""
+    """torchtitan's and NeMo's CLIs take --trainer.max_steps=3; lmforge's overrides are
+    key=value."""
     with pytest.raises(SystemExit) as e:
         main(["finetune", str(tmp_path / "c.yaml"), "--trainer.max_steps=3"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -150,15 +206,20 @@ def test_a_dashed_override_is_answered_with_the_key_value_form(tmp_path, capsys)
 
 
 def test_the_keys_pretrain_and_finetune_help_names_exist():
-    """`lmforge pretrain --help` / `finetune --help` list keys by name: each one is a field of the run config."""
+    """`lmforge pretrain --help` / `finetune --help` list keys by name: each one is a field of
+    the run config."""
     import dataclasses
     import re
 
     from lmforge.cli.pretrain import FINETUNE_KEYS, RUN_KEYS
     from lmforge.train.config import ModelSection, RunConfig
 
-    named = set(re.findall(r"\b(model|data|trainer|optim|checkpoint|eval|cost|parallel|lora|dpo)\.([a-z_0-9]+)",
-                           RUN_KEYS + FINETUNE_KEYS))
+    named = set(
+        re.findall(
+            r"\b(model|data|trainer|optim|checkpoint|eval|cost|parallel|lora|dpo)\.([a-z_0-9]+)",
+            RUN_KEYS + FINETUNE_KEYS,
+        )
+    )
     assert len(named) > 30
     for section, key in named:
         if section == "model":
@@ -188,28 +249,39 @@ def test_import_of_an_lmforge_folder_and_export_of_a_run_folder_say_what_to_give
     (run / "hf").mkdir()
     (run / "hf" / "config.json").write_text("{}")
     assert main(["import-hf", str(run / "model"), str(tmp_path / "out")]) == 1
-    assert f"'{run / 'model'}' is an lmforge model folder already (lmforge.json)" in capsys.readouterr().err
+    assert (
+        f"'{run / 'model'}' is an lmforge model folder already (lmforge.json)"
+        in capsys.readouterr().err
+    )
     assert main(["export-hf", str(run), str(tmp_path / "out")]) == 1
-    assert capsys.readouterr().err.strip().endswith(f"(RUN_DIR/checkpoints/step-N): give '{run / 'model'}'")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"(RUN_DIR/checkpoints/step-N): give '{run / 'model'}'")
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_export_into_a_folder_in_use_is_refused_before_reading_weights(tmp_path, capsys):
-    """A second export-hf of a checkpoint into the same place loaded the whole model and its tokenizer, then said
-    the output was taken: now it says so first (this checkpoint has nothing else to read)."""
+    """A second export-hf of a checkpoint into the same place loaded the whole model and its
+    tokenizer, then said the output was taken: now it says so first (this checkpoint has nothing
+    else to read)."""
     step = tmp_path / "run" / "checkpoints" / "step-00000002"
     step.mkdir(parents=True)
     (step / "trainer.json").write_text("{}")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text("{}")
     assert main(["export-hf", str(step), str(tmp_path / "out")]) == 1
-    assert capsys.readouterr().err == (f"error: output '{tmp_path / 'out'}' already exists and is not empty: choose "
-                                       "another path or pass --overwrite\n")
+    assert capsys.readouterr().err == (
+        f"error: output '{tmp_path / 'out'}' already exists and is not empty: choose "
+        "another path or pass --overwrite\n"
+    )
 
 
 @pytest.mark.slow
 def test_under_torchrun_only_rank_0_logs_info(tmp_path):
-    """Every rank printed the same INFO lines (8 GPUs: each line 8 times); warnings and errors still come from all."""
+    """Every rank printed the same INFO lines (8 GPUs: each line 8 times); warnings and errors
+    still come from all."""
     import itertools
     import os
 
@@ -218,9 +290,25 @@ def test_under_torchrun_only_rank_0_logs_info(tmp_path):
     outs = (tmp_path / f"tok{i}" for i in itertools.count())
 
     def info_lines(**env) -> int:
-        r = subprocess.run([sys.executable, "-m", "lmforge.cli", "tokenizer", "train", "--input", str(corpus),
-                            "--vocab-size", "280", "--out", str(next(outs))],
-                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lmforge.cli",
+                "tokenizer",
+                "train",
+                "--input",
+                str(corpus),
+                "--vocab-size",
+                "280",
+                "--out",
+                str(next(outs)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **env},
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         return sum(line.startswith("INFO ") for line in r.stderr.splitlines())
 
@@ -230,14 +318,22 @@ def test_under_torchrun_only_rank_0_logs_info(tmp_path):
 
 @needs_torch((2, 10), "lmforge plan of a CUDA run on a machine without one")
 def test_plan_defaults_to_the_layouts_world_and_prints_no_cpp_warning(tmp_path):
-    """`lmforge plan RECIPE` needed --world-size even for one process, and every trace ended in a C++ warning from
-    destroying the fake process group ("No backend of type 0 found")."""
+    """`lmforge plan RECIPE` needed --world-size even for one process, and every trace ended in a
+    C++ warning from destroying the fake process group ("No backend of type 0 found")."""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("model:\n  preset: tiny-llama\n  make_vocab_size_divisible_by: 256\nparallel:\n  tensor: 2\n")
-    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "plan", str(recipe), "data.seq_length=64"],
-                       capture_output=True, text=True, timeout=300)
+    recipe.write_text(
+        "model:\n  preset: tiny-llama\n  make_vocab_size_divisible_by: 256\nparallel:\n  tensor: 2\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", "plan", str(recipe), "data.seq_length=64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "on 2 processes" in r.stdout and "No backend" not in r.stderr and "Warning" not in r.stderr
+    assert (
+        "on 2 processes" in r.stdout and "No backend" not in r.stderr and "Warning" not in r.stderr
+    )
     # The layout is the plan's to say, once: the mesh/parallelized lines came once per traced rank.
     assert "device mesh" not in r.stderr and "parallelized:" not in r.stderr
 
@@ -247,24 +343,38 @@ def test_pretrain_without_arguments_names_only_the_config_as_required(capsys):
     with pytest.raises(SystemExit) as e:
         main(["pretrain"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip().endswith("error: the following arguments are required: config")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("error: the following arguments are required: config")
+    )
 
 
 def test_pretrain_help_states_the_learning_rate_schedule_the_trainer_follows():
-    """The schedule's formula was documented nowhere; it differs from Megatron's and transformers' in the warmup."""
+    """The schedule's formula was documented nowhere; it differs from Megatron's and
+    transformers' in the warmup."""
     import math
 
     from lmforge.cli.pretrain import RUN_KEYS
     from lmforge.train.config import OptimConfig
     from lmforge.train.optim import lr_at
 
-    assert "lr * n / W" in RUN_KEYS and "lr_n = min_lr + (lr - min_lr) * f((n - 1 - W) / (D - W))" in RUN_KEYS
-    assert "not the mean over the N steps" in RUN_KEYS  # trainer.log_every_n_steps logs one step's loss
+    assert (
+        "lr * n / W" in RUN_KEYS
+        and "lr_n = min_lr + (lr - min_lr) * f((n - 1 - W) / (D - W))" in RUN_KEYS
+    )
+    # trainer.log_every_n_steps logs one step's loss
+    assert "not the mean over the N steps" in RUN_KEYS
     W, D, lr, min_lr = 3, 10, 1.0, 0.1  # noqa: N806 (the help's names)
-    for schedule, f in (("cosine", lambda p: (1 + math.cos(math.pi * p)) / 2), ("linear", lambda p: 1 - p)):
+    for schedule, f in (
+        ("cosine", lambda p: (1 + math.cos(math.pi * p)) / 2),
+        ("linear", lambda p: 1 - p),
+    ):
         cfg = OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=W, schedule=schedule)
-        documented = [lr * n / W if n <= W else min_lr + (lr - min_lr) * f(min(1.0, (n - 1 - W) / (D - W)))
-                      for n in range(1, D + 3)]
+        documented = [
+            lr * n / W if n <= W else min_lr + (lr - min_lr) * f(min(1.0, (n - 1 - W) / (D - W)))
+            for n in range(1, D + 3)
+        ]
         assert [lr_at(n - 1, cfg, D) for n in range(1, D + 3)] == pytest.approx(documented)
 
 
@@ -275,10 +385,18 @@ def test_a_mistyped_checkpoint_step_is_answered_with_the_runs_checkpoints(tmp_pa
         (checkpoints / f"step-{step:08d}" / "trainer.json").write_text("{}")
     (checkpoints / ".step-00000012.tmp").mkdir()  # a save cut short: not one to offer
     missing = checkpoints / "step-00000099"
-    for argv in (["export-hf", str(missing), str(tmp_path / "out")], ["import-hf", str(missing), str(tmp_path / "o")],
-                 ["generate", str(missing), "--prompt", "hi"], ["serve", str(missing)]):
+    for argv in (
+        ["export-hf", str(missing), str(tmp_path / "out")],
+        ["import-hf", str(missing), str(tmp_path / "o")],
+        ["generate", str(missing), "--prompt", "hi"],
+        ["serve", str(missing)],
+    ):
         assert main(argv) == 1
-        assert capsys.readouterr().err == (f"error: model folder '{missing}' does not exist: {checkpoints} holds 2 "
-                                           "checkpoints, step-00000004, step-00000008: give one of them\n")
+        assert capsys.readouterr().err == (
+            f"error: model folder '{missing}' does not exist: {checkpoints} holds 2 "
+            "checkpoints, step-00000004, step-00000008: give one of them\n"
+        )
     assert main(["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
-    assert capsys.readouterr().err == f"error: model folder '{tmp_path / 'nowhere'}' does not exist\n"
+    assert (
+        capsys.readouterr().err == f"error: model folder '{tmp_path / 'nowhere'}' does not exist\n"
+    )

@@ -1,4 +1,5 @@
-"""An option spelt with underscores (lm-eval's --num_fewshot) is answered with the verb's spelling and usage."""
+"""An option spelt with underscores (lm-eval's --num_fewshot) is answered with the verb's
+spelling and usage."""
 
 from __future__ import annotations
 
@@ -19,22 +20,32 @@ def _error(capsys, *argv: str) -> tuple[str, str]:
 
 
 def test_lm_evals_spelling_is_answered_with_evals(capsys):
-    """`lmforge eval runs/x --tasks t --num_fewshot 2` printed lmforge's usage and 'unrecognized arguments'."""
+    """`lmforge eval runs/x --tasks t --num_fewshot 2` printed lmforge's usage and 'unrecognized
+    arguments'."""
     usage, line = _error(capsys, "eval", "runs/x", "--tasks", "t", "--num_fewshot", "2")
     assert usage.startswith("usage: lmforge eval ")
-    assert line == "lmforge eval: error: unknown option --num_fewshot: lmforge eval spells it --num-fewshot"
+    assert (
+        line
+        == "lmforge eval: error: unknown option --num_fewshot: lmforge eval spells it --num-fewshot"
+    )
     assert _error(capsys, "eval", "runs/x", "--tasks=t", "--batch_size=4")[1].endswith(
-        "unknown option --batch_size: lmforge eval spells it --batch-size")
+        "unknown option --batch_size: lmforge eval spells it --batch-size"
+    )
     # before a missing required argument, which would otherwise be said first
     assert _error(capsys, "eval", "runs/x", "--output_path", "r.json")[1].endswith(
-        "unknown option --output_path: lmforge eval spells it --output-path")
+        "unknown option --output_path: lmforge eval spells it --output-path"
+    )
     # any other unknown option: the verb's usage, the words as argparse says them
     usage, line = _error(capsys, "eval", "runs/x", "--tasks", "t", "--bogus")
-    assert usage.startswith("usage: lmforge eval ") and line == "lmforge eval: error: unrecognized arguments: --bogus"
+    assert (
+        usage.startswith("usage: lmforge eval ")
+        and line == "lmforge eval: error: unrecognized arguments: --bogus"
+    )
 
 
 def _long_options(p: argparse.ArgumentParser, words: list[str]):
-    """(words that select a parser, one of its dashed long options), through nested verbs (`lmforge data merge`)."""
+    """(words that select a parser, one of its dashed long options), through nested verbs
+    (`lmforge data merge`)."""
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             for word, sub in action.choices.items():
@@ -53,6 +64,7 @@ def test_every_verbs_dashed_options_are_named_when_spelt_with_underscores(capsys
             under = "--" + option[2:].replace("-", "_")
             prog = " ".join(["lmforge", *words])
             assert _error(capsys, *words, under)[1] == (
-                f"{prog}: error: unknown option {under}: {prog} spells it {option}"), (words, option)
+                f"{prog}: error: unknown option {under}: {prog} spells it {option}"
+            ), (words, option)
             checked += 1
     assert checked > 30  # 36 when written

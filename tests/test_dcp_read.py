@@ -1,10 +1,11 @@
-"""Hostile training checkpoints: a `.metadata` or an optimizer item that runs code when plain pickle reads it is
-refused by every verb that reads checkpoints, with nothing executed and nothing written; damaged metadata and
-storage entries naming files outside the folder are one line.
+"""Hostile training checkpoints: a `.metadata` or an optimizer item that runs code when plain
+pickle reads it is refused by every verb that reads checkpoints, with nothing executed and
+nothing written; damaged metadata and storage entries naming files outside the folder are one
+line.
 
-Each fixture is built here from a real checkpoint, and its checksum manifest rewritten as an attacker would. The
-fixtures are first shown to run their code under torch's own reader (so a refusal is not an accident of a broken
-fixture)."""
+Each fixture is built here from a real checkpoint, and its checksum manifest rewritten as an
+attacker would. The fixtures are first shown to run their code under torch's own reader (so a
+refusal is not an accident of a broken fixture)."""
 
 from __future__ import annotations
 
@@ -30,34 +31,41 @@ STEP = "step-00000004"
 
 
 class Payload:
-    """Pickles as a call of builtins.eval that writes `marker`, then evaluates to `value` (an expression): the
-    file then loads as it would have, and only the marker says code ran."""
+    """Pickles as a call of builtins.eval that writes `marker`, then evaluates to `value` (an
+    expression): the file then loads as it would have, and only the marker says code ran."""
 
     def __init__(self, marker: Path, value: str):
         self.marker, self.value = marker, value
 
     def __reduce__(self):
-        return eval, (f"(__import__('pathlib').Path({str(self.marker)!r}).write_text('ran'), {self.value})[1]",)
+        return eval, (
+            f"(__import__('pathlib').Path({str(self.marker)!r}).write_text('ran'), {self.value})[1]",
+        )
 
 
 def reseal(folder: Path) -> None:
     """Rewrite the checksum manifest over the folder's files, as whoever altered them would."""
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != CHECKSUMS)
-    (folder / CHECKSUMS).write_text(json.dumps({"format": 1, "files": file_checksums(folder, names)}))
+    (folder / CHECKSUMS).write_text(
+        json.dumps({"format": 1, "files": file_checksums(folder, names)})
+    )
 
 
 def hostile_metadata(good: Path, out: Path, marker: Path) -> Path:
     """A copy of checkpoint `good` whose .metadata runs code, then returns the real metadata."""
     shutil.copytree(good, out)
     real = (good / METADATA).read_bytes()
-    (out / METADATA).write_bytes(pickle.dumps(Payload(marker, f"__import__('pickle').loads({real!r})")))
+    (out / METADATA).write_bytes(
+        pickle.dumps(Payload(marker, f"__import__('pickle').loads({real!r})"))
+    )
     reseal(out)
     return out
 
 
 def hostile_item(good: Path, out: Path, marker: Path) -> Path:
-    """A copy of checkpoint `good` resaved with one optimizer hyperparameter (a non-tensor item, which DCP reads
-    with torch.load(weights_only=False)) a pickle that runs code, then gives the real value."""
+    """A copy of checkpoint `good` resaved with one optimizer hyperparameter (a non-tensor item,
+    which DCP reads with torch.load(weights_only=False)) a pickle that runs code, then gives the
+    real value."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -77,8 +85,9 @@ def hostile_item(good: Path, out: Path, marker: Path) -> Path:
 
 
 def hostile_tensor(good: Path, out: Path, marker: Path) -> Path:
-    """A copy of checkpoint `good` whose first model tensor's bytes are a torch.save'd pickle that runs code, then
-    gives the real tensor: appended to its .distcp file, the (torch-made) metadata pointed at it."""
+    """A copy of checkpoint `good` whose first model tensor's bytes are a torch.save'd pickle
+    that runs code, then gives the real tensor: appended to its .distcp file, the (torch-made)
+    metadata pointed at it."""
     import io
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -87,9 +96,11 @@ def hostile_tensor(good: Path, out: Path, marker: Path) -> Path:
     meta = FileSystemReader(str(good)).read_metadata()
     index = next(i for i in meta.storage_data if i.fqn.startswith("model."))
     info = meta.storage_data[index]
-    real = (good / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    real = (good / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
     payload = io.BytesIO()
-    torch.save(Payload(marker, f"__import__('torch').load(__import__('io').BytesIO({real!r}))"), payload)
+    torch.save(
+        Payload(marker, f"__import__('torch').load(__import__('io').BytesIO({real!r}))"), payload
+    )
     with open(out / info.relative_path, "ab") as f:
         info.offset, info.length = f.tell(), len(payload.getvalue())
         f.write(payload.getvalue())
@@ -106,7 +117,9 @@ def run(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("hostile")
     text = " ".join(f"{a} plus {b} is {a + b}." for a in range(40) for b in range(40))
-    tokenizer = train_tokenizer(text, ["<|endoftext|>"], "<|endoftext|>", "<|endoftext|>", False, root / "tok")
+    tokenizer = train_tokenizer(
+        text, ["<|endoftext|>"], "<|endoftext|>", "<|endoftext|>", False, root / "tok"
+    )
     from lmforge.data.indexed import IndexedDatasetWriter
 
     corpus = root / "corpus" / "text_document"
@@ -119,12 +132,27 @@ def run(tmp_path_factory) -> Path:
     return root / "run"
 
 
-def train_args(corpus: Path, tokenizer: Path, run_dir: Path, steps: int = 4, *extra: str) -> list[str]:
-    return ["model.preset=tiny-neox", f"data.paths=[{corpus}]", f"data.tokenizer={tokenizer}", "data.seq_length=32",
-            f"trainer.max_steps={steps}", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
-            "trainer.val_check_interval=0", "trainer.progress_bar=false", "trainer.precision=fp32",
-            "trainer.device=cpu", "optim.lr=1e-2", "optim.warmup_steps=1", f"run_dir={run_dir}",
-            "cost.peak_flops=1e11", *extra]
+def train_args(
+    corpus: Path, tokenizer: Path, run_dir: Path, steps: int = 4, *extra: str
+) -> list[str]:
+    return [
+        "model.preset=tiny-neox",
+        f"data.paths=[{corpus}]",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_length=32",
+        f"trainer.max_steps={steps}",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=4",
+        "trainer.val_check_interval=0",
+        "trainer.progress_bar=false",
+        "trainer.precision=fp32",
+        "trainer.device=cpu",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=1",
+        f"run_dir={run_dir}",
+        "cost.peak_flops=1e11",
+        *extra,
+    ]
 
 
 def test_the_fixtures_run_their_code_under_torchs_own_reader(run, tmp_path):
@@ -147,16 +175,28 @@ def test_the_fixtures_run_their_code_under_torchs_own_reader(run, tmp_path):
 def test_hostile_metadata_is_refused_by_name_before_anything_runs(run, tmp_path):
     marker = tmp_path / "ran"
     bad = hostile_metadata(run / "checkpoints" / STEP, tmp_path / "bad", marker)
-    with pytest.raises(UserError, match=r"^checkpoint metadata '.*/bad/\.metadata' names builtins\.eval, which DCP"):
+    with pytest.raises(
+        UserError, match=r"^checkpoint metadata '.*/bad/\.metadata' names builtins\.eval, which DCP"
+    ):
         read_metadata(bad)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("module,name", [
-    ("os", "system"), ("posix", "system"), ("subprocess", "Popen"), ("builtins", "getattr"), ("torch", "load"),
-    ("torch.serialization", "load"), ("torch", "Size.__reduce_ex__"), ("pathlib", "Path.write_text"),
-    ("torch.distributed.checkpoint.metadata", "pickle"), ("torch", "_C"),
-])
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("os", "system"),
+        ("posix", "system"),
+        ("subprocess", "Popen"),
+        ("builtins", "getattr"),
+        ("torch", "load"),
+        ("torch.serialization", "load"),
+        ("torch", "Size.__reduce_ex__"),
+        ("pathlib", "Path.write_text"),
+        ("torch.distributed.checkpoint.metadata", "pickle"),
+        ("torch", "_C"),
+    ],
+)
 def test_each_callable_outside_the_metadata_classes_is_refused(module, name, tmp_path):
     (tmp_path / METADATA).write_bytes(b"\x80\x04" + pickle_global(module, name))
     with pytest.raises(UserError, match=re.escape(f"names {module}.{name}, which")):
@@ -165,8 +205,15 @@ def test_each_callable_outside_the_metadata_classes_is_refused(module, name, tmp
 
 def pickle_global(module: str, name: str) -> bytes:
     """A protocol-4 pickle body that looks up module.name and calls it with ('x',)."""
-    return (b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() +
-            b"\x93\x8c\x01x\x85R.")
+    return (
+        b"\x8c"
+        + bytes([len(module)])
+        + module.encode()
+        + b"\x8c"
+        + bytes([len(name)])
+        + name.encode()
+        + b"\x93\x8c\x01x\x85R."
+    )
 
 
 def test_hostile_optimizer_item_is_refused_on_load(run, tmp_path):
@@ -174,13 +221,16 @@ def test_hostile_optimizer_item_is_refused_on_load(run, tmp_path):
 
     from lmforge.dcp_read import CheckedBytes
 
-    class EveryItem(CheckedBytes, _EmptyStateDictLoadPlanner):  # reads every item, the optimizer's too
+    # reads every item, the optimizer's too
+    class EveryItem(CheckedBytes, _EmptyStateDictLoadPlanner):
         folder = tmp_path / "bad"
 
     marker = tmp_path / "ran"
     bad = hostile_item(run / "checkpoints" / STEP, tmp_path / "bad", marker)
     read_metadata(bad)  # the metadata itself is torch's own
-    with pytest.raises(UserError, match=r"item 'optim\.param_groups\..*\.lr' names builtins\.eval, which lmforge"):
+    with pytest.raises(
+        UserError, match=r"item 'optim\.param_groups\..*\.lr' names builtins\.eval, which lmforge"
+    ):
         load_state({}, bad, EveryItem())
     assert not marker.exists()
 
@@ -189,9 +239,15 @@ def test_hostile_tensor_item_is_refused_in_one_line(run, tmp_path):
     marker = tmp_path / "ran"
     bad = hostile_tensor(run / "checkpoints" / STEP, tmp_path / "bad", marker)
     meta = read_metadata(bad)
-    state = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-             if k.startswith("model.") and hasattr(m, "size")}
-    with pytest.raises(UserError, match=r"^checkpoint '.*/bad' holds a tensor item that names builtins\.eval, which"):
+    state = {
+        k: torch.zeros(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(m, "size")
+    }
+    with pytest.raises(
+        UserError,
+        match=r"^checkpoint '.*/bad' holds a tensor item that names builtins\.eval, which",
+    ):
         load_state(state, bad)
     assert not marker.exists()
     from lmforge.models.source import load_pretrained
@@ -205,8 +261,11 @@ def test_a_good_checkpoint_loads_through_the_checked_reader_as_through_torchs(ru
 
     folder = run / "checkpoints" / STEP
     meta = read_metadata(folder)
-    ours = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-            if k.startswith("model.") and hasattr(m, "size")}
+    ours = {
+        k: torch.zeros(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(m, "size")
+    }
     theirs = {k: torch.zeros_like(t) for k, t in ours.items()}
     load_state(ours, folder)
     dcp.load(theirs, checkpoint_id=str(folder), no_dist=True)
@@ -235,7 +294,9 @@ def test_damaged_metadata_is_one_line_naming_the_file(run, tmp_path, damage):
     assert "\n" not in line and str(folder) in line, line
 
 
-@pytest.mark.parametrize("name", ["../outside.distcp", "/etc/passwd", "sub/dir.distcp", "..", "link.distcp"])
+@pytest.mark.parametrize(
+    "name", ["../outside.distcp", "/etc/passwd", "sub/dir.distcp", "..", "link.distcp"]
+)
 def test_a_storage_entry_outside_the_folder_is_refused(run, tmp_path, name):
     folder = tmp_path / "ckpt"
     shutil.copytree(run / "checkpoints" / STEP, folder)
@@ -251,11 +312,18 @@ def test_a_storage_entry_outside_the_folder_is_refused(run, tmp_path, name):
         read_metadata(folder)
 
 
-@pytest.mark.parametrize("key, value, said", [
-    ("vocab_size", 10**12, "declares a model of"), ("num_layers", 10**6, "declares a model of"),
-    ("hidden_size", "64", "expected an integer"), ("num_layers", 2.5, "expected an integer"),
-])
-def test_a_checkpoints_absurd_config_is_one_line_before_anything_is_built(run, tmp_path, key, value, said):
+@pytest.mark.parametrize(
+    "key, value, said",
+    [
+        ("vocab_size", 10**12, "declares a model of"),
+        ("num_layers", 10**6, "declares a model of"),
+        ("hidden_size", "64", "expected an integer"),
+        ("num_layers", 2.5, "expected an integer"),
+    ],
+)
+def test_a_checkpoints_absurd_config_is_one_line_before_anything_is_built(
+    run, tmp_path, key, value, said
+):
     from lmforge.models.source import load_pretrained
 
     folder = tmp_path / "ckpt"
@@ -269,11 +337,18 @@ def test_a_checkpoints_absurd_config_is_one_line_before_anything_is_built(run, t
     assert "\n" not in str(e.value)
 
 
-# --- every verb that reads a checkpoint (through the CLI, as a user runs it) ----------------------------------
+# --- every verb that reads a checkpoint (through the CLI, as a user runs it)
+# ----------------------------------
+
 
 def _cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmforge.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _refused(r: subprocess.CompletedProcess, marker: Path, what: str) -> None:
@@ -317,22 +392,47 @@ def test_resume_refuses_a_hostile_optimizer_item_and_runs_nothing(run, tmp_path,
     _nothing_written("resume", tmp_path)
 
 
-def _verb(verb: str, checkpoint: Path, tmp_path: Path, run: Path, shared_data: Path) -> subprocess.CompletedProcess:
+def _verb(
+    verb: str, checkpoint: Path, tmp_path: Path, run: Path, shared_data: Path
+) -> subprocess.CompletedProcess:
     config = json.loads((run / "checkpoints" / STEP / "trainer.json").read_text())["run_config"]
     corpus, tokenizer = config["data"]["paths"][0], config["data"]["tokenizer"]
     if verb == "generate":
-        return _cli(["generate", str(checkpoint), "--prompt", "1 plus 2 is", "--max-new-tokens", "4"])
+        return _cli(
+            ["generate", str(checkpoint), "--prompt", "1 plus 2 is", "--max-new-tokens", "4"]
+        )
     if verb == "serve":
         return _cli(["serve", str(checkpoint), "--port", "0"], timeout=120)
     if verb == "export-hf":
         return _cli(["export-hf", str(checkpoint), str(tmp_path / "out")])
     if verb == "eval":
-        return _cli(["eval", str(checkpoint), "--tasks", "sst2_local", "--data-dir", str(shared_data), "--limit", "2",
-                     "--output-path", str(tmp_path / "out" / "results.json")])
+        return _cli(
+            [
+                "eval",
+                str(checkpoint),
+                "--tasks",
+                "sst2_local",
+                "--data-dir",
+                str(shared_data),
+                "--limit",
+                "2",
+                "--output-path",
+                str(tmp_path / "out" / "results.json"),
+            ]
+        )
     if verb == "init_from":
-        return _cli(["pretrain", "/dev/null", *train_args(corpus, tokenizer, tmp_path / "out", 2),
-                     f"model.init_from={checkpoint}", "model.preset=null"])
-    return _cli(["pretrain", "/dev/null", *train_args(corpus, tokenizer, checkpoint.parent.parent, 6)])
+        return _cli(
+            [
+                "pretrain",
+                "/dev/null",
+                *train_args(corpus, tokenizer, tmp_path / "out", 2),
+                f"model.init_from={checkpoint}",
+                "model.preset=null",
+            ]
+        )
+    return _cli(
+        ["pretrain", "/dev/null", *train_args(corpus, tokenizer, checkpoint.parent.parent, 6)]
+    )
 
 
 def _nothing_written(verb: str, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py, the correctness check for GPU machines, run here on the CPU: every check passes (or says
-why it was skipped), the report and the table say so, and a greedy row parts from the reference only at a tie."""
+"""scripts/gpu_check.py, the correctness check for GPU machines, run here on the CPU: every check
+passes (or says why it was skipped), the report and the table say so, and a greedy row parts from
+the reference only at a tie."""
 
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ def _checks():
 @pytest.mark.slow
 def test_every_check_passes_on_the_cpu(tmp_path):
     out = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     report = json.loads(out.read_text())
     checks = {c["name"]: c for c in report["checks"]}
     failed = {n: c["error"] for n, c in checks.items() if c["status"] == "fail"}
@@ -37,7 +43,9 @@ def test_every_check_passes_on_the_cpu(tmp_path):
         assert c["status"] in ("pass", "skip") and c["summary"], c  # a skip says why
     assert checks["environment"]["figures"]["sdpa"]["math"] == "yes"
     train = checks["train"]["figures"]
-    assert set(train) == {f"{p}{c}" for p in ("fp32", "bf16-mixed", "bf16-sr") for c in ("", " compiled")}
+    assert set(train) == {
+        f"{p}{c}" for p in ("fp32", "bf16-mixed", "bf16-sr") for c in ("", " compiled")
+    }
     assert all(run["losses"][-1] < run["losses"][0] for run in train.values())
     assert checks["resume"]["figures"]["exact"]  # the CPU resumes bit for bit
     assert "| check | result | figures | seconds |" in r.stdout
@@ -47,7 +55,9 @@ def test_every_check_passes_on_the_cpu(tmp_path):
 @pytest.mark.slow
 def test_a_missing_device_or_an_unknown_check_is_one_line():
     for args in (["--device", "gpu"], ["--device", "cpu", "--only", "parity,nope"]):
-        r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stderr.startswith("error: ")
 

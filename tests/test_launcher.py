@@ -1,6 +1,6 @@
-"""A torchrun worker ends with its launcher, by PR_SET_PDEATHSIG and by the watchdog used where there is none; a
-process not started by torchrun outlives its parent (nohup). Real processes: a launcher stand-in starts a worker,
-then is killed with SIGKILL."""
+"""A torchrun worker ends with its launcher, by PR_SET_PDEATHSIG and by the watchdog used where
+there is none; a process not started by torchrun outlives its parent (nohup). Real processes: a
+launcher stand-in starts a worker, then is killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 
 from tests.train.runs import alive
 
-# The worker: follows its launcher as lmforge does at start (`how` forces the watchdog by playing macOS), says how.
+# The worker: follows its launcher as lmforge does at start (`how` forces the watchdog by playing
+# macOS), says how.
 WORKER = """
 import sys, time
 from lmforge import launcher
@@ -23,7 +24,8 @@ if sys.argv[1] == "watchdog":
 print(launcher.end_with_launcher(period=0.1), flush=True)
 time.sleep(600)
 """
-# The launcher stand-in: starts the worker, passes its PID and first line on, then waits to be killed.
+# The launcher stand-in: starts the worker, passes its PID and first line on, then waits to be
+# killed.
 LAUNCHER = """
 import subprocess, sys, time
 w = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True,
@@ -37,8 +39,9 @@ def _worker_of_killed_launcher(how: str, torchrun: bool) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
     if torchrun:
         env["TORCHELASTIC_RUN_ID"] = "test"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, how], stdout=subprocess.PIPE, text=True,
-                                env=env)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, WORKER, how], stdout=subprocess.PIPE, text=True, env=env
+    )
     pid, said = launcher.stdout.readline().split()
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()

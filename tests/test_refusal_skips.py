@@ -1,5 +1,6 @@
-"""tests/conftest.py reports a test that fails with lmforge's refusal of this torch as skipped, and only that one: a
-refusal naming a release this torch already is (a wrong refusal) stays a failure."""
+"""tests/conftest.py reports a test that fails with lmforge's refusal of this torch as skipped,
+and only that one: a refusal naming a release this torch already is (a wrong refusal) stays a
+failure."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from lmforge.parallel.mesh import torch_version
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.no_refusal_skip  # its failure quotes the refusals of its cases: a failure here stays one
+# its failure quotes the refusals of its cases: a failure here stays one
+@pytest.mark.no_refusal_skip
 def test_only_a_refusal_of_this_torch_is_a_skip(tmp_path):
     major, minor = torch_version()
-    (tmp_path / "test_cases.py").write_text(f'''
+    (tmp_path / "test_cases.py").write_text(f"""
 import pytest
 from lmforge.errors import UserError
 
@@ -42,15 +44,38 @@ def test_refused_in_a_fixture(refused):
 
 def test_other_failure():
     assert False, "needs torch"
-''')
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q", "-rA", "-p", "no:randomly",
-                          "-p", "no:cacheprovider", str(tmp_path / "test_cases.py")],
-                         cwd=ROOT, capture_output=True, text=True)
+""")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "tests.conftest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_cases.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     lines = run.stdout.splitlines()
-    failed = {line.split("::")[-1].split(" - ")[0] for line in lines if line.startswith("FAILED")}  # CI adds " - why"
+    # CI adds " - why"
+    failed = {line.split("::")[-1].split(" - ")[0] for line in lines if line.startswith("FAILED")}
     skipped = [line for line in lines if line.startswith("SKIPPED")]
-    assert failed == {"test_refused_for_this_release", "test_refused_as_an_older_release", "test_other_failure"}, \
-        run.stdout
+    assert failed == {
+        "test_refused_for_this_release",
+        "test_refused_as_an_older_release",
+        "test_other_failure",
+    }, run.stdout
     assert len(skipped) == 3 and all("refused on torch" in line for line in skipped), run.stdout
-    assert any(f"needs torch {major}.{minor + 1} or later (the schedule's why); this is ...: upgrade torch" in s
-               for s in skipped)
+    assert any(
+        f"needs torch {major}.{minor + 1} or later (the schedule's why); this is ...: upgrade torch"
+        in s
+        for s in skipped
+    )

@@ -1,5 +1,6 @@
-"""The package's shape, read from its source with `ast` (nothing is imported): only the CLI prints, the
-import graph between lmforge modules has no cycles, and the models do not depend on what uses them."""
+"""The package's shape, read from its source with `ast` (nothing is imported): only the CLI
+prints, the import graph between lmforge modules has no cycles, and the models do not depend on
+what uses them."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ def modules(root: Path = PACKAGE) -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The lmforge modules `name` imports, at module level or inside functions (TYPE_CHECKING blocks too).
+    """The lmforge modules `name` imports, at module level or inside functions (TYPE_CHECKING blocks
+    too).
 
-    `from lmforge.x import y` imports lmforge.x.y when that is a module, else lmforge.x (its __init__ when
-    a package); `import lmforge.x.y` imports lmforge.x.y.
+    `from lmforge.x import y` imports lmforge.x.y when that is a module, else lmforge.x (its
+    __init__ when a package); `import lmforge.x.y` imports lmforge.x.y.
     """
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
@@ -50,8 +52,8 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Import cycles as chains [a, b, ..., a]: for each strongly connected component (Tarjan), the shortest
-    cycle through each of its modules, each cycle once."""
+    """Import cycles as chains [a, b, ..., a]: for each strongly connected component (Tarjan),
+    the shortest cycle through each of its modules, each cycle once."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -113,32 +115,47 @@ def print_calls(root: Path = PACKAGE) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         if (root / "cli") in path.parents:
             continue
-        lines = sorted(node.lineno for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
-                       if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print")
+        lines = sorted(
+            node.lineno
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "print"
+        )
         calls += [f"{path.relative_to(root.parent)}:{line}" for line in lines]
     return calls
 
 
 def private_imports(root: Path = PACKAGE) -> list[str]:
-    """`from lmforge.x import _name` anywhere in the package: a name another module needs is public."""
+    """`from lmforge.x import _name` anywhere in the package: a name another module needs is
+    public."""
     found = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(root.name)):
-                found += [f"{path.relative_to(root.parent)}:{node.lineno} imports {alias.name}" for alias in node.names
-                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").startswith(root.name)
+            ):
+                found += [
+                    f"{path.relative_to(root.parent)}:{node.lineno} imports {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
     return found
 
 
 def test_only_the_cli_prints():
     calls = print_calls()
-    assert not calls, ("library code logs, only lmforge/cli/ prints (return what the CLI should show): "
-                       + ", ".join(calls))
+    assert not calls, (
+        "library code logs, only lmforge/cli/ prints (return what the CLI should show): "
+        + ", ".join(calls)
+    )
 
 
 def test_no_import_cycles():
     found = cycles(import_graph())
-    assert not found, "import cycles between lmforge modules:\n" + "\n".join(" -> ".join(c) for c in found)
+    assert not found, "import cycles between lmforge modules:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
 
 
 def test_no_private_names_cross_modules():
@@ -149,21 +166,29 @@ def test_no_private_names_cross_modules():
 def test_models_do_not_import_their_users():
     graph = import_graph()
     users = ("lmforge.inference", "lmforge.serve", "lmforge.cli", "lmforge.train")
-    wrong = sorted(f"{m} -> {i}" for m, deps in graph.items() if m.startswith("lmforge.models")
-                   for i in deps if i.startswith(users))
+    wrong = sorted(
+        f"{m} -> {i}"
+        for m, deps in graph.items()
+        if m.startswith("lmforge.models")
+        for i in deps
+        if i.startswith(users)
+    )
     assert not wrong, "lmforge.models must not import what builds on it: " + ", ".join(wrong)
 
 
 def task_dispatch(root: Path = PACKAGE) -> list[str]:
-    """Places that compare a task's name with a string literal (`task == "sft"`, `cfg.data.task != "mlm"`):
-    what differs between tasks belongs to their Task objects (lmforge.train.tasks)."""
+    """Places that compare a task's name with a string literal (`task == "sft"`, `cfg.data.task
+    != "mlm"`): what differs between tasks belongs to their Task objects (lmforge.train.tasks)."""
     found = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if not isinstance(node, ast.Compare):
                 continue
             sides = [node.left, *node.comparators]
-            named = any(getattr(x, "id", None) == "task" or getattr(x, "attr", None) == "task" for x in sides)
+            named = any(
+                getattr(x, "id", None) == "task" or getattr(x, "attr", None) == "task"
+                for x in sides
+            )
             literal = any(isinstance(x, ast.Constant) and isinstance(x.value, str) for x in sides)
             if named and literal:
                 found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
@@ -172,22 +197,29 @@ def task_dispatch(root: Path = PACKAGE) -> list[str]:
 
 def test_no_task_name_dispatch():
     found = task_dispatch()
-    assert not found, "task names compared with strings (give the Task object the behaviour): " + ", ".join(found)
+    assert not found, (
+        "task names compared with strings (give the Task object the behaviour): " + ", ".join(found)
+    )
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
-    """A print, a cycle and a private import planted in a scratch package are found; cycles come as chains."""
+    """A print, a cycle and a private import planted in a scratch package are found; cycles come
+    as chains."""
     pkg = tmp_path / "lmforge"
     (pkg / "cli").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "cli" / "__init__.py").write_text("print('the CLI may print')\n")
     (pkg / "a.py").write_text("from lmforge import b\n")
     (pkg / "b.py").write_text("def f():\n    from lmforge.c import g\n    print(g)\n")
-    (pkg / "c.py").write_text("import lmforge.a\nfrom lmforge.cli import _helper\n\ndef g():\n    pass\n")
+    (pkg / "c.py").write_text(
+        "import lmforge.a\nfrom lmforge.cli import _helper\n\ndef g():\n    pass\n"
+    )
     assert print_calls(pkg) == ["lmforge/b.py:3"]
     assert private_imports(pkg) == ["lmforge/c.py:2 imports _helper"]
     assert cycles(import_graph(pkg)) == [["lmforge.a", "lmforge.b", "lmforge.c", "lmforge.a"]]
-    (pkg / "a.py").write_text("def f(cfg):\n    return cfg.data.task == 'sft' or 'mlm' != cfg.task\n")
+    (pkg / "a.py").write_text(
+        "def f(cfg):\n    return cfg.data.task == 'sft' or 'mlm' != cfg.task\n"
+    )
     assert task_dispatch(pkg) == ["lmforge/a.py:2", "lmforge/a.py:2"]
     (pkg / "c.py").write_text("from lmforge import cli\n")
     assert cycles(import_graph(pkg)) == []

@@ -1,8 +1,9 @@
-"""Tokenizer ids checked against implementations someone else wrote, on real tokenizer files and text.
+"""Tokenizer ids checked against implementations someone else wrote, on real tokenizer files and
+text.
 
-References: tiktoken for GPT-2 (OpenAI's own BPE, built offline from the same vocab.json/merges.txt),
-transformers for GPT-NeoX-20B and Llama 2. The files live in the shared data folder (see its SOURCES.md),
-never in the repo; tests that need them skip when it is absent.
+References: tiktoken for GPT-2 (OpenAI's own BPE, built offline from the same
+vocab.json/merges.txt), transformers for GPT-NeoX-20B and Llama 2. The files live in the shared data
+folder (see its SOURCES.md), never in the repo; tests that need them skip when it is absent.
 """
 
 import filecmp
@@ -16,11 +17,14 @@ import pytest
 from lmforge.errors import UserError
 from lmforge.tokenizers import Tokenizer, load_tokenizer
 
-SHARED_DATA = Path(os.environ.get("LMFORGE_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+SHARED_DATA = Path(
+    os.environ.get("LMFORGE_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
 GPT2 = SHARED_DATA / "tokenizers" / "gpt2"
 NEOX = SHARED_DATA / "tokenizers" / "gpt-neox-20b" / "20B_tokenizer.json"
 LLAMA = SHARED_DATA / "tokenizers" / "llama2" / "tokenizer.model"
-# tiktoken's sha256 pins for OpenAI's GPT-2 files (tiktoken_ext/openai_public.py): proves ours are those.
+# tiktoken's sha256 pins for OpenAI's GPT-2 files (tiktoken_ext/openai_public.py): proves ours are
+# those.
 GPT2_MERGES_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_VOCAB_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 CHUNK = 200_000  # characters of each corpus compared as one text
@@ -97,24 +101,32 @@ def tiktoken_gpt2():
             encoder_json_hash=GPT2_VOCAB_SHA256,
         )
     return tiktoken.Encoding(
-        name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256}
+        name="gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
     )
 
 
 @pytest.fixture(scope="module")
 def hf_neox():
     transformers = pytest.importorskip("transformers")
-    # split_special_tokens: like lmforge, read "<|endoftext|>" in text as text (see lmforge/tokenizers.py).
-    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(shared(NEOX)), split_special_tokens=True)
+    # split_special_tokens: like lmforge, read "<|endoftext|>" in text as text (see
+    # lmforge/tokenizers.py).
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(shared(NEOX)), split_special_tokens=True
+    )
 
 
 @pytest.fixture(scope="module")
 def hf_llama():
-    """transformers' Llama tokenizer built from tokenizer.model as its from_pretrained would build it.
+    """transformers' Llama tokenizer built from tokenizer.model as its from_pretrained would build
+    it.
 
-    from_pretrained reads the .model with protobuf, which lmforge does not depend on; it takes the pieces
-    in id order and derives BPE merges with `generate_merges`, which is what we do here (checked equal to
-    from_pretrained on 4,461 WikiText/Shakespeare lines). The BPE itself is then Hugging Face's code.
+    from_pretrained reads the .model with protobuf, which lmforge does not depend on; it takes the
+    pieces in id order and derives BPE merges with `generate_merges`, which is what we do here
+    (checked equal to from_pretrained on 4,461 WikiText/Shakespeare lines). The BPE itself is then
+    Hugging Face's code.
     """
     transformers = pytest.importorskip("transformers")
     import sentencepiece as spm
@@ -127,7 +139,8 @@ def hf_llama():
     )
 
 
-# --- GPT-2 -----------------------------------------------------------------------------------------------
+# --- GPT-2
+# -----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["gpt2_bpe", "gpt2_json"])
@@ -151,7 +164,8 @@ def test_gpt2_json_equals_vocab_merges(gpt2_bpe, gpt2_json, wiki):
     assert gpt2_json.encode(wiki[:CHUNK]) == gpt2_bpe.encode(wiki[:CHUNK])
 
 
-# --- GPT-NeoX-20B ------------------------------------------------------------------------------------------
+# --- GPT-NeoX-20B
+# ------------------------------------------------------------------------------------------
 
 
 def test_neox_known_ids_and_specials(neox):
@@ -167,7 +181,8 @@ def test_neox_matches_transformers(neox, hf_neox, texts, lines):
     assert neox.encode_batch(lines) == hf_neox(lines, add_special_tokens=False)["input_ids"]
 
 
-# --- Llama 2 -----------------------------------------------------------------------------------------------
+# --- Llama 2
+# -----------------------------------------------------------------------------------------------
 
 
 def test_llama_known_ids_and_specials(llama):
@@ -179,10 +194,14 @@ def test_llama_known_ids_and_specials(llama):
 
 
 def test_llama_matches_transformers(llama, hf_llama, lines):
-    # HF's BPE port differs from sentencepiece at leading spaces and some space runs (pinned in the next
-    # test), so compare whitespace-normalised lines; every other piece of each line still must match.
+    # HF's BPE port differs from sentencepiece at leading spaces and some space runs (pinned in the
+    # next test), so compare whitespace-normalised lines; every other piece of each line still must
+    # match.
     normalised = [" ".join(line.split()) for line in lines]
-    assert llama.encode_batch(normalised) == hf_llama(normalised, add_special_tokens=False)["input_ids"]
+    assert (
+        llama.encode_batch(normalised)
+        == hf_llama(normalised, add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_llama_follows_sentencepiece_where_transformers_differs(llama):
@@ -193,7 +212,8 @@ def test_llama_follows_sentencepiece_where_transformers_differs(llama):
     assert llama.encode("<s>") == [529, 29879, 29958]
 
 
-# --- every kind --------------------------------------------------------------------------------------------
+# --- every kind
+# --------------------------------------------------------------------------------------------
 
 
 def test_decode_inverts_encode(any_tok, texts):
@@ -204,7 +224,9 @@ def test_decode_inverts_encode(any_tok, texts):
 def test_encode_batch_equals_encode(any_tok, lines):
     sample = lines[:300]
     assert any_tok.encode_batch(sample) == [any_tok.encode(t) for t in sample]
-    assert any_tok.encode_batch(sample, add_bos=True) == [any_tok.encode(t, add_bos=True) for t in sample]
+    assert any_tok.encode_batch(sample, add_bos=True) == [
+        any_tok.encode(t, add_bos=True) for t in sample
+    ]
     assert any_tok.encode_batch([]) == []
 
 
@@ -231,34 +253,52 @@ def test_tokenizer_config_overrides_and_travels(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     shutil.copyfile(shared(LLAMA), src / "tokenizer.model")
-    (src / "tokenizer_config.json").write_text(json.dumps({"pad_token": {"content": "<unk>"}, "eos_token": "</s>"}))
+    (src / "tokenizer_config.json").write_text(
+        json.dumps({"pad_token": {"content": "<unk>"}, "eos_token": "</s>"})
+    )
     tok = load_tokenizer(src)
     assert (tok.pad_id, tok.eos_id, tok.eod_id) == (0, 2, 2)
     tok.save(tmp_path / "out")
-    assert filecmp.cmp(src / "tokenizer_config.json", tmp_path / "out" / "tokenizer_config.json", shallow=False)
+    assert filecmp.cmp(
+        src / "tokenizer_config.json", tmp_path / "out" / "tokenizer_config.json", shallow=False
+    )
     assert load_tokenizer(tmp_path / "out").pad_id == 0
 
 
-def test_add_bos_token_follows_the_files_then_the_eod_rule(gpt2_bpe, gpt2_json, neox, llama, hf_neox, tmp_path):
-    # GPT-2 and NeoX: bos, eos and eod are all <|endoftext|>; transformers starts their texts without it.
+def test_add_bos_token_follows_the_files_then_the_eod_rule(
+    gpt2_bpe, gpt2_json, neox, llama, hf_neox, tmp_path
+):
+    # GPT-2 and NeoX: bos, eos and eod are all <|endoftext|>; transformers starts their texts
+    # without it.
     assert not any(t.add_bos_token for t in (gpt2_bpe, gpt2_json, neox))
-    assert hf_neox("Hello world")["input_ids"] == neox.encode("Hello world", add_bos=neox.add_bos_token)
-    # Llama 2: a bare tokenizer.model (Meta's format; its generate prepends bos) and its Hugging Face folder,
-    # whose tokenizer_config.json says add_bos_token: true; a config that says false is obeyed.
-    assert llama.add_bos_token and llama.encode("Hello world", add_bos=llama.add_bos_token) == [1, 15043, 3186]
+    assert hf_neox("Hello world")["input_ids"] == neox.encode(
+        "Hello world", add_bos=neox.add_bos_token
+    )
+    # Llama 2: a bare tokenizer.model (Meta's format; its generate prepends bos) and its Hugging
+    # Face folder, whose tokenizer_config.json says add_bos_token: true; a config that says false is
+    # obeyed.
+    assert llama.add_bos_token and llama.encode("Hello world", add_bos=llama.add_bos_token) == [
+        1,
+        15043,
+        3186,
+    ]
     for declared in (True, False):
         folder = tmp_path / f"llama-{declared}"
         folder.mkdir()
         shutil.copyfile(shared(LLAMA), folder / "tokenizer.model")
-        (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": declared, "bos_token": "<s>"}))
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps({"add_bos_token": declared, "bos_token": "<s>"})
+        )
         assert load_tokenizer(folder).add_bos_token is declared
-    # A tokenizer.json whose template prepends bos (as Llama 3's does) declares it, even where bos is eod.
+    # A tokenizer.json whose template prepends bos (as Llama 3's does) declares it, even where bos
+    # is eod.
     import tokenizers as hf
 
     inner = hf.Tokenizer.from_file(str(shared(GPT2 / "tokenizer.json")))
     eot = inner.token_to_id("<|endoftext|>")
-    inner.post_processor = hf.processors.TemplateProcessing(single="<|endoftext|> $A",
-                                                            special_tokens=[("<|endoftext|>", eot)])
+    inner.post_processor = hf.processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", eot)]
+    )
     (tmp_path / "template").mkdir()
     inner.save(str(tmp_path / "template" / "tokenizer.json"))
     assert load_tokenizer(tmp_path / "template").add_bos_token
@@ -267,14 +307,16 @@ def test_add_bos_token_follows_the_files_then_the_eod_rule(gpt2_bpe, gpt2_json, 
     inner.add_special_tokens(["<|im_end|>"])
     (tmp_path / "chat").mkdir()
     inner.save(str(tmp_path / "chat" / "tokenizer.json"))
-    (tmp_path / "chat" / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>"}))
+    (tmp_path / "chat" / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": None, "eos_token": "<|im_end|>"})
+    )
     chat = load_tokenizer(tmp_path / "chat")
     assert chat.eos_id == inner.token_to_id("<|im_end|>") and not chat.add_bos_token
 
 
-
 def chat_tokenizer_json(folder: Path) -> dict[str, int]:
-    """A small tokenizer.json with Qwen's specials (<|endoftext|> first, then <|im_start|> and <|im_end|>)."""
+    """A small tokenizer.json with Qwen's specials (<|endoftext|> first, then <|im_start|> and
+    <|im_end|>)."""
     from tokenizers import Tokenizer as HF
     from tokenizers import models, pre_tokenizers
 
@@ -288,27 +330,48 @@ def chat_tokenizer_json(folder: Path) -> dict[str, int]:
 
 QWEN_CHAT = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 # transformers 4's AddedToken in a tokenizer_config.json (Llama 2's published folders)
-ADDED_TOKEN = {"__type": "AddedToken", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-# (tokenizer_config.json, special_tokens_map.json or None, the bos then named: a token, or None for none)
+ADDED_TOKEN = {
+    "__type": "AddedToken",
+    "lstrip": False,
+    "normalized": False,
+    "rstrip": False,
+    "single_word": False,
+}
+# (tokenizer_config.json, special_tokens_map.json or None, the bos then named: a token, or None for
+# none)
 DECLARED = {
-    "qwen2.5-null": ({**QWEN_CHAT, "tokenizer_class": "Qwen2Tokenizer", "bos_token": None}, None, None),
-    "resaved-absent": ({**QWEN_CHAT, "tokenizer_class": "TokenizersBackend"}, None, None),  # transformers 5's save
+    "qwen2.5-null": (
+        {**QWEN_CHAT, "tokenizer_class": "Qwen2Tokenizer", "bos_token": None},
+        None,
+        None,
+    ),
+    # transformers 5's save
+    "resaved-absent": ({**QWEN_CHAT, "tokenizer_class": "TokenizersBackend"}, None, None),
     "qwen2-class-absent": ({**QWEN_CHAT, "tokenizer_class": "Qwen2Tokenizer"}, None, None),
     "no-class-null": ({**QWEN_CHAT, "bos_token": None}, None, None),
-    "gpt2-class-absent": ({**QWEN_CHAT, "tokenizer_class": "GPT2Tokenizer"}, None, "<|endoftext|>"),  # its default
-    "declared": ({**QWEN_CHAT, "bos_token": ADDED_TOKEN | {"content": "<|im_start|>"}}, None, "<|im_start|>"),
-    "map-wins": ({**QWEN_CHAT, "bos_token": "<|endoftext|>"}, {"bos_token": "<|im_start|>"}, "<|im_start|>"),
+    # its default
+    "gpt2-class-absent": ({**QWEN_CHAT, "tokenizer_class": "GPT2Tokenizer"}, None, "<|endoftext|>"),
+    "declared": (
+        {**QWEN_CHAT, "bos_token": ADDED_TOKEN | {"content": "<|im_start|>"}},
+        None,
+        "<|im_start|>",
+    ),
+    "map-wins": (
+        {**QWEN_CHAT, "bos_token": "<|endoftext|>"},
+        {"bos_token": "<|im_start|>"},
+        "<|im_start|>",
+    ),
     "map-null-wins": ({**QWEN_CHAT, "bos_token": "<|endoftext|>"}, {"bos_token": None}, None),
 }
 
 
 @pytest.mark.parametrize("name", DECLARED)
 def test_declared_special_tokens_win_over_guesses_as_autotokenizer_reads_them(name, tmp_path):
-    """Qwen2.5's tokenizer_config.json says "bos_token": null; lmforge guessed <|endoftext|> for bos all the same,
-    so lmforge eval conditioned an empty context on it where lm-eval's hf backend (AutoTokenizer: no bos, so eos)
-    used <|im_end|>, and the export wrote that bos into config.json. A declaration wins, nulls and
-    special_tokens_map.json's included, and so does a class without a default bos (transformers 5 re-saves Qwen's
-    tokenizer without the key)."""
+    """Qwen2.5's tokenizer_config.json says "bos_token": null; lmforge guessed <|endoftext|> for
+    bos all the same, so lmforge eval conditioned an empty context on it where lm-eval's hf
+    backend (AutoTokenizer: no bos, so eos) used <|im_end|>, and the export wrote that bos into
+    config.json. A declaration wins, nulls and special_tokens_map.json's included, and so does a
+    class without a default bos (transformers 5 re-saves Qwen's tokenizer without the key)."""
     transformers = pytest.importorskip("transformers")
     config, tokens_map, bos = DECLARED[name]
     ids = chat_tokenizer_json(tmp_path / "tok")
@@ -316,43 +379,56 @@ def test_declared_special_tokens_win_over_guesses_as_autotokenizer_reads_them(na
     if tokens_map is not None:
         (tmp_path / "tok" / "special_tokens_map.json").write_text(json.dumps(tokens_map))
     ours = load_tokenizer(tmp_path / "tok")
-    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (ids.get(bos), ids["<|im_end|>"], ids["<|endoftext|>"])
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (
+        ids.get(bos),
+        ids["<|im_end|>"],
+        ids["<|endoftext|>"],
+    )
     assert ours.eod_id == ids["<|endoftext|>"] and not ours.add_bos_token
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
-    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (ours.bos_id, ours.eos_id, ours.pad_id)
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (
+        ours.bos_id,
+        ours.eos_id,
+        ours.pad_id,
+    )
     assert ours.encode("w5 w7", add_bos=ours.add_bos_token) == [5, 7]
-
 
 
 @pytest.mark.parametrize("saved_by", ["transformers", "lmforge"])
 def test_a_tokenizer_json_adds_bos_where_its_post_processor_does(saved_by, tmp_path):
-    """A distinct bos (Llama 3's <|begin_of_text|>, a trained tokenizer's <s>) beside a tokenizer.json whose
-    post-processor adds none (GPT-2's ByteLevel) and a config without add_bos_token: AutoTokenizer starts a text
-    without it, and so does lmforge now (generate, serve and the chat fallback prepended it)."""
+    """A distinct bos (Llama 3's <|begin_of_text|>, a trained tokenizer's <s>) beside a
+    tokenizer.json whose post-processor adds none (GPT-2's ByteLevel) and a config without
+    add_bos_token: AutoTokenizer starts a text without it, and so does lmforge now (generate,
+    serve and the chat fallback prepended it)."""
     transformers = pytest.importorskip("transformers")
     folder = tmp_path / "tok"
     if saved_by == "transformers":
-        tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(shared(GPT2 / "tokenizer.json")),
-                                                   bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(shared(GPT2 / "tokenizer.json")),
+            bos_token="<|begin_of_text|>",
+            eos_token="<|eot_id|>",
+        )
         tok.save_pretrained(folder)
     else:
         from lmforge.data.tokenizer_train import train_tokenizer
 
-        (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": f"Hello world {i}"}) + "\n"
-                                                       for i in range(50)))
+        (tmp_path / "corpus.jsonl").write_text(
+            "".join(json.dumps({"text": f"Hello world {i}"}) + "\n" for i in range(50))
+        )
         train_tokenizer([tmp_path / "corpus.jsonl"], 300, folder, special_tokens=("<s>", "</s>"))
     ours = load_tokenizer(folder)
     assert ours.bos_id is not None and ours.bos_id != ours.eod_id
     reference = transformers.AutoTokenizer.from_pretrained(folder)
-    assert reference("Hello world")["input_ids"] == ours.encode("Hello world", add_bos=ours.add_bos_token)
-
+    assert reference("Hello world")["input_ids"] == ours.encode(
+        "Hello world", add_bos=ours.add_bos_token
+    )
 
 
 def test_sentencepiece_reads_special_tokens_as_its_export_does(llama, tmp_path):
-    """lmforge eval reads WikiText's literal "<unk>" with reading_special_tokens(): from Llama 2's tokenizer.model
-    it was characters, from the exported folder (lm-eval's hf backend, AutoTokenizer) the unk id, so the same
-    weights scored 3.6937 and 3.6473 bits per byte. Both now give AutoTokenizer's ids; plain encoding stays
-    sentencepiece's."""
+    """lmforge eval reads WikiText's literal "<unk>" with reading_special_tokens(): from Llama
+    2's tokenizer.model it was characters, from the exported folder (lm-eval's hf backend,
+    AutoTokenizer) the unk id, so the same weights scored 3.6937 and 3.6473 bits per byte. Both
+    now give AutoTokenizer's ids; plain encoding stays sentencepiece's."""
     import sentencepiece as spm
 
     transformers = pytest.importorskip("transformers")
@@ -361,10 +437,18 @@ def test_sentencepiece_reads_special_tokens_as_its_export_does(llama, tmp_path):
     llama.save(tmp_path)
     write_tokenizer_files(llama, tmp_path, 128, None)
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    texts = ["<unk>", " = Robert <unk> = \n", "<s>Hello</s>", "a <s> b </s> c<unk>d", "</s> x <unk> <unk>",
-             "The <unk> of <s>1</s> (née <unk>) , \n\n <unk>", "no specials at all"]
+    texts = [
+        "<unk>",
+        " = Robert <unk> = \n",
+        "<s>Hello</s>",
+        "a <s> b </s> c<unk>d",
+        "</s> x <unk> <unk>",
+        "The <unk> of <s>1</s> (née <unk>) , \n\n <unk>",
+        "no specials at all",
+    ]
     sp = spm.SentencePieceProcessor(model_file=str(shared(LLAMA)))
-    assert [llama.encode(t) for t in texts] == [sp.encode(t) for t in texts]  # plain text: sentencepiece's
+    # plain text: sentencepiece's
+    assert [llama.encode(t) for t in texts] == [sp.encode(t) for t in texts]
     with llama.reading_special_tokens():
         parsed = [llama.encode(t) for t in texts]
         assert llama.encode_batch(texts) == parsed
@@ -373,7 +457,8 @@ def test_sentencepiece_reads_special_tokens_as_its_export_does(llama, tmp_path):
     assert [llama.encode(t) for t in texts] == [sp.encode(t) for t in texts]  # and again after
 
 
-# --- errors a user can cause ---------------------------------------------------------------------------------
+# --- errors a user can cause
+# ---------------------------------------------------------------------------------
 
 
 def _user_error(path: Path) -> str:
@@ -401,7 +486,11 @@ def test_vocab_json_without_merges(tmp_path):
 
 @pytest.mark.parametrize(
     "name, content",
-    [("tokenizer.model", b"\x00\xffnot a protobuf"), ("tokenizer.json", b"{not json"), ("t.json", b"[1, 2]")],
+    [
+        ("tokenizer.model", b"\x00\xffnot a protobuf"),
+        ("tokenizer.json", b"{not json"),
+        ("t.json", b"[1, 2]"),
+    ],
 )
 def test_corrupt_file(tmp_path, name, content):
     (tmp_path / name).write_bytes(content)
@@ -414,14 +503,16 @@ def test_unknown_file_kind(tmp_path):
 
 
 def test_a_tokenizer_of_a_few_tokens_is_said(tmp_path, caplog):
-    """transformers 5's LlamaTokenizer(vocab_file=...).save_pretrained writes a 3-token tokenizer.json beside
-    tokenizer.model; lmforge preferred it, and preprocess then blamed the data ("every document empty")."""
+    """transformers 5's LlamaTokenizer(vocab_file=...).save_pretrained writes a 3-token
+    tokenizer.json beside tokenizer.model; lmforge preferred it, and preprocess then blamed the
+    data ("every document empty")."""
     import logging
 
     from tokenizers import Tokenizer, models
 
-    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>")).save(str(tmp_path /
-                                                                                            "tokenizer.json"))
+    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json")
+    )
     (tmp_path / "tokenizer.model").write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="lmforge.tokenizers"):
         load_tokenizer(tmp_path)
@@ -430,17 +521,24 @@ def test_a_tokenizer_of_a_few_tokens_is_said(tmp_path, caplog):
 
 
 def test_a_template_without_bos_means_no_bos_as_autotokenizer_reads_it(shared_data, tmp_path):
-    """transformers 5 re-saves every tokenizer with a post-processor template "$A" and no add_bos_token: AutoTokenizer
-    then adds no bos, where lmforge added Llama's <s> (its rule for files that say nothing), so greedy output on the
-    same folder differed."""
+    """transformers 5 re-saves every tokenizer with a post-processor template "$A" and no
+    add_bos_token: AutoTokenizer then adds no bos, where lmforge added Llama's <s> (its rule for
+    files that say nothing), so greedy output on the same folder differed."""
     tf = pytest.importorskip("transformers")
     folder = tmp_path / "llama"
     folder.mkdir()
     shutil.copy(shared_data / "tokenizers" / "llama2" / "tokenizer.model", folder)
-    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", '
-                                                  '"eos_token": "</s>", "unk_token": "<unk>"}')
+    (folder / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", '
+        '"eos_token": "</s>", "unk_token": "<unk>"}'
+    )
     tf.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "resaved")
     reference = tf.AutoTokenizer.from_pretrained(tmp_path / "resaved")
     ours = load_tokenizer(tmp_path / "resaved")
-    assert ours.encode("Hello there", add_bos=ours.add_bos_token) == reference("Hello there").input_ids == [15043, 727]
-    assert load_tokenizer(folder).add_bos_token  # the bare tokenizer.model: Llama's <s>, as Meta's code adds it
+    assert (
+        ours.encode("Hello there", add_bos=ours.add_bos_token)
+        == reference("Hello there").input_ids
+        == [15043, 727]
+    )
+    # the bare tokenizer.model: Llama's <s>, as Meta's code adds it
+    assert load_tokenizer(folder).add_bos_token

@@ -1,5 +1,6 @@
-"""Every random generator a step draws from (Python, NumPy, torch's CPU one and the device's), as JSON a
-checkpoint keeps per rank: a resumed run draws the same dropout masks and data order, bit for bit."""
+"""Every random generator a step draws from (Python, NumPy, torch's CPU one and the device's), as
+JSON a checkpoint keeps per rank: a resumed run draws the same dropout masks and data order, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 
 def seed_all(seed: int) -> None:
-    """Seed every generator rng_state keeps from a run's seed: lmforge's own draws use generators of their own, but a
-    library or a user's code reached from a step (a dataset, an evaluation task) may draw from the global ones."""
+    """Seed every generator rng_state keeps from a run's seed: lmforge's own draws use generators
+    of their own, but a library or a user's code reached from a step (a dataset, an evaluation
+    task) may draw from the global ones."""
     random.seed(seed)
     np.random.seed(seed % 2**32)  # NumPy's legacy seed takes 32 bits
     torch.manual_seed(seed)  # the device generators too

@@ -1,4 +1,5 @@
-"""`python -m lmforge.cli VERB ...`, and `torchrun ... -m lmforge.cli pretrain ...` on every rank."""
+"""`python -m lmforge.cli VERB ...`, and `torchrun ... -m lmforge.cli pretrain ...` on every
+rank."""
 
 import sys
 

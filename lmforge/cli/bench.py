@@ -38,24 +38,35 @@ BENCHMARKS = {
 
 def benchmarks_dir() -> Path:
     env = os.environ.get("LMFORGE_BENCHMARKS")
-    folder = Path(env) if env else Path(__file__).resolve().parents[2] / "benchmarks"  # lmforge/cli/ -> checkout
+    # lmforge/cli/ -> checkout
+    folder = Path(env) if env else Path(__file__).resolve().parents[2] / "benchmarks"
     if not (folder / "report.py").is_file():
-        raise UserError(f"no benchmarks folder at {folder}: the benchmarks ship with the source; clone the "
-                        "repository and `pip install -e .`, or set LMFORGE_BENCHMARKS to its benchmarks/ folder")
+        raise UserError(
+            f"no benchmarks folder at {folder}: the benchmarks ship with the source; clone the "
+            "repository and `pip install -e .`, or set LMFORGE_BENCHMARKS to its benchmarks/ folder"
+        )
     return folder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=sorted(BENCHMARKS), metavar="NAME",
-                   help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
-    p.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark (see NAME --help)")
+    p.add_argument(
+        "name",
+        choices=sorted(BENCHMARKS),
+        metavar="NAME",
+        help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()),
+    )
+    p.add_argument(
+        "options", nargs=argparse.REMAINDER, help="options of that benchmark (see NAME --help)"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> None:
     script = benchmarks_dir() / f"{args.name}.py"
     if not script.is_file():
-        raise UserError(f"benchmark '{args.name}' is not in {script.parent} yet: see BENCHMARKS.md for those built")
+        raise UserError(
+            f"benchmark '{args.name}' is not in {script.parent} yet: see BENCHMARKS.md for those built"
+        )
     argv, path = sys.argv, list(sys.path)
     sys.argv = [str(script), *args.options]
     sys.path.insert(0, str(script.parent))  # the scripts import their sibling report.py

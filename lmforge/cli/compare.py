@@ -1,4 +1,5 @@
-"""`lmforge compare RUN_DIR... --out DIR`: plots, an HTML page and a table of several runs (lmforge.report)."""
+"""`lmforge compare RUN_DIR... --out DIR`: plots, an HTML page and a table of several runs
+(lmforge.report)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (each holds metrics.jsonl)")
+    p.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run folders (each holds metrics.jsonl)"
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs and index.html")
-    p.add_argument("--labels", nargs="+", metavar="LABEL", help="one name per run (default: from each config)")
+    p.add_argument(
+        "--labels", nargs="+", metavar="LABEL", help="one name per run (default: from each config)"
+    )
     p.set_defaults(func=run)
 
 

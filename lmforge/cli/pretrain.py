@@ -1,4 +1,5 @@
-"""`lmforge pretrain CONFIG.yaml [key=value ...]` and `lmforge finetune ...`: one Trainer, the recipe's task."""
+"""`lmforge pretrain CONFIG.yaml [key=value ...]` and `lmforge finetune ...`: one Trainer, the
+recipe's task."""
 
 from __future__ import annotations
 
@@ -67,15 +68,24 @@ run_dir              where config.yaml, metrics.jsonl, tensorboard/ and checkpoi
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML recipe (see configs/)")
-    # default=[]: without one argparse lists an empty `*` positional as required ("required: config, overrides")
-    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. trainer.max_steps=100")
+    # default=[]: without one argparse lists an empty `*` positional as required ("required: config,
+    # overrides")
+    p.add_argument(
+        "overrides", nargs="*", default=[], help="key=value overrides, e.g. trainer.max_steps=100"
+    )
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     if p.prog.endswith("finetune"):
-        p.epilog = "task keys (key=value overrides or YAML):\n" + FINETUNE_KEYS + "\nrun keys, as for pretraining " \
-                   "(lmforge pretrain --help): trainer.*, optim.*, checkpoint.*, parallel.*, eval.*, run_dir"
+        p.epilog = (
+            "task keys (key=value overrides or YAML):\n"
+            + FINETUNE_KEYS
+            + "\nrun keys, as for pretraining "
+            "(lmforge pretrain --help): trainer.*, optim.*, checkpoint.*, parallel.*, eval.*, run_dir"
+        )
     else:
-        p.epilog = "common keys (key=value overrides or YAML; every key: the dataclasses in " \
-                   "lmforge/train/config.py):\n" + RUN_KEYS
+        p.epilog = (
+            "common keys (key=value overrides or YAML; every key: the dataclasses in "
+            "lmforge/train/config.py):\n" + RUN_KEYS
+        )
     p.set_defaults(func=run)
 
 
@@ -105,9 +115,10 @@ def run(args: argparse.Namespace) -> None:
 
 
 def leave_process_group() -> None:
-    """Destroy the default process group once the run is done (every rank gets here after its last collective), as
-    torch asks: left alive, its threads meet the interpreter's teardown, and a finished 2-rank gloo run had one
-    rank abort at exit ("terminate called without an active exception"), which torchrun reports as a failure."""
+    """Destroy the default process group once the run is done (every rank gets here after its
+    last collective), as torch asks: left alive, its threads meet the interpreter's teardown, and
+    a finished 2-rank gloo run had one rank abort at exit ("terminate called without an active
+    exception"), which torchrun reports as a failure."""
     import torch.distributed as dist
 
     if dist.is_initialized():

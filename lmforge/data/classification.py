@@ -2,24 +2,28 @@
 
 Files, by suffix (optionally `.gz`):
 
-* `.tsv` / `.csv` with a header row. GLUE's TSVs are read as GLUE's own processors read them: tab-separated,
-  quote characters taken literally (SST-2 sentences contain `"`). `.csv` follows the usual CSV quoting.
+* `.tsv` / `.csv` with a header row. GLUE's TSVs are read as GLUE's own processors read them:
+  tab-separated, quote characters taken literally (SST-2 sentences contain `"`). `.csv` follows the
+  usual CSV quoting.
 * `.jsonl` / `.json` / `.ndjson`: JSON lines or a JSON list of objects.
 
-Columns: the text is `text_key`, by default whichever of `sentence` and `text` is present; the label is
-`label_key` (`label`). A file without the label column is unlabelled: its items have no `label`, for
-prediction (GLUE's test files; their `index` column is kept in `row_ids`); `require_labels` refuses one
-instead (a file to train or validate on, whose label column may only be misnamed). The text is kept as
-given: GLUE pads every SST-2 sentence with a space before the tab, and transformers' run_glue reads it too.
+Columns: the text is `text_key`, by default whichever of `sentence` and `text` is present; the label
+is `label_key` (`label`). A file without the label column is unlabelled: its items have no `label`,
+for prediction (GLUE's test files; their `index` column is kept in `row_ids`); `require_labels`
+refuses one instead (a file to train or validate on, whose label column may only be misnamed). The
+text is kept as given: GLUE pads every SST-2 sentence with a space before the tab, and transformers'
+run_glue reads it too.
 
-Labels: when every label is a non-negative integer (or its string), it is the class id. Otherwise the
-distinct strings, sorted, are the class names and their positions the ids. Either way `label_names`
-holds the names; pass a training set's `label_names` to its dev/test sets so ids agree, and store them
-with the model (`id2label`). Deriving the classes, label_ids warns of labels that look mistyped: a few
-non-integer labels among integer ones (or the reverse), and classes of almost no rows or none.
+Labels: when every label is a non-negative integer (or its string), it is the class id. Otherwise
+the distinct strings, sorted, are the class names and their positions the ids. Either way
+`label_names` holds the names; pass a training set's `label_names` to its dev/test sets so ids
+agree, and store them with the model (`id2label`). Deriving the classes, label_ids warns of labels
+that look mistyped: a few non-integer labels among integer ones (or the reverse), and classes of
+almost no rows or none.
 
-Tokens: `prefix_ids + text + suffix_ids`, cut to `max_length` by cutting the text, so a BERT's [CLS] ...
-[SEP] (prefix_ids=[cls], suffix_ids=[sep]) stay in place. The collator right-pads a batch to its longest.
+Tokens: `prefix_ids + text + suffix_ids`, cut to `max_length` by cutting the text, so a BERT's [CLS]
+... [SEP] (prefix_ids=[cls], suffix_ids=[sep]) stay in place. The collator right-pads a batch to its
+longest.
 """
 
 from __future__ import annotations
@@ -52,27 +56,39 @@ def read_rows(path: Path) -> Iterator[tuple[str, dict]]:
     name = path.name.lower().removesuffix(".gz")
     kind = SUFFIXES.get(Path(name).suffix)
     if kind is None:
-        raise UserError(f"classification file {path} is of an unknown kind: give .tsv, .csv or .jsonl (or .gz)")
+        raise UserError(
+            f"classification file {path} is of an unknown kind: give .tsv, .csv or .jsonl (or .gz)"
+        )
     if kind == "json":
         yield from read_json_records(path)
         return
     with open_text(path, newline="") as f:  # csv's own newline handling, for quoted line breaks
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if kind == "tsv" else csv.reader(f)
+        reader = (
+            csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            if kind == "tsv"
+            else csv.reader(f)
+        )
         try:
             header = next(reader, None)
             if not header:
-                raise UserError(f"{path} is empty: it needs a header row (e.g. sentence<TAB>label) and data rows")
+                raise UserError(
+                    f"{path} is empty: it needs a header row (e.g. sentence<TAB>label) and data rows"
+                )
             for row in reader:
                 where = f"{path}:{reader.line_num}"
                 if not row:
                     continue
                 if len(row) != len(header):
-                    raise UserError(f"{where}: {len(row)} columns where the header {header} has {len(header)}")
+                    raise UserError(
+                        f"{where}: {len(row)} columns where the header {header} has {len(header)}"
+                    )
                 yield where, dict(zip(header, row))
         except csv.Error as e:
             raise UserError(f"{path}:{reader.line_num}: malformed {kind.upper()} ({e})") from None
         except UnicodeDecodeError as e:
-            raise UserError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file") from None
+            raise UserError(
+                f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file"
+            ) from None
 
 
 def _int_label(v) -> int | None:
@@ -89,7 +105,9 @@ def label_ids(raw: Sequence, wheres: Sequence[str], label_names: Sequence[str] |
     """Class ids for raw labels and the class names; see the module docstring for the rules."""
     for v, where in zip(raw, wheres):
         if not isinstance(v, str | int) or isinstance(v, bool):
-            raise UserError(f"{where}: label {v!r} must be a class id (integer) or a class name (string)")
+            raise UserError(
+                f"{where}: label {v!r} must be a class id (integer) or a class name (string)"
+            )
     if label_names is not None:
         names = [str(n) for n in label_names]
         index = {n: i for i, n in enumerate(names)}
@@ -116,10 +134,11 @@ def label_ids(raw: Sequence, wheres: Sequence[str], label_names: Sequence[str] |
 
 
 def warn_of_odd_labels(raw: Sequence, wheres: Sequence[str]) -> list[str]:
-    """Warn of the labels of a training set that look mistyped, each with its first row: the integer-looking labels
-    where most rows have non-integer ones or the reverse (one `positive` among 0/1 labels silently makes a third
-    class), labels of fewer than RARE_CLASS_ROWS rows that are under RARE_CLASS_SHARE of them, and class ids that
-    leave classes without rows (a 7 among 0/1 labels makes 8 classes). The labels warned of."""
+    """Warn of the labels of a training set that look mistyped, each with its first row: the
+    integer-looking labels where most rows have non-integer ones or the reverse (one `positive`
+    among 0/1 labels silently makes a third class), labels of fewer than RARE_CLASS_ROWS rows
+    that are under RARE_CLASS_SHARE of them, and class ids that leave classes without rows (a 7
+    among 0/1 labels makes 8 classes). The labels warned of."""
     counts: dict[str, int] = {}
     first: dict[str, str] = {}
     for v, where in zip(raw, wheres):
@@ -130,32 +149,54 @@ def warn_of_odd_labels(raw: Sequence, wheres: Sequence[str]) -> list[str]:
     odd: list[str] = []
     if numeric and len(numeric) < len(counts):
         numeric_rows = sum(counts[k] for k in numeric)
-        in_integers = numeric_rows * 2 >= len(raw)  # most rows are integer-labelled: the other labels are odd
+        # most rows are integer-labelled: the other labels are odd
+        in_integers = numeric_rows * 2 >= len(raw)
         odd = sorted(set(counts) - numeric if in_integers else numeric, key=lambda k: counts[k])
         usual = sorted(numeric if in_integers else set(counts) - numeric)
         for k in odd:
-            logger.warning("%s: label %r (%d row%s) is %s, unlike the labels %s of most rows: it makes a class of its "
-                           "own (%d classes); fix it if it is a typo", first[k], k, counts[k],
-                           "" if counts[k] == 1 else "s", "not an integer" if in_integers else "an integer",
-                           usual[:10], len(counts))
-    if numeric and len(numeric) == len(counts):  # class ids: 0 to the largest, each a class, rows or none
+            logger.warning(
+                "%s: label %r (%d row%s) is %s, unlike the labels %s of most rows: it makes a class of its "
+                "own (%d classes); fix it if it is a typo",
+                first[k],
+                k,
+                counts[k],
+                "" if counts[k] == 1 else "s",
+                "not an integer" if in_integers else "an integer",
+                usual[:10],
+                len(counts),
+            )
+    # class ids: 0 to the largest, each a class, rows or none
+    if numeric and len(numeric) == len(counts):
         ids = {_int_label(k): k for k in counts}
         top = max(ids)
         empty = sorted(set(range(top + 1)) - set(ids))
         if empty:
-            logger.warning("%s: label %r makes %d classes, of which %s ha%s no rows: fix it if it is a typo",
-                           first[ids[top]], ids[top], top + 1, empty[:10], "s" if len(empty) == 1 else "ve")
+            logger.warning(
+                "%s: label %r makes %d classes, of which %s ha%s no rows: fix it if it is a typo",
+                first[ids[top]],
+                ids[top],
+                top + 1,
+                empty[:10],
+                "s" if len(empty) == 1 else "ve",
+            )
             odd.append(ids[top])
     for k, n in counts.items():
         if k not in odd and n < RARE_CLASS_ROWS and n < RARE_CLASS_SHARE * len(raw):
-            logger.warning("%s: label %r labels only %d of %d rows: a class of its own, learnt from almost nothing; "
-                           "fix it if it is a typo", first[k], k, n, len(raw))
+            logger.warning(
+                "%s: label %r labels only %d of %d rows: a class of its own, learnt from almost nothing; "
+                "fix it if it is a typo",
+                first[k],
+                k,
+                n,
+                len(raw),
+            )
             odd.append(k)
     return odd
 
 
 class ClassificationDataset(Dataset):
-    """Rows of one file, tokenized at construction; items are `input_ids`, `attention_mask` and `label`."""
+    """Rows of one file, tokenized at construction; items are `input_ids`, `attention_mask` and
+    `label`."""
 
     def __init__(
         self,
@@ -174,7 +215,9 @@ class ClassificationDataset(Dataset):
         self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
         room = max_length - len(self.prefix_ids) - len(self.suffix_ids)
         if room < 1:
-            raise UserError(f"max_length {max_length} leaves no room for text beside prefix/suffix ids")
+            raise UserError(
+                f"max_length {max_length} leaves no room for text beside prefix/suffix ids"
+            )
         self.max_length = max_length
 
         texts, raw_labels, wheres, self.row_ids = [], [], [], []
@@ -184,19 +227,29 @@ class ClassificationDataset(Dataset):
                 text_key = next((k for k in TEXT_KEYS if k in row), None)
             if text_key not in row:
                 wanted = repr(text_key) if text_key else " or ".join(map(repr, TEXT_KEYS))
-                raise UserError(f"{where}: no text column {wanted} among {sorted(row)}: set text_key "
-                                f"(data.text_key in a run)")
+                raise UserError(
+                    f"{where}: no text column {wanted} among {sorted(row)}: set text_key "
+                    f"(data.text_key in a run)"
+                )
             if self.has_labels is None:
                 self.has_labels = label_key in row
-                if require_labels and not self.has_labels:  # else read as unlabelled: no `label` to train on
-                    raise UserError(f"{self.path}: no label column {label_key!r} among its columns {list(row)}: "
-                                    f"a file to train or validate on needs one: rename the column that holds the "
-                                    f"classes to {label_key!r}, or name it (data.label_key=COLUMN in a run)")
+                # else read as unlabelled: no `label` to train on
+                if require_labels and not self.has_labels:
+                    raise UserError(
+                        f"{self.path}: no label column {label_key!r} among its columns {list(row)}: "
+                        f"a file to train or validate on needs one: rename the column that holds the "
+                        f"classes to {label_key!r}, or name it (data.label_key=COLUMN in a run)"
+                    )
             if self.has_labels and label_key not in row:
-                raise UserError(f"{where}: no label {label_key!r} here, though earlier rows have one")
+                raise UserError(
+                    f"{where}: no label {label_key!r} here, though earlier rows have one"
+                )
             if not isinstance(row[text_key], str):
-                raise UserError(f"{where}: {text_key!r} must be a string, got {type(row[text_key]).__name__}")
-            texts.append(row[text_key])  # as given: transformers' run_glue reads GLUE's trailing space too
+                raise UserError(
+                    f"{where}: {text_key!r} must be a string, got {type(row[text_key]).__name__}"
+                )
+            # as given: transformers' run_glue reads GLUE's trailing space too
+            texts.append(row[text_key])
             if self.has_labels:
                 raw_labels.append(row[label_key])
                 wheres.append(where)
@@ -214,12 +267,17 @@ class ClassificationDataset(Dataset):
                 self.num_cut += len(ids) > room
                 pieces.append(np.array(self.prefix_ids + ids[:room] + self.suffix_ids, np.int64))
         self.offsets = np.cumsum([0] + [len(p) for p in pieces])
-        self.ids = np.concatenate(pieces)  # one flat array: cheap to hold and to send to DataLoader workers
+        # one flat array: cheap to hold and to send to DataLoader workers
+        self.ids = np.concatenate(pieces)
         self.pad_id = tok.padding_id
         self.collate = PadCollator(self.pad_id)
-        logger.info("%s: %d rows, %s, %d tokens", self.path, len(self),
-                    f"{self.num_labels} classes {self.label_names}" if self.has_labels else "unlabelled",
-                    len(self.ids))
+        logger.info(
+            "%s: %d rows, %s, %d tokens",
+            self.path,
+            len(self),
+            f"{self.num_labels} classes {self.label_names}" if self.has_labels else "unlabelled",
+            len(self.ids),
+        )
 
     @property
     def num_labels(self) -> int:

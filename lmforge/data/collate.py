@@ -1,4 +1,5 @@
-"""What the fine-tuning datasets share: JSON records in (errors name file:line), padded batches out."""
+"""What the fine-tuning datasets share: JSON records in (errors name file:line), padded batches
+out."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from lmforge.errors import UserError
 
-# Label value that PyTorch's cross_entropy skips (its default ignore_index), as Hugging Face uses it.
+# Label value that PyTorch's cross_entropy skips (its default ignore_index), as Hugging Face uses
+# it.
 IGNORE_INDEX = -100
 
 
@@ -30,9 +32,10 @@ def open_text(path: Path, newline: str | None = None) -> io.TextIOBase:
 def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """Yield `(where, record)` from a JSON list file (Alpaca's) or a JSON-lines file, `.gz` allowed.
 
-    The kind is told by the first non-blank character, `[` for a list, not by the suffix: `.json` is used for
-    both. `where` is `file:line` for JSON lines and `file: record N` (1-based) for a list. Blank lines are
-    skipped; a malformed line, a record that is not an object, or a file without records is a UserError.
+    The kind is told by the first non-blank character, `[` for a list, not by the suffix: `.json` is
+    used for both. `where` is `file:line` for JSON lines and `file: record N` (1-based) for a list.
+    Blank lines are skipped; a malformed line, a record that is not an object, or a file without
+    records is a UserError.
     """
     path = Path(path)
     count = 0
@@ -45,7 +48,9 @@ def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
                 try:
                     data = json.load(f)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                    raise UserError(
+                        f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})"
+                    ) from None
                 for i, rec in enumerate(data, start=1):
                     count += 1
                     yield _object(rec, f"{path}: record {i}")
@@ -57,11 +62,15 @@ def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
                     try:
                         rec = json.loads(line.rstrip("\r\n"))  # a column on this line, not the next
                     except json.JSONDecodeError as e:
-                        raise UserError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+                        raise UserError(
+                            f"{where}: malformed JSON ({e.msg} at column {e.colno})"
+                        ) from None
                     count += 1
                     yield _object(rec, where)
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file") from None
+        raise UserError(
+            f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}): re-encode the file"
+        ) from None
     except (OSError, EOFError) as e:
         raise UserError(f"cannot read {path} ({e}): check the file is intact") from None
     if count == 0:
@@ -76,13 +85,14 @@ def _object(rec, where: str) -> tuple[str, dict]:
 
 @dataclass(frozen=True)
 class PadCollator:
-    """Stack items (dicts of tensors) into a batch, right-padding 1-D tensors to the longest in the batch.
+    """Stack items (dicts of tensors) into a batch, right-padding 1-D tensors to the longest in the
+    batch.
 
     `input_ids` is padded with `pad_id`, `labels` with IGNORE_INDEX, every other 1-D tensor
-    (`attention_mask`, `position_ids`, `segment_ids`) with 0; 0-D tensors (a class `label`) are stacked.
-    `pad_to_multiple_of` rounds the padded length up, so torch.compile sees few distinct shapes, but never past
-    `max_length` (the run's seq_length) when the longest item fits in it. A dataclass, not a closure, so
-    DataLoader workers can pickle it.
+    (`attention_mask`, `position_ids`, `segment_ids`) with 0; 0-D tensors (a class `label`) are
+    stacked. `pad_to_multiple_of` rounds the padded length up, so torch.compile sees few distinct
+    shapes, but never past `max_length` (the run's seq_length) when the longest item fits in it. A
+    dataclass, not a closure, so DataLoader workers can pickle it.
     """
 
     pad_id: int

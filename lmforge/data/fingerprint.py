@@ -1,17 +1,19 @@
 """The tokenizer a `.bin/.idx` pair was made with, written beside it as `PREFIX.tokenizer.json`.
 
-Megatron's files hold ids and nothing about what made them: data tokenized with Llama 2's tokenizer (32,000 ids)
-trains without a word under GPT-2's (50,257), every id in range, each one meaning another piece of text. So
-`lmforge preprocess` (and the merge of its shards) writes, once the pair is in place:
+Megatron's files hold ids and nothing about what made them: data tokenized with Llama 2's tokenizer
+(32,000 ids) trains without a word under GPT-2's (50,257), every id in range, each one meaning
+another piece of text. So `lmforge preprocess` (and the merge of its shards) writes, once the pair
+is in place:
 
     {"format": "lmforge-tokenizer/1", "tokenizer": "<its first file>", "files": [...],
      "sha256": "<its files' bytes>", "vocab_sha256": "<id -> token, for every id>",
      "vocab_size": N, "eod_id": E, "bin_bytes": ..., "idx_bytes": ...}
 
-The .bin/.idx stay byte for byte Megatron's; the record is a file of its own, written atomically after them. Its
-sizes tie it to the pair it describes: a record beside other files (the prefix made again, by a tool that writes
-none) is stale and read as absent. A run's tokenizer matches a record when its files are those bytes, or when it
-maps every id to the same token with the same end of document (the same tokenizer saved in another file).
+The .bin/.idx stay byte for byte Megatron's; the record is a file of its own, written atomically
+after them. Its sizes tie it to the pair it describes: a record beside other files (the prefix made
+again, by a tool that writes none) is stale and read as absent. A run's tokenizer matches a record
+when its files are those bytes, or when it maps every id to the same token with the same end of
+document (the same tokenizer saved in another file).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def fingerprint_path(prefix: str | Path) -> Path:
 
 
 def tokenizer_identity(tok: Tokenizer) -> dict:
-    """What makes a tokenizer's ids: its files' bytes (Hugging Face config files beside them too, which can
-    change eod), and the vocabulary size and eod id that follow from them."""
+    """What makes a tokenizer's ids: its files' bytes (Hugging Face config files beside them too,
+    which can change eod), and the vocabulary size and eod id that follow from them."""
     h = hashlib.sha256()
     files = [*tok.files, *(f.parent / n for f in tok.files for n in CONFIG_FILES)]
     for path in dict.fromkeys(files):
@@ -52,7 +54,8 @@ def tokenizer_identity(tok: Tokenizer) -> dict:
 
 
 def vocab_digest(tok) -> str:
-    """sha256 of the token of every id in order: what the ids mean, whatever file the tokenizer was read from."""
+    """sha256 of the token of every id in order: what the ids mean, whatever file the tokenizer
+    was read from."""
     h = hashlib.sha256()
     for i in range(tok.vocab_size):
         h.update((tok.id_to_token(i) or "").encode("utf-8", "surrogatepass") + b"\0")
@@ -73,16 +76,25 @@ def tokenizer_fingerprint(tok) -> dict:
 
 
 def write_fingerprint(prefix: str | Path, fingerprint: dict) -> None:
-    """PREFIX.tokenizer.json for the pair now at `prefix`, written through a temporary file renamed over it."""
-    sizes = {"bin_bytes": bin_path(prefix).stat().st_size, "idx_bytes": idx_path(prefix).stat().st_size}
-    atomic_write(fingerprint_path(prefix), json.dumps({"format": FORMAT, **fingerprint, **sizes}, indent=1) + "\n")
+    """PREFIX.tokenizer.json for the pair now at `prefix`, written through a temporary file
+    renamed over it."""
+    sizes = {
+        "bin_bytes": bin_path(prefix).stat().st_size,
+        "idx_bytes": idx_path(prefix).stat().st_size,
+    }
+    atomic_write(
+        fingerprint_path(prefix),
+        json.dumps({"format": FORMAT, **fingerprint, **sizes}, indent=1) + "\n",
+    )
 
 
 def read_fingerprint(prefix: str | Path) -> dict | None:
-    """The record beside `prefix`, or None where there is none, it cannot be read, or it describes other files."""
+    """The record beside `prefix`, or None where there is none, it cannot be read, or it
+    describes other files."""
     path = fingerprint_path(prefix)
     try:
-        if path.stat().st_size > MAX_BYTES:  # a data folder is not trusted: no file read whole for a few fields
+        # a data folder is not trusted: no file read whole for a few fields
+        if path.stat().st_size > MAX_BYTES:
             raise ValueError(f"{path.stat().st_size:,} bytes, over {MAX_BYTES:,}")
         record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -97,15 +109,20 @@ def read_fingerprint(prefix: str | Path) -> dict | None:
     except OSError:
         return None
     if (record.get("bin_bytes"), record.get("idx_bytes")) != sizes:
-        logger.info("%s describes other files than %s.bin/.idx (written again since): not used", path, prefix)
+        logger.info(
+            "%s describes other files than %s.bin/.idx (written again since): not used",
+            path,
+            prefix,
+        )
         return None
     return record
 
 
 def verdict(record: dict, run: dict) -> str:
-    """Whether the run's tokenizer (its tokenizer_fingerprint) makes the ids the record's made (see the module
-    docstring): "same", "other", or "unknown" where the record cannot tell (a merge of shards made before records
-    held the vocabulary's digest, of another file with the same size and end of document)."""
+    """Whether the run's tokenizer (its tokenizer_fingerprint) makes the ids the record's made
+    (see the module docstring): "same", "other", or "unknown" where the record cannot tell (a
+    merge of shards made before records held the vocabulary's digest, of another file with the
+    same size and end of document)."""
     if record.get("sha256") == run["sha256"]:
         return "same"
     if (record.get("vocab_size"), record.get("eod_id")) != (run["vocab_size"], run["eod_id"]):

@@ -36,11 +36,18 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document-index count
+# magic, version, dtype code, sequence count, document-index count
+HEADER = struct.Struct("<9sQBQQ")
 # megatron.core.datasets.indexed_dataset.DType, by code.
 DTYPES = {
-    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32), 8: np.dtype(np.uint16),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
@@ -59,15 +66,20 @@ def idx_path(prefix: str | Path) -> Path:
 
 
 def remove_stale_temporaries(prefix: str | Path, also: Iterable[Path] = ()) -> list[Path]:
-    """Remove the temporaries of `prefix`'s .bin/.idx (and of the files `also` names) that a killed writer left:
-    `.NAME.tmp-PID`, the names IndexedDatasetWriter, the shard merge and fsutil.atomic_write use, where process
-    PID is no longer running. A live process's are kept: another run of the same prefix may be writing them.
-    Each removal is logged; returns what was removed."""
+    """Remove the temporaries of `prefix`'s .bin/.idx (and of the files `also` names) that a
+    killed writer left: `.NAME.tmp-PID`, the names IndexedDatasetWriter, the shard merge and
+    fsutil.atomic_write use, where process PID is no longer running. A live process's are kept:
+    another run of the same prefix may be writing them. Each removal is logged; returns what was
+    removed."""
     removed = []
     for path in (bin_path(prefix), idx_path(prefix), *also):
         for left in remove_leftovers(path.parent, path.name):
-            logger.info("removed %s, which process %s (no longer running) left writing %s", left,
-                        LEFTOVER.match(left.name)["pid"], path)
+            logger.info(
+                "removed %s, which process %s (no longer running) left writing %s",
+                left,
+                LEFTOVER.match(left.name)["pid"],
+                path,
+            )
             removed.append(left)
     return removed
 
@@ -84,20 +96,32 @@ class IndexedDataset:
         for path in (idx, bin_):
             if not path.is_file():
                 if bin_.is_file():  # what a writer killed between its two renames leaves
-                    raise UserError(f"indexed dataset {self.prefix}: {bin_.name} has no {idx.name} beside it (a write "
-                                    "of it was cut short): write it again (lmforge preprocess)")
-                raise UserError(f"indexed dataset file {path} not found: give the prefix without .bin/.idx")
+                    raise UserError(
+                        f"indexed dataset {self.prefix}: {bin_.name} has no {idx.name} beside it (a write "
+                        "of it was cut short): write it again (lmforge preprocess)"
+                    )
+                raise UserError(
+                    f"indexed dataset file {path} not found: give the prefix without .bin/.idx"
+                )
         idx_size = idx.stat().st_size
         if idx_size < HEADER.size:
-            raise UserError(f"{idx} is {idx_size} bytes, shorter than the {HEADER.size}-byte header: re-run preprocess")
+            raise UserError(
+                f"{idx} is {idx_size} bytes, shorter than the {HEADER.size}-byte header: re-run preprocess"
+            )
         with open(idx, "rb") as f:
             magic, version, code, n_seq, n_doc_idx = HEADER.unpack(f.read(HEADER.size))
         if magic != MAGIC:
-            raise UserError(f"{idx} is not a Megatron MMIDIDX index (magic {magic!r}): re-run preprocess")
+            raise UserError(
+                f"{idx} is not a Megatron MMIDIDX index (magic {magic!r}): re-run preprocess"
+            )
         if version != VERSION:
-            raise UserError(f"{idx} has index version {version}, only version {VERSION} is known: re-run preprocess")
+            raise UserError(
+                f"{idx} has index version {version}, only version {VERSION} is known: re-run preprocess"
+            )
         if code not in DTYPES:
-            raise UserError(f"{idx} has unknown dtype code {code} (known: {sorted(DTYPES)}): re-run preprocess")
+            raise UserError(
+                f"{idx} has unknown dtype code {code} (known: {sorted(DTYPES)}): re-run preprocess"
+            )
         self.dtype = DTYPES[code]
         expected = HEADER.size + n_seq * (4 + 8) + n_doc_idx * 8
         # Multimodal Megatron files append one int8 mode per sequence; we read past them.
@@ -117,7 +141,11 @@ class IndexedDataset:
                 "re-run preprocess"
             )
         bin_size = bin_.stat().st_size
-        need = int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize) if n_seq else 0
+        need = (
+            int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize)
+            if n_seq
+            else 0
+        )
         if bin_size != need:
             raise UserError(
                 f"{bin_} is {bin_size} bytes but {idx} indexes {need} bytes of {self.dtype.name} tokens: "
@@ -147,7 +175,9 @@ class IndexedDataset:
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of length {size}")
+            raise IndexError(
+                f"tokens [{offset}, {offset + length}) out of range for sequence {i} of length {size}"
+            )
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, self.dtype, length, start)
 
@@ -176,31 +206,36 @@ class IndexedDataset:
 
 
 class IndexedDatasetWriter:
-    """Write `PREFIX.bin/.idx` byte-identical to megatron.core's `IndexedDatasetBuilder` for the same calls.
+    """Write `PREFIX.bin/.idx` byte-identical to megatron.core's `IndexedDatasetBuilder` for the
+    same calls.
 
-    Both files are written under temporary names (`.NAME.bin.tmp-PID`: one writer of a prefix per process) and
-    renamed only by `finalize`; `abort` (or leaving a `with` block by an exception) deletes them, so a final-named
-    pair is always complete; those a killed process left go with `remove_stale_temporaries`. `finalize`
-    removes an older `.idx` of the prefix, then renames `.bin`, then `.idx`: a crash between leaves a `.bin`
-    without its index, which the reader refuses in one line, never a new `.bin` beside an old `.idx` (whose
-    sizes could agree by chance).
+    Both files are written under temporary names (`.NAME.bin.tmp-PID`: one writer of a prefix per
+    process) and renamed only by `finalize`; `abort` (or leaving a `with` block by an exception)
+    deletes them, so a final-named pair is always complete; those a killed process left go with
+    `remove_stale_temporaries`. `finalize` removes an older `.idx` of the prefix, then renames
+    `.bin`, then `.idx`: a crash between leaves a `.bin` without its index, which the reader refuses
+    in one line, never a new `.bin` beside an old `.idx` (whose sizes could agree by chance).
     """
 
     def __init__(self, prefix: str | Path, dtype: np.dtype | type = np.int32):
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
-            raise UserError(f"dtype {self.dtype} cannot be stored in a Megatron index: use uint16 or int32")
+            raise UserError(
+                f"dtype {self.dtype} cannot be stored in a Megatron index: use uint16 or int32"
+            )
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         final_bin = bin_path(self.prefix)
         final_bin.parent.mkdir(parents=True, exist_ok=True)
-        # Hidden temporary names: a glob for *.bin never picks up a file still being written. fsutil's leftover
-        # names, so a later run knows whose they are; a PID reused (a container's) reuses a dead run's name.
+        # Hidden temporary names: a glob for *.bin never picks up a file still being written.
+        # fsutil's leftover names, so a later run knows whose they are; a PID reused (a container's)
+        # reuses a dead run's name.
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = final_bin.with_name(f".{final_bin.name}{tag}")
         self._tmp_idx = final_bin.with_name(f".{idx_path(self.prefix).name}{tag}")
         self._bin = open(self._tmp_bin, "wb", buffering=1 << 20)
-        # Compact C arrays, not lists of Python ints: 4 or 8 bytes per entry on corpora of 1e8 documents.
+        # Compact C arrays, not lists of Python ints: 4 or 8 bytes per entry on corpora of 1e8
+        # documents.
         self._lengths = array("i")
         self._document_indices = array("q", [0])
         self.num_tokens = 0
@@ -210,11 +245,15 @@ class IndexedDatasetWriter:
     def num_documents(self) -> int:
         return len(self._document_indices) - 1
 
-    def add_document(self, ids: Sequence[int] | np.ndarray, lengths: Sequence[int] | None = None) -> None:
-        """Append one document; `lengths` splits it into sequences (default: one sequence, none if empty).
+    def add_document(
+        self, ids: Sequence[int] | np.ndarray, lengths: Sequence[int] | None = None
+    ) -> None:
+        """Append one document; `lengths` splits it into sequences (default: one sequence, none if
+        empty).
 
-        Megatron's builder takes `lengths` as given: `add_document([], [0])` makes one empty sequence,
-        `add_document([], [])` an empty document with no sequence (what `preprocess_data.py` writes).
+        Megatron's builder takes `lengths` as given: `add_document([], [0])` makes one empty
+        sequence, `add_document([], [])` an empty document with no sequence (what
+        `preprocess_data.py` writes).
         """
         if self._done:
             raise RuntimeError(f"writer for {self.prefix} is already finalized or aborted")
@@ -232,7 +271,9 @@ class IndexedDatasetWriter:
         if lengths is None:
             lengths = [arr.size] if arr.size else []
         if sum(lengths) != arr.size:
-            raise ValueError(f"sequence lengths {list(lengths)} do not add up to the {arr.size} ids given")
+            raise ValueError(
+                f"sequence lengths {list(lengths)} do not add up to the {arr.size} ids given"
+            )
         self._bin.write(arr.tobytes(order="C"))
         self._lengths.extend(lengths)
         self._document_indices.append(len(self._lengths))
@@ -244,19 +285,28 @@ class IndexedDatasetWriter:
             raise RuntimeError(f"writer for {self.prefix} is already finalized or aborted")
         try:
             self._bin.close()
-            lengths = np.frombuffer(self._lengths, np.int32) if self._lengths else np.zeros(0, np.int32)
+            lengths = (
+                np.frombuffer(self._lengths, np.int32) if self._lengths else np.zeros(0, np.int32)
+            )
             pointers = np.zeros(len(lengths), np.int64)
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
             with open(self._tmp_idx, "wb") as f:
-                f.write(HEADER.pack(MAGIC, VERSION, CODES[self.dtype], len(lengths), len(self._document_indices)))
+                f.write(
+                    HEADER.pack(
+                        MAGIC, VERSION, CODES[self.dtype], len(lengths), len(self._document_indices)
+                    )
+                )
                 f.write(lengths.tobytes())
                 f.write(pointers.tobytes())
                 f.write(np.frombuffer(self._document_indices, np.int64).tobytes())
             if not self._tmp_bin.exists():  # before the old index goes
-                raise UserError(f"{self._tmp_bin} was removed while it was written (by a run of the same prefix on "
-                                "another host, to which this process looked dead?): run one preprocess per output "
-                                "prefix at a time")
-            idx_path(self.prefix).unlink(missing_ok=True)  # never an old index beside the new tokens
+                raise UserError(
+                    f"{self._tmp_bin} was removed while it was written (by a run of the same prefix on "
+                    "another host, to which this process looked dead?): run one preprocess per output "
+                    "prefix at a time"
+                )
+            # never an old index beside the new tokens
+            idx_path(self.prefix).unlink(missing_ok=True)
             os.replace(self._tmp_bin, bin_path(self.prefix))
             os.replace(self._tmp_idx, idx_path(self.prefix))
         except BaseException:

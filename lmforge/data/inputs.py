@@ -1,23 +1,28 @@
-"""What `preprocess` reads: input files found and cut into N deterministic slices (lmforge.data.reader reads them).
+"""What `preprocess` reads: input files found and cut into N deterministic slices
+(lmforge.data.reader reads them).
 
 Kinds of input, each streamed (a bounded amount in memory whatever the file size):
 
-* JSON lines: `.jsonl`, `.json`, `.ndjson`, plain or compressed (`.gz`, `.zst`). One document per line.
+* JSON lines: `.jsonl`, `.json`, `.ndjson`, plain or compressed (`.gz`, `.zst`). One document per
+  line.
 * plain text: `.txt` (also `.gz`, `.zst`). A whole file is one document, read at once.
-* Parquet: `.parquet`, read a record batch at a time with pyarrow (never a whole file); each row is one
-  document and `--json-keys` names the columns (string, or list of strings for sentences).
-* a Hugging Face `datasets` folder written by `save_to_disk` (`state.json` beside `data-*.arrow`): its Arrow
-  files in `state.json`'s order, read a record batch at a time, without `datasets` and without a download.
-* a folder: every file of those kinds below it (and `datasets` folders as units), in sorted path order,
-  hidden names skipped; a glob pattern (`'data/*.parquet'`, quoted so the shell leaves it) the same.
+* Parquet: `.parquet`, read a record batch at a time with pyarrow (never a whole file); each row is
+  one document and `--json-keys` names the columns (string, or list of strings for sentences).
+* a Hugging Face `datasets` folder written by `save_to_disk` (`state.json` beside `data-*.arrow`):
+  its Arrow files in `state.json`'s order, read a record batch at a time, without `datasets` and
+  without a download.
+* a folder: every file of those kinds below it (and `datasets` folders as units), in sorted path
+  order, hidden names skipped; a glob pattern (`'data/*.parquet'`, quoted so the shell leaves it)
+  the same.
 
-Slices (`--shard I/N`): the inputs, in order, lie end to end on one axis of bytes; it is cut at N equal
-points, and each unit of work belongs to the slice in which it starts. A unit is a line of an uncompressed
-JSON-lines file (so one file can be spread over several slices, cut at line starts), a Parquet row group, or
-a whole file for everything else (compressed files cannot be entered in the middle; `datasets` writes its
-Arrow files at most 500 MB each). Slices are contiguous in input order, so their outputs, concatenated,
-are the whole input's; a slice may hold nothing (fewer units than slices), which makes an empty shard.
-The cut depends only on the file list, sizes and Parquet metadata: every shard job computes the same one.
+Slices (`--shard I/N`): the inputs, in order, lie end to end on one axis of bytes; it is cut at N
+equal points, and each unit of work belongs to the slice in which it starts. A unit is a line of an
+uncompressed JSON-lines file (so one file can be spread over several slices, cut at line starts), a
+Parquet row group, or a whole file for everything else (compressed files cannot be entered in the
+middle; `datasets` writes its Arrow files at most 500 MB each). Slices are contiguous in input
+order, so their outputs, concatenated, are the whole input's; a slice may hold nothing (fewer units
+than slices), which makes an empty shard. The cut depends only on the file list, sizes and Parquet
+metadata: every shard job computes the same one.
 """
 
 from __future__ import annotations
@@ -37,13 +42,16 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt",)
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
-KINDS_HINT = ("give .jsonl/.json/.ndjson or .txt files (optionally .gz or .zst), .parquet files, Hugging Face "
-              "datasets folders (save_to_disk), or folders or glob patterns of them")
+KINDS_HINT = (
+    "give .jsonl/.json/.ndjson or .txt files (optionally .gz or .zst), .parquet files, Hugging Face "
+    "datasets folders (save_to_disk), or folders or glob patterns of them"
+)
 DATA_EXTRA = "pip install 'lmforge[data]'"
 READ_BLOCK = 1 << 20  # bytes read from a compressed file at a time
 
-# Where a document is: (file, base, index). For JSON lines, the byte offset at which a slice's reading started in
-# the file and the 1-based line within the slice; for rows, the row's index in the file (see describe).
+# Where a document is: (file, base, index). For JSON lines, the byte offset at which a slice's
+# reading started in the file and the 1-based line within the slice; for rows, the row's index in
+# the file (see describe).
 Where = tuple[str, int, int]
 
 
@@ -63,7 +71,8 @@ class Piece:
 
     source: Source
     start: int  # JSON lines: lines starting at byte >= start; Parquet: the first row group; else 0
-    stop: int | None  # JSON lines: ... and before this byte; Parquet: past the last row group; None: to the end
+    # JSON lines: ... and before this byte; Parquet: past the last row group; None: to the end
+    stop: int | None
     first_row: int  # Parquet: the file's row index of the piece's first row
     whole: bool  # the piece is the whole file
 
@@ -95,27 +104,39 @@ def _dataset_files(folder: Path) -> list[Source]:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
         names = [f["filename"] for f in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"cannot read {folder / 'state.json'} as a datasets state ({e}): save the dataset "
-                        "again with save_to_disk") from e
+        raise UserError(
+            f"cannot read {folder / 'state.json'} as a datasets state ({e}): save the dataset "
+            "again with save_to_disk"
+        ) from e
     if state.get("_indices_data_files"):
-        raise UserError(f"{folder} holds an indices mapping (an old datasets release): load it and save_to_disk "
-                        "again, which writes the rows themselves")
+        raise UserError(
+            f"{folder} holds an indices mapping (an old datasets release): load it and save_to_disk "
+            "again, which writes the rows themselves"
+        )
     if not names:
-        raise UserError(f"input {folder} is a datasets folder with no data files: save the dataset again")
+        raise UserError(
+            f"input {folder} is a datasets folder with no data files: save the dataset again"
+        )
     if missing := next((n for n in names if not (folder / n).is_file()), None):
-        raise UserError(f"datasets folder {folder} lists {missing}, which is not there: copy the whole folder, or "
-                        "save the dataset again")
+        raise UserError(
+            f"datasets folder {folder} lists {missing}, which is not there: copy the whole folder, or "
+            "save the dataset again"
+        )
     return [_source(folder / name, "arrow") for name in names]
 
 
 def _check_not_dataset_dict(folder: Path) -> None:
     if (folder / "dataset_dict.json").is_file():
         try:
-            splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+            splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))[
+                "splits"
+            ]
         except (OSError, ValueError, KeyError, TypeError):
             splits = ["?"]
-        raise UserError(f"input {folder} is a DatasetDict with splits {', '.join(map(str, splits))}: give one "
-                        f"split's folder, e.g. {folder / str(splits[0])}")
+        raise UserError(
+            f"input {folder} is a DatasetDict with splits {', '.join(map(str, splits))}: give one "
+            f"split's folder, e.g. {folder / str(splits[0])}"
+        )
 
 
 def _walk(folder: Path) -> list[Source]:
@@ -123,7 +144,8 @@ def _walk(folder: Path) -> list[Source]:
     if (folder / "state.json").is_file():
         return _dataset_files(folder)
     found = []
-    for entry in sorted(folder.iterdir()):  # children sorted, depth first: the order of sorted full paths
+    # children sorted, depth first: the order of sorted full paths
+    for entry in sorted(folder.iterdir()):
         if entry.name.startswith("."):
             continue
         if entry.is_dir():
@@ -155,7 +177,9 @@ def find_inputs(inputs: str | Path | Iterable[str | Path]) -> list[Source]:
                 found += files
             elif kind := _suffix_kind(path):
                 found.append(_source(path, *kind))
-            elif not pattern:  # a pattern's matches of other kinds (a README beside the data) are passed over
+            # a pattern's matches of other kinds (a README beside the data) are passed
+            # over
+            elif not pattern:
                 raise UserError(f"input {path} is of an unknown kind: {KINDS_HINT}")
     if not found:
         raise UserError(f"inputs {' '.join(map(str, inputs))} hold no data files: {KINDS_HINT}")
@@ -163,7 +187,8 @@ def find_inputs(inputs: str | Path | Iterable[str | Path]) -> list[Source]:
 
 
 def inputs_digest(sources: Sequence[Source]) -> str:
-    """A digest of the input list (paths, kinds, sizes): shards cut from other inputs do not merge."""
+    """A digest of the input list (paths, kinds, sizes): shards cut from other inputs do not
+    merge."""
     h = hashlib.sha256()
     for s in sources:
         h.update(f"{s.path.resolve()}\0{s.kind}\0{s.compression}\0{s.size}\n".encode())
@@ -177,7 +202,9 @@ def need(module: str, what: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(f"{what} needs {module.split('.')[0]}, which is not installed: {DATA_EXTRA}") from None
+        raise UserError(
+            f"{what} needs {module.split('.')[0]}, which is not installed: {DATA_EXTRA}"
+        ) from None
 
 
 def text_columns(path: Path, schema, keys: Sequence[str]) -> None:
@@ -185,24 +212,33 @@ def text_columns(path: Path, schema, keys: Sequence[str]) -> None:
     names = schema.names
     for key in keys:
         if key not in names:
-            raise UserError(f"input {path} has no column {key!r} (columns: {', '.join(map(repr, names))}): "
-                            "check --json-keys")
+            raise UserError(
+                f"input {path} has no column {key!r} (columns: {', '.join(map(repr, names))}): "
+                "check --json-keys"
+            )
         t = schema.field(key).type
-        textual = (pa.types.is_string, pa.types.is_large_string, getattr(pa.types, "is_string_view", lambda _: False))
+        textual = (
+            pa.types.is_string,
+            pa.types.is_large_string,
+            getattr(pa.types, "is_string_view", lambda _: False),
+        )
         is_text = any(f(t) for f in textual)
         if not is_text and (pa.types.is_list(t) or pa.types.is_large_list(t)):
             is_text = any(f(t.value_type) for f in textual)
         if not is_text:
-            raise UserError(f"column {key!r} of {path} holds {t}, not text (a string, or a list of strings): "
-                            "check --json-keys")
+            raise UserError(
+                f"column {key!r} of {path} holds {t}, not text (a string, or a list of strings): "
+                "check --json-keys"
+            )
 
 
 def parquet_file(path: Path, keys: Sequence[str]):
     pq = need("pyarrow.parquet", "reading Parquet files")
     pa = need("pyarrow", "reading Parquet files")
     try:
-        # Streamed reads through a small buffer instead of pyarrow's default of fetching each row group's column
-        # chunks whole first: memory then follows the batch, not the row group (which some writers make 1 GB).
+        # Streamed reads through a small buffer instead of pyarrow's default of fetching each row
+        # group's column chunks whole first: memory then follows the batch, not the row group (which
+        # some writers make 1 GB).
         pf = pq.ParquetFile(path, buffer_size=READ_BLOCK, pre_buffer=False)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"cannot read {path} as Parquet ({e}): check the file is intact") from e
@@ -220,14 +256,19 @@ def _units(source: Source, keys: Sequence[str]) -> list[tuple[int, int]]:
     units, row = [], 0
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
-        units.append((sum(group.column(c).total_compressed_size for c in range(group.num_columns)), row))
+        units.append(
+            (sum(group.column(c).total_compressed_size for c in range(group.num_columns)), row)
+        )
         row += group.num_rows
     return units
 
 
-def plan(sources: Sequence[Source], keys: Sequence[str], shard: int = 0, num_shards: int = 1) -> list[Piece]:
+def plan(
+    sources: Sequence[Source], keys: Sequence[str], shard: int = 0, num_shards: int = 1
+) -> list[Piece]:
     """The pieces of `sources` in slice `shard` of `num_shards` (see the module docstring)."""
-    layout = [(s, _units(s, keys)) for s in sources]  # every source is checked, whichever slice reads it
+    # every source is checked, whichever slice reads it
+    layout = [(s, _units(s, keys)) for s in sources]
     total = sum(w for _, units in layout for w, _ in units)
     cuts = [total * i // num_shards for i in range(num_shards + 1)]
     lo, hi = cuts[shard], cuts[shard + 1]
@@ -237,7 +278,8 @@ def plan(sources: Sequence[Source], keys: Sequence[str], shard: int = 0, num_sha
 
     pieces, offset = [], 0
     for source, units in layout:
-        if source.kind == "json" and not source.compression:  # cut at line starts: lines starting in [a, b)
+        # cut at line starts: lines starting in [a, b)
+        if source.kind == "json" and not source.compression:
             a, b = max(lo - offset, 0), min(hi - offset, source.size)
             if a < b:
                 pieces.append(Piece(source, a, b, 0, whole=(a, b) == (0, source.size)))
@@ -246,7 +288,11 @@ def plan(sources: Sequence[Source], keys: Sequence[str], shard: int = 0, num_sha
             groups = [g for g in range(len(units)) if slice_of(starts[g]) == shard]
             if groups:
                 first, last = groups[0], groups[-1] + 1
-                pieces.append(Piece(source, first, last, units[first][1], whole=(first, last) == (0, len(units))))
+                pieces.append(
+                    Piece(
+                        source, first, last, units[first][1], whole=(first, last) == (0, len(units))
+                    )
+                )
         elif slice_of(offset) == shard:
             pieces.append(Piece(source, 0, None, 0, whole=True))
         offset += sum(w for w, _ in units)
@@ -256,8 +302,8 @@ def plan(sources: Sequence[Source], keys: Sequence[str], shard: int = 0, num_sha
 def describe(where: Where, kind: str, lines: dict | None = None) -> str:
     """`file:line` (JSON lines), `file row N` (Parquet, Arrow) or `file` (plain text), for messages.
 
-    A slice that starts inside a file knows only its own line numbers; the file's are counted from the
-    start on demand (errors only), once per slice when `lines` (a cache) is given.
+    A slice that starts inside a file knows only its own line numbers; the file's are counted from
+    the start on demand (errors only), once per slice when `lines` (a cache) is given.
     """
     path, base, index = where
     if kind == "row":
@@ -275,4 +321,3 @@ def describe(where: Where, kind: str, lines: dict | None = None) -> str:
             cache[(path, base)] = count
         index += cache[(path, base)]
     return f"{path}:{index}"
-

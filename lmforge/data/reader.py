@@ -1,11 +1,12 @@
-"""The documents of the pieces `lmforge.data.inputs.plan` cut, read as records, in order, each streamed: a JSON
-line at a time, a plain-text file whole (it is one document), Parquet and Arrow a record batch at a time.
+"""The documents of the pieces `lmforge.data.inputs.plan` cut, read as records, in order, each
+streamed: a JSON line at a time, a plain-text file whole (it is one document), Parquet and Arrow a
+record batch at a time.
 
-Documents over a size limit (`max_bytes`: a JSON line's bytes, a plain-text file's, a row's UTF-8 bytes of its
-`--json-keys` columns, counted by Arrow before any Python string is made) are never read whole: the reader
-yields a `TooLarge` in their place, and reads past them in blocks, so memory stays bounded by the limit even for
-a line of many GB without a newline. A JSON line's bytes bound its text's (escapes only shrink), so no text
-over the limit reaches a tokenizer.
+Documents over a size limit (`max_bytes`: a JSON line's bytes, a plain-text file's, a row's UTF-8
+bytes of its `--json-keys` columns, counted by Arrow before any Python string is made) are never
+read whole: the reader yields a `TooLarge` in their place, and reads past them in blocks, so memory
+stays bounded by the limit even for a line of many GB without a newline. A JSON line's bytes bound
+its text's (escapes only shrink), so no text over the limit reaches a tokenizer.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ import numpy as np
 from lmforge.data.inputs import READ_BLOCK, Piece, Source, Where, need, parquet_file, text_columns
 from lmforge.errors import UserError
 
-PARQUET_BATCH_ROWS = 256  # rows per record batch read from Parquet: a few MB of long documents, cheap per batch
+# rows per record batch read from Parquet: a few MB of long documents, cheap per batch
+PARQUET_BATCH_ROWS = 256
 
-# A record: (where, kind, payload, size). `where` is inputs.Where. `kind` is "json" (payload: a raw line), "text"
-# (the file's bytes) or "row" (a tuple of the --json-keys columns' values); the payload is a TooLarge in place of
-# any of them. `size` is about the payload's bytes, for chunking.
+# A record: (where, kind, payload, size). `where` is inputs.Where. `kind` is "json" (payload: a raw
+# line), "text" (the file's bytes) or "row" (a tuple of the --json-keys columns' values); the
+# payload is a TooLarge in place of any of them. `size` is about the payload's bytes, for chunking.
 Record = tuple[Where, str, object, int]
 
 
 @dataclass(frozen=True)
 class TooLarge:
-    """A record's payload in place of a document over the size limit, which was read past, never held."""
+    """A record's payload in place of a document over the size limit, which was read past, never
+    held."""
 
     size: int  # the document's bytes (a JSON line's without its newline)
     limit: int
@@ -40,15 +43,17 @@ class TooLarge:
         """What is wrong, for `describe(where): reason` messages."""
         over = f"more than the --max-document-bytes limit of {self.limit:,}"
         if kind == "text":
-            return (f"{self.size:,} bytes, {over} (a plain-text file is one document): split it into JSON lines, "
-                    "or raise the limit")
+            return (
+                f"{self.size:,} bytes, {over} (a plain-text file is one document): split it into JSON lines, "
+                "or raise the limit"
+            )
         what = "a line" if kind == "json" else "a row of text"
         return f"{what} of {self.size:,} bytes, {over}: raise the limit to tokenize it"
 
 
 class _ZstdRaw(io.RawIOBase):
-    """A zstd file's decompressed bytes, frame after frame; a truncated last frame is an error, not an end
-    (zstandard's stream_reader stops there silently)."""
+    """A zstd file's decompressed bytes, frame after frame; a truncated last frame is an error,
+    not an end (zstandard's stream_reader stops there silently)."""
 
     def __init__(self, f):
         zstd = need("zstandard", "reading .zst files")
@@ -93,7 +98,8 @@ def open_binary(source: Source):
 
 
 def _read_past_line(f) -> tuple[int, bool]:
-    """Read to the end of the current line a block at a time: (bytes read, whether a newline ended them)."""
+    """Read to the end of the current line a block at a time: (bytes read, whether a newline
+    ended them)."""
     n = 0
     while block := f.readline(READ_BLOCK):
         n += len(block)
@@ -104,7 +110,8 @@ def _read_past_line(f) -> tuple[int, bool]:
 
 def _json_records(piece: Piece, max_bytes: int | None = None) -> Iterator[Record]:
     path, stop = str(piece.source.path), piece.stop
-    # A line of max_bytes bytes and its newline is read whole; one more byte without a newline means it is over.
+    # A line of max_bytes bytes and its newline is read whole; one more byte without a newline means
+    # it is over.
     read = -1 if max_bytes is None else max_bytes + 1
     with open_binary(piece.source) as f:
         base = 0
@@ -145,7 +152,8 @@ def _text_record(source: Source, max_bytes: int | None) -> Record:
 
 
 def _text_bytes(array) -> np.ndarray:
-    """The UTF-8 bytes of each value of a string (or list of strings) column, nulls 0: from Arrow's offsets."""
+    """The UTF-8 bytes of each value of a string (or list of strings) column, nulls 0: from
+    Arrow's offsets."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -158,17 +166,20 @@ def _text_bytes(array) -> np.ndarray:
     return pc.binary_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _batch_records(path: str, batches, keys: Sequence[str], row: int, max_bytes: int | None = None
-                   ) -> Iterator[Record]:
+def _batch_records(
+    path: str, batches, keys: Sequence[str], row: int, max_bytes: int | None = None
+) -> Iterator[Record]:
     import pyarrow as pa
 
     for batch in batches:
-        # Python strings for PARQUET_BATCH_ROWS rows at a time: an Arrow file's batches can be far larger.
+        # Python strings for PARQUET_BATCH_ROWS rows at a time: an Arrow file's batches can be far
+        # larger.
         for start in range(0, batch.num_rows, PARQUET_BATCH_ROWS):
             part = batch.slice(start, PARQUET_BATCH_ROWS)
             sizes = sum(_text_bytes(part.column(k)) for k in keys)
             over = sizes > max_bytes if max_bytes is not None else np.zeros(len(sizes), bool)
-            kept = part.filter(pa.array(~over)) if over.any() else part  # rows over it never become strings
+            # rows over it never become strings
+            kept = part.filter(pa.array(~over)) if over.any() else part
             values = zip(*(kept.column(k).to_pylist() for k in keys))
             for i, (size, too_large) in enumerate(zip(sizes.tolist(), over.tolist())):
                 payload = TooLarge(size, max_bytes) if too_large else next(values)
@@ -176,26 +187,34 @@ def _batch_records(path: str, batches, keys: Sequence[str], row: int, max_bytes:
             row += part.num_rows
 
 
-def _parquet_records(piece: Piece, keys: Sequence[str], max_bytes: int | None = None) -> Iterator[Record]:
+def _parquet_records(
+    piece: Piece, keys: Sequence[str], max_bytes: int | None = None
+) -> Iterator[Record]:
     pa = need("pyarrow", "reading Parquet files")
     pf = parquet_file(piece.source.path, keys)
-    batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=range(piece.start, piece.stop),
-                              columns=list(keys))
+    batches = pf.iter_batches(
+        batch_size=PARQUET_BATCH_ROWS, row_groups=range(piece.start, piece.stop), columns=list(keys)
+    )
     try:
         yield from _batch_records(str(piece.source.path), batches, keys, piece.first_row, max_bytes)
     except pa.ArrowException as e:
-        raise UserError(f"cannot read {piece.source.path} as Parquet ({e}): check the file is intact") from e
+        raise UserError(
+            f"cannot read {piece.source.path} as Parquet ({e}): check the file is intact"
+        ) from e
     finally:
         pf.close()
 
 
-def _arrow_records(piece: Piece, keys: Sequence[str], max_bytes: int | None = None) -> Iterator[Record]:
+def _arrow_records(
+    piece: Piece, keys: Sequence[str], max_bytes: int | None = None
+) -> Iterator[Record]:
     pa = need("pyarrow", "reading datasets folders")
     import pyarrow.ipc
 
     path = piece.source.path
-    # Read through a file handle, not a memory map: mapped pages would count in resident memory up to the
-    # file's size. datasets writes the stream format; the file format (Feather v2) starts with ARROW1.
+    # Read through a file handle, not a memory map: mapped pages would count in resident memory up
+    # to the file's size. datasets writes the stream format; the file format (Feather v2) starts
+    # with ARROW1.
     with pa.OSFile(str(path)) as f:
         try:
             if f.read(6) == b"ARROW1":
@@ -211,8 +230,11 @@ def _arrow_records(piece: Piece, keys: Sequence[str], max_bytes: int | None = No
             raise UserError(f"cannot read {path} as Arrow ({e}): check the file is intact") from e
 
 
-def records(pieces: Iterable[Piece], keys: Sequence[str], max_bytes: int | None = None) -> Iterator[Record]:
-    """Every document of the pieces, in order; one over `max_bytes` as a TooLarge (see the module docstring)."""
+def records(
+    pieces: Iterable[Piece], keys: Sequence[str], max_bytes: int | None = None
+) -> Iterator[Record]:
+    """Every document of the pieces, in order; one over `max_bytes` as a TooLarge (see the module
+    docstring)."""
     for piece in pieces:
         source = piece.source
         try:

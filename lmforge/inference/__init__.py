@@ -13,6 +13,17 @@ from lmforge.inference.sampling import (
 from lmforge.inference.text import TextStream, completion_text, eos_token_ids
 
 __all__ = [
-    "KVCache", "SamplingParams", "TextStream", "apply_repetition_penalty", "choose_next", "completion_text",
-    "eos_token_ids", "generate", "generate_text", "left_pad", "process_logits", "top_k_filter", "top_p_filter",
+    "KVCache",
+    "SamplingParams",
+    "TextStream",
+    "apply_repetition_penalty",
+    "choose_next",
+    "completion_text",
+    "eos_token_ids",
+    "generate",
+    "generate_text",
+    "left_pad",
+    "process_logits",
+    "top_k_filter",
+    "top_p_filter",
 ]

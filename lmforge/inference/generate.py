@@ -30,7 +30,13 @@ from lmforge.inference.decode_step import (
     length_dynamic,
     static_cache,
 )
-from lmforge.inference.sampling import NO_TOKEN, SamplingParams, choose_next, no_token_reason, seeded_generator
+from lmforge.inference.sampling import (
+    NO_TOKEN,
+    SamplingParams,
+    choose_next,
+    no_token_reason,
+    seeded_generator,
+)
 from lmforge.inference.text import TextStream, completion_text, eos_token_ids, token_ids
 from lmforge.models.sizes import check_cache_memory
 
@@ -40,7 +46,9 @@ Prompts = torch.Tensor | Sequence[Sequence[int]]
 SYNC_EVERY = 8  # off CPU, decode steps between two checks of "have all rows stopped?" (a host sync)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str | None = None):
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str | None = None
+):
     """(input_ids, attention_mask), both (batch, longest), padding on the left."""
     longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -53,44 +61,60 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 
 
 def check_can_generate(model: nn.Module, what: str = "generate text") -> None:
-    """Raise UserError unless the model is a decoder language model (one that predicts the next token)."""
+    """Raise UserError unless the model is a decoder language model (one that predicts the next
+    token)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not cfg.is_decoder or getattr(model, "score", None) is not None:
-        kind = ("a sequence classifier (its head scores labels, not tokens)" if cfg is not None and cfg.num_labels else
-                f"a {getattr(cfg, 'family', '?')} model (not a decoder language model)")
+        kind = (
+            "a sequence classifier (its head scores labels, not tokens)"
+            if cfg is not None and cfg.num_labels
+            else f"a {getattr(cfg, 'family', '?')} model (not a decoder language model)"
+        )
         raise UserError(f"cannot {what} with {kind}: give a decoder language model")
 
 
-def context_overflow(prompt_len: int, max_new_tokens: int | None, context: int,
-                     param: str = "max_new_tokens") -> str | None:
+def context_overflow(
+    prompt_len: int, max_new_tokens: int | None, context: int, param: str = "max_new_tokens"
+) -> str | None:
     """Why a prompt and max_new_tokens new tokens do not fit a context, or None when they do.
 
-    The one rule of `generate`, the engine and the server (as OpenAI's API counts): the prompt and every new
-    token fit the model's context, whatever its position embeddings. Past its positions a rotary model goes
-    on without an error but not as trained, so it is refused rather than run or cut short unannounced.
-    max_new_tokens None: the prompt must leave room for one token.
+    The one rule of `generate`, the engine and the server (as OpenAI's API counts): the prompt and
+    every new token fit the model's context, whatever its position embeddings. Past its positions a
+    rotary model goes on without an error but not as trained, so it is refused rather than run or
+    cut short unannounced. max_new_tokens None: the prompt must leave room for one token.
     """
     room, need = context - prompt_len, max(max_new_tokens or 1, 1)
     if room < 1:
         if need >= context:
-            return (f"this model's context is {context} tokens and the prompt has {prompt_len}: lower {param} below "
-                    f"{context} and shorten the prompt to fit beside it")
-        return (f"this model's context is {context} tokens and the prompt has {prompt_len}: shorten the prompt "
-                f"to at most {context - need} tokens" + (f" (with {param} {need})" if max_new_tokens else ""))
+            return (
+                f"this model's context is {context} tokens and the prompt has {prompt_len}: lower {param} below "
+                f"{context} and shorten the prompt to fit beside it"
+            )
+        return (
+            f"this model's context is {context} tokens and the prompt has {prompt_len}: shorten the prompt "
+            f"to at most {context - need} tokens"
+            + (f" (with {param} {need})" if max_new_tokens else "")
+        )
     if max_new_tokens is not None and max_new_tokens > room:
-        return (f"this model's context is {context} tokens: the prompt's {prompt_len} and {max_new_tokens} new "
-                f"ones do not fit; lower {param} to at most {room} or shorten the prompt")
+        return (
+            f"this model's context is {context} tokens: the prompt's {prompt_len} and {max_new_tokens} new "
+            f"ones do not fit; lower {param} to at most {room} or shorten the prompt"
+        )
     return None
 
 
-def check_fits(prompt_len: int, max_new_tokens: int | None, context: int, param: str = "max_new_tokens") -> None:
+def check_fits(
+    prompt_len: int, max_new_tokens: int | None, context: int, param: str = "max_new_tokens"
+) -> None:
     """Raise context_overflow's line as a UserError."""
     problem = context_overflow(prompt_len, max_new_tokens, context, param)
     if problem:
         raise UserError(problem)
 
 
-def _batch(model: nn.Module, prompts: Prompts, attention_mask: torch.Tensor | None, pad_id: int | None):
+def _batch(
+    model: nn.Module, prompts: Prompts, attention_mask: torch.Tensor | None, pad_id: int | None
+):
     device = next(model.parameters()).device
     if pad_id is None:
         pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -99,19 +123,25 @@ def _batch(model: nn.Module, prompts: Prompts, attention_mask: torch.Tensor | No
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask.reshape(ids.shape)
         ids, mask = ids.to(device), mask.to(device=device, dtype=torch.long)
         if not mask[:, -1].all():
-            raise UserError("attention_mask pads on the right: generation needs left padding (see left_pad)")
+            raise UserError(
+                "attention_mask pads on the right: generation needs left padding (see left_pad)"
+            )
     else:
         if not len(prompts):
             raise UserError("no prompts given: pass at least one")
         ids, mask = left_pad(prompts, pad_id, device)
     lengths = mask.sum(-1)
     if (lengths == 0).any():
-        raise UserError(f"prompt {int((lengths == 0).nonzero()[0, 0])} is empty: give it at least one token")
+        raise UserError(
+            f"prompt {int((lengths == 0).nonzero()[0, 0])} is empty: give it at least one token"
+        )
     vocab = model.config.vocab_size
     real = ids[mask.bool()]
     bad = real[(real < 0) | (real >= vocab)]
     if bad.numel():
-        raise UserError(f"prompt token id {int(bad[0])} is outside this model's vocabulary [0, {vocab})")
+        raise UserError(
+            f"prompt token id {int(bad[0])} is outside this model's vocabulary [0, {vocab})"
+        )
     return ids, mask, pad_id
 
 
@@ -137,14 +167,15 @@ def generate(
 
     prompts: a list of token id lists (left-padded here), or a (batch, seq) / (seq,) tensor, all
     real tokens unless attention_mask (1 = token, 0 = padding, left padding) says otherwise.
-    temperature 0 or do_sample=False is greedy. stop_token_ids: None = the model config's eos;
-    [] = never stop early. seed makes sampling reproducible (a torch.Generator of its own; without
-    it the global RNG is used). should_stop(row, ids_so_far) is asked after each new token of a
-    running row (stop strings in generate_text). compile=True (or "default") runs each decode step through
-    torch.compile; compile="reduce-overhead" (or "max-autotune") compiles a static-shape step that CUDA graphs
-    capture on CUDA (lmforge.inference.decode_step). The first call compiles (seconds to a minute), later calls
-    with the same model, batch size and cache size (a power of two) reuse the graph; greedy tokens are those of
-    eager. Under "reduce-overhead" the model holds its cache between calls: one such call at a time per model.
+    temperature 0 or do_sample=False is greedy. stop_token_ids: None = the model config's eos; [] =
+    never stop early. seed makes sampling reproducible (a torch.Generator of its own; without it the
+    global RNG is used). should_stop(row, ids_so_far) is asked after each new token of a running row
+    (stop strings in generate_text). compile=True (or "default") runs each decode step through
+    torch.compile; compile="reduce-overhead" (or "max-autotune") compiles a static-shape step that
+    CUDA graphs capture on CUDA (lmforge.inference.decode_step). The first call compiles (seconds to
+    a minute), later calls with the same model, batch size and cache size (a power of two) reuse the
+    graph; greedy tokens are those of eager. Under "reduce-overhead" the model holds its cache
+    between calls: one such call at a time per model.
     """
     check_can_generate(model)
     mode = compile_mode(compile)
@@ -165,15 +196,28 @@ def generate(
     generator = seeded_generator(seed, device)
     seen = None
     if params.repetition_penalty != 1.0:  # which tokens each row has seen, padding excluded
-        seen = torch.zeros(b, cfg.vocab_size, dtype=torch.long, device=device).scatter_add_(1, ids, mask) > 0
+        seen = (
+            torch.zeros(b, cfg.vocab_size, dtype=torch.long, device=device).scatter_add_(
+                1, ids, mask
+            )
+            > 0
+        )
 
     # The last generated token is never fed back, so the cache needs one slot less than the total.
     slots = cache_slots(s + max_new_tokens - 1, mode)
-    check_cache_memory(cfg, b, slots, next(model.parameters()).dtype, device, "the prompt and max_new_tokens",
-                       "lower max_new_tokens")
+    check_cache_memory(
+        cfg,
+        b,
+        slots,
+        next(model.parameters()).dtype,
+        device,
+        "the prompt and max_new_tokens",
+        "lower max_new_tokens",
+    )
     cache = static_cache(model, b, slots) if static else KVCache.for_model(model, b, slots)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    prefill = cache.view(slice(None), s)  # attend over the prompt's slots only, not the whole buffer
+    # attend over the prompt's slots only, not the whole buffer
+    prefill = cache.view(slice(None), s)
     h = model.hidden_states(ids, mask, position_ids, prefill, torch.arange(s, device=device))
     logits = model.logits(h[:, -1])
     next_position, cache_position = position_ids[:, -1:] + 1, torch.tensor([s], device=device)
@@ -183,9 +227,10 @@ def generate(
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     host = [[] for _ in range(b)] if should_stop is not None else None
-    # Without stop tokens or strings every row runs to max_new_tokens: no stop bookkeeping at all. Asking
-    # whether all rows have stopped waits for the device; on CPU that costs nothing (ops run in order, at
-    # once), elsewhere it is asked every SYNC_EVERY steps (a few extra steps, trimmed away, at most).
+    # Without stop tokens or strings every row runs to max_new_tokens: no stop bookkeeping at all.
+    # Asking whether all rows have stopped waits for the device; on CPU that costs nothing (ops run
+    # in order, at once), elsewhere it is asked every SYNC_EVERY steps (a few extra steps, trimmed
+    # away, at most).
     watch = bool(stop.numel()) or host is not None
     check_every = 1 if device.type == "cpu" or host is not None else SYNC_EVERY
     steps, lost = 0, torch.zeros(b, dtype=torch.bool, device=device)
@@ -193,8 +238,8 @@ def generate(
         token = choose_next(logits, params, seen, generator)
         if watch:
             token = torch.where(finished, pad_id, token)  # a finished row keeps padding
-        # A row with no score left (NO_TOKEN) stops, fed padding (never an id past the embedding), and is reported
-        # when generation ends: no host sync here.
+        # A row with no score left (NO_TOKEN) stops, fed padding (never an id past the embedding),
+        # and is reported when generation ends: no host sync here.
         lost_now = token == NO_TOKEN
         lost = lost | lost_now
         token = torch.where(lost_now, pad_id, token)
@@ -214,7 +259,8 @@ def generate(
                         finished[row] = True
         if steps == max_new_tokens or (watch and steps % check_every == 0 and bool(finished.all())):
             break
-        # Attend over the filled slots only: at long contexts reading the keys/values costs as much as the weights.
+        # Attend over the filled slots only: at long contexts reading the keys/values costs as much
+        # as the weights.
         view = cache.view(slice(None), s + steps)
         if s + steps == reencode_at:
             logits = _reencode(model, view, ids, mask, out[:, :steps])
@@ -225,10 +271,18 @@ def generate(
             torch.compiler.cudagraph_mark_step_begin()
             logits = step_fn(model, cache, token[:, None], next_position, cache_position)
         else:
-            logits = step_fn(model, length_dynamic(view) if mode else view, token[:, None], next_position,
-                             cache_position)
+            logits = step_fn(
+                model,
+                length_dynamic(view) if mode else view,
+                token[:, None],
+                next_position,
+                cache_position,
+            )
         if mode and step == 0:
-            log.info("first decode step (compiles it unless cached) took %.1f s", time.perf_counter() - start)
+            log.info(
+                "first decode step (compiles it unless cached) took %.1f s",
+                time.perf_counter() - start,
+            )
         next_position, cache_position = next_position + 1, cache_position + 1
     if bool(lost.any()):  # the reason read from the row's last scores: a broken model's stay NaN
         row = int(lost.nonzero()[0, 0])
@@ -237,20 +291,27 @@ def generate(
 
 
 def _reencode_length(cfg) -> int | None:
-    """The sequence length at which the cached keys must be rotated again: LongRoPE switches every position to
-    its long factors once a forward reaches past the pretraining context, and keys cached with the short ones
-    would no longer match (transformers' Phi-3 re-encodes the whole sequence at that step too)."""
+    """The sequence length at which the cached keys must be rotated again: LongRoPE switches
+    every position to its long factors once a forward reaches past the pretraining context, and
+    keys cached with the short ones would no longer match (transformers' Phi-3 re-encodes the
+    whole sequence at that step too)."""
     s = cfg.rope_scaling
-    return s.original_max_position_embeddings + 1 if s is not None and s.type == "longrope" else None
+    return (
+        s.original_max_position_embeddings + 1 if s is not None and s.type == "longrope" else None
+    )
 
 
-def _reencode(model: nn.Module, cache: KVCache, ids: torch.Tensor, mask: torch.Tensor,
-              new: torch.Tensor) -> torch.Tensor:
-    """Prefill the prompts and the tokens generated so far again, over the same cache slots; the last logits."""
+def _reencode(
+    model: nn.Module, cache: KVCache, ids: torch.Tensor, mask: torch.Tensor, new: torch.Tensor
+) -> torch.Tensor:
+    """Prefill the prompts and the tokens generated so far again, over the same cache slots; the
+    last logits."""
     full = torch.cat([ids, new], 1)
     full_mask = torch.cat([mask, torch.ones_like(new)], 1)
     position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
-    h = model.hidden_states(full, full_mask, position_ids, cache, torch.arange(full.shape[1], device=full.device))
+    h = model.hidden_states(
+        full, full_mask, position_ids, cache, torch.arange(full.shape[1], device=full.device)
+    )
     return model.logits(h[:, -1])
 
 
@@ -277,21 +338,26 @@ def generate_text(
     skip_special_tokens: bool = True,
     **kwargs,
 ) -> list[str]:
-    """Completions (prompt not included) of text prompts, or of prompts already token ids (a chat template's);
-    keyword arguments as for generate.
+    """Completions (prompt not included) of text prompts, or of prompts already token ids (a chat
+    template's); keyword arguments as for generate.
 
     Generation of a row stops at eos (the model's and the tokenizer's) or once its text contains a
-    stop string, and the text is cut before the first stop string (as OpenAI's API does).
-    add_bos None: the tokenizer's rule (Tokenizer.add_bos_token: Llama's <s> yes, GPT-2 and NeoX no).
-    Special tokens are left out of the text unless `skip_special_tokens` is off (lmforge.inference.text).
+    stop string, and the text is cut before the first stop string (as OpenAI's API does). add_bos
+    None: the tokenizer's rule (Tokenizer.add_bos_token: Llama's <s> yes, GPT-2 and NeoX no).
+    Special tokens are left out of the text unless `skip_special_tokens` is off
+    (lmforge.inference.text).
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     if all(isinstance(p, str) for p in prompts):
-        encoded = tokenizer.encode_batch(prompts, add_bos=tokenizer.add_bos_token if add_bos is None else add_bos)
+        encoded = tokenizer.encode_batch(
+            prompts, add_bos=tokenizer.add_bos_token if add_bos is None else add_bos
+        )
     else:
         encoded = [list(p) for p in prompts]
-    stop_ids = eos_token_ids(model, tokenizer) if stop_token_ids is None else token_ids(stop_token_ids)
+    stop_ids = (
+        eos_token_ids(model, tokenizer) if stop_token_ids is None else token_ids(stop_token_ids)
+    )
     streams = [TextStream(tokenizer, ids, stops, skip_special_tokens) for ids in encoded]
 
     def has_stop(row: int, ids: list[int]) -> bool:
@@ -300,8 +366,14 @@ def generate_text(
             stopped = stream.push(token)[1] or stopped
         return stopped
 
-    outputs = generate(model, encoded, max_new_tokens, stop_token_ids=sorted(stop_ids),
-                       should_stop=has_stop if stops else None, **kwargs)
+    outputs = generate(
+        model,
+        encoded,
+        max_new_tokens,
+        stop_token_ids=sorted(stop_ids),
+        should_stop=has_stop if stops else None,
+        **kwargs,
+    )
     texts = []
     for prompt_ids, ids in zip(encoded, outputs):
         if ids and ids[-1] in stop_ids:

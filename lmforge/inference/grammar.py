@@ -1,17 +1,18 @@
-"""Constrained decoding: a request's JSON Schema (or "any JSON object") as a token mask, by llguidance.
+"""Constrained decoding: a request's JSON Schema (or "any JSON object") as a token mask, by
+llguidance.
 
-llguidance was chosen by measurement (benchmarks/grammar_libs.py, BENCHMARKS.md; docs/serving.md says why): it
-compiles a schema in under a millisecond, fills a row's mask in tens of microseconds on the CPU, refuses a schema
-keyword it cannot enforce by name instead of ignoring it, and needs no other package. It is an optional extra
-(`pip install 'lmforge[structured]'`).
+llguidance was chosen by measurement (benchmarks/grammar_libs.py, BENCHMARKS.md; docs/serving.md
+says why): it compiles a schema in under a millisecond, fills a row's mask in tens of microseconds
+on the CPU, refuses a schema keyword it cannot enforce by name instead of ignoring it, and needs no
+other package. It is an optional extra (`pip install 'lmforge[structured]'`).
 
-`Grammars` is the server's: it builds llguidance's view of the vocabulary once (seconds for 50k tokens, so in a
-thread, on the first request that needs it) and compiles each schema once (cached by its JSON text) into a
-`CompiledGrammar`: a matcher in its start state, built off the engine thread (llguidance builds its parser there,
-up to a second for a very large schema). Each engine row takes a copy of it (`RowGrammar`), asks it for the mask
-before each token and advances it with the token chosen. The mask is computed on the host as a bitmask and
-expanded to a bool row; rows without a grammar compute nothing. End-of-sequence is in the mask only where the
-grammar accepts.
+`Grammars` is the server's: it builds llguidance's view of the vocabulary once (seconds for 50k
+tokens, so in a thread, on the first request that needs it) and compiles each schema once (cached by
+its JSON text) into a `CompiledGrammar`: a matcher in its start state, built off the engine thread
+(llguidance builds its parser there, up to a second for a very large schema). Each engine row takes
+a copy of it (`RowGrammar`), asks it for the mask before each token and advances it with the token
+chosen. The mask is computed on the host as a bitmask and expanded to a bool row; rows without a
+grammar compute nothing. End-of-sequence is in the mask only where the grammar accepts.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 INSTALL = "pip install 'lmforge[structured]'"
 MAX_CACHED = 256  # compiled grammars kept (least recently used go first)
-# Compact JSON (no free whitespace between items): a model cannot pad its answer with whitespace until max_tokens.
+# Compact JSON (no free whitespace between items): a model cannot pad its answer with whitespace
+# until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
@@ -68,16 +70,21 @@ def schema_of(response_format: dict) -> dict:
     if kind == "json_object":
         return {"type": "object"}
     if kind != "json_schema":
-        raise UserError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+        raise UserError(
+            f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+        )
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise UserError("response_format json_schema must be an object with a 'schema' object (and a 'name')")
+        raise UserError(
+            "response_format json_schema must be an object with a 'schema' object (and a 'name')"
+        )
     return spec.get("schema") or {}
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A response_format compiled: the llguidance grammar and a matcher in its start state (never advanced)."""
+    """A response_format compiled: the llguidance grammar and a matcher in its start state (never
+    advanced)."""
 
     grammar: str
     start: object  # llguidance.LLMatcher
@@ -85,7 +92,8 @@ class CompiledGrammar:
 
 
 class Grammars:
-    """The vocabulary as llguidance sees it, and compiled grammars cached by schema (thread-safe)."""
+    """The vocabulary as llguidance sees it, and compiled grammars cached by schema
+    (thread-safe)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
@@ -99,18 +107,26 @@ class Grammars:
             if self._ll_tokenizer is None:
                 llg = llguidance_module()
                 if not self.eos_ids:
-                    raise UserError("response_format needs an end-of-sequence token, and this tokenizer has none")
+                    raise UserError(
+                        "response_format needs an end-of-sequence token, and this tokenizer has none"
+                    )
                 try:
                     self._ll_tokenizer = llg.LLTokenizer(
-                        tokenizer_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_ids
+                        tokenizer_json(self.tokenizer),
+                        n_vocab=self.vocab_size,
+                        eos_token=self.eos_ids,
                     )
-                except ValueError as e:  # a tokenizer.json llguidance cannot map to bytes (no decoder ...)
-                    raise UserError(f"response_format cannot be served with this model's tokenizer: {e}") from None
+                # a tokenizer.json llguidance cannot map to bytes (no decoder ...)
+                except ValueError as e:
+                    raise UserError(
+                        f"response_format cannot be served with this model's tokenizer: {e}"
+                    ) from None
             return self._ll_tokenizer
 
     def compile(self, response_format: dict) -> CompiledGrammar:
-        """The grammar of a response_format; a UserError naming what is wrong with the schema (a keyword llguidance
-        does not implement, a $ref that points nowhere). Slow the first time: call it off the event loop."""
+        """The grammar of a response_format; a UserError naming what is wrong with the schema (a
+        keyword llguidance does not implement, a $ref that points nowhere). Slow the first time:
+        call it off the event loop."""
         llg = llguidance_module()
         schema = schema_of(response_format)
         key = json.dumps(schema, sort_keys=True)
@@ -124,7 +140,9 @@ class Grammars:
             raise UserError(f"response_format's JSON schema cannot be read: {e}") from None
         problem = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if problem and not problem.startswith("WARNING"):
-            raise UserError(f"response_format's JSON schema is not supported: {' '.join(problem.split())[:300]}")
+            raise UserError(
+                f"response_format's JSON schema is not supported: {' '.join(problem.split())[:300]}"
+            )
         start = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if start.is_error():
             raise UserError(f"response_format's JSON schema is not supported: {start.get_error()}")
@@ -137,7 +155,8 @@ class Grammars:
 
 
 class RowGrammar:
-    """One request's grammar state: the mask of the tokens it allows next, advanced by each token taken."""
+    """One request's grammar state: the mask of the tokens it allows next, advanced by each token
+    taken."""
 
     def __init__(self, compiled: CompiledGrammar):
         self.vocab_size = compiled.vocab_size

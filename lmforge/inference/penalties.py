@@ -1,18 +1,19 @@
-"""What the serving engine keeps per row of its batch for the settings that depend on a request's tokens:
-repetition, frequency and presence penalties, logit_bias and min_tokens.
+"""What the serving engine keeps per row of its batch for the settings that depend on a request's
+tokens: repetition, frequency and presence penalties, logit_bias and min_tokens.
 
-One tensor per kind over every row of the engine's cache (rows x vocab), allocated the first time a request needs
-it, so each step applies every row's settings in a few tensor operations whatever mix of requests is running.
-The order is vLLM's: logit_bias and the min_tokens mask first, then the penalties, then temperature and the filters
-(sampling.py).
+One tensor per kind over every row of the engine's cache (rows x vocab), allocated the first time a
+request needs it, so each step applies every row's settings in a few tensor operations whatever mix
+of requests is running. The order is vLLM's: logit_bias and the min_tokens mask first, then the
+penalties, then temperature and the filters (sampling.py).
 
-- repetition_penalty: CTRL's, as transformers' RepetitionPenaltyLogitsProcessor and vLLM apply it, over the tokens of
-  the prompt and of the output: a positive score divided by it, a negative one multiplied.
-- frequency_penalty, presence_penalty: OpenAI's, over the output tokens only:
-  logits[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c[j] the times j was generated.
+- repetition_penalty: CTRL's, as transformers' RepetitionPenaltyLogitsProcessor and vLLM apply it,
+  over the tokens of the prompt and of the output: a positive score divided by it, a negative one
+  multiplied.
+- frequency_penalty, presence_penalty: OpenAI's, over the output tokens only: logits[j] -= c[j] *
+  frequency_penalty + (c[j] > 0) * presence_penalty, c[j] the times j was generated.
 - logit_bias: added to the scores of the ids named.
-- min_tokens: the ids that would end the request (eos unless ignore_eos, its stop_token_ids) are -inf until it has
-  generated that many tokens.
+- min_tokens: the ids that would end the request (eos unless ignore_eos, its stop_token_ids) are
+  -inf until it has generated that many tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ class RowSettings:
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+        return (
+            self.repetition_penalty != 1.0
+            or bool(self.frequency_penalty)
+            or bool(self.presence_penalty)
+        )
 
 
 class RowPenalties:
@@ -63,10 +68,14 @@ class RowPenalties:
             self.prompt[slot, torch.tensor(prompt_ids, device=self.device)] = True
         if s.logit_bias:
             ids = torch.tensor(list(s.logit_bias), device=self.device)
-            values = torch.tensor(list(s.logit_bias.values()), dtype=torch.float32, device=self.device)
+            values = torch.tensor(
+                list(s.logit_bias.values()), dtype=torch.float32, device=self.device
+            )
             self._table("bias", torch.float32)[slot, ids] = values
         if s.min_tokens and s.ending_ids:
-            self._table("ending", torch.bool)[slot, torch.tensor(s.ending_ids, device=self.device)] = True
+            self._table("ending", torch.bool)[
+                slot, torch.tensor(s.ending_ids, device=self.device)
+            ] = True
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the tokens just chosen for rows `slots` (a NO_TOKEN, negative, counts nothing)."""
@@ -75,9 +84,14 @@ class RowPenalties:
             self.counts.index_put_((slots, tokens.clamp(min=0)), real, accumulate=True)
 
     def apply(
-        self, logits: torch.Tensor, slots: torch.Tensor, settings: list[RowSettings], generated: list[int]
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        settings: list[RowSettings],
+        generated: list[int],
     ) -> torch.Tensor:
-        """fp32 logits (len(slots), vocab) with each row's settings applied; `generated`: its tokens so far."""
+        """fp32 logits (len(slots), vocab) with each row's settings applied; `generated`: its
+        tokens so far."""
         biased = [bool(s.logit_bias) for s in settings]
         if any(biased):
             logits = logits + self.bias[slots]

@@ -1,5 +1,6 @@
-"""A request as the serving engine holds it: its parameters (`RequestParams`), the events it hands its consumer
-(`Event`), and its state while it has a row (`EngineRequest`): tokens, text, generator, stop ids."""
+"""A request as the serving engine holds it: its parameters (`RequestParams`), the events it
+hands its consumer (`Event`), and its state while it has a row (`EngineRequest`): tokens, text,
+generator, stop ids."""
 
 from __future__ import annotations
 
@@ -19,29 +20,37 @@ from lmforge.inference.text import TextStream
 class RequestParams:
     max_tokens: int = 16
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: Sequence[str] = ()  # stop strings: generation ends at the first, which the text leaves out
+    # stop strings: generation ends at the first, which the text leaves out
+    stop: Sequence[str] = ()
     seed: int | None = None  # reproducible sampling (a generator of the request's own)
     skip_special_tokens: bool = True  # special tokens left out of the text (vLLM's default)
     frequency_penalty: float = 0.0  # OpenAI's, over the output tokens (penalties.py)
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its score
-    min_tokens: int = 0  # eos and stop_token_ids masked, stop strings not matched, until this many are generated
-    stop_token_ids: Sequence[int] = ()  # ids that end generation besides eos (not shown in the text)
+    # eos and stop_token_ids masked, stop strings not matched, until this many are generated
+    min_tokens: int = 0
+    # ids that end generation besides eos (not shown in the text)
+    stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False  # eos does not end generation (stop_token_ids still do)
-    logprobs: int | None = None  # each chosen token's log-probability and this many alternatives; None = off
+    # each chosen token's log-probability and this many alternatives; None = off
+    logprobs: int | None = None
     prompt_logprobs: int | None = None  # the prompt's tokens' too (echo); then max_tokens may be 0
-    grammar: CompiledGrammar | None = None  # a response_format (Grammars.compile): the tokens are masked to fit it
+    # a response_format (Grammars.compile): the tokens are masked to fit it
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass
 class Event:
     text: str  # text added since the previous event
     completion_tokens: int  # tokens generated so far (a stop token included)
-    finish_reason: str | None = None  # "stop" (eos or stop string), "length", "error", or None while running
+    # "stop" (eos or stop string), "length", "error", or None while running
+    finish_reason: str | None = None
     error: str | None = None
     client_error: bool = False  # the error came from the request's own settings (a 400, not a 500)
-    stop_string: str | None = None  # the stop string that ended it (left out of the text), if one did
-    logprobs: list[TokenLogprob] | None = None  # the tokens generated since the previous event (those shown)
+    # the stop string that ended it (left out of the text), if one did
+    stop_string: str | None = None
+    # the tokens generated since the previous event (those shown)
+    logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first event, where asked
 
 
@@ -59,7 +68,9 @@ class EngineRequest:
         self.params = params
         self.on_event = on_event
         self.output_ids: list[int] = []
-        self.text = TextStream(tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens, params.min_tokens)
+        self.text = TextStream(
+            tokenizer, self.prompt_ids, params.stop, params.skip_special_tokens, params.min_tokens
+        )
         self.cancelled = False  # set from the server's thread; read by the engine between steps
         self.finish_reason: str | None = None
         self.slot: int | None = None

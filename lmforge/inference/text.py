@@ -1,13 +1,14 @@
-"""The text rules of generation, one copy for `generate_text` and the serving engine: which token ids end a
-completion, and how its new tokens become text, all at once (`completion_text`) or as they arrive
-(`TextStream`). Both decode the new tokens behind the same few prompt tokens, so a streamed completion
-adds up to the text a whole one gives. Whether a prompt starts with bos is the tokenizer's rule
-(`Tokenizer.add_bos_token`).
+"""The text rules of generation, one copy for `generate_text` and the serving engine: which token
+ids end a completion, and how its new tokens become text, all at once (`completion_text`) or as they
+arrive (`TextStream`). Both decode the new tokens behind the same few prompt tokens, so a streamed
+completion adds up to the text a whole one gives. Whether a prompt starts with bos is the
+tokenizer's rule (`Tokenizer.add_bos_token`).
 
-Special tokens a model writes mid-completion (a chat model's `<|im_start|>`, a base model's `<|endoftext|>`
-where it is not eos) are left out of the text by default, as vLLM (`skip_special_tokens=True`), TGI and
-transformers' pipelines do; stop strings are found in that text, and a stop string that is the text of one special
-token ends the completion at that token (`TextStream`), where the skipped text could never show it.
+Special tokens a model writes mid-completion (a chat model's `<|im_start|>`, a base model's
+`<|endoftext|>` where it is not eos) are left out of the text by default, as vLLM
+(`skip_special_tokens=True`), TGI and transformers' pipelines do; stop strings are found in that
+text, and a stop string that is the text of one special token ends the completion at that token
+(`TextStream`), where the skipped text could never show it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ def token_ids(ids: int | Iterable[int] | None) -> set[int]:
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
-    """The ids that end a completion by default: the tokenizer's eos, and those of the model config's that are
-    this tokenizer's special tokens (Tokenizer.model_special_ids; the export writes the same into config.json, so
-    transformers' generate stops where this does). Without a tokenizer, the config's."""
+    """The ids that end a completion by default: the tokenizer's eos, and those of the model
+    config's that are this tokenizer's special tokens (Tokenizer.model_special_ids; the export
+    writes the same into config.json, so transformers' generate stops where this does). Without a
+    tokenizer, the config's."""
     if tokenizer is None:
         return token_ids(model.config.eos_token_id)
-    return token_ids(tokenizer.model_special_ids({"eos_token_id": model.config.eos_token_id})["eos_token_id"])
+    return token_ids(
+        tokenizer.model_special_ids({"eos_token_id": model.config.eos_token_id})["eos_token_id"]
+    )
 
 
 def special_stop_ids(tokenizer, stop: Sequence[str]) -> dict[int, str]:
@@ -42,29 +46,43 @@ def special_stop_ids(tokenizer, stop: Sequence[str]) -> dict[int, str]:
 
 
 def _decode_after(tokenizer, context: list[int], head: str, ids: Sequence[int], skip: bool) -> str:
-    """The text `ids` add after `context` (whose own text is `head`); decoded alone if that is not a prefix."""
+    """The text `ids` add after `context` (whose own text is `head`); decoded alone if that is
+    not a prefix."""
     full = tokenizer.decode([*context, *ids], skip_special_tokens=skip)
-    return full[len(head) :] if full.startswith(head) else tokenizer.decode(list(ids), skip_special_tokens=skip)
+    return (
+        full[len(head) :]
+        if full.startswith(head)
+        else tokenizer.decode(list(ids), skip_special_tokens=skip)
+    )
 
 
-def completion_text(tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int],
-                    skip_special_tokens: bool = True) -> str:
-    """The text that new_ids add after the prompt (special tokens left out unless `skip_special_tokens` is off)."""
+def completion_text(
+    tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int], skip_special_tokens: bool = True
+) -> str:
+    """The text that new_ids add after the prompt (special tokens left out unless
+    `skip_special_tokens` is off)."""
     context = list(prompt_ids[-CONTEXT_TOKENS:])
     head = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
     return _decode_after(tokenizer, context, head, new_ids, skip_special_tokens)
 
 
 class TextStream:
-    """A completion's text as its tokens arrive: the part safe to show now, and where a stop string ends it.
+    """A completion's text as its tokens arrive: the part safe to show now, and where a stop string
+    ends it.
 
-    Held back until the next token: a trailing incomplete UTF-8 character (decoders show U+FFFD) and a
-    tail that may be the start of a stop string, so that streamed text never shows what the final text
-    leaves out.
+    Held back until the next token: a trailing incomplete UTF-8 character (decoders show U+FFFD) and
+    a tail that may be the start of a stop string, so that streamed text never shows what the final
+    text leaves out.
     """
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True, min_tokens: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.context = list(prompt_ids[-CONTEXT_TOKENS:])
@@ -74,7 +92,8 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already handed out
         self.matched: str | None = None  # the stop string that ended the completion
-        self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM's min_tokens)
+        # stop strings end nothing before this many tokens (vLLM's min_tokens)
+        self.min_tokens = min_tokens
 
     def text(self) -> str:
         return _decode_after(self.tokenizer, self.context, self.head, self.ids, self.skip)
@@ -82,21 +101,29 @@ class TextStream:
     def push(self, token: int) -> tuple[str, bool]:
         """(text to show now, whether a stop string has ended the completion)."""
         self.ids.append(token)
-        if len(self.ids) < self.min_tokens:  # too early to stop: nothing held back for a stop string either
+        # too early to stop: nothing held back for a stop string either
+        if len(self.ids) < self.min_tokens:
             text = self.text()
             return self._take(text, len(text.rstrip("\ufffd"))), False
-        if token in self.special_stops:  # a stop string that is this special token's text, which is not shown
+        # a stop string that is this special token's text, which is not shown
+        if token in self.special_stops:
             self.matched = self.special_stops[token]
             return self._take(self.text(), None), True
         text = self.text()
         longest = max((len(s) for s in self.stop), default=0)
         start = max(0, self.sent - longest + 1)
-        cut, self.matched = min(((i, s) for s in self.stop if (i := text.find(s, start)) >= 0),
-                                key=lambda found: found[0], default=(-1, None))
+        cut, self.matched = min(
+            ((i, s) for s in self.stop if (i := text.find(s, start)) >= 0),
+            key=lambda found: found[0],
+            default=(-1, None),
+        )
         if cut >= 0:
             return self._take(text, cut), True
         safe = len(text.rstrip("\ufffd"))
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])), default=0)
+        hold = max(
+            (k for s in self.stop for k in range(1, len(s)) if text[:safe].endswith(s[:k])),
+            default=0,
+        )
         return self._take(text, safe - hold), False
 
     def flush(self) -> str:

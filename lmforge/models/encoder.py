@@ -15,13 +15,20 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         self.word = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
+        self.token_type = (
+            nn.Embedding(cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
+        )
         self.norm = make_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Summed word, position and token-type embeddings; positions default to 0..s-1, token types to 0."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Summed word, position and token-type embeddings; positions default to 0..s-1, token
+        types to 0."""
         if position_ids is None:
             b, s = input_ids.shape
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
@@ -48,11 +55,14 @@ class MLMHead(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, h: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        logits = self.vocab_projection(self.norm(self.act(self.dense(h))), word_embeddings, self.bias)
-        # F.linear with a bias returns its 2-D product viewed as (batch, seq, vocab). A view returned by an FSDP2
-        # unit (a pipeline's last stage) draws torch's warning that an in-place op on it would drop the unit's
-        # pre-backward hook: none is made, but the warning would hide one that matters. _unsafe_view is what
-        # torch's matmul returns: the same storage, not tracked as a view (nothing else holds the product).
+        logits = self.vocab_projection(
+            self.norm(self.act(self.dense(h))), word_embeddings, self.bias
+        )
+        # F.linear with a bias returns its 2-D product viewed as (batch, seq, vocab). A view
+        # returned by an FSDP2 unit (a pipeline's last stage) draws torch's warning that an in-place
+        # op on it would drop the unit's pre-backward hook: none is made, but the warning would hide
+        # one that matters. _unsafe_view is what torch's matmul returns: the same storage, not
+        # tracked as a view (nothing else holds the product).
         if type(logits) is torch.Tensor and logits._base is not None:
             logits = torch.ops.aten._unsafe_view(logits, logits.shape)
         return logits
@@ -62,8 +72,8 @@ class Bert(nn.Module):
     """Encoder + MLM head (num_labels == 0) or pooler + classifier (num_labels > 0)."""
 
     vocab_parameters = ("embeddings.word.weight", "mlm_head.bias")
-    # A pipeline stage is a Bert without the modules it does not hold (see Decoder.is_first): the last
-    # stage holds the word embedding for the MLM head but must not embed its input.
+    # A pipeline stage is a Bert without the modules it does not hold (see Decoder.is_first): the
+    # last stage holds the word embedding for the MLM head but must not embed its input.
     is_first = is_last = True
 
     def __init__(self, cfg: ModelConfig):
@@ -99,12 +109,13 @@ class Bert(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """MLM logits (batch, seq, vocab_size), or classification logits (batch, num_labels); a pipeline
-        stage that is not the last returns its hidden states."""
+        """MLM logits (batch, seq, vocab_size), or classification logits (batch, num_labels); a
+        pipeline stage that is not the last returns its hidden states."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)
         if not self.is_last:
             return h
         if self.classifier is not None:
             pooled = self.drop(self.pooled(h))
-            return self.classifier(pooled.to(self.classifier.weight.dtype))  # a LoRA run's fp32 head, bf16 base
+            # a LoRA run's fp32 head, bf16 base
+            return self.classifier(pooled.to(self.classifier.weight.dtype))
         return self.mlm_head(h, self.embeddings.word.weight)

@@ -44,8 +44,12 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, dtype: torch.dtype | None = None,
-                      max_shard_bytes: int = 4 << 30) -> None:
+def write_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    folder: Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
     """Write tensors as model.safetensors, or as HF-style numbered shards with an index once they
     pass max_shard_bytes, holding at most one shard in memory."""
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -86,8 +90,9 @@ def copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> None:
             shutil.copy2(folder_file(src, name), dst / name)
 
 
-# A model's license and notice files (Llama's LICENSE and USE_POLICY.md, an Apache NOTICE): their terms ask that they
-# go with every copy and derivative, so imports, exports and adapters carry them from the folder they came from.
+# A model's license and notice files (Llama's LICENSE and USE_POLICY.md, an Apache NOTICE): their
+# terms ask that they go with every copy and derivative, so imports, exports and adapters carry them
+# from the folder they came from.
 LICENSE_STEMS = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY", "COPYING")
 
 
@@ -100,8 +105,9 @@ def copy_licenses(src: str | Path | None, dst: Path) -> None:
 
 
 def copy_origin_files(origin: str | Path | None, dst: Path) -> None:
-    """What a trained model keeps from the folder it started from (lmforge.models.source.model_origin): the license
-    files, and the generation settings (sampling defaults, stop ids) its users expect of it."""
+    """What a trained model keeps from the folder it started from
+    (lmforge.models.source.model_origin): the license files, and the generation settings
+    (sampling defaults, stop ids) its users expect of it."""
     copy_licenses(origin, dst)
     if origin is not None:
         copy_side_files(Path(origin), dst, ["generation_config.json"])
@@ -117,17 +123,26 @@ def is_model_dir(path: Path) -> bool:
 
 
 def missing_model_folder(folder: str | Path) -> UserError:
-    """"model folder 'X' does not exist", naming the checkpoints beside it where X looks like one of a run's
-    (RUN/checkpoints/step-N): a mistyped step is corrected from the message."""
+    """ "model folder 'X' does not exist", naming the checkpoints beside it where X looks like
+    one of a run's (RUN/checkpoints/step-N): a mistyped step is corrected from the message."""
     folder = Path(folder)
     message = f"model folder '{folder}' does not exist"
     parent = folder.parent
-    steps = sorted(p.name for p in parent.iterdir() if p.name.startswith("step-") and (p / "trainer.json").is_file()) \
-        if folder.name.startswith("step-") and parent.is_dir() else []
+    steps = (
+        sorted(
+            p.name
+            for p in parent.iterdir()
+            if p.name.startswith("step-") and (p / "trainer.json").is_file()
+        )
+        if folder.name.startswith("step-") and parent.is_dir()
+        else []
+    )
     if steps:
         shown = ", ".join(steps[-5:])
-        message += (f": {parent} holds {len(steps)} checkpoint{'s' * (len(steps) > 1)}, "
-                    f"{'the latest ' if len(steps) > 5 else ''}{shown}: give one of them")
+        message += (
+            f": {parent} holds {len(steps)} checkpoint{'s' * (len(steps) > 1)}, "
+            f"{'the latest ' if len(steps) > 5 else ''}{shown}: give one of them"
+        )
     return UserError(message)
 
 
@@ -138,12 +153,15 @@ def read_config(folder: Path) -> ModelConfig:
         raise UserError(f"cannot read '{folder / CONFIG_NAME}': {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "model" not in meta:
         shown = meta.get("format") if isinstance(meta, dict) else None
-        raise UserError(f"'{folder / CONFIG_NAME}' is not an lmforge model config (format={shown!r})")
+        raise UserError(
+            f"'{folder / CONFIG_NAME}' is not an lmforge model config (format={shown!r})"
+        )
     return from_dict(ModelConfig, meta["model"], where="model.")
 
 
 def safetensors_index(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it (one model.safetensors, or shards and their index)."""
+    """Tensor name -> the safetensors file that holds it (one model.safetensors, or shards and
+    their index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         return read_weight_map(index)
@@ -155,7 +173,8 @@ def safetensors_index(folder: Path) -> dict[str, Path]:
 
 
 def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
-    """name -> tensor over an lmforge folder's safetensors (single file or sharded); `.names` lists them."""
+    """name -> tensor over an lmforge folder's safetensors (single file or sharded); `.names`
+    lists them."""
     where = safetensors_index(folder)
     handles: dict[Path, object] = {}
 
@@ -172,11 +191,14 @@ def read_tensors(folder: Path) -> Callable[[str], torch.Tensor]:
     return get
 
 
-def read_folder(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
-                ) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
-    """An lmforge model folder's config and its tensors (read_tensors), the parameters its config declares checked
-    against the bytes its files hold before anything is built (lmforge.models.sizes); `fits(cfg)` first, where
-    given (load_pretrained: the device's memory)."""
+def read_folder(
+    folder: Path,
+    fits: Callable[[ModelConfig], None] | None = None,
+) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
+    """An lmforge model folder's config and its tensors (read_tensors), the parameters its config
+    declares checked against the bytes its files hold before anything is built
+    (lmforge.models.sizes); `fits(cfg)` first, where given (load_pretrained: the device's
+    memory)."""
     cfg = read_config(folder)
     if fits is not None:
         fits(cfg)
@@ -186,16 +208,22 @@ def read_folder(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
 
 
 def stored_layout(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A tensor as this version lays it out: folders written before Experts.gate_up had its (experts, 2, inter,
-    hidden) shape hold it as (experts, 2 * inter, hidden), the same values in the same order."""
+    """A tensor as this version lays it out: folders written before Experts.gate_up had its
+    (experts, 2, inter, hidden) shape hold it as (experts, 2 * inter, hidden), the same values in
+    the same order."""
     if name.endswith("experts.gate_up") and t.dim() == 3:
         return t.unflatten(1, (2, -1))
     return t
 
 
-def materialize(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-                device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
-    """A model whose parameters are filled from `tensors`, allocated once, in `dtype` (meta build + to_empty)."""
+def materialize(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """A model whose parameters are filled from `tensors`, allocated once, in `dtype` (meta build
+    + to_empty)."""
     model = build(cfg, device="meta")
     if dtype is not None:
         model.to(dtype)
@@ -207,28 +235,39 @@ def materialize(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
             if name not in params:
                 raise UserError(f"checkpoint tensor '{name}' has no place in a {cfg.family} model")
             if params[name].shape != t.shape:
-                raise UserError(f"tensor '{name}' has shape {tuple(t.shape)}, the model expects "
-                                f"{tuple(params[name].shape)}: the weights do not belong to this config")
+                raise UserError(
+                    f"tensor '{name}' has shape {tuple(t.shape)}, the model expects "
+                    f"{tuple(params[name].shape)}: the weights do not belong to this config"
+                )
             params[name].copy_(t)
             seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
-        raise UserError(f"checkpoint lacks {len(missing)} tensor(s), first '{missing[0]}': it is incomplete")
+        raise UserError(
+            f"checkpoint lacks {len(missing)} tensor(s), first '{missing[0]}': it is incomplete"
+        )
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_parameters()
     return model.eval()
 
 
-def save_model(model: nn.Module, out_dir: str | Path, tokenizer_from: str | Path | None = None,
-               overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
+def save_model(
+    model: nn.Module,
+    out_dir: str | Path,
+    tokenizer_from: str | Path | None = None,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write an in-memory model (plain, DDP or FSDP2) as an lmforge model folder, atomically."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from lmforge.fsutil import atomic_dir
     from lmforge.tokenizers import load_tokenizer
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     cfg = getattr(model, "module", model).config
     tokenizer = load_tokenizer(tokenizer_from) if tokenizer_from is not None else None
     with atomic_dir(out_dir, overwrite) as tmp:
@@ -240,6 +279,9 @@ def save_model(model: nn.Module, out_dir: str | Path, tokenizer_from: str | Path
 
 
 def with_special_ids(cfg: ModelConfig, tokenizer) -> ModelConfig:
-    """`cfg` with the bos/eos/pad ids of the tokenizer the model reads (Tokenizer.model_special_ids)."""
+    """`cfg` with the bos/eos/pad ids of the tokenizer the model reads
+    (Tokenizer.model_special_ids)."""
     declared = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    return dataclasses.replace(cfg, **tokenizer.model_special_ids(declared, classifier=cfg.num_labels > 0))
+    return dataclasses.replace(
+        cfg, **tokenizer.model_special_ids(declared, classifier=cfg.num_labels > 0)
+    )

@@ -56,16 +56,45 @@ from lmforge.models.nf4 import dense, is_nf4, nf4_linear, quantize_nf4
 log = logging.getLogger(__name__)
 
 # Short target name -> the linear module (relative to a block) it adapts.
-TARGETS = {"q": "attn.qkv", "k": "attn.qkv", "v": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate",
-           "up": "mlp.up", "down": "mlp.down", "router": "mlp.router"}
+TARGETS = {
+    "q": "attn.qkv",
+    "k": "attn.qkv",
+    "v": "attn.qkv",
+    "o": "attn.proj",
+    "gate": "mlp.gate",
+    "up": "mlp.up",
+    "down": "mlp.down",
+    "router": "mlp.router",
+}
 QKV = ("q", "k", "v")
-# Hugging Face module names (what PEFT's target_modules holds) -> lmforge's: a PEFT recipe's list works as written.
-# GPT-2's c_proj names both the attention's and the MLP's output projection, and PEFT's match takes both.
-HF_TARGETS = {"q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",), "gate_proj": ("gate",),
-              "up_proj": ("up",), "down_proj": ("down",), "query_key_value": QKV, "dense": ("o",),
-              "dense_h_to_4h": ("up",), "dense_4h_to_h": ("down",), "c_attn": QKV, "c_fc": ("up",),
-              "c_proj": ("o", "down"), "qkv_proj": QKV, "gate_up_proj": ("gate", "up"), "out_proj": ("o",),
-              "fc_in": ("up",), "fc_out": ("down",), "w1": ("gate",), "w3": ("up",), "w2": ("down",)}  # Mixtral
+# Hugging Face module names (what PEFT's target_modules holds) -> lmforge's: a PEFT recipe's list
+# works as written. GPT-2's c_proj names both the attention's and the MLP's output projection, and
+# PEFT's match takes both.
+HF_TARGETS = {
+    "q_proj": ("q",),
+    "k_proj": ("k",),
+    "v_proj": ("v",),
+    "o_proj": ("o",),
+    "gate_proj": ("gate",),
+    "up_proj": ("up",),
+    "down_proj": ("down",),
+    "query_key_value": QKV,
+    "dense": ("o",),
+    "dense_h_to_4h": ("up",),
+    "dense_4h_to_h": ("down",),
+    "c_attn": QKV,
+    "c_fc": ("up",),
+    "c_proj": ("o", "down"),
+    "qkv_proj": QKV,
+    "gate_up_proj": ("gate", "up"),
+    "out_proj": ("o",),
+    # Mixtral
+    "fc_in": ("up",),
+    "fc_out": ("down",),
+    "w1": ("gate",),
+    "w3": ("up",),
+    "w2": ("down",),
+}
 BASE_DTYPES = ("fp32", "bf16", "nf4")
 
 
@@ -76,14 +105,16 @@ class LoRAConfig:
     rank: int = 8  # r: each adapter is B (out x r) times A (r x in)
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapters' input
-    # Short names ("q,v", a list), "all-linear", or "default": PEFT's default for the family, q and v (the fused qkv
-    # projection where Hugging Face has one).
+    # Short names ("q,v", a list), "all-linear", or "default": PEFT's default for the family, q and
+    # v (the fused qkv projection where Hugging Face has one).
     targets: list[str] | str = "default"
-    # Hold the frozen base in bf16 (adapters stay fp32). Under FSDP2 a block then holds two dtypes: its all-gather
-    # carries them as bytes, and only the fp32 adapters have gradients to reduce-scatter.
+    # Hold the frozen base in bf16 (adapters stay fp32). Under FSDP2 a block then holds two dtypes:
+    # its all-gather carries them as bytes, and only the fp32 adapters have gradients to
+    # reduce-scatter.
     bf16_base: bool = False
-    # The frozen base's dtype: fp32 (the run's), bf16 (as bf16_base=true), or nf4: QLoRA, the blocks' linear weights
-    # in torchao's 4-bit NormalFloat (the rest in bf16; torchao, on a CUDA GPU or the CPU: lmforge.train.lora).
+    # The frozen base's dtype: fp32 (the run's), bf16 (as bf16_base=true), or nf4: QLoRA, the
+    # blocks' linear weights in torchao's 4-bit NormalFloat (the rest in bf16; torchao, on a CUDA
+    # GPU or the CPU: lmforge.train.lora).
     base_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -99,16 +130,29 @@ class LoRAConfig:
         if self._given:
             given = ",".join(names)
             names = [short for n in names for short in HF_TARGETS.get(n, (n,))]
-            log.info("lora.targets %s: Hugging Face module names, read as %s", given, ",".join(dict.fromkeys(names)))
-        unknown = [n for n in names if n not in TARGETS and n not in EXPERT_TARGETS
-                   and names not in (["all-linear"], ["default"])]
+            log.info(
+                "lora.targets %s: Hugging Face module names, read as %s",
+                given,
+                ",".join(dict.fromkeys(names)),
+            )
+        unknown = [
+            n
+            for n in names
+            if n not in TARGETS
+            and n not in EXPERT_TARGETS
+            and names not in (["all-linear"], ["default"])
+        ]
         if unknown or not names:
-            raise UserError(f"lora.targets: unknown target {unknown[0] if unknown else '(none)'!r}: choose from "
-                            f"{', '.join([*TARGETS, *EXPERT_TARGETS])} (comma-separated; or PEFT's Hugging Face "
-                            "names, q_proj ...), all-linear or default")
+            raise UserError(
+                f"lora.targets: unknown target {unknown[0] if unknown else '(none)'!r}: choose from "
+                f"{', '.join([*TARGETS, *EXPERT_TARGETS])} (comma-separated; or PEFT's Hugging Face "
+                "names, q_proj ...), all-linear or default"
+            )
         self.targets = list(dict.fromkeys(names))
         if self.base_dtype not in BASE_DTYPES:
-            raise UserError(f"lora.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}")
+            raise UserError(
+                f"lora.base_dtype must be one of {', '.join(BASE_DTYPES)}, got {self.base_dtype!r}"
+            )
         if self.bf16_base and self.base_dtype == "fp32":
             self.base_dtype = "bf16"
         self.bf16_base = self.base_dtype != "fp32"  # nf4 keeps what it does not quantize in bf16
@@ -118,23 +162,25 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     def as_given(self, names: list[str]) -> str:
-        """Short target names as the user wrote them, for errors: "q_proj,v_proj (read as q,v)" for PEFT's names
-        (`_given`: a short name -> the Hugging Face name it was read from)."""
+        """Short target names as the user wrote them, for errors: "q_proj,v_proj (read as q,v)"
+        for PEFT's names (`_given`: a short name -> the Hugging Face name it was read from)."""
         given = ",".join(dict.fromkeys(self._given.get(n, n) for n in names))
         return given if given == ",".join(names) else f"{given} (read as {','.join(names)})"
 
 
 def hf_fused_qkv(cfg: ModelConfig) -> str | None:
-    """Hugging Face's name for this family's one q, k and v projection (query_key_value, c_attn: then one adapter
-    covers all three), or None where it keeps three."""
+    """Hugging Face's name for this family's one q, k and v projection (query_key_value, c_attn:
+    then one adapter covers all three), or None where it keeps three."""
     from lmforge.models.hf import ADAPTERS
     from lmforge.models.hf.base import QKV_SEPARATE
 
     adapter = ADAPTERS.get(cfg.family)
     if adapter is None:
         return None
-    theirs, kind = next(((t, k) for ours, t, k in adapter.mapping(cfg) if ours == "layers.0.attn.qkv.weight"),
-                        (None, QKV_SEPARATE))
+    theirs, kind = next(
+        ((t, k) for ours, t, k in adapter.mapping(cfg) if ours == "layers.0.attn.qkv.weight"),
+        (None, QKV_SEPARATE),
+    )
     return None if kind == QKV_SEPARATE else theirs.split(".")[-2]
 
 
@@ -144,8 +190,8 @@ def qkv_rows(cfg: ModelConfig) -> dict[str, int]:
 
 
 def fuse_parts(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """q/k/v tensors (..., rows of that part) -> (..., fused qkv rows) in lmforge's grouped layout; a part that is
-    absent is zeros. The inverse of split_parts."""
+    """q/k/v tensors (..., rows of that part) -> (..., fused qkv rows) in lmforge's grouped
+    layout; a part that is absent is zeros. The inverse of split_parts."""
     kv, d = cfg.num_kv_heads, cfg.head_dim
     some = next(iter(parts.values()))
     lead = some.shape[:-1]
@@ -162,15 +208,28 @@ def split_parts(t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """(..., fused qkv rows) -> q, k, v (..., rows of each) in lmforge's grouped layout."""
     kv, d = cfg.num_kv_heads, cfg.head_dim
     g = t.reshape(*t.shape[:-1], kv, -1, d)
-    return {"q": g[..., :-2, :].flatten(-3), "k": g[..., -2, :].flatten(-2), "v": g[..., -1, :].flatten(-2)}
+    return {
+        "q": g[..., :-2, :].flatten(-3),
+        "k": g[..., -2, :].flatten(-2),
+        "v": g[..., -1, :].flatten(-2),
+    }
 
 
 class LoRALinear(nn.Linear):
-    """An nn.Linear (the same weight and bias tensors as the one it replaces) plus low-rank adapters, one per part:
-    "q", "k", "v" (rows of a fused qkv, `model_config` gives the layout), or one part covering every row."""
+    """An nn.Linear (the same weight and bias tensors as the one it replaces) plus low-rank
+    adapters, one per part: "q", "k", "v" (rows of a fused qkv, `model_config` gives the layout),
+    or one part covering every row."""
 
-    def __init__(self, base: nn.Linear, parts: list[str], rank: int, alpha: float, dropout: float,
-                 model_config: ModelConfig | None = None, generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        base: nn.Linear,
+        parts: list[str],
+        rank: int,
+        alpha: float,
+        dropout: float,
+        model_config: ModelConfig | None = None,
+        generator: torch.Generator | None = None,
+    ):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -179,11 +238,15 @@ class LoRALinear(nn.Linear):
         if self.split and model_config is None:
             raise ValueError("q/k/v parts need the model config for the qkv layout")
         rows = qkv_rows(model_config) if self.split else {parts[0]: self.out_features}
-        # Drawn on the CPU (a CPU generator makes them the same on every device and rank); the caller moves them.
+        # Drawn on the CPU (a CPU generator makes them the same on every device and rank); the
+        # caller moves them.
         device = "meta" if base.weight.is_meta else "cpu"
-        self.lora_A = nn.ParameterDict({p: nn.Parameter(torch.empty(rank, self.in_features, device=device))
-                                        for p in parts})
-        self.lora_B = nn.ParameterDict({p: nn.Parameter(torch.zeros(rows[p], rank, device=device)) for p in parts})
+        self.lora_A = nn.ParameterDict(
+            {p: nn.Parameter(torch.empty(rank, self.in_features, device=device)) for p in parts}
+        )
+        self.lora_B = nn.ParameterDict(
+            {p: nn.Parameter(torch.zeros(rows[p], rank, device=device)) for p in parts}
+        )
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.adapters_enabled = True
         if device != "meta":
@@ -191,8 +254,9 @@ class LoRALinear(nn.Linear):
                 _draw_a(a, generator)
 
     def b_matrix(self) -> torch.Tensor:
-        """Every part's B as one (out, R) matrix over the stacked parts' ranks: each part's rows (its rows of the
-        fused qkv) in its own columns, zeros elsewhere; B_matrix @ stacked A is the module's whole update."""
+        """Every part's B as one (out, R) matrix over the stacked parts' ranks: each part's rows
+        (its rows of the fused qkv) in its own columns, zeros elsewhere; B_matrix @ stacked A is
+        the module's whole update."""
         if not self.split:
             return next(iter(self.lora_B.values()))
         width = sum(b.shape[1] for b in self.lora_B.values())
@@ -203,18 +267,22 @@ class LoRALinear(nn.Linear):
         return fuse_parts(blocks, self.model_config).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # QLoRA's NF4 base: dequantized a chunk at a time (torchao's own dequantization holds ~14 bytes a weight).
+        # QLoRA's NF4 base: dequantized a chunk at a time (torchao's own dequantization holds ~14
+        # bytes a weight).
         y = (nf4_linear if is_nf4(self.weight) else F.linear)(x, self.weight, self.bias)
         if not self.adapters_enabled:
             return y
-        # Scale the rank-sized activations, not the output, and add B's product into y in one GEMM (addmm's
-        # beta = 1): no extra output-sized temporaries.
+        # Scale the rank-sized activations, not the output, and add B's product into y in one GEMM
+        # (addmm's beta = 1): no extra output-sized temporaries.
         a_all = list(self.lora_A.values())
-        # Under autocast the product runs in its dtype whatever x's: a bf16 base's x cast to the fp32 adapters' dtype
-        # would be cast straight back (two activation-sized copies forward, two for its gradient, for the same bits).
+        # Under autocast the product runs in its dtype whatever x's: a bf16 base's x cast to the
+        # fp32 adapters' dtype would be cast straight back (two activation-sized copies forward, two
+        # for its gradient, for the same bits).
         dtype = x.dtype if torch.is_autocast_enabled(x.device.type) else a_all[0].dtype
         if len(a_all) == 1 or not (self.training and isinstance(self.lora_dropout, nn.Dropout)):
-            h = F.linear(self.lora_dropout(x).to(dtype), torch.cat(a_all) if len(a_all) > 1 else a_all[0])
+            h = F.linear(
+                self.lora_dropout(x).to(dtype), torch.cat(a_all) if len(a_all) > 1 else a_all[0]
+            )
         else:  # each part its own dropout mask, as PEFT's separate q/k/v modules draw
             h = torch.cat([F.linear(self.lora_dropout(x).to(dtype), a) for a in a_all], -1)
         h = (h * self.scaling).reshape(-1, h.shape[-1])
@@ -225,31 +293,41 @@ class LoRALinear(nn.Linear):
     def delta_weight(self) -> torch.Tensor:
         """scaling * B A (out, in) in fp32: what merging adds to the weight."""
         parts = {p: self.lora_B[p].float() @ a.float() for p, a in self.lora_A.items()}
-        w = fuse_parts({p: t.t() for p, t in parts.items()}, self.model_config).t() if self.split \
+        w = (
+            fuse_parts({p: t.t() for p, t in parts.items()}, self.model_config).t()
+            if self.split
             else next(iter(parts.values()))
+        )
         return w * self.scaling
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.rank}, parts={list(self.lora_A)}"
 
 
-def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[str]], dict[str, dict[str, int]]]:
-    """(linear module -> the adapter parts to add there, experts module -> {stacked weight: rank}); a UserError
-    naming the targets that match nothing or cannot be adapted as asked."""
+def target_modules(
+    model: nn.Module, lora: LoRAConfig
+) -> tuple[dict[str, list[str]], dict[str, dict[str, int]]]:
+    """(linear module -> the adapter parts to add there, experts module -> {stacked weight:
+    rank}); a UserError naming the targets that match nothing or cannot be adapted as asked."""
     cfg: ModelConfig = model.config
     modules = dict(model.named_modules())
     experts = [name for name, m in modules.items() if isinstance(m, Experts)]
     fused = hf_fused_qkv(cfg)
     targets = lora.targets
-    if targets == ["all-linear"]:  # on a mixture of experts: the router and the experts too, as PEFT's all-linear
-        targets = [t for t in TARGETS if _has(modules, TARGETS[t]) or (experts and t in MLP_ON_EXPERTS)]
+    # on a mixture of experts: the router and the experts too, as PEFT's all-linear
+    if targets == ["all-linear"]:
+        targets = [
+            t for t in TARGETS if _has(modules, TARGETS[t]) or (experts and t in MLP_ON_EXPERTS)
+        ]
     elif targets == ["default"]:
         targets = list(QKV) if fused else ["q", "v"]
     wanted_qkv = [t for t in QKV if t in targets]
     if fused and wanted_qkv and len(wanted_qkv) < 3:
-        raise UserError(f"lora.targets: {cfg.family} keeps q, k and v in one projection (as Hugging Face does: "
-                        f"{fused}), so one adapter covers all three: target q,k,v together (or {fused}), not "
-                        f"{lora.as_given(wanted_qkv)}")
+        raise UserError(
+            f"lora.targets: {cfg.family} keeps q, k and v in one projection (as Hugging Face does: "
+            f"{fused}), so one adapter covers all three: target q,k,v together (or {fused}), not "
+            f"{lora.as_given(wanted_qkv)}"
+        )
     ranks = expert_ranks(targets, lora.rank, cfg.family, bool(experts), lora.as_given)
     out: dict[str, list[str]] = {}
     matched = {t for t in targets if t in EXPERT_TARGETS or (experts and t in MLP_ON_EXPERTS)}
@@ -266,35 +344,44 @@ def target_modules(model: nn.Module, lora: LoRAConfig) -> tuple[dict[str, list[s
                 out[name].append(part)
     missing = [t for t in targets if t not in matched]
     if missing:
-        raise UserError(f"lora.targets: {lora.as_given(missing)} {'matches' if len(missing) == 1 else 'match'} no "
-                        f"module of this {cfg.family} model (it has "
-                        f"{', '.join(t for t in TARGETS if t in matched or _has(modules, TARGETS[t]))}): drop "
-                        f"{'it' if len(missing) == 1 else 'them'}")
+        raise UserError(
+            f"lora.targets: {lora.as_given(missing)} {'matches' if len(missing) == 1 else 'match'} no "
+            f"module of this {cfg.family} model (it has "
+            f"{', '.join(t for t in TARGETS if t in matched or _has(modules, TARGETS[t]))}): drop "
+            f"{'it' if len(missing) == 1 else 'them'}"
+        )
     on_params = sorted({*(f"experts.{w}" for w in ranks), *(t for t in targets if t == "router")})
     if lora.dropout and on_params:
-        raise UserError(f"lora.dropout={lora.dropout} with adapters on {', '.join(on_params)}: PEFT adapts "
-                        "those as target_parameters, which take no dropout (its ParamWrapper refuses lora_dropout "
-                        "!= 0): set lora.dropout=0, or target the attention (q,k,v,o) only")
+        raise UserError(
+            f"lora.dropout={lora.dropout} with adapters on {', '.join(on_params)}: PEFT adapts "
+            "those as target_parameters, which take no dropout (its ParamWrapper refuses lora_dropout "
+            "!= 0): set lora.dropout=0, or target the attention (q,k,v,o) only"
+        )
     return out, {name: dict(ranks) for name in experts} if ranks else {}
 
 
 def _has(modules: dict[str, nn.Module], suffix: str) -> bool:
-    return any(isinstance(m, nn.Linear) and n.endswith(f".{suffix}") and ".layers." in f".{n}"
-               for n, m in modules.items())
+    return any(
+        isinstance(m, nn.Linear) and n.endswith(f".{suffix}") and ".layers." in f".{n}"
+        for n, m in modules.items()
+    )
 
 
 def _draw_a(a: torch.Tensor, generator: torch.Generator | None) -> None:
-    """nn.Linear's (and PEFT's) init of an A matrix: kaiming_uniform_(a=sqrt(5)), from `generator`."""
+    """nn.Linear's (and PEFT's) init of an A matrix: kaiming_uniform_(a=sqrt(5)), from
+    `generator`."""
     nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
 
 
 def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0, quiet: bool = False) -> int:
-    """Freeze `model` and wrap its targeted linears (and stacked experts) with adapters (fp32; the base in bf16
-    with lora.bf16_base); a classification head (HEADS) stays trainable, in fp32. Returns the number of trainable
-    parameters, which it logs unless `quiet` (a LoRA checkpoint read to be merged and used: nothing trains).
+    """Freeze `model` and wrap its targeted linears (and stacked experts) with adapters (fp32;
+    the base in bf16 with lora.bf16_base); a classification head (HEADS) stays trainable, in
+    fp32. Returns the number of trainable parameters, which it logs unless `quiet` (a LoRA
+    checkpoint read to be merged and used: nothing trains).
 
-    A model on the meta device (a layout that shards it) gets meta adapters: once it is laid out and its base
-    filled, init_adapters gives each rank its pieces of the adapters this call would have drawn."""
+    A model on the meta device (a layout that shards it) gets meta adapters: once it is laid out
+    and its base filled, init_adapters gives each rank its pieces of the adapters this call would
+    have drawn."""
     targets, experts = target_modules(model, lora)
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
@@ -305,13 +392,26 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0, quiet: bool = 
     # (lmforge.parallel.load.read_nf4_base).
     if lora.base_dtype == "nf4" and not any(p.is_meta for p in model.parameters()):
         quantize_nf4(model)
-    wrappers = [(name, lambda base, parts=parts: LoRALinear(base, parts, lora.rank, lora.alpha, lora.dropout,
-                                                           model.config, generator))
-                for name, parts in targets.items()]
-    wrappers += [(name, lambda base, ranks=ranks: LoRAExperts(
-        base, ranks, {w: lora.alpha * r / lora.rank for w, r in ranks.items()}, generator))
-        for name, ranks in experts.items()]
-    if model.config.num_labels:  # a classifier's new head trains whole, in fp32 (PEFT's SEQ_CLS modules_to_save)
+    wrappers = [
+        (
+            name,
+            lambda base, parts=parts: LoRALinear(
+                base, parts, lora.rank, lora.alpha, lora.dropout, model.config, generator
+            ),
+        )
+        for name, parts in targets.items()
+    ]
+    wrappers += [
+        (
+            name,
+            lambda base, ranks=ranks: LoRAExperts(
+                base, ranks, {w: lora.alpha * r / lora.rank for w, r in ranks.items()}, generator
+            ),
+        )
+        for name, ranks in experts.items()
+    ]
+    # a classifier's new head trains whole, in fp32 (PEFT's SEQ_CLS modules_to_save)
+    if model.config.num_labels:
         for head in filter(None, (getattr(model, name, None) for name in HEADS)):
             head.float().requires_grad_(True)
     for name, wrap in wrappers:
@@ -330,43 +430,78 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0, quiet: bool = 
     total = sum(p.numel() for p in model.parameters())
     adapted = sorted({p for parts in targets.values() for p in parts})
     adapted += [f"experts.{w} (rank {r})" for w, r in next(iter(experts.values()), {}).items()]
-    adapted += [f"{name} (whole)" for name in HEADS if model.config.num_labels and getattr(model, name, None)]
+    adapted += [
+        f"{name} (whole)"
+        for name in HEADS
+        if model.config.num_labels and getattr(model, name, None)
+    ]
     blocks = len({f".{name}".split(".layers.")[1].split(".")[0] for name in (*targets, *experts)})
-    log.info("LoRA rank %d alpha %g on %s in %d block%s (%d modules as PEFT counts them): %d trainable parameters "
-             "of %d (%.2f%%)", lora.rank, lora.alpha, ",".join(adapted), blocks, "s" * (blocks != 1),
-             hf_module_count(targets, QKV, model.config) + sum(len(r) for r in experts.values()), trainable, total,
-             100 * trainable / total)
+    log.info(
+        "LoRA rank %d alpha %g on %s in %d block%s (%d modules as PEFT counts them): %d trainable parameters "
+        "of %d (%.2f%%)",
+        lora.rank,
+        lora.alpha,
+        ",".join(adapted),
+        blocks,
+        "s" * (blocks != 1),
+        hf_module_count(targets, QKV, model.config) + sum(len(r) for r in experts.values()),
+        trainable,
+        total,
+        100 * trainable / total,
+    )
     return trainable
 
 
 @torch.no_grad()
 def init_adapters(parts: list[nn.Module], lora: LoRAConfig, seed: int = 0) -> None:
-    """Initialise the adapters of a meta-wrapped model once laid out (`parts`: a ParallelModel's, its tensors
-    allocated): each A as apply_lora(model, lora, seed) draws it on a whole model, B zeros, bit for bit.
+    """Initialise the adapters of a meta-wrapped model once laid out (`parts`: a ParallelModel's,
+    its tensors allocated): each A as apply_lora(model, lora, seed) draws it on a whole model, B
+    zeros, bit for bit.
 
-    A is drawn whole on the CPU in apply_lora's order, one CPU generator from `seed` over every target of the model
-    (the modules of other pipeline stages too: their draws advance the generator), and each rank copies the rows and
-    columns it holds (a DTensor's local piece under FSDP2 or tensor parallelism). An A is rank x in: a draw is small
-    next to any weight."""
+    A is drawn whole on the CPU in apply_lora's order, one CPU generator from `seed` over every
+    target of the model (the modules of other pipeline stages too: their draws advance the
+    generator), and each rank copies the rows and columns it holds (a DTensor's local piece under
+    FSDP2 or tensor parallelism). An A is rank x in: a draw is small next to any weight."""
     from lmforge.models.build import build, local_piece, unwrapped_name
 
-    model = build(parts[0].config, device="meta")  # the whole model's targets, in apply_lora's order
-    held = {unwrapped_name(n): p for part in parts for n, p in part.named_parameters() if is_adapter(n)}
+    # the whole model's targets, in apply_lora's order
+    model = build(parts[0].config, device="meta")
+    held = {
+        unwrapped_name(n): p for part in parts for n, p in part.named_parameters() if is_adapter(n)
+    }
     generator = torch.Generator().manual_seed(seed)
     targets, experts = target_modules(model, lora)
-    # Meta twins of the modules apply_lora makes, in its order (the linears, then the experts): the order of a
-    # twin's lora_A (nn.ParameterDict's) is the order its constructor draws in, and each A is drawn as it draws it.
-    twins = [(name, LoRALinear(model.get_submodule(name), names, lora.rank, lora.alpha, 0.0, model.config),
-              lambda a: _draw_a(a, generator)) for name, names in targets.items()]
-    twins += [(name, LoRAExperts(model.get_submodule(name), ranks,
-                                 {w: lora.alpha * r / lora.rank for w, r in ranks.items()}),
-               lambda a: _draw_a(a.view(-1, a.shape[-1]), generator)) for name, ranks in experts.items()]
+    # Meta twins of the modules apply_lora makes, in its order (the linears, then the experts): the
+    # order of a twin's lora_A (nn.ParameterDict's) is the order its constructor draws in, and each
+    # A is drawn as it draws it.
+    twins = [
+        (
+            name,
+            LoRALinear(model.get_submodule(name), names, lora.rank, lora.alpha, 0.0, model.config),
+            lambda a: _draw_a(a, generator),
+        )
+        for name, names in targets.items()
+    ]
+    twins += [
+        (
+            name,
+            LoRAExperts(
+                model.get_submodule(name),
+                ranks,
+                {w: lora.alpha * r / lora.rank for w, r in ranks.items()},
+            ),
+            lambda a: _draw_a(a.view(-1, a.shape[-1]), generator),
+        )
+        for name, ranks in experts.items()
+    ]
     for name, twin, draw in twins:
         for key, meta_a in twin.lora_A.items():
             a = torch.empty(meta_a.shape)
             draw(a)
-            for param, whole in ((held.pop(f"{name}.lora_A.{key}", None), a),
-                                 (held.pop(f"{name}.lora_B.{key}", None), None)):
+            for param, whole in (
+                (held.pop(f"{name}.lora_A.{key}", None), a),
+                (held.pop(f"{name}.lora_B.{key}", None), None),
+            ):
                 if param is None:  # another pipeline stage's module
                     continue
                 local, box = local_piece(param)
@@ -375,7 +510,9 @@ def init_adapters(parts: list[nn.Module], lora: LoRAConfig, seed: int = 0) -> No
                 else:
                     local.copy_(whole[box])
     if held:
-        raise RuntimeError(f"init_adapters: {sorted(held)[0]} is not an adapter apply_lora({lora}) adds")
+        raise RuntimeError(
+            f"init_adapters: {sorted(held)[0]} is not an adapter apply_lora({lora}) adds"
+        )
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear | LoRAExperts]]:
@@ -399,7 +536,8 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its weight and put plain nn.Linear (and moe.Experts) modules back: the merged model."""
+    """Fold every adapter into its weight and put plain nn.Linear (and moe.Experts) modules back:
+    the merged model."""
     for name, module in list(lora_modules(model)):
         parent_name, _, attr = name.rpartition(".")
         if isinstance(module, LoRAExperts):
@@ -408,24 +546,30 @@ def merge_lora(model: nn.Module) -> nn.Module:
             for weight in module.rank:
                 w = held[weight]
                 w.copy_((w.float() + module.delta(weight).to(w.device)).to(w.dtype))
-            params = [getattr(module, k) if w is getattr(module, k) else nn.Parameter(w, requires_grad=False)
-                      for k, w in held.items()]
+            params = [
+                getattr(module, k)
+                if w is getattr(module, k)
+                else nn.Parameter(w, requires_grad=False)
+                for k, w in held.items()
+            ]
             setattr(model.get_submodule(parent_name), attr, Experts.holding(*params))
             continue
         w = dense(module.weight)  # an NF4 base merges into a new bf16 weight, any other in place
         merged = (w.float() + module.delta_weight().to(w.device)).to(w.dtype)
         weight = module.weight if w is module.weight else nn.Parameter(merged, requires_grad=False)
         weight.copy_(merged)
-        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        plain = nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+        )
         plain.weight, plain.bias = weight, module.bias
         setattr(model.get_submodule(parent_name), attr, plain)
     return model
 
 
-# A classification model's head (decoders' score, BERT's classifier): trained whole beside the adapters.
+# A classification model's head (decoders' score, BERT's classifier): trained whole beside the
+# adapters.
 HEADS = ("score", "classifier")
 
 
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
-

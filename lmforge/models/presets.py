@@ -19,169 +19,450 @@ from lmforge.models.config import ModelConfig, RopeScaling
 def _neox(hidden: int, layers: int, heads: int, vocab: int = 50304) -> ModelConfig:
     # GPT-NeoX-20B tokenizer; eod/bos/eos are <|endoftext|> = 0 in the Pythia configs.
     return ModelConfig(
-        family="gpt_neox", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        max_position_embeddings=2048, parallel_residual=True, rotary_pct=0.25,
-        bos_token_id=0, eos_token_id=0,
+        family="gpt_neox",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        max_position_embeddings=2048,
+        parallel_residual=True,
+        rotary_pct=0.25,
+        bos_token_id=0,
+        eos_token_id=0,
     )
 
 
-def _llama(hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None) -> ModelConfig:
+def _llama(
+    hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None
+) -> ModelConfig:
     return ModelConfig(
-        family="llama", vocab_size=32000, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=4096, norm="rmsnorm",
-        activation="silu", gated_mlp=True, attention_bias=False, mlp_bias=False,
-        bos_token_id=1, eos_token_id=2,
+        family="llama",
+        vocab_size=32000,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=4096,
+        norm="rmsnorm",
+        activation="silu",
+        gated_mlp=True,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
 
 
-def _llama3(hidden: int, layers: int, heads: int, ffn: int, factor: float, tied: bool = False,
-            kv_heads: int = 8) -> ModelConfig:
-    # Llama 3.1 (factor 8) and 3.2 (factor 32, tied): 128k tiktoken vocabulary, 128k context by llama3 scaling
-    # of an 8k pretraining context, 8 key/value heads.
-    scaling = RopeScaling("llama3", factor, original_max_position_embeddings=8192, low_freq_factor=1.0,
-                          high_freq_factor=4.0)
+def _llama3(
+    hidden: int,
+    layers: int,
+    heads: int,
+    ffn: int,
+    factor: float,
+    tied: bool = False,
+    kv_heads: int = 8,
+) -> ModelConfig:
+    # Llama 3.1 (factor 8) and 3.2 (factor 32, tied): 128k tiktoken vocabulary, 128k context by
+    # llama3 scaling of an 8k pretraining context, 8 key/value heads.
+    scaling = RopeScaling(
+        "llama3",
+        factor,
+        original_max_position_embeddings=8192,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+    )
     return ModelConfig(
-        family="llama", vocab_size=128256, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=131072, norm="rmsnorm",
-        activation="silu", gated_mlp=True, rotary_base=500000.0, rope_scaling=scaling, attention_bias=False,
-        mlp_bias=False, tie_embeddings=tied,
-        bos_token_id=128000, eos_token_id=128001,
+        family="llama",
+        vocab_size=128256,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=131072,
+        norm="rmsnorm",
+        activation="silu",
+        gated_mlp=True,
+        rotary_base=500000.0,
+        rope_scaling=scaling,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_embeddings=tied,
+        bos_token_id=128000,
+        eos_token_id=128001,
     )
 
 
-def _qwen25(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: bool = False) -> ModelConfig:
-    # Qwen2.5: biased q/k/v, rope base 1e6; the sizes up to 3B tie their 151,936-row embedding, the larger
-    # ones have 152,064 rows and a separate head.
+def _qwen25(
+    hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: bool = False
+) -> ModelConfig:
+    # Qwen2.5: biased q/k/v, rope base 1e6; the sizes up to 3B tie their 151,936-row embedding, the
+    # larger ones have 152,064 rows and a separate head.
     return ModelConfig(
-        family="qwen2", vocab_size=151936 if tied else 152064, hidden_size=hidden, num_layers=layers,
-        num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn,
-        max_position_embeddings=32768 if tied else 131072, norm="rmsnorm", norm_eps=1e-6, activation="silu",
-        gated_mlp=True, rotary_base=1000000.0, qkv_bias=True, attention_bias=False, mlp_bias=False,
-        tie_embeddings=tied, bos_token_id=151643, eos_token_id=151643,
+        family="qwen2",
+        vocab_size=151936 if tied else 152064,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=32768 if tied else 131072,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        activation="silu",
+        gated_mlp=True,
+        rotary_base=1000000.0,
+        qkv_bias=True,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_embeddings=tied,
+        bos_token_id=151643,
+        eos_token_id=151643,
     )
 
 
-def _mistral(vocab: int, rotary_base: float, window: int | None, hidden: int = 4096, layers: int = 32,
-             heads: int = 32, kv_heads: int = 8, ffn: int = 14336) -> ModelConfig:
-    # Mistral 7B: v0.1 attends through a 4096-token sliding window; v0.3 has a 32768-token vocabulary and none.
+def _mistral(
+    vocab: int,
+    rotary_base: float,
+    window: int | None,
+    hidden: int = 4096,
+    layers: int = 32,
+    heads: int = 32,
+    kv_heads: int = 8,
+    ffn: int = 14336,
+) -> ModelConfig:
+    # Mistral 7B: v0.1 attends through a 4096-token sliding window; v0.3 has a 32768-token
+    # vocabulary and none.
     return ModelConfig(
-        family="mistral", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=32768, norm="rmsnorm", norm_eps=1e-5,
-        activation="silu", gated_mlp=True, rotary_base=rotary_base, sliding_window=window, attention_bias=False,
-        mlp_bias=False, bos_token_id=1, eos_token_id=2,
+        family="mistral",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=32768,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        activation="silu",
+        gated_mlp=True,
+        rotary_base=rotary_base,
+        sliding_window=window,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
 
 
-def _qwen3(hidden: int, layers: int, heads: int, ffn: int, tied: bool = False, kv_heads: int = 8) -> ModelConfig:
-    # Qwen3 (dense): q/k RMSNorm per head, head_dim 128 at every width, rope base 1e6, 40,960 positions; the
-    # sizes up to 4B tie their embedding.
+def _qwen3(
+    hidden: int, layers: int, heads: int, ffn: int, tied: bool = False, kv_heads: int = 8
+) -> ModelConfig:
+    # Qwen3 (dense): q/k RMSNorm per head, head_dim 128 at every width, rope base 1e6, 40,960
+    # positions; the sizes up to 4B tie their embedding.
     return ModelConfig(
-        family="qwen3", vocab_size=151936, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=128, intermediate_size=ffn, max_position_embeddings=40960, norm="rmsnorm",
-        norm_eps=1e-6, activation="silu", gated_mlp=True, qk_norm="head", rotary_base=1000000.0,
-        attention_bias=False, mlp_bias=False, tie_embeddings=tied, bos_token_id=151643, eos_token_id=151645,
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=128,
+        intermediate_size=ffn,
+        max_position_embeddings=40960,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        activation="silu",
+        gated_mlp=True,
+        qk_norm="head",
+        rotary_base=1000000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_embeddings=tied,
+        bos_token_id=151643,
+        eos_token_id=151645,
     )
 
 
-def _mixtral(hidden: int, layers: int, heads: int, ffn: int, experts: int = 8, kv_heads: int = 8,
-             vocab: int = 32000) -> ModelConfig:
-    # Mixtral: Mistral's attention without a window, rope base 1e6, 8 SwiGLU experts per layer, 2 per token.
+def _mixtral(
+    hidden: int,
+    layers: int,
+    heads: int,
+    ffn: int,
+    experts: int = 8,
+    kv_heads: int = 8,
+    vocab: int = 32000,
+) -> ModelConfig:
+    # Mixtral: Mistral's attention without a window, rope base 1e6, 8 SwiGLU experts per layer, 2
+    # per token.
     return ModelConfig(
-        family="mixtral", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=32768, norm="rmsnorm", norm_eps=1e-5,
-        activation="silu", gated_mlp=True, rotary_base=1000000.0, attention_bias=False, mlp_bias=False,
-        num_experts=experts, experts_per_token=2, moe_intermediate_size=ffn, router_aux_loss_coef=0.02,
-        bos_token_id=1, eos_token_id=2,
+        family="mixtral",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=32768,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        activation="silu",
+        gated_mlp=True,
+        rotary_base=1000000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        num_experts=experts,
+        experts_per_token=2,
+        moe_intermediate_size=ffn,
+        router_aux_loss_coef=0.02,
+        bos_token_id=1,
+        eos_token_id=2,
     )
 
 
-def _qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, expert_ffn: int, experts: int = 128,
-               per_token: int = 8, vocab: int = 151936) -> ModelConfig:
-    # Qwen3-MoE: Qwen3's attention (q/k norms, head_dim 128), 128 narrow experts in every layer, 8 per token with
-    # their weights renormalised.
+def _qwen3_moe(
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    expert_ffn: int,
+    experts: int = 128,
+    per_token: int = 8,
+    vocab: int = 151936,
+) -> ModelConfig:
+    # Qwen3-MoE: Qwen3's attention (q/k norms, head_dim 128), 128 narrow experts in every layer, 8
+    # per token with their weights renormalised.
     return ModelConfig(
-        family="qwen3_moe", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=128, intermediate_size=6144, max_position_embeddings=40960, norm="rmsnorm",
-        norm_eps=1e-6, activation="silu", gated_mlp=True, qk_norm="head", rotary_base=1000000.0,
-        attention_bias=False, mlp_bias=False, num_experts=experts, experts_per_token=per_token,
-        moe_intermediate_size=expert_ffn, router_norm_topk=True, router_aux_loss_coef=0.001,
-        bos_token_id=151643, eos_token_id=151645,
+        family="qwen3_moe",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=128,
+        intermediate_size=6144,
+        max_position_embeddings=40960,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        activation="silu",
+        gated_mlp=True,
+        qk_norm="head",
+        rotary_base=1000000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        num_experts=experts,
+        experts_per_token=per_token,
+        moe_intermediate_size=expert_ffn,
+        router_norm_topk=True,
+        router_aux_loss_coef=0.001,
+        bos_token_id=151643,
+        eos_token_id=151645,
     )
 
 
-def _olmo2(hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None) -> ModelConfig:
-    # OLMo 2: norms on the attention/MLP outputs, q/k norms over the whole projections, Dolma 2 tokenizer
-    # (100,352 rows), rope base 500,000, 4096 positions.
+def _olmo2(
+    hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None
+) -> ModelConfig:
+    # OLMo 2: norms on the attention/MLP outputs, q/k norms over the whole projections, Dolma 2
+    # tokenizer (100,352 rows), rope base 500,000, 4096 positions.
     return ModelConfig(
-        family="olmo2", vocab_size=100352, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=4096, norm="rmsnorm", norm_eps=1e-6,
-        norm_position="output", norm_scale_fp32=True, activation="silu", gated_mlp=True, qk_norm="full",
-        rotary_base=500000.0, attention_bias=False, mlp_bias=False, eos_token_id=100257, pad_token_id=100277,
+        family="olmo2",
+        vocab_size=100352,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=4096,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        norm_position="output",
+        norm_scale_fp32=True,
+        activation="silu",
+        gated_mlp=True,
+        qk_norm="full",
+        rotary_base=500000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        eos_token_id=100257,
+        pad_token_id=100277,
     )
 
 
 def _phi3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> ModelConfig:
-    # Phi-3 4k: Llama 2's tokenizer grown to 32,064 rows, a 2047-token sliding window on every layer.
+    # Phi-3 4k: Llama 2's tokenizer grown to 32,064 rows, a 2047-token sliding window on every
+    # layer.
     return ModelConfig(
-        family="phi3", vocab_size=32064, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=4096, norm="rmsnorm", norm_eps=1e-5,
-        activation="silu", gated_mlp=True, sliding_window=2047, attention_bias=False, mlp_bias=False,
-        bos_token_id=1, eos_token_id=32000, pad_token_id=32000,
+        family="phi3",
+        vocab_size=32064,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=4096,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        activation="silu",
+        gated_mlp=True,
+        sliding_window=2047,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=32000,
+        pad_token_id=32000,
     )
 
 
-def _gemma(family: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, window: int, pattern: int,
-           head_dim: int = 256, query_scalar: int = 256, vocab: int = 256000, **switches) -> ModelConfig:
-    # Gemma 2/3: sandwich norms scaling by 1 + weight, GeGLU, embeddings x sqrt(hidden), tied; one global
-    # (full-attention) layer per `pattern` layers, the others local (sliding window).
+def _gemma(
+    family: str,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    window: int,
+    pattern: int,
+    head_dim: int = 256,
+    query_scalar: int = 256,
+    vocab: int = 256000,
+    **switches,
+) -> ModelConfig:
+    # Gemma 2/3: sandwich norms scaling by 1 + weight, GeGLU, embeddings x sqrt(hidden), tied; one
+    # global (full-attention) layer per `pattern` layers, the others local (sliding window).
     types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     return ModelConfig(
-        family=family, vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=ffn, norm="rmsnorm", norm_eps=1e-6,
-        norm_position="sandwich", norm_scale_fp32=True, norm_unit_offset=True, activation="gelu_tanh",
-        gated_mlp=True, sliding_window=window, layer_types=types, query_pre_attn_scalar=query_scalar,
-        attention_bias=False, mlp_bias=False, tie_embeddings=True, scale_embeddings=True, bos_token_id=2,
-        eos_token_id=1, pad_token_id=0, **switches,
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=ffn,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        norm_position="sandwich",
+        norm_scale_fp32=True,
+        norm_unit_offset=True,
+        activation="gelu_tanh",
+        gated_mlp=True,
+        sliding_window=window,
+        layer_types=types,
+        query_pre_attn_scalar=query_scalar,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_embeddings=True,
+        scale_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        **switches,
     )
 
 
 def _gemma2(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, **kw) -> ModelConfig:
-    # Gemma 2: local/global alternating, 4096-token window, scores capped at 50, logits at 30, 8k context.
-    return _gemma("gemma2", hidden, layers, heads, kv_heads, ffn, window=4096, pattern=2,
-                  max_position_embeddings=8192, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **kw)
+    # Gemma 2: local/global alternating, 4096-token window, scores capped at 50, logits at 30, 8k
+    # context.
+    return _gemma(
+        "gemma2",
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        ffn,
+        window=4096,
+        pattern=2,
+        max_position_embeddings=8192,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        **kw,
+    )
 
 
-def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, window: int = 1024,
-            vocab: int = 262208, scaling: float | None = 8.0, **kw) -> ModelConfig:
-    # Gemma 3: five local layers per global one, per-head q/k norms, local rotary base 10k, global 1M
-    # (linearly scaled by 8 from 4B up, for 128k positions), no soft-capping.
-    return _gemma("gemma3_text", hidden, layers, heads, kv_heads, ffn, window=window, pattern=6, vocab=vocab,
-                  max_position_embeddings=131072 if scaling else 32768, qk_norm="head", rotary_base=1000000.0,
-                  rotary_base_local=10000.0, rope_scaling=RopeScaling("linear", scaling) if scaling else None, **kw)
+def _gemma3(
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    window: int = 1024,
+    vocab: int = 262208,
+    scaling: float | None = 8.0,
+    **kw,
+) -> ModelConfig:
+    # Gemma 3: five local layers per global one, per-head q/k norms, local rotary base 10k, global
+    # 1M (linearly scaled by 8 from 4B up, for 128k positions), no soft-capping.
+    return _gemma(
+        "gemma3_text",
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        ffn,
+        window=window,
+        pattern=6,
+        vocab=vocab,
+        max_position_embeddings=131072 if scaling else 32768,
+        qk_norm="head",
+        rotary_base=1000000.0,
+        rotary_base_local=10000.0,
+        rope_scaling=RopeScaling("linear", scaling) if scaling else None,
+        **kw,
+    )
 
 
 def _gpt2(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
-        family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        max_position_embeddings=1024, activation="gelu_tanh", position_embedding="learned",
-        tie_embeddings=True, bos_token_id=50256, eos_token_id=50256,
+        family="gpt2",
+        vocab_size=50257,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        max_position_embeddings=1024,
+        activation="gelu_tanh",
+        position_embedding="learned",
+        tie_embeddings=True,
+        bos_token_id=50256,
+        eos_token_id=50256,
     )
 
 
 def _gptj(hidden: int, layers: int, heads: int, rotary_dim: int, vocab: int = 50400) -> ModelConfig:
     return ModelConfig(
-        family="gptj", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        activation="gelu_tanh", parallel_residual=True, shared_norm=True,
-        rotary_pct=rotary_dim / (hidden // heads), rotary_interleaved=True, attention_bias=False,
-        lm_head_bias=True, bos_token_id=50256, eos_token_id=50256,
+        family="gptj",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        activation="gelu_tanh",
+        parallel_residual=True,
+        shared_norm=True,
+        rotary_pct=rotary_dim / (hidden // heads),
+        rotary_interleaved=True,
+        attention_bias=False,
+        lm_head_bias=True,
+        bos_token_id=50256,
+        eos_token_id=50256,
     )
 
 
 def _bert(hidden: int, layers: int, heads: int) -> ModelConfig:
     return ModelConfig(
-        family="bert", vocab_size=30522, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        max_position_embeddings=512, norm_eps=1e-12, norm_position="post", position_embedding="learned",
-        causal=False, type_vocab_size=2, tie_embeddings=True, pad_token_id=0,
+        family="bert",
+        vocab_size=30522,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        max_position_embeddings=512,
+        norm_eps=1e-12,
+        norm_position="post",
+        position_embedding="learned",
+        causal=False,
+        type_vocab_size=2,
+        tie_embeddings=True,
+        pad_token_id=0,
     )
 
 
@@ -242,27 +523,76 @@ PRESETS: dict[str, ModelConfig] = {
     "bert-large-uncased": _bert(1024, 24, 16),
     # Tiny shapes for tests and smoke runs: same switches as the family, minutes on a laptop CPU.
     "tiny-neox": replace(_neox(64, 2, 4, vocab=1000), max_position_embeddings=256),
-    "tiny-llama": replace(_llama(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256),
-    "tiny-llama3": replace(_llama3(64, 2, 4, 160, factor=8.0, tied=True, kv_heads=2), vocab_size=1000,
-                           max_position_embeddings=256),
-    "tiny-qwen2": replace(_qwen25(64, 2, 4, 2, 160, tied=True), vocab_size=1000, max_position_embeddings=256),
-    "tiny-mistral": replace(_mistral(1000, 10000.0, 8, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160),
-                            max_position_embeddings=256),
-    "tiny-qwen3": replace(_qwen3(64, 2, 4, 160, tied=True, kv_heads=2), head_dim=32, vocab_size=1000,
-                          max_position_embeddings=256),
-    "tiny-mixtral": replace(_mixtral(64, 2, 4, 96, experts=4, kv_heads=2, vocab=1000), max_position_embeddings=256),
-    "tiny-qwen3-moe": replace(_qwen3_moe(64, 2, 4, 2, 48, experts=8, per_token=2, vocab=1000), head_dim=32,
-                              intermediate_size=96, max_position_embeddings=256),
-    "tiny-olmo2": replace(_olmo2(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256,
-                          eos_token_id=0, pad_token_id=1),
-    "tiny-phi3": replace(_phi3(64, 2, 4, 2, 160), vocab_size=1000, max_position_embeddings=256, sliding_window=8,
-                         eos_token_id=2, pad_token_id=0),
-    "tiny-gemma2": replace(_gemma2(64, 2, 4, 2, 160, head_dim=32, query_scalar=32, vocab=1000),
-                           sliding_window=8, max_position_embeddings=256),
-    "tiny-gemma3": replace(_gemma("gemma3_text", 64, 6, 4, 2, 160, window=8, pattern=3, head_dim=32,
-                                  query_scalar=32, vocab=1000, qk_norm="head", rotary_base=1000000.0,
-                                  rotary_base_local=10000.0, rope_scaling=RopeScaling("linear", 8.0)),
-                           max_position_embeddings=256),
+    "tiny-llama": replace(
+        _llama(64, 2, 4, 160, kv_heads=2), vocab_size=1000, max_position_embeddings=256
+    ),
+    "tiny-llama3": replace(
+        _llama3(64, 2, 4, 160, factor=8.0, tied=True, kv_heads=2),
+        vocab_size=1000,
+        max_position_embeddings=256,
+    ),
+    "tiny-qwen2": replace(
+        _qwen25(64, 2, 4, 2, 160, tied=True), vocab_size=1000, max_position_embeddings=256
+    ),
+    "tiny-mistral": replace(
+        _mistral(1000, 10000.0, 8, hidden=64, layers=2, heads=4, kv_heads=2, ffn=160),
+        max_position_embeddings=256,
+    ),
+    "tiny-qwen3": replace(
+        _qwen3(64, 2, 4, 160, tied=True, kv_heads=2),
+        head_dim=32,
+        vocab_size=1000,
+        max_position_embeddings=256,
+    ),
+    "tiny-mixtral": replace(
+        _mixtral(64, 2, 4, 96, experts=4, kv_heads=2, vocab=1000), max_position_embeddings=256
+    ),
+    "tiny-qwen3-moe": replace(
+        _qwen3_moe(64, 2, 4, 2, 48, experts=8, per_token=2, vocab=1000),
+        head_dim=32,
+        intermediate_size=96,
+        max_position_embeddings=256,
+    ),
+    "tiny-olmo2": replace(
+        _olmo2(64, 2, 4, 160, kv_heads=2),
+        vocab_size=1000,
+        max_position_embeddings=256,
+        eos_token_id=0,
+        pad_token_id=1,
+    ),
+    "tiny-phi3": replace(
+        _phi3(64, 2, 4, 2, 160),
+        vocab_size=1000,
+        max_position_embeddings=256,
+        sliding_window=8,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    "tiny-gemma2": replace(
+        _gemma2(64, 2, 4, 2, 160, head_dim=32, query_scalar=32, vocab=1000),
+        sliding_window=8,
+        max_position_embeddings=256,
+    ),
+    "tiny-gemma3": replace(
+        _gemma(
+            "gemma3_text",
+            64,
+            6,
+            4,
+            2,
+            160,
+            window=8,
+            pattern=3,
+            head_dim=32,
+            query_scalar=32,
+            vocab=1000,
+            qk_norm="head",
+            rotary_base=1000000.0,
+            rotary_base_local=10000.0,
+            rope_scaling=RopeScaling("linear", 8.0),
+        ),
+        max_position_embeddings=256,
+    ),
     "tiny-gpt2": replace(_gpt2(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
     "tiny-gptj": replace(_gptj(64, 2, 4, rotary_dim=8, vocab=1000), max_position_embeddings=256),
     "tiny-bert": replace(_bert(64, 2, 4), vocab_size=1000, max_position_embeddings=256),
@@ -272,26 +602,36 @@ PRESETS: dict[str, ModelConfig] = {
 def preset(name: str) -> ModelConfig:
     """A fresh copy of the named preset's config (nested sections included)."""
     if name not in PRESETS:
-        raise UserError(f"unknown model preset '{name}'{closest(name, PRESETS)}: see `lmforge.models.PRESETS`")
+        raise UserError(
+            f"unknown model preset '{name}'{closest(name, PRESETS)}: see `lmforge.models.PRESETS`"
+        )
     return copy.deepcopy(PRESETS[name])
 
 
-# Fields a preset derives from others when it leaves them out, and what from: ModelConfig's defaults.
-DERIVED = {"head_dim": ("hidden_size", "num_heads"), "num_kv_heads": ("num_heads",),
-           "intermediate_size": ("hidden_size",), "qkv_bias": ("attention_bias",)}
+# Fields a preset derives from others when it leaves them out, and what from: ModelConfig's
+# defaults.
+DERIVED = {
+    "head_dim": ("hidden_size", "num_heads"),
+    "num_kv_heads": ("num_heads",),
+    "intermediate_size": ("hidden_size",),
+    "qkv_bias": ("attention_bias",),
+}
 
 
 def preset_fields(base: ModelConfig, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The preset's fields under the recipe's overrides. A value the preset derived (head_dim = hidden_size /
-    num_heads, num_kv_heads = num_heads, intermediate_size = 4 x hidden_size, qkv_bias = attention_bias) is
-    derived again from the overridden fields, as writing the fields out would: model.hidden_size=128 on a
-    preset of 4 heads of 16 is 4 heads of 32, not a head_dim 16 that no longer fits. Values the preset sets
-    apart from that rule stay, and a shape they cannot fit fails in ModelConfig."""
-    derived_from = {"head_dim": base.hidden_size % base.num_heads == 0 and
-                    base.head_dim == base.hidden_size // base.num_heads,
-                    "num_kv_heads": base.num_kv_heads == base.num_heads,
-                    "intermediate_size": base.intermediate_size == 4 * base.hidden_size,
-                    "qkv_bias": base.qkv_bias == base.attention_bias}
+    """The preset's fields under the recipe's overrides. A value the preset derived (head_dim =
+    hidden_size / num_heads, num_kv_heads = num_heads, intermediate_size = 4 x hidden_size,
+    qkv_bias = attention_bias) is derived again from the overridden fields, as writing the fields
+    out would: model.hidden_size=128 on a preset of 4 heads of 16 is 4 heads of 32, not a
+    head_dim 16 that no longer fits. Values the preset sets apart from that rule stay, and a
+    shape they cannot fit fails in ModelConfig."""
+    derived_from = {
+        "head_dim": base.hidden_size % base.num_heads == 0
+        and base.head_dim == base.hidden_size // base.num_heads,
+        "num_kv_heads": base.num_kv_heads == base.num_heads,
+        "intermediate_size": base.intermediate_size == 4 * base.hidden_size,
+        "qkv_bias": base.qkv_bias == base.attention_bias,
+    }
     fields = dataclasses.asdict(base)
     for name, basis in DERIVED.items():
         if derived_from[name] and name not in overrides and any(k in overrides for k in basis):

@@ -58,9 +58,11 @@ def rotary_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         inv_freq = _llama3(inv_freq, scaling)
     elif scaling is not None and scaling.type == "yarn":
         inv_freq = _yarn(base, r, scaling)
-    elif scaling is not None and scaling.type == "longrope":  # the short factors until a forward passes the context
+    # the short factors until a forward passes the context
+    elif scaling is not None and scaling.type == "longrope":
         inv_freq = _longrope(base, r, scaling.short_factor)
-    # dynamic: the unscaled frequencies until a forward passes max_position_embeddings (RotaryEmbedding.forward)
+    # dynamic: the unscaled frequencies until a forward passes max_position_embeddings
+    # (RotaryEmbedding.forward)
     return torch.cat([inv_freq, torch.zeros(cfg.head_dim // 2 - r // 2)])
 
 
@@ -78,12 +80,17 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def _yarn(base: float, dim: int, s: RopeScaling) -> torch.Tensor:
-    """YaRN (Peng et al. 2023, eq. 17-19): per pair, interpolated (/ factor) where it turns fewer than
-    beta_slow times over the original context, original where more than beta_fast, a ramp between."""
+    """YaRN (Peng et al. 2023, eq. 17-19): per pair, interpolated (/ factor) where it turns fewer
+    than beta_slow times over the original context, original where more than beta_fast, a ramp
+    between."""
     beta_fast, beta_slow = s.beta_fast or 32, s.beta_slow or 1
 
     def correction_dim(rotations: float) -> float:  # the pair index that turns `rotations` times
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            dim
+            * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if s.truncate is None or s.truncate:
@@ -98,14 +105,16 @@ def _yarn(base: float, dim: int, s: RopeScaling) -> torch.Tensor:
     return interpolated * (1 - keep) + extrapolated * keep
 
 
-def _longrope(base: float, dim: int, factors: list[float], device: torch.device | None = None) -> torch.Tensor:
+def _longrope(
+    base: float, dim: int, factors: list[float], device: torch.device | None = None
+) -> torch.Tensor:
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * base**exponents)
 
 
 def rotary_attention_factor(cfg: ModelConfig) -> float:
-    """The scale YaRN and LongRoPE put on cos and sin (unless given: YaRN 0.1 ln(factor) + 1, LongRoPE
-    sqrt(1 + ln(factor) / ln(original context))), 1 for every other kind."""
+    """The scale YaRN and LongRoPE put on cos and sin (unless given: YaRN 0.1 ln(factor) + 1,
+    LongRoPE sqrt(1 + ln(factor) / ln(original context))), 1 for every other kind."""
     s = cfg.rope_scaling
     if s is None or s.type not in ("yarn", "longrope"):
         return 1.0
@@ -123,21 +132,27 @@ def rotary_attention_factor(cfg: ModelConfig) -> float:
     return mscale(s.factor)
 
 
-def dynamic_inv_freq(cfg: ModelConfig, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Dynamic NTK: once a forward reaches past max_position_embeddings (its longest position + 1), the base
-    grows to base * (factor * len / max - (factor - 1)) ** (r / (r - 2)); up to there, `inv_freq` as it is.
-    transformers keeps the largest frequencies it has seen in the module's state; here they come from each
-    forward's own positions: the same for generation (positions only grow), and stateless under activation
-    recompute, pipelines and compile."""
+def dynamic_inv_freq(
+    cfg: ModelConfig, position_ids: torch.Tensor, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Dynamic NTK: once a forward reaches past max_position_embeddings (its longest position +
+    1), the base grows to base * (factor * len / max - (factor - 1)) ** (r / (r - 2)); up to
+    there, `inv_freq` as it is. transformers keeps the largest frequencies it has seen in the
+    module's state; here they come from each forward's own positions: the same for generation
+    (positions only grow), and stateless under activation recompute, pipelines and compile."""
     r, limit = cfg.rotary_dim, cfg.max_position_embeddings
     seq_len = torch.max(position_ids) + 1
     longer = torch.maximum(seq_len, torch.tensor(limit, dtype=seq_len.dtype, device=seq_len.device))
     factor = cfg.rope_scaling.factor
     base = cfg.rotary_base * ((factor * longer / limit) - (factor - 1)) ** (r / (r - 2))
-    exponents = torch.arange(0, r, 2, dtype=torch.int64, device=position_ids.device).to(dtype=torch.float) / r
-    grown = 1.0 / (base ** exponents)
+    exponents = (
+        torch.arange(0, r, 2, dtype=torch.int64, device=position_ids.device).to(dtype=torch.float)
+        / r
+    )
+    grown = 1.0 / (base**exponents)
     grown = torch.cat([grown, grown.new_zeros(cfg.head_dim // 2 - r // 2)])
-    return torch.where(seq_len > limit, grown, inv_freq)  # no host sync: the choice stays on the device
+    # no host sync: the choice stays on the device
+    return torch.where(seq_len > limit, grown, inv_freq)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -150,13 +165,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def longrope_inv_freq(cfg: ModelConfig, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """LongRoPE: the long factors for a forward reaching past the pretraining context (its longest position + 1),
-    the short ones (`inv_freq`) otherwise; per forward, as transformers picks them."""
+def longrope_inv_freq(
+    cfg: ModelConfig, position_ids: torch.Tensor, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """LongRoPE: the long factors for a forward reaching past the pretraining context (its
+    longest position + 1), the short ones (`inv_freq`) otherwise; per forward, as transformers
+    picks them."""
     s, r = cfg.rope_scaling, cfg.rotary_dim
     long = _longrope(cfg.rotary_base, r, s.long_factor, position_ids.device)
     long = torch.cat([long, long.new_zeros(cfg.head_dim // 2 - r // 2)])
-    return torch.where(torch.max(position_ids) + 1 > s.original_max_position_embeddings, long, inv_freq)
+    return torch.where(
+        torch.max(position_ids) + 1 > s.original_max_position_embeddings, long, inv_freq
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -168,7 +188,8 @@ class RotaryEmbedding(nn.Module):
         scaling = None if local else cfg.rope_scaling
         kind = None if scaling is None else scaling.type
         self._per_forward = {"dynamic": dynamic_inv_freq, "longrope": longrope_inv_freq}.get(kind)
-        # YaRN's and LongRoPE's cos/sin scale, on the rotated pairs only (the pass-through dims keep cos 1, sin 0).
+        # YaRN's and LongRoPE's cos/sin scale, on the rotated pairs only (the pass-through dims keep
+        # cos 1, sin 0).
         self._attention_factor = 1.0 if local else rotary_attention_factor(cfg)
 
     def reset_parameters(self) -> None:
@@ -176,23 +197,28 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq.copy_(rotary_inv_freq(self._cfg, self._local).to(self.inv_freq.device))
 
     def _apply(self, fn, recurse: bool = True):
-        """`model.to(torch.bfloat16)` would cast the frequencies too: at position 4095 a bf16 inv_freq is off by
-        up to 5 rad. Keep them fp32 (as transformers does), recomputed exactly rather than cast back."""
+        """`model.to(torch.bfloat16)` would cast the frequencies too: at position 4095 a bf16
+        inv_freq is off by up to 5 rad. Keep them fp32 (as transformers does), recomputed exactly
+        rather than cast back."""
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:
             self.inv_freq = rotary_inv_freq(self._cfg, self._local).to(self.inv_freq.device)
         return self
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (batch, 1, seq, head_dim) for position_ids of shape (batch, seq)."""
         inv_freq = self.inv_freq
-        if self._per_forward is not None:  # dynamic, longrope: frequencies that depend on the forward's positions
+        # dynamic, longrope: frequencies that depend on the forward's positions
+        if self._per_forward is not None:
             inv_freq = self._per_forward(self._cfg, position_ids, inv_freq)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         cos, sin = emb.cos(), emb.sin()
         if self._attention_factor != 1.0:
-            rotated = torch.cat((inv_freq, inv_freq)) != 0  # partial rotary: the zero-frequency dims pass through
+            # partial rotary: the zero-frequency dims pass through
+            rotated = torch.cat((inv_freq, inv_freq)) != 0
             f = self._attention_factor
             cos, sin = torch.where(rotated, cos * f, cos), torch.where(rotated, sin * f, sin)
         return cos.to(dtype), sin.to(dtype)

@@ -1,6 +1,7 @@
-"""The router's training losses of a mixture of experts (lmforge.models.moe): Switch Transformer's load-balancing
-loss and ST-MoE's router z-loss, from the router logits the MoE layers keep in a training forward, as sums additive
-over any split of the layers (a pipeline's stages)."""
+"""The router's training losses of a mixture of experts (lmforge.models.moe): Switch
+Transformer's load-balancing loss and ST-MoE's router z-loss, from the router logits the MoE
+layers keep in a training forward, as sums additive over any split of the layers (a pipeline's
+stages)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ from lmforge.models.moe import moe_layers
 class RouterLosses:
     aux_loss: torch.Tensor  # the load-balancing loss, unscaled (transformers' aux_loss)
     z_loss: torch.Tensor  # the router z-loss, unscaled
-    loss: torch.Tensor  # router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss: what training adds
+    # router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss: what training adds
+    loss: torch.Tensor
 
 
-def router_losses(model: nn.Module, cfg: ModelConfig, attention_mask: torch.Tensor | None = None,
-                  ) -> RouterLosses | None:
-    """The router losses of the model's last training forward (None for a dense model), over the tokens where
-    attention_mask (batch, seq) is 1; the layers' kept logits are released."""
+def router_losses(
+    model: nn.Module,
+    cfg: ModelConfig,
+    attention_mask: torch.Tensor | None = None,
+) -> RouterLosses | None:
+    """The router losses of the model's last training forward (None for a dense model), over the
+    tokens where attention_mask (batch, seq) is 1; the layers' kept logits are released."""
     logits = take_router_logits(model)
     if not logits:
         return None
@@ -33,7 +38,8 @@ def router_losses(model: nn.Module, cfg: ModelConfig, attention_mask: torch.Tens
 
 
 def take_router_logits(model: nn.Module) -> list[torch.Tensor]:
-    """The router logits the model's MoE layers kept in their last training forward, released from the layers."""
+    """The router logits the model's MoE layers kept in their last training forward, released
+    from the layers."""
     logits = []
     for layer in moe_layers(model):
         if layer.router_logits is not None:
@@ -50,10 +56,11 @@ def _row_mask(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
 
 @dataclass
 class RouterSums:
-    """What the router losses are made of, summed over MoE layers and (unmasked) tokens: additive over any split of
-    the layers (a pipeline's stages), the losses being functions of the sums."""
+    """What the router losses are made of, summed over MoE layers and (unmasked) tokens: additive
+    over any split of the layers (a pipeline's stages), the losses being functions of the sums."""
 
-    choices: torch.Tensor  # (experts,) how many (token, slot) choices went to each expert; no gradient
+    # (experts,) how many (token, slot) choices went to each expert; no gradient
+    choices: torch.Tensor
     probs: torch.Tensor  # (experts,) each expert's router probability summed
     z: torch.Tensor  # () logsumexp(router logits)^2 summed
     rows: torch.Tensor  # () tokens counted, once per layer
@@ -65,10 +72,13 @@ class RouterSums:
         return self.z / self.rows
 
 
-def router_sums(router_logits: list[torch.Tensor], top_k: int, attention_mask: torch.Tensor | None = None,
-                ) -> RouterSums:
-    """The RouterSums of some MoE layers' router logits (each (tokens, experts)) over the tokens where
-    attention_mask (batch, seq) is 1."""
+def router_sums(
+    router_logits: list[torch.Tensor],
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+) -> RouterSums:
+    """The RouterSums of some MoE layers' router logits (each (tokens, experts)) over the tokens
+    where attention_mask (batch, seq) is 1."""
     device, num_experts = router_logits[0].device, router_logits[0].shape[-1]
     choices = torch.zeros(num_experts, device=device)
     probs_sum = torch.zeros(num_experts, device=device)
@@ -84,15 +94,23 @@ def router_sums(router_logits: list[torch.Tensor], top_k: int, attention_mask: t
     return RouterSums(choices, probs_sum, z, rows)
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss (its eqs. 4-6) over every MoE layer at once, as transformers'
-    load_balancing_loss_func computes it: num_experts * sum_e f_e * P_e, f_e the fraction of (token, slot) choices
-    that went to expert e and P_e its mean router probability, both averaged over the layers' (unmasked) tokens
-    together. Gradient flows through P only (f counts choices)."""
+def load_balancing_loss(
+    router_logits: list[torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss (its eqs. 4-6) over every MoE layer at once, as
+    transformers' load_balancing_loss_func computes it: num_experts * sum_e f_e * P_e, f_e the
+    fraction of (token, slot) choices that went to expert e and P_e its mean router probability,
+    both averaged over the layers' (unmasked) tokens together. Gradient flows through P only (f
+    counts choices)."""
     return router_sums(router_logits, top_k, attention_mask).load_balancing_loss(num_experts)
 
 
-def router_z_loss(router_logits: list[torch.Tensor], attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """ST-MoE's router z-loss: the mean over layers and (unmasked) tokens of logsumexp(router logits)^2."""
+def router_z_loss(
+    router_logits: list[torch.Tensor], attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over layers and (unmasked) tokens of logsumexp(router
+    logits)^2."""
     return router_sums(router_logits, 1, attention_mask).z_loss()

@@ -15,13 +15,26 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "World": "data_parallel", "init_world": "data_parallel",
-    "ParallelConfig": "mesh", "all_reduce_data_parallel": "mesh", "build_mesh": "mesh", "check_model": "mesh",
+    "World": "data_parallel",
+    "init_world": "data_parallel",
+    "ParallelConfig": "mesh",
+    "all_reduce_data_parallel": "mesh",
+    "build_mesh": "mesh",
+    "check_model": "mesh",
     "data_parallel_rank": "mesh",
-    "ParallelModel": "compose", "parallelize": "compose",
-    "pipeline_eval": "pipeline", "pipeline_step": "pipeline", "with_router_loss": "router",
-    "init_sharded": "load", "load_sharded": "load", "materialize_empty": "load", "meta_model": "load",
-    "clip_grad_norm_": "state", "grad_norm": "state", "load_model_state_dict": "state", "model_state_dict": "state",
+    "ParallelModel": "compose",
+    "parallelize": "compose",
+    "pipeline_eval": "pipeline",
+    "pipeline_step": "pipeline",
+    "with_router_loss": "router",
+    "init_sharded": "load",
+    "load_sharded": "load",
+    "materialize_empty": "load",
+    "meta_model": "load",
+    "clip_grad_norm_": "state",
+    "grad_norm": "state",
+    "load_model_state_dict": "state",
+    "model_state_dict": "state",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,31 +1,36 @@
-"""Context parallelism: one sequence split over the C ranks of a context group, attention across them.
+"""Context parallelism: one sequence split over the C ranks of a context group, attention across
+them.
 
-The sequence (length S, a multiple of 2C) is cut into 2C chunks; rank i holds chunk i and chunk 2C-1-i
-(`ContextShard`), so under causal attention every rank has the same number of (query chunk, key chunk) pairs to
-compute: the early chunk sees few keys, the late one many. A batch is split by `split_batch` (input_ids, labels,
-position_ids, segment_ids: every tensor along its sequence dimension) and put back by `gather_sequence`. Rotary
-positions come from position_ids, which the split carries with the tokens, so each chunk rotates by its global
-positions (packed documents: the positions restart with each document, as in one process). Attention across the
-ranks is lmforge.parallel.context_attention (all-gather of K/V, or a ring); a decoder runs it through
+The sequence (length S, a multiple of 2C) is cut into 2C chunks; rank i holds chunk i and chunk
+2C-1-i (`ContextShard`), so under causal attention every rank has the same number of (query chunk,
+key chunk) pairs to compute: the early chunk sees few keys, the late one many. A batch is split by
+`split_batch` (input_ids, labels, position_ids, segment_ids: every tensor along its sequence
+dimension) and put back by `gather_sequence`. Rotary positions come from position_ids, which the
+split carries with the tokens, so each chunk rotates by its global positions (packed documents: the
+positions restart with each document, as in one process). Attention across the ranks is
+lmforge.parallel.context_attention (all-gather of K/V, or a ring); a decoder runs it through
 `ContextDocuments`, which its layers receive where they would receive a packed batch's Documents.
 
-Why lmforge's own, not torch.distributed.tensor.experimental.context_parallel (an experimental API; read and
-run here in torch 2.13, the source under its _context_parallel/ package; 2.6-2.11 not run here):
-* It runs only on SDPA's flash, memory-efficient and cuDNN kernels (its dispatcher handles those aten ops and
-  raises "CP only supports flash attention and memory efficient attention" for the others). On the CPU, SDPA
-  calls _scaled_dot_product_flash_attention_for_cpu, which has no sharding rule: a causal call under
-  context_parallel on gloo raises "does not have a sharding strategy registered" (checked with torch 2.13), and
-  pytorch/pytorch#147793 reports the math kernel failing the same way. So no CPU tests, and none on a backend
-  without those kernels (lmforge is device-neutral).
-* Its SDPA path takes no mask (attn_bias "is not supported yet"): no packed documents, no sliding window, no soft
-  cap. Document masks exist only on its FlexAttention path (a CP block mask), whose backward torch has on CUDA
-  and XPU only.
+Why lmforge's own, not torch.distributed.tensor.experimental.context_parallel (an experimental API;
+read and run here in torch 2.13, the source under its _context_parallel/ package; 2.6-2.11 not run
+here):
+* It runs only on SDPA's flash, memory-efficient and cuDNN kernels (its dispatcher handles those
+  aten ops and raises "CP only supports flash attention and memory efficient attention" for the
+  others). On the CPU, SDPA calls _scaled_dot_product_flash_attention_for_cpu, which has no sharding
+  rule: a causal call under context_parallel on gloo raises "does not have a sharding strategy
+  registered" (checked with torch 2.13), and pytorch/pytorch#147793 reports the math kernel failing
+  the same way. So no CPU tests, and none on a backend without those kernels (lmforge is
+  device-neutral).
+* Its SDPA path takes no mask (attn_bias "is not supported yet"): no packed documents, no sliding
+  window, no soft cap. Document masks exist only on its FlexAttention path (a CP block mask), whose
+  backward torch has on CUDA and XPU only.
 * It shards buffers in place by resizing them (a leaf that requires grad is refused) and patches
   F.scaled_dot_product_attention globally for the duration of a context manager.
-On CUDA, for plain causal attention without a mask, torch's ring (its SDPA kernels, all-gather or all-to-all
-rotation) is a candidate for speed; lmforge's blocks are the reference it would be measured and tested against.
-Per block lmforge calls SDPA's CPU flash kernel (lmforge.parallel.context_attention), and the CUDA flash kernel
-(which returns the log-sum-exp too) is the piece to add there.
+On CUDA, for plain causal attention without a mask, torch's ring (its SDPA kernels, all-gather or
+all-to-all rotation) is a candidate for speed; lmforge's blocks are the reference it would be
+measured and tested against. Per block lmforge calls SDPA's CPU flash kernel
+(lmforge.parallel.context_attention), and the CUDA flash kernel (which returns the log-sum-exp too)
+is the piece to add there.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from lmforge.parallel.context_attention import METHODS, ContextPlan, context_att
 
 @dataclass(frozen=True)
 class ContextShard:
-    """Which part of the sequence this rank holds: chunks `rank` and `2 * context - 1 - rank` of 2 * context."""
+    """Which part of the sequence this rank holds: chunks `rank` and `2 * context - 1 - rank` of
+    2 * context."""
 
     context: int
     rank: int
@@ -69,7 +75,10 @@ class ContextShard:
         c = self.chunk(seq)
         a, b = self.rank, 2 * self.context - 1 - self.rank
         return torch.cat(
-            [torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)]
+            [
+                torch.arange(a * c, (a + 1) * c, device=device),
+                torch.arange(b * c, (b + 1) * c, device=device),
+            ]
         )
 
 
@@ -83,43 +92,55 @@ def split_sequence(t: torch.Tensor, shard: ContextShard, dim: int = 1) -> torch.
 def split_batch(
     batch: Mapping[str, torch.Tensor], shard: ContextShard, dim: int = 1, keep: Iterable[str] = ()
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the batch split along its sequence dimension `dim`, except those named in `keep`;
-    position_ids added (0 .. seq-1 on every row) where the batch has none, so that rotary positions stay
-    global. Labels must already be aligned with their inputs (a task's `inputs` shifts them): the target of a
-    chunk's last token lives in the next chunk, on another rank."""
+    """Every tensor of the batch split along its sequence dimension `dim`, except those named in
+    `keep`; position_ids added (0 .. seq-1 on every row) where the batch has none, so that rotary
+    positions stay global. Labels must already be aligned with their inputs (a task's `inputs`
+    shifts them): the target of a chunk's last token lives in the next chunk, on another rank."""
     keep = set(keep)
     out = dict(batch)
     if "position_ids" not in out:
         ids = out.get("input_ids")
         if ids is None:
-            raise ValueError("split_batch needs input_ids or position_ids to know the sequence length")
-        out["position_ids"] = torch.arange(ids.shape[dim], device=ids.device).expand(ids.shape[0], -1)
+            raise ValueError(
+                "split_batch needs input_ids or position_ids to know the sequence length"
+            )
+        out["position_ids"] = torch.arange(ids.shape[dim], device=ids.device).expand(
+            ids.shape[0], -1
+        )
     return {k: v if k in keep else split_sequence(v, shard, dim) for k, v in out.items()}
 
 
 def gather_sequence(t: torch.Tensor, shard: ContextShard, dim: int = 1) -> torch.Tensor:
-    """The whole sequence back from every rank's `split_sequence` (outside autograd: for outputs and checks)."""
+    """The whole sequence back from every rank's `split_sequence` (outside autograd: for outputs
+    and checks)."""
     parts = [torch.empty_like(t) for _ in range(shard.context)]
     dist.all_gather(parts, t.detach().contiguous(), group=shard.group)
     halves = [p.chunk(2, dim) for p in parts]
-    order = [halves[r][0] for r in range(shard.context)] + [halves[r][1] for r in reversed(range(shard.context))]
+    order = [halves[r][0] for r in range(shard.context)] + [
+        halves[r][1] for r in reversed(range(shard.context))
+    ]
     return torch.cat(order, dim)
 
 
 @dataclass
 class ContextDocuments(Documents):
-    """Documents whose attention spans every rank of a context group: the decoder's layers call `attend` with
-    their local q, k, v (this rank's two chunks) as they would for a packed batch. `segment_ids` are the local
-    ones; `all_segments` (context, batch, local) every rank's, gathered once per forward."""
+    """Documents whose attention spans every rank of a context group: the decoder's layers call
+    `attend` with their local q, k, v (this rank's two chunks) as they would for a packed batch.
+    `segment_ids` are the local ones; `all_segments` (context, batch, local) every rank's,
+    gathered once per forward."""
 
     shard: ContextShard | None = None
     method: str = "ring"
     all_segments: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def of_shard(cls, segment_ids: torch.Tensor, shard: ContextShard, method: str = "ring") -> ContextDocuments:
+    def of_shard(
+        cls, segment_ids: torch.Tensor, shard: ContextShard, method: str = "ring"
+    ) -> ContextDocuments:
         if method not in METHODS:
-            raise UserError(f"parallel.context_method={method!r} is not one of {', '.join(METHODS)}")
+            raise UserError(
+                f"parallel.context_method={method!r} is not one of {', '.join(METHODS)}"
+            )
         parts = [torch.empty_like(segment_ids) for _ in range(shard.context)]
         dist.all_gather(parts, segment_ids.contiguous(), group=shard.group)
         return cls(segment_ids, shard=shard, method=method, all_segments=torch.stack(parts))
@@ -135,19 +156,27 @@ class ContextDocuments(Documents):
         dropout: float,
     ) -> torch.Tensor:
         s = self.shard
-        plan = ContextPlan(s.group, s.context, s.rank, q.shape[2] // 2, self.all_segments, window, scale, softcap)
+        plan = ContextPlan(
+            s.group, s.context, s.rank, q.shape[2] // 2, self.all_segments, window, scale, softcap
+        )
         return context_attention(q, k, v, plan, self.method, dropout)
 
 
 def refuse_unsupported(cfg: ModelConfig) -> None:
-    """A UserError naming the first of the model's settings that context parallelism cannot run exactly."""
+    """A UserError naming the first of the model's settings that context parallelism cannot run
+    exactly."""
     if not cfg.causal:
-        raise UserError("context parallelism needs causal attention: an encoder (causal=false) is not supported")
+        raise UserError(
+            "context parallelism needs causal attention: an encoder (causal=false) is not supported"
+        )
     if cfg.attention_dropout:
-        raise UserError("attention_dropout under context parallelism is not supported: set attention_dropout=0")
+        raise UserError(
+            "attention_dropout under context parallelism is not supported: set attention_dropout=0"
+        )
     scaling = cfg.rope_scaling.type if cfg.rope_scaling is not None else None
     if scaling in ("dynamic", "longrope"):
-        # Their frequencies follow the forward's longest position, which differs between the ranks' chunks.
+        # Their frequencies follow the forward's longest position, which differs between the ranks'
+        # chunks.
         raise UserError(
             f"rope_scaling {scaling} under context parallelism is not supported: its frequencies "
             "depend on each forward's longest position; use linear, yarn or llama3"
@@ -155,11 +184,13 @@ def refuse_unsupported(cfg: ModelConfig) -> None:
 
 
 @contextlib.contextmanager
-def context_parallel_decoder(model: nn.Module, shard: ContextShard, method: str = "ring") -> Iterator[None]:
-    """Inside: `model` (a Decoder) called with this rank's split segment_ids attends across the context group
-    (lmforge.models.decoder builds its layers' Documents through `Documents.of`, which this swaps). A batch without
-    packed documents passes segment_ids of ones (one document per row); position_ids must be the split ones
-    (split_batch)."""
+def context_parallel_decoder(
+    model: nn.Module, shard: ContextShard, method: str = "ring"
+) -> Iterator[None]:
+    """Inside: `model` (a Decoder) called with this rank's split segment_ids attends across the
+    context group (lmforge.models.decoder builds its layers' Documents through `Documents.of`,
+    which this swaps). A batch without packed documents passes segment_ids of ones (one document
+    per row); position_ids must be the split ones (split_batch)."""
     from lmforge.models import decoder
 
     refuse_unsupported(model.config)

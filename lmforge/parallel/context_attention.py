@@ -1,34 +1,38 @@
-"""Causal attention over a sequence split across the ranks of a context-parallel group (lmforge.parallel.context):
-the per-block math, its exact merge by log-sum-exp, and the two ways keys/values reach the queries.
+"""Causal attention over a sequence split across the ranks of a context-parallel group
+(lmforge.parallel.context): the per-block math, its exact merge by log-sum-exp, and the two ways
+keys/values reach the queries.
 
-Each rank holds two of the sequence's 2C chunks (ContextShard); its queries must see the keys/values of every
-rank. Two autograd Functions move them:
+Each rank holds two of the sequence's 2C chunks (ContextShard); its queries must see the keys/values
+of every rank. Two autograd Functions move them:
 
-* all-gather (`method="allgather"`): one all-gather of K and V per layer, then local blocks; the backward
-  computes dK/dV for the whole sequence and reduce-scatters them to their owners. Cheap when the model has few
-  key/value heads (grouped-query attention): K/V are then a fraction of the queries' size. Memory: the whole
-  sequence's K/V (and their gradients) on every rank for the layer's duration.
-* ring (`method="ring"`): the K/V block travels rank to rank (isend/irecv), the next block's transfer posted
-  before this block's compute so the two overlap; the backward sends the blocks round again and with them the
-  dK/dV accumulated so far, which reach their owner after C-1 hops. Memory: two blocks at a time.
+* all-gather (`method="allgather"`): one all-gather of K and V per layer, then local blocks; the
+  backward computes dK/dV for the whole sequence and reduce-scatters them to their owners. Cheap
+  when the model has few key/value heads (grouped-query attention): K/V are then a fraction of the
+  queries' size. Memory: the whole sequence's K/V (and their gradients) on every rank for the
+  layer's duration.
+* ring (`method="ring"`): the K/V block travels rank to rank (isend/irecv), the next block's
+  transfer posted before this block's compute so the two overlap; the backward sends the blocks
+  round again and with them the dK/dV accumulated so far, which reach their owner after C-1 hops.
+  Memory: two blocks at a time.
 
 K/V travel in their own dtype; their gradients accumulate and travel in fp32 (the bytes:
-lmforge.parallel.comm_volume.context_bytes). A (query chunk, key chunk) pair that the causal rule (or a sliding
-window) masks whole is skipped, read from the chunks' slot ranges on the host, so with the load-balanced split
-every rank computes the same number of pairs; the queries go QUERY_TILE at a time, which bounds a block's
-memory. The mask inside a pair is built from the tokens' global slots and segment ids, and is
-lmforge.models.documents.document_mask's rule: causal, within a document, within the window; a padding token
-(segment 0) sees itself only.
+lmforge.parallel.comm_volume.context_bytes). A (query chunk, key chunk) pair that the causal rule
+(or a sliding window) masks whole is skipped, read from the chunks' slot ranges on the host, so with
+the load-balanced split every rank computes the same number of pairs; the queries go QUERY_TILE at a
+time, which bounds a block's memory. The mask inside a pair is built from the tokens' global slots
+and segment ids, and is lmforge.models.documents.document_mask's rule: causal, within a document,
+within the window; a padding token (segment 0) sees itself only.
 
-Each block needs its output and log-sum-exp, which SDPA's public call does not return. On the CPU, SDPA's own
-flash kernel (aten._scaled_dot_product_flash_attention_for_cpu) returns both, reads grouped key/value heads as
-they are, takes the mask as an additive one, and its backward takes the merged output and log-sum-exp: blocks go
-through it (7-9x faster than the explicit math on one 1024 x 4096 block). With a soft cap, off the CPU, or with
-KERNEL = "explicit", the block is explicit fp32 math, whose backward is flash attention's (Dao 2022): with the
-merged log-sum-exp L and delta = rowsum(dO * O), P = exp(S - L), dV = P^T dO, dS = P * (dO V^T - delta),
-dQ = dS K, dK = dS^T Q (times the scale; times 1 - tanh^2 under a soft cap). The CUDA flash and
-memory-efficient kernels return the log-sum-exp too: the piece to add for GPUs. Dropout is refused: the masks
-of a dropped block would have to travel too.
+Each block needs its output and log-sum-exp, which SDPA's public call does not return. On the CPU,
+SDPA's own flash kernel (aten._scaled_dot_product_flash_attention_for_cpu) returns both, reads
+grouped key/value heads as they are, takes the mask as an additive one, and its backward takes the
+merged output and log-sum-exp: blocks go through it (7-9x faster than the explicit math on one 1024
+x 4096 block). With a soft cap, off the CPU, or with KERNEL = "explicit", the block is explicit fp32
+math, whose backward is flash attention's (Dao 2022): with the merged log-sum-exp L and delta =
+rowsum(dO * O), P = exp(S - L), dV = P^T dO, dS = P * (dO V^T - delta), dQ = dS K, dK = dS^T Q
+(times the scale; times 1 - tanh^2 under a soft cap). The CUDA flash and memory-efficient kernels
+return the log-sum-exp too: the piece to add for GPUs. Dropout is refused: the masks of a dropped
+block would have to travel too.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ import torch.distributed as dist
 from lmforge.errors import UserError
 
 METHODS = ("allgather", "ring")
-# Queries per score block: the fp32 scores of one block are QUERY_TILE x chunk per head, whatever the chunk.
+# Queries per score block: the fp32 scores of one block are QUERY_TILE x chunk per head, whatever
+# the chunk.
 QUERY_TILE = 1024
 KV_TAG, GRAD_TAG = 0, 1
-# Per block: "auto" takes SDPA's CPU flash kernel where it serves (the CPU, no soft cap), else the explicit fp32
-# math; "explicit" always the latter (the reference the kernel is tested against).
+# Per block: "auto" takes SDPA's CPU flash kernel where it serves (the CPU, no soft cap), else the
+# explicit fp32 math; "explicit" always the latter (the reference the kernel is tested against).
 KERNEL = "auto"
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = (
@@ -55,20 +60,23 @@ _CPU_FLASH_BACKWARD = (
 
 @dataclass
 class ContextPlan:
-    """What one attention call needs to know beyond q, k, v: the group, which chunks each rank holds, every
-    rank's segment ids (gathered once per forward), and the layer's window, scale and cap."""
+    """What one attention call needs to know beyond q, k, v: the group, which chunks each rank
+    holds, every rank's segment ids (gathered once per forward), and the layer's window, scale
+    and cap."""
 
     group: dist.ProcessGroup | None
     context: int
     rank: int
     chunk: int  # tokens per chunk: the sequence is 2 * context chunks
-    segments: torch.Tensor | None  # (context, batch, 2 * chunk) every rank's segment ids; None: one document
+    # (context, batch, 2 * chunk) every rank's segment ids; None: one document
+    segments: torch.Tensor | None
     window: int | None = None
     scale: float | None = None
     softcap: float | None = None
 
     def ranges(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The global slots [start, end) of the two chunks `rank` holds: chunk rank and chunk 2C-1-rank."""
+        """The global slots [start, end) of the two chunks `rank` holds: chunk rank and chunk
+        2C-1-rank."""
         a, b = rank, 2 * self.context - 1 - rank
         return (a * self.chunk, (a + 1) * self.chunk), (b * self.chunk, (b + 1) * self.chunk)
 
@@ -79,8 +87,8 @@ class ContextPlan:
         return self.window is None or k[1] - 1 > q[0] - self.window
 
     def kind(self, rows: slice, k_rank: int, k_piece: int) -> str:
-        """How this rank's queries of local `rows` see k_rank's chunk `k_piece`: "full" (every key, no mask),
-        "causal" (the same slots: SDPA's is_causal) or "masked"."""
+        """How this rank's queries of local `rows` see k_rank's chunk `k_piece`: "full" (every
+        key, no mask), "causal" (the same slots: SDPA's is_causal) or "masked"."""
         c = self.chunk
         if self.segments is not None:
             return "masked"
@@ -94,8 +102,9 @@ class ContextPlan:
         return "masked"
 
     def mask(self, q_rank: int, rows: slice, k_rank: int, k_piece: int) -> torch.Tensor:
-        """(batch or 1, len(rows), chunk) bool for the queries of local `rows` (inside one of q_rank's chunks)
-        against k_rank's chunk `k_piece`: True where the query may attend to the key (see the docstring)."""
+        """(batch or 1, len(rows), chunk) bool for the queries of local `rows` (inside one of
+        q_rank's chunks) against k_rank's chunk `k_piece`: True where the query may attend to the
+        key (see the docstring)."""
         c = self.chunk
         qs = self.ranges(q_rank)[rows.start // c][0] + rows.start % c
         ks = self.ranges(k_rank)[k_piece][0]
@@ -113,23 +122,37 @@ class ContextPlan:
         return allowed | (q_slots == k_slots)[None]
 
 
-@torch.compiler.disable  # host-side loops over blocks and point-to-point sends: run between a block's graphs
+# host-side loops over blocks and point-to-point sends: run between a block's graphs
+@torch.compiler.disable
 def context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ContextPlan, method: str = "ring", dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ContextPlan,
+    method: str = "ring",
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Attention output (batch, heads, 2 * chunk, head_dim) of this rank's queries over the whole sequence, for
-    q (batch, heads, 2 * chunk, head_dim) and k, v (batch, kv_heads, 2 * chunk, head_dim) of its two chunks."""
+    """Attention output (batch, heads, 2 * chunk, head_dim) of this rank's queries over the whole
+    sequence, for q (batch, heads, 2 * chunk, head_dim) and k, v (batch, kv_heads, 2 * chunk,
+    head_dim) of its two chunks."""
     if method not in METHODS:
-        raise UserError(f"context-parallel attention method {method!r} is not one of {', '.join(METHODS)}")
+        raise UserError(
+            f"context-parallel attention method {method!r} is not one of {', '.join(METHODS)}"
+        )
     if dropout:
-        raise UserError("attention dropout under context parallelism is not supported: set attention_dropout=0")
+        raise UserError(
+            "attention dropout under context parallelism is not supported: set attention_dropout=0"
+        )
     if q.shape[2] != 2 * plan.chunk or k.shape[2] != 2 * plan.chunk:
-        raise ValueError(f"q and k must hold 2 chunks of {plan.chunk} tokens, got {q.shape[2]} and {k.shape[2]}")
+        raise ValueError(
+            f"q and k must hold 2 chunks of {plan.chunk} tokens, got {q.shape[2]} and {k.shape[2]}"
+        )
     fn = _AllGatherAttention if method == "allgather" else _RingAttention
     return fn.apply(q, k, v, plan)
 
 
-# -- per block math, grouped layout: q (batch, kv_heads, q_per_kv, n, d), k and v (batch, kv_heads, m, d), fp32
+# -- per block math, grouped layout: q (batch, kv_heads, q_per_kv, n, d), k and v (batch, kv_heads,
+# m, d), fp32
 
 
 def _scores(q, k, plan: ContextPlan):
@@ -141,8 +164,8 @@ def _scores(q, k, plan: ContextPlan):
 
 
 def _block_forward(q, k, v, mask, plan: ContextPlan):
-    """Normalised output (b, g, r, n, d) and log-sum-exp (b, g, r, n) of one block; rows the mask empties give
-    0 and -inf, which the merge ignores."""
+    """Normalised output (b, g, r, n, d) and log-sum-exp (b, g, r, n) of one block; rows the mask
+    empties give 0 and -inf, which the merge ignores."""
     s, _ = _scores(q, k, plan)
     s = s.masked_fill(~mask[:, None, None], float("-inf"))
     m = s.amax(-1, keepdim=True)
@@ -154,10 +177,14 @@ def _block_forward(q, k, v, mask, plan: ContextPlan):
 
 
 def _merge(out, lse, block_out, block_lse):
-    """out, lse updated in place with a block's partial result: softmax over the union of their keys."""
+    """out, lse updated in place with a block's partial result: softmax over the union of their
+    keys."""
     new = torch.logaddexp(lse, block_lse)
-    ref = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # both empty: weights 0, not nan
-    out.mul_(torch.exp(lse - ref)[..., None]).add_(block_out * torch.exp(block_lse - ref)[..., None])
+    # both empty: weights 0, not nan
+    ref = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    out.mul_(torch.exp(lse - ref)[..., None]).add_(
+        block_out * torch.exp(block_lse - ref)[..., None]
+    )
     lse.copy_(new)
 
 
@@ -174,11 +201,14 @@ def _block_backward(q, k, v, mask, plan: ContextPlan, dout, lse, delta):
 
 
 def _sdpa_forward(q, k, v, mask, kind: str, plan: ContextPlan):
-    """_block_forward through SDPA's CPU flash kernel, which returns the log-sum-exp too and reads grouped key/value
-    heads as they are (query head h on key head h // q_per_kv, the grouped layout's order)."""
+    """_block_forward through SDPA's CPU flash kernel, which returns the log-sum-exp too and
+    reads grouped key/value heads as they are (query head h on key head h // q_per_kv, the
+    grouped layout's order)."""
     b, g, r, n, d = q.shape
     bias = None if kind != "masked" else _bias(mask)
-    out, lse = _CPU_FLASH(q.reshape(b, g * r, n, d), k, v, 0.0, kind == "causal", attn_mask=bias, scale=plan.scale)
+    out, lse = _CPU_FLASH(
+        q.reshape(b, g * r, n, d), k, v, 0.0, kind == "causal", attn_mask=bias, scale=plan.scale
+    )
     lse = lse.view(b, g, r, n)
     if kind == "masked":  # the kernel gives a row without keys lse 0; the merge needs -inf
         lse = lse.masked_fill(~mask.any(-1)[:, None, None], float("-inf"))
@@ -186,7 +216,8 @@ def _sdpa_forward(q, k, v, mask, kind: str, plan: ContextPlan):
 
 
 def _sdpa_backward(q, k, v, mask, kind: str, plan: ContextPlan, dout, out, lse):
-    """_block_backward through the CPU flash kernel's backward, given the merged output and log-sum-exp."""
+    """_block_backward through the CPU flash kernel's backward, given the merged output and
+    log-sum-exp."""
     b, g, r, n, d = q.shape
     bias = None if kind != "masked" else _bias(mask)
     flat = (b, g * r, n, d)
@@ -207,7 +238,9 @@ def _sdpa_backward(q, k, v, mask, kind: str, plan: ContextPlan, dout, out, lse):
 
 def _bias(mask: torch.Tensor) -> torch.Tensor:
     """The boolean mask as the additive fp32 one the CPU kernel takes (batch, 1, q, k)."""
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )[:, None]
 
 
 def _use_sdpa(q: torch.Tensor, plan: ContextPlan) -> bool:
@@ -220,8 +253,8 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _tiles(plan: ContextPlan, k_rank: int):
-    """(local query rows, key chunk) of this rank's queries against `k_rank`'s keys, QUERY_TILE rows at most,
-    skipping those the causal rule or the window masks whole."""
+    """(local query rows, key chunk) of this rank's queries against `k_rank`'s keys, QUERY_TILE
+    rows at most, skipping those the causal rule or the window masks whole."""
     c = plan.chunk
     for qp, (qs, _) in enumerate(plan.ranges(plan.rank)):
         for t in range(0, c, QUERY_TILE):
@@ -249,8 +282,11 @@ def _forward_block(out, lse, q, k, v, plan: ContextPlan, k_rank: int) -> None:
         _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
 
 
-def _backward_block(dq, dk, dv, q, k, v, plan: ContextPlan, k_rank: int, dout, out, lse, delta) -> None:
-    """Accumulates this rank's queries' gradients against `k_rank`'s block into dq and that block's dk, dv."""
+def _backward_block(
+    dq, dk, dv, q, k, v, plan: ContextPlan, k_rank: int, dout, out, lse, delta
+) -> None:
+    """Accumulates this rank's queries' gradients against `k_rank`'s block into dq and that
+    block's dk, dv."""
     c = plan.chunk
     sdpa = _use_sdpa(q, plan)
     for rows, kp in _tiles(plan, k_rank):
@@ -258,9 +294,13 @@ def _backward_block(dq, dk, dv, q, k, v, plan: ContextPlan, k_rank: int, dout, o
         mask = plan.mask(plan.rank, rows, k_rank, kp) if kind == "masked" else None
         qt, kc, vc = q[..., rows, :], _keys(k, kp, c), _keys(v, kp, c)
         if sdpa:
-            g = _sdpa_backward(qt, kc, vc, mask, kind, plan, dout[..., rows, :], out[..., rows, :], lse[..., rows])
+            g = _sdpa_backward(
+                qt, kc, vc, mask, kind, plan, dout[..., rows, :], out[..., rows, :], lse[..., rows]
+            )
         else:
-            g = _block_backward(qt, kc, vc, mask, plan, dout[..., rows, :], lse[..., rows], delta[..., rows])
+            g = _block_backward(
+                qt, kc, vc, mask, plan, dout[..., rows, :], lse[..., rows], delta[..., rows]
+            )
         dq[..., rows, :].add_(g[0])
         dk[..., kp * c : (kp + 1) * c, :].add_(g[1])
         dv[..., kp * c : (kp + 1) * c, :].add_(g[2])
@@ -287,7 +327,8 @@ class _AllGatherAttention(torch.autograd.Function):
         for r in _own_first(plan):
             _forward_block(out, lse, qg, blocks[r][0], blocks[r][1], plan, r)
         ctx.plan, ctx.shape, ctx.dtypes = plan, q.shape, (q.dtype, k.dtype, v.dtype)
-        # The whole sequence's K/V stay for the backward (small under GQA: the reason to pick this method).
+        # The whole sequence's K/V stay for the backward (small under GQA: the reason to pick this
+        # method).
         ctx.save_for_backward(q, out, lse, *blocks)
         return out.reshape(q.shape).to(q.dtype)
 
@@ -295,13 +336,27 @@ class _AllGatherAttention(torch.autograd.Function):
     def backward(ctx, grad):
         plan = ctx.plan
         q, out, lse, *blocks = ctx.saved_tensors
-        qg = _grouped(q, out.shape[1])  # q kept in its own dtype, not as the fp32 copy the blocks use
+        # q kept in its own dtype, not as the fp32 copy the blocks use
+        qg = _grouped(q, out.shape[1])
         dout = _grouped(grad, qg.shape[1])
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qg)
         dkv = [torch.zeros_like(b, dtype=torch.float32) for b in blocks]
         for r in _own_first(plan):
-            _backward_block(dq, dkv[r][0], dkv[r][1], qg, blocks[r][0], blocks[r][1], plan, r, dout, out, lse, delta)
+            _backward_block(
+                dq,
+                dkv[r][0],
+                dkv[r][1],
+                qg,
+                blocks[r][0],
+                blocks[r][1],
+                plan,
+                r,
+                dout,
+                out,
+                lse,
+                delta,
+            )
         own = _reduce_scatter(dkv, plan)
         return _grads(ctx, dq, own[0], own[1])
 
@@ -314,7 +369,8 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for step in range(plan.context):
             works = []
-            if step < plan.context - 1:  # the next block's transfer posted before this block's compute
+            # the next block's transfer posted before this block's compute
+            if step < plan.context - 1:
                 nxt = torch.empty_like(kv)
                 works = _exchange(kv, nxt, plan, KV_TAG)
             _forward_block(out, lse, qg, kv[0], kv[1], plan, (plan.rank - step) % plan.context)
@@ -328,8 +384,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        """The K/V blocks go round once more. Block j's dK/dV start at rank j+1, gather each rank's part as they
-        travel beside it, and reach j from j-1 after C-1 hops; j adds its own part."""
+        """The K/V blocks go round once more. Block j's dK/dV start at rank j+1, gather each
+        rank's part as they travel beside it, and reach j from j-1 after C-1 hops; j adds its own
+        part."""
         plan = ctx.plan
         q, out, lse, k, v = ctx.saved_tensors
         qg = _grouped(q, out.shape[1])
@@ -337,7 +394,8 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1)
         kv = torch.stack([k, v])
         dq = torch.zeros_like(qg)
-        own = torch.zeros_like(kv, dtype=torch.float32)  # this rank's queries' part of its own block's dK/dV
+        # this rank's queries' part of its own block's dK/dV
+        own = torch.zeros_like(kv, dtype=torch.float32)
         received, grad_works = None, []
         for step in range(plan.context):
             works = []
@@ -346,14 +404,28 @@ class _RingAttention(torch.autograd.Function):
                 works = _exchange(kv, nxt, plan, KV_TAG)
             part = own if step == 0 else torch.zeros_like(own)
             _backward_block(
-                dq, part[0], part[1], qg, kv[0], kv[1], plan, (plan.rank - step) % plan.context, dout, out, lse, delta
+                dq,
+                part[0],
+                part[1],
+                qg,
+                kv[0],
+                kv[1],
+                plan,
+                (plan.rank - step) % plan.context,
+                dout,
+                out,
+                lse,
+                delta,
             )
             if step > 0:
-                for w in grad_works:  # what rank-1 accumulated for this block (none at step 1: it starts here)
+                # what rank-1 accumulated for this block (none at step 1: it
+                # starts here)
+                for w in grad_works:
                     w.wait()
                 if received is not None:
                     part.add_(received)
-                # Sent on; what arrives is the next block's, or at the last step this rank's own block's.
+                # Sent on; what arrives is the next block's, or at the last step this rank's own
+                # block's.
                 received = torch.empty_like(own)
                 grad_works = _exchange(part, received, plan, GRAD_TAG)
             for w in works:
@@ -368,7 +440,8 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _own_first(plan: ContextPlan) -> list[int]:
-    """Ranks in the ring's order from this one: each query's first block holds its own key (no empty row)."""
+    """Ranks in the ring's order from this one: each query's first block holds its own key (no
+    empty row)."""
     return [(plan.rank - s) % plan.context for s in range(plan.context)]
 
 

@@ -44,7 +44,15 @@ from lmforge.errors import UserError
 from lmforge.parallel.mesh import torch_release
 
 STANDIN = "fakegpu"
-_LOWER_PRECISION_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "scaled_dot_product_attention")
+_LOWER_PRECISION_OPS = (
+    "linear",
+    "matmul",
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "scaled_dot_product_attention",
+)
 _registered: list[object] = []  # the stand-in's libraries, alive for the process
 
 
@@ -53,11 +61,12 @@ class CollectiveDeviceError(RuntimeError):
 
 
 def trace_device(device_type: str) -> tuple[torch.device, bool]:
-    """The device a trace for `device_type` runs on, and whether it is the stand-in: the CPU for "cpu", the
-    stand-in for any accelerator, on every machine. A trace needs no device, and one on the real device would
-    open its context in every traced rank's process: memory taken from the jobs on a busy node's GPUs, and a
-    process that has touched CUDA cannot fork the next trace ("Cannot re-initialize CUDA in forked subprocess",
-    lmforge plan on an H200). So a plan is also the same on a laptop as on the cluster."""
+    """The device a trace for `device_type` runs on, and whether it is the stand-in: the CPU for
+    "cpu", the stand-in for any accelerator, on every machine. A trace needs no device, and one
+    on the real device would open its context in every traced rank's process: memory taken from
+    the jobs on a busy node's GPUs, and a process that has touched CUDA cannot fork the next
+    trace ("Cannot re-initialize CUDA in forked subprocess", lmforge plan on an H200). So a plan
+    is also the same on a laptop as on the cluster."""
     if device_type == "cpu":
         return torch.device("cpu"), False
     _register_standin()
@@ -66,17 +75,21 @@ def trace_device(device_type: str) -> tuple[torch.device, bool]:
 
 @contextlib.contextmanager
 def fake_world(device: torch.device, world_size: int, rank: int = 0) -> Iterator[None]:
-    """The default process group as torch's fake one, `rank` of `world_size`, bound to `device` alone."""
+    """The default process group as torch's fake one, `rank` of `world_size`, bound to `device`
+    alone."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a process group")
     backend = "fake" if device.type == "cpu" else f"{device.type}:fake"
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
-    # With a device-qualified backend torch leaves the group's default backend type unset when another plugin was
-    # registered first, and destroying it printed a C++ warning ("No backend of type 0 found") on every trace.
+    # With a device-qualified backend torch leaves the group's default backend type unset when
+    # another plugin was registered first, and destroying it printed a C++ warning ("No backend of
+    # type 0 found") on every trace.
     with contextlib.suppress(AttributeError, RuntimeError):
-        dist.distributed_c10d._get_default_group()._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        dist.distributed_c10d._get_default_group()._set_default_backend(
+            dist.ProcessGroup.BackendType.CUSTOM
+        )
     try:
         yield
     finally:
@@ -84,35 +97,43 @@ def fake_world(device: torch.device, world_size: int, rank: int = 0) -> Iterator
 
 
 def collective_kind(op: str) -> str | None:
-    """'all_gather', 'reduce_scatter', 'all_reduce' or 'all_to_all' for a c10d op's name; None for the others
-    (barriers, sends, a collective's wait)."""
+    """'all_gather', 'reduce_scatter', 'all_reduce' or 'all_to_all' for a c10d op's name; None
+    for the others (barriers, sends, a collective's wait)."""
     name = op.replace("_", "")
-    for kind, words in (("reduce_scatter", ("reducescatter",)), ("all_gather", ("allgather",)),
-                        ("all_reduce", ("allreduce",)), ("all_to_all", ("alltoall",))):
+    for kind, words in (
+        ("reduce_scatter", ("reducescatter",)),
+        ("all_gather", ("allgather",)),
+        ("all_reduce", ("allreduce",)),
+        ("all_to_all", ("alltoall",)),
+    ):
         if any(w in name for w in words):
             return kind
     return None
 
 
 class TraceMode(TorchDispatchMode):
-    """The dispatch mode of a fake trace (see the module docstring); enter it inside FakeTensorMode."""
+    """The dispatch mode of a fake trace (see the module docstring); enter it inside
+    FakeTensorMode."""
 
     def __init__(self, device: torch.device, fake_mode=None):
-        """`fake_mode`: the FakeTensorMode it runs in, which turns real tensors given to device ops into fake
-        ones."""
+        """`fake_mode`: the FakeTensorMode it runs in, which turns real tensors given to device
+        ops into fake ones."""
         super().__init__()
         self.device, self.fake_mode = device, fake_mode
         self.refs: dict[int, object] = {}  # StorageWeakRef by the storage's address
         self.live = 0
         self.peak = 0
-        self.at_backward: int | None = None  # live bytes when the first backward began (saved activations)
-        # The peak of each phase since reset_peak, a phase being a stretch of forward (or other non-autograd work)
-        # or of backward: at a larger depth each phase's peak grows with the blocks, while which phase holds the
-        # step's peak can change (lmforge.train.plan extrapolates them one by one).
+        # live bytes when the first backward began (saved activations)
+        self.at_backward: int | None = None
+        # The peak of each phase since reset_peak, a phase being a stretch of forward (or other
+        # non-autograd work) or of backward: at a larger depth each phase's peak grows with the
+        # blocks, while which phase holds the step's peak can change (lmforge.train.plan
+        # extrapolates them one by one).
         self.phase_peaks: list[int] = [0]
         self._in_backward = False
-        # Bytes each kind of collective moved (see collective_kind), counted as its largest tensor: the
-        # gathered output of an all-gather, the unreduced input of a reduce-scatter (nccl-tests' "size").
+        # Bytes each kind of collective moved (see collective_kind), counted as its largest tensor:
+        # the gathered output of an all-gather, the unreduced input of a reduce-scatter (nccl-tests'
+        # "size").
         self.collective_bytes: dict[str, int] = {}
         self._any: dict[int, bool] = {}
 
@@ -138,8 +159,8 @@ class TraceMode(TorchDispatchMode):
         self.phase_peaks.append(self.live)
 
     def _prune(self) -> None:
-        """Drop the storages that died and re-weigh the others: FSDP2 frees a gathered parameter by resizing
-        its storage to 0 bytes (and back), which no op reports."""
+        """Drop the storages that died and re-weigh the others: FSDP2 frees a gathered parameter
+        by resizing its storage to 0 bytes (and back), which no op reports."""
         expired, storage = torch.UntypedStorage._expired, torch.UntypedStorage._new_with_weak_ptr
         live = 0
         for k in list(self.refs):
@@ -153,7 +174,9 @@ class TraceMode(TorchDispatchMode):
         from torch.multiprocessing.reductions import StorageWeakRef
 
         added = False
-        for local in (held for t in tree_leaves(out) if isinstance(t, torch.Tensor) for held in _held(t)):
+        for local in (
+            held for t in tree_leaves(out) if isinstance(t, torch.Tensor) for held in _held(t)
+        ):
             if local.device.type == "meta":
                 continue
             ref = StorageWeakRef(local.untyped_storage())
@@ -176,20 +199,29 @@ class TraceMode(TorchDispatchMode):
             if kind is not None and tensors:
                 size = max(t.numel() * t.element_size() for t in tensors)
                 self.collective_bytes[kind] = self.collective_bytes.get(kind, 0) + size
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors) and all(
-                t.device.type == "cpu" for t in tensors) and kwargs.get("device") in (None, "cpu", torch.device("cpu")):
-            # Real CPU tensors in, real out: torch's own bookkeeping (a DeviceMesh's rank tensors), which
-            # fake tensors would turn into unknown values.
+        if (
+            tensors
+            and not any(isinstance(t, FakeTensor) for t in tensors)
+            and all(t.device.type == "cpu" for t in tensors)
+            and kwargs.get("device") in (None, "cpu", torch.device("cpu"))
+        ):
+            # Real CPU tensors in, real out: torch's own bookkeeping (a DeviceMesh's rank tensors),
+            # which fake tensors would turn into unknown values.
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
-        if self.fake_mode is not None and any(t.device.type == "cpu" and not isinstance(t, FakeTensor)
-                                              for t in tensors):
-            # Real tensors into an op that makes device tensors (a CPU tensor moved to the device): as fake
-            # ones, never as constants FakeTensorMode would run the op on for real.
+        if self.fake_mode is not None and any(
+            t.device.type == "cpu" and not isinstance(t, FakeTensor) for t in tensors
+        ):
+            # Real tensors into an op that makes device tensors (a CPU tensor moved to the device):
+            # as fake ones, never as constants FakeTensorMode would run the op on for real.
             def fake(t):
-                real_cpu = isinstance(t, torch.Tensor) and t.device.type == "cpu" and not isinstance(t, FakeTensor)
+                real_cpu = (
+                    isinstance(t, torch.Tensor)
+                    and t.device.type == "cpu"
+                    and not isinstance(t, FakeTensor)
+                )
                 return self.fake_mode.from_tensor(t) if real_cpu else t
 
             args, kwargs = tree_map(fake, args), tree_map(fake, kwargs)
@@ -202,12 +234,17 @@ class TraceMode(TorchDispatchMode):
                 self.at_backward = self.live
         first = args[0] if args else None
         if isinstance(first, FakeTensor):
-            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            if func in (
+                torch.ops.aten._local_scalar_dense.default,
+                torch.ops.aten.is_nonzero.default,
+            ):
                 if first.dtype == torch.bool or func is torch.ops.aten.is_nonzero.default:
                     return self._any.get(id(first), True)
                 return 1.0 if first.dtype.is_floating_point else 1
             if func is torch.ops.aten.nonzero.default:
-                return torch.empty((first.numel(), first.dim()), dtype=torch.long, device=first.device)
+                return torch.empty(
+                    (first.numel(), first.dim()), dtype=torch.long, device=first.device
+                )
         out = func(*args, **kwargs)
         if func.overloadpacket is torch.ops.aten.any and isinstance(out, torch.Tensor):
             self._any[id(out)] = False
@@ -217,15 +254,17 @@ class TraceMode(TorchDispatchMode):
     def _check_collective(self, func, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             if t.device.type != self.device.type:
-                raise CollectiveDeviceError(f"{func} was given a {t.device.type} tensor on a process group for "
-                                            f"{self.device.type} tensors{_caller()}: with NCCL this fails at "
-                                            "step 1; create the tensor on the model's device")
+                raise CollectiveDeviceError(
+                    f"{func} was given a {t.device.type} tensor on a process group for "
+                    f"{self.device.type} tensors{_caller()}: with NCCL this fails at "
+                    "step 1; create the tensor on the model's device"
+                )
 
 
 def _held(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The tensors whose storage `t` holds on this rank: a DTensor's local piece; a wrapper tensor's (torchao's NF4
-    weight) inner tensors, its own fake storage being the size of the dense tensor it stands for, which a device never
-    allocates."""
+    """The tensors whose storage `t` holds on this rank: a DTensor's local piece; a wrapper
+    tensor's (torchao's NF4 weight) inner tensors, its own fake storage being the size of the
+    dense tensor it stands for, which a device never allocates."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
@@ -239,29 +278,39 @@ def _held(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 @contextlib.contextmanager
 def _patched_for_fake(device: torch.device) -> Iterator[None]:
-    """What torch reads real data for, or makes outside the dispatch modes, replaced while a trace runs:
-    DDP's start-up check that every rank's parameters have the same shapes and its broadcast of rank 0's
-    values (both read tensor data: the ranks are one here, and nothing holds values), and, on the stand-in
-    device, `torch.tensor(data, device=...)` (made on the CPU, then moved, where the dispatch modes see it)."""
+    """What torch reads real data for, or makes outside the dispatch modes, replaced while a
+    trace runs: DDP's start-up check that every rank's parameters have the same shapes and its
+    broadcast of rank 0's values (both read tensor data: the ranks are one here, and nothing
+    holds values), and, on the stand-in device, `torch.tensor(data, device=...)` (made on the
+    CPU, then moved, where the dispatch modes see it)."""
     import torch.nn.parallel.distributed as ddp
 
-    saved = {"verify": ddp._verify_param_shape_across_processes, "sync": ddp._sync_module_states,
-             "tensor": torch.tensor, "generator": torch.Generator}
+    saved = {
+        "verify": ddp._verify_param_shape_across_processes,
+        "sync": ddp._sync_module_states,
+        "tensor": torch.tensor,
+        "generator": torch.Generator,
+    }
     ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
     ddp._sync_module_states = lambda *args, **kwargs: None
     if device.type == STANDIN:
+
         def tensor(data, *args, device=None, **kwargs):
             t = saved["tensor"](data, *args, **kwargs)
             return t.to(device) if device is not None else t
 
-        def generator(device=None):  # the stand-in has no generators: random ops on fake tensors draw nothing
+        # the stand-in has no generators: random ops on fake tensors draw nothing
+        def generator(device=None):
             return saved["generator"]()
 
         torch.tensor, torch.Generator = tensor, generator
     try:
         yield
     finally:
-        ddp._verify_param_shape_across_processes, ddp._sync_module_states = saved["verify"], saved["sync"]
+        ddp._verify_param_shape_across_processes, ddp._sync_module_states = (
+            saved["verify"],
+            saved["sync"],
+        )
         torch.tensor, torch.Generator = saved["tensor"], saved["generator"]
 
 
@@ -314,7 +363,8 @@ class _Event(_Stream):
 
 
 class _StandinModule:
-    """`torch.fakegpu`: what torch's device-generic code (DeviceMesh, FSDP2, autocast) asks of a device module."""
+    """`torch.fakegpu`: what torch's device-generic code (DeviceMesh, FSDP2, autocast) asks of a
+    device module."""
 
     Stream = _Stream
     Event = _Event
@@ -377,41 +427,49 @@ def _register_standin() -> None:
         return
     name = torch._C._get_privateuse1_backend_name()
     if name not in ("privateuseone", STANDIN):
-        raise RuntimeError(f"this process's PrivateUse1 backend is already '{name}': a fake device cannot be added; "
-                           "plan in a process of its own")
+        raise RuntimeError(
+            f"this process's PrivateUse1 backend is already '{name}': a fake device cannot be added; "
+            "plan in a process of its own"
+        )
     try:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
     except ImportError:  # torch 2.10 added Python device backends
-        raise UserError(f"tracing a run on a device this machine lacks needs torch 2.10 or later (a Python device "
-                        f"backend stands in for it); this is torch {torch_release()}: upgrade torch "
-                        "here (pip install -U torch), or plan with --device cpu") from None
+        raise UserError(
+            f"tracing a run on a device this machine lacks needs torch 2.10 or later (a Python device "
+            f"backend stands in for it); this is torch {torch_release()}: upgrade torch "
+            "here (pip install -U torch), or plan with --device cpu"
+        ) from None
     if name == "privateuseone":
         _setup_privateuseone_for_python_backend(STANDIN, backend_module=_StandinModule())
-    # Autocast on the stand-in: matrix products and attention in the autocast dtype (what CUDA's autocast
-    # casts), every other op as it is.
+    # Autocast on the stand-in: matrix products and attention in the autocast dtype (what CUDA's
+    # autocast casts), every other op as it is.
     anything = torch.library.Library("_", "IMPL", "AutocastPrivateUse1")
     anything.fallback(torch.library.fallthrough_kernel)
     aten = torch.library.Library("aten", "IMPL", "AutocastPrivateUse1")
     for op in _LOWER_PRECISION_OPS:
         aten.impl(op, _autocast_kernel(getattr(torch.ops.aten, op).default), "AutocastPrivateUse1")
-    # Attention as CUDA runs it for training: a fused kernel (memory-efficient attention, which takes masks and
-    # fp32 too) saving the output and log-sum-exp, not the math path's (query x key) probabilities.
+    # Attention as CUDA runs it for training: a fused kernel (memory-efficient attention, which
+    # takes masks and fp32 too) saving the output and log-sum-exp, not the math path's (query x key)
+    # probabilities.
     autograd = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
     autograd.impl("scaled_dot_product_attention", _fused_attention, "AutogradPrivateUse1")
     _registered.extend([anything, aten, autograd])
 
 
-def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False):
+def _fused_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~attn_mask, float("-inf"))
+        attn_mask = torch.zeros(
+            attn_mask.shape, dtype=query.dtype, device=query.device
+        ).masked_fill(~attn_mask, float("-inf"))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, grad, dropout_p,
-                                                                  is_causal, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 def _autocast_kernel(op):

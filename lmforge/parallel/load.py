@@ -54,9 +54,9 @@ MiB = 1 << 20
 
 @dataclass
 class LoadStats:
-    """What one rank did: the bytes of its shards (parameters and buffers), the bytes it read from the
-    source (None: not counted, DCP), the size of the source's weight files (what a whole-model load
-    reads on every rank)."""
+    """What one rank did: the bytes of its shards (parameters and buffers), the bytes it read
+    from the source (None: not counted, DCP), the size of the source's weight files (what a
+    whole-model load reads on every rank)."""
 
     local_bytes: int
     read_bytes: int | None
@@ -69,13 +69,15 @@ def meta_model(folder: str | Path) -> nn.Module:
 
 
 def load_sharded(pm, source: str | Path) -> LoadStats:
-    """Allocate `pm`'s parts (a ParallelModel of a meta-built model) on its device and fill this rank's
-    pieces from `source`: an lmforge model folder, a Hugging Face folder or a training checkpoint."""
+    """Allocate `pm`'s parts (a ParallelModel of a meta-built model) on its device and fill this
+    rank's pieces from `source`: an lmforge model folder, a Hugging Face folder or a training
+    checkpoint."""
     source = Path(source)
     cfg: ModelConfig = pm.parts[0].config
     for part in pm.parts:
         materialize_meta(part, pm.device)
-    # No source holds LoRA's adapters; QLoRA's NF4 weights were read before the layout (read_nf4_base).
+    # No source holds LoRA's adapters; QLoRA's NF4 weights were read before the layout
+    # (read_nf4_base).
     targets = {n: t for n, t in local_tensors(pm).items() if not is_adapter(n) and not is_nf4(t)}
     with torch.no_grad():
         if is_checkpoint(source):
@@ -86,19 +88,28 @@ def load_sharded(pm, source: str | Path) -> LoadStats:
             read, total = _from_hf(source, cfg, targets)
         _recompute_buffers(pm)
     stats = LoadStats(allocated_bytes(pm), read, total)
-    log.info("loaded this rank's shards from %s: holds %.1f MiB, read %s of %.1f MiB", source, stats.local_bytes / MiB,
-             "(DCP)" if read is None else f"{read / MiB:.1f} MiB", total / MiB)
+    log.info(
+        "loaded this rank's shards from %s: holds %.1f MiB, read %s of %.1f MiB",
+        source,
+        stats.local_bytes / MiB,
+        "(DCP)" if read is None else f"{read / MiB:.1f} MiB",
+        total / MiB,
+    )
     return stats
 
 
-def read_nf4_base(model: nn.Module, source: str | Path, device: torch.device, shards: int = 1) -> int:
-    """QLoRA's base (lora.base_dtype=nf4) for a model still on the meta device (LoRA-wrapped or not): each weight
-    NF4 quantizes (lmforge.models.nf4.nf4_weights) is read whole from `source`, an lmforge or Hugging Face
-    folder, in bf16 on `device`, one block's weights at a time, and quantized there. The rest of the model stays on
-    the meta device for load_sharded, which keeps these. Called before the model is laid out, so that FSDP2 shards
-    the NF4 weights themselves (torchao's NF4 tensor implements FSDP2's all-gather): a rank then holds its shards of
-    the NF4 base, never the base in bf16. Peak while reading: the NF4 weights plus one block's in bf16. Returns the
-    bytes read. `shards`: the FSDP2 ranks that will shard it (a UserError first where a weight cannot be split so).
+def read_nf4_base(
+    model: nn.Module, source: str | Path, device: torch.device, shards: int = 1
+) -> int:
+    """QLoRA's base (lora.base_dtype=nf4) for a model still on the meta device (LoRA-wrapped or
+    not): each weight NF4 quantizes (lmforge.models.nf4.nf4_weights) is read whole from `source`, an
+    lmforge or Hugging Face folder, in bf16 on `device`, one block's weights at a time, and
+    quantized there. The rest of the model stays on the meta device for load_sharded, which keeps
+    these. Called before the model is laid out, so that FSDP2 shards the NF4 weights themselves
+    (torchao's NF4 tensor implements FSDP2's all-gather): a rank then holds its shards of the NF4
+    base, never the base in bf16. Peak while reading: the NF4 weights plus one block's in bf16.
+    Returns the bytes read. `shards`: the FSDP2 ranks that will shard it (a UserError first where a
+    weight cannot be split so).
     """
     source = Path(source)
     cfg: ModelConfig = model.config
@@ -110,7 +121,10 @@ def read_nf4_base(model: nn.Module, source: str | Path, device: torch.device, sh
     read = 0
     with torch.no_grad():
         for names in blocks.values():
-            targets = {n: torch.empty(getattr(*quantized[n]).shape, dtype=torch.bfloat16, device=device) for n in names}
+            targets = {
+                n: torch.empty(getattr(*quantized[n]).shape, dtype=torch.bfloat16, device=device)
+                for n in names
+            }
             read += (_from_lmforge if is_model_dir(source) else _from_hf)(source, cfg, targets)[0]
             for n in names:
                 setattr(*quantized[n], to_nf4_parameter(targets.pop(n)))
@@ -119,12 +133,12 @@ def read_nf4_base(model: nn.Module, source: str | Path, device: torch.device, sh
 
 
 def init_sharded(pm, seed: int) -> int:
-    """Allocate `pm`'s parts (a ParallelModel of a meta-built model) on its device and initialise the
-    pieces this rank holds, as build(config, seed=seed) initialises the whole model: each weight is
-    drawn whole on the CPU, one at a time, from its own generator (lmforge.models.build.init_weights),
-    and this rank keeps its rows and columns. Peak memory: this rank's shards plus one whole weight.
-    A LoRA-wrapped model's adapters are left to lmforge.models.lora.init_adapters. Returns the bytes this
-    rank holds."""
+    """Allocate `pm`'s parts (a ParallelModel of a meta-built model) on its device and initialise
+    the pieces this rank holds, as build(config, seed=seed) initialises the whole model: each
+    weight is drawn whole on the CPU, one at a time, from its own generator
+    (lmforge.models.build.init_weights), and this rank keeps its rows and columns. Peak memory:
+    this rank's shards plus one whole weight. A LoRA-wrapped model's adapters are left to
+    lmforge.models.lora.init_adapters. Returns the bytes this rank holds."""
     cfg: ModelConfig = pm.parts[0].config
     for part in pm.parts:
         part.to_empty(device=pm.device)
@@ -136,13 +150,15 @@ def init_sharded(pm, seed: int) -> int:
 
 
 def materialize_empty(pm) -> None:
-    """Allocate `pm`'s parts on its device, uninitialised (a fake-tensor trace, which reads no values)."""
+    """Allocate `pm`'s parts on its device, uninitialised (a fake-tensor trace, which reads no
+    values)."""
     for part in pm.parts:
         materialize_meta(part, pm.device)
 
 
 def local_tensors(pm) -> dict[str, torch.Tensor]:
-    """This rank's parameters and persistent buffers under the model's names (DTensors where sharded)."""
+    """This rank's parameters and persistent buffers under the model's names (DTensors where
+    sharded)."""
     out: dict[str, torch.Tensor] = {}
     for part in pm.parts:
         out.update(part.named_parameters())
@@ -163,8 +179,8 @@ def allocated_bytes(pm) -> int:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes a tensor holds on this rank: a DTensor's local piece; a wrapper tensor (torchao's NF4 weight, whose
-    numel and dtype are the bf16 weight's) as the tensors it wraps."""
+    """The bytes a tensor holds on this rank: a DTensor's local piece; a wrapper tensor
+    (torchao's NF4 weight, whose numel and dtype are the bf16 weight's) as the tensors it wraps."""
     t = _local(t)
     inner = getattr(t, "__tensor_flatten__", None)
     if inner is not None:
@@ -184,9 +200,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _check_config(source: ModelConfig, target: ModelConfig, where: Path) -> None:
     same = dataclasses.replace(source, **{k: getattr(target, k) for k in RUN_OVERRIDES})
     if same != target:
-        diff = [f.name for f in dataclasses.fields(target) if getattr(same, f.name) != getattr(target, f.name)]
-        raise UserError(f"the model being loaded differs from '{where}' in {', '.join(diff)}: build it from the "
-                        "folder's own config (lmforge.parallel.load.meta_model)")
+        diff = [
+            f.name
+            for f in dataclasses.fields(target)
+            if getattr(same, f.name) != getattr(target, f.name)
+        ]
+        raise UserError(
+            f"the model being loaded differs from '{where}' in {', '.join(diff)}: build it from the "
+            "folder's own config (lmforge.parallel.load.meta_model)"
+        )
 
 
 def _files_bytes(folder: Path, pattern: str) -> int:
@@ -196,14 +218,19 @@ def _files_bytes(folder: Path, pattern: str) -> int:
 def _missing(targets: dict[str, torch.Tensor], filled: set[str], where: Path) -> None:
     missing = sorted(set(targets) - filled)
     if missing:
-        raise UserError(f"'{where}' lacks {len(missing)} tensor(s) of this model, first '{missing[0]}': it is "
-                        "incomplete")
+        raise UserError(
+            f"'{where}' lacks {len(missing)} tensor(s) of this model, first '{missing[0]}': it is "
+            "incomplete"
+        )
 
 
-# --- lmforge model folders: slices straight from safetensors ---------------------------------------
+# --- lmforge model folders: slices straight from safetensors
+# ---------------------------------------
 
 
-def _from_lmforge(folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tensor]) -> tuple[int, int]:
+def _from_lmforge(
+    folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tensor]
+) -> tuple[int, int]:
     src_cfg = read_config(folder)
     _check_config(src_cfg, cfg, folder)
     where = safetensors_index(folder)
@@ -222,20 +249,29 @@ def _from_lmforge(folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tenso
         piece = handles[where[name]].get_slice(name)
         shape = tuple(piece.get_shape())
         box, local = local_box(t), _local(t)
-        if len(shape) == t.dim() - 1 and stored_layout(name, torch.empty(shape, device="meta")).shape == t.shape:
-            piece, shape = stored_layout(name, piece[:]), tuple(t.shape)  # an older folder's layout: read whole
-        if name in vocab and shape[0] != t.shape[0]:  # padded to another multiple: real rows, then zeros
+        if (
+            len(shape) == t.dim() - 1
+            and stored_layout(name, torch.empty(shape, device="meta")).shape == t.shape
+        ):
+            # an older folder's layout: read whole
+            piece, shape = stored_layout(name, piece[:]), tuple(t.shape)
+        # padded to another multiple: real rows, then zeros
+        if name in vocab and shape[0] != t.shape[0]:
             if shape[0] < cfg.vocab_size or shape[1:] != tuple(t.shape[1:]):
-                raise UserError(f"tensor '{name}' has shape {shape} in '{folder}', the model expects "
-                                f"{tuple(t.shape)}: the weights do not belong to this config")
+                raise UserError(
+                    f"tensor '{name}' has shape {shape} in '{folder}', the model expects "
+                    f"{tuple(t.shape)}: the weights do not belong to this config"
+                )
             rows = box[0]
             real = max(0, min(rows.stop, cfg.vocab_size) - rows.start)
             local[real:].zero_()
             box = (slice(rows.start, rows.start + real), *box[1:])
             local = local[:real]
         elif shape != tuple(t.shape):
-            raise UserError(f"tensor '{name}' has shape {shape} in '{folder}', the model expects {tuple(t.shape)}: "
-                            "the weights do not belong to this config")
+            raise UserError(
+                f"tensor '{name}' has shape {shape} in '{folder}', the model expects {tuple(t.shape)}: "
+                "the weights do not belong to this config"
+            )
         if local.numel():
             data = piece[box] if box else piece[:]
             local.copy_(data)
@@ -267,8 +303,8 @@ def _from_hf(folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tensor]) -
         if row[0] not in targets:  # another pipeline stage's: not even read
             continue
         # One row per call, the generator run to its end: a suspended generator would still hold the
-        # previous full tensor while the next one is converted. The target config pads the vocabulary
-        # rows to the run's multiple directly.
+        # previous full tensor while the next one is converted. The target config pads the
+        # vocabulary rows to the run's multiple directly.
         [(name, full)] = list(import_tensors([row], cfg, shapes, model.vocab_parameters, source))
         target = targets[name]
         _local(target).copy_(full[local_box(target)])
@@ -302,16 +338,21 @@ class _CountingSource:
 
 
 def _check_unused(weights, mapping, adapter, cfg: ModelConfig) -> None:
-    """What hf_tensors checks at the end of its stream, from the names alone (this rank reads only some):
-    a checkpoint tensor the mapping has no place for means a part lmforge would silently drop."""
+    """What hf_tensors checks at the end of its stream, from the names alone (this rank reads
+    only some): a checkpoint tensor the mapping has no place for means a part lmforge would
+    silently drop."""
     used = set()
     for _, theirs, _ in mapping:
-        for name in (theirs if isinstance(theirs, tuple) else (theirs,)):
+        for name in theirs if isinstance(theirs, tuple) else (theirs,):
             used.update(n for n in [name, *adapter.aliases(name)] if n in weights)
-    left = [k for k in weights.keys() if k not in used and not any(p in k for p in adapter.ignorable)]
+    left = [
+        k for k in weights.keys() if k not in used and not any(p in k for p in adapter.ignorable)
+    ]
     if left:
-        raise UserError(f"checkpoint has {len(left)} tensor(s) a {cfg.family} model has no place for, first "
-                        f"'{left[0]}': this variant is not supported")
+        raise UserError(
+            f"checkpoint has {len(left)} tensor(s) a {cfg.family} model has no place for, first "
+            f"'{left[0]}': this variant is not supported"
+        )
 
 
 # --- training checkpoints and buffers ------------------------------------------------------------
@@ -321,18 +362,22 @@ def _from_checkpoint(pm, folder: Path) -> None:
     from lmforge.parallel.state import load_model_state_dict, model_state_dict
 
     state = model_state_dict(pm)
-    # A LoRA-wrapped model's adapters are no part of the source (init_adapters): DCP fills the base's tensors in place.
+    # A LoRA-wrapped model's adapters are no part of the source (init_adapters): DCP fills the
+    # base's tensors in place.
     load_checkpoint_model({k: t for k, t in state.items() if not is_adapter(k)}, folder)
     load_model_state_dict(pm, state)
 
 
 def _recompute_buffers(pm) -> None:
-    """Non-persistent buffers are never in a source: recompute them (rotary inv_freq) from the config."""
+    """Non-persistent buffers are never in a source: recompute them (rotary inv_freq) from the
+    config."""
     for part in pm.parts:
         for module in part.modules():
             if module._non_persistent_buffers_set:
                 reset = getattr(module, "reset_parameters", None)
                 if reset is None:
-                    raise RuntimeError(f"{type(module).__name__} has non-persistent buffers but no "
-                                       "reset_parameters() to recompute them after to_empty")
+                    raise RuntimeError(
+                        f"{type(module).__name__} has non-persistent buffers but no "
+                        "reset_parameters() to recompute them after to_empty"
+                    )
                 reset()

@@ -19,15 +19,23 @@ B) come out summed over the ranks by DTensor, as a replicated norm weight's do.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lmforge.models.lora import LoRALinear
 
 
 class LoRAParallel(ParallelStyle):
-    """A LoRALinear split as a column- or row-parallel linear (`like`: the base layer's torch style, whose input
-    and output layouts it keeps), its adapters split to match (see the module docstring)."""
+    """A LoRALinear split as a column- or row-parallel linear (`like`: the base layer's torch
+    style, whose input and output layouts it keeps), its adapters split to match (see the module
+    docstring)."""
 
     def __init__(self, like: ColwiseParallel | RowwiseParallel):
         super().__init__()
@@ -36,8 +44,9 @@ class LoRAParallel(ParallelStyle):
         self.output_layout: Placement = like.output_layouts[0]
         self.use_local_output = like.use_local_output
         # Where the weight is split, and then A and B (see the module docstring).
-        self.weight, self.a, self.b = (Shard(0), Replicate(), Shard(0)) if self.column else \
-            (Shard(1), Shard(1), Replicate())
+        self.weight, self.a, self.b = (
+            (Shard(0), Replicate(), Shard(0)) if self.column else (Shard(1), Shard(1), Replicate())
+        )
 
     def _partition(self, name: str, module: nn.Module, mesh) -> None:
         if isinstance(module, LoRALinear):
@@ -49,8 +58,13 @@ class LoRAParallel(ParallelStyle):
         for key, placement in placements.items():
             param = module._parameters.get(key)
             if param is not None and not isinstance(param, DTensor):
-                module.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [placement]),
-                                                            requires_grad=param.requires_grad))
+                module.register_parameter(
+                    key,
+                    nn.Parameter(
+                        distribute_tensor(param, mesh, [placement]),
+                        requires_grad=param.requires_grad,
+                    ),
+                )
 
     def _input(self, module, inputs, mesh):
         x = inputs[0]
@@ -69,15 +83,19 @@ class LoRAParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, LoRALinear):
             raise TypeError(f"LoRAParallel applies to a LoRALinear, not {type(module).__name__}")
-        return distribute_module(module, device_mesh, self._partition, input_fn=self._input, output_fn=self._output)
+        return distribute_module(
+            module, device_mesh, self._partition, input_fn=self._input, output_fn=self._output
+        )
 
 
 def with_lora(block: nn.Module, plan: dict) -> dict:
-    """`plan` (a block's tensor-parallel plan) with each LoRA-wrapped linear's style made a LoRAParallel."""
+    """`plan` (a block's tensor-parallel plan) with each LoRA-wrapped linear's style made a
+    LoRAParallel."""
     out = {}
     for path, style in plan.items():
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and isinstance(block.get_submodule(path),
-                                                                               LoRALinear):
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and isinstance(
+            block.get_submodule(path), LoRALinear
+        ):
             style = LoRAParallel(style)
         out[path] = style
     return out

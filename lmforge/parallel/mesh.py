@@ -1,4 +1,5 @@
-"""The parallel layout: a ParallelConfig and the DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp") it makes.
+"""The parallel layout: a ParallelConfig and the DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp")
+it makes.
 
 Dimension order follows Megatron/torchtitan: tensor parallelism innermost (neighbouring ranks,
 the same node, the fastest links), then the data dims, pipeline outermost (its point-to-point
@@ -31,44 +32,65 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass
 class ParallelConfig:
-    """`parallel.*` in a run config. data_shard=-1 takes whatever the other dims leave of the world."""
+    """`parallel.*` in a run config. data_shard=-1 takes whatever the other dims leave of the
+    world."""
 
     pipeline: int = 1  # pipeline stages, the model split by layer (torch.distributed.pipelining)
     data_replicate: int = 1  # DDP-like replicas (HSDP's replicate dim when data_shard > 1)
     data_shard: int = -1  # FSDP2 shards parameters, gradients and optimizer state over this dim
-    tensor: int = 1  # Megatron tensor parallelism: column/row-parallel linears, vocabulary-parallel head
-    sequence_parallel: bool = True  # with tensor > 1: norms/dropout on sequence shards (Megatron SP)
-    loss_parallel: bool = True  # with tensor > 1: cross-entropy on vocabulary shards, no full logits
+    # Megatron tensor parallelism: column/row-parallel linears, vocabulary-parallel head
+    tensor: int = 1
+    # with tensor > 1: norms/dropout on sequence shards (Megatron SP)
+    sequence_parallel: bool = True
+    # with tensor > 1: cross-entropy on vocabulary shards, no full logits
+    loss_parallel: bool = True
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    microbatches: int = 0  # per pipeline step; 0: a run derives it, global / (micro x data-parallel size)
+    # per pipeline step; 0: a run derives it, global / (micro x data-parallel size)
+    microbatches: int = 0
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b needs >= 2)
-    # FSDP2 under bf16-mixed all-gathers bf16 parameters (half the bytes of fp32); gradients are reduce-scattered
-    # in this dtype: fp32 (torchtitan's default: sums of many ranks' bf16 gradients lose bits) or bf16.
+    # FSDP2 under bf16-mixed all-gathers bf16 parameters (half the bytes of fp32); gradients are
+    # reduce-scattered in this dtype: fp32 (torchtitan's default: sums of many ranks' bf16 gradients
+    # lose bits) or bf16.
     fsdp_reduce_dtype: str = "fp32"
-    # Mixture-of-experts layers: each expert lives on one of this many data-parallel ranks (the others send it
-    # their tokens with all-to-all; beside parallel.tensor its intermediate rows split over the tensor ranks as
-    # ever); 1 keeps every expert on every rank. See lmforge/parallel/expert.py.
+    # Mixture-of-experts layers: each expert lives on one of this many data-parallel ranks (the
+    # others send it their tokens with all-to-all; beside parallel.tensor its intermediate rows
+    # split over the tensor ranks as ever); 1 keeps every expert on every rank. See
+    # lmforge/parallel/expert.py.
     expert: int = 1
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in SCHEDULES:
             hint = closest(self.pipeline_schedule, SCHEDULES)
-            raise UserError(f"unknown parallel.pipeline_schedule '{self.pipeline_schedule}'{hint}: "
-                            f"choose one of {', '.join(SCHEDULES)}")
+            raise UserError(
+                f"unknown parallel.pipeline_schedule '{self.pipeline_schedule}'{hint}: "
+                f"choose one of {', '.join(SCHEDULES)}"
+            )
         for name in ("pipeline", "data_replicate", "tensor", "virtual_stages", "expert"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
-            raise UserError(f"parallel.fsdp_reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, "
-                            f"got {self.fsdp_reduce_dtype!r}")
+            raise UserError(
+                f"parallel.fsdp_reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, "
+                f"got {self.fsdp_reduce_dtype!r}"
+            )
         if self.data_shard == 0 or self.data_shard < -1:
-            raise UserError(f"parallel.data_shard must be >= 1 or -1 (the rest of the world), got {self.data_shard}")
-        if self.pipeline_schedule == "interleaved_1f1b" and self.pipeline > 1 and self.virtual_stages < 2:
-            raise UserError("parallel.pipeline_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2: "
-                            "set it, or use 1f1b")
+            raise UserError(
+                f"parallel.data_shard must be >= 1 or -1 (the rest of the world), got {self.data_shard}"
+            )
+        if (
+            self.pipeline_schedule == "interleaved_1f1b"
+            and self.pipeline > 1
+            and self.virtual_stages < 2
+        ):
+            raise UserError(
+                "parallel.pipeline_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2: "
+                "set it, or use 1f1b"
+            )
         if self.pipeline_schedule != "interleaved_1f1b" and self.virtual_stages > 1:
-            raise UserError(f"parallel.virtual_stages={self.virtual_stages} needs "
-                            "parallel.pipeline_schedule=interleaved_1f1b")
+            raise UserError(
+                f"parallel.virtual_stages={self.virtual_stages} needs "
+                "parallel.pipeline_schedule=interleaved_1f1b"
+            )
 
     @property
     def num_microbatches(self) -> int:
@@ -80,20 +102,25 @@ class ParallelConfig:
         shard = self.data_shard
         if shard == -1:
             if world_size % fixed:
-                raise UserError(f"parallel.pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
-                                f"tensor={self.tensor} = {fixed} does not divide the world size {world_size}: "
-                                "change the layout or the number of processes")
+                raise UserError(
+                    f"parallel.pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
+                    f"tensor={self.tensor} = {fixed} does not divide the world size {world_size}: "
+                    "change the layout or the number of processes"
+                )
             shard = world_size // fixed
         if fixed * shard != world_size:
-            raise UserError(f"parallel layout pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
-                            f"data_shard={shard} x tensor={self.tensor} = {fixed * shard} processes, but the world "
-                            f"has {world_size}: make the product equal the number of processes (data_shard=-1 "
-                            "fills in the rest)")
+            raise UserError(
+                f"parallel layout pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
+                f"data_shard={shard} x tensor={self.tensor} = {fixed * shard} processes, but the world "
+                f"has {world_size}: make the product equal the number of processes (data_shard=-1 "
+                "fills in the rest)"
+            )
         return ParallelConfig(**{**self.__dict__, "data_shard": shard})
 
     @property
     def shards_model(self) -> bool:
-        """Whether a rank holds only part of the model (tensor, pipeline or FSDP shards), not a whole replica."""
+        """Whether a rank holds only part of the model (tensor, pipeline or FSDP shards), not a
+        whole replica."""
         return self.tensor > 1 or self.pipeline > 1 or self.data_shard > 1
 
     @property
@@ -102,63 +129,84 @@ class ParallelConfig:
 
 
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
-    """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before any collective)."""
+    """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before
+    any collective)."""
     tp, pp = cfg.tensor, cfg.pipeline
     if cfg.expert > 1:
         check_expert(cfg, model)
     if tp > 1 and model.family == "bert" and torch_version() < (2, 11):
-        raise UserError(f"BERT under tensor parallelism needs torch 2.11 or later (on 2.6-2.10 DTensor's backward "
-                        f"gives the token-type embedding the word embedding's gradient shape); this is torch "
-                        f"{torch_release()}: upgrade torch, or set parallel.tensor=1")
+        raise UserError(
+            f"BERT under tensor parallelism needs torch 2.11 or later (on 2.6-2.10 DTensor's backward "
+            f"gives the token-type embedding the word embedding's gradient shape); this is torch "
+            f"{torch_release()}: upgrade torch, or set parallel.tensor=1"
+        )
     if tp > 1:
-        splits = ("num_heads", "num_kv_heads", "intermediate_size") + (("moe_intermediate_size",)
-                                                                       if model.num_experts else ())
+        splits = ("num_heads", "num_kv_heads", "intermediate_size") + (
+            ("moe_intermediate_size",) if model.num_experts else ()
+        )
         for name in splits:
             if getattr(model, name) % tp:
-                raise UserError(f"model.{name}={getattr(model, name)} is not divisible by parallel.tensor={tp}: "
-                                f"tensor parallelism splits {name.replace('num_', '')} evenly; pick a tensor degree "
-                                "that divides it")
-        # Each rank's vocabulary shard must be a whole number of `unit` rows (Megatron: 128). The config pads
-        # to make_vocab_size_divisible_by alone, so that multiple must already include TP (128 x TP), as
-        # Megatron's padding to make_vocab_size_divisible_by x TP does; a multiple below 128 (a toy
-        # vocabulary) asks for shards of that many rows only.
+                raise UserError(
+                    f"model.{name}={getattr(model, name)} is not divisible by parallel.tensor={tp}: "
+                    f"tensor parallelism splits {name.replace('num_', '')} evenly; pick a tensor degree "
+                    "that divides it"
+                )
+        # Each rank's vocabulary shard must be a whole number of `unit` rows (Megatron: 128). The
+        # config pads to make_vocab_size_divisible_by alone, so that multiple must already include
+        # TP (128 x TP), as Megatron's padding to make_vocab_size_divisible_by x TP does; a multiple
+        # below 128 (a toy vocabulary) asks for shards of that many rows only.
         multiple = max(1, model.make_vocab_size_divisible_by)
         unit = min(multiple, 128)
         if model.padded_vocab_size % (unit * tp):
-            raise UserError(f"the padded vocabulary ({model.padded_vocab_size} rows: vocab_size {model.vocab_size} "
-                            f"rounded up to make_vocab_size_divisible_by={multiple}) is not a multiple of {unit} x "
-                            f"parallel.tensor {tp} = {unit * tp}: set model.make_vocab_size_divisible_by="
-                            f"{unit * tp} (Megatron multiplies by TP itself; here the padding is the model's, so "
-                            "that a checkpoint resumes at any layout: set it once for the largest TP you will use)")
+            raise UserError(
+                f"the padded vocabulary ({model.padded_vocab_size} rows: vocab_size {model.vocab_size} "
+                f"rounded up to make_vocab_size_divisible_by={multiple}) is not a multiple of {unit} x "
+                f"parallel.tensor {tp} = {unit * tp}: set model.make_vocab_size_divisible_by="
+                f"{unit * tp} (Megatron multiplies by TP itself; here the padding is the model's, so "
+                "that a checkpoint resumes at any layout: set it once for the largest TP you will use)"
+            )
         if cfg.sequence_parallel and model.num_labels:
-            raise UserError("parallel.sequence_parallel needs an LM/MLM head, the model has a classification head: "
-                            "set parallel.sequence_parallel=false")
+            raise UserError(
+                "parallel.sequence_parallel needs an LM/MLM head, the model has a classification head: "
+                "set parallel.sequence_parallel=false"
+            )
     if pp > 1:
         chunks = pp * cfg.virtual_stages
         if model.num_layers % chunks:
-            raise UserError(f"model.num_layers={model.num_layers} is not divisible by parallel.pipeline={pp} x "
-                            f"virtual_stages={cfg.virtual_stages} = {chunks}: each pipeline stage holds the same "
-                            "number of layers; change the pipeline degree or virtual_stages")
+            raise UserError(
+                f"model.num_layers={model.num_layers} is not divisible by parallel.pipeline={pp} x "
+                f"virtual_stages={cfg.virtual_stages} = {chunks}: each pipeline stage holds the same "
+                "number of layers; change the pipeline degree or virtual_stages"
+            )
 
 
 def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
-    """UserError when parallel.expert cannot split the model's experts over the data-parallel ranks."""
+    """UserError when parallel.expert cannot split the model's experts over the data-parallel
+    ranks."""
     ep = cfg.expert
     if not model.num_experts:
-        raise UserError(f"parallel.expert={ep} needs a mixture-of-experts model, {model.family} has no experts "
-                        "(model.num_experts=0): set parallel.expert=1")
+        raise UserError(
+            f"parallel.expert={ep} needs a mixture-of-experts model, {model.family} has no experts "
+            "(model.num_experts=0): set parallel.expert=1"
+        )
     if model.num_experts % ep:
-        raise UserError(f"model.num_experts={model.num_experts} is not divisible by parallel.expert={ep}: each "
-                        "expert-parallel rank holds the same number of experts; pick a degree that divides it")
+        raise UserError(
+            f"model.num_experts={model.num_experts} is not divisible by parallel.expert={ep}: each "
+            "expert-parallel rank holds the same number of experts; pick a degree that divides it"
+        )
     if cfg.data_parallel % ep:
-        raise UserError(f"parallel.expert={ep} does not divide the data-parallel size {cfg.data_parallel} "
-                        f"(data_replicate={cfg.data_replicate} x data_shard={cfg.data_shard}): experts are split "
-                        "over data-parallel ranks; pick a degree that divides it")
+        raise UserError(
+            f"parallel.expert={ep} does not divide the data-parallel size {cfg.data_parallel} "
+            f"(data_replicate={cfg.data_replicate} x data_shard={cfg.data_shard}): experts are split "
+            "over data-parallel ranks; pick a degree that divides it"
+        )
     if cfg.data_shard > 1 and not _fully_shard_ignores_params():
-        raise UserError(f"parallel.expert={ep} under FSDP2 (data_shard={cfg.data_shard}) needs torch 2.7 or later "
-                        f"(FSDP2 leaves the experts to expert parallelism through fully_shard's ignored_params); "
-                        f"this is torch {torch_release()}: upgrade torch, or set "
-                        f"parallel.data_replicate={cfg.data_parallel} parallel.data_shard=1 (DDP)")
+        raise UserError(
+            f"parallel.expert={ep} under FSDP2 (data_shard={cfg.data_shard}) needs torch 2.7 or later "
+            f"(FSDP2 leaves the experts to expert parallelism through fully_shard's ignored_params); "
+            f"this is torch {torch_release()}: upgrade torch, or set "
+            f"parallel.data_replicate={cfg.data_parallel} parallel.data_shard=1 (DDP)"
+        )
 
 
 def _fully_shard_ignores_params() -> bool:
@@ -170,7 +218,8 @@ def _fully_shard_ignores_params() -> bool:
 
 
 def torch_release() -> str:
-    """This torch's release, without its build tag ("2.11.0", not "2.11.0+cu130"): for the messages that name it."""
+    """This torch's release, without its build tag ("2.11.0", not "2.11.0+cu130"): for the
+    messages that name it."""
     return torch.__version__.split("+")[0]
 
 
@@ -179,20 +228,26 @@ def torch_version() -> tuple[int, int]:
 
 
 def fsdp_shards_experts() -> bool:
-    """Whether this torch's FSDP2 can shard expert-parallel weights over the other ranks holding them: they are
-    DTensors on the expert mesh, and FSDP2 takes the dims to shard over from that mesh only through
-    DataParallelMeshDims (torch 2.12). Before it those ranks keep whole copies and all-reduce their gradients."""
+    """Whether this torch's FSDP2 can shard expert-parallel weights over the other ranks holding
+    them: they are DTensors on the expert mesh, and FSDP2 takes the dims to shard over from that
+    mesh only through DataParallelMeshDims (torch 2.12). Before it those ranks keep whole copies
+    and all-reduce their gradients."""
     import torch.distributed.fsdp as fsdp
 
     return hasattr(fsdp, "DataParallelMeshDims")
 
 
 def expert_shards(cfg: ParallelConfig) -> tuple[int, int]:
-    """(replicate, shard): how the data_parallel / expert ranks holding the same experts split under FSDP2. Sharded
-    over the data_shard ranks that hold them (data_shard / expert, where expert divides data_shard), replicated over
-    the rest (HSDP's replicas; all of them under DDP, data_shard = 1, where an expert group spans replicas, or where
-    this torch's FSDP2 cannot shard them: fsdp_shards_experts)."""
-    shard = cfg.data_shard // cfg.expert if cfg.data_shard % cfg.expert == 0 and fsdp_shards_experts() else 1
+    """(replicate, shard): how the data_parallel / expert ranks holding the same experts split
+    under FSDP2. Sharded over the data_shard ranks that hold them (data_shard / expert, where
+    expert divides data_shard), replicated over the rest (HSDP's replicas; all of them under DDP,
+    data_shard = 1, where an expert group spans replicas, or where this torch's FSDP2 cannot
+    shard them: fsdp_shards_experts)."""
+    shard = (
+        cfg.data_shard // cfg.expert
+        if cfg.data_shard % cfg.expert == 0 and fsdp_shards_experts()
+        else 1
+    )
     return cfg.data_parallel // cfg.expert // shard, shard
 
 
@@ -202,8 +257,8 @@ def dim_size(mesh, name: str) -> int:
 
 
 def dim_mesh(mesh, name: str):
-    """The 1-D mesh of `mesh`'s dim `name` through this rank. torch 2.6 slices only a root mesh: a slice of one
-    (expert_mesh's) has its root sliced instead, the same ranks."""
+    """The 1-D mesh of `mesh`'s dim `name` through this rank. torch 2.6 slices only a root mesh:
+    a slice of one (expert_mesh's) has its root sliced instead, the same ranks."""
     if hasattr(mesh, "_get_root_mesh"):  # torch 2.7+: a slice of a mesh can be sliced again
         return mesh[name]
     from torch.distributed.device_mesh import _mesh_resources
@@ -212,24 +267,28 @@ def dim_mesh(mesh, name: str):
 
 
 def expert_mesh(mesh, cfg: ParallelConfig):
-    """This pipeline stage's DeviceMesh ("ep_replicate", "ep", "ep_shard") of expert parallelism over `mesh`'s
-    data-parallel ranks: "ep" groups parallel.expert neighbouring ones (the innermost data dim's, the fastest links),
-    "ep_shard" x "ep_replicate" are the ranks holding the same experts (expert_shards). "ep" comes before "ep_shard"
-    in the mesh (not in rank order) so that an expert weight sharded by both is Shard(0), Shard(0): each rank's
-    piece one box of the whole weight. Under tensor parallelism ("ep_replicate", "ep", "tp", "ep_shard"): an "ep"
-    group is the ranks of one tensor-parallel coordinate (they exchange tokens), "tp" splits each expert's
-    intermediate rows as tensor parallelism alone does, and comes before "ep_shard" for the same reason (FSDP2 may
-    shard the experts along those rows too: expert_shard_placement). Every rank must call this (it creates every
-    stage's process groups)."""
+    """This pipeline stage's DeviceMesh ("ep_replicate", "ep", "ep_shard") of expert parallelism
+    over `mesh`'s data-parallel ranks: "ep" groups parallel.expert neighbouring ones (the
+    innermost data dim's, the fastest links), "ep_shard" x "ep_replicate" are the ranks holding
+    the same experts (expert_shards). "ep" comes before "ep_shard" in the mesh (not in rank
+    order) so that an expert weight sharded by both is Shard(0), Shard(0): each rank's piece one
+    box of the whole weight. Under tensor parallelism ("ep_replicate", "ep", "tp", "ep_shard"):
+    an "ep" group is the ranks of one tensor-parallel coordinate (they exchange tokens), "tp"
+    splits each expert's intermediate rows as tensor parallelism alone does, and comes before
+    "ep_shard" for the same reason (FSDP2 may shard the experts along those rows too:
+    expert_shard_placement). Every rank must call this (it creates every stage's process groups)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     replicate, shard = expert_shards(cfg)
-    # A stage's data-parallel ranks: replicas outer, shards inner; each data rank's tensor-parallel ranks innermost.
+    # A stage's data-parallel ranks: replicas outer, shards inner; each data rank's tensor-parallel
+    # ranks innermost.
     ranks = mesh.mesh.reshape(cfg.pipeline, replicate, shard, cfg.expert, cfg.tensor)
     names = ["pp", "ep_replicate", "ep", "tp", "ep_shard"]
     if fsdp_shards_experts():
         ranks = ranks.permute(0, 1, 3, 4, 2)
-    else:  # "ep_shard" is one rank (expert_shards); torch before 2.12 slices dims only in their ranks' stride order
+    # "ep_shard" is one rank (expert_shards); torch before 2.12 slices dims only in their
+    # ranks' stride order
+    else:
         names = ["pp", "ep_replicate", "ep_shard", "ep", "tp"]
     if cfg.tensor == 1:
         ranks, names = ranks.squeeze(names.index("tp")), [n for n in names if n != "tp"]
@@ -238,8 +297,12 @@ def expert_mesh(mesh, cfg: ParallelConfig):
     return full[tuple(names[1:])]
 
 
-def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size: int | None = None,
-               device_type: str | None = None):
+def build_mesh(
+    cfg: ParallelConfig,
+    model: ModelConfig | None = None,
+    world_size: int | None = None,
+    device_type: str | None = None,
+):
     """The DeviceMesh for `cfg` (dims MESH_DIMS, size-1 dims included) after checking the layout.
 
     The default process group must exist already (lmforge.parallel.init_world): DeviceMesh would
@@ -253,7 +316,9 @@ def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size
     if model is not None:
         check_model(cfg, model)
     if world_size > 1 and not dist.is_initialized():
-        raise RuntimeError("build_mesh needs the default process group: call lmforge.parallel.init_world() first")
+        raise RuntimeError(
+            "build_mesh needs the default process group: call lmforge.parallel.init_world() first"
+        )
     if device_type is None:
         from lmforge.devices import accelerator
 
@@ -269,9 +334,9 @@ def build_mesh(cfg: ParallelConfig, model: ModelConfig | None = None, world_size
 
 
 def _inherit_timeout(mesh, device_type: str) -> None:
-    """Give the mesh's sub-groups the default group's collective timeout (init_world's): torch creates
-    them with its own default (30 min on gloo, 10 on NCCL), so a hung rank would stall the others
-    for that long in a tensor- or pipeline-parallel collective."""
+    """Give the mesh's sub-groups the default group's collective timeout (init_world's): torch
+    creates them with its own default (30 min on gloo, 10 on NCCL), so a hung rank would stall
+    the others for that long in a tensor- or pipeline-parallel collective."""
     from torch.distributed import distributed_c10d as c10d
 
     if "fake" in str(dist.get_backend()):  # lmforge plan's stand-in world: no collective ever waits
@@ -283,11 +348,14 @@ def _inherit_timeout(mesh, device_type: str) -> None:
             if group is not c10d._get_default_group():
                 c10d._set_pg_timeout(timeout, group)
     except (AttributeError, RuntimeError, ValueError) as e:
-        log.warning("could not set the device mesh's collective timeouts (%s): torch's default applies", e)
+        log.warning(
+            "could not set the device mesh's collective timeouts (%s): torch's default applies", e
+        )
 
 
 def data_parallel_rank(mesh) -> tuple[int, int]:
-    """(rank, size) among the data-parallel replicas: which slice of the global batch this rank reads.
+    """(rank, size) among the data-parallel replicas: which slice of the global batch this rank
+    reads.
 
     Ranks that differ only in their pipeline or tensor coordinate read the same samples.
     """

@@ -12,8 +12,18 @@ import textwrap
 
 from lmforge.report.runs import Run, eval_keys, eval_title
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
-          "#bcbd22")
+COLORS = (
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#7f7f7f",
+    "#bcbd22",
+)
 SMOOTH_FROM = 60  # points: above this a curve is drawn raw (thin) and smoothed (thick)
 
 
@@ -66,7 +76,9 @@ def _curve(ax, steps, values, i: int):
         ax.plot(steps, values, color=c, lw=0.7, alpha=0.3)
         ax.plot(steps, ema(values, _span(len(values))), color=c, lw=_width(i))
     else:
-        ax.plot(steps, values, color=c, lw=_width(i) * 0.8, marker="." if len(values) < 20 else None)
+        ax.plot(
+            steps, values, color=c, lw=_width(i) * 0.8, marker="." if len(values) < 20 else None
+        )
 
 
 def _legend(fig, runs: list[Run], extra=()):
@@ -78,8 +90,16 @@ def _legend(fig, runs: list[Run], extra=()):
         handles.append(Line2D([], [], color="0.3", **style))
         labels.append(text)
     longest = max(len(t) for t in labels)
-    ncols = 1 if longest > 45 else 2 if longest > 25 else 3  # long labels: fewer columns, never cut off
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), ncols), fontsize=9, frameon=False)
+    # long labels: fewer columns, never cut off
+    ncols = 1 if longest > 45 else 2 if longest > 25 else 3
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=min(len(labels), ncols),
+        fontsize=9,
+        frameon=False,
+    )
 
 
 def _smoothing_note(runs: list[Run], key: str) -> str:
@@ -119,9 +139,9 @@ def loss_figure(runs: list[Run]):
 
 
 def loss_difference_figure(runs: list[Run]):
-    """Each run's train loss minus the first run's at the same step. With the same data order (same
-    seed and batches) a step's batch noise cancels, leaving what the runs change (precision, compile):
-    the drift the overlaid curves are too noisy to show."""
+    """Each run's train loss minus the first run's at the same step. With the same data order
+    (same seed and batches) a step's batch noise cancels, leaving what the runs change
+    (precision, compile): the drift the overlaid curves are too noisy to show."""
     fig, (ax,) = _figure()
     ref = dict(zip(*runs[0].series("loss")))
     ax.axhline(0.0, color=color(0), lw=_width(0))
@@ -129,8 +149,10 @@ def loss_difference_figure(runs: list[Run]):
         pts = [(s, v - ref[s]) for s, v in zip(*run.series("loss")) if s in ref]
         if pts:
             _curve(ax, [s for s, _ in pts], [d for _, d in pts], i)
-    ax.set_title(f"train loss minus {runs[0].label}'s at the same step" + _smoothing_note(runs, "loss"),
-                 fontsize=10)
+    ax.set_title(
+        f"train loss minus {runs[0].label}'s at the same step" + _smoothing_note(runs, "loss"),
+        fontsize=10,
+    )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss difference (nats)")
     _legend(fig, runs)
@@ -169,8 +191,9 @@ def val_accuracy_figure(runs: list[Run]):
 
 
 def downstream_figure(runs: list[Run]):
-    """One panel per downstream-eval metric ("eval/<task>/<metric>", logged by eval.tasks in training) over the
-    steps it was measured at, every run in its colour; the values as logged (no smoothing, no rescaling)."""
+    """One panel per downstream-eval metric ("eval/<task>/<metric>", logged by eval.tasks in
+    training) over the steps it was measured at, every run in its colour; the values as logged
+    (no smoothing, no rescaling)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -189,14 +212,16 @@ def downstream_figure(runs: list[Run]):
                 ax.plot(steps, ys, color=color(i), lw=_width(i) * 0.7, marker="o", ms=4)
                 values += ys
         positive = [v for v in values if v > 0]
-        if len(positive) == len(values) and positive and max(positive) / min(positive) > 20:  # perplexities early on
+        # perplexities early on
+        if len(positive) == len(values) and positive and max(positive) / min(positive) > 20:
             ax.set_yscale("log")
         ax.set_title(eval_title(key), fontsize=10)
         ax.set_xlabel("optimizer step", fontsize=9)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # evals run every N steps: no step 2.25
+        # evals run every N steps: no step 2.25
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=9)
-    for ax in axes[len(keys):]:
+    for ax in axes[len(keys) :]:
         ax.set_axis_off()
     _legend(fig, runs)
     return fig
@@ -225,7 +250,8 @@ def _bars(ax, runs: list[Run], values: list[float | None], fmt, xlabel: str, mis
 
 
 def _wrap(label: str) -> str:
-    """Bar labels wrapped, so that long ones (many differing config fields) do not squeeze the bars."""
+    """Bar labels wrapped, so that long ones (many differing config fields) do not squeeze the
+    bars."""
     return textwrap.fill(label, 30)
 
 
@@ -235,7 +261,8 @@ def _bar_height(runs: list[Run]) -> float:
 
 
 def throughput_figure(runs: list[Run]):
-    """Tokens/s per step (warm-up and noise visible), then the steady-state averages of the table."""
+    """Tokens/s per step (warm-up and noise visible), then the steady-state averages of the
+    table."""
     fig = _figure(12.0, max(4.2, _bar_height(runs)), panels=3)[0]
     per_step, tok, seq = fig.axes
     for i, run in enumerate(runs):
@@ -246,9 +273,20 @@ def throughput_figure(runs: list[Run]):
     per_step.set_xlabel("optimizer step")
     per_step.set_ylabel("tokens / s")
     per_step.set_title("per step", fontsize=10)
-    _bars(tok, runs, [r.summary.get("tokens_per_second") for r in runs], _count, "tokens / s (steady state)")
-    _bars(seq, runs, [r.summary.get("sequences_per_second") for r in runs], lambda v: f"{v:,.2f}",
-          "sequences / s (steady state)")
+    _bars(
+        tok,
+        runs,
+        [r.summary.get("tokens_per_second") for r in runs],
+        _count,
+        "tokens / s (steady state)",
+    )
+    _bars(
+        seq,
+        runs,
+        [r.summary.get("sequences_per_second") for r in runs],
+        lambda v: f"{v:,.2f}",
+        "sequences / s (steady state)",
+    )
     tok.set_title("tokens per second", fontsize=10)
     seq.set_title("sequences per second", fontsize=10)
     seq.set_yticks(seq.get_yticks(), [""] * len(runs))  # the middle panel already names the runs
@@ -271,7 +309,13 @@ def time_figure(runs: list[Run]):
         startup, train = s["startup_s"] / div, s["train_s"] / div
         ax.barh(y, startup, color="0.7", height=0.6)
         ax.barh(y, train, left=startup, color=color(runs.index(run)), height=0.6)
-        ax.text(startup + train + 0.01 * top, y, f"{startup + train:,.1f} {unit}", va="center", fontsize=9)
+        ax.text(
+            startup + train + 0.01 * top,
+            y,
+            f"{startup + train:,.1f} {unit}",
+            va="center",
+            fontsize=9,
+        )
     ax.set_yticks(ys, [_wrap(r.label) for r in runs], fontsize=9)
     ax.set_xlim(0, top * 1.3)
     ax.set_ylim(-0.6, len(runs) - 0.4)
@@ -288,12 +332,28 @@ def cost_figure(runs: list[Run]):
     if not priced:
         for ax in (usd, per_dollar):
             ax.set_axis_off()
-        fig.text(0.5, 0.5, "no price configured: set cost.usd_per_hour in the run's config",
-                 ha="center", va="center", fontsize=12, color="0.3")
+        fig.text(
+            0.5,
+            0.5,
+            "no price configured: set cost.usd_per_hour in the run's config",
+            ha="center",
+            va="center",
+            fontsize=12,
+            color="0.3",
+        )
         return fig
     missing = "no price configured"
-    _bars(usd, runs, [r.summary.get("cost_usd") for r in runs], _dollars, "total cost (US$)", missing)
-    _bars(per_dollar, runs, [r.summary.get("tokens_per_dollar") for r in runs], _count, "tokens per US$", missing)
+    _bars(
+        usd, runs, [r.summary.get("cost_usd") for r in runs], _dollars, "total cost (US$)", missing
+    )
+    _bars(
+        per_dollar,
+        runs,
+        [r.summary.get("tokens_per_dollar") for r in runs],
+        _count,
+        "tokens per US$",
+        missing,
+    )
     per_dollar.set_yticks(per_dollar.get_yticks(), [""] * len(runs))
     prices = sorted({f"${r.summary['usd_per_hour']:g}/h" for r in priced})
     usd.set_title(f"cost of the run's time at {', '.join(prices)}", fontsize=10)

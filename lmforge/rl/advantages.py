@@ -33,12 +33,17 @@ def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> to
 @dataclass
 class Advantages:
     advantages: torch.Tensor  # (completions,)
-    std: torch.Tensor  # (completions,) the std each was scaled by (or would be, for scale_rewards=none)
-    zero_std_fraction: float  # the share of completions whose group (or batch) rewards are all equal
+    # (completions,) the std each was scaled by (or would be, for scale_rewards=none)
+    std: torch.Tensor
+    # the share of completions whose group (or batch) rewards are all equal
+    zero_std_fraction: float
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> Advantages:
-    """Advantages of `rewards` (completions,), groups of `num_generations` consecutive completions."""
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+) -> Advantages:
+    """Advantages of `rewards` (completions,), groups of `num_generations` consecutive
+    completions."""
     n = rewards.numel()
     if num_generations < 1 or n % num_generations:
         raise UserError(
@@ -46,7 +51,9 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
             "grpo.num_generations completions in the batch"
         )
     if scale_rewards not in ("group", "batch", "none"):
-        raise UserError(f"scale_rewards='{scale_rewards}' is not valid: choose one of group, batch, none")
+        raise UserError(
+            f"scale_rewards='{scale_rewards}' is not valid: choose one of group, batch, none"
+        )
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":

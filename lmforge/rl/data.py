@@ -39,9 +39,15 @@ class PromptRecord:
 
 def _messages(value, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: a chat prompt must be a non-empty list of {{role, content}} messages")
+        raise UserError(
+            f"{where}: a chat prompt must be a non-empty list of {{role, content}} messages"
+        )
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ROLES
+            or not isinstance(m.get("content"), str)
+        ):
             shown = json.dumps(m, ensure_ascii=False)[:80]
             raise UserError(
                 f'{where}: message {i} must be {{"role": one of {", ".join(ROLES)}, "content": a string}}, got {shown}'
@@ -61,8 +67,9 @@ def read_prompts(
     context: int | None = None,
     max_completion_length: int = 0,
 ) -> list[PromptRecord]:
-    """The records of a prompts JSONL file. `template`: renders the chat prompts (a file with one and no template
-    is refused). `context`: the model's, which each prompt and max_completion_length new tokens must fit."""
+    """The records of a prompts JSONL file. `template`: renders the chat prompts (a file with one
+    and no template is refused). `context`: the model's, which each prompt and
+    max_completion_length new tokens must fit."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"prompts file {path} not found: check the path")
@@ -75,16 +82,22 @@ def read_prompts(
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not a JSON object ({e.msg}): one JSON object per line") from None
+                raise UserError(
+                    f"{where}: not a JSON object ({e.msg}): one JSON object per line"
+                ) from None
             if not isinstance(record, dict):
                 raise UserError(f"{where}: not a JSON object: one JSON object per line")
-            records.append(_record(record, where, tokenizer, template, context, max_completion_length))
+            records.append(
+                _record(record, where, tokenizer, template, context, max_completion_length)
+            )
     if not records:
         raise UserError(f"{path} has no records: give one JSON object with a prompt per line")
     return records
 
 
-def _record(record: dict, where: str, tokenizer, template, context, max_completion_length) -> PromptRecord:
+def _record(
+    record: dict, where: str, tokenizer, template, context, max_completion_length
+) -> PromptRecord:
     key = next((k for k in PROMPT_KEYS if k in record), None)
     if key is None:
         fields = ", ".join(sorted(record)) or "none"
@@ -120,9 +133,11 @@ def _record(record: dict, where: str, tokenizer, template, context, max_completi
     return PromptRecord(prompt, ids, columns)
 
 
-def reward_inputs(records: Sequence[PromptRecord], num_generations: int) -> tuple[list, dict[str, list]]:
-    """(prompts, columns) for the reward functions: each record's repeated once per completion, rows grouped by
-    prompt as the rollout's; a field some records lack is None in theirs."""
+def reward_inputs(
+    records: Sequence[PromptRecord], num_generations: int
+) -> tuple[list, dict[str, list]]:
+    """(prompts, columns) for the reward functions: each record's repeated once per completion,
+    rows grouped by prompt as the rollout's; a field some records lack is None in theirs."""
     rows = [r for r in records for _ in range(num_generations)]
     names = list(dict.fromkeys(k for r in records for k in r.columns))
     return [r.prompt for r in rows], {k: [r.columns.get(k) for r in rows] for k in names}
@@ -135,8 +150,8 @@ def reward_completions(
     num_generations: int,
     stop_token_ids: Sequence[int] = (),
 ) -> list:
-    """The completions' text for the reward functions (a final stop token and special tokens left out); a chat
-    prompt's as one assistant message."""
+    """The completions' text for the reward functions (a final stop token and special tokens left
+    out); a chat prompt's as one assistant message."""
     stops = set(stop_token_ids)
     out = []
     for i, ids in enumerate(completions):

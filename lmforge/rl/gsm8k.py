@@ -1,5 +1,6 @@
-"""GSM8K's records ({"question", "answer": "... #### 72"}) as GRPO prompts: the question as a chat turn after a
-system prompt asking for DeepSeek-R1's format, the answer kept for the `accuracy` reward (the text after `####`).
+"""GSM8K's records ({"question", "answer": "... #### 72"}) as GRPO prompts: the question as a chat
+turn after a system prompt asking for DeepSeek-R1's format, the answer kept for the `accuracy`
+reward (the text after `####`).
 
     lmforge data gsm8k-prompts IN.jsonl OUT.jsonl [--limit N]
 """
@@ -25,11 +26,13 @@ def convert(source: str | Path, out: str | Path, limit: int | None = None) -> in
             record = json.loads(line)
             if not isinstance(record, dict) or "question" not in record or "answer" not in record:
                 raise UserError(f"{source}:{n}: a GSM8K record has a question and an answer")
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": record["question"]}]
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": record["question"]},
+            ]
             lines.append(json.dumps({"prompt": messages, "answer": record["answer"]}) + "\n")
             written += 1
             if limit is not None and written >= limit:
                 break
     atomic_write(out, "".join(lines))  # a bad record leaves no half-written file
     return written
-

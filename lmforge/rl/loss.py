@@ -33,11 +33,13 @@ from lmforge.rl.config import LOSS_TYPES
 
 @dataclass
 class LossStats:
-    """Sums over a micro-batch's loss-mask tokens (the trainer adds them up over a step, then divides by tokens)."""
+    """Sums over a micro-batch's loss-mask tokens (the trainer adds them up over a step, then
+    divides by tokens)."""
 
     tokens: torch.Tensor
     kl: torch.Tensor  # KL_t summed (0 with beta = 0)
-    clipped_low: torch.Tensor  # tokens with r < 1 - epsilon and A < 0 (the clip holds the loss at its bound)
+    # tokens with r < 1 - epsilon and A < 0 (the clip holds the loss at its bound)
+    clipped_low: torch.Tensor
     clipped_high: torch.Tensor  # tokens with r > 1 + epsilon_high and A > 0
     clipped: torch.Tensor  # either of the two
 
@@ -66,13 +68,16 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | int, LossStats]:
     """(summed loss, count, statistics) of one micro-batch.
 
-    logps (rows, completion length): the training model's log-probabilities of the sampled tokens (with their
-    gradient); advantages (rows,); mask (rows, completion length), 1 on the tokens the loss counts (a truncated
-    completion's are 0 under mask_truncated_completions); old_logps: the sampling policy's (None: logps detached,
-    one optimizer step per batch of rollouts); ref_logps: the reference's, needed when beta > 0.
+    logps (rows, completion length): the training model's log-probabilities of the sampled tokens
+    (with their gradient); advantages (rows,); mask (rows, completion length), 1 on the tokens the
+    loss counts (a truncated completion's are 0 under mask_truncated_completions); old_logps: the
+    sampling policy's (None: logps detached, one optimizer step per batch of rollouts); ref_logps:
+    the reference's, needed when beta > 0.
     """
     if loss_type not in LOSS_TYPES:
-        raise UserError(f"loss_type='{loss_type}' is not valid: choose one of {', '.join(LOSS_TYPES)}")
+        raise UserError(
+            f"loss_type='{loss_type}' is not valid: choose one of {', '.join(LOSS_TYPES)}"
+        )
     if beta and ref_logps is None:
         raise UserError("beta > 0 needs the reference model's log-probabilities (ref_logps)")
     if loss_type == "dr_grpo" and not max_completion_length:

@@ -1,19 +1,20 @@
 """Reward functions with TRL's signature, so that a TRL user's functions run unchanged.
 
-A reward function is called once per batch of completions, with keyword arguments only, as TRL's GRPOTrainer calls
-it:
+A reward function is called once per batch of completions, with keyword arguments only, as TRL's
+GRPOTrainer calls it:
 
     fn(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns,
        trainer_state=..., log_extra=..., log_metric=...) -> list[float | None]
 
 `prompts` and `completions` are text, or for chat prompts message lists (a completion is then
-`[{"role": "assistant", "content": text}]`); `columns` are the record's other fields (an `answer`, test cases),
-one value per completion. A `None` leaves that completion out of that function: the weighted sum over the
-functions skips it (a NaN-sum), and a completion no function scored has no reward at all (its advantage is 0).
+`[{"role": "assistant", "content": text}]`); `columns` are the record's other fields (an `answer`,
+test cases), one value per completion. A `None` leaves that completion out of that function: the
+weighted sum over the functions skips it (a NaN-sum), and a completion no function scored has no
+reward at all (its advantage is 0).
 
-`grpo.rewards` names them: a built-in (`accuracy`, `format`), `module:function` (a module importable from the
-working directory), or `path/to/file.py:function`. They are the user's own code, named in the user's own config,
-and run in the training process as TRL runs them.
+`grpo.rewards` names them: a built-in (`accuracy`, `format`), `module:function` (a module importable
+from the working directory), or `path/to/file.py:function`. They are the user's own code, named in
+the user's own config, and run in the training process as TRL runs them.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def reference_answer(answer) -> str | None:
 
 
 def same_answer(got: str, want: str) -> bool:
-    """Numbers compare as numbers (1,000 = 1000 = 1000.0), anything else as text with outer spaces and a final
-    period trimmed."""
+    """Numbers compare as numbers (1,000 = 1000 = 1000.0), anything else as text with outer
+    spaces and a final period trimmed."""
     a, b = _number(got), _number(want)
     if a is not None and b is not None:
         return math.isclose(a, b, rel_tol=0.0, abs_tol=1e-9)
@@ -115,14 +116,19 @@ def accuracy(completions: Sequence, answer: Sequence | None = None, **kwargs) ->
 
 
 def format_reward(pattern: str = R1_FORMAT) -> RewardFn:
-    """A reward of 1.0 for a completion whose whole text (outer spaces trimmed) matches `pattern`, else 0.0."""
+    """A reward of 1.0 for a completion whose whole text (outer spaces trimmed) matches
+    `pattern`, else 0.0."""
     try:
         compiled = re.compile(pattern, re.DOTALL)
     except re.error as e:
-        raise UserError(f"grpo.format_pattern is not a valid regular expression ({e}): fix it") from None
+        raise UserError(
+            f"grpo.format_pattern is not a valid regular expression ({e}): fix it"
+        ) from None
 
     def format(completions: Sequence, **kwargs) -> list[float | None]:  # noqa: A001 (the reward's name in logs)
-        return [float(compiled.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+        return [
+            float(compiled.fullmatch(completion_text(c).strip()) is not None) for c in completions
+        ]
 
     return format
 
@@ -131,8 +137,8 @@ BUILTIN = ("accuracy", "format")
 
 
 def load_reward(spec: str | RewardFn, format_pattern: str = R1_FORMAT) -> tuple[str, RewardFn]:
-    """(name, function) for one entry of grpo.rewards: a built-in, `module:function` or `file.py:function`; from
-    Python, a function itself (as TRL's reward_funcs takes one)."""
+    """(name, function) for one entry of grpo.rewards: a built-in, `module:function` or
+    `file.py:function`; from Python, a function itself (as TRL's reward_funcs takes one)."""
     if callable(spec):
         return getattr(spec, "__name__", type(spec).__name__), spec
     if spec == "accuracy":
@@ -148,7 +154,9 @@ def load_reward(spec: str | RewardFn, format_pattern: str = R1_FORMAT) -> tuple[
     module = _load_module(where, spec)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserError(f"grpo.rewards: '{where}' has no function {name}: check the name after the colon")
+        raise UserError(
+            f"grpo.rewards: '{where}' has no function {name}: check the name after the colon"
+        )
     return name, fn
 
 
@@ -179,8 +187,8 @@ def _load_module(where: str, spec: str):
 
 @dataclass
 class RewardState:
-    """What a reward function sees of the run as `trainer_state` (the fields of transformers' TrainerState that
-    reward shaping reads)."""
+    """What a reward function sees of the run as `trainer_state` (the fields of transformers'
+    TrainerState that reward shaping reads)."""
 
     global_step: int = 0
     max_steps: int = 0
@@ -191,18 +199,25 @@ class RewardState:
 class Scores:
     """The rewards of a batch of completions."""
 
-    per_function: torch.Tensor  # (completions, functions) float32, NaN where a function returned None
-    total: torch.Tensor  # (completions,): the weighted NaN-sum over functions; NaN where no function scored
+    # (completions, functions) float32, NaN where a function returned None
+    per_function: torch.Tensor
+    # (completions,): the weighted NaN-sum over functions; NaN where no function scored
+    total: torch.Tensor
     names: list[str]
-    extra: dict[str, list] = field(default_factory=dict)  # columns the functions logged with log_extra
-    metrics: dict[str, list[float]] = field(default_factory=dict)  # scalars they logged with log_metric
+    # columns the functions logged with log_extra
+    extra: dict[str, list] = field(default_factory=dict)
+    # scalars they logged with log_metric
+    metrics: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Rewards:
     """The run's reward functions and their weights (grpo.rewards, grpo.reward_weights)."""
 
     def __init__(
-        self, specs: Sequence[str | RewardFn], weights: Sequence[float] | None = None, format_pattern: str = R1_FORMAT
+        self,
+        specs: Sequence[str | RewardFn],
+        weights: Sequence[float] | None = None,
+        format_pattern: str = R1_FORMAT,
     ):
         loaded = [load_reward(spec, format_pattern) for spec in specs]
         self.names = [name for name, _ in loaded]
@@ -210,7 +225,9 @@ class Rewards:
         for name, fn in loaded:
             if inspect.iscoroutinefunction(fn):
                 raise UserError(f"grpo.rewards: {name} is an async function: give a plain function")
-        self.weights = torch.tensor([1.0] * len(specs) if weights is None else list(weights), dtype=torch.float32)
+        self.weights = torch.tensor(
+            [1.0] * len(specs) if weights is None else list(weights), dtype=torch.float32
+        )
         if len(self.weights) != len(self.functions):
             raise UserError(
                 f"grpo.reward_weights has {len(self.weights)} weights for {len(self.functions)} "
@@ -225,7 +242,8 @@ class Rewards:
         columns: dict[str, list],
         state: RewardState | None = None,
     ) -> Scores:
-        """Score completion i of `completions` (with prompts[i] and each column's value i) by every function."""
+        """Score completion i of `completions` (with prompts[i] and each column's value i) by
+        every function."""
         n = len(completions)
         extra: dict[str, list] = {}
         metrics: dict[str, list[float]] = {}
@@ -237,17 +255,23 @@ class Rewards:
         }
         per_function = torch.zeros(n, len(self.functions), dtype=torch.float32)
         for j, (name, fn) in enumerate(zip(self.names, self.functions)):
-            got = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            got = fn(
+                prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
+            )
             if got is None or len(got) != n:
                 raise UserError(
                     f"reward function {name} returned {'None' if got is None else len(got)} rewards for "
                     f"{n} completions: return one per completion (None to leave one out)"
                 )
             try:
-                per_function[:, j] = torch.tensor([math.nan if r is None else float(r) for r in got])
+                per_function[:, j] = torch.tensor(
+                    [math.nan if r is None else float(r) for r in got]
+                )
             except (TypeError, ValueError):
                 bad = next(r for r in got if not isinstance(r, (int, float, type(None))))
-                raise UserError(f"reward function {name} returned {bad!r}: return numbers (or None)") from None
+                raise UserError(
+                    f"reward function {name} returned {bad!r}: return numbers (or None)"
+                ) from None
         total = (per_function * self.weights[None]).nansum(dim=1)
         total[per_function.isnan().all(dim=1)] = math.nan
         return Scores(per_function, total, list(self.names), extra, metrics)

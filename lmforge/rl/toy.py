@@ -20,7 +20,8 @@ WORDS = ["<eos>", "<pad>", *"0123456789", *"abcdefghijklmnopqrstuvwxyz"]
 
 
 def write_tokenizer(path: str | Path) -> Path:
-    """A word-level tokenizer.json over WORDS (`<eos>` is id 0, tiny-neox's eos): one id per space-separated word."""
+    """A word-level tokenizer.json over WORDS (`<eos>` is id 0, tiny-neox's eos): one id per
+    space-separated word."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
@@ -46,10 +47,10 @@ def write_prompts(path: str | Path, records: int = 64, target: str = "7", seed: 
 
 
 def target_fraction(completions: Sequence, target: Sequence[str], **kwargs) -> list[float]:
-    """The share of each completion's words equal to its record's target (0 for an empty completion)."""
+    """The share of each completion's words equal to its record's target (0 for an empty
+    completion)."""
     out = []
     for completion, want in zip(completions, target):
         words = completion_text(completion).split()
         out.append(sum(w == want for w in words) / len(words) if words else 0.0)
     return out
-

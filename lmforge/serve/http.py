@@ -1,11 +1,12 @@
-"""The HTTP/1.1 server under the app: uvicorn's h11 protocol with a read timeout, and the uvicorn settings.
+"""The HTTP/1.1 server under the app: uvicorn's h11 protocol with a read timeout, and the uvicorn
+settings.
 
-uvicorn closes a kept-alive connection that idles after a response (`timeout_keep_alive`), but starts no
-clock before a request's headers: a connection that sends nothing, or its headers a byte at a time (each
-byte resets the keep-alive timer), is held forever, and enough of them exhaust the server's file
-descriptors. Here the headers must be complete within `read_timeout` of a request's first byte (of the
-connection, for the first request); otherwise the server answers 408 and closes, as nginx's
-client_header_timeout does. The body gets the same time again (BodyLimitMiddleware).
+uvicorn closes a kept-alive connection that idles after a response (`timeout_keep_alive`), but
+starts no clock before a request's headers: a connection that sends nothing, or its headers a byte
+at a time (each byte resets the keep-alive timer), is held forever, and enough of them exhaust the
+server's file descriptors. Here the headers must be complete within `read_timeout` of a request's
+first byte (of the connection, for the first request); otherwise the server answers 408 and closes,
+as nginx's client_header_timeout does. The body gets the same time again (BodyLimitMiddleware).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from lmforge.serve.middleware import timeout_error
 
 
 class TimedH11Protocol(H11Protocol):
-    """H11Protocol whose request headers must arrive within `read_timeout` seconds (set by `protocol_class`)."""
+    """H11Protocol whose request headers must arrive within `read_timeout` seconds (set by
+    `protocol_class`)."""
 
     read_timeout: float = 10.0
 
@@ -41,8 +43,13 @@ class TimedH11Protocol(H11Protocol):
     def _watch_headers(self) -> None:
         """Clock on while a request's headers are awaited (h11's IDLE), off once they are in."""
         if self.conn.their_state is h11.IDLE:
-            # After a response, an idle connection is uvicorn's keep-alive timer's; its first byte starts ours.
-            if self._header_timer is None and self.timeout_keep_alive_task is None and not self.transport.is_closing():
+            # After a response, an idle connection is uvicorn's keep-alive timer's; its first byte
+            # starts ours.
+            if (
+                self._header_timer is None
+                and self.timeout_keep_alive_task is None
+                and not self.transport.is_closing()
+            ):
                 self._header_timer = self.loop.call_later(self.read_timeout, self._headers_too_slow)
         else:
             self._stop_header_timer()
@@ -58,17 +65,26 @@ class TimedH11Protocol(H11Protocol):
             return
         # No request was parsed, so h11 cannot write the response: the bytes are written directly.
         body = json.dumps(timeout_error("headers", self.read_timeout).body()).encode()
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         self.transport.close()
 
 
 def protocol_class(read_timeout: float) -> type[TimedH11Protocol]:
-    """uvicorn builds the protocol itself (Config.http takes a class), so the timeout travels in a subclass."""
+    """uvicorn builds the protocol itself (Config.http takes a class), so the timeout travels in
+    a subclass."""
     return type("TimedH11Protocol", (TimedH11Protocol,), {"read_timeout": read_timeout})
 
 
 def uvicorn_config(app, read_timeout: float, keep_alive_timeout: float, **kwargs) -> uvicorn.Config:
-    """uvicorn's settings for lmforge serve (and its tests): h11 with the read timeout, the keep-alive timeout."""
-    return uvicorn.Config(app, http=protocol_class(read_timeout), timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]
-                          ws="none", **kwargs)
+    """uvicorn's settings for lmforge serve (and its tests): h11 with the read timeout, the
+    keep-alive timeout."""
+    return uvicorn.Config(
+        app,
+        http=protocol_class(read_timeout),
+        timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]
+        ws="none",
+        **kwargs,
+    )

@@ -1,12 +1,14 @@
-"""Where `lmforge serve` listens, and the socket, bound before the model loads so that a port in use is one
-clear error line at once.
+"""Where `lmforge serve` listens, and the socket, bound before the model loads so that a port in use
+is one clear error line at once.
 
 Binds 127.0.0.1 unless told otherwise. Inside a SageMaker container (SAGEMAKER_BIND_TO_PORT set) the
-port comes from that variable and the host defaults to 0.0.0.0, as the platform's health checks need.
+port comes from that variable and the host defaults to 0.0.0.0, as the platform's health checks
+need.
 
-The Host names the server answers to (lmforge.serve.middleware.HostCheck) beyond IP addresses and localhost: the
---host name, this machine's name where it listens beyond loopback, and --allowed-hosts. Inside SageMaker, any: its
-proxy sends a Host of its own, and the endpoint is reached only through SageMaker's signed (IAM) API.
+The Host names the server answers to (lmforge.serve.middleware.HostCheck) beyond IP addresses and
+localhost: the --host name, this machine's name where it listens beyond loopback, and
+--allowed-hosts. Inside SageMaker, any: its proxy sends a Host of its own, and the endpoint is
+reached only through SageMaker's signed (IAM) API.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ def listen_address(host: str | None, port: int | None) -> tuple[str, int]:
     env = os.environ.get("SAGEMAKER_BIND_TO_PORT")
     if port is None and env:
         if not env.isdigit():
-            raise UserError(f"SAGEMAKER_BIND_TO_PORT is '{env}', not a port number: fix the variable")
+            raise UserError(
+                f"SAGEMAKER_BIND_TO_PORT is '{env}', not a port number: fix the variable"
+            )
         port = int(env)
     if host is None:
         host = "0.0.0.0" if env else "127.0.0.1"
@@ -35,15 +39,19 @@ def bind(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise UserError(f"port {port} is out of range: use 1-65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it each
-    # keep-alive answer waits ~40 ms for the client's delayed ACK.
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without
+    # it each keep-alive answer waits ~40 ms for the client's delayed ACK.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        fix = "stop the other server or pick another --port" if e.errno == 98 else "check --host and --port"
+        fix = (
+            "stop the other server or pick another --port"
+            if e.errno == 98
+            else "check --host and --port"
+        )
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}): {fix}") from None
     return sock
 
@@ -56,7 +64,8 @@ def is_loopback(host: str) -> bool:
 
 
 def allowed_hosts(host: str, flag: str | None) -> Sequence[str]:
-    """The Host names `lmforge serve --host HOST --allowed-hosts FLAG` answers to besides addresses and localhost."""
+    """The Host names `lmforge serve --host HOST --allowed-hosts FLAG` answers to besides
+    addresses and localhost."""
     if flag is None and os.environ.get("SAGEMAKER_BIND_TO_PORT"):
         return ("*",)
     names = [n.strip().lower() for n in (flag or "").split(",") if n.strip()]

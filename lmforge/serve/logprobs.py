@@ -1,9 +1,9 @@
 """Log-probabilities in OpenAI's shapes: chat's `logprobs.content` and the completions API's
 `{tokens, token_logprobs, top_logprobs, text_offset}`.
 
-A token's text is its own decoding (special tokens included); its `bytes` are the bytes it stands for: for a
-byte-level BPE token that holds part of a multi-byte character (whose text alone is U+FFFD) those are read from the
-token itself, through the byte-to-character table GPT-2's BPE uses.
+A token's text is its own decoding (special tokens included); its `bytes` are the bytes it stands
+for: for a byte-level BPE token that holds part of a multi-byte character (whose text alone is
+U+FFFD) those are read from the token itself, through the byte-to-character table GPT-2's BPE uses.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ from lmforge.inference.logprobs import TokenLogprob
 
 
 def _byte_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for themselves, the others are
-    shifted past 255, in byte order."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for
+    themselves, the others are shifted past 255, in byte order."""
+    kept = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, shift = {chr(b): b for b in kept}, 0
     for b in range(256):
         if b not in kept:
@@ -55,10 +59,18 @@ def chat_content(text: TokenText, entries: list[TokenLogprob]) -> list[dict]:
     return out
 
 
-def completion_logprobs(text: TokenText, entries: list[TokenLogprob], offset: int = 0) -> tuple[dict, int]:
-    """The completions API's `logprobs` object for these tokens, their text offsets counted from `offset`; and the
-    offset after them. An echoed prompt's first token has no log-probability: null, as OpenAI and vLLM give."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def completion_logprobs(
+    text: TokenText, entries: list[TokenLogprob], offset: int = 0
+) -> tuple[dict, int]:
+    """The completions API's `logprobs` object for these tokens, their text offsets counted from
+    `offset`; and the offset after them. An echoed prompt's first token has no log-probability:
+    null, as OpenAI and vLLM give."""
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for e in entries:
         token = text(e.token)[0]
         out["tokens"].append(token)

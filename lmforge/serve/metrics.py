@@ -70,30 +70,61 @@ class Metrics:
 
     def render(self, engine=None) -> str:
         with self._lock:
-            lines = ["# HELP lmforge_requests_total HTTP requests answered, by route and status.",
-                     "# TYPE lmforge_requests_total counter"]
+            lines = [
+                "# HELP lmforge_requests_total HTTP requests answered, by route and status.",
+                "# TYPE lmforge_requests_total counter",
+            ]
             for (route, status), n in sorted(self.requests.items()):
-                lines.append(f'lmforge_requests_total{{route="{_escape(route)}",status="{status}"}} {n}')
+                lines.append(
+                    f'lmforge_requests_total{{route="{_escape(route)}",status="{status}"}} {n}'
+                )
             for name, what, hists in (
-                ("lmforge_request_duration_seconds", "Request start to last byte sent.", self.duration),
-                ("lmforge_time_to_first_token_seconds", "Request start to the first generated text.", self.ttft),
+                (
+                    "lmforge_request_duration_seconds",
+                    "Request start to last byte sent.",
+                    self.duration,
+                ),
+                (
+                    "lmforge_time_to_first_token_seconds",
+                    "Request start to the first generated text.",
+                    self.ttft,
+                ),
             ):
                 lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"]
                 for route, h in sorted(hists.items()):
                     lines += h.lines(name, f'route="{_escape(route)}"')
-            lines += _counter("lmforge_prompt_tokens_total", "Prompt tokens of completed requests.", self.prompt_tokens)
-            lines += _counter("lmforge_completion_tokens_total", "Tokens generated.", self.completion_tokens)
+            lines += _counter(
+                "lmforge_prompt_tokens_total",
+                "Prompt tokens of completed requests.",
+                self.prompt_tokens,
+            )
+            lines += _counter(
+                "lmforge_completion_tokens_total", "Tokens generated.", self.completion_tokens
+            )
         if engine is not None:
             lines += _gauge("lmforge_engine_running", "Requests decoding now.", engine.running)
-            lines += _gauge("lmforge_engine_waiting", "Requests waiting for a batch row.", engine.queued)
+            lines += _gauge(
+                "lmforge_engine_waiting", "Requests waiting for a batch row.", engine.queued
+            )
             lines += _gauge("lmforge_engine_max_batch", "Batch rows.", engine.config.max_batch)
-            lines += _counter("lmforge_engine_decode_steps_total", "Batched decode steps run.", engine.steps)
-            lines += _counter("lmforge_engine_decoded_rows_total", "Request rows over all decode steps.",
-                              engine.rows_decoded)
-            lines += _counter("lmforge_engine_prefills_total", "Prefill forwards run (each prefills waiting requests "
-                              "together).", engine.prefills)
-            lines += _counter("lmforge_engine_prefilled_rows_total", "Requests prefilled over all prefill forwards.",
-                              engine.rows_prefilled)
+            lines += _counter(
+                "lmforge_engine_decode_steps_total", "Batched decode steps run.", engine.steps
+            )
+            lines += _counter(
+                "lmforge_engine_decoded_rows_total",
+                "Request rows over all decode steps.",
+                engine.rows_decoded,
+            )
+            lines += _counter(
+                "lmforge_engine_prefills_total",
+                "Prefill forwards run (each prefills waiting requests together).",
+                engine.prefills,
+            )
+            lines += _counter(
+                "lmforge_engine_prefilled_rows_total",
+                "Requests prefilled over all prefill forwards.",
+                engine.rows_prefilled,
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -124,7 +155,11 @@ class MetricsMiddleware:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False) and not done[0]:
+            if (
+                message["type"] == "http.response.body"
+                and not message.get("more_body", False)
+                and not done[0]
+            ):
                 done[0] = True
                 self.metrics.request_done(route, status[0], time.perf_counter() - start)
 

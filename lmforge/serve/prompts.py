@@ -1,11 +1,13 @@
-"""A request's prompt made off the event loop: its JSON body parsed, its chat template rendered, its text tokenized.
+"""A request's prompt made off the event loop: its JSON body parsed, its chat template rendered, its
+text tokenized.
 
-Each of these takes time that grows with the request (a 1 MB body, a slow template), and on the event loop it would
-hold every other request, /health included, for that long. They run on a few worker threads instead: a render waits
-there for one of lmforge.chat_sandbox's child processes (no more threads wait so than there are children, so that
-slow renders leave threads for everything else), and tokenizing lets other threads run (`encode_batch`: the
-`tokenizers` library releases the GIL there, not in `encode`). If the client disconnects first, its work is given up:
-not started if it still waits for a thread, its render killed if one runs.
+Each of these takes time that grows with the request (a 1 MB body, a slow template), and on the
+event loop it would hold every other request, /health included, for that long. They run on a few
+worker threads instead: a render waits there for one of lmforge.chat_sandbox's child processes (no
+more threads wait so than there are children, so that slow renders leave threads for everything
+else), and tokenizing lets other threads run (`encode_batch`: the `tokenizers` library releases the
+GIL there, not in `encode`). If the client disconnects first, its work is given up: not started if
+it still waits for a thread, its render killed if one runs.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ T = TypeVar("T")
 
 
 class PromptWork:
-    """The worker threads, and the lock every tokenizer call holds: a raw prompt is read with special-token text
-    as those tokens (`reading_special_tokens` flips a flag on the tokenizer), a chat message's never, so two
-    prompts must not be tokenized at once."""
+    """The worker threads, and the lock every tokenizer call holds: a raw prompt is read with
+    special-token text as those tokens (`reading_special_tokens` flips a flag on the tokenizer),
+    a chat message's never, so two prompts must not be tokenized at once."""
 
     def __init__(self, tokenizer, chat: ChatFormat, threads: int = 2):
         self.tokenizer, self.chat = tokenizer, chat
@@ -43,7 +45,8 @@ class PromptWork:
             yield
 
     async def run(self, request: Request, work: Callable[[threading.Event], T]) -> T:
-        """work(cancel) on a worker thread; a 499 if the client disconnects first (`cancel` is then set)."""
+        """work(cancel) on a worker thread; a 499 if the client disconnects first (`cancel` is
+        then set)."""
         cancel = threading.Event()
         job = asyncio.get_running_loop().run_in_executor(self.executor, _call, work, cancel)
         gone = asyncio.ensure_future(_disconnected(request))
@@ -65,19 +68,22 @@ class PromptWork:
         raw = await request.body()
         return await self.run(request, lambda _: parse(raw))
 
-    async def texts(self, request: Request, prompts: Sequence[str | list[int]], param: str = "prompt"
-                    ) -> list[list[int]]:
+    async def texts(
+        self, request: Request, prompts: Sequence[str | list[int]], param: str = "prompt"
+    ) -> list[list[int]]:
         return await self.run(request, lambda _: [self.encode_text(p, param) for p in prompts])
 
     async def chat_ids(self, request: Request, messages: Sequence[tuple[str, str]]) -> list[int]:
         async with self.renders:
-            return await self.run(request, lambda cancel: self.chat.encode(messages, cancel, self.tokenizing))
+            return await self.run(
+                request, lambda cancel: self.chat.encode(messages, cancel, self.tokenizing)
+            )
 
     def encode_text(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        # The whole model input, written by the client: special-token text is those tokens, as vLLM and TGI read a
-        # raw prompt (a chat message's never is: lmforge.serve.chat).
+        # The whole model input, written by the client: special-token text is those tokens, as vLLM
+        # and TGI read a raw prompt (a chat message's never is: lmforge.serve.chat).
         with self.tokenizing(param), self.tokenizer.reading_special_tokens():
             ids = self.tokenizer.encode_batch([prompt], add_bos=self.tokenizer.add_bos_token)[0]
         if not ids:

@@ -1,5 +1,6 @@
-"""What the HTTP routes share: the engine requests behind one HTTP request (`Generation`), the server
-state and the OpenAI route handlers (`Server`), and server-sent events that end with the client.
+"""What the HTTP routes share: the engine requests behind one HTTP request (`Generation`), the
+server state and the OpenAI route handlers (`Server`), and server-sent events that end with the
+client.
 
 Each HTTP request turns into one engine request per prompt and choice (`n`); their events come back
 on one asyncio queue. A stream is written as server-sent events, `data: {chunk}` ... `data: [DONE]`,
@@ -42,15 +43,18 @@ class ServeConfig:
     default_max_tokens: int = 256  # when a request names no max_tokens (capped by the context left)
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
-    max_choices: int = 128  # prompts x n in one request: each is an engine request, all in the waiting queue
+    # prompts x n in one request: each is an engine request, all in the waiting queue
+    max_choices: int = 128
     read_timeout: float = 10.0  # seconds a request's headers, and then its body, may take to arrive
     keep_alive_timeout: float = 5.0  # seconds an idle connection stays open after a response
-    # What a request that leaves temperature, top_k, top_p or repetition_penalty out gets instead of OpenAI's
-    # defaults: the model folder's generation_config.json's (lmforge.cli.serve.generation_defaults), as vLLM's
-    # --generation-config auto. Keys: those four SamplingParams fields.
+    # What a request that leaves temperature, top_k, top_p or repetition_penalty out gets instead of
+    # OpenAI's defaults: the model folder's generation_config.json's
+    # (lmforge.cli.serve.generation_defaults), as vLLM's --generation-config auto. Keys: those four
+    # SamplingParams fields.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-    # Host names answered to besides addresses and localhost ("*": any; lmforge.serve.middleware.HostCheck), and
-    # whether this is a SageMaker container, where /invocations takes any content type.
+    # Host names answered to besides addresses and localhost ("*": any;
+    # lmforge.serve.middleware.HostCheck), and whether this is a SageMaker container, where
+    # /invocations takes any content type.
     allowed_hosts: tuple[str, ...] = ()
     sagemaker: bool = False
 
@@ -58,24 +62,34 @@ class ServeConfig:
 class Generation:
     """The engine requests behind one HTTP request, read as one stream of (choice index, Event)."""
 
-    def __init__(self, engine: Engine, jobs: list[tuple[list[int], RequestParams]], prompt_tokens: int):
+    def __init__(
+        self, engine: Engine, jobs: list[tuple[list[int], RequestParams]], prompt_tokens: int
+    ):
         loop = asyncio.get_running_loop()
         self.engine, self.queue, self.requests = engine, asyncio.Queue(), []
-        self.prompt_tokens = prompt_tokens  # each prompt once, however many choices it has (OpenAI's usage)
+        # each prompt once, however many choices it has (OpenAI's usage)
+        self.prompt_tokens = prompt_tokens
         self.completion_tokens: dict[int, int] = {}
         try:  # one group: the engine gives this request's rows and other requests' rows in turn
             for i, (ids, params) in enumerate(jobs):
-                self.requests.append(engine.submit(ids, params, partial(self._put, loop, i), group=self))
+                self.requests.append(
+                    engine.submit(ids, params, partial(self._put, loop, i), group=self)
+                )
         except UserError as e:
             self.close()
             raise APIError(400, str(e), param="prompt") from None
         except EngineBusy as e:
             self.close()
-            raise APIError(503, f"the server is busy ({e}): retry later", type="server_error",
-                           code="overloaded") from None
+            raise APIError(
+                503,
+                f"the server is busy ({e}): retry later",
+                type="server_error",
+                code="overloaded",
+            ) from None
 
     def _put(self, loop: asyncio.AbstractEventLoop, i: int, event: Event) -> None:
-        loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))  # called from the engine thread
+        # called from the engine thread
+        loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         left = len(self.requests)
@@ -96,8 +110,11 @@ class EventStream(StreamingResponse):
     it listens for the disconnect while waiting for tokens too, not only when a write fails."""
 
     def __init__(self, chunks: AsyncIterator[str]):
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        super().__init__(
+            chunks,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
 
     async def __call__(self, scope, receive, send):
         try:
@@ -115,33 +132,45 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-# A \uD800-\uDFFF escape: the only way a JSON body yields a lone surrogate, which no tokenizer can encode.
+# A \uD800-\uDFFF escape: the only way a JSON body yields a lone surrogate, which no tokenizer can
+# encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def read_json(raw: bytes):
-    """The body as a JSON value, or a 400: not JSON, nested past Python's recursion limit, or holding a lone
-    UTF-16 surrogate (valid JSON escapes, but not text: the tokenizer would fail on it)."""
+    """The body as a JSON value, or a 400: not JSON, nested past Python's recursion limit, or
+    holding a lone UTF-16 surrogate (valid JSON escapes, but not text: the tokenizer would fail
+    on it)."""
     try:
-        # Decoded strictly first: json.loads(bytes) lets UTF-8-encoded surrogates (ED A0 80) through.
+        # Decoded strictly first: json.loads(bytes) lets UTF-8-encoded surrogates (ED A0 80)
+        # through.
         data = json.loads(raw.decode("utf-8-sig") if isinstance(raw, bytes) else raw)
         if _SURROGATE_ESCAPE.search(raw):
             json.dumps(data, ensure_ascii=False).encode("utf-8")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:
-        raise APIError(400, "the request body is nested too deeply: send a flat OpenAI request body") from None
+        raise APIError(
+            400, "the request body is nested too deeply: send a flat OpenAI request body"
+        ) from None
     except UnicodeEncodeError as e:
         bad = f"\\u{ord(e.object[e.start]):04x}"
-        raise APIError(400, f"the request body holds a lone UTF-16 surrogate ({bad}) in a string: send text as "
-                            "UTF-8, or a character outside the BMP as a surrogate pair") from None
-    except ValueError as e:  # an integer literal past Python's digit limit (a UnicodeError is caught above)
-        raise APIError(400, f"the request body holds a number Python will not read ({e}): send a shorter one") from None
+        raise APIError(
+            400,
+            f"the request body holds a lone UTF-16 surrogate ({bad}) in a string: send text as "
+            "UTF-8, or a character outside the BMP as a surrogate pair",
+        ) from None
+    # an integer literal past Python's digit limit (a UnicodeError is caught above)
+    except ValueError as e:
+        raise APIError(
+            400, f"the request body holds a number Python will not read ({e}): send a shorter one"
+        ) from None
     return data
 
 
 def generation_error(ev) -> APIError:
-    """A request's generation that ended in error: a 400 where its own settings caused it, else a 500."""
+    """A request's generation that ended in error: a 400 where its own settings caused it, else a
+    500."""
     if ev.client_error:
         return APIError(400, f"generation stopped: {ev.error}")
     return APIError(500, f"generation failed: {ev.error}", type="server_error")
@@ -156,11 +185,13 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 class Server:
-    """What the routes share: the engine, the tokenizer, the chat format, the settings and the metrics."""
+    """What the routes share: the engine, the tokenizer, the chat format, the settings and the
+    metrics."""
 
     def __init__(self, engine: Engine, tokenizer, chat: ChatFormat, config: ServeConfig):
         self.engine, self.tokenizer, self.chat, self.config = engine, tokenizer, chat, config
-        self.prompts = PromptWork(tokenizer, chat)  # parsing, rendering, tokenizing: off the event loop
+        # parsing, rendering, tokenizing: off the event loop
+        self.prompts = PromptWork(tokenizer, chat)
         self.metrics = Metrics()
         self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
         self.token_text = TokenText(tokenizer)  # logprobs' token strings and bytes
@@ -170,48 +201,105 @@ class Server:
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
-            raise APIError(404, f"the model '{name}' does not exist: this server serves '{self.config.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist: this server serves '{self.config.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
-    def max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens",
-                   prompt_param: str = "prompt", scored: bool = False) -> int:
-        """The tokens to generate for a prompt: as requested if it fits, else a 400 naming the limit; 0 only where
-        the prompt is `scored` (echo with logprobs: its own log-probabilities are the answer)."""
+    def max_tokens(
+        self,
+        requested: int | None,
+        prompt_len: int,
+        param: str = "max_tokens",
+        prompt_param: str = "prompt",
+        scored: bool = False,
+    ) -> int:
+        """The tokens to generate for a prompt: as requested if it fits, else a 400 naming the
+        limit; 0 only where the prompt is `scored` (echo with logprobs: its own log-probabilities
+        are the answer)."""
         limit, context = self.config.max_tokens_limit, self.engine.context
         if requested == 0 and not scored:
-            raise APIError(400, f"{param} is 0: ask for at least 1 token (0 only with echo, on /v1/completions)",
-                           param=param)
+            raise APIError(
+                400,
+                f"{param} is 0: ask for at least 1 token (0 only with echo, on /v1/completions)",
+                param=param,
+            )
         if requested is not None and requested > limit:
-            raise APIError(400, f"{param} is {requested}, over this server's limit of {limit}", param=param)
+            raise APIError(
+                400, f"{param} is {requested}, over this server's limit of {limit}", param=param
+            )
         problem = context_overflow(prompt_len, requested, context, param)
         if problem:  # the field to change: the prompt where it alone fills the context
-            raise APIError(400, problem, param=param if prompt_len < context else prompt_param,
-                           code="context_length_exceeded")
-        return requested if requested is not None else min(self.config.default_max_tokens, limit, context - prompt_len)
+            raise APIError(
+                400,
+                problem,
+                param=param if prompt_len < context else prompt_param,
+                code="context_length_exceeded",
+            )
+        return (
+            requested
+            if requested is not None
+            else min(self.config.default_max_tokens, limit, context - prompt_len)
+        )
 
-    def start(self, prompts: list[list[int]], requested: int | None, sampling: SamplingParams, n: int,
-              stop: list[str], seed: int | None, param: str = "max_tokens", prompt_param: str = "prompt",
-              skip_special_tokens: bool = True, extra: dict | None = None) -> Generation:
-        """The engine requests behind one HTTP request; `extra`: more RequestParams fields (request_extras)."""
+    def start(
+        self,
+        prompts: list[list[int]],
+        requested: int | None,
+        sampling: SamplingParams,
+        n: int,
+        stop: list[str],
+        seed: int | None,
+        param: str = "max_tokens",
+        prompt_param: str = "prompt",
+        skip_special_tokens: bool = True,
+        extra: dict | None = None,
+    ) -> Generation:
+        """The engine requests behind one HTTP request; `extra`: more RequestParams fields
+        (request_extras)."""
         extra = extra or {}
         choices = len(prompts) * n
         if choices > self.config.max_choices:
-            raise APIError(400, f"this request asks for {choices} choices ({len(prompts)} prompts x n={n}), over this "
-                                f"server's limit of {self.config.max_choices}: send fewer in each request",
-                           param="n" if n > 1 else "prompt")
+            raise APIError(
+                400,
+                f"this request asks for {choices} choices ({len(prompts)} prompts x n={n}), over this "
+                f"server's limit of {self.config.max_choices}: send fewer in each request",
+                param="n" if n > 1 else "prompt",
+            )
         jobs = []
         for ids in prompts:
-            limit = self.max_tokens(requested, len(ids), param, prompt_param, extra.get("prompt_logprobs") is not None)
+            limit = self.max_tokens(
+                requested, len(ids), param, prompt_param, extra.get("prompt_logprobs") is not None
+            )
             if extra.get("min_tokens", 0) > limit:
-                raise APIError(400, f"min_tokens is {extra['min_tokens']}, over the {param} of {limit}: lower it",
-                               param="min_tokens")
+                raise APIError(
+                    400,
+                    f"min_tokens is {extra['min_tokens']}, over the {param} of {limit}: lower it",
+                    param="min_tokens",
+                )
             for j in range(n):  # the choices of one seeded request differ from each other
-                jobs.append((ids, RequestParams(limit, sampling, stop, None if seed is None else seed + j,
-                                                skip_special_tokens, **extra)))
+                jobs.append(
+                    (
+                        ids,
+                        RequestParams(
+                            limit,
+                            sampling,
+                            stop,
+                            None if seed is None else seed + j,
+                            skip_special_tokens,
+                            **extra,
+                        ),
+                    )
+                )
         return Generation(self.engine, jobs, sum(len(ids) for ids in prompts))
 
-    async def collect(self, request: Request, gen: Generation, route: str, start: float) -> dict[int, dict]:
-        """Each choice's text and finish reason once all are done; cancelled if the client disconnects."""
+    async def collect(
+        self, request: Request, gen: Generation, route: str, start: float
+    ) -> dict[int, dict]:
+        """Each choice's text and finish reason once all are done; cancelled if the client
+        disconnects."""
         out: dict[int, dict] = {}
 
         async def consume():
@@ -246,11 +334,20 @@ class Server:
         work.result()  # raises what consume raised
         return out
 
-    async def chunks(self, gen: Generation, include_usage: bool, make_chunk, route: str, start: float,
-                     role_chunk=None) -> AsyncIterator[str]:
-        """A generation as server-sent events; make_chunk(index, event) -> chunk, (None, None) -> the head."""
+    async def chunks(
+        self,
+        gen: Generation,
+        include_usage: bool,
+        make_chunk,
+        route: str,
+        start: float,
+        role_chunk=None,
+    ) -> AsyncIterator[str]:
+        """A generation as server-sent events; make_chunk(index, event) -> chunk, (None, None) ->
+        the head."""
         started: set[int] = set()
-        held: dict[int, list] = {}  # logprobs of tokens whose text is held back: sent with the next chunk
+        # logprobs of tokens whose text is held back: sent with the next chunk
+        held: dict[int, list] = {}
         try:
             async for i, ev in gen.events():
                 if not started:
@@ -286,12 +383,26 @@ class Server:
         requested, param = body.requested_tokens()
         extra = self.request_extras(body, body.logprobs)
         extra["grammar"] = await grammar_of(self.engine, body)
-        if body.echo:  # the prompt's tokens scored too: what an evaluator sends (with max_tokens 0 or 1)
+        # the prompt's tokens scored too: what an evaluator sends (with max_tokens 0 or 1)
+        if body.echo:
             extra["prompt_logprobs"] = body.logprobs or 0
-        gen = self.start(prompts, requested, sampling_of(body, self.config.sampling_defaults), body.n, body.stop,
-                         body.seed, param, skip_special_tokens=body.skip_special_tokens, extra=extra)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.config.model_name}
+        gen = self.start(
+            prompts,
+            requested,
+            sampling_of(body, self.config.sampling_defaults),
+            body.n,
+            body.stop,
+            body.seed,
+            param,
+            skip_special_tokens=body.skip_special_tokens,
+            extra=extra,
+        )
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.config.model_name,
+        }
 
         def echoed(i: int) -> str:  # the prompt as sent (token ids: their text)
             p = texts[i // body.n]
@@ -302,37 +413,73 @@ class Server:
         def logprobs(i: int, prompt: list | None, tokens: list | None) -> dict | None:
             if body.logprobs is None:
                 return None
-            out, offsets[i] = completion_logprobs(self.token_text, [*(prompt or []), *(tokens or [])],
-                                                  offsets.get(i, 0))
+            out, offsets[i] = completion_logprobs(
+                self.token_text, [*(prompt or []), *(tokens or [])], offsets.get(i, 0)
+            )
             return out
 
         if body.stream:
+
             def chunk(i, ev):
                 if i is None:
                     return dict(head)
-                text = (echoed(i) if ev.prompt_logprobs is not None else "") + ev.text + kept_stop(body, ev.stop_string)
-                return {**head, "choices": [{"index": i, "text": text, "logprobs": logprobs(
-                    i, ev.prompt_logprobs, ev.logprobs), "finish_reason": ev.finish_reason}]}
+                text = (
+                    (echoed(i) if ev.prompt_logprobs is not None else "")
+                    + ev.text
+                    + kept_stop(body, ev.stop_string)
+                )
+                return {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "text": text,
+                            "logprobs": logprobs(i, ev.prompt_logprobs, ev.logprobs),
+                            "finish_reason": ev.finish_reason,
+                        }
+                    ],
+                }
 
             return EventStream(self.chunks(gen, body.include_usage, chunk, route, start))
         out = await self.collect(request, gen, route, start)
-        choices = [{"index": i, "text": (echoed(i) if body.echo else "") + c["text"] + kept_stop(
-            body, c.get("stop_string")), "logprobs": logprobs(i, c.get("prompt_logprobs"), c["logprobs"]),
-            "finish_reason": c["finish_reason"]} for i, c in sorted(out.items())]
+        choices = [
+            {
+                "index": i,
+                "text": (echoed(i) if body.echo else "")
+                + c["text"]
+                + kept_stop(body, c.get("stop_string")),
+                "logprobs": logprobs(i, c.get("prompt_logprobs"), c["logprobs"]),
+                "finish_reason": c["finish_reason"],
+            }
+            for i, c in sorted(out.items())
+        ]
         return {**head, "choices": choices, "usage": usage(gen)}
 
     def request_extras(self, body, logprobs: int | None) -> dict:
-        """The RequestParams fields a body sets beyond sampling_of's: penalties, logit_bias, stop ids, logprobs."""
+        """The RequestParams fields a body sets beyond sampling_of's: penalties, logit_bias, stop
+        ids, logprobs."""
         vocab = self.engine.model.config.vocab_size
-        for name, ids in (("logit_bias", body.logit_bias or ()), ("stop_token_ids", body.stop_token_ids or ())):
+        for name, ids in (
+            ("logit_bias", body.logit_bias or ()),
+            ("stop_token_ids", body.stop_token_ids or ()),
+        ):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"invalid value for '{name}': token id {bad[0]} is outside this model's "
-                                    f"vocabulary [0, {vocab})", param=name)
-        return {"frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
-                "logit_bias": body.logit_bias, "min_tokens": body.min_tokens,
-                "stop_token_ids": tuple(body.stop_token_ids or ()), "ignore_eos": body.ignore_eos,
-                "logprobs": logprobs}
+                raise APIError(
+                    400,
+                    f"invalid value for '{name}': token id {bad[0]} is outside this model's "
+                    f"vocabulary [0, {vocab})",
+                    param=name,
+                )
+        return {
+            "frequency_penalty": body.frequency_penalty,
+            "presence_penalty": body.presence_penalty,
+            "logit_bias": body.logit_bias,
+            "min_tokens": body.min_tokens,
+            "stop_token_ids": tuple(body.stop_token_ids or ()),
+            "ignore_eos": body.ignore_eos,
+            "logprobs": logprobs,
+        }
 
     async def chat_completions(self, request: Request, body: ChatRequest):
         start, route = time.perf_counter(), "/v1/chat/completions"
@@ -344,13 +491,29 @@ class Server:
         requested, param = body.requested_tokens()
         extra = self.request_extras(body, (body.top_logprobs or 0) if body.logprobs else None)
         extra["grammar"] = await grammar_of(self.engine, body)
-        gen = self.start([ids], requested, sampling_of(body, self.config.sampling_defaults), body.n,
-                         [*body.stop, *self.chat.stop], body.seed, param, "messages", body.skip_special_tokens, extra)
+        gen = self.start(
+            [ids],
+            requested,
+            sampling_of(body, self.config.sampling_defaults),
+            body.n,
+            [*body.stop, *self.chat.stop],
+            body.seed,
+            param,
+            "messages",
+            body.skip_special_tokens,
+            extra,
+        )
 
         def logprobs(entries: list | None) -> dict | None:
-            return {"content": chat_content(self.token_text, entries or [])} if body.logprobs else None
+            return (
+                {"content": chat_content(self.token_text, entries or [])} if body.logprobs else None
+            )
 
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": self.config.model_name,
+        }
         if body.stream:
             head["object"] = "chat.completion.chunk"
 
@@ -359,44 +522,88 @@ class Server:
                     return dict(head)
                 text = ev.text + kept_stop(body, ev.stop_string)
                 delta = {"content": text} if text else {}
-                return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs(ev.logprobs),
-                                             "finish_reason": ev.finish_reason}]}
+                return {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": delta,
+                            "logprobs": logprobs(ev.logprobs),
+                            "finish_reason": ev.finish_reason,
+                        }
+                    ],
+                }
 
             def role(i):
-                return {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]}
+                return {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
 
             return EventStream(self.chunks(gen, body.include_usage, chunk, route, start, role))
         out = await self.collect(request, gen, route, start)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c["text"] + kept_stop(
-            body, c.get("stop_string"))}, "logprobs": logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]}
-            for i, c in sorted(out.items())]
+        choices = [
+            {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": c["text"] + kept_stop(body, c.get("stop_string")),
+                },
+                "logprobs": logprobs(c["logprobs"]),
+                "finish_reason": c["finish_reason"],
+            }
+            for i, c in sorted(out.items())
+        ]
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(gen)}
 
     def model_card(self) -> dict:
         # max_model_len: the tokens a request may hold, prompt and completion (vLLM's field for it).
-        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "lmforge",
-                "max_model_len": self.engine.context}
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "lmforge",
+            "max_model_len": self.engine.context,
+        }
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "min_p")
 
 
 def sampling_of(body, defaults: dict[str, float | int] | None = None) -> SamplingParams:
-    """The body's sampling fields; one it left out (or sent as null) is the server's default where it has one
-    (`defaults`: the model folder's), else OpenAI's. A request's temperature 0 is greedy whatever the defaults."""
-    values = {name: getattr(body, name) if name in body.model_fields_set else (defaults or {}).get(
-        name, getattr(body, name)) for name in SAMPLING_FIELDS}
+    """The body's sampling fields; one it left out (or sent as null) is the server's default
+    where it has one (`defaults`: the model folder's), else OpenAI's. A request's temperature 0
+    is greedy whatever the defaults."""
+    values = {
+        name: getattr(body, name)
+        if name in body.model_fields_set
+        else (defaults or {}).get(name, getattr(body, name))
+        for name in SAMPLING_FIELDS
+    }
     return SamplingParams(**values)
 
 
 def kept_stop(body, stop_string: str | None) -> str:
     """The stop string that ended a choice, to append to its text where the request asks (vLLM's
     include_stop_str_in_output): only one of the request's own, not those the chat format adds."""
-    return stop_string if stop_string and body.include_stop_str_in_output and stop_string in body.stop else ""
+    return (
+        stop_string
+        if stop_string and body.include_stop_str_in_output and stop_string in body.stop
+        else ""
+    )
 
 
 def usage(gen: Generation) -> dict:
     completion = sum(gen.completion_tokens.values())
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": gen.prompt_tokens + completion}
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": gen.prompt_tokens + completion,
+    }

@@ -1,11 +1,12 @@
-"""The data.* keys each task reads, and the refusal of the others: a key set to anything but its default that the
-run's task never reads is a mistake (data.valid_file under pretraining validated on nothing it named), said in one
-line when the config is read, naming the key, the task and what the task reads instead.
+"""The data.* keys each task reads, and the refusal of the others: a key set to anything but its
+default that the run's task never reads is a mistake (data.valid_file under pretraining validated on
+nothing it named), said in one line when the config is read, naming the key, the task and what the
+task reads instead.
 
-READS declares per task (a name in lmforge.train.tasks.TASKS; a test keeps the two in step) the keys it reads
-beyond READ_BY_ALL, UNREAD_WITH those it leaves unread once another is set, and INSTEAD what it uses in place of a
-key it does not read. (A table here rather than on the Task classes: the config is checked as it is read, and the
-tasks import the config.)
+READS declares per task (a name in lmforge.train.tasks.TASKS; a test keeps the two in step) the keys
+it reads beyond READ_BY_ALL, UNREAD_WITH those it leaves unread once another is set, and INSTEAD
+what it uses in place of a key it does not read. (A table here rather than on the Task classes: the
+config is checked as it is read, and the tasks import the config.)
 """
 
 from __future__ import annotations
@@ -19,15 +20,25 @@ READ_BY_ALL = frozenset({"task", "seq_length", "tokenizer", "num_workers"})
 FINE_TUNING = frozenset({"train_file", "valid_file", "pad_to_multiple_of"})
 READS: dict[str, frozenset[str]] = {
     "pretrain": frozenset({"paths", "split", "valid_paths", "cache_dir"}),
-    "sft": FINE_TUNING | {"packing", "prompt_template", "chat_template", "assistant_only_loss", "truncate",
-                          "max_train_examples"},
+    "sft": FINE_TUNING
+    | {
+        "packing",
+        "prompt_template",
+        "chat_template",
+        "assistant_only_loss",
+        "truncate",
+        "max_train_examples",
+    },
     "classification": FINE_TUNING | {"text_key", "label_key"},
     "mlm": frozenset({"paths", "valid_file", "cache_dir", "pad_to_multiple_of"}),
     "dpo": FINE_TUNING | {"prompt_template", "chat_template", "truncate", "max_train_examples"},
     "grpo": frozenset({"train_file", "chat_template", "max_train_examples"}),
 }
-# Keys a task leaves unread once another is set: with held-out prefixes, pretraining trains on data.paths whole.
-UNREAD_WITH: dict[str, dict[str, frozenset[str]]] = {"pretrain": {"valid_paths": frozenset({"split"})}}
+# Keys a task leaves unread once another is set: with held-out prefixes, pretraining trains on
+# data.paths whole.
+UNREAD_WITH: dict[str, dict[str, frozenset[str]]] = {
+    "pretrain": {"valid_paths": frozenset({"split"})}
+}
 FINE_TUNING_INSTEAD = {
     "paths": "fine-tuning reads data.train_file (JSON lines; classification: TSV, CSV or JSONL), not tokenized "
     "prefixes",
@@ -71,7 +82,12 @@ INSTEAD: dict[str, dict[str, str]] = {
 
 def reads(task: str, data: Any) -> frozenset[str]:
     """The data keys `task` reads with `data` (a DataConfig) as set (see UNREAD_WITH)."""
-    unread = {key for given, keys in UNREAD_WITH.get(task, {}).items() if getattr(data, given) for key in keys}
+    unread = {
+        key
+        for given, keys in UNREAD_WITH.get(task, {}).items()
+        if getattr(data, given)
+        for key in keys
+    }
     return (READ_BY_ALL | READS[task]) - unread
 
 
@@ -81,8 +97,8 @@ def readers(key: str) -> list[str]:
 
 
 def check_data_keys(data: Any) -> None:
-    """UserError for the first key of `data` (a DataConfig) that data.task does not read yet is set away from its
-    default. An unknown data.task is lmforge.train.tasks.get_task's to refuse."""
+    """UserError for the first key of `data` (a DataConfig) that data.task does not read yet is
+    set away from its default. An unknown data.task is lmforge.train.tasks.get_task's to refuse."""
     if data.task not in READS:
         return
     default, read = type(data)(), reads(data.task, data)
@@ -91,6 +107,10 @@ def check_data_keys(data: Any) -> None:
             continue
         instead, names = INSTEAD[data.task].get(f.name), readers(f.name)
         if data.task in names:  # read by this task, but not with the other keys as set
-            raise UserError(f"data.{f.name} is not read by data.task={data.task} as configured: {instead}")
+            raise UserError(
+                f"data.{f.name} is not read by data.task={data.task} as configured: {instead}"
+            )
         fix = instead or (f"unset it, or set data.task={names[0]}" if names else "unset it")
-        raise UserError(f"data.{f.name} is read by data.task={', '.join(names)}, not data.task={data.task}: {fix}")
+        raise UserError(
+            f"data.{f.name} is read by data.task={', '.join(names)}, not data.task={data.task}: {fix}"
+        )

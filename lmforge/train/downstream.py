@@ -29,8 +29,10 @@ class DownstreamEval:
     def __init__(self, cfg, tokenizer, is_main: bool):
         """`cfg`: the run's EvalConfig (tasks set); `tokenizer`: the run's."""
         if tokenizer is None:
-            raise UserError("eval.tasks needs the run's tokenizer: set data.tokenizer (or model.init_from a folder "
-                            "with tokenizer files)")
+            raise UserError(
+                "eval.tasks needs the run's tokenizer: set data.tokenizer (or model.init_from a folder "
+                "with tokenizer files)"
+            )
         self.cfg, self.tokenizer, self.is_main = cfg, tokenizer, is_main
         self.tasks = None
         if is_main:
@@ -46,7 +48,9 @@ class DownstreamEval:
     def run(self, training, mcfg, device: torch.device) -> dict[str, float]:
         """The tasks' metrics on rank 0 ({} elsewhere). Every rank must call it."""
         model = training.model
-        whole = not training.pm.pipelined and not any(isinstance(p, _dtensor()) for p in model.parameters())
+        whole = not training.pm.pipelined and not any(
+            isinstance(p, _dtensor()) for p in model.parameters()
+        )
         full = None if whole else training.full_state_dict()  # a collective: every rank
         metrics: dict[str, float] = {}
         if self.is_main:
@@ -67,16 +71,27 @@ class DownstreamEval:
         start = time.perf_counter()
         try:
             with preserved_rng(), quiet_task_bars():
-                lm = LMForgeLM(model=model.eval(), tokenizer=self.tokenizer, batch_size=self.cfg.batch_size,
-                               progress=False)
+                lm = LMForgeLM(
+                    model=model.eval(),
+                    tokenizer=self.tokenizer,
+                    batch_size=self.cfg.batch_size,
+                    progress=False,
+                )
                 limit = self.cfg.limit
-                results = evaluate(lm, self.tasks, num_fewshot=self.cfg.num_fewshot,
-                                   limit=int(limit) if limit is not None and limit >= 1 else limit)
+                results = evaluate(
+                    lm,
+                    self.tasks,
+                    num_fewshot=self.cfg.num_fewshot,
+                    limit=int(limit) if limit is not None and limit >= 1 else limit,
+                )
         finally:
             model.train(was_training)
         metrics = scalar_metrics(results)
-        log.info("downstream eval (%.1f s): %s", time.perf_counter() - start,
-                 ", ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in metrics.items()))
+        log.info(
+            "downstream eval (%.1f s): %s",
+            time.perf_counter() - start,
+            ", ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in metrics.items()),
+        )
         return metrics
 
 

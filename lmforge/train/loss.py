@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
-# The batch key of a token loss's scored positions (labels != IGNORE_INDEX, as flat indices), found on the host
-# while the batch is still there (lmforge.train.step): dropping the others then needs no host sync.
+# The batch key of a token loss's scored positions (labels != IGNORE_INDEX, as flat indices), found
+# on the host while the batch is still there (lmforge.train.step): dropping the others then needs no
+# host sync.
 SCORED_ROWS = "scored_rows"
-# Beside it, how many of them each row has: a CPU tensor the batch keeps on the host (a per-row loss, DPO's, splits
-# SCORED_ROWS by it and knows its blank rows without reading the device).
+# Beside it, how many of them each row has: a CPU tensor the batch keeps on the host (a per-row
+# loss, DPO's, splits SCORED_ROWS by it and knows its blank rows without reading the device).
 SCORED_PER_ROW = "scored_per_row"
 # fp32 softmax work per block of rows on CPU: small enough to stay in cache across the block's few
 # passes, large enough that a step runs few small parallel ops (each one waits for every thread).
@@ -47,13 +48,21 @@ def compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(h.dtype, weight.dtype)
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                         vocab_size: int | None = None, chunk_tokens: int = 1024,
-                         ignore_index: int = IGNORE_INDEX, scored_rows: torch.Tensor | None = None,
-                         softcap: float | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    chunk_tokens: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+    scored_rows: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Summed cross-entropy of `h @ weight.T + bias` against `labels` (fp32 scalar), as
-    `F.cross_entropy(F.linear(h, weight, bias).float(), labels, reduction="sum")` computes it; with `softcap`,
-    of the capped logits `softcap * tanh(logits / softcap)` (as the model's SoftCappedVocabProjection gives them).
+    `F.cross_entropy(F.linear(h, weight, bias).float(), labels, reduction="sum")` computes it; with
+    `softcap`, of the capped logits `softcap * tanh(logits / softcap)` (as the model's
+    SoftCappedVocabProjection gives them).
 
     h: (..., hidden); labels: the same leading shape; weight: (rows, hidden), of which only the
     first vocab_size rows are the vocabulary (the rest is padding, never scored). scored_rows: the
@@ -69,21 +78,34 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         keep = labels != ignore_index
         if not bool(keep.all()):
             scored_rows = keep.nonzero().squeeze(1)
-    if scored_rows is not None and scored_rows.shape[0] < labels.shape[0]:  # shapes: known without the device
+    # shapes: known without the device
+    if scored_rows is not None and scored_rows.shape[0] < labels.shape[0]:
         h, labels = h.index_select(0, scored_rows), labels.index_select(0, scored_rows)
-    needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (h, weight, bias))
-    return _LinearCrossEntropy.apply(h, weight, bias, labels, compute_dtype(h, weight), chunk_tokens, needs, softcap)
+    needs = tuple(
+        torch.is_grad_enabled() and t is not None and t.requires_grad for t in (h, weight, bias)
+    )
+    return _LinearCrossEntropy.apply(
+        h, weight, bias, labels, compute_dtype(h, weight), chunk_tokens, needs, softcap
+    )
 
 
-def _softmax_rows_(z: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, probs: torch.Tensor,
-                   need_grad: bool, on_host: bool | None = None, softcap: float | None = None,
-                   tanh: torch.Tensor | None = None) -> None:
-    """Per-token losses of a chunk's logits `z`, and (need_grad) z <- softmax(z) - onehot(labels),
-    block by block of probs' rows, in fp32 whatever z's dtype. `on_host` (default: z on the CPU): whether
-    reading the device is free, so that only the rows whose probability underflows get log-softmax; on an
-    accelerator every row's exact loss is computed and chosen on the device, without a host sync.
-    softcap: the logits are c = softcap * tanh(z / softcap) (`tanh`, probs' shape, holds the block's tanh) and
-    z <- (softmax(c) - onehot(labels)) * (1 - tanh^2), the gradient through the cap."""
+def _softmax_rows_(
+    z: torch.Tensor,
+    labels: torch.Tensor,
+    losses: torch.Tensor,
+    probs: torch.Tensor,
+    need_grad: bool,
+    on_host: bool | None = None,
+    softcap: float | None = None,
+    tanh: torch.Tensor | None = None,
+) -> None:
+    """Per-token losses of a chunk's logits `z`, and (need_grad) z <- softmax(z) -
+    onehot(labels), block by block of probs' rows, in fp32 whatever z's dtype. `on_host`
+    (default: z on the CPU): whether reading the device is free, so that only the rows whose
+    probability underflows get log-softmax; on an accelerator every row's exact loss is computed
+    and chosen on the device, without a host sync. softcap: the logits are c = softcap * tanh(z /
+    softcap) (`tanh`, probs' shape, holds the block's tanh) and z <- (softmax(c) -
+    onehot(labels)) * (1 - tanh^2), the gradient through the cap."""
     if on_host is None:
         on_host = z.device.type == "cpu"
     block = probs.shape[0]
@@ -103,10 +125,12 @@ def _softmax_rows_(z: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, 
 
             def logits(rows=slice(None), tr=tr):
                 return tr[rows] * softcap
+
         p_label = pr.gather(1, yr).squeeze(1)
         loss = p_label.log().neg_()
         tiny = p_label < TINY_PROBABILITY
-        if not on_host:  # -log p loses precision as p underflows: logsumexp(z) - z[label] for those rows
+        # -log p loses precision as p underflows: logsumexp(z) - z[label] for those rows
+        if not on_host:
             zf = logits()
             exact = torch.logsumexp(zf, 1).sub_(zf.gather(1, yr).squeeze(1))
             loss = torch.where(tiny, exact, loss)
@@ -130,7 +154,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_grad = any(needs)
         device = h.device
         chunk = max(1, min(chunk_tokens, n))
-        block = chunk if device.type != "cpu" else max(1, min(chunk, CPU_BLOCK_BYTES // (4 * vocab)))
+        block = (
+            chunk if device.type != "cpu" else max(1, min(chunk, CPU_BLOCK_BYTES // (4 * vocab)))
+        )
         logits = torch.empty(chunk, vocab, dtype=dtype, device=device)
         probs = torch.empty(block, vocab, dtype=torch.float32, device=device)
         tanh = torch.empty_like(probs) if softcap is not None else None
@@ -140,7 +166,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc, w = h.to(dtype), weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             grad_h = torch.empty_like(hc) if needs[0] else None
-            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=device) if needs[1] and n == 0 else None
+            grad_w = (
+                torch.zeros(w.shape, dtype=torch.float32, device=device)
+                if needs[1] and n == 0
+                else None
+            )
             grad_b = torch.zeros(vocab, dtype=torch.float32, device=device) if needs[2] else None
             for start in range(0, n, chunk):
                 end = min(n, start + chunk)
@@ -149,7 +179,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(hs, w.t(), out=z)
                 else:
                     torch.addmm(b, hs, w.t(), out=z)
-                _softmax_rows_(z, labels[start:end], losses[start:end], probs, need_grad, softcap=softcap, tanh=tanh)
+                _softmax_rows_(
+                    z,
+                    labels[start:end],
+                    losses[start:end],
+                    probs,
+                    need_grad,
+                    softcap=softcap,
+                    tanh=tanh,
+                )
                 if grad_h is not None:
                     torch.mm(z, w, out=grad_h[start:end])
                 if grad_b is not None:

@@ -1,5 +1,6 @@
-"""A run's meters: what its throughput, MFU and cost are measured against (the device's peak, the model's FLOPs per
-token, the nodes paid for), each step's figures, and the totals of this invocation's steps (its last line)."""
+"""A run's meters: what its throughput, MFU and cost are measured against (the device's peak, the
+model's FLOPs per token, the nodes paid for), each step's figures, and the totals of this
+invocation's steps (its last line)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from lmforge.train.setup import memory_gb
 @dataclass
 class RunMeters:
     peak: float  # FLOP/s per process
-    peak_source: str  # where `peak` comes from: "config", a measurement, a datasheet ("unused": nothing trains)
+    # where `peak` comes from: "config", a measurement, a datasheet ("unused": nothing trains)
+    peak_source: str
     flops_per_token: float
     mfu: MFU
     mfu_fp8: MFU | None  # trainer.float8: MFU against the FP8 peak too
@@ -48,7 +50,8 @@ class RunMeters:
         nodes: int,
         trains: bool = True,
     ) -> RunMeters:
-        """`trains` false (a finished run's rerun): no seconds spent measuring a peak nothing is measured against."""
+        """`trains` false (a finished run's rerun): no seconds spent measuring a peak nothing is
+        measured against."""
         cost = cfg.cost
         if cost.peak_flops or not trains:
             peak, source = cost.peak_flops or 1.0, "config" if cost.peak_flops else "unused"
@@ -58,8 +61,18 @@ class RunMeters:
         if cfg.lora is not None:
             per_token *= LORA_FLOPS_FRACTION
         measured = not cost.peak_flops and device.type == "cpu"
-        mfu = MFU(per_token, peak, source, world_size, cpu_peak_key(precision.compute_dtype) if measured else None)
-        fp8 = float8_mfu(device, per_token, world_size, cost.peak_flops_fp8) if cfg.trainer.float8 else None
+        mfu = MFU(
+            per_token,
+            peak,
+            source,
+            world_size,
+            cpu_peak_key(precision.compute_dtype) if measured else None,
+        )
+        fp8 = (
+            float8_mfu(device, per_token, world_size, cost.peak_flops_fp8)
+            if cfg.trainer.float8
+            else None
+        )
         return cls(
             peak,
             source,
@@ -85,7 +98,8 @@ class RunMeters:
         return self.usd_per_hour * self.nodes
 
     def step(self, step_time: float, tokens: float) -> dict[str, float]:
-        """A step's figures (added to the totals): its time, tokens and sequences per second, MFU, memory, cost."""
+        """A step's figures (added to the totals): its time, tokens and sequences per second,
+        MFU, memory, cost."""
         self.totals.add(tokens, step_time)
         tps = tokens / step_time
         per_dollar = tokens_per_dollar(tps, self.usd_per_hour, nodes=self.nodes)
@@ -96,7 +110,11 @@ class RunMeters:
             "mfu": self.mfu(tps),
             **({"mfu_fp8": self.mfu_fp8(tps)} if self.mfu_fp8 is not None else {}),
             "memory_gb": memory_gb(self.device),
-            **({"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar} if per_dollar else {}),
+            **(
+                {"tokens_per_dollar": per_dollar, "usd_per_million_tokens": 1e6 / per_dollar}
+                if per_dollar
+                else {}
+            ),
         }
 
     def summary(self, step: int, wall: float, last: dict[str, float]) -> str:

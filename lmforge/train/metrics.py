@@ -1,5 +1,5 @@
-"""What a training step costs: model FLOPs, the machine's peak, MFU, and tokens per dollar; the run's
-totals (its last line); plus the run's metric sinks (TensorBoard scalars and a JSONL file)."""
+"""What a training step costs: model FLOPs, the machine's peak, MFU, and tokens per dollar; the
+run's totals (its last line); plus the run's metric sinks (TensorBoard scalars and a JSONL file)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from lmforge.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-# Dense (no sparsity) peak FLOP/s per GPU from the vendors' datasheets.
-# NVIDIA H100 SXM5 / H200 SXM: "H100 Tensor Core GPU" and "H200 Tensor Core GPU" datasheets
-# (989.4 TFLOPS bf16 dense, 66.9 TFLOPS fp32 / 494.7 TF32 dense); A100 SXM4: "A100 Tensor Core
-# GPU" datasheet (312 TFLOPS bf16, 19.5 fp32); H100 PCIe: 756 bf16, 51 fp32; H100 NVL: 835.5 bf16 dense
-# (the datasheet's 1,671 is with sparsity), 60 fp32. The first key found in the device name wins: the
-# specific variants come before the plain "H100" (the SXM part, named "NVIDIA H100 80GB HBM3").
-# FP8 (float8_e4m3fn, what trainer.float8's matmuls run in): the same datasheets list it with sparsity only
-# (H100 SXM and H200 3,958 TFLOPS, H100 NVL 3,341, H100 PCIe 3,026): the dense peak is half. The A100 has no FP8.
+# Dense (no sparsity) peak FLOP/s per GPU from the vendors' datasheets. NVIDIA H100 SXM5 / H200 SXM:
+# "H100 Tensor Core GPU" and "H200 Tensor Core GPU" datasheets (989.4 TFLOPS bf16 dense, 66.9 TFLOPS
+# fp32 / 494.7 TF32 dense); A100 SXM4: "A100 Tensor Core GPU" datasheet (312 TFLOPS bf16, 19.5
+# fp32); H100 PCIe: 756 bf16, 51 fp32; H100 NVL: 835.5 bf16 dense (the datasheet's 1,671 is with
+# sparsity), 60 fp32. The first key found in the device name wins: the specific variants come before
+# the plain "H100" (the SXM part, named "NVIDIA H100 80GB HBM3"). FP8 (float8_e4m3fn, what
+# trainer.float8's matmuls run in): the same datasheets list it with sparsity only (H100 SXM and
+# H200 3,958 TFLOPS, H100 NVL 3,341, H100 PCIe 3,026): the dense peak is half. The A100 has no FP8.
 FP8 = torch.float8_e4m3fn
 GPU_PEAKS = {
     "H200": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12, FP8: 1978.9e12},
@@ -39,7 +39,8 @@ GPU_PEAKS = {
 
 
 def datasheet_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
-    """(a GPU's dense datasheet peak for `dtype`, its source), or None for a device or dtype not in GPU_PEAKS."""
+    """(a GPU's dense datasheet peak for `dtype`, its source), or None for a device or dtype not
+    in GPU_PEAKS."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -50,31 +51,37 @@ def datasheet_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), as in the PaLM paper's MFU:
-    6 * N for the weight matmuls (N = parameters that multiply activations: every Linear and
-    the output head, not the embedding lookup) + 12 * layers * seq * (heads * head_dim) for the
-    attention scores and the weighted sum over values (not halved for causality); a sliding-window
-    layer's keys are at most its window (Mistral, Gemma's local layers). A MoE layer counts the experts a token
-    is routed through (experts_per_token of them) and its router, not the experts it skips."""
+    """Training FLOPs per token (forward + backward = 3x forward), as in the PaLM paper's MFU: 6
+    * N for the weight matmuls (N = parameters that multiply activations: every Linear and the
+    output head, not the embedding lookup) + 12 * layers * seq * (heads * head_dim) for the
+    attention scores and the weighted sum over values (not halved for causality); a
+    sliding-window layer's keys are at most its window (Mistral, Gemma's local layers). A MoE
+    layer counts the experts a token is routed through (experts_per_token of them) and its
+    router, not the experts it skips."""
     d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = d * (h + 2 * kv) * hd + h * hd * d
     mlp = d * cfg.intermediate_size * (3 if cfg.gated_mlp else 2)
     moe = d * cfg.num_experts + cfg.experts_per_token * 3 * d * (cfg.moe_intermediate_size or 0)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     head = d * (cfg.num_labels or cfg.vocab_size)
-    matmul_params = cfg.num_layers * attn + (cfg.num_layers - moe_layers) * mlp + moe_layers * moe + head
+    matmul_params = (
+        cfg.num_layers * attn + (cfg.num_layers - moe_layers) * mlp + moe_layers * moe + head
+    )
     keys = sum(min(seq_length, cfg.window(i) or seq_length) for i in range(cfg.num_layers))
     return 6.0 * matmul_params + 12.0 * keys * h * hd
 
 
-def bounded_cpu_peak(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3,
-                     time_limit: float = 3.0) -> tuple[float, int]:
+def bounded_cpu_peak(
+    dtype: torch.dtype, max_n: int = 2048, repeats: int = 3, time_limit: float = 3.0
+) -> tuple[float, int]:
     """(FLOP/s, largest n timed): GEMMs from n = 256 up to max_n, doubling while the next size's
-    timings fit in `time_limit` seconds. A CPU without bf16 matrix instructions runs bf16 GEMMs at
-    ~1 GFLOP/s, where four 2048^3 GEMMs would take a minute of start-up; a fast one still reaches 2048."""
+    timings fit in `time_limit` seconds. A CPU without bf16 matrix instructions runs bf16 GEMMs
+    at ~1 GFLOP/s, where four 2048^3 GEMMs would take a minute of start-up; a fast one still
+    reaches 2048."""
     start = time.perf_counter()
     best, n, size = 0.0, 256, 0
-    # Its own generator: a run measures after its resume restored the global one, which the next dropout mask reads.
+    # Its own generator: a run measures after its resume restored the global one, which the next
+    # dropout mask reads.
     generator = torch.Generator().manual_seed(0)
     while n <= max_n:
         a, b = (torch.randn(n, n, dtype=dtype, generator=generator) for _ in range(2))
@@ -86,22 +93,27 @@ def bounded_cpu_peak(dtype: torch.dtype, max_n: int = 2048, repeats: int = 3,
             if i and time.perf_counter() - start > time_limit:
                 break
         best, size = max(best, 2 * n**3 / fastest), n
-        if time.perf_counter() - start + 8 * fastest * (repeats + 1) > time_limit:  # the next n costs 8x
+        # the next n costs 8x
+        if time.perf_counter() - start + 8 * fastest * (repeats + 1) > time_limit:
             break
         n *= 2
     return best, size
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s of one process, where the figure comes from). A CPU's is measured, and a measurement
-    taken while other processes share the cores comes out low: the best figure this machine ever gave
-    (cpu_peak_key) is kept in the user's cache and used when it is higher."""
+    """(peak FLOP/s of one process, where the figure comes from). A CPU's is measured, and a
+    measurement taken while other processes share the cores comes out low: the best figure this
+    machine ever gave (cpu_peak_key) is kept in the user's cache and used when it is higher."""
     if device.type == "cuda":
         found = datasheet_peak(device, dtype)
         if found is not None:
             return found
-        log.warning("no datasheet peak for %s: measuring a GEMM instead", torch.cuda.get_device_name(device))
-        a = torch.randn(8192, 8192, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
+        log.warning(
+            "no datasheet peak for %s: measuring a GEMM instead", torch.cuda.get_device_name(device)
+        )
+        a = torch.randn(
+            8192, 8192, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0)
+        )
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(5):
@@ -112,18 +124,27 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     if dtype == torch.bfloat16:
         fp32, _ = bounded_cpu_peak(torch.float32)
         if peak < fp32:
-            log.warning("bf16 GEMM peak %.1f GFLOP/s is below fp32's %.1f GFLOP/s: this CPU has no bf16 matrix "
-                        "instructions: bf16 training will be slow (trainer.precision=fp32 is faster here)",
-                        peak / 1e9, fp32 / 1e9)
+            log.warning(
+                "bf16 GEMM peak %.1f GFLOP/s is below fp32's %.1f GFLOP/s: this CPU has no bf16 matrix "
+                "instructions: bf16 training will be slow (trainer.precision=fp32 is faster here)",
+                peak / 1e9,
+                fp32 / 1e9,
+            )
     threads = torch.get_num_threads()
     threads = f"{threads} thread{'s' * (threads != 1)}"
     source = f"measured GEMM {n}^3, {threads}"
     key = cpu_peak_key(dtype)
     best = remembered_peak(key)
     if best is not None and best > peak:
-        # A few percent below the best is every run's jitter; well below it, the cores are busy with something else.
-        log.log(logging.INFO if peak < 0.8 * best else logging.DEBUG, "measured %.1f GFLOP/s now, %.1f GFLOP/s "
-                "before on this machine: using the higher (the cores are probably shared now)", peak / 1e9, best / 1e9)
+        # A few percent below the best is every run's jitter; well below it, the cores are busy with
+        # something else.
+        log.log(
+            logging.INFO if peak < 0.8 * best else logging.DEBUG,
+            "measured %.1f GFLOP/s now, %.1f GFLOP/s "
+            "before on this machine: using the higher (the cores are probably shared now)",
+            peak / 1e9,
+            best / 1e9,
+        )
         return best, f"best measured on this machine, {threads}"
     remember_peak(key, peak)
     return peak, source
@@ -145,12 +166,18 @@ def cpu_peak_key(dtype: torch.dtype) -> str:
     from lmforge.devices import cpu_flags
 
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
-    return f"{_cpu_name()} (flags {flags}) | {torch.get_num_threads()} threads | " \
-           f"{str(dtype).removeprefix('torch.')} | torch {torch.__version__}"
+    return (
+        f"{_cpu_name()} (flags {flags}) | {torch.get_num_threads()} threads | "
+        f"{str(dtype).removeprefix('torch.')} | torch {torch.__version__}"
+    )
 
 
 def _peak_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmforge" / "peak_flops.json"
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        / "lmforge"
+        / "peak_flops.json"
+    )
 
 
 def remembered_peak(key: str) -> float | None:
@@ -162,7 +189,8 @@ def remembered_peak(key: str) -> float | None:
 
 
 def remember_peak(key: str, flops: float) -> None:
-    """Keep the higher of `flops` and the cached figure for `key` (a cache that cannot be written is skipped)."""
+    """Keep the higher of `flops` and the cached figure for `key` (a cache that cannot be written
+    is skipped)."""
     path = _peak_cache()
     try:
         table = json.loads(path.read_text())
@@ -183,12 +211,18 @@ ACHIEVED = "achieved by a training step"
 
 
 class MFU:
-    """Model FLOPs utilization, never above 1: a step that ran faster than the peak shows the peak was
-    measured low (on shared cores), so the achieved rate becomes the peak, with a warning (and, for a
-    measured CPU peak, the cache keeps it)."""
+    """Model FLOPs utilization, never above 1: a step that ran faster than the peak shows the
+    peak was measured low (on shared cores), so the achieved rate becomes the peak, with a
+    warning (and, for a measured CPU peak, the cache keeps it)."""
 
-    def __init__(self, flops_per_token: float, peak: float, source: str, processes: int = 1,
-                 remember_as: str | None = None):
+    def __init__(
+        self,
+        flops_per_token: float,
+        peak: float,
+        source: str,
+        processes: int = 1,
+        remember_as: str | None = None,
+    ):
         self.flops_per_token, self.peak, self.source = flops_per_token, peak, source
         self.processes, self.remember_as = processes, remember_as
 
@@ -196,26 +230,35 @@ class MFU:
         achieved = tokens_per_second * self.flops_per_token / self.processes
         if achieved > self.peak:  # said once: warm-up steps each run faster than the last
             say = log.debug if self.source == ACHIEVED else log.warning
-            say("a step ran at %.1f GFLOP/s per process, above the peak of %.1f GFLOP/s (%s): the peak was measured "
-                "low; MFU is counted against the achieved rate from here on%s", achieved / 1e9, self.peak / 1e9,
-                self.source, "" if self.remember_as else " (set cost.peak_flops to fix it)")
+            say(
+                "a step ran at %.1f GFLOP/s per process, above the peak of %.1f GFLOP/s (%s): the peak was measured "
+                "low; MFU is counted against the achieved rate from here on%s",
+                achieved / 1e9,
+                self.peak / 1e9,
+                self.source,
+                "" if self.remember_as else " (set cost.peak_flops to fix it)",
+            )
             self.peak, self.source = achieved, ACHIEVED
             if self.remember_as is not None:
                 remember_peak(self.remember_as, achieved)
         return achieved / self.peak
 
 
-def float8_mfu(device: torch.device, flops_per_token: float, processes: int = 1,
-               peak: float | None = None) -> MFU | None:
-    """MFU against the device's FP8 dense peak (`mfu_fp8`), reported beside `mfu` (against the bf16 peak) when
-    trainer.float8 is on: every model FLOP is counted against it, though only the blocks' linears run in FP8
-    (attention scores and the output head stay in bf16), so it is a lower bound on how busy the FP8 units are.
-    `peak` (cost.peak_flops_fp8) overrides the datasheet; None where neither gives a figure."""
+def float8_mfu(
+    device: torch.device, flops_per_token: float, processes: int = 1, peak: float | None = None
+) -> MFU | None:
+    """MFU against the device's FP8 dense peak (`mfu_fp8`), reported beside `mfu` (against the
+    bf16 peak) when trainer.float8 is on: every model FLOP is counted against it, though only the
+    blocks' linears run in FP8 (attention scores and the output head stay in bf16), so it is a
+    lower bound on how busy the FP8 units are. `peak` (cost.peak_flops_fp8) overrides the
+    datasheet; None where neither gives a figure."""
     found = (peak, "config") if peak else datasheet_peak(device, FP8)
     if found is None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        log.warning("no FP8 datasheet peak for %s: mfu_fp8 is not reported (set cost.peak_flops_fp8 to report it)",
-                    name)
+        log.warning(
+            "no FP8 datasheet peak for %s: mfu_fp8 is not reported (set cost.peak_flops_fp8 to report it)",
+            name,
+        )
         return None
     return MFU(flops_per_token, found[0], found[1], processes)
 
@@ -234,22 +277,42 @@ class RunTotals:
         self.tokens += tokens
         self.step_time += step_time
 
-    def summary(self, step: int, wall: float, last: dict[str, float], mfu: MFU | None = None,
-                usd_per_hour: float = 0.0) -> str:
-        """One readable line: steps, tokens, time, average tokens/s and MFU (and, priced, tokens per dollar over the
-        whole time, as compare counts it), then the final loss and validation."""
+    def summary(
+        self,
+        step: int,
+        wall: float,
+        last: dict[str, float],
+        mfu: MFU | None = None,
+        usd_per_hour: float = 0.0,
+    ) -> str:
+        """One readable line: steps, tokens, time, average tokens/s and MFU (and, priced, tokens
+        per dollar over the whole time, as compare counts it), then the final loss and
+        validation."""
         if not self.steps:
             return f"at step {step}: no steps to run"
         resumed = f", resumed at {self.first_step}" if self.first_step else ""
         speed = self.tokens / self.step_time if self.step_time > 0 else 0.0
-        parts = [f"{self.steps} step{'s' * (self.steps != 1)}{resumed}, {self.tokens:,.0f} tokens in {_duration(wall)} "
-                 f"({_duration(self.step_time)} in steps): {speed:,.0f} tokens/s"
-                 + (f", MFU {mfu(speed):.1%}" if mfu is not None and speed > 0 else "")
-                 + (f", {self.tokens * 3600 / (usd_per_hour * wall):,.0f} tokens/$ at ${usd_per_hour:g}/h"
-                    if usd_per_hour > 0 and wall > 0 else "")]
-        formats = {"loss": "{:.4f}", "val_loss": "{:.4f}", "val_ppl": "{:,.2f}", "val_accuracy": "{:.2%}"}
-        shown = [f"{k} {fmt.format(last[k])}" for k, fmt in formats.items()
-                 if isinstance(last.get(k), float | int) and math.isfinite(last[k])]
+        parts = [
+            f"{self.steps} step{'s' * (self.steps != 1)}{resumed}, {self.tokens:,.0f} tokens in {_duration(wall)} "
+            f"({_duration(self.step_time)} in steps): {speed:,.0f} tokens/s"
+            + (f", MFU {mfu(speed):.1%}" if mfu is not None and speed > 0 else "")
+            + (
+                f", {self.tokens * 3600 / (usd_per_hour * wall):,.0f} tokens/$ at ${usd_per_hour:g}/h"
+                if usd_per_hour > 0 and wall > 0
+                else ""
+            )
+        ]
+        formats = {
+            "loss": "{:.4f}",
+            "val_loss": "{:.4f}",
+            "val_ppl": "{:,.2f}",
+            "val_accuracy": "{:.2%}",
+        }
+        shown = [
+            f"{k} {fmt.format(last[k])}"
+            for k, fmt in formats.items()
+            if isinstance(last.get(k), float | int) and math.isfinite(last[k])
+        ]
         if shown:
             parts.append(", ".join(shown))
         return f"finished at step {step}: " + "; ".join(parts)
@@ -265,26 +328,41 @@ def _duration(seconds: float) -> str:
 
 
 def nodes_from_env() -> int:
-    """Machines in a torchrun/Slurm launch: WORLD_SIZE / LOCAL_WORLD_SIZE (processes per node); 1 when unset."""
+    """Machines in a torchrun/Slurm launch: WORLD_SIZE / LOCAL_WORLD_SIZE (processes per node); 1
+    when unset."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return max(1, world // max(1, local))
 
 
-def tokens_per_dollar(tokens_per_second: float, usd_per_hour: float, nodes: int = 1) -> float | None:
+def tokens_per_dollar(
+    tokens_per_second: float, usd_per_hour: float, nodes: int = 1
+) -> float | None:
     """Tokens bought per US$ when each of `nodes` machines costs usd_per_hour."""
     return tokens_per_second * 3600 / (usd_per_hour * nodes) if usd_per_hour > 0 else None
 
 
-# TensorBoard groups scalars by the part of a tag before "/": a run's panels come as train/, val/ and perf/
-# (metrics.jsonl keeps the plain names, which `lmforge compare` and scripts read).
-PERF_METRICS = frozenset({"step_time", "tokens_per_second", "sequences_per_second", "mfu", "mfu_fp8", "memory_gb",
-                          "tokens_per_dollar", "usd_per_million_tokens", "elapsed", "time_to_first_step"})
+# TensorBoard groups scalars by the part of a tag before "/": a run's panels come as train/, val/
+# and perf/ (metrics.jsonl keeps the plain names, which `lmforge compare` and scripts read).
+PERF_METRICS = frozenset(
+    {
+        "step_time",
+        "tokens_per_second",
+        "sequences_per_second",
+        "mfu",
+        "mfu_fp8",
+        "memory_gb",
+        "tokens_per_dollar",
+        "usd_per_million_tokens",
+        "elapsed",
+        "time_to_first_step",
+    }
+)
 
 
 def tensorboard_tag(key: str) -> str:
-    """The TensorBoard tag of a metric: val_loss -> val/loss, mfu -> perf/mfu, loss -> train/loss; a name that
-    has a group already (eval/...) keeps it."""
+    """The TensorBoard tag of a metric: val_loss -> val/loss, mfu -> perf/mfu, loss ->
+    train/loss; a name that has a group already (eval/...) keeps it."""
     if "/" in key:
         return key
     if key.startswith("val_"):
@@ -293,8 +371,8 @@ def tensorboard_tag(key: str) -> str:
 
 
 class MetricSink:
-    """Every logged scalar goes to TensorBoard (grouped, tensorboard_tag) and to metrics.jsonl (one JSON
-    object per step, plain names)."""
+    """Every logged scalar goes to TensorBoard (grouped, tensorboard_tag) and to metrics.jsonl
+    (one JSON object per step, plain names)."""
 
     def __init__(self, run_dir: Path, enabled: bool = True, purge_step: int | None = None):
         self.enabled = enabled
@@ -306,8 +384,9 @@ class MetricSink:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                # purge_step: readers hide the events earlier writers logged at steps >= it (a resumed run's
-                # start + 1 drops what a killed run logged past its checkpoint; 1, a restart from scratch, all).
+                # purge_step: readers hide the events earlier writers logged at steps >= it (a
+                # resumed run's start + 1 drops what a killed run logged past its checkpoint; 1, a
+                # restart from scratch, all).
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
             except ImportError:
                 log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")

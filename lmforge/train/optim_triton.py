@@ -1,21 +1,23 @@
-"""AdamWSR's update of a group's bf16 tensors in one Triton kernel launch: multi-tensor, as torch's fused AdamW is.
+"""AdamWSR's update of a group's bf16 tensors in one Triton kernel launch: multi-tensor, as torch's
+fused AdamW is.
 
-The per-tensor compiled update (optim_kernel.torch_update under torch.compile) is one kernel per tensor, but each
-call of a compiled function pays its guards and wrappers in Python before the kernel starts (~40 us a call on this
-project's 2-core CPU machine): on an H200 bf16-sr's step was 11% slower than bf16-mixed's, ~70 us per tensor by
-inference from Pythia-1B's 196 tensors. One torch.compile'd function looping over all of a group's tensors was
-tried and dropped: ~1.4 s of compilation per tensor (272 s for 196 here), on every new machine. This kernel
-takes a table of the tensors' addresses and sizes: one launch per group, whatever the tensor count (two where some
+The per-tensor compiled update (optim_kernel.torch_update under torch.compile) is one kernel per
+tensor, but each call of a compiled function pays its guards and wrappers in Python before the
+kernel starts (~40 us a call on this project's 2-core CPU machine): on an H200 bf16-sr's step was
+11% slower than bf16-mixed's, ~70 us per tensor by inference from Pythia-1B's 196 tensors. One
+torch.compile'd function looping over all of a group's tensors was tried and dropped: ~1.4 s of
+compilation per tensor (272 s for 196 here), on every new machine. This kernel takes a table of the
+tensors' addresses and sizes: one launch per group, whatever the tensor count (two where some
 tensors are not 16-byte aligned), and one pass over each value.
 
-The arithmetic is the C++ loop's (optim_kernel.SOURCE), op for op: the fused multiply-adds written as such, IEEE
-square root and division (`sqrt_rn`, `div_rn`: Triton's defaults are approximate) and no other contraction
-(`enable_fp_fusion=False`), the same counter-hash noise and the same rounding on the bits: the CPU loop's results,
-bit for bit (tests/train/test_optim_triton.py runs it in Triton's interpreter on the CPU, and compiles it for
-sm_90 there to check the 16-byte accesses).
+The arithmetic is the C++ loop's (optim_kernel.SOURCE), op for op: the fused multiply-adds written
+as such, IEEE square root and division (`sqrt_rn`, `div_rn`: Triton's defaults are approximate) and
+no other contraction (`enable_fp_fusion=False`), the same counter-hash noise and the same rounding
+on the bits: the CPU loop's results, bit for bit (tests/train/test_optim_triton.py runs it in
+Triton's interpreter on the CPU, and compiles it for sm_90 there to check the 16-byte accesses).
 
-Grid: (tensor, slot); a slot strides over its tensor's blocks, so a small tensor's extra slots end at once and a
-100M-element embedding is spread over all of them.
+Grid: (tensor, slot); a slot strides over its tensor's blocks, so a small tensor's extra slots end
+at once and a 100M-element embedding is spread over all of them.
 """
 
 from __future__ import annotations
@@ -37,18 +39,29 @@ BLOCK = 1024  # elements per slot per iteration: 8 bf16 (16 bytes) per thread at
 MAX_SLOTS = 512  # programs per tensor at most (the grid's second axis)
 
 
-def adamwsr_multi_tensor(ptrs, sizes, keys, s, C1: tl.constexpr, C2: tl.constexpr, SR: tl.constexpr,  # noqa: N803
-                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-    """One (tensor, slot) program: `ptrs` holds each tensor's (w, g, m, v) addresses, `keys` its first counter
-    hashed and the three keys, `s` the scalars of optim_kernel.kernel_scalars; C1 and C2 the hash's constants as
-    unsigned 32-bit values."""
+def adamwsr_multi_tensor(
+    ptrs,
+    sizes,
+    keys,
+    s,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    SR: tl.constexpr,  # noqa: N803
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # noqa: N803
+    """One (tensor, slot) program: `ptrs` holds each tensor's (w, g, m, v) addresses, `keys` its
+    first counter hashed and the three keys, `s` the scalars of optim_kernel.kernel_scalars; C1
+    and C2 the hash's constants as unsigned 32-bit values."""
     t = tl.program_id(0)
     n = tl.load(sizes + t)
     w_ptr = tl.load(ptrs + 4 * t).to(tl.pointer_type(tl.uint16))
     g_ptr = tl.load(ptrs + 4 * t + 1).to(tl.pointer_type(tl.uint16))
     m_ptr = tl.load(ptrs + 4 * t + 2).to(tl.pointer_type(tl.uint16))
     v_ptr = tl.load(ptrs + 4 * t + 3).to(tl.pointer_type(tl.uint16))
-    if ALIGNED:  # every address 16-byte aligned and every size a multiple of 8 (the host sorts): 16-byte accesses
+    # every address 16-byte aligned and every size a multiple of 8 (the host sorts): 16-byte
+    # accesses
+    if ALIGNED:
         n = tl.multiple_of(n, 8)
         w_ptr = tl.multiple_of(w_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
@@ -66,10 +79,18 @@ def adamwsr_multi_tensor(ptrs, sizes, keys, s, C1: tl.constexpr, C2: tl.constexp
     for start in range(tl.program_id(1) * BLOCK, n, tl.num_programs(1) * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK), BLOCK)
         mask = offs < n
-        w32 = (tl.load(w_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        g32 = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        m32 = (tl.load(m_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        v32 = (tl.load(v_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        w32 = (tl.load(w_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(
+            tl.float32, bitcast=True
+        )
+        g32 = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(
+            tl.float32, bitcast=True
+        )
+        m32 = (tl.load(m_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(
+            tl.float32, bitcast=True
+        )
+        v32 = (tl.load(v_ptr + offs, mask=mask, other=0).to(tl.uint32) << 16).to(
+            tl.float32, bitcast=True
+        )
         m_new = tl.fma(g32 - m32, coef, tl.where(from_grad, g32, m32))  # lerp_
         v_new = tl.fma(one_minus_beta2 * g32, g32, v32 * beta2)  # mul_, addcmul_
         denom = tl.div_rn(tl.sqrt_rn(v_new), bias2) + eps  # sqrt, div_, add_
@@ -93,7 +114,8 @@ def adamwsr_multi_tensor(ptrs, sizes, keys, s, C1: tl.constexpr, C2: tl.constexp
 
 @functools.cache
 def kernel(interpret: bool = False):
-    """The jitted kernel (Triton's interpreter with `interpret`: numpy on the CPU, for the tests)."""
+    """The jitted kernel (Triton's interpreter with `interpret`: numpy on the CPU, for the
+    tests)."""
     import triton
 
     if interpret:
@@ -104,18 +126,22 @@ def kernel(interpret: bool = False):
 
 
 class PartlyDone(RuntimeError):
-    """A launch failed after others had stepped some rows: `done` (indices into the rows) must not be stepped again."""
+    """A launch failed after others had stepped some rows: `done` (indices into the rows) must
+    not be stepped again."""
 
     def __init__(self, done: list[int], cause: Exception):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.done, self.cause = done, cause
 
 
-def update_rows(rows: list[tuple[torch.Tensor, ...]], scalars: torch.Tensor, keys: torch.Tensor, sr: bool) -> None:
-    """Step flat contiguous bf16 rows (w, g, m, v) of one device: `scalars` from kernel_scalars, on that device, and
-    `keys` (len(rows), 4) int32 on the CPU (each row's first counter hashed, then the three keys). One launch
-    for the rows whose addresses are 16-byte aligned and sizes multiples of 8 (16-byte loads and stores), one for
-    any others. A failing launch raises PartlyDone, naming the rows the launches before it stepped."""
+def update_rows(
+    rows: list[tuple[torch.Tensor, ...]], scalars: torch.Tensor, keys: torch.Tensor, sr: bool
+) -> None:
+    """Step flat contiguous bf16 rows (w, g, m, v) of one device: `scalars` from kernel_scalars,
+    on that device, and `keys` (len(rows), 4) int32 on the CPU (each row's first counter hashed,
+    then the three keys). One launch for the rows whose addresses are 16-byte aligned and sizes
+    multiples of 8 (16-byte loads and stores), one for any others. A failing launch raises
+    PartlyDone, naming the rows the launches before it stepped."""
     device = rows[0][0].device
     interpret = device.type == "cpu"  # Triton's interpreter: the tests
     aligned = [all(x.data_ptr() % 16 == 0 for x in row) and row[0].numel() % 8 == 0 for row in rows]
@@ -131,26 +157,47 @@ def update_rows(rows: list[tuple[torch.Tensor, ...]], scalars: torch.Tensor, key
         done += take
 
 
-def _launch(rows: list[tuple[torch.Tensor, ...]], take: list[int], scalars: torch.Tensor, keys: torch.Tensor,
-            sr: bool, aligned: bool, device: torch.device, interpret: bool) -> None:
+def _launch(
+    rows: list[tuple[torch.Tensor, ...]],
+    take: list[int],
+    scalars: torch.Tensor,
+    keys: torch.Tensor,
+    sr: bool,
+    aligned: bool,
+    device: torch.device,
+    interpret: bool,
+) -> None:
     """One launch over rows[take], all aligned (16-byte accesses) or not."""
     table = torch.tensor([x.data_ptr() for i in take for x in rows[i]], dtype=torch.int64)
     sizes = torch.tensor([rows[i][0].numel() for i in take], dtype=torch.int64)
     row_keys = keys[take]
-    if not interpret:  # pinned: asynchronous copies, the buffers held by torch's host allocator until done
-        table, sizes, row_keys = (x.pin_memory().to(device, non_blocking=True) for x in (table, sizes, row_keys))
+    # pinned: asynchronous copies, the buffers held by torch's host allocator until done
+    if not interpret:
+        table, sizes, row_keys = (
+            x.pin_memory().to(device, non_blocking=True) for x in (table, sizes, row_keys)
+        )
     slots = min(MAX_SLOTS, -(-max(rows[i][0].numel() for i in take) // BLOCK))
     extra = {} if interpret else {"num_warps": 4, "enable_fp_fusion": False}
-    # Triton launches on the current device and stream: the rows' device (a rank may hold more than one).
+    # Triton launches on the current device and stream: the rows' device (a rank may hold more than
+    # one).
     with contextlib.nullcontext() if interpret else getattr(torch, device.type).device(device):
-        kernel(interpret)[(len(take), slots)](table, sizes, row_keys, scalars, C1=HASH_C1 & 0xFFFFFFFF,
-                                              C2=HASH_C2 & 0xFFFFFFFF, SR=bool(sr), ALIGNED=aligned, BLOCK=BLOCK,
-                                              **extra)
+        kernel(interpret)[(len(take), slots)](
+            table,
+            sizes,
+            row_keys,
+            scalars,
+            C1=HASH_C1 & 0xFFFFFFFF,
+            C2=HASH_C2 & 0xFFFFFFFF,
+            SR=bool(sr),
+            ALIGNED=aligned,
+            BLOCK=BLOCK,
+            **extra,
+        )
 
 
 def usable(device: torch.device) -> bool:
-    """Whether the multi-tensor kernel can run on this device (a GPU with Triton; LMFORGE_ADAMWSR_MULTI_TENSOR=0
-    turns it off)."""
+    """Whether the multi-tensor kernel can run on this device (a GPU with Triton;
+    LMFORGE_ADAMWSR_MULTI_TENSOR=0 turns it off)."""
     if os.environ.get("LMFORGE_ADAMWSR_MULTI_TENSOR", "1") == "0":
         return False
     return device.type in ("cuda", "xpu") and tl is not None

@@ -1,7 +1,7 @@
-"""What `lmforge plan` needs of each task that a run does not: a micro-batch of the task's form made without its
-data, the labels of its head, the sequences an example holds, what it keeps beside the model and a line saying so;
-and the run's code as a fake-tensor trace runs it (`as_traced`). The tasks (lmforge.train.tasks) and the models know
-nothing of the plan.
+"""What `lmforge plan` needs of each task that a run does not: a micro-batch of the task's form made
+without its data, the labels of its head, the sequences an example holds, what it keeps beside the
+model and a line saying so; and the run's code as a fake-tensor trace runs it (`as_traced`). The
+tasks (lmforge.train.tasks) and the models know nothing of the plan.
 """
 
 from __future__ import annotations
@@ -20,24 +20,27 @@ Batch = dict[str, torch.Tensor]
 class TaskPlan:
     """A language-model task's (sft, mlm, and any task without a plan of its own)."""
 
-    labels = 0  # the labels of the model's classification head for a run planned without its data (0: an LM head)
+    # the labels of the model's classification head for a run planned without its data (0: an
+    # LM head)
+    labels = 0
     rows_per_example = 1  # sequences per example of trainer.micro_batch_size
 
     def example_batch(self, rows: int, length: int, vocab_size: int, device: torch.device) -> Batch:
-        """A collated micro-batch of the task's form, `rows` examples of `length` tokens made on `device`, every
-        position a real, scored token."""
+        """A collated micro-batch of the task's form, `rows` examples of `length` tokens made on
+        `device`, every position a real, scored token."""
         rows *= self.rows_per_example
         ids = torch.randint(0, vocab_size, (rows, length), device=device)
         mask = torch.ones(rows, length, dtype=torch.long, device=device)
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}
 
     def reference(self, cfg: RunConfig) -> str | None:
-        """What the plan sizes of the task's other model for the run `cfg`, in words; None: it holds none."""
+        """What the plan sizes of the task's other model for the run `cfg`, in words; None: it
+        holds none."""
         return None
 
     def line(self, reference: str | None, reference_size: str, sequences: int) -> str | None:
-        """A line of the plan's report on what the task adds (`reference`: reference()'s, `reference_size`: what a
-        rank holds of it, `sequences`: a micro-batch's), or None."""
+        """A line of the plan's report on what the task adds (`reference`: reference()'s,
+        `reference_size`: what a rank holds of it, `sequences`: a micro-batch's), or None."""
         return None
 
 
@@ -76,7 +79,11 @@ class DPOPlan(TaskPlan):
         )
 
 
-PLANS: dict[str, TaskPlan] = {"pretrain": PretrainPlan(), "classification": ClassificationPlan(), "dpo": DPOPlan()}
+PLANS: dict[str, TaskPlan] = {
+    "pretrain": PretrainPlan(),
+    "classification": ClassificationPlan(),
+    "dpo": DPOPlan(),
+}
 
 
 def task_plan(task: Task | str) -> TaskPlan:
@@ -85,16 +92,18 @@ def task_plan(task: Task | str) -> TaskPlan:
 
 
 def balanced_counts(flat: torch.Tensor, num_experts: int) -> list[int]:
-    """Routing as a fake tensor has it: no values to count, so every expert gets an even share of the rows."""
+    """Routing as a fake tensor has it: no values to count, so every expert gets an even share of
+    the rows."""
     n = flat.numel()
     return [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
 
 
 @contextlib.contextmanager
 def as_traced(init_model: Callable) -> Iterator[None]:
-    """The run's code as the plan traces it: a task builds its other models with `init_model` (the meta-device
-    builder at the traced depth) instead of lmforge.train.setup.init_model, and a mixture of experts routes its
-    rows evenly (lmforge.models.moe.expert_counts reads the routing on the host, which fake tensors do not hold)."""
+    """The run's code as the plan traces it: a task builds its other models with `init_model`
+    (the meta-device builder at the traced depth) instead of lmforge.train.setup.init_model, and
+    a mixture of experts routes its rows evenly (lmforge.models.moe.expert_counts reads the
+    routing on the host, which fake tensors do not hold)."""
     from lmforge.models import moe
     from lmforge.train import setup
 

@@ -1,5 +1,6 @@
-"""What the training loop asks after each step: log it? validate? save a checkpoint? stop? Each policy holds its
-settings and answers for a step count (`done`: steps trained so far); the loop (Trainer._fit) only asks."""
+"""What the training loop asks after each step: log it? validate? save a checkpoint? stop? Each
+policy holds its settings and answers for a step count (`done`: steps trained so far); the loop
+(Trainer._fit) only asks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from lmforge.train.stopping import StopSignals
 @dataclass
 class LogCadence:
     every: int  # trainer.log_every_n_steps
-    first: int  # the step this start trains first: logged whatever `every` says (its time_to_first_step)
+    # the step this start trains first: logged whatever `every` says (its time_to_first_step)
+    first: int
 
     def due(self, done: int) -> bool:
         return done % self.every == 0 or done == self.first + 1
@@ -36,7 +38,8 @@ class ValidationDue:
         return self.enabled and (done % self.interval == 0 or done == self.max_steps)
 
     def before_stop(self, metrics: dict[str, float]) -> bool:
-        """A run stopped by its time limit validates the step it stops at, unless that step did already."""
+        """A run stopped by its time limit validates the step it stops at, unless that step did
+        already."""
         return self.enabled and "val_loss" not in metrics
 
 
@@ -46,8 +49,14 @@ class CheckpointCadence:
     max_steps: int
 
     def due(self, done: int, out_of_time: bool) -> bool:
-        """A periodic checkpoint; not at the last step nor at the time limit, whose save the run's end writes."""
-        return bool(self.every) and done % self.every == 0 and done != self.max_steps and not out_of_time
+        """A periodic checkpoint; not at the last step nor at the time limit, whose save the
+        run's end writes."""
+        return (
+            bool(self.every)
+            and done % self.every == 0
+            and done != self.max_steps
+            and not out_of_time
+        )
 
 
 class TimeLimit:
@@ -60,13 +69,18 @@ class TimeLimit:
 
     def up(self, done: int) -> bool:
         """Whether the time is up before the last step (which ends the run anyway)."""
-        return self.seconds is not None and self.clock() - self.started > self.seconds and done < self.max_steps
+        return (
+            self.seconds is not None
+            and self.clock() - self.started > self.seconds
+            and done < self.max_steps
+        )
 
 
 @dataclass
 class StopCheck:
-    """Whether the run stops after a step: a signal on any rank (Ctrl-C, SIGTERM: save this step, stop) or the time
-    limit on any rank's clock (validate, save, stop); every rank gets the same answer (StopSignals.agree)."""
+    """Whether the run stops after a step: a signal on any rank (Ctrl-C, SIGTERM: save this step,
+    stop) or the time limit on any rank's clock (validate, save, stop); every rank gets the same
+    answer (StopSignals.agree)."""
 
     signals: StopSignals
     device: torch.device
@@ -77,13 +91,14 @@ class StopCheck:
         return self.signals.agree(self.device, self.limit.up(done))
 
     def signal(self) -> int | None:
-        """A signal that came since (during a checkpoint's write): it stops the run at this step, not a step later."""
+        """A signal that came since (during a checkpoint's write): it stops the run at this step,
+        not a step later."""
         return self.signals.agree(self.device, False)[0]
 
 
 def check_skips(consecutive: int, limit: int, step: int, latest: Callable[[], object]) -> None:
-    """A UserError once `limit` steps in a row skipped their update for a non-finite loss or gradient; `latest`
-    names the last good checkpoint (asked only then)."""
+    """A UserError once `limit` steps in a row skipped their update for a non-finite loss or
+    gradient; `latest` names the last good checkpoint (asked only then)."""
     if consecutive >= limit:
         raise UserError(
             f"{limit} steps in a row had a non-finite loss or gradient (step {step}): lower optim.lr or "

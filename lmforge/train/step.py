@@ -57,13 +57,19 @@ from lmforge.train.tasks import Task, count_tokens
 
 log = logging.getLogger(__name__)
 
-# Optimizer state keyed by parameter name ("state.layers.0.mlp.up.weight.exp_avg", "param_groups.<name>.lr"):
-# the nested form lists each group's parameters once per rank, which cannot be merged across pipeline stages.
+# Optimizer state keyed by parameter name ("state.layers.0.mlp.up.weight.exp_avg",
+# "param_groups.<name>.lr"): the nested form lists each group's parameters once per rank, which
+# cannot be merged across pipeline stages.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def check_pipeline_batch(layout: ParallelConfig, grad_accum: int, micro_batch_size: int, global_batch_size: int,
-                         data_parallel: int) -> ParallelConfig:
+def check_pipeline_batch(
+    layout: ParallelConfig,
+    grad_accum: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    data_parallel: int,
+) -> ParallelConfig:
     """The layout with parallel.microbatches = the step's micro-batches per data-parallel rank.
 
     A pipeline step runs the whole local batch, one pipeline microbatch per micro-batch, so the
@@ -73,19 +79,25 @@ def check_pipeline_batch(layout: ParallelConfig, grad_accum: int, micro_batch_si
         return layout
     if layout.microbatches and layout.microbatches != grad_accum:
         product = micro_batch_size * layout.microbatches * data_parallel
-        raise UserError(f"trainer.global_batch_size {global_batch_size} must equal micro_batch_size "
-                        f"{micro_batch_size} x parallel.microbatches {layout.microbatches} x {data_parallel} "
-                        f"data-parallel = {product}: set trainer.global_batch_size={product}, or "
-                        f"parallel.microbatches={grad_accum} (0 derives it)")
+        raise UserError(
+            f"trainer.global_batch_size {global_batch_size} must equal micro_batch_size "
+            f"{micro_batch_size} x parallel.microbatches {layout.microbatches} x {data_parallel} "
+            f"data-parallel = {product}: set trainer.global_batch_size={product}, or "
+            f"parallel.microbatches={grad_accum} (0 derives it)"
+        )
     pp, n = layout.pipeline, grad_accum
     if layout.pipeline_schedule != "gpipe" and n < pp:
-        raise UserError(f"parallel.pipeline_schedule={layout.pipeline_schedule} needs at least parallel.pipeline={pp} "
-                        f"microbatches per step, the batch gives {n} (global {global_batch_size} / (micro "
-                        f"{micro_batch_size} x {data_parallel} data-parallel)): raise trainer.global_batch_size or "
-                        "lower trainer.micro_batch_size")
+        raise UserError(
+            f"parallel.pipeline_schedule={layout.pipeline_schedule} needs at least parallel.pipeline={pp} "
+            f"microbatches per step, the batch gives {n} (global {global_batch_size} / (micro "
+            f"{micro_batch_size} x {data_parallel} data-parallel)): raise trainer.global_batch_size or "
+            "lower trainer.micro_batch_size"
+        )
     if layout.pipeline_schedule == "interleaved_1f1b" and n % pp:
-        raise UserError(f"parallel.pipeline_schedule=interleaved_1f1b needs the microbatches per step ({n}) to be a "
-                        f"multiple of parallel.pipeline={pp}: change trainer.global_batch_size or micro_batch_size")
+        raise UserError(
+            f"parallel.pipeline_schedule=interleaved_1f1b needs the microbatches per step ({n}) to be a "
+            f"multiple of parallel.pipeline={pp}: change trainer.global_batch_size or micro_batch_size"
+        )
     return dataclasses.replace(layout, microbatches=n)
 
 
@@ -100,22 +112,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _device_scalar(value, device: torch.device) -> torch.Tensor:
-    """A number or a one-element tensor as a float64 scalar on `device` (a device tensor is not read)."""
+    """A number or a one-element tensor as a float64 scalar on `device` (a device tensor is not
+    read)."""
     if isinstance(value, torch.Tensor):
         return _local(value).detach().to(torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
 def scored_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A host batch's (rows, positions) labels -> SCORED_ROWS (flat indices of the scored labels, sent to the device
-    with the batch) and SCORED_PER_ROW (each row's count, kept on the host)."""
+    """A host batch's (rows, positions) labels -> SCORED_ROWS (flat indices of the scored labels,
+    sent to the device with the batch) and SCORED_PER_ROW (each row's count, kept on the host)."""
     scored = labels != IGNORE_INDEX
     return {SCORED_ROWS: scored.reshape(-1).nonzero().squeeze(1), SCORED_PER_ROW: scored.sum(1)}
 
 
 def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """Right-pad every (rows, positions) tensor of a collated batch to `length` positions: labels with -100
-    (not scored), everything else with 0 (masked out, or a padding segment)."""
+    """Right-pad every (rows, positions) tensor of a collated batch to `length` positions: labels
+    with -100 (not scored), everything else with 0 (masked out, or a padding segment)."""
     out = {}
     for key, t in batch.items():
         extra = length - t.shape[1] if t.dim() == 2 else 0
@@ -127,8 +140,8 @@ def pad_batch(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Te
 
 
 class PartOptimizers:
-    """One optimizer per pipeline part, driven as one: torch's state-dict helpers name an optimizer's
-    parameters through one module, and a rank with virtual stages holds several."""
+    """One optimizer per pipeline part, driven as one: torch's state-dict helpers name an
+    optimizer's parameters through one module, and a rank with virtual stages holds several."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -147,43 +160,87 @@ class PartOptimizers:
 
 
 class ParallelTraining:
-    """A model laid out over the run's DeviceMesh (none for one process) and how the trainer drives it."""
+    """A model laid out over the run's DeviceMesh (none for one process) and how the trainer
+    drives it."""
 
-    def __init__(self, model: torch.nn.Module, layout: ParallelConfig, mesh, task: Task, optim: OptimConfig,
-                 precision: Precision, seed: int, seq_length: int, device: torch.device,
-                 fill: Callable[[ParallelModel], object] | None = None, pipeline_rows: int | None = None,
-                 compile_block: Callable[[torch.nn.Module], object] | None = None):
-        """`mesh`: build_mesh's for `layout` (None for one process). `fill`: what gives a meta-device `model`
-        its tensors once it is laid out, each rank only its own shards: lmforge.parallel.load.load_sharded
-        (weights from a folder or checkpoint) or init_sharded (a fresh model). `pipeline_rows`: a pipeline
-        microbatch's rows, if the stages are to be built with static shapes (lmforge plan; by default they
-        exchange them at the first step). `compile_block`: applied to each block once laid out (torch.compile)."""
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: ParallelConfig,
+        mesh,
+        task: Task,
+        optim: OptimConfig,
+        precision: Precision,
+        seed: int,
+        seq_length: int,
+        device: torch.device,
+        fill: Callable[[ParallelModel], object] | None = None,
+        pipeline_rows: int | None = None,
+        compile_block: Callable[[torch.nn.Module], object] | None = None,
+    ):
+        """`mesh`: build_mesh's for `layout` (None for one process). `fill`: what gives a
+        meta-device `model` its tensors once it is laid out, each rank only its own shards:
+        lmforge.parallel.load.load_sharded (weights from a folder or checkpoint) or init_sharded
+        (a fresh model). `pipeline_rows`: a pipeline microbatch's rows, if the stages are to be
+        built with static shapes (lmforge plan; by default they exchange them at the first step).
+        `compile_block`: applied to each block once laid out (torch.compile)."""
         mcfg: ModelConfig = model.config
         self.mesh = mesh
-        if layout.tensor > 1 and layout.sequence_parallel and task.pretraining and seq_length % layout.tensor:
-            raise UserError(f"data.seq_length {seq_length} is not divisible by parallel.tensor={layout.tensor}: "
-                            "sequence parallelism splits each sequence evenly; change one, or set "
-                            "parallel.sequence_parallel=false")
+        if (
+            layout.tensor > 1
+            and layout.sequence_parallel
+            and task.pretraining
+            and seq_length % layout.tensor
+        ):
+            raise UserError(
+                f"data.seq_length {seq_length} is not divisible by parallel.tensor={layout.tensor}: "
+                "sequence parallelism splits each sequence evenly; change one, or set "
+                "parallel.sequence_parallel=false"
+            )
         if layout.tensor > 1 and (mcfg.dropout or mcfg.attention_dropout):
-            log.warning("dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
-                        "(the presets train without dropout)")
+            log.warning(
+                "dropout under tensor parallelism draws the same mask on every tensor-parallel rank "
+                "(the presets train without dropout)"
+            )
         shapes = None
         mp_policy = fsdp_mixed_precision(layout, precision.param_dtype, precision.autocast_dtype)
         if pipeline_rows is not None:
             shards = layout.tensor if layout.tensor > 1 and layout.sequence_parallel else 1
-            # FSDP2's mixed precision computes each stage with bf16 weights and casts its inputs: the stages then
-            # exchange bf16 hidden states (fp32 under autocast alone, whose residual stream stays fp32).
-            hidden = mp_policy.param_dtype if mp_policy is not None and layout.data_parallel > 1 else (
-                precision.param_dtype)
-            shapes = StageShapes(pipeline_rows, seq_length, hidden, shards, layout.tensor > 1 and layout.loss_parallel)
-        self.pm = parallelize(model, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes,
-                              compile_block=compile_block)
+            # FSDP2's mixed precision computes each stage with bf16 weights and casts its inputs:
+            # the stages then exchange bf16 hidden states (fp32 under autocast alone, whose residual
+            # stream stays fp32).
+            hidden = (
+                mp_policy.param_dtype
+                if mp_policy is not None and layout.data_parallel > 1
+                else (precision.param_dtype)
+            )
+            shapes = StageShapes(
+                pipeline_rows,
+                seq_length,
+                hidden,
+                shards,
+                layout.tensor > 1 and layout.loss_parallel,
+            )
+        self.pm = parallelize(
+            model,
+            layout,
+            self.mesh,
+            mp_policy=mp_policy,
+            device=device,
+            stage_shapes=shapes,
+            compile_block=compile_block,
+        )
         if fill is not None:
             fill(self.pm)
 
-        def lay_out_frozen(other: torch.nn.Module, fill_other: Callable | None = None) -> ParallelModel:
-            other.requires_grad_(False)  # FSDP2 then gathers it and never reduces; DDP has nothing to do
-            laid = parallelize(other, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes)
+        def lay_out_frozen(
+            other: torch.nn.Module, fill_other: Callable | None = None
+        ) -> ParallelModel:
+            # FSDP2 then gathers it and never reduces; DDP has nothing to do
+            other.requires_grad_(False)
+            laid = parallelize(
+                other, layout, self.mesh, mp_policy=mp_policy, device=device, stage_shapes=shapes
+            )
             if fill_other is not None:
                 fill_other(laid)
             return laid.eval()
@@ -193,16 +250,23 @@ class ParallelTraining:
         self.model_config = mcfg
         self.router_metrics: dict[str, float] = {}  # a MoE model's router losses of the last step
         self.autocast_dtype = precision.autocast_dtype
-        self.fused_loss = True  # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
+        # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
+        self.fused_loss = True
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
-        # AdamWSR draws its rounding noise from (seed, step): a stage offset keeps two stages' noise apart.
+        # AdamWSR draws its rounding noise from (seed, step): a stage offset keeps two stages' noise
+        # apart.
         stages = self.pm.stage_indices or [0]
-        self.optimizer = PartOptimizers([build_optimizer(part, optim, precision, seed + 7919 * stage)
-                                         for part, stage in zip(self.pm.parts, stages, strict=True)])
+        self.optimizer = PartOptimizers(
+            [
+                build_optimizer(part, optim, precision, seed + 7919 * stage)
+                for part, stage in zip(self.pm.parts, stages, strict=True)
+            ]
+        )
 
     @property
     def model(self) -> torch.nn.Module:
-        """The model itself without a pipeline (DDP's wrapped module), else the ParallelModel of the stages."""
+        """The model itself without a pipeline (DDP's wrapped module), else the ParallelModel of
+        the stages."""
         return self.pm if self.pm.pipelined else unwrap(self.pm.parts[0])
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -211,58 +275,79 @@ class ParallelTraining:
         return torch.autocast(self.pm.device.type, self.autocast_dtype)
 
     def _inputs(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Micro-batches as one batch on the device. A pipeline's stages keep the shapes of their first
-        step, so its batches are padded to data.seq_length; sequence parallelism needs a multiple of TP.
-        The positions a token loss scores are found here, on the host (SCORED_ROWS, and SCORED_PER_ROW: each
-        row's count, left on the host), so the loss need not ask the device; on CUDA the batch goes through
-        pinned memory and the copies do not wait."""
+        """Micro-batches as one batch on the device. A pipeline's stages keep the shapes of their
+        first step, so its batches are padded to data.seq_length; sequence parallelism needs a
+        multiple of TP. The positions a token loss scores are found here, on the host
+        (SCORED_ROWS, and SCORED_PER_ROW: each row's count, left on the host), so the loss need
+        not ask the device; on CUDA the batch goes through pinned memory and the copies do not
+        wait."""
         if self.pm.pipelined:
             length = self.seq_length
         else:
-            longest = max((t.shape[1] for b in batches for t in b.values() if t.dim() == 2), default=0)
-            multiple = self.layout.tensor if self.layout.tensor > 1 and self.layout.sequence_parallel else 1
+            longest = max(
+                (t.shape[1] for b in batches for t in b.values() if t.dim() == 2), default=0
+            )
+            multiple = (
+                self.layout.tensor
+                if self.layout.tensor > 1 and self.layout.sequence_parallel
+                else 1
+            )
             length = -(-longest // multiple) * multiple
         batches = [pad_batch(b, length) for b in batches]
-        batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]} if len(batches) > 1 else batches[0]
+        batch = (
+            {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+            if len(batches) > 1
+            else batches[0]
+        )
         labels = self.task.inputs(batch)[1]
         host = scored_positions(labels) if labels.dim() == 2 and labels.device.type == "cpu" else {}
         if SCORED_ROWS in host:
             batch = {**batch, SCORED_ROWS: host.pop(SCORED_ROWS)}
-        pin = self.pm.device.type == "cuda"  # host tensors only: a batch may be on the device already
+        # host tensors only: a batch may be on the device already
+        pin = self.pm.device.type == "cuda"
 
         def moved(v: torch.Tensor) -> torch.Tensor:
-            return (v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v).to(
-                self.pm.device, non_blocking=True)
+            return (
+                v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v
+            ).to(self.pm.device, non_blocking=True)
 
         return {**{k: moved(v) for k, v in batch.items()}, **host}
 
     def global_counts(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """[labelled items, tokens] of the step's micro-batches summed over the data-parallel ranks, on the device
-        (float64): what the loss is normalised by, known before any backward (accumulation and data parallelism
-        then give one big batch's gradient). Counted on the host batches: no host sync."""
-        counts = torch.tensor([sum(self.task.count(b) for b in micro), sum(count_tokens(b) for b in micro)],
-                              dtype=torch.float64)
+        """[labelled items, tokens] of the step's micro-batches summed over the data-parallel
+        ranks, on the device (float64): what the loss is normalised by, known before any backward
+        (accumulation and data parallelism then give one big batch's gradient). Counted on the
+        host batches: no host sync."""
+        counts = torch.tensor(
+            [sum(self.task.count(b) for b in micro), sum(count_tokens(b) for b in micro)],
+            dtype=torch.float64,
+        )
         return all_reduce_data_parallel(counts.to(self.pm.device), self.mesh)
 
     def micro_loss(self, batch: dict[str, torch.Tensor]) -> tuple:
-        """(summed loss, items, correct) of one micro-batch on the device, through the whole model (no pipeline)."""
+        """(summed loss, items, correct) of one micro-batch on the device, through the whole
+        model (no pipeline)."""
         with self._autocast():
             return self.task.loss(self.pm.parts[0], batch, self.fused_loss)
 
-    def step(self, micro: list[dict[str, torch.Tensor]], counts, max_norm: float) -> tuple[float, float]:
-        """Forward and backward of this rank's micro-batches; (global mean loss, gradient norm before clipping).
+    def step(
+        self, micro: list[dict[str, torch.Tensor]], counts, max_norm: float
+    ) -> tuple[float, float]:
+        """Forward and backward of this rank's micro-batches; (global mean loss, gradient norm
+        before clipping).
 
-        `counts`: global_counts(micro). Each micro-batch's summed loss is divided by the step's global label
-        count, and multiplied by the data-parallel size because DDP and FSDP2 average gradients over the data
-        ranks (not over tensor or pipeline ranks): the gradient is then the global batch's mean-loss gradient.
-        The host reads the device once, at the end: loss, statistics, norm and tokens together (step_stats,
-        step_tokens).
+        `counts`: global_counts(micro). Each micro-batch's summed loss is divided by the step's
+        global label count, and multiplied by the data-parallel size because DDP and FSDP2 average
+        gradients over the data ranks (not over tensor or pipeline ranks): the gradient is then the
+        global batch's mean-loss gradient. The host reads the device once, at the end: loss,
+        statistics, norm and tokens together (step_stats, step_tokens).
         """
         dp, pm = self.dp_size, self.pm
         if not isinstance(counts, torch.Tensor):  # numbers, as an older caller gave them
             counts = torch.tensor(counts, dtype=torch.float64, device=pm.device)
         total = torch.zeros((), dtype=torch.float64, device=pm.device)
-        stats = torch.zeros(1 + self.task.num_stats, dtype=torch.float64, device=pm.device)  # count, task stats
+        # count, task stats
+        stats = torch.zeros(1 + self.task.num_stats, dtype=torch.float64, device=pm.device)
         if pm.pipelined:
             pieces: list[torch.Tensor] = []
 
@@ -276,13 +361,15 @@ class ParallelTraining:
             with self._autocast():
                 target = self.task.pipeline_target(pm, batch)
                 total += pipeline_step(pm, ids, target, loss_fn, **kwargs)
-            # torch >= 2.13 infers the backward's shapes at the first step by calling loss_fn once more, first, on
-            # stand-in outputs: only the microbatches' own calls count.
-            stats += self._pipeline_stats(pieces[-self.layout.num_microbatches:])
-            if pm.router is not None:  # the step's router losses, means over the pipeline's microbatches
+            # torch >= 2.13 infers the backward's shapes at the first step by calling loss_fn once
+            # more, first, on stand-in outputs: only the microbatches' own calls count.
+            stats += self._pipeline_stats(pieces[-self.layout.num_microbatches :])
+            # the step's router losses, means over the pipeline's microbatches
+            if pm.router is not None:
                 router = all_reduce_data_parallel(pm.router.losses.clone(), self.mesh) / dp
         else:
-            router = torch.zeros(2, dtype=torch.float64, device=pm.device)  # aux and z-loss summed over micro-batches
+            # aux and z-loss summed over micro-batches
+            router = torch.zeros(2, dtype=torch.float64, device=pm.device)
             for i, batch in enumerate(micro):
                 with gradient_sync(pm.parts[0], i == len(micro) - 1), pm.loss_context():
                     batch = self._inputs([batch])
@@ -300,39 +387,53 @@ class ParallelTraining:
         norm = clip_grad_norm_(pm, max_norm)
         tokens = counts.reshape(-1)[1:2]  # none where a caller gave the count alone
         moe = router if self.model_config.num_experts else total.new_zeros(0)
-        values = torch.cat([reduced, norm.reshape(1), tokens, moe]).tolist()  # the step's one host sync
+        # the step's one host sync
+        values = torch.cat([reduced, norm.reshape(1), tokens, moe]).tolist()
         n = len(reduced)
         self.step_stats = values[1:n]  # the step's global count and task statistics
         self.step_tokens = values[n + 1] if len(tokens) else 0.0
         if len(moe):
             aux, z = values[-2:]
-            self.router_metrics = {"aux_loss": aux, **({"z_loss": z} if self.model_config.router_z_loss_coef
-                                                       else {})}
+            self.router_metrics = {
+                "aux_loss": aux,
+                **({"z_loss": z} if self.model_config.router_z_loss_coef else {}),
+            }
         return values[0] / dp, values[n]
 
     def _stats(self, items, task_stats) -> torch.Tensor:
-        """A micro-batch's (items, task statistics), numbers or device scalars, as one float64 vector on the
-        device, without reading the device."""
-        return torch.stack([_device_scalar(v, self.pm.device) for v in (items, *as_stats(task_stats))])
+        """A micro-batch's (items, task statistics), numbers or device scalars, as one float64
+        vector on the device, without reading the device."""
+        return torch.stack(
+            [_device_scalar(v, self.pm.device) for v in (items, *as_stats(task_stats))]
+        )
 
     def _pipeline_stats(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The (items, task statistics) the last pipeline stage's loss_fn calls gathered, summed, on every pipeline
-        rank (the other stages computed none)."""
-        stats = torch.stack(pieces).sum(0) if pieces else torch.zeros(1 + self.task.num_stats, dtype=torch.float64,
-                                                                      device=self.pm.device)
+        """The (items, task statistics) the last pipeline stage's loss_fn calls gathered, summed,
+        on every pipeline rank (the other stages computed none)."""
+        stats = (
+            torch.stack(pieces).sum(0)
+            if pieces
+            else torch.zeros(1 + self.task.num_stats, dtype=torch.float64, device=self.pm.device)
+        )
         dist.all_reduce(stats, group=self.pm.mesh["pp"].get_group())
         return stats
 
-    def _router_loss(self, batch: dict[str, torch.Tensor], sums: torch.Tensor, micro: int) -> torch.Tensor | None:
-        """A MoE model's router losses of the micro-batch just run (added into `sums`), scaled for backward: the
-        step trains on the mean over micro-batches and data-parallel ranks of coef x loss, as transformers adds
-        router_aux_loss_coef x aux_loss to each forward's loss (DDP/FSDP average the gradient over the ranks,
-        which is the mean over ranks here: unlike the token loss, no multiplying by their number)."""
+    def _router_loss(
+        self, batch: dict[str, torch.Tensor], sums: torch.Tensor, micro: int
+    ) -> torch.Tensor | None:
+        """A MoE model's router losses of the micro-batch just run (added into `sums`), scaled
+        for backward: the step trains on the mean over micro-batches and data-parallel ranks of
+        coef x loss, as transformers adds router_aux_loss_coef x aux_loss to each forward's loss
+        (DDP/FSDP average the gradient over the ranks, which is the mean over ranks here: unlike
+        the token loss, no multiplying by their number)."""
         if not self.model_config.num_experts:
             return None
         mask = self.task.inputs(batch)[2].get("attention_mask")
-        losses = router_losses(self.pm.parts[0], self.model_config, mask if mask is not None and mask.dim() == 2
-                               else None)
+        losses = router_losses(
+            self.pm.parts[0],
+            self.model_config,
+            mask if mask is not None and mask.dim() == 2 else None,
+        )
         if losses is None:
             return None
         sums += torch.stack([losses.aux_loss.detach(), losses.z_loss.detach()]).double()
@@ -340,7 +441,8 @@ class ParallelTraining:
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """[summed loss, items scored, correct predictions] over the data-parallel ranks' batches."""
+        """[summed loss, items scored, correct predictions] over the data-parallel ranks'
+        batches."""
         per_call = self.layout.num_microbatches if self.pm.pipelined else 1
         sums = torch.zeros(2 + self.task.num_stats, dtype=torch.float64, device=self.pm.device)
         pending: list[dict[str, torch.Tensor]] = []
@@ -362,7 +464,8 @@ class ParallelTraining:
         return all_reduce_data_parallel(sums, self.mesh)
 
     def _pipeline_eval(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, [items, task statistics]) of a validation batch through the pipeline, on every rank."""
+        """(summed loss, [items, task statistics]) of a validation batch through the pipeline, on
+        every rank."""
         ids, _, kwargs = self.task.inputs(batch)
         pieces: list[torch.Tensor] = []
 
@@ -375,10 +478,12 @@ class ParallelTraining:
             target = self.task.pipeline_target(self.pm, batch)
             loss = pipeline_eval(self.pm, ids, target, loss_fn, **kwargs)
         return loss, self._pipeline_stats(pieces)
+
     # -- checkpoints and export -------------------------------------------------------------
 
     def state_dicts(self) -> tuple[dict, dict]:
-        """This rank's model and optimizer state under the model's parameter names (DTensors where sharded)."""
+        """This rank's model and optimizer state under the model's parameter names (DTensors
+        where sharded)."""
         optim: dict = {}
         for part, opt in zip(self.pm.parts, self.optimizer.optimizers, strict=True):
             optim.update(get_optimizer_state_dict(part, opt, options=FLAT))
@@ -393,18 +498,23 @@ class ParallelTraining:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's tensors on global rank 0, None elsewhere (every rank must call this).
 
-        Each pipeline stage gathers its sharded tensors (full_tensor, within the stage's ranks); then
-        the first rank of every later stage sends rank 0 the tensors no earlier stage holds.
+        Each pipeline stage gathers its sharded tensors (full_tensor, within the stage's ranks);
+        then the first rank of every later stage sends rank 0 the tensors no earlier stage holds.
         """
         with redistributing_quietly():
-            local = {name: (gathered(t) if isinstance(t, DTensor) else t).detach().cpu()
-                     for name, t in model_state_dict(self.pm).items()}
+            local = {
+                name: (gathered(t) if isinstance(t, DTensor) else t).detach().cpu()
+                for name, t in model_state_dict(self.pm).items()
+            }
         pp = self.pm.size("pp")
         if pp == 1:
             return local if not dist.is_initialized() or dist.get_rank() == 0 else None
         grid = self.mesh.mesh.reshape(pp, -1)
         leaders = [int(grid[k, 0]) for k in range(pp)]
-        listing = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sorted(local.items())]
+        listing = [
+            (n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for n, t in sorted(local.items())
+        ]
         listings: list = [None] * dist.get_world_size()
         dist.all_gather_object(listings, listing)
         rank, seen = dist.get_rank(), {n for n, _, _ in listings[leaders[0]]}

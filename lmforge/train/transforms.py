@@ -1,17 +1,22 @@
-"""A run's built model made into the one it trains, in one order (as torchtitan's `parallelize` reads):
+"""A run's built model made into the one it trains, in one order (as torchtitan's `parallelize`
+reads):
 
-    1. LoRA adapters around the frozen base            (meta adapters where the layout shards the model)
+    1. LoRA adapters around the frozen base            (meta adapters where the layout shards the
+       model)
     2. QLoRA's NF4 base, read and quantized whole      (before FSDP2, which shards the NF4 weights)
-    3. Float8 linears in the blocks                    (before checkpointing, compile and FSDP wrap them)
+    3. Float8 linears in the blocks                    (before checkpointing, compile and FSDP wrap
+       them)
     4. activation checkpointing of each block
-    5. compile of each block this rank holds           (inside parallelize: after the pipeline split and the
+    5. compile of each block this rank holds           (inside parallelize: after the pipeline split
+       and the
                                                         tensor plans, before FSDP2, whose hooks stay outside)
-    6. the parallel plans: pipeline, tensor, expert, FSDP2/HSDP or DDP (lmforge.parallel.compose.parallelize)
+    6. the parallel plans: pipeline, tensor, expert, FSDP2/HSDP or DDP
+       (lmforge.parallel.compose.parallelize)
     7. the fill: each rank's own shards of a meta-device model, read or initialised once laid out
 
-Steps 6 and 7 run in lmforge.train.step.ParallelTraining, which then builds the optimizer; check_layout refuses
-what they cannot run before anything is built. The task sees the
-adapted model between steps 2 and 3 (Task.prepare: DPO's frozen reference is built then).
+Steps 6 and 7 run in lmforge.train.step.ParallelTraining, which then builds the optimizer;
+check_layout refuses what they cannot run before anything is built. The task sees the adapted model
+between steps 2 and 3 (Task.prepare: DPO's frozen reference is built then).
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ Fill = Callable[[ParallelModel], object] | None
 
 
 def check_layout(cfg: RunConfig, layout, device: torch.device) -> None:
-    """The refusals before any compute: FP8 or QLoRA where the device or the layout cannot run them, a torch too old
-    for the layout, a batch that does not divide over its ranks or pipeline microbatches."""
+    """The refusals before any compute: FP8 or QLoRA where the device or the layout cannot run
+    them, a torch too old for the layout, a batch that does not divide over its ranks or pipeline
+    microbatches."""
     t = cfg.trainer
     if t.float8:
         check_float8(device, layout.tensor, cfg.lora is not None)
@@ -58,19 +64,23 @@ def check_layout(cfg: RunConfig, layout, device: torch.device) -> None:
 
 
 def nf4_source(cfg: RunConfig) -> str | None:
-    """The folder QLoRA's NF4 base is read from before the layout: model.init_from where it is an lmforge or Hugging
-    Face folder. None otherwise: without QLoRA, or from a checkpoint or fresh, where the base is built whole."""
+    """The folder QLoRA's NF4 base is read from before the layout: model.init_from where it is an
+    lmforge or Hugging Face folder. None otherwise: without QLoRA, or from a checkpoint or fresh,
+    where the base is built whole."""
     if cfg.lora is None or cfg.lora.base_dtype != "nf4" or not cfg.model.init_from:
         return None
     return None if is_checkpoint(Path(cfg.model.init_from)) else cfg.model.init_from
 
 
-def placement(cfg: RunConfig, layout: ParallelConfig, precision: Precision) -> tuple[bool, torch.dtype]:
-    """Where init_model builds the model for these steps: (on the meta device, in which dtype). A layout that shards
-    the model gets it on the meta device: each rank fills only its own shards (a LoRA run's adapters too). So does
-    QLoRA's from a folder, whose linear weights step 2 reads and quantizes whole; from a checkpoint or fresh it is
-    built whole. A LoRA run's frozen base in bf16 (lora.base_dtype bf16, nf4) is read in bf16: an fp32 copy first
-    would double what the process holds while it starts (a one-process run's peak memory)."""
+def placement(
+    cfg: RunConfig, layout: ParallelConfig, precision: Precision
+) -> tuple[bool, torch.dtype]:
+    """Where init_model builds the model for these steps: (on the meta device, in which dtype). A
+    layout that shards the model gets it on the meta device: each rank fills only its own shards
+    (a LoRA run's adapters too). So does QLoRA's from a folder, whose linear weights step 2 reads
+    and quantizes whole; from a checkpoint or fresh it is built whole. A LoRA run's frozen base
+    in bf16 (lora.base_dtype bf16, nf4) is read in bf16: an fp32 copy first would double what the
+    process holds while it starts (a one-process run's peak memory)."""
     nf4 = cfg.lora is not None and cfg.lora.base_dtype == "nf4"
     meta = (layout.shards_model and not nf4) or nf4_source(cfg) is not None
     dtype = torch.bfloat16 if cfg.lora is not None and cfg.lora.bf16_base else precision.param_dtype
@@ -89,8 +99,8 @@ def lay_out_model(
     run_dir: Path,
     is_main: bool = True,
 ) -> ParallelTraining:
-    """The run's `model` (as lmforge.train.setup.init_model built it, `fill` its fill or None) through the steps of
-    the module docstring, laid out over `mesh` (None for one process)."""
+    """The run's `model` (as lmforge.train.setup.init_model built it, `fill` its fill or None)
+    through the steps of the module docstring, laid out over `mesh` (None for one process)."""
     t = cfg.trainer
     fill = add_lora(model, cfg, fill)
     fill = read_qlora_base(model, cfg, layout, device, fill)
@@ -115,16 +125,17 @@ def lay_out_model(
 
 
 def add_lora(model: torch.nn.Module, cfg: RunConfig, fill: Fill) -> Fill:
-    """Step 1: the run's adapters (lmforge.train.lora.apply_run_lora); a meta model's fill then draws them too."""
+    """Step 1: the run's adapters (lmforge.train.lora.apply_run_lora); a meta model's fill then
+    draws them too."""
     return apply_run_lora(model, cfg, fill) if cfg.lora is not None else fill
 
 
 def read_qlora_base(
     model: torch.nn.Module, cfg: RunConfig, layout: ParallelConfig, device: torch.device, fill: Fill
 ) -> Fill:
-    """Step 2: QLoRA's linear weights read from their folder and quantized whole, a block at a time, into the meta
-    model (FSDP2 then shards them). One process or DDP replicas get the rest filled now too: DDP wraps a whole model.
-    The fill still to run once laid out, or None."""
+    """Step 2: QLoRA's linear weights read from their folder and quantized whole, a block at a
+    time, into the meta model (FSDP2 then shards them). One process or DDP replicas get the rest
+    filled now too: DDP wraps a whole model. The fill still to run once laid out, or None."""
     source = nf4_source(cfg)
     if source is None or fill is None:
         return fill
@@ -135,9 +146,11 @@ def read_qlora_base(
     return None
 
 
-def block_compiler(cfg: RunConfig, run_dir: Path, is_main: bool = True) -> Callable[[torch.nn.Module], None] | None:
-    """Step 5 as parallelize applies it to each block (trainer.compile), Inductor's cache pointed at the run's
-    compile cache on every rank; None without trainer.compile."""
+def block_compiler(
+    cfg: RunConfig, run_dir: Path, is_main: bool = True
+) -> Callable[[torch.nn.Module], None] | None:
+    """Step 5 as parallelize applies it to each block (trainer.compile), Inductor's cache pointed
+    at the run's compile cache on every rank; None without trainer.compile."""
     t = cfg.trainer
     if not t.compile:
         return None

@@ -49,56 +49,208 @@ SITE = Path("/tmp/site")
 
 
 def stages(device: str, quick: bool, only: str | None = None) -> dict[str, tuple[list[str], int]]:
-    """name -> (command, its own time limit in seconds); `only`: the check stage's checks (gpu_check.py --only)."""
+    """name -> (command, its own time limit in seconds); `only`: the check stage's checks
+    (gpu_check.py --only)."""
     py = sys.executable
     q = ["--quick"] if quick else []
     write = [] if quick else ["--write"]
     return {
-        "check": ([py, "scripts/gpu_check.py", "--device", device, "--out", "{out}/gpu_check.json", *q,
-                   *(["--only", only] if only else [])], 300),
-        # The goals' sides only (fp8 is a stage of its own), 5 steps each: one device call must also hold the check.
-        "train": ([py, "benchmarks/train.py", "--device", device, *q, *write, "--repeats", "1" if quick else "5",
-                   "--sides", "hf,hf-compile,bf16-mixed,bf16-mixed-compile,bf16-sr-compile"], 300),
-        "generate": ([py, "benchmarks/generate.py", "--device", device, *q, *write,
-                      # Batch 1 alone (the goal's): the H200's first calls took 17-22 s a side, and batch 8 with
-                      # its own compilations did not fit the limit. Rows are written as they finish.
-                      *([] if quick else ["--shape", "pythia-1b", "--dtype", "bfloat16", "--batch", "1",
-                                          "--repeats", "3"])], 240),
-        "moe": ([py, "benchmarks/moe.py", "--device", device, *write,
-                 *(["--tokens", "256", "--seq", "128", "--repeats", "1"] if quick else [])], 150),
-        "optim": ([py, "benchmarks/optim.py", "--device", device, *write,
-                   "--model", "tiny-neox" if quick else "pythia-1b", "--repeats", "1" if quick else "10"], 120),
-        # bf16, the one-GPU recipe, with the QLoRA row. One round of 10 steps: three processes, each starting Python,
-        # loading Pythia-410M and taking a warm-up step (~20 s each, estimated: not yet timed on a GPU).
-        "lora": ([py, "benchmarks/lora.py", "--device", device, *q, *write, "--precision", "bf16", "--qlora",
-                  *([] if quick else ["--shape", "pythia-410m", "--batch", "8", "--seq", "1024", "--steps", "10",
-                                      "--rounds", "1"])], 150),
-        "eval": ([py, "benchmarks/eval.py", "--device", device, *write, "--repeats", "1" if quick else "3",
-                  *(["--quick"] if quick else [])], 240),
-        "fp8": ([py, "benchmarks/train.py", "--device", device, *q, *write, "--shape", "pythia-1.4b",
-                 "--precisions", "bf16", "--sides", "hf,bf16-mixed-compile,fp8,fp8-rowwise"], 240),
+        "check": (
+            [
+                py,
+                "scripts/gpu_check.py",
+                "--device",
+                device,
+                "--out",
+                "{out}/gpu_check.json",
+                *q,
+                *(["--only", only] if only else []),
+            ],
+            300,
+        ),
+        # The goals' sides only (fp8 is a stage of its own), 5 steps each: one device call must also
+        # hold the check.
+        "train": (
+            [
+                py,
+                "benchmarks/train.py",
+                "--device",
+                device,
+                *q,
+                *write,
+                "--repeats",
+                "1" if quick else "5",
+                "--sides",
+                "hf,hf-compile,bf16-mixed,bf16-mixed-compile,bf16-sr-compile",
+            ],
+            300,
+        ),
+        "generate": (
+            [
+                py,
+                "benchmarks/generate.py",
+                "--device",
+                device,
+                *q,
+                *write,
+                # Batch 1 alone (the goal's): the H200's first calls took 17-22 s a side, and batch
+                # 8 with its own compilations did not fit the limit. Rows are written as they
+                # finish.
+                *(
+                    []
+                    if quick
+                    else [
+                        "--shape",
+                        "pythia-1b",
+                        "--dtype",
+                        "bfloat16",
+                        "--batch",
+                        "1",
+                        "--repeats",
+                        "3",
+                    ]
+                ),
+            ],
+            240,
+        ),
+        "moe": (
+            [
+                py,
+                "benchmarks/moe.py",
+                "--device",
+                device,
+                *write,
+                *(["--tokens", "256", "--seq", "128", "--repeats", "1"] if quick else []),
+            ],
+            150,
+        ),
+        "optim": (
+            [
+                py,
+                "benchmarks/optim.py",
+                "--device",
+                device,
+                *write,
+                "--model",
+                "tiny-neox" if quick else "pythia-1b",
+                "--repeats",
+                "1" if quick else "10",
+            ],
+            120,
+        ),
+        # bf16, the one-GPU recipe, with the QLoRA row. One round of 10 steps: three processes, each
+        # starting Python, loading Pythia-410M and taking a warm-up step (~20 s each, estimated: not
+        # yet timed on a GPU).
+        "lora": (
+            [
+                py,
+                "benchmarks/lora.py",
+                "--device",
+                device,
+                *q,
+                *write,
+                "--precision",
+                "bf16",
+                "--qlora",
+                *(
+                    []
+                    if quick
+                    else [
+                        "--shape",
+                        "pythia-410m",
+                        "--batch",
+                        "8",
+                        "--seq",
+                        "1024",
+                        "--steps",
+                        "10",
+                        "--rounds",
+                        "1",
+                    ]
+                ),
+            ],
+            150,
+        ),
+        "eval": (
+            [
+                py,
+                "benchmarks/eval.py",
+                "--device",
+                device,
+                *write,
+                "--repeats",
+                "1" if quick else "3",
+                *(["--quick"] if quick else []),
+            ],
+            240,
+        ),
+        "fp8": (
+            [
+                py,
+                "benchmarks/train.py",
+                "--device",
+                device,
+                *q,
+                *write,
+                "--shape",
+                "pythia-1.4b",
+                "--precisions",
+                "bf16",
+                "--sides",
+                "hf,bf16-mixed-compile,fp8,fp8-rowwise",
+            ],
+            240,
+        ),
     }
 
 
 def install_wheels(log) -> dict[str, str]:
-    """Install .gpu/whl into /tmp/site (no index, no dependencies: the wheels are the closed set gpu_prepare.sh
-    fetched) and return the environment the stages run in."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TORCHINDUCTOR_CACHE_DIR="/tmp/lmforge-inductor")
+    """Install .gpu/whl into /tmp/site (no index, no dependencies: the wheels are the closed set
+    gpu_prepare.sh fetched) and return the environment the stages run in."""
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TORCHINDUCTOR_CACHE_DIR="/tmp/lmforge-inductor",
+    )
     wheels = sorted((ROOT / ".gpu" / "whl").glob("*.whl"))
     if wheels and sys.version_info[:2] != (3, 12):
-        log(f"the wheels in .gpu/whl are for CPython 3.12 (the GPU machine's); this is {sys.version.split()[0]}: "
-            "not installed (this machine is expected to hold lmforge's needs already)")
+        log(
+            f"the wheels in .gpu/whl are for CPython 3.12 (the GPU machine's); this is {sys.version.split()[0]}: "
+            "not installed (this machine is expected to hold lmforge's needs already)"
+        )
         wheels = []
     if wheels:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(SITE),
+            *map(str, wheels),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
-        log(f"installed {len(wheels)} wheels into {SITE}: exit {r.returncode}\n{r.stdout}{r.stderr}")
-        env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        log(
+            f"installed {len(wheels)} wheels into {SITE}: exit {r.returncode}\n{r.stdout}{r.stderr}"
+        )
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(SITE), str(ROOT), env.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep)
     else:
-        log("no .gpu/whl: run scripts/gpu_prepare.sh and carry .gpu (lmforge's own needs may be missing here)")
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        log(
+            "no .gpu/whl: run scripts/gpu_prepare.sh and carry .gpu (lmforge's own needs may be missing here)"
+        )
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
     data = ROOT / ".gpu" / "data"
     if (data / "tokenizers").is_dir():
         env["LMFORGE_SHARED_DATA"] = str(data)
@@ -106,9 +258,11 @@ def install_wheels(log) -> dict[str, str]:
 
 
 def run_stage(cmd: list[str], env: dict, log_file, limit: float) -> tuple[int | None, bool]:
-    """(exit code, timed out): the stage in a session of its own, so that at its limit it is killed together with
-    what it started (Inductor's compile workers, torchrun's ranks)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    """(exit code, timed out): the stage in a session of its own, so that at its limit it is
+    killed together with what it started (Inductor's compile workers, torchrun's ranks)."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         return proc.wait(timeout=limit), False
     except subprocess.TimeoutExpired:
@@ -119,16 +273,38 @@ def run_stage(cmd: list[str], env: dict, log_file, limit: float) -> tuple[int | 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=float, default=480, help="seconds for all stages together (default 480)")
-    p.add_argument("--stages", default="check,train,generate,moe,optim,lora,fp8,eval", help="comma-separated, in order")
+    p.add_argument(
+        "--budget", type=float, default=480, help="seconds for all stages together (default 480)"
+    )
+    p.add_argument(
+        "--stages",
+        default="check,train,generate,moe,optim,lora,fp8,eval",
+        help="comma-separated, in order",
+    )
     p.add_argument("--device", default="cuda")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (a dry run of the flow on the CPU)")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-session")),
-                   help="where results go (default $OUT, the device tool's folder)")
-    p.add_argument("--limit", action="append", default=[], metavar="STAGE=SECONDS",
-                   help="a stage's own time limit instead of its default (repeatable), e.g. --limit train=420")
-    p.add_argument("--only", default=None, metavar="CHECKS", help="the check stage's checks, comma-separated (a "
-                   "rerun of those that failed; default all)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes (a dry run of the flow on the CPU)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", "gpu-session")),
+        help="where results go (default $OUT, the device tool's folder)",
+    )
+    p.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="STAGE=SECONDS",
+        help="a stage's own time limit instead of its default (repeatable), e.g. --limit train=420",
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        metavar="CHECKS",
+        help="the check stage's checks, comma-separated (a "
+        "rerun of those that failed; default all)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args()
     table = stages(args.device, args.quick, args.only)
@@ -149,6 +325,7 @@ def main() -> int:
         return 0
     start = time.perf_counter()
     with log_path.open("a") as log_file:
+
         def log(msg: str) -> None:
             print(msg, flush=True)
             log_file.write(msg + "\n")
@@ -159,7 +336,9 @@ def main() -> int:
         for name in names:
             left = args.budget - (time.perf_counter() - start)
             if left < 30:
-                report["stages"].append({"name": name, "skipped": f"budget spent ({max(left, 0):.0f} s left)"})
+                report["stages"].append(
+                    {"name": name, "skipped": f"budget spent ({max(left, 0):.0f} s left)"}
+                )
                 log(f"== {name}: skipped, {max(left, 0):.0f} s of the budget left")
                 continue
             cmd, own = table[name]
@@ -169,14 +348,19 @@ def main() -> int:
             t0 = time.perf_counter()
             rc, timed_out = run_stage(cmd, env, log_file, limit)
             seconds = time.perf_counter() - t0
-            report["stages"].append({"name": name, "rc": rc, "seconds": round(seconds, 1), "timed_out": timed_out})
+            report["stages"].append(
+                {"name": name, "rc": rc, "seconds": round(seconds, 1), "timed_out": timed_out}
+            )
             log(f"== {name}: {'timed out' if timed_out else f'exit {rc}'} after {seconds:.0f} s")
             if (ROOT / "BENCHMARKS.md").exists():
                 shutil.copy(ROOT / "BENCHMARKS.md", args.out / "BENCHMARKS.md")
             (args.out / "session.json").write_text(json.dumps(report, indent=1) + "\n")
         (args.out / "session.json").write_text(json.dumps(report, indent=1) + "\n")
-    failed = [s["name"] + (" (skipped)" if "skipped" in s else "") for s in report["stages"]
-              if s.get("rc") != 0 or s.get("timed_out")]
+    failed = [
+        s["name"] + (" (skipped)" if "skipped" in s else "")
+        for s in report["stages"]
+        if s.get("rc") != 0 or s.get("timed_out")
+    ]
     print(f"stages not passed: {', '.join(failed)}" if failed else "every stage passed")
     return 1 if failed else 0
 

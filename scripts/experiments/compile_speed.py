@@ -3,10 +3,10 @@
     python scripts/experiments/compile_speed.py CONFIG.yaml [key=value ...] [--steps N] [--warmup W]
 
 Builds two trainers from the same recipe (same seed, so the same initial weights), one eager and one
-with trainer.compile=true, and alternates their steps on the same batches (eager, compiled, compiled,
-eager, ...), so whatever else the machine is doing slows both alike: the ratio holds on a shared
-machine where two separate runs' tokens/s do not. The first W steps of each (compilation, warm-up)
-are timed apart. Prints one JSON object.
+with trainer.compile=true, and alternates their steps on the same batches (eager, compiled,
+compiled, eager, ...), so whatever else the machine is doing slows both alike: the ratio holds on a
+shared machine where two separate runs' tokens/s do not. The first W steps of each (compilation,
+warm-up) are timed apart. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -27,17 +27,27 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from lmforge.train.tasks import count_tokens
     from lmforge.train.trainer import Trainer
 
-    cfg = load_run_config(config, [*overrides, "trainer.progress_bar=false", "cost.peak_flops=1e12"])
+    cfg = load_run_config(
+        config, [*overrides, "trainer.progress_bar=false", "cost.peak_flops=1e12"]
+    )
     if cfg.trainer.global_batch_size != cfg.trainer.micro_batch_size:
-        raise SystemExit("give micro_batch_size = global_batch_size: one batch per step keeps the steps comparable")
+        raise SystemExit(
+            "give micro_batch_size = global_batch_size: one batch per step keeps the steps comparable"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
         for name, compiled in (("eager", False), ("compiled", True)):
-            t = dataclasses.replace(cfg.trainer, compile=compiled, compile_cache_dir=str(Path(tmp) / "cache"))
-            trainers[name] = Trainer(dataclasses.replace(cfg, trainer=t, run_dir=str(Path(tmp) / name)))
+            t = dataclasses.replace(
+                cfg.trainer, compile=compiled, compile_cache_dir=str(Path(tmp) / "cache")
+            )
+            trainers[name] = Trainer(
+                dataclasses.replace(cfg, trainer=t, run_dir=str(Path(tmp) / name))
+            )
         data = trainers["eager"].data
         total = (warmup + steps) * cfg.trainer.global_batch_size
-        batches = list(micro_batches(data.train, 0, total, cfg.trainer.micro_batch_size, 0, 1, 0, data.collate))
+        batches = list(
+            micro_batches(data.train, 0, total, cfg.trainer.micro_batch_size, 0, 1, 0, data.collate)
+        )
         times = {name: [] for name in trainers}
         tokens = []
         for i, batch in enumerate(batches):
@@ -53,7 +63,9 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
                     loss_compiled = out["loss"]
         measured = {name: ts[warmup:] for name, ts in times.items()}
         result = {
-            "steps": steps, "warmup": warmup, "batch": cfg.trainer.global_batch_size,
+            "steps": steps,
+            "warmup": warmup,
+            "batch": cfg.trainer.global_batch_size,
             "tokens_per_step": statistics.mean(tokens[warmup:]),
             "last_loss": {"eager": loss_eager, "compiled": loss_compiled},
         }
@@ -64,19 +76,25 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
                 "tokens_per_second": sum(tokens[warmup:]) / sum(ts),
             }
         result["compiled_over_eager_tokens_per_second"] = (
-            result["compiled"]["tokens_per_second"] / result["eager"]["tokens_per_second"])
-        # The ratio to read: per step, eager's time over compiled's on the same batch, the median over the timed
-        # steps. The sums above take in a recompilation (a new shape) landing in the timed steps whole; a slow step
-        # of either side (another process's burst on a busy machine) moves this median little.
+            result["compiled"]["tokens_per_second"] / result["eager"]["tokens_per_second"]
+        )
+        # The ratio to read: per step, eager's time over compiled's on the same batch, the median
+        # over the timed steps. The sums above take in a recompilation (a new shape) landing in the
+        # timed steps whole; a slow step of either side (another process's burst on a busy machine)
+        # moves this median little.
         result["compiled_speedup_median_paired"] = statistics.median(
-            e / c for e, c in zip(measured["eager"], measured["compiled"], strict=True))
+            e / c for e, c in zip(measured["eager"], measured["compiled"], strict=True)
+        )
         slow = 3 * result["compiled"]["median_step_s"]
-        result["compiled_steps_over_3x_median"] = sum(c > slow for c in measured["compiled"])  # recompilations
+        # recompilations
+        result["compiled_steps_over_3x_median"] = sum(c > slow for c in measured["compiled"])
         return result
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=40, help="timed steps of each (default 40)")

@@ -36,32 +36,43 @@ def drift_table(paths, last: int | None = None) -> list[dict]:
         n = last or max(len(common) // 5, 1)
         tail = common[-n:]
         _, val = run.series("val_loss")
-        out.append({
-            "run": label, "steps": len(common),
-            "mean_abs_dloss_all": _mean(abs(loss[s] - ref_loss[s]) for s in common),
-            "mean_abs_dloss_last": _mean(abs(loss[s] - ref_loss[s]) for s in tail),
-            "mean_dloss_last": _mean(loss[s] - ref_loss[s] for s in tail),
-            "loss_last": _mean(loss[s] for s in tail),
-            "grad_norm_last": _mean(norm[s] for s in tail if s in norm),
-            "val_loss": val[-1] if val else float("nan"),
-            "last": n,
-        })
+        out.append(
+            {
+                "run": label,
+                "steps": len(common),
+                "mean_abs_dloss_all": _mean(abs(loss[s] - ref_loss[s]) for s in common),
+                "mean_abs_dloss_last": _mean(abs(loss[s] - ref_loss[s]) for s in tail),
+                "mean_dloss_last": _mean(loss[s] - ref_loss[s] for s in tail),
+                "loss_last": _mean(loss[s] for s in tail),
+                "grad_norm_last": _mean(norm[s] for s in tail if s in norm),
+                "val_loss": val[-1] if val else float("nan"),
+                "last": n,
+            }
+        )
     return out
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("runs", nargs="+", help="reference run first")
-    p.add_argument("--last", type=int, help="steps at the end to average over (default: the last 20%%)")
+    p.add_argument(
+        "--last", type=int, help="steps at the end to average over (default: the last 20%%)"
+    )
     args = p.parse_args(argv)
     rows = drift_table(args.runs, args.last)
     n = rows[0]["last"]
-    print(f"| run | mean abs dloss, all steps | mean abs dloss, last {n} | mean dloss, last {n} | "
-          f"train loss, last {n} | grad norm, last {n} | final val loss |")
+    print(
+        f"| run | mean abs dloss, all steps | mean abs dloss, last {n} | mean dloss, last {n} | "
+        f"train loss, last {n} | grad norm, last {n} | final val loss |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['run']} | {r['mean_abs_dloss_all']:.4f} | {r['mean_abs_dloss_last']:.4f} | "
-              f"{r['mean_dloss_last']:+.4f} | {r['loss_last']:.4f} | {r['grad_norm_last']:.4f} | {r['val_loss']:.4f} |")
+        print(
+            f"| {r['run']} | {r['mean_abs_dloss_all']:.4f} | {r['mean_abs_dloss_last']:.4f} | "
+            f"{r['mean_dloss_last']:+.4f} | {r['loss_last']:.4f} | {r['grad_norm_last']:.4f} | {r['val_loss']:.4f} |"
+        )
     return 0
 
 

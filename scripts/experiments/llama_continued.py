@@ -1,13 +1,13 @@
 """Helpers of experiment 4 (docs/experiments/llama-continued.md), used by llama_continued.sh.
 
-    make-model OUT --tokenizer DIR   a small random LlamaForCausalLM saved with transformers, plus the
-                                     Llama 2 tokenizer (a stand-in for a downloaded Llama 2 checkpoint)
-    corpus TEXT OUT.jsonl            one JSON line per paragraph (a play's speeches), so the corpus has
-                                     documents to split into train and validation
-    check HF_DIR LMFORGE_DIR --source SRC_HF_DIR [--prompt TEXT]
-                                     loads the exported folder in transformers: logits equal lmforge's
-                                     on the same folder's weights, weights differ from the source, and a
-                                     greedy continuation is generated; prints one JSON object
+make-model OUT --tokenizer DIR   a small random LlamaForCausalLM saved with transformers, plus the
+                                 Llama 2 tokenizer (a stand-in for a downloaded Llama 2 checkpoint)
+corpus TEXT OUT.jsonl            one JSON line per paragraph (a play's speeches), so the corpus has
+                                 documents to split into train and validation
+check HF_DIR LMFORGE_DIR --source SRC_HF_DIR [--prompt TEXT]
+                                 loads the exported folder in transformers: logits equal lmforge's
+                                 on the same folder's weights, weights differ from the source, and a
+                                 greedy continuation is generated; prints one JSON object
 """
 
 from __future__ import annotations
@@ -24,9 +24,18 @@ def make_model(out: Path, tokenizer: Path, seed: int = 0) -> None:
     import transformers as tf
 
     config = tf.LlamaConfig(
-        vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False)
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     tf.LlamaForCausalLM(config).save_pretrained(out)
     # The Llama 2 license asks that the agreement and notice travel with the tokenizer file.
@@ -63,13 +72,17 @@ def check(hf_dir: Path, lmforge_dir: Path, source: Path, prompt: str, new_tokens
     out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_id)
     return {
         "max_abs_logit_diff": (hf_logits - our_logits).abs().max().item(),
-        "tensors": len(src), "tensors_changed": len(changed),
-        "prompt": prompt, "generated": tok.decode(out[0, ids.shape[1]:].tolist()),
+        "tensors": len(src),
+        "tensors_changed": len(changed),
+        "prompt": prompt,
+        "generated": tok.decode(out[0, ids.shape[1] :].tolist()),
     }
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-model")
     m.add_argument("out", type=Path)

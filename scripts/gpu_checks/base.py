@@ -44,7 +44,8 @@ class Context:
 
     @property
     def fp32_tol(self) -> float:
-        """Max abs logit difference allowed in fp32: CPU kernels agree to ~1e-5; CUDA's (TF32 off) reorder sums."""
+        """Max abs logit difference allowed in fp32: CPU kernels agree to ~1e-5; CUDA's (TF32
+        off) reorder sums."""
         return 1e-4 if self.device.type == "cpu" else 5e-4
 
 
@@ -56,7 +57,8 @@ CHECKS: dict[str, Callable[[Context], tuple[str, dict]]] = {}
 
 
 def check(fn: Callable[[Context], tuple[str, dict]]):
-    """Register a check: it returns (one-line figures, figures for the JSON), raises Skip or fails."""
+    """Register a check: it returns (one-line figures, figures for the JSON), raises Skip or
+    fails."""
     CHECKS[fn.__name__.removeprefix("check_")] = fn
     return fn
 

@@ -1,6 +1,7 @@
-"""The tokenizer a prefix was made with, recorded beside its .bin/.idx by preprocess (and by the merge of its
-shards), and checked by every run that trains on it: another tokenizer's data is refused in one line; data without a
-record passes where its document ends show the run's tokenizer, and is named in one warning where nothing does."""
+"""The tokenizer a prefix was made with, recorded beside its .bin/.idx by preprocess (and by the
+merge of its shards), and checked by every run that trains on it: another tokenizer's data is
+refused in one line; data without a record passes where its document ends show the run's
+tokenizer, and is named in one warning where nothing does."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def check_data_tokenizer(indexed, tokenizer) -> None:
     check_data_tokenizer(indexed, tokenizer)
 
 
-TEXTS = [f"Document {i} says that {i} plus {i} is {2 * i}, which it checks twice." for i in range(40)]
+TEXTS = [
+    f"Document {i} says that {i} plus {i} is {2 * i}, which it checks twice." for i in range(40)
+]
 
 
 @pytest.fixture
@@ -52,7 +55,10 @@ def test_preprocess_records_the_tokenizer_beside_the_pair(corpus, tokenizers_dir
     reference = tokenizers.Tokenizer.from_file(str(gpt2))  # Hugging Face's own reading of the file
     assert record["vocab_size"] == reference.get_vocab_size() == 50257
     assert record["eod_id"] == reference.token_to_id("<|endoftext|>") == 50256
-    assert record["tokenizer"] == str(gpt2) and len(record["sha256"]) == len(record["vocab_sha256"]) == 64
+    assert (
+        record["tokenizer"] == str(gpt2)
+        and len(record["sha256"]) == len(record["vocab_sha256"]) == 64
+    )
     assert (record["bin_bytes"], record["idx_bytes"]) == (
         bin_path(prefix).stat().st_size,
         idx_path(prefix).stat().st_size,
@@ -78,8 +84,8 @@ def test_shards_merged_record_what_one_run_records(corpus, tokenizers_dir, tmp_p
 
 
 def test_data_of_another_tokenizer_is_refused_naming_both(corpus, tokenizers_dir, tmp_path):
-    """Llama 2 data (32,000 ids) read by GPT-2's tokenizer: every id is in range and no document ends in a marker
-    (no --append-eod), so only the record tells."""
+    """Llama 2 data (32,000 ids) read by GPT-2's tokenizer: every id is in range and no document
+    ends in a marker (no --append-eod), so only the record tells."""
     llama = tokenizers_dir / "llama2" / "tokenizer.model"
     preprocess(corpus, tmp_path / "llama", llama, progress=False)
     prefix = tmp_path / "llama_text_document"
@@ -134,14 +140,23 @@ def _unrecorded(tmp_path, name, documents) -> IndexedDataset:
     return IndexedDataset(prefix)
 
 
-def test_data_without_a_record_is_checked_by_its_document_ends_else_named_once(tokenizers_dir, tmp_path, caplog):
+def test_data_without_a_record_is_checked_by_its_document_ends_else_named_once(
+    tokenizers_dir, tmp_path, caplog
+):
     gpt2 = load_tokenizer(tokenizers_dir / "gpt2" / "tokenizer.json")
-    ended = _unrecorded(tmp_path, "ended_text_document", [gpt2.encode(t) + [gpt2.eod_id] for t in TEXTS])
-    # Documents ending in their own last words (no --append-eod): a period inside, a number at the end.
+    ended = _unrecorded(
+        tmp_path, "ended_text_document", [gpt2.encode(t) + [gpt2.eod_id] for t in TEXTS]
+    )
+    # Documents ending in their own last words (no --append-eod): a period inside, a number at the
+    # end.
     texts = [f"Document {i}. It says that {i} plus {i} is {2 * i}" for i in range(40)]
-    plain = [_unrecorded(tmp_path, f"plain{i}_text_document", [gpt2.encode(t) for t in texts]) for i in range(2)]
+    plain = [
+        _unrecorded(tmp_path, f"plain{i}_text_document", [gpt2.encode(t) for t in texts])
+        for i in range(2)
+    ]
     with caplog.at_level(logging.WARNING, logger="lmforge.train.data"):
-        check_data_tokenizer([ended], gpt2)  # Megatron's own files, made with --append-eod by this tokenizer
+        # Megatron's own files, made with --append-eod by this tokenizer
+        check_data_tokenizer([ended], gpt2)
         assert not caplog.records
         check_data_tokenizer([ended, *plain, plain[0]], gpt2)
     (line,) = [r.getMessage() for r in caplog.records]
@@ -152,12 +167,14 @@ def test_data_without_a_record_is_checked_by_its_document_ends_else_named_once(t
 
 
 def test_a_record_of_files_made_again_is_not_read(corpus, tokenizers_dir, tmp_path, caplog):
-    """The prefix written again by another tool (Megatron's, which writes no record): the old record describes other
-    files and is set aside, not held against them."""
+    """The prefix written again by another tool (Megatron's, which writes no record): the old
+    record describes other files and is set aside, not held against them."""
     llama = tokenizers_dir / "llama2" / "tokenizer.model"
     preprocess(corpus, tmp_path / "out", llama, progress=False)
     gpt2 = load_tokenizer(tokenizers_dir / "gpt2" / "tokenizer.json")
-    again = _unrecorded(tmp_path, "out_text_document", [gpt2.encode(t) + [gpt2.eod_id] for t in TEXTS])
+    again = _unrecorded(
+        tmp_path, "out_text_document", [gpt2.encode(t) + [gpt2.eod_id] for t in TEXTS]
+    )
     assert fingerprint_path(again.prefix).is_file()
     with caplog.at_level(logging.WARNING, logger="lmforge.train.data"):
         check_data_tokenizer([again], gpt2)
@@ -180,6 +197,9 @@ def test_inspect_names_the_tokenizer_and_a_wrong_one(corpus, tokenizers_dir, tmp
     preprocess(corpus, tmp_path / "llama", llama, progress=False)
     prefix = tmp_path / "llama_text_document"
     assert main(["data", "inspect", str(prefix)]) == 0
-    assert f"tokenized with {llama} (32000 ids, end of document 2) (its .tokenizer.json)" in capsys.readouterr().out
+    assert (
+        f"tokenized with {llama} (32000 ids, end of document 2) (its .tokenizer.json)"
+        in capsys.readouterr().out
+    )
     assert main(["data", "inspect", str(prefix), "--tokenizer", str(tokenizers_dir / "gpt2")]) == 0
     assert f"warning: data prefix '{prefix}' was tokenized with {llama}" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""The .bin/.idx pair checked byte for byte against megatron-core's own IndexedDatasetBuilder and IndexedDataset.
+"""The .bin/.idx pair checked byte for byte against megatron-core's own IndexedDatasetBuilder and
+IndexedDataset.
 
 megatron-core (the reference, test-only) is skipped where it is not installed; the corruption and
 atomicity tests need only numpy.
@@ -14,7 +15,8 @@ import pytest
 from lmforge.data.indexed import HEADER, IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from lmforge.errors import UserError
 
-# (ids, lengths): lengths None is our default (one sequence; none when empty); Megatron gets it spelled out.
+# (ids, lengths): lengths None is our default (one sequence; none when empty); Megatron gets it
+# spelled out.
 DOCS_UINT16 = [
     ([1, 2, 3], None),
     ([], None),  # empty document, no sequence: what preprocess_data.py writes for empty text
@@ -36,7 +38,8 @@ DOCS_INT32 = [
 @pytest.fixture(scope="module")
 def mcore():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core warns that Transformer Engine / Apex are absent
+        # megatron-core warns that Transformer Engine / Apex are absent
+        warnings.simplefilter("ignore")
         return pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
@@ -68,17 +71,23 @@ def sequences(docs):
     return out
 
 
-@pytest.mark.parametrize("docs,dtype", [(DOCS_UINT16, np.uint16), (DOCS_INT32, np.int32)], ids=["uint16", "int32"])
+@pytest.mark.parametrize(
+    "docs,dtype", [(DOCS_UINT16, np.uint16), (DOCS_INT32, np.int32)], ids=["uint16", "int32"]
+)
 def test_writer_is_byte_identical_to_megatron(mcore, tmp_path, docs, dtype):
     ours = write_ours(tmp_path / "ours", docs, dtype)
     ref = write_megatron(mcore, str(tmp_path / "ref"), docs, dtype)
     for ext in ("bin", "idx"):
-        assert (tmp_path / f"ours.{ext}").read_bytes() == (tmp_path / f"ref.{ext}").read_bytes(), ext
+        assert (tmp_path / f"ours.{ext}").read_bytes() == (tmp_path / f"ref.{ext}").read_bytes(), (
+            ext
+        )
     assert ours.with_name("ours.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
     assert ref  # both written
 
 
-@pytest.mark.parametrize("docs,dtype", [(DOCS_UINT16, np.uint16), (DOCS_INT32, np.int32)], ids=["uint16", "int32"])
+@pytest.mark.parametrize(
+    "docs,dtype", [(DOCS_UINT16, np.uint16), (DOCS_INT32, np.int32)], ids=["uint16", "int32"]
+)
 def test_reader_reads_megatron_files_and_megatron_reads_ours(mcore, tmp_path, docs, dtype):
     write_megatron(mcore, str(tmp_path / "ref"), docs, dtype)
     write_ours(tmp_path / "ours", docs, dtype)
@@ -134,7 +143,7 @@ def test_optimal_dtype_is_megatrons_rule(mcore):
 def patch_idx(prefix, offset, data: bytes):
     path = prefix.with_name(prefix.name + ".idx")
     raw = bytearray(path.read_bytes())
-    raw[offset:offset + len(data)] = data
+    raw[offset : offset + len(data)] = data
     path.write_bytes(bytes(raw))
 
 
@@ -144,16 +153,41 @@ def patch_idx(prefix, offset, data: bytes):
         (lambda p: patch_idx(p, 0, b"NOTMMIDX\x00"), r"d\.idx is not a Megatron MMIDIDX index"),
         (lambda p: patch_idx(p, 9, struct.pack("<Q", 2)), r"d\.idx has index version 2"),
         (lambda p: patch_idx(p, 17, bytes([9])), r"d\.idx has unknown dtype code 9"),
-        (lambda p: patch_idx(p, 18, struct.pack("<Q", 7)), r"d\.idx is \d+ bytes but its header .* needs \d+"),
-        (lambda p: _truncate(p.with_name("d.idx"), 20), r"d\.idx is 20 bytes, shorter than the 34-byte header"),
+        (
+            lambda p: patch_idx(p, 18, struct.pack("<Q", 7)),
+            r"d\.idx is \d+ bytes but its header .* needs \d+",
+        ),
+        (
+            lambda p: _truncate(p.with_name("d.idx"), 20),
+            r"d\.idx is 20 bytes, shorter than the 34-byte header",
+        ),
         (lambda p: _truncate(p.with_name("d.idx"), -8), r"d\.idx is \d+ bytes but its header"),
-        (lambda p: _truncate(p.with_name("d.bin"), -2), r"d\.bin is 24 bytes but \S*d\.idx indexes 26 bytes of uint16"),
-        (lambda p: _append(p.with_name("d.bin"), b"\x00\x00"), r"d\.bin is 28 bytes but .* indexes 26 bytes"),
+        (
+            lambda p: _truncate(p.with_name("d.bin"), -2),
+            r"d\.bin is 24 bytes but \S*d\.idx indexes 26 bytes of uint16",
+        ),
+        (
+            lambda p: _append(p.with_name("d.bin"), b"\x00\x00"),
+            r"d\.bin is 28 bytes but .* indexes 26 bytes",
+        ),
         (lambda p: p.with_name("d.bin").unlink(), r"d\.bin not found"),
-        (lambda p: patch_idx(p, HEADER.size + 7 * 12 + 8 * 7, struct.pack("<q", 5)), r"document indices"),
+        (
+            lambda p: patch_idx(p, HEADER.size + 7 * 12 + 8 * 7, struct.pack("<q", 5)),
+            r"document indices",
+        ),
     ],
-    ids=["magic", "version", "dtype", "count", "short-header", "short-idx", "short-bin", "long-bin", "no-bin",
-         "doc-index"],
+    ids=[
+        "magic",
+        "version",
+        "dtype",
+        "count",
+        "short-header",
+        "short-idx",
+        "short-bin",
+        "long-bin",
+        "no-bin",
+        "doc-index",
+    ],
 )
 def test_corrupt_files_give_one_line_errors(tmp_path, corrupt, match):
     prefix = write_ours(tmp_path / "d", DOCS_UINT16, np.uint16)
@@ -181,10 +215,12 @@ def test_writer_leaves_nothing_under_final_names_until_finalize(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["d.bin", "d.idx"]
 
 
-def test_a_rewrite_cut_between_its_renames_leaves_no_old_index_beside_new_tokens(tmp_path, monkeypatch):
-    """Rewriting a prefix: killed after the .bin's rename, before the .idx's. The old .idx went first, so the reader
-    refuses the half pair in one line (an old index beside the new tokens is read whenever the sizes agree: here
-    they do, the same 3-token document)."""
+def test_a_rewrite_cut_between_its_renames_leaves_no_old_index_beside_new_tokens(
+    tmp_path, monkeypatch
+):
+    """Rewriting a prefix: killed after the .bin's rename, before the .idx's. The old .idx went
+    first, so the reader refuses the half pair in one line (an old index beside the new tokens is
+    read whenever the sizes agree: here they do, the same 3-token document)."""
     import os
 
     with IndexedDatasetWriter(tmp_path / "d", np.uint16) as w:
@@ -204,7 +240,9 @@ def test_a_rewrite_cut_between_its_renames_leaves_no_old_index_beside_new_tokens
     monkeypatch.undo()
     assert [p.name for p in calls] == ["d.bin", "d.idx"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin"]
-    with pytest.raises(UserError, match=r"d.bin has no d.idx beside it \(a write of it was cut short\)"):
+    with pytest.raises(
+        UserError, match=r"d.bin has no d.idx beside it \(a write of it was cut short\)"
+    ):
         IndexedDataset(tmp_path / "d")
 
 

@@ -1,4 +1,5 @@
-"""BERT masking checked by its statistics over many samples, its exact per-sample count and its determinism."""
+"""BERT masking checked by its statistics over many samples, its exact per-sample count and its
+determinism."""
 
 import pickle
 
@@ -17,9 +18,12 @@ VOCAB, SEQ = 1000, 128
 
 @pytest.fixture(scope="module")
 def docs() -> list[np.ndarray]:
-    """Documents of 1..400 ordinary tokens, each ending in an eod (special), and one empty document."""
+    """Documents of 1..400 ordinary tokens, each ending in an eod (special), and one empty
+    document."""
     rng = np.random.default_rng(42)
-    out = [np.append(rng.integers(5, VOCAB, size=int(n)), EOD) for n in rng.integers(1, 400, size=200)]
+    out = [
+        np.append(rng.integers(5, VOCAB, size=int(n)), EOD) for n in rng.integers(1, 400, size=200)
+    ]
     out.insert(7, np.zeros(0, np.int64))
     return out
 
@@ -34,7 +38,15 @@ def prefix(tmp_path_factory, docs) -> str:
 
 
 def make(prefix, **kw) -> MLMDataset:
-    args = dict(seq_length=SEQ, vocab_size=VOCAB, cls_id=CLS, sep_id=SEP, mask_id=MASK, pad_id=PAD, special_ids=[EOD])
+    args = dict(
+        seq_length=SEQ,
+        vocab_size=VOCAB,
+        cls_id=CLS,
+        sep_id=SEP,
+        mask_id=MASK,
+        pad_id=PAD,
+        special_ids=[EOD],
+    )
     return MLMDataset(prefix, **{**args, **kw})
 
 
@@ -84,7 +96,8 @@ def test_masking_rates_are_bert_s(samples):
     assert abs(chosen / candidates - 0.15) < 0.002
     # Binomial standard deviations here are ~0.005 (80%) and ~0.004 (10%): 5-sigma bounds.
     assert abs(masked / chosen - 0.8) < 0.025
-    assert abs(kept / chosen - 0.1) < 0.02  # a random draw equal to the original counts here (p = 1/995)
+    # a random draw equal to the original counts here (p = 1/995)
+    assert abs(kept / chosen - 0.1) < 0.02
     assert abs(randomized / chosen - 0.1) < 0.02
 
 
@@ -97,8 +110,10 @@ def test_same_seed_same_samples_in_any_order_and_process(prefix, samples):
     assert all(torch.equal(clone[3][k], items[3][k]) for k in items[3])
     other = make(prefix, seed=7)
     assert not torch.equal(other[0]["labels"], items[0]["labels"])
-    assert torch.equal(torch.where(other[0]["labels"] != IGNORE_INDEX, other[0]["labels"], other[0]["input_ids"]),
-                       torch.where(items[0]["labels"] != IGNORE_INDEX, items[0]["labels"], items[0]["input_ids"]))
+    assert torch.equal(
+        torch.where(other[0]["labels"] != IGNORE_INDEX, other[0]["labels"], other[0]["input_ids"]),
+        torch.where(items[0]["labels"] != IGNORE_INDEX, items[0]["labels"], items[0]["input_ids"]),
+    )
 
 
 def test_later_epochs_mask_the_same_text_afresh(prefix, samples):

@@ -1,8 +1,10 @@
-"""`preprocess` checked byte for byte against Megatron-LM's tools/preprocess_data.py loop, on real text.
+"""`preprocess` checked byte for byte against Megatron-LM's tools/preprocess_data.py loop, on real
+text.
 
-The reference loop is re-enacted here with megatron-core's IndexedDatasetBuilder and an independent GPT-2
-tokenizer (transformers' GPT2TokenizerFast built from vocab.json + merges.txt, as Megatron's Hugging Face
-path would): same ids, same dtype rule, same empty-document and eod handling, so the files must be equal.
+The reference loop is re-enacted here with megatron-core's IndexedDatasetBuilder and an independent
+GPT-2 tokenizer (transformers' GPT2TokenizerFast built from vocab.json + merges.txt, as Megatron's
+Hugging Face path would): same ids, same dtype rule, same empty-document and eod handling, so the
+files must be equal.
 """
 
 import argparse
@@ -32,7 +34,8 @@ N_ARTICLES = 20
 @pytest.fixture(scope="module")
 def mcore():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core warns that Transformer Engine / Apex are absent
+        # megatron-core warns that Transformer Engine / Apex are absent
+        warnings.simplefilter("ignore")
         return pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
@@ -44,7 +47,9 @@ def gpt2(shared_data) -> Path:
 @pytest.fixture(scope="module")
 def articles(shared_data) -> list[str]:
     """The first wikitext-2 validation articles as JSON lines, plus an empty document."""
-    with open(shared_data / "corpora" / "wikitext-2" / "valid.articles.jsonl", encoding="utf-8") as f:
+    with open(
+        shared_data / "corpora" / "wikitext-2" / "valid.articles.jsonl", encoding="utf-8"
+    ) as f:
         lines = [next(f) for _ in range(N_ARTICLES)]
     lines.insert(3, json.dumps({"title": "empty", "text": ""}) + "\n")
     return lines
@@ -71,7 +76,9 @@ def megatron_preprocess(mcore, lines, prefix, tok, json_keys, append_eod):
     """tools/preprocess_data.py's Encoder.encode + process_json_file, without --split-sentences."""
     eod = tok.eos_token_id
     builders = {
-        key: mcore.IndexedDatasetBuilder(f"{prefix}_{key}_document.bin", dtype=mcore.DType.optimal_dtype(len(tok)))
+        key: mcore.IndexedDatasetBuilder(
+            f"{prefix}_{key}_document.bin", dtype=mcore.DType.optimal_dtype(len(tok))
+        )
         for key in json_keys
     }
     for line in lines:
@@ -96,11 +103,21 @@ def same_files(a: str, b: str) -> None:
         assert Path(a + ext).read_bytes() == Path(b + ext).read_bytes(), f"{a}{ext} != {b}{ext}"
 
 
-def test_matches_megatron_byte_for_byte_with_1_and_2_workers(mcore, tmp_path, small_jsonl, articles, gpt2):
-    megatron_preprocess(mcore, articles, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True)
+def test_matches_megatron_byte_for_byte_with_1_and_2_workers(
+    mcore, tmp_path, small_jsonl, articles, gpt2
+):
+    megatron_preprocess(
+        mcore, articles, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True
+    )
     for workers in (1, 2):
-        stats = preprocess(small_jsonl, tmp_path / f"w{workers}", gpt2, append_eod=True, workers=workers,
-                           progress=False)
+        stats = preprocess(
+            small_jsonl,
+            tmp_path / f"w{workers}",
+            gpt2,
+            append_eod=True,
+            workers=workers,
+            progress=False,
+        )
         assert stats.documents == N_ARTICLES + 1 and stats.skipped == 0
         same_files(stats.outputs["text"], str(tmp_path / "ref_text_document"))
     ds = IndexedDataset(tmp_path / "w1_text_document")
@@ -113,8 +130,12 @@ def test_matches_megatron_byte_for_byte_with_1_and_2_workers(mcore, tmp_path, sm
 def test_several_json_keys_match_megatron(mcore, tmp_path, small_jsonl, articles, gpt2):
     lines = articles[:6]
     small_jsonl.write_text("".join(lines), encoding="utf-8")
-    megatron_preprocess(mcore, lines, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text", "title"], append_eod=False)
-    stats = preprocess(small_jsonl, tmp_path / "ours", gpt2, json_keys=["text", "title"], progress=False)
+    megatron_preprocess(
+        mcore, lines, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text", "title"], append_eod=False
+    )
+    stats = preprocess(
+        small_jsonl, tmp_path / "ours", gpt2, json_keys=["text", "title"], progress=False
+    )
     for key in ("text", "title"):
         same_files(stats.outputs[key], str(tmp_path / f"ref_{key}_document"))
 
@@ -151,10 +172,16 @@ def test_folders_gzip_and_plain_text(tmp_path, gpt2):
         assert ds.document(d).tolist() == tok.encode(text) + [tok.eod_id]
 
 
-def test_malformed_json_fails_with_file_and_line_and_leaves_nothing(tmp_path, small_jsonl, articles, gpt2):
-    small_jsonl.write_text("".join(articles[:2]) + '{"text": "cut off\n' + "".join(articles[2:4]), encoding="utf-8")
+def test_malformed_json_fails_with_file_and_line_and_leaves_nothing(
+    tmp_path, small_jsonl, articles, gpt2
+):
+    small_jsonl.write_text(
+        "".join(articles[:2]) + '{"text": "cut off\n' + "".join(articles[2:4]), encoding="utf-8"
+    )
     for workers in (1, 2):
-        with pytest.raises(UserError, match=r"small\.jsonl:3: malformed JSON .*--on-error skip") as e:
+        with pytest.raises(
+            UserError, match=r"small\.jsonl:3: malformed JSON .*--on-error skip"
+        ) as e:
             preprocess(small_jsonl, tmp_path / "out" / "p", gpt2, workers=workers, progress=False)
         assert "\n" not in str(e.value)
         assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
@@ -164,11 +191,20 @@ def test_skip_mode_skips_and_counts_bad_lines(tmp_path, small_jsonl, articles, g
     clean = small_jsonl.with_name("clean.jsonl")
     clean.write_text("".join(articles[:4]), encoding="utf-8")
     bad = ['{"text": \n', '{"title": "no text"}\n', "[1, 2]\n", '{"text": 5}\n']
-    small_jsonl.write_bytes("".join(articles[:2] + bad + articles[2:4]).encode() + b'{"text": "\xff"}\n')
+    small_jsonl.write_bytes(
+        "".join(articles[:2] + bad + articles[2:4]).encode() + b'{"text": "\xff"}\n'
+    )
     ref = preprocess(clean, tmp_path / "clean", gpt2, append_eod=True, progress=False)
     # 2 workers: the bad lines are found in the workers and reported back in order
-    stats = preprocess(small_jsonl, tmp_path / "skip", gpt2, append_eod=True, workers=2, on_error="skip",
-                       progress=False)
+    stats = preprocess(
+        small_jsonl,
+        tmp_path / "skip",
+        gpt2,
+        append_eod=True,
+        workers=2,
+        on_error="skip",
+        progress=False,
+    )
     assert (stats.documents, stats.skipped) == (4, 5)
     same_files(stats.outputs["text"], ref.outputs["text"])
 
@@ -177,8 +213,14 @@ def test_skip_mode_skips_and_counts_bad_lines(tmp_path, small_jsonl, articles, g
     "content,match",
     [
         (b'{"title": "x"}\n', r"bad\.jsonl:1: no key 'text' \(keys: 'title'\): check --json-keys"),
-        (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"bad\.jsonl:2: not valid UTF-8 \(invalid continuation byte"),
-        (b'{"text": ["a", 1]}\n', r"bad\.jsonl:1: key 'text' must hold a string or a list of strings"),
+        (
+            b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
+            r"bad\.jsonl:2: not valid UTF-8 \(invalid continuation byte",
+        ),
+        (
+            b'{"text": ["a", 1]}\n',
+            r"bad\.jsonl:1: key 'text' must hold a string or a list of strings",
+        ),
         (b'{"text": "\\ud800"}\n', r"bad\.jsonl:1: key 'text' holds a lone UTF-16 surrogate"),
     ],
     ids=["missing-key", "not-utf8", "not-a-string", "surrogate"],
@@ -214,7 +256,9 @@ def test_bad_inputs(tmp_path, gpt2):
     (tmp_path / "cut.jsonl.gz").write_bytes(raw[: len(raw) // 2])
     (tmp_path / "junk.jsonl.gz").write_bytes(raw[:10] + b"\xff" * 50)
     for name in ("cut.jsonl.gz", "junk.jsonl.gz"):
-        with pytest.raises(UserError, match=rf"cannot read \S*{name} \(.*\): check the file is intact"):
+        with pytest.raises(
+            UserError, match=rf"cannot read \S*{name} \(.*\): check the file is intact"
+        ):
             preprocess(tmp_path / name, tmp_path / "out", gpt2, progress=False)
         (tmp_path / name).unlink()
     with pytest.raises(UserError, match="on_error must be"):
@@ -227,13 +271,26 @@ def test_cli_arguments(tmp_path, small_jsonl, articles, gpt2, capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     out = tmp_path / "cli" / "wiki"
-    args = parser.parse_args(["--input", str(small_jsonl.parent), "--output-prefix", str(out), "--tokenizer",
-                              str(gpt2 / "vocab.json"), "--append-eod", "--workers", "1", "--no-progress"])
+    args = parser.parse_args(
+        [
+            "--input",
+            str(small_jsonl.parent),
+            "--output-prefix",
+            str(out),
+            "--tokenizer",
+            str(gpt2 / "vocab.json"),
+            "--append-eod",
+            "--workers",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert args.func is run
     stats = run(args)
     assert "wrote 5 documents" in capsys.readouterr().out
     ref = preprocess(small_jsonl, tmp_path / "api", gpt2, append_eod=True, progress=False)
-    same_files(stats.outputs["text"], ref.outputs["text"])  # vocab.json+merges.txt gives tokenizer.json's ids
+    # vocab.json+merges.txt gives tokenizer.json's ids
+    same_files(stats.outputs["text"], ref.outputs["text"])
     shutil.rmtree(tmp_path / "cli")
 
 
@@ -251,10 +308,12 @@ def test_a_dead_worker_raises_instead_of_hanging(tmp_path, small_jsonl, gpt2, mo
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-def test_chunks_finishing_out_of_order_are_written_in_input_order(mcore, tmp_path, small_jsonl, articles, gpt2,
-                                                                   monkeypatch):
-    """Chunks run concurrently (tokenizer threads with 1 worker, processes with 2); the first one is made the
-    slowest, so the others finish before it, and the files must still be Megatron's byte for byte."""
+def test_chunks_finishing_out_of_order_are_written_in_input_order(
+    mcore, tmp_path, small_jsonl, articles, gpt2, monkeypatch
+):
+    """Chunks run concurrently (tokenizer threads with 1 worker, processes with 2); the first one
+    is made the slowest, so the others finish before it, and the files must still be Megatron's
+    byte for byte."""
     import lmforge.data.encoding as enc
 
     encode_chunk = enc.Encoder.encode_chunk
@@ -266,17 +325,34 @@ def test_chunks_finishing_out_of_order_are_written_in_input_order(mcore, tmp_pat
 
     monkeypatch.setattr(enc, "CHUNK_DOCS", 2)
     monkeypatch.setattr(enc.Encoder, "encode_chunk", first_chunk_last)  # forked workers inherit it
-    megatron_preprocess(mcore, articles, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True)
+    megatron_preprocess(
+        mcore, articles, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True
+    )
     for workers in (1, 2):
-        stats = preprocess(small_jsonl, tmp_path / f"w{workers}", gpt2, append_eod=True, workers=workers,
-                           progress=False)
+        stats = preprocess(
+            small_jsonl,
+            tmp_path / f"w{workers}",
+            gpt2,
+            append_eod=True,
+            workers=workers,
+            progress=False,
+        )
         same_files(stats.outputs["text"], str(tmp_path / "ref_text_document"))
 
 
 def test_cli_preprocess_does_not_import_torch(tmp_path, small_jsonl, gpt2):
-    """`lmforge preprocess` needs no torch; importing it would add seconds to every run's start-up."""
-    argv = ["preprocess", "--input", str(small_jsonl), "--output-prefix", str(tmp_path / "cli"), "--tokenizer",
-            str(gpt2), "--append-eod"]
+    """`lmforge preprocess` needs no torch; importing it would add seconds to every run's
+    start-up."""
+    argv = [
+        "preprocess",
+        "--input",
+        str(small_jsonl),
+        "--output-prefix",
+        str(tmp_path / "cli"),
+        "--tokenizer",
+        str(gpt2),
+        "--append-eod",
+    ]
     code = f"import sys; from lmforge.cli import main; rc = main({argv!r}); print(rc, 'torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.splitlines()[-1] == "0 False", r.stdout + r.stderr
@@ -284,44 +360,84 @@ def test_cli_preprocess_does_not_import_torch(tmp_path, small_jsonl, gpt2):
     same_files(str(tmp_path / "cli_text_document"), ref.outputs["text"])
 
 
-def test_spawned_workers_load_their_own_tokenizer(tmp_path, small_jsonl, articles, gpt2, monkeypatch):
-    """macOS and Windows start workers by spawn: they load the tokenizer from its file, same bytes as fork."""
+def test_spawned_workers_load_their_own_tokenizer(
+    tmp_path, small_jsonl, articles, gpt2, monkeypatch
+):
+    """macOS and Windows start workers by spawn: they load the tokenizer from its file, same
+    bytes as fork."""
     import lmforge.data.encoding as enc
 
     small_jsonl.write_text("".join(articles[:6]), encoding="utf-8")
     monkeypatch.setattr(enc, "START_METHOD", "spawn")
     monkeypatch.setattr(enc, "CHUNK_DOCS", 2)
-    spawned = preprocess(small_jsonl, tmp_path / "spawn", gpt2 / "vocab.json", append_eod=True, workers=2,
-                         progress=False)
-    ref = preprocess(small_jsonl, tmp_path / "one", gpt2 / "vocab.json", append_eod=True, progress=False)
+    spawned = preprocess(
+        small_jsonl,
+        tmp_path / "spawn",
+        gpt2 / "vocab.json",
+        append_eod=True,
+        workers=2,
+        progress=False,
+    )
+    ref = preprocess(
+        small_jsonl, tmp_path / "one", gpt2 / "vocab.json", append_eod=True, progress=False
+    )
     same_files(spawned.outputs["text"], ref.outputs["text"])
 
 
-def test_parse_special_tokens_matches_megatron_and_the_default_keeps_text(mcore, tmp_path, articles, gpt2):
-    """Megatron's tool tokenizes through Hugging Face, which turns "<|endoftext|>" in a document into the control
-    id; --parse-special-tokens gives those bytes. By default it stays text: no document can forge a boundary."""
-    lines = articles[:4] + [json.dumps({"text": t}) + "\n" for t in (
-        "A scraped page<|endoftext|>with a forged boundary, and another <|endoftext|> here.",
-        "<|endoftext|>",
-        "Text that is only text.",
-    )]
+def test_parse_special_tokens_matches_megatron_and_the_default_keeps_text(
+    mcore, tmp_path, articles, gpt2
+):
+    """Megatron's tool tokenizes through Hugging Face, which turns "<|endoftext|>" in a document
+    into the control id; --parse-special-tokens gives those bytes. By default it stays text: no
+    document can forge a boundary."""
+    lines = articles[:4] + [
+        json.dumps({"text": t}) + "\n"
+        for t in (
+            "A scraped page<|endoftext|>with a forged boundary, and another <|endoftext|> here.",
+            "<|endoftext|>",
+            "Text that is only text.",
+        )
+    ]
     (tmp_path / "special.jsonl").write_text("".join(lines), encoding="utf-8")
-    megatron_preprocess(mcore, lines, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True)
+    megatron_preprocess(
+        mcore, lines, str(tmp_path / "ref"), hf_gpt2(gpt2), ["text"], append_eod=True
+    )
     tok = load_tokenizer(gpt2)
     for workers in (1, 2):
-        parsed = preprocess(tmp_path / "special.jsonl", tmp_path / f"parsed{workers}", tok, append_eod=True,
-                            workers=workers, parse_special_tokens=True, progress=False)
+        parsed = preprocess(
+            tmp_path / "special.jsonl",
+            tmp_path / f"parsed{workers}",
+            tok,
+            append_eod=True,
+            workers=workers,
+            parse_special_tokens=True,
+            progress=False,
+        )
         same_files(parsed.outputs["text"], str(tmp_path / "ref_text_document"))
     assert not tok.parse_special_tokens  # a caller's tokenizer comes back as it was given
-    text = preprocess(tmp_path / "special.jsonl", tmp_path / "text", tok, append_eod=True, progress=False)
+    text = preprocess(
+        tmp_path / "special.jsonl", tmp_path / "text", tok, append_eod=True, progress=False
+    )
     ds = IndexedDataset(text.outputs["text"])
-    assert [int((ds.document(d) == tok.eod_id).sum()) for d in range(ds.num_documents)] == [1, 1, 1, 0, 1, 1, 1]
-    assert ds.document(5).tolist() == tok.encode("<|endoftext|>") + [tok.eod_id]  # the characters, then eod
+    assert [int((ds.document(d) == tok.eod_id).sum()) for d in range(ds.num_documents)] == [
+        1,
+        1,
+        1,
+        0,
+        1,
+        1,
+        1,
+    ]
+    # the characters, then eod
+    assert ds.document(5).tolist() == tok.encode("<|endoftext|>") + [tok.eod_id]
 
 
-def test_prepend_bos_matches_megatrons_llama_tokenizer(mcore, tmp_path, articles, shared_data, monkeypatch):
-    """Llama 2 continued pretraining: Megatron's Llama tokenizer starts every text with <s> (tokenize(text,
-    bos=True): [bos] + SentencePiece's ids, an empty text the bos alone); --prepend-bos writes the same bytes."""
+def test_prepend_bos_matches_megatrons_llama_tokenizer(
+    mcore, tmp_path, articles, shared_data, monkeypatch
+):
+    """Llama 2 continued pretraining: Megatron's Llama tokenizer starts every text with <s>
+    (tokenize(text, bos=True): [bos] + SentencePiece's ids, an empty text the bos alone);
+    --prepend-bos writes the same bytes."""
     import lmforge.data.encoding as enc
 
     spm = pytest.importorskip("sentencepiece")
@@ -329,18 +445,31 @@ def test_prepend_bos_matches_megatrons_llama_tokenizer(mcore, tmp_path, articles
     sp = spm.SentencePieceProcessor(model_file=str(model))
     lines = articles[:5]  # the empty document among them
     (tmp_path / "in.jsonl").write_text("".join(lines), encoding="utf-8")
-    builder = mcore.IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=mcore.DType.optimal_dtype(sp.vocab_size()))
-    for line in lines:  # tools/preprocess_data.py's Encoder.encode with _Llama2Tokenizer and --append-eod
+    builder = mcore.IndexedDatasetBuilder(
+        str(tmp_path / "ref.bin"), dtype=mcore.DType.optimal_dtype(sp.vocab_size())
+    )
+    # tools/preprocess_data.py's Encoder.encode with _Llama2Tokenizer and --append-eod
+    for line in lines:
         ids = [sp.bos_id()] + sp.encode(json.loads(line)["text"])
         builder.add_document(ids + [sp.eos_id()], [len(ids) + 1])
     builder.finalize(str(tmp_path / "ref.idx"))
     monkeypatch.setattr(enc, "CHUNK_DOCS", 2)
     for workers in (1, 2):
-        out = preprocess(tmp_path / "in.jsonl", tmp_path / f"bos{workers}", model, append_eod=True, prepend_bos=True,
-                         workers=workers, progress=False)
+        out = preprocess(
+            tmp_path / "in.jsonl",
+            tmp_path / f"bos{workers}",
+            model,
+            append_eod=True,
+            prepend_bos=True,
+            workers=workers,
+            progress=False,
+        )
         same_files(out.outputs["text"], str(tmp_path / "ref"))
-    plain = preprocess(tmp_path / "in.jsonl", tmp_path / "plain", model, append_eod=True, progress=False)
-    assert IndexedDataset(plain.outputs["text"]).document(0)[0] != sp.bos_id()  # off by default, as before
+    plain = preprocess(
+        tmp_path / "in.jsonl", tmp_path / "plain", model, append_eod=True, progress=False
+    )
+    # off by default, as before
+    assert IndexedDataset(plain.outputs["text"]).document(0)[0] != sp.bos_id()
     tok = load_tokenizer(model)
     tok.bos_id = None
     with pytest.raises(UserError, match="has no beginning-of-sequence token: drop --prepend-bos"):
@@ -348,10 +477,13 @@ def test_prepend_bos_matches_megatrons_llama_tokenizer(mcore, tmp_path, articles
     assert not list(tmp_path.glob("none*"))
 
 
-def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared_data, monkeypatch, caplog):
-    """WikiText holds 11,718 "<unk>" strings: preprocess wrote them as text (the bytes Megatron's SentencePiece
-    tokenizer writes, kept) where lmforge eval and transformers read the unk id, and said nothing. One warning at
-    the end counts them, each shard its own; none where --parse-special-tokens reads them, or none is there."""
+def test_special_token_text_left_as_text_is_said_once(
+    tmp_path, articles, shared_data, monkeypatch, caplog
+):
+    """WikiText holds 11,718 "<unk>" strings: preprocess wrote them as text (the bytes Megatron's
+    SentencePiece tokenizer writes, kept) where lmforge eval and transformers read the unk id,
+    and said nothing. One warning at the end counts them, each shard its own; none where
+    --parse-special-tokens reads them, or none is there."""
     import logging
 
     import lmforge.data.encoding as enc
@@ -363,11 +495,15 @@ def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared
     texts = [json.loads(line)["text"] for line in lines]
     found = {name: sum(t.count(name) for t in texts) for name in ("<unk>", "<s>", "</s>")}
     documents = sum(any(name in t for name in found) for t in texts)
-    assert found["<unk>"] > 1000 and found["<s>"] == found["</s>"] == 1 and 1 < documents < len(texts)
-    said = (f"{sum(found.values()):,} occurrences of special-token text (<unk> x{found['<unk>']:,}, </s> x1, <s> x1) "
-            f"in {documents} documents were tokenized as plain text (lmforge's default, as Megatron's "
-            "preprocess_data.py does with its own GPT-2 BPE and SentencePiece tokenizers); lmforge eval and "
-            "transformers read such text as the special ids: --parse-special-tokens tokenizes them so")
+    assert (
+        found["<unk>"] > 1000 and found["<s>"] == found["</s>"] == 1 and 1 < documents < len(texts)
+    )
+    said = (
+        f"{sum(found.values()):,} occurrences of special-token text (<unk> x{found['<unk>']:,}, </s> x1, <s> x1) "
+        f"in {documents} documents were tokenized as plain text (lmforge's default, as Megatron's "
+        "preprocess_data.py does with its own GPT-2 BPE and SentencePiece tokenizers); lmforge eval and "
+        "transformers read such text as the special ids: --parse-special-tokens tokenizes them so"
+    )
     monkeypatch.setattr(enc, "CHUNK_DOCS", 4)
     sp = spm.SentencePieceProcessor(model_file=str(model))
 
@@ -376,8 +512,11 @@ def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared
         with caplog.at_level(logging.WARNING, logger="lmforge.data.preprocess"):
             stats = preprocess(tmp_path / "in.jsonl", tmp_path / "out", model, progress=False, **kw)
         if not kw.get("parse_special_tokens") and "shard" not in kw:
-            ds = IndexedDataset(stats.outputs["text"])  # the text stays sentencepiece's, as Megatron's
-            last = json.loads((tmp_path / "in.jsonl").read_text(encoding="utf-8").splitlines()[-1])["text"]
+            # the text stays sentencepiece's, as Megatron's
+            ds = IndexedDataset(stats.outputs["text"])
+            last = json.loads((tmp_path / "in.jsonl").read_text(encoding="utf-8").splitlines()[-1])[
+                "text"
+            ]
             assert ds.document(ds.num_documents - 1).tolist() == sp.encode(last)
         return [r.getMessage() for r in caplog.records]
 
@@ -385,9 +524,13 @@ def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared
         assert warnings_of(workers=workers) == [said]
     shards = [warnings_of(shard=f"{i}/2") for i in range(2)]
     assert [w[0].split(": ")[0] for w in shards] == ["shard 0/2", "shard 1/2"]
-    assert sum(int(w[0].split(": ")[1].split()[0].replace(",", "")) for w in shards) == sum(found.values())
+    assert sum(int(w[0].split(": ")[1].split()[0].replace(",", "")) for w in shards) == sum(
+        found.values()
+    )
     assert warnings_of(parse_special_tokens=True) == []
-    (tmp_path / "in.jsonl").write_text("".join(line.replace("<", "[") for line in lines), encoding="utf-8")
+    (tmp_path / "in.jsonl").write_text(
+        "".join(line.replace("<", "[") for line in lines), encoding="utf-8"
+    )
     assert warnings_of() == []
 
 
@@ -395,28 +538,58 @@ def test_special_token_text_left_as_text_is_said_once(tmp_path, articles, shared
 def test_spawned_workers_parse_special_tokens_when_asked(tmp_path, gpt2, monkeypatch):
     import lmforge.data.encoding as enc
 
-    (tmp_path / "s.jsonl").write_text(json.dumps({"text": "a<|endoftext|>b"}) + "\n" + '{"text": "c"}\n')
+    (tmp_path / "s.jsonl").write_text(
+        json.dumps({"text": "a<|endoftext|>b"}) + "\n" + '{"text": "c"}\n'
+    )
     monkeypatch.setattr(enc, "START_METHOD", "spawn")
     monkeypatch.setattr(enc, "CHUNK_DOCS", 1)
-    spawned = preprocess(tmp_path / "s.jsonl", tmp_path / "spawn", gpt2, workers=2, parse_special_tokens=True,
-                         progress=False)
+    spawned = preprocess(
+        tmp_path / "s.jsonl",
+        tmp_path / "spawn",
+        gpt2,
+        workers=2,
+        parse_special_tokens=True,
+        progress=False,
+    )
     assert IndexedDataset(spawned.outputs["text"]).document(0).tolist() == [64, 50256, 65]
 
 
 def test_sigterm_stops_the_workers_and_leaves_no_partial_output(gpt2, shared_data, tmp_path):
-    """`kill`, `timeout` and Slurm send SIGTERM: preprocess ended at once, its worker processes blocked forever on a
-    pipe nobody read, and its partial .bin stayed behind. It now unwinds as Ctrl-C does (exit 143)."""
+    """`kill`, `timeout` and Slurm send SIGTERM: preprocess ended at once, its worker processes
+    blocked forever on a pipe nobody read, and its partial .bin stayed behind. It now unwinds as
+    Ctrl-C does (exit 143)."""
     import signal
 
     articles = (shared_data / "corpora" / "wikitext-2" / "valid.articles.jsonl").read_text()
-    (tmp_path / "big.jsonl").write_text(articles * 100)  # minutes of work: stopped long before its end
+    # minutes of work: stopped long before its end
+    (tmp_path / "big.jsonl").write_text(articles * 100)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "preprocess", "--input", str(tmp_path / "big.jsonl"),
-                             "--output-prefix", str(out / "p"), "--tokenizer", str(gpt2), "--workers", "2",
-                             "--no-progress"], start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmforge.cli",
+            "preprocess",
+            "--input",
+            str(tmp_path / "big.jsonl"),
+            "--output-prefix",
+            str(out / "p"),
+            "--tokenizer",
+            str(gpt2),
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
     def group() -> list[str]:
-        return subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        return subprocess.run(
+            ["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
 
     deadline = time.monotonic() + 120
     while len(group()) < 3 and proc.poll() is None and time.monotonic() < deadline:

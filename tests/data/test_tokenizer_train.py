@@ -1,4 +1,5 @@
-"""A byte-level BPE trained on tinyshakespeare: loads back, round-trips text, honours the vocabulary size."""
+"""A byte-level BPE trained on tinyshakespeare: loads back, round-trips text, honours the
+vocabulary size."""
 
 import argparse
 import json
@@ -32,7 +33,9 @@ def test_loads_back_with_the_vocab_size_and_eod(trained):
     tok = load_tokenizer(trained)
     assert tok.vocab_size == 1000
     assert tok.eod_id == tok.eos_id == tok.bos_id == tok.token_to_id("<|endoftext|>") == 0
-    assert json.loads((trained / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    assert (
+        json.loads((trained / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    )
 
 
 def test_round_trip_and_compression(trained, shakespeare):
@@ -81,11 +84,14 @@ def test_cli_arguments_take_jsonl_folders(tmp_path):
         args.func(args)
 
 
-@pytest.mark.parametrize("content, vocab, match", [
-    ('{"text": "a"}\n{"txt": "b"}\n', 300, r"in\.jsonl:2: no key 'text'"),
-    ('{"text": "a"}\n{"text": \n', 300, r"in\.jsonl:2: malformed JSON"),
-    ('{"text": "a"}\n', 100, r"vocab_size 100 is below the 256 byte symbols"),
-])
+@pytest.mark.parametrize(
+    "content, vocab, match",
+    [
+        ('{"text": "a"}\n{"txt": "b"}\n', 300, r"in\.jsonl:2: no key 'text'"),
+        ('{"text": "a"}\n{"text": \n', 300, r"in\.jsonl:2: malformed JSON"),
+        ('{"text": "a"}\n', 100, r"vocab_size 100 is below the 256 byte symbols"),
+    ],
+)
 def test_errors_leave_no_output(tmp_path, content, vocab, match):
     path = tmp_path / "in.jsonl"
     path.write_text(content, encoding="utf-8")
@@ -99,7 +105,8 @@ def test_errors_leave_no_output(tmp_path, content, vocab, match):
 
 
 def test_parquet_and_zst_inputs_give_the_jsonl_texts(tmp_path):
-    """The trainer finds and opens inputs as preprocess does: a Parquet column and a .zst file read as JSONL."""
+    """The trainer finds and opens inputs as preprocess does: a Parquet column and a .zst file
+    read as JSONL."""
     pa = pytest.importorskip("pyarrow")
     zstandard = pytest.importorskip("zstandard")
     import pyarrow.parquet as pq
@@ -115,16 +122,23 @@ def test_parquet_and_zst_inputs_give_the_jsonl_texts(tmp_path):
 
 
 def test_bert_special_tokens_take_their_roles_in_transformers(tmp_path, shakespeare):
-    """Trained with BERT's special tokens, tokenizer_config.json named [PAD] as bos, eos and unk and no mask token:
-    the MLM export failed transformers' fill-mask pipeline ("does not define a mask_token")."""
+    """Trained with BERT's special tokens, tokenizer_config.json named [PAD] as bos, eos and unk
+    and no mask token: the MLM export failed transformers' fill-mask pipeline ("does not define a
+    mask_token")."""
     tf = pytest.importorskip("transformers")
     out = tmp_path / "bert-tok"
     specials = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")
     train_tokenizer([shakespeare], 600, out, special_tokens=specials)
     reference = tf.AutoTokenizer.from_pretrained(out)
-    assert (reference.pad_token, reference.cls_token, reference.sep_token, reference.mask_token,
-            reference.unk_token) == specials
+    assert (
+        reference.pad_token,
+        reference.cls_token,
+        reference.sep_token,
+        reference.mask_token,
+        reference.unk_token,
+    ) == specials
     assert reference.bos_token is None and reference.eos_token is None
     framed = reference("To be or not").input_ids
     ours = load_tokenizer(out)
-    assert framed == [1, *ours.encode("To be or not"), 2]  # "[CLS] text [SEP]" there; plain ids here (MLM frames)
+    # "[CLS] text [SEP]" there; plain ids here (MLM frames)
+    assert framed == [1, *ours.encode("To be or not"), 2]

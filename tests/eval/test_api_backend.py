@@ -1,5 +1,6 @@
-"""lm-eval's `local-completions` backend (its OpenAI API client: echo + logprobs) scoring `lmforge serve` gives the
-loglikelihoods `lmforge eval` gives on the same model, request by request and through a whole task."""
+"""lm-eval's `local-completions` backend (its OpenAI API client: echo + logprobs) scoring
+`lmforge serve` gives the loglikelihoods `lmforge eval` gives on the same model, request by
+request and through a whole task."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ pytest.importorskip("fastapi")
 
 @pytest.fixture(scope="module")
 def served(eval_models):
-    """The NeoX model's HF folder served over HTTP, lm-eval's API backend pointed at it, and lmforge's own backend
-    on the lmforge folder imported from it."""
+    """The NeoX model's HF folder served over HTTP, lm-eval's API backend pointed at it, and
+    lmforge's own backend on the lmforge folder imported from it."""
     from tests.serve.conftest import serve
 
     hf, imported = eval_models["gpt_neox"]
@@ -48,10 +49,14 @@ def test_the_api_backend_scores_what_lmforge_eval_scores(served):
 
 @pytest.mark.slow
 def test_a_whole_task_through_the_server_matches_lmforge_eval(served, shared_data):
-    """SST-2 zero-shot (its prompts fit the tiny model's 128 positions, where both backends score the same window)."""
+    """SST-2 zero-shot (its prompts fit the tiny model's 128 positions, where both backends score
+    the same window)."""
     api, ours = served
     tasks = ["sst2_local"]
-    mine, theirs = (_task_results(lm, load_tasks(tasks, [], shared_data), num_fewshot=0, limit=8) for lm in (ours, api))
+    mine, theirs = (
+        _task_results(lm, load_tasks(tasks, [], shared_data), num_fewshot=0, limit=8)
+        for lm in (ours, api)
+    )
     assert mine.keys() == theirs.keys() == set(tasks)
     for metric, value in mine["sst2_local"].items():
         expected = value if isinstance(value, str) else pytest.approx(value, rel=1e-5)

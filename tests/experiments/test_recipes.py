@@ -15,8 +15,8 @@ SCRIPTS = "\n".join(p.read_text() for p in (ROOT / "scripts" / "experiments").gl
 
 
 def _available(value: str) -> bool:
-    """A file, folder or Megatron prefix (PREFIX.idx) that exists, or one under runs/ that an experiment
-    script makes (those exist only after the script ran)."""
+    """A file, folder or Megatron prefix (PREFIX.idx) that exists, or one under runs/ that an
+    experiment script makes (those exist only after the script ran)."""
     path = Path(value)
     if path.parts[:1] == ("runs",):
         return path.name in SCRIPTS
@@ -26,7 +26,9 @@ def _available(value: str) -> bool:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_experiment_recipe_is_valid(path, tmp_path, monkeypatch, shared_data):
     monkeypatch.setenv("LMFORGE_SHARED_DATA", str(shared_data))
-    cfg = load_run_config(path, [f"model.init_from={tmp_path}"] if "init_from" in path.read_text() else [])
+    cfg = load_run_config(
+        path, [f"model.init_from={tmp_path}"] if "init_from" in path.read_text() else []
+    )
     t = cfg.trainer
     assert t.global_batch_size % t.micro_batch_size == 0
     for key in ("tokenizer", "train_file", "valid_file"):

@@ -1,6 +1,7 @@
-"""Per-row sampling settings and the engine's per-row penalties against transformers' logits processors (and, where
-transformers has none, OpenAI's formula computed here): a batch whose rows each have their own settings filters each
-row exactly as the reference does with that row's settings alone."""
+"""Per-row sampling settings and the engine's per-row penalties against transformers' logits
+processors (and, where transformers has none, OpenAI's formula computed here): a batch whose rows
+each have their own settings filters each row exactly as the reference does with that row's
+settings alone."""
 
 from __future__ import annotations
 
@@ -75,13 +76,20 @@ def test_min_p_alone_equals_min_p_logits_warper():
 
 
 def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
-    """A row with a generator of its own draws what it draws alone, whatever rows (greedy, sampled, seeded) share
-    its call."""
-    params = [SamplingParams(0.0), SamplingParams(0.8, 10), SamplingParams(1.2, None, 0.9), SamplingParams(1.0)]
+    """A row with a generator of its own draws what it draws alone, whatever rows (greedy,
+    sampled, seeded) share its call."""
+    params = [
+        SamplingParams(0.0),
+        SamplingParams(0.8, 10),
+        SamplingParams(1.2, None, 0.9),
+        SamplingParams(1.0),
+    ]
     for step in range(5):
         logits = _logits(100 + step, 4)
         alone = [
-            choose_rows(logits[k : k + 1], RowSampling.of([params[k]]), [torch.Generator().manual_seed(k)])
+            choose_rows(
+                logits[k : k + 1], RowSampling.of([params[k]]), [torch.Generator().manual_seed(k)]
+            )
             for k in (1, 2)
         ]
         gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2), None]
@@ -98,8 +106,8 @@ def _penalties(settings: list[RowSettings], prompts: list[list[int]]) -> RowPena
 
 
 def test_repetition_penalty_per_row_equals_repetition_penalty_logits_processor():
-    """CTRL's penalty over prompt and output tokens, a different one per row, as transformers' processor applies
-    it to input_ids = prompt + output."""
+    """CTRL's penalty over prompt and output tokens, a different one per row, as transformers'
+    processor applies it to input_ids = prompt + output."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (7,), generator=g).tolist() for _ in range(3)]
     outputs = [torch.randint(0, VOCAB, (5,), generator=g).tolist() for _ in range(3)]
@@ -113,13 +121,17 @@ def test_repetition_penalty_per_row_equals_repetition_penalty_logits_processor()
     got = rows.apply(logits, slots, settings, [5] * 3)
     for k, p in enumerate(penalties):
         ids = torch.tensor([prompts[k] + outputs[k]])
-        want = RepetitionPenaltyLogitsProcessor(p)(ids, logits[k : k + 1].clone())[0] if p != 1.0 else logits[k]
+        want = (
+            RepetitionPenaltyLogitsProcessor(p)(ids, logits[k : k + 1].clone())[0]
+            if p != 1.0
+            else logits[k]
+        )
         assert torch.equal(got[k], want), k
 
 
 def test_frequency_presence_and_logit_bias_follow_openais_formula():
-    """logits[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty + logit_bias[j], c over the output tokens
-    only (a prompt token counts for nothing), each row its own values."""
+    """logits[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty + logit_bias[j], c
+    over the output tokens only (a prompt token counts for nothing), each row its own values."""
     settings = [
         RowSettings(frequency_penalty=0.5, presence_penalty=0.25),
         RowSettings(frequency_penalty=-1.0),
@@ -149,11 +161,17 @@ def test_min_tokens_masks_the_ending_ids_until_reached_and_a_new_request_starts_
     rows = _penalties(settings, [[1], [2]])
     logits = _logits(6, 2)
     early = rows.apply(logits, torch.arange(2), settings, [2, 2])
-    assert early[0, 0] == -math.inf and early[0, 5] == -math.inf and early[0].isfinite().sum() == VOCAB - 2
+    assert (
+        early[0, 0] == -math.inf
+        and early[0, 5] == -math.inf
+        and early[0].isfinite().sum() == VOCAB - 2
+    )
     assert torch.equal(early[1], logits[1])
     assert torch.equal(rows.apply(logits, torch.arange(2), settings, [3, 3]), logits)
     rows.admit(0, [1], RowSettings())  # the row's next request has none of it
-    assert torch.equal(rows.apply(logits, torch.arange(2), [RowSettings(), settings[1]], [0, 0]), logits)
+    assert torch.equal(
+        rows.apply(logits, torch.arange(2), [RowSettings(), settings[1]], [0, 0]), logits
+    )
 
 
 def test_logit_bias_and_min_tokens_equal_transformers_processors():
@@ -167,6 +185,8 @@ def test_logit_bias_and_min_tokens_equal_transformers_processors():
         got = rows.apply(logits, torch.arange(2), settings, [generated] * 2)
         prompt = torch.tensor([[1, 2]])
         ids = torch.cat([prompt, torch.ones(1, generated, dtype=torch.long)], dim=1)
-        biased = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(ids, logits[:1].clone())
+        biased = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(
+            ids, logits[:1].clone()
+        )
         masked = MinNewTokensLengthLogitsProcessor(2, 3, [0, 5])(ids, logits[1:].clone())
         assert torch.equal(got[0], biased[0]) and torch.equal(got[1], masked[0]), generated

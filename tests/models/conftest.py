@@ -1,4 +1,5 @@
-"""Model folders the tests of this package edit: a tiny Hugging Face folder with a tokenizer and a license."""
+"""Model folders the tests of this package edit: a tiny Hugging Face folder with a tokenizer and
+a license."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 
 
 def save_tiny(tf, cls, config, out):
-    """`config`'s model saved as transformers saves it, with a word-level tokenizer of its vocabulary and a
-    LICENSE."""
+    """`config`'s model saved as transformers saves it, with a word-level tokenizer of its
+    vocabulary and a LICENSE."""
     from tokenizers import Tokenizer, models
 
     cls(config).save_pretrained(out)
@@ -21,8 +22,14 @@ def save_tiny(tf, cls, config, out):
 def tiny_hf(tmp_path_factory):
     """A tiny Llama folder (one safetensors file)."""
     tf = pytest.importorskip("transformers")
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=32)
+    config = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
     return save_tiny(tf, tf.LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny") / "llama")
 
 

@@ -1,7 +1,7 @@
-"""A model folder from someone else names files (an index's shards, tokenizer, chat template, generation and
-license files): none it names outside itself is read, or copied into an import or export, whether by `../`, an
-absolute name or a symlink; links that stay inside it, and a Hugging Face cache snapshot's links into its blobs/,
-are followed (lmforge.fsutil.folder_file)."""
+"""A model folder from someone else names files (an index's shards, tokenizer, chat template,
+generation and license files): none it names outside itself is read, or copied into an import or
+export, whether by `../`, an absolute name or a symlink; links that stay inside it, and a Hugging
+Face cache snapshot's links into its blobs/, are followed (lmforge.fsutil.folder_file)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,14 @@ def copy_of(folder, dst):
 
 def copies_of(secret, root) -> list:
     """The files under `root` (links aside) holding the secret's text, the secret itself aside."""
-    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and p != secret
-            and SECRET in p.read_text(errors="replace")]
+    return [
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and not p.is_symlink()
+        and p != secret
+        and SECRET in p.read_text(errors="replace")
+    ]
 
 
 def test_a_name_or_link_leading_out_of_the_folder_is_refused(tmp_path, secret):
@@ -52,14 +58,17 @@ def test_a_name_or_link_leading_out_of_the_folder_is_refused(tmp_path, secret):
     (folder / "outer").symlink_to(secret.parent, target_is_directory=True)
     (folder / "loop").symlink_to("loop")
     assert folder_file(folder, "sub/a.json") == folder / "sub" / "a.json"
-    assert folder_file(folder, "inner.json") == folder / "inner.json"  # a link inside the folder is followed
+    # a link inside the folder is followed
+    assert folder_file(folder, "inner.json") == folder / "inner.json"
     assert folder_file(folder, "sub/../inner.json") == folder / "sub/../inner.json"
     for name in ("LICENSE", "../elsewhere/secret.txt", str(secret), "outer/secret.txt"):
         with pytest.raises(UserError) as e:
             folder_file(folder, name)
-        assert str(e.value) == (f"'{folder / name}' points outside its folder, to '{secret}': lmforge reads no file a "
-                                "model folder names outside it; copy that file into the folder if it belongs to the "
-                                "model")
+        assert str(e.value) == (
+            f"'{folder / name}' points outside its folder, to '{secret}': lmforge reads no file a "
+            "model folder names outside it; copy that file into the folder if it belongs to the "
+            "model"
+        )
     with pytest.raises(UserError, match=r"'.*loop' cannot be followed"):
         folder_file(folder, "loop")
 
@@ -70,13 +79,15 @@ def test_a_folder_reached_through_a_link_is_the_folder(hf_folder, tmp_path):
 
 
 def test_import_and_export_do_not_copy_a_linked_license(hf_folder, tmp_path, secret, capsys):
-    """import-hf and export-hf copied what a symlinked LICENSE or NOTICE pointed to into their output."""
+    """import-hf and export-hf copied what a symlinked LICENSE or NOTICE pointed to into their
+    output."""
     src = copy_of(hf_folder, tmp_path / "src")
     (src / "NOTICE").symlink_to(secret)
     assert main(["import-hf", str(src), str(tmp_path / "lm")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: '{src / 'NOTICE'}' points outside its folder, to '{secret}': lmforge reads no file a model folder "
-        "names outside it; copy that file into the folder if it belongs to the model"]
+        "names outside it; copy that file into the folder if it belongs to the model"
+    ]
     assert not (tmp_path / "lm").exists() and not copies_of(secret, tmp_path)
 
     (src / "NOTICE").unlink()
@@ -85,23 +96,33 @@ def test_import_and_export_do_not_copy_a_linked_license(hf_folder, tmp_path, sec
     (tmp_path / "lm" / "LICENSE").symlink_to(secret)
     capsys.readouterr()
     assert main(["export-hf", str(tmp_path / "lm"), str(tmp_path / "hf")]) == 1
-    assert f"'{tmp_path / 'lm' / 'LICENSE'}' points outside its folder, to '{secret}'" in capsys.readouterr().err
+    assert (
+        f"'{tmp_path / 'lm' / 'LICENSE'}' points outside its folder, to '{secret}'"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "hf").exists() and not copies_of(secret, tmp_path)
 
 
 def test_an_index_naming_a_shard_outside_the_folder_is_refused(hf_folder, tmp_path):
-    """A weight_map entry `../other/model.safetensors` loaded the other folder's weights without a word."""
+    """A weight_map entry `../other/model.safetensors` loaded the other folder's weights without
+    a word."""
     from lmforge.models.source import load_pretrained
 
     other = copy_of(hf_folder, tmp_path / "other")
     src = copy_of(hf_folder, tmp_path / "src")
     (src / "model.safetensors").unlink()
-    keys = list(json.loads((other / "model.safetensors.index.json").read_text())["weight_map"]) \
-        if (other / "model.safetensors.index.json").exists() else _keys(other / "model.safetensors")
+    keys = (
+        list(json.loads((other / "model.safetensors.index.json").read_text())["weight_map"])
+        if (other / "model.safetensors.index.json").exists()
+        else _keys(other / "model.safetensors")
+    )
     index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "../other/model.safetensors")}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(UserError, match=r"^'.*src/\.\./other/model\.safetensors' points outside its folder, to "
-                                        rf"'{other / 'model.safetensors'}'"):
+    with pytest.raises(
+        UserError,
+        match=r"^'.*src/\.\./other/model\.safetensors' points outside its folder, to "
+        rf"'{other / 'model.safetensors'}'",
+    ):
         load_pretrained(src)
     index["weight_map"] = dict.fromkeys(keys, str(other / "model.safetensors"))  # an absolute name
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -116,8 +137,10 @@ def _keys(path):
         return list(f.keys())
 
 
-@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                  "generation_config.json"])
+@pytest.mark.parametrize(
+    "name",
+    ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"],
+)
 def test_generate_reads_no_linked_side_file(hf_folder, tmp_path, secret, name, capsys):
     src = copy_of(hf_folder, tmp_path / "src")
     if (src / name).exists():
@@ -127,13 +150,15 @@ def test_generate_reads_no_linked_side_file(hf_folder, tmp_path, secret, name, c
     args = ["generate", str(src), "--prompt", "w1 w2", "--max-new-tokens", "2"]
     assert main([*args, "--chat"] if name == "chat_template.jinja" else args) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: '{src / name}' points outside its folder, to '{secret}': lmforge reads no file a model "
-                   "folder names outside it; copy that file into the folder if it belongs to the model"]
+    assert err == [
+        f"error: '{src / name}' points outside its folder, to '{secret}': lmforge reads no file a model "
+        "folder names outside it; copy that file into the folder if it belongs to the model"
+    ]
 
 
 def hf_cache_entry(src, cache):
-    """`src` laid out as the Hugging Face hub cache keeps a download: models--ORG--NAME/blobs/SHA and
-    snapshots/REV/NAME -> ../../blobs/SHA."""
+    """`src` laid out as the Hugging Face hub cache keeps a download: models--ORG--NAME/blobs/SHA
+    and snapshots/REV/NAME -> ../../blobs/SHA."""
     entry = cache / "models--someone--tiny"
     snapshot = entry / "snapshots" / "0123abcd"
     (entry / "blobs").mkdir(parents=True)
@@ -176,8 +201,8 @@ def test_a_cache_snapshot_link_elsewhere_is_refused(hf_folder, tmp_path, secret)
 
 
 def test_a_tokenizer_copy_takes_no_linked_file(hf_folder, tmp_path, secret):
-    """A run's checkpoints, its export and export-hf copy the tokenizer's folder's config files and chat template
-    (Tokenizer.save): a link out of that folder is not copied."""
+    """A run's checkpoints, its export and export-hf copy the tokenizer's folder's config files
+    and chat template (Tokenizer.save): a link out of that folder is not copied."""
     from lmforge.tokenizers import load_tokenizer
 
     src = copy_of(hf_folder, tmp_path / "src")

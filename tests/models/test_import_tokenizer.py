@@ -1,5 +1,6 @@
-"""`lmforge import-hf` of a Hugging Face folder without tokenizer files: one warning at import, naming what generate,
-serve and finetune will need, rather than a silent success and an error at the first `generate`."""
+"""`lmforge import-hf` of a Hugging Face folder without tokenizer files: one warning at import,
+naming what generate, serve and finetune will need, rather than a silent success and an error at
+the first `generate`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_an_import_without_tokenizer_warns_once_and_generate_takes_one(hf_dirs, tmp_path, caplog, capsys):
+def test_an_import_without_tokenizer_warns_once_and_generate_takes_one(
+    hf_dirs, tmp_path, caplog, capsys
+):
     from tests.inference.test_generate import _word_tokenizer
 
     src, out = hf_dirs["gpt_neox"], tmp_path / "lm"  # config.json + weights, no tokenizer
@@ -26,12 +29,29 @@ def test_an_import_without_tokenizer_warns_once_and_generate_takes_one(hf_dirs, 
     assert _warnings(caplog) == [
         f"'{out}' has no tokenizer (none in '{src}' that import-hf copies: tokenizer.json, vocab.json + merges.txt, "
         "tokenizer.model): `lmforge generate` and `lmforge serve` will need --tokenizer PATH and `lmforge finetune` "
-        f"data.tokenizer=PATH, or copy the model's tokenizer files into '{out}'"]
+        f"data.tokenizer=PATH, or copy the model's tokenizer files into '{out}'"
+    ]
     assert "imported gpt_neox" in capsys.readouterr().out
-    # What the warning says works: the imported folder generates with --tokenizer, and without it says so.
+    # What the warning says works: the imported folder generates with --tokenizer, and without it
+    # says so.
     _word_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    assert main(["generate", str(out), "--prompt", "t5 t17", "--max-new-tokens", "3", "--temperature", "0",
-                 "--tokenizer", str(tmp_path / "tokenizer.json")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(out),
+                "--prompt",
+                "t5 t17",
+                "--max-new-tokens",
+                "3",
+                "--temperature",
+                "0",
+                "--tokenizer",
+                str(tmp_path / "tokenizer.json"),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip()
     assert main(["generate", str(out), "--prompt", "t5 t17"]) == 1
     assert "pass --tokenizer PATH" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""A model's license and notice files travel with it: import-hf, export-hf (of a model folder and of a training
-checkpoint) keep Llama's LICENSE and USE_POLICY.md, an Apache NOTICE, and nothing else that is not a model file; and
-the files written are as readable as the user's umask says."""
+"""A model's license and notice files travel with it: import-hf, export-hf (of a model folder and
+of a training checkpoint) keep Llama's LICENSE and USE_POLICY.md, an Apache NOTICE, and nothing
+else that is not a model file; and the files written are as readable as the user's umask says."""
 
 from __future__ import annotations
 
@@ -8,15 +8,25 @@ import pytest
 
 from lmforge.cli import main
 
-LICENSES = {"LICENSE": "the community license\n", "USE_POLICY.md": "# acceptable use\n", "NOTICE.txt": "notice\n"}
+LICENSES = {
+    "LICENSE": "the community license\n",
+    "USE_POLICY.md": "# acceptable use\n",
+    "NOTICE.txt": "notice\n",
+}
 
 
 @pytest.fixture(scope="module")
 def licensed_llama(tmp_path_factory):
     tf = pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("licensed") / "hf"
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=32)
+    config = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
     tf.LlamaForCausalLM(config).save_pretrained(out)
     for name, text in LICENSES.items():
         (out / name).write_text(text)
@@ -34,8 +44,8 @@ def test_import_and_export_keep_the_license_files(licensed_llama, tmp_path):
 
 
 def test_written_folders_take_the_users_umask(licensed_llama, tmp_path):
-    """safetensors writes its files owner-only (0600): an export on a shared cluster was unreadable to colleagues
-    while every other file in it was 0644."""
+    """safetensors writes its files owner-only (0600): an export on a shared cluster was
+    unreadable to colleagues while every other file in it was 0644."""
     import os
 
     old = os.umask(0o022)
@@ -44,5 +54,9 @@ def test_written_folders_take_the_users_umask(licensed_llama, tmp_path):
         assert main(["export-hf", str(tmp_path / "lm"), str(tmp_path / "hf")]) == 0
     finally:
         os.umask(old)
-    modes = {p.name: p.stat().st_mode & 0o777 for folder in ("lm", "hf") for p in (tmp_path / folder).iterdir()}
+    modes = {
+        p.name: p.stat().st_mode & 0o777
+        for folder in ("lm", "hf")
+        for p in (tmp_path / folder).iterdir()
+    }
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes

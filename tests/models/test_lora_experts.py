@@ -1,7 +1,8 @@
-"""LoRA on a mixture of experts (lmforge.models.lora_experts): the grouped update against a dense expert-by-expert
-reference, and the adapted model against PEFT's target_parameters adapters on transformers' Mixtral and Qwen3-MoE
-(the adapted model, the merged one, PEFT's base + adapter folder, lmforge reading it back and transformers' merged
-export compute the same logits); bad targets are one line."""
+"""LoRA on a mixture of experts (lmforge.models.lora_experts): the grouped update against a dense
+expert-by-expert reference, and the adapted model against PEFT's target_parameters adapters on
+transformers' Mixtral and Qwen3-MoE (the adapted model, the merged one, PEFT's base + adapter
+folder, lmforge reading it back and transformers' merged export compute the same logits); bad
+targets are one line."""
 
 from __future__ import annotations
 
@@ -48,35 +49,45 @@ def _trained(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
 
 
 def _dense_reference(moe, x: torch.Tensor) -> torch.Tensor:
-    """Every expert on every token, its low-rank updates computed as written, x A_e^T B_e^T * scaling (not through
-    a merged weight); each token's output the routing-weighted sum of its chosen experts'."""
+    """Every expert on every token, its low-rank updates computed as written, x A_e^T B_e^T *
+    scaling (not through a merged weight); each token's output the routing-weighted sum of its
+    chosen experts'."""
     ex = moe.experts
     _, weights, chosen = moe.route(x)
     out = torch.zeros_like(x)
     for e in range(moe.num_experts):
         h = F.linear(x, ex.gate_up[e].flatten(0, 1))
         if "gate_up" in ex.rank:
-            h = h + ex.scaling["gate_up"] * F.linear(F.linear(x, ex.lora_A["gate_up"][e]),
-                                                     ex.lora_B["gate_up"][e].flatten(0, 1))
+            h = h + ex.scaling["gate_up"] * F.linear(
+                F.linear(x, ex.lora_A["gate_up"][e]), ex.lora_B["gate_up"][e].flatten(0, 1)
+            )
         gate, up = h.chunk(2, dim=-1)
         a = moe.act(gate) * up
         y = F.linear(a, ex.down[e])
         if "down" in ex.rank:
-            y = y + ex.scaling["down"] * F.linear(F.linear(a, ex.lora_A["down"][e]), ex.lora_B["down"][e])
+            y = y + ex.scaling["down"] * F.linear(
+                F.linear(a, ex.lora_A["down"][e]), ex.lora_B["down"][e]
+            )
         out = out + (weights * (chosen == e)).sum(-1, keepdim=True).to(x.dtype) * y
     return out
 
 
 @pytest.mark.parametrize("weights", [("gate_up", "down"), ("gate_up",), ("down",)])
-@pytest.mark.parametrize("rank", [4, 3])  # fp32 rank rows of 16 bytes: torch's grouped GEMM; 12 bytes: the loop
+# fp32 rank rows of 16 bytes: torch's grouped GEMM; 12 bytes: the loop
+@pytest.mark.parametrize("rank", [4, 3])
 @pytest.mark.parametrize("k", [1, 2])
 def test_adapted_experts_equal_the_dense_per_expert_reference(weights, rank, k):
-    """Output and every gradient (x, router, each A and B) of the grouped pass equal the expert-by-expert reference:
-    a dropped, duplicated or misrouted (token, expert) pair, or a factor applied to another expert's rows, would
-    differ. Expert 0 is never chosen (test_moe's router trick): its factors' gradients must be exactly zero."""
+    """Output and every gradient (x, router, each A and B) of the grouped pass equal the
+    expert-by-expert reference: a dropped, duplicated or misrouted (token, expert) pair, or a
+    factor applied to another expert's rows, would differ. Expert 0 is never chosen (test_moe's
+    router trick): its factors' gradients must be exactly zero."""
     moe = build(_moe_config(experts_per_token=k), seed=3).layers[0].mlp
-    moe.experts = LoRAExperts(moe.experts, dict.fromkeys(weights, rank), dict.fromkeys(weights, 2.0 * rank),
-                              torch.Generator().manual_seed(0))
+    moe.experts = LoRAExperts(
+        moe.experts,
+        dict.fromkeys(weights, rank),
+        dict.fromkeys(weights, 2.0 * rank),
+        torch.Generator().manual_seed(0),
+    )
     _trained(moe.experts, 0.3)
     moe.experts.gate_up.requires_grad_(False)
     moe.experts.down.requires_grad_(False)
@@ -87,16 +98,20 @@ def test_adapted_experts_equal_the_dense_per_expert_reference(weights, rank, k):
         moe.router.weight[0] = 0.0
         moe.router.weight[0, 0] = -100.0
     factors = [p for n, p in moe.experts.named_parameters() if n.startswith("lora_")]
-    # fp64 to its rounding; fp32 to its summation noise, on the scale of the largest values compared (a sum of
-    # large terms that cancel, as the router's gradient at k = 1, is noise of that scale: 1.06e-6 where the CPU
-    # had AVX-512, against 1e-6 absolute before). A dropped or misrouted pair differs by the values themselves.
+    # fp64 to its rounding; fp32 to its summation noise, on the scale of the largest values compared
+    # (a sum of large terms that cancel, as the router's gradient at k = 1, is noise of that scale:
+    # 1.06e-6 where the CPU had AVX-512, against 1e-6 absolute before). A dropped or misrouted pair
+    # differs by the values themselves.
     for dtype, rel in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
         moe = moe.to(dtype)
         xt = x.to(dtype).requires_grad_()
         params = [xt, moe.router.weight, *factors]
         out, ref = moe(xt), _dense_reference(moe, xt)
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
-        ours, theirs = torch.autograd.grad(out, params, grad), torch.autograd.grad(ref, params, grad)
+        ours, theirs = (
+            torch.autograd.grad(out, params, grad),
+            torch.autograd.grad(ref, params, grad),
+        )
         scale = max(t.abs().max().item() for t in (ref, *theirs))
         for a, b in zip((out, *ours), (ref, *theirs), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=rel * scale)
@@ -121,16 +136,28 @@ def _peft_parity(family, targets, hf_dirs, tmp_path) -> dict:
     errors = {"merged": _logits(merge_lora(copy.deepcopy(model)), ids)}
     _, adapters = split_state(model.state_dict())
     (tmp_path / "adapter").mkdir()
-    write_peft_adapter(adapters, model.config, lora.rank, lora.alpha, 0.0, tmp_path / "adapter", str(hf_dirs[family]))
+    write_peft_adapter(
+        adapters,
+        model.config,
+        lora.rank,
+        lora.alpha,
+        0.0,
+        tmp_path / "adapter",
+        str(hf_dirs[family]),
+    )
     hf_base = tf.AutoModelForCausalLM.from_pretrained(hf_dirs[family]).eval()
-    errors["PEFT"] = _logits(peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval(), ids)
+    errors["PEFT"] = _logits(
+        peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval(), ids
+    )
     reloaded = copy.deepcopy(base)
     load_peft_adapter(reloaded, tmp_path / "adapter")
     errors["lmforge reading the PEFT folder"] = _logits(reloaded, ids)
     state = merged_state(dict(model.state_dict()), model.config, lora.scaling)
     save_model(materialize(model.config, state.items()), tmp_path / "merged")
     export_hf(tmp_path / "merged", tmp_path / "hf")
-    errors["transformers merged"] = _logits(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval(), ids)
+    errors["transformers merged"] = _logits(
+        tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval(), ids
+    )
     for name, logits in errors.items():
         assert (logits - adapted).abs().max().item() <= TOL, name
     return json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -143,19 +170,52 @@ def test_expert_adapters_match_peft_and_merge_exactly(hf_dirs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "targets", "modules", "parameters"), [
-    # all-linear on a MoE: the router and the experts too, gate_up at twice the rank (as PEFT's all-linear).
-    ("mixtral", "all-linear", ["k_proj", "o_proj", "q_proj", "v_proj"],
-     ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]),
-    # Qwen3-MoE's dense layer 1 (mlp_only_layers) too, its projections named as parameters.
-    ("qwen3_moe", "all-linear", ["k_proj", "o_proj", "q_proj", "v_proj"],
-     ["mlp.down_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight",
-      "mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-    ("qwen3_moe", "gate,up,down", [], ["mlp.down_proj.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj",
-                                       "mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-    ("qwen3_moe", "experts.gate_up,router,o", ["o_proj"], ["mlp.experts.gate_up_proj", "mlp.gate.weight"]),
-    ("mixtral", "experts.down,q,v", ["q_proj", "v_proj"], ["mlp.experts.down_proj"]),
-])
+@pytest.mark.parametrize(
+    ("family", "targets", "modules", "parameters"),
+    [
+        # all-linear on a MoE: the router and the experts too, gate_up at twice the rank (as PEFT's
+        # all-linear).
+        (
+            "mixtral",
+            "all-linear",
+            ["k_proj", "o_proj", "q_proj", "v_proj"],
+            ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"],
+        ),
+        # Qwen3-MoE's dense layer 1 (mlp_only_layers) too, its projections named as parameters.
+        (
+            "qwen3_moe",
+            "all-linear",
+            ["k_proj", "o_proj", "q_proj", "v_proj"],
+            [
+                "mlp.down_proj.weight",
+                "mlp.experts.down_proj",
+                "mlp.experts.gate_up_proj",
+                "mlp.gate.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+            ],
+        ),
+        (
+            "qwen3_moe",
+            "gate,up,down",
+            [],
+            [
+                "mlp.down_proj.weight",
+                "mlp.experts.down_proj",
+                "mlp.experts.gate_up_proj",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+            ],
+        ),
+        (
+            "qwen3_moe",
+            "experts.gate_up,router,o",
+            ["o_proj"],
+            ["mlp.experts.gate_up_proj", "mlp.gate.weight"],
+        ),
+        ("mixtral", "experts.down,q,v", ["q_proj", "v_proj"], ["mlp.experts.down_proj"]),
+    ],
+)
 def test_every_target_mix_matches_peft(family, targets, modules, parameters, hf_dirs, tmp_path):
     config = _peft_parity(family, targets, hf_dirs, tmp_path)
     assert config["target_modules"] == modules and config["target_parameters"] == parameters
@@ -166,17 +226,22 @@ def test_every_target_mix_matches_peft(family, targets, modules, parameters, hf_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_peft_all_linear_adapters_load_and_lmforge_all_linear_has_their_shapes(family, hf_dirs, tmp_path):
-    """An adapter PEFT made itself (LoraConfig(target_modules="all-linear") on transformers 5: the attention, the
-    router, the experts with gate_up_proj at rank 2r and alpha 2a from its rank/alpha_pattern), trained B and all:
-    lmforge computes what PEFT does with it. lmforge's all-linear holds the same tensors in the same shapes, beside
-    Qwen3-MoE's dense-layer MLP, which lmforge's all-linear adapts and PEFT's conversion leaves out."""
+def test_peft_all_linear_adapters_load_and_lmforge_all_linear_has_their_shapes(
+    family, hf_dirs, tmp_path
+):
+    """An adapter PEFT made itself (LoraConfig(target_modules="all-linear") on transformers 5:
+    the attention, the router, the experts with gate_up_proj at rank 2r and alpha 2a from its
+    rank/alpha_pattern), trained B and all: lmforge computes what PEFT does with it. lmforge's
+    all-linear holds the same tensors in the same shapes, beside Qwen3-MoE's dense-layer MLP,
+    which lmforge's all-linear adapts and PEFT's conversion leaves out."""
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
     ids = _ids()
-    theirs = peft.get_peft_model(tf.AutoModelForCausalLM.from_pretrained(hf_dirs[family]),
-                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    theirs = peft.get_peft_model(
+        tf.AutoModelForCausalLM.from_pretrained(hf_dirs[family]),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in theirs.named_parameters():
@@ -193,32 +258,72 @@ def test_peft_all_linear_adapters_load_and_lmforge_all_linear_has_their_shapes(f
     _, adapters = split_state(model.state_dict())
     (tmp_path / "ours").mkdir()
     write_peft_adapter(adapters, model.config, 4, 8, 0.0, tmp_path / "ours")
-    shapes = {k: tuple(t.shape) for k, t in load_file(tmp_path / "ours" / "adapter_model.safetensors").items()}
-    expected = {k: tuple(t.shape) for k, t in load_file(tmp_path / "peft" / "adapter_model.safetensors").items()}
+    shapes = {
+        k: tuple(t.shape)
+        for k, t in load_file(tmp_path / "ours" / "adapter_model.safetensors").items()
+    }
+    expected = {
+        k: tuple(t.shape)
+        for k, t in load_file(tmp_path / "peft" / "adapter_model.safetensors").items()
+    }
     dense_mlp = {k for k in shapes if any(f".mlp.{p}_proj." in k for p in ("gate", "up", "down"))}
-    assert shapes.keys() - dense_mlp == expected.keys() and dense_mlp == (set() if family == "mixtral" else
-                                                                           {k for k in shapes if ".layers.1.mlp" in k})
+    assert shapes.keys() - dense_mlp == expected.keys() and dense_mlp == (
+        set() if family == "mixtral" else {k for k in shapes if ".layers.1.mlp" in k}
+    )
     assert all(shapes[k] == expected[k] for k in expected)
 
 
-@pytest.mark.parametrize(("model", "setting", "message"), [
-    ("tiny-llama", {"targets": "q,experts"}, r"^lora.targets: experts names a mixture of experts' stacked experts, "
-                                            r"and this llama model has none \(model.num_experts=0\): drop it$"),
-    ("tiny-llama", {"targets": "router"}, "^lora.targets: router matches no module of this llama model"),
-    ("tiny-mixtral", {"targets": "q,gate"}, r"^lora.targets: mixtral's experts keep gate and up in one stacked "
-                                            r"weight .*: target gate,up together, not gate alone$"),
-    ("tiny-qwen3-moe", {"targets": "experts,gate,up"}, "^lora.targets: experts and gate both adapt the experts' "
-                                                       "gate_up weight: keep one$"),
-    ("tiny-mixtral", {"targets": "w1"}, r"^lora.targets: mixtral's experts keep gate and up .*: target gate,up "
-                                        r"together, not w1 \(read as gate\) alone$"),
-    ("tiny-mixtral", {"targets": "experts", "dropout": 0.1}, r"^lora.dropout=0.1 with adapters on experts.down, "
-                                                             r"experts.gate_up: .* set lora.dropout=0, or target the "
-                                                             r"attention \(q,k,v,o\) only$"),
-    ("tiny-qwen3-moe", {"targets": "all-linear", "dropout": 0.1}, "^lora.dropout=0.1 with adapters on experts.down, "
-                                                                  "experts.gate_up, router: PEFT"),
-    ("tiny-mixtral", {"targets": "w4"}, "^lora.targets: unknown target 'w4': choose from q, k, v, o, gate, up, down, "
-                                        "router, experts, experts.gate_up, experts.down"),
-])
+@pytest.mark.parametrize(
+    ("model", "setting", "message"),
+    [
+        (
+            "tiny-llama",
+            {"targets": "q,experts"},
+            r"^lora.targets: experts names a mixture of experts' stacked experts, "
+            r"and this llama model has none \(model.num_experts=0\): drop it$",
+        ),
+        (
+            "tiny-llama",
+            {"targets": "router"},
+            "^lora.targets: router matches no module of this llama model",
+        ),
+        (
+            "tiny-mixtral",
+            {"targets": "q,gate"},
+            r"^lora.targets: mixtral's experts keep gate and up in one stacked "
+            r"weight .*: target gate,up together, not gate alone$",
+        ),
+        (
+            "tiny-qwen3-moe",
+            {"targets": "experts,gate,up"},
+            "^lora.targets: experts and gate both adapt the experts' gate_up weight: keep one$",
+        ),
+        (
+            "tiny-mixtral",
+            {"targets": "w1"},
+            r"^lora.targets: mixtral's experts keep gate and up .*: target gate,up "
+            r"together, not w1 \(read as gate\) alone$",
+        ),
+        (
+            "tiny-mixtral",
+            {"targets": "experts", "dropout": 0.1},
+            r"^lora.dropout=0.1 with adapters on experts.down, "
+            r"experts.gate_up: .* set lora.dropout=0, or target the "
+            r"attention \(q,k,v,o\) only$",
+        ),
+        (
+            "tiny-qwen3-moe",
+            {"targets": "all-linear", "dropout": 0.1},
+            "^lora.dropout=0.1 with adapters on experts.down, experts.gate_up, router: PEFT",
+        ),
+        (
+            "tiny-mixtral",
+            {"targets": "w4"},
+            "^lora.targets: unknown target 'w4': choose from q, k, v, o, gate, up, down, "
+            "router, experts, experts.gate_up, experts.down",
+        ),
+    ],
+)
 def test_bad_expert_targets_are_one_line(model, setting, message):
     with pytest.raises(UserError, match=message) as e:
         apply_lora(build(model, seed=0), LoRAConfig(**setting))
@@ -229,7 +334,10 @@ def test_only_the_adapters_get_gradients_and_gate_up_takes_twice_the_rank_from_g
     model = build("tiny-qwen3-moe", seed=0)
     trainable = apply_lora(model, LoRAConfig(rank=2, alpha=4, targets="gate,up,down"), seed=0)
     experts = model.layers[0].mlp.experts
-    assert experts.rank == {"gate_up": 4, "down": 2} and experts.scaling == {"gate_up": 2.0, "down": 2.0}
+    assert experts.rank == {"gate_up": 4, "down": 2} and experts.scaling == {
+        "gate_up": 2.0,
+        "down": 2.0,
+    }
     assert isinstance(model.layers[0].mlp.experts, LoRAExperts)
     _trained(model)
     model.train()

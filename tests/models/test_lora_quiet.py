@@ -1,5 +1,5 @@
-"""apply_lora's line about what trains is the training run's: a checkpoint read for generate, eval or export-hf wraps
-its model quietly, with the same adapters."""
+"""apply_lora's line about what trains is the training run's: a checkpoint read for generate,
+eval or export-hf wraps its model quietly, with the same adapters."""
 
 from __future__ import annotations
 
@@ -17,9 +17,14 @@ def test_quiet_wraps_alike_and_says_nothing(caplog):
         lines = [r.getMessage() for r in caplog.records]
         caplog.clear()
         assert apply_lora(quiet, lora, seed=1, quiet=True) == trainable
-    assert len(lines) == 1 and lines[0].startswith("LoRA rank 4 alpha 8 on ") and f"{trainable} trainable" in lines[0]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("LoRA rank 4 alpha 8 on ")
+        and f"{trainable} trainable" in lines[0]
+    )
     assert not caplog.records
     mine, theirs = said.state_dict(), quiet.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert [n for n, p in said.named_parameters() if p.requires_grad] == [
-        n for n, p in quiet.named_parameters() if p.requires_grad]
+        n for n, p in quiet.named_parameters() if p.requires_grad
+    ]

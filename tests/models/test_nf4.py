@@ -1,8 +1,9 @@
-"""QLoRA's NF4 base (lora.base_dtype=nf4) beyond the linears of tests/models/test_lora.py: lmforge's chunked
-dequantization and NF4 linear give torchao's values and products bit for bit; on a mixture of experts the stacked
-expert weights in NF4 (held 2-D) compute exactly what their dequantized bf16 weights compute, forward and backward,
-without keeping a dequantized copy for backward; the merged export holds them stacked in bf16; a meta model read a
-block at a time holds the same bits as quantizing the whole model."""
+"""QLoRA's NF4 base (lora.base_dtype=nf4) beyond the linears of tests/models/test_lora.py:
+lmforge's chunked dequantization and NF4 linear give torchao's values and products bit for bit;
+on a mixture of experts the stacked expert weights in NF4 (held 2-D) compute exactly what their
+dequantized bf16 weights compute, forward and backward, without keeping a dequantized copy for
+backward; the merged export holds them stacked in bf16; a meta model read a block at a time holds
+the same bits as quantizing the whole model."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def _saved(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[bool, torch.
 
 @pytest.mark.slow  # torchao's import and NF4's Python-level ops
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_backward(family, hf_dirs, monkeypatch):
+def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_backward(
+    family, hf_dirs, monkeypatch
+):
     pytest.importorskip("torchao")
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -54,17 +57,26 @@ def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_bac
 
     quantized = _qlora(hf_dirs[family])
     experts = {n: m for n, m in quantized.named_modules() if isinstance(m, LoRAExperts)}
-    assert experts and all(is_nf4(m.gate_up) and is_nf4(m.down) and m.gate_up.dim() == 2 for m in experts.values())
-    # The same model with each expert weight dequantized into a plain stacked bf16 tensor (the linears stay NF4).
+    assert experts and all(
+        is_nf4(m.gate_up) and is_nf4(m.down) and m.gate_up.dim() == 2 for m in experts.values()
+    )
+    # The same model with each expert weight dequantized into a plain stacked bf16 tensor (the
+    # linears stay NF4).
     plain = _qlora(hf_dirs[family])
     for m in plain.modules():
         if isinstance(m, LoRAExperts):
-            m.gate_up, m.down = (torch.nn.Parameter(w, requires_grad=False) for w in stacked(m.gate_up, m.down))
-    sizes = {m.gate_up.shape[0] * 2 * m.gate_up.shape[2] * m.gate_up.shape[3] for m in plain.modules()
-             if isinstance(m, LoRAExperts)} | {m.down.numel() for m in plain.modules() if isinstance(m, LoRAExperts)}
+            m.gate_up, m.down = (
+                torch.nn.Parameter(w, requires_grad=False) for w in stacked(m.gate_up, m.down)
+            )
+    sizes = {
+        m.gate_up.shape[0] * 2 * m.gate_up.shape[2] * m.gate_up.shape[3]
+        for m in plain.modules()
+        if isinstance(m, LoRAExperts)
+    } | {m.down.numel() for m in plain.modules() if isinstance(m, LoRAExperts)}
     ids = _ids()
-    # A layer's experts are dequantized one weight at a time, forward and backward: each dequantized copy is gone
-    # before the next is made (a stacked weight is most of a layer: Mixtral 8x7B's gate_up is 1.75 GiB in bf16).
+    # A layer's experts are dequantized one weight at a time, forward and backward: each dequantized
+    # copy is gone before the next is made (a stacked weight is most of a layer: Mixtral 8x7B's
+    # gate_up is 1.75 GiB in bf16).
     made, dequantize = [], moe.dequantize
 
     def one_at_a_time(w, dtype=None):
@@ -74,21 +86,28 @@ def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_bac
         return out
 
     monkeypatch.setattr(moe, "dequantize", one_at_a_time)
-    # Forward and backward bit for bit: the logits and every adapter's gradient (the experts' and the linears').
+    # Forward and backward bit for bit: the logits and every adapter's gradient (the experts' and
+    # the linears').
     kept = {name: _saved(model, ids) for name, model in (("nf4", quantized), ("bf16", plain))}
     assert len(made) == 4 * len(experts)  # gate_up and down, forward and backward
     monkeypatch.undo()
     assert torch.equal(_logits(quantized, ids), _logits(plain, ids))
-    grads = [{n: p.grad for n, p in model.named_parameters() if p.requires_grad} for model in (quantized, plain)]
+    grads = [
+        {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        for model in (quantized, plain)
+    ]
     assert grads[0].keys() == grads[1].keys() and any(".experts.lora_" in n for n in grads[0])
     for n, g in grads[0].items():
         assert torch.equal(g, grads[1][n]), n
-    # Backward keeps the NF4 experts and dequantizes them again; a dense copy of a layer's experts is never kept (the
-    # check sees the plain model's).
+    # Backward keeps the NF4 experts and dequantizes them again; a dense copy of a layer's experts
+    # is never kept (the check sees the plain model's).
     assert not any(shape.numel() in sizes for nf4, shape in kept["nf4"] if not nf4)
     assert any(shape.numel() in sizes for nf4, shape in kept["bf16"] if not nf4)
-    assert sum(nf4 and len(shape) == 2 and shape.numel() in sizes for nf4, shape in kept["nf4"]) == 2 * len(experts)
-    # Merged: the experts stacked again in bf16, as an export writes them, and the same function as merge_lora's.
+    assert sum(
+        nf4 and len(shape) == 2 and shape.numel() in sizes for nf4, shape in kept["nf4"]
+    ) == 2 * len(experts)
+    # Merged: the experts stacked again in bf16, as an export writes them, and the same function as
+    # merge_lora's.
     quantized.eval()
     state = merged_state(dict(quantized.state_dict()), quantized.config, QLORA.scaling)
     assert not any(is_nf4(t) for t in state.values())
@@ -105,8 +124,9 @@ def test_nf4_experts_compute_their_dequantized_weights_and_keep_only_nf4_for_bac
 
 @pytest.mark.slow  # torchao's import
 def test_nf4_experts_read_onto_a_meta_model_equal_the_whole_models_quantization(hf_dirs, tmp_path):
-    """read_nf4_base on a LoRA-wrapped meta Mixtral, from its HF folder and from an lmforge folder: the stacked
-    experts are read a block at a time and quantized to the bits quantizing the whole bf16 model gives."""
+    """read_nf4_base on a LoRA-wrapped meta Mixtral, from its HF folder and from an lmforge
+    folder: the stacked experts are read a block at a time and quantized to the bits quantizing
+    the whole bf16 model gives."""
     pytest.importorskip("torchao")
     from lmforge.models.nf4 import is_nf4
     from lmforge.parallel.load import read_nf4_base
@@ -114,7 +134,9 @@ def test_nf4_experts_read_onto_a_meta_model_equal_the_whole_models_quantization(
     whole = load_pretrained(hf_dirs["mixtral"], dtype=torch.bfloat16)
     apply_lora(whole, QLORA, seed=0)
     theirs = {n: p for n, p in whole.named_parameters() if is_nf4(p)}
-    assert any(".experts.gate_up" in n for n in theirs) and any(".experts.down" in n for n in theirs)
+    assert any(".experts.gate_up" in n for n in theirs) and any(
+        ".experts.down" in n for n in theirs
+    )
     save_model(load_pretrained(hf_dirs["mixtral"]), tmp_path / "lmforge")
     for source in (hf_dirs["mixtral"], tmp_path / "lmforge"):
         model = build(whole.config, device="meta")
@@ -129,8 +151,9 @@ def test_nf4_experts_read_onto_a_meta_model_equal_the_whole_models_quantization(
 
 @pytest.mark.slow  # torchao's import
 def test_dequantize_gives_torchaos_values_a_chunk_at_a_time(monkeypatch):
-    """lmforge.models.nf4.dequantize (which the experts use: torchao's own dequantization holds ~14 bytes a weight of
-    intermediates) equals NF4Tensor.get_original_weight bit for bit, whatever the chunk, in bf16 and in fp32."""
+    """lmforge.models.nf4.dequantize (which the experts use: torchao's own dequantization holds
+    ~14 bytes a weight of intermediates) equals NF4Tensor.get_original_weight bit for bit,
+    whatever the chunk, in bf16 and in fp32."""
     pytest.importorskip("torchao")
     from lmforge.models import nf4
 
@@ -141,15 +164,19 @@ def test_dequantize_gives_torchaos_values_a_chunk_at_a_time(monkeypatch):
         for chunk in (1 << 23, 96, 32):  # whole, across scale blocks, one block of bytes
             monkeypatch.setattr(nf4, "DEQUANTIZE_CHUNK", chunk)
             ours = nf4.dequantize(w)
-            assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs), (shape, chunk)
+            assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs), (
+                shape,
+                chunk,
+            )
             assert torch.equal(nf4.dequantize(w, torch.float32), theirs.float())
 
 
 @pytest.mark.slow  # torchao's import
 def test_the_nf4_linear_computes_torchaos_products_bit_for_bit():
-    """lmforge.models.nf4.nf4_linear (LoRALinear's frozen NF4 base) against F.linear on torchao's NF4 weight: the
-    output and the input's gradient equal, fp32 and under bf16 autocast, with a bias too; and a LoRA-wrapped QLoRA
-    model takes it (its forward never calls torchao's dequantization)."""
+    """lmforge.models.nf4.nf4_linear (LoRALinear's frozen NF4 base) against F.linear on torchao's
+    NF4 weight: the output and the input's gradient equal, fp32 and under bf16 autocast, with a
+    bias too; and a LoRA-wrapped QLoRA model takes it (its forward never calls torchao's
+    dequantization)."""
     pytest.importorskip("torchao")
     from lmforge.models import nf4
 
@@ -160,13 +187,18 @@ def test_the_nf4_linear_computes_torchaos_products_bit_for_bit():
         for b in (None, bias):
             outs = []
             for linear in (torch.nn.functional.linear, nf4.nf4_linear):
-                x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+                x = torch.randn(
+                    3, 5, 64, generator=torch.Generator().manual_seed(2), requires_grad=True
+                )
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     y = linear(x, w, b)
                 y.float().pow(2).sum().backward()
                 outs.append((y, x.grad))
             assert outs[0][0].dtype == outs[1][0].dtype
-            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (autocast, b)
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (
+                autocast,
+                b,
+            )
     calls = []
     original = type(w.data).get_original_weight
     model = build("tiny-llama", seed=0)
@@ -188,6 +220,9 @@ def test_a_torchao_that_does_not_import_is_one_line(monkeypatch):
 
     for module in ("torchao.quantization.quantize_.workflows.nf4", "torchao.dtypes"):
         monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError
-    with pytest.raises(UserError, match=r"^torchao does not import \(.*\): pip install a torchao release built for "
-                                        r"torch \d+\.\d+"):
+    with pytest.raises(
+        UserError,
+        match=r"^torchao does not import \(.*\): pip install a torchao release built for "
+        r"torch \d+\.\d+",
+    ):
         nf4_api()

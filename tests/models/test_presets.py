@@ -28,19 +28,40 @@ def test_meta_build_matches_transformers_parameter_count(name):
     assert num_parameters(build(name, device="meta")) == _hf_count(name)
 
 
-@pytest.mark.parametrize(("name", "count"), [
-    # Figures as published with the checkpoints / counted on the released models.
-    ("pythia-70m", 70_426_624), ("pythia-6.9b", 6_857_302_016), ("gpt-neox-20b", 20_554_567_680),
-    ("llama-2-7b", 6_738_415_616), ("llama-2-70b", 68_976_648_192), ("llama-3.1-8b", 8_030_261_248),
-    ("llama-3.1-70b", 70_553_706_496), ("llama-3.2-1b", 1_235_814_400), ("llama-3.2-3b", 3_212_749_824),
-    ("qwen2.5-0.5b", 494_032_768), ("qwen2.5-7b", 7_615_616_512), ("qwen2.5-72b", 72_706_203_648),
-    ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360), ("mistral-7b", 7_241_732_096),
-    ("mistral-7b-v0.3", 7_248_023_552), ("olmo-2-1b", 1_484_916_736), ("olmo-2-7b", 7_298_617_344),
-    ("phi-3-mini", 3_821_079_552), ("gemma-2-2b", 2_614_341_888), ("gemma-2-9b", 9_241_705_984),
-    ("gemma-2-27b", 27_227_128_320), ("gemma-3-1b", 999_885_952), ("gpt2", 124_439_808),
-    ("gpt-j-6b", 6_050_882_784), ("bert-base-uncased", 109_514_298), ("mixtral-8x7b", 46_702_792_704),
-    ("qwen3-30b-a3b", 30_532_122_624),
-])
+@pytest.mark.parametrize(
+    ("name", "count"),
+    [
+        # Figures as published with the checkpoints / counted on the released models.
+        ("pythia-70m", 70_426_624),
+        ("pythia-6.9b", 6_857_302_016),
+        ("gpt-neox-20b", 20_554_567_680),
+        ("llama-2-7b", 6_738_415_616),
+        ("llama-2-70b", 68_976_648_192),
+        ("llama-3.1-8b", 8_030_261_248),
+        ("llama-3.1-70b", 70_553_706_496),
+        ("llama-3.2-1b", 1_235_814_400),
+        ("llama-3.2-3b", 3_212_749_824),
+        ("qwen2.5-0.5b", 494_032_768),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("qwen2.5-72b", 72_706_203_648),
+        ("qwen3-0.6b", 596_049_920),
+        ("qwen3-8b", 8_190_735_360),
+        ("mistral-7b", 7_241_732_096),
+        ("mistral-7b-v0.3", 7_248_023_552),
+        ("olmo-2-1b", 1_484_916_736),
+        ("olmo-2-7b", 7_298_617_344),
+        ("phi-3-mini", 3_821_079_552),
+        ("gemma-2-2b", 2_614_341_888),
+        ("gemma-2-9b", 9_241_705_984),
+        ("gemma-2-27b", 27_227_128_320),
+        ("gemma-3-1b", 999_885_952),
+        ("gpt2", 124_439_808),
+        ("gpt-j-6b", 6_050_882_784),
+        ("bert-base-uncased", 109_514_298),
+        ("mixtral-8x7b", 46_702_792_704),
+        ("qwen3-30b-a3b", 30_532_122_624),
+    ],
+)
 def test_known_published_counts(name, count):
     assert num_parameters(build(name, device="meta")) == count
 

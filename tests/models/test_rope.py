@@ -10,8 +10,15 @@ from lmforge.models.rope import RotaryEmbedding, apply_rotary, rotary_permutatio
 
 
 def _cfg(head_dim: int, pct: float, interleaved: bool = False) -> ModelConfig:
-    return ModelConfig(family="gpt_neox", vocab_size=128, hidden_size=head_dim * 2, num_layers=1, num_heads=2,
-                       rotary_pct=pct, rotary_interleaved=interleaved)
+    return ModelConfig(
+        family="gpt_neox",
+        vocab_size=128,
+        hidden_size=head_dim * 2,
+        num_layers=1,
+        num_heads=2,
+        rotary_pct=pct,
+        rotary_interleaved=interleaved,
+    )
 
 
 def _rotated(rope: RotaryEmbedding, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -66,8 +73,10 @@ def _gptj_sliced(x, pos, r):
     return torch.cat([rot * cos + every_two * sin, rest], -1)
 
 
-@pytest.mark.parametrize(("head_dim", "pct", "interleaved"),
-                         [(64, 0.25, False), (128, 0.25, False), (16, 0.5, False), (256, 0.25, True), (32, 1.0, True)])
+@pytest.mark.parametrize(
+    ("head_dim", "pct", "interleaved"),
+    [(64, 0.25, False), (128, 0.25, False), (16, 0.5, False), (256, 0.25, True), (32, 1.0, True)],
+)
 def test_full_head_rotation_equals_sliced_after_permutation(head_dim, pct, interleaved):
     cfg = _cfg(head_dim, pct, interleaved)
     perm = rotary_permutation(head_dim, cfg.rotary_dim, interleaved)
@@ -87,8 +96,8 @@ def test_permutation_is_a_bijection_and_trivial_for_full_neox_rotary():
 
 
 def test_a_bf16_model_keeps_fp32_frequencies():
-    """model.to(bf16) must not round the rotary frequencies: transformers keeps them fp32, and bf16 ones put
-    the angle at position 4095 radians off."""
+    """model.to(bf16) must not round the rotary frequencies: transformers keeps them fp32, and
+    bf16 ones put the angle at position 4095 radians off."""
     from lmforge.models import build
     from lmforge.models.rope import rotary_inv_freq
 
@@ -105,7 +114,8 @@ def test_a_bf16_model_keeps_fp32_frequencies():
 
 
 def test_frequencies_stay_fp32_on_the_test_device(test_device):
-    """model.to(device, bf16) keeps the rotary frequencies fp32 on any device (LMFORGE_TEST_DEVICE=cuda: CUDA)."""
+    """model.to(device, bf16) keeps the rotary frequencies fp32 on any device
+    (LMFORGE_TEST_DEVICE=cuda: CUDA)."""
     from conftest import tolerance
 
     cfg = _cfg(64, 0.25)

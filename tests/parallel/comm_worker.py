@@ -35,8 +35,8 @@ def _write(world, results, out: str) -> None:
 
 
 def mesh_layout(spec: dict, world) -> dict:
-    """One step of `spec`'s layout on a tiny NeoX (fp32, untied head): bytes sent vs the analytic count of
-    the layout's own dimension (tensor or pipeline); the data dimension is 1."""
+    """One step of `spec`'s layout on a tiny NeoX (fp32, untied head): bytes sent vs the analytic
+    count of the layout's own dimension (tensor or pipeline); the data dimension is 1."""
     from dataclasses import replace
 
     import torch.nn.functional as F
@@ -44,13 +44,28 @@ def mesh_layout(spec: dict, world) -> dict:
     from lmforge.models import preset
     from lmforge.parallel import ParallelConfig, build_mesh, parallelize, pipeline_step
 
-    # Activations of 2 x 64 x 256 fp32: large beside gloo's few hundred bytes of framing per collective.
-    model = build(replace(preset("tiny-neox"), num_layers=4, hidden_size=256, head_dim=64, intermediate_size=512),
-                  seed=0)
+    # Activations of 2 x 64 x 256 fp32: large beside gloo's few hundred bytes of framing per
+    # collective.
+    model = build(
+        replace(
+            preset("tiny-neox"), num_layers=4, hidden_size=256, head_dim=64, intermediate_size=512
+        ),
+        seed=0,
+    )
     cfg = model.config
-    schedule = {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2} if spec.get("virtual_stages") else {}
-    pcfg = ParallelConfig(tensor=spec["tensor"], pipeline=spec["pipeline"], data_shard=1,
-                          sequence_parallel=spec["sequence_parallel"], microbatches=spec["micro_batches"], **schedule)
+    schedule = (
+        {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}
+        if spec.get("virtual_stages")
+        else {}
+    )
+    pcfg = ParallelConfig(
+        tensor=spec["tensor"],
+        pipeline=spec["pipeline"],
+        data_shard=1,
+        sequence_parallel=spec["sequence_parallel"],
+        microbatches=spec["micro_batches"],
+        **schedule,
+    )
     pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
     seq, micro, n = 64, 2, spec["micro_batches"]
     x = torch.randint(0, cfg.vocab_size, (n * micro, seq))
@@ -63,7 +78,9 @@ def mesh_layout(spec: dict, world) -> dict:
             pipeline_step(pm, x, x, loss_fn)
         else:
             for i in range(n):
-                pipeline_step(pm, x[i * micro:(i + 1) * micro], x[i * micro:(i + 1) * micro], loss_fn)
+                pipeline_step(
+                    pm, x[i * micro : (i + 1) * micro], x[i * micro : (i + 1) * micro], loss_fn
+                )
 
     step()  # the first step infers the pipeline's shapes
     dist.barrier()
@@ -71,35 +88,63 @@ def mesh_layout(spec: dict, world) -> dict:
     step()
     dist.barrier()
     sent = bytes_sent() - before
-    layout = Layout(tensor=spec["tensor"], pipeline=spec["pipeline"], sequence_parallel=spec["sequence_parallel"],
-                    virtual_stages=spec.get("virtual_stages", 1))
-    v = step_bytes(cfg, layout, seq, micro * n, micro, param_bytes=4, grad_bytes=4, activation_bytes=4,
-                   reduce_scatter_as_all_reduce=True)
+    layout = Layout(
+        tensor=spec["tensor"],
+        pipeline=spec["pipeline"],
+        sequence_parallel=spec["sequence_parallel"],
+        virtual_stages=spec.get("virtual_stages", 1),
+    )
+    v = step_bytes(
+        cfg,
+        layout,
+        seq,
+        micro * n,
+        micro,
+        param_bytes=4,
+        grad_bytes=4,
+        activation_bytes=4,
+        reduce_scatter_as_all_reduce=True,
+    )
     return {"rank": world.rank, "layout": spec, "sent": sent, "expected": v["total"], "by_dim": v}
 
 
 def expert_layout(world, strategy: str) -> dict:
-    """One step (two accumulation micro-batches) of a Mixtral-shaped MoE (fp32) with parallel.expert=2 over the
-    ranks, the rest under DDP or FSDP2: bytes sent vs data parallelism's count for the other weights plus
-    expert_bytes with the rows really routed (all-to-alls) and the experts' own reduction: under DDP an all-reduce
-    over the ranks holding the same experts, under FSDP2 their all-gathers per micro-batch and one reduce-scatter
-    per step (4 ranks: each expert sharded over 2)."""
+    """One step (two accumulation micro-batches) of a Mixtral-shaped MoE (fp32) with
+    parallel.expert=2 over the ranks, the rest under DDP or FSDP2: bytes sent vs data
+    parallelism's count for the other weights plus expert_bytes with the rows really routed
+    (all-to-alls) and the experts' own reduction: under DDP an all-reduce over the ranks holding
+    the same experts, under FSDP2 their all-gathers per micro-batch and one reduce-scatter per
+    step (4 ranks: each expert sharded over 2)."""
     from dataclasses import replace
 
     from lmforge.models import preset
     from lmforge.parallel import ParallelConfig, build_mesh, parallelize
 
-    # Rows of 256 fp32 values: large beside gloo's framing of the all-to-alls (four per layer and micro-batch).
-    cfg = replace(preset("tiny-mixtral"), hidden_size=256, head_dim=64, intermediate_size=256,
-                  moe_intermediate_size=256)
+    # Rows of 256 fp32 values: large beside gloo's framing of the all-to-alls (four per layer and
+    # micro-batch).
+    cfg = replace(
+        preset("tiny-mixtral"),
+        hidden_size=256,
+        head_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=256,
+    )
     model = build(cfg, seed=0)
     expert, accumulate = 2, 2
-    pcfg = ParallelConfig(expert=expert, **({"data_replicate": world.size, "data_shard": 1} if strategy == "ddp"
-                                            else {}))
+    pcfg = ParallelConfig(
+        expert=expert,
+        **({"data_replicate": world.size, "data_shard": 1} if strategy == "ddp" else {}),
+    )
     pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
-    routed = record_routed(model, expert)  # rows sent to and received from other ranks, per MoE layer forward
+    # rows sent to and received from other ranks, per MoE layer forward
+    routed = record_routed(model, expert)
     seq, micro = 64, 2
-    x = torch.randint(0, cfg.vocab_size, (accumulate, micro, seq), generator=torch.Generator().manual_seed(world.rank))
+    x = torch.randint(
+        0,
+        cfg.vocab_size,
+        (accumulate, micro, seq),
+        generator=torch.Generator().manual_seed(world.rank),
+    )
 
     def step() -> None:
         for i in range(accumulate):
@@ -114,17 +159,41 @@ def expert_layout(world, strategy: str) -> dict:
     dist.barrier()
     sent = bytes_sent() - before
     layout = Layout(data=world.size, data_parallel=strategy, expert=expert)
-    dense = step_bytes(cfg, layout, seq, micro * accumulate * world.size, micro, param_bytes=4, grad_bytes=4,
-                       reduce_scatter_as_all_reduce=True)["data"]
-    v = expert_bytes(cfg, expert, world.size, micro * seq, accumulate, activation_bytes=4, routed=sum(routed),
-                     data_parallel=strategy, param_bytes=4, reduce_scatter_as_all_reduce=True)
-    return {"rank": world.rank, "strategy": strategy, "sent": sent, "expected": dense + sum(v.values()),
-            "dense": dense, **v}
+    dense = step_bytes(
+        cfg,
+        layout,
+        seq,
+        micro * accumulate * world.size,
+        micro,
+        param_bytes=4,
+        grad_bytes=4,
+        reduce_scatter_as_all_reduce=True,
+    )["data"]
+    v = expert_bytes(
+        cfg,
+        expert,
+        world.size,
+        micro * seq,
+        accumulate,
+        activation_bytes=4,
+        routed=sum(routed),
+        data_parallel=strategy,
+        param_bytes=4,
+        reduce_scatter_as_all_reduce=True,
+    )
+    return {
+        "rank": world.rank,
+        "strategy": strategy,
+        "sent": sent,
+        "expected": dense + sum(v.values()),
+        "dense": dense,
+        **v,
+    }
 
 
 def record_routed(model, expert: int) -> list[int]:
-    """A list that receives, per MoE layer forward, the rows this rank sent to and received from the other ranks of
-    its ep group (from the dispatch's counts)."""
+    """A list that receives, per MoE layer forward, the rows this rank sent to and received from
+    the other ranks of its ep group (from the dispatch's counts)."""
     from lmforge.models.moe import moe_layers
 
     routed: list[int] = []
@@ -135,15 +204,16 @@ def record_routed(model, expert: int) -> list[int]:
             sent, received = counts(flat)
             routed.append(sum(sum(sent[r]) + sum(received[r]) for r in range(expert) if r != me))
             return sent, received
+
         layer.dispatch._counts = recording
     return routed
 
 
 def expert_tensor_layout(world, sequence_parallel: bool) -> dict:
-    """One step (two accumulation micro-batches) of a Mixtral-shaped MoE (fp32) at parallel.expert=2 x tensor=2 on
-    4 ranks, the rest FSDP2 over the 2 data ranks: each expert on one data rank, nothing to reduce over ranks
-    holding the same ones; bytes sent vs the data, tensor and expert counts of step_bytes (the all-to-alls with the
-    rows really routed)."""
+    """One step (two accumulation micro-batches) of a Mixtral-shaped MoE (fp32) at
+    parallel.expert=2 x tensor=2 on 4 ranks, the rest FSDP2 over the 2 data ranks: each expert on
+    one data rank, nothing to reduce over ranks holding the same ones; bytes sent vs the data,
+    tensor and expert counts of step_bytes (the all-to-alls with the rows really routed)."""
     from dataclasses import replace
 
     import torch.nn.functional as F
@@ -151,15 +221,21 @@ def expert_tensor_layout(world, sequence_parallel: bool) -> dict:
     from lmforge.models import preset
     from lmforge.parallel import ParallelConfig, build_mesh, parallelize, pipeline_step
 
-    cfg = replace(preset("tiny-mixtral"), hidden_size=256, head_dim=64, intermediate_size=256,
-                  moe_intermediate_size=256)
+    cfg = replace(
+        preset("tiny-mixtral"),
+        hidden_size=256,
+        head_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=256,
+    )
     model = build(cfg, seed=0)
     expert, tensor, accumulate = 2, 2, 2
     pcfg = ParallelConfig(expert=expert, tensor=tensor, sequence_parallel=sequence_parallel)
     pm = parallelize(model, pcfg, build_mesh(pcfg, cfg))
     routed = record_routed(model, expert)
     seq, micro, data = 64, 2, world.size // tensor
-    g = torch.Generator().manual_seed(world.rank // tensor)  # a data rank's tensor-parallel ranks read the same
+    # a data rank's tensor-parallel ranks read the same
+    g = torch.Generator().manual_seed(world.rank // tensor)
     x = torch.randint(0, cfg.vocab_size, (accumulate, micro, seq), generator=g)
 
     def loss_fn(logits, labels):
@@ -177,14 +253,46 @@ def expert_tensor_layout(world, sequence_parallel: bool) -> dict:
     step()
     dist.barrier()
     sent = bytes_sent() - before
-    layout = Layout(tensor=tensor, data=data, data_parallel="fsdp", expert=expert,
-                    sequence_parallel=sequence_parallel)
-    v = step_bytes(cfg, layout, seq, micro * accumulate * data, micro, param_bytes=4, grad_bytes=4,
-                   activation_bytes=4, reduce_scatter_as_all_reduce=True)
-    e = expert_bytes(cfg, expert, data, micro * seq, accumulate, activation_bytes=4, routed=sum(routed),
-                     data_parallel="fsdp", param_bytes=4, tensor=tensor, reduce_scatter_as_all_reduce=True)
-    return {"rank": world.rank, "sequence_parallel": sequence_parallel, "sent": sent,
-            "expected": v["data"] + v["tensor"] + sum(e.values()), "data": v["data"], "tensor": v["tensor"], **e}
+    layout = Layout(
+        tensor=tensor,
+        data=data,
+        data_parallel="fsdp",
+        expert=expert,
+        sequence_parallel=sequence_parallel,
+    )
+    v = step_bytes(
+        cfg,
+        layout,
+        seq,
+        micro * accumulate * data,
+        micro,
+        param_bytes=4,
+        grad_bytes=4,
+        activation_bytes=4,
+        reduce_scatter_as_all_reduce=True,
+    )
+    e = expert_bytes(
+        cfg,
+        expert,
+        data,
+        micro * seq,
+        accumulate,
+        activation_bytes=4,
+        routed=sum(routed),
+        data_parallel="fsdp",
+        param_bytes=4,
+        tensor=tensor,
+        reduce_scatter_as_all_reduce=True,
+    )
+    return {
+        "rank": world.rank,
+        "sequence_parallel": sequence_parallel,
+        "sent": sent,
+        "expected": v["data"] + v["tensor"] + sum(e.values()),
+        "data": v["data"],
+        "tensor": v["tensor"],
+        **e,
+    }
 
 
 def main(strategy: str, micro_batches: int, out: str) -> None:
@@ -196,7 +304,11 @@ def main(strategy: str, micro_batches: int, out: str) -> None:
     from lmforge.parallel import ParallelConfig, build_mesh, parallelize
 
     # The trainer's data-parallel plans: DDP over replicas, or FSDP2 over shards.
-    layout = ParallelConfig(data_replicate=world.size, data_shard=1) if strategy == "ddp" else ParallelConfig()
+    layout = (
+        ParallelConfig(data_replicate=world.size, data_shard=1)
+        if strategy == "ddp"
+        else ParallelConfig()
+    )
     model = parallelize(model, layout, build_mesh(layout, cfg)).parts[0]
     seq, micro = 16, 2
     x = torch.randint(0, cfg.vocab_size, (micro_batches, micro, seq))
@@ -213,8 +325,16 @@ def main(strategy: str, micro_batches: int, out: str) -> None:
     dist.barrier()
     sent = bytes_sent() - before
     layout = Layout(data=world.size, data_parallel=strategy)
-    expected = step_bytes(cfg, layout, seq, micro * micro_batches * world.size, micro, param_bytes=4, grad_bytes=4,
-                           reduce_scatter_as_all_reduce=True)
+    expected = step_bytes(
+        cfg,
+        layout,
+        seq,
+        micro * micro_batches * world.size,
+        micro,
+        param_bytes=4,
+        grad_bytes=4,
+        reduce_scatter_as_all_reduce=True,
+    )
     _write(world, {"rank": world.rank, "sent": sent, "expected": expected["data"]}, out)
 
 
@@ -222,7 +342,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "mesh":
         torch.set_num_threads(1)
         w = init_world()
-        _write(w, [mesh_layout(spec, w) for spec in json.loads(open(sys.argv[2]).read())], sys.argv[3])
+        _write(
+            w, [mesh_layout(spec, w) for spec in json.loads(open(sys.argv[2]).read())], sys.argv[3]
+        )
     if sys.argv[1] == "expert":
         torch.set_num_threads(1)
         w = init_world()

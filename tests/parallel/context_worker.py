@@ -1,6 +1,6 @@
-"""Worker for test_context: context-parallel attention and a tiny decoder on C gloo ranks, each rank holding its two
-chunks of the sequence; rank 0 saves the whole outputs and gradients put back together (gather_sequence) for the
-test to compare with one process. Run with launch.torchrun:
+"""Worker for test_context: context-parallel attention and a tiny decoder on C gloo ranks, each rank
+holding its two chunks of the sequence; rank 0 saves the whole outputs and gradients put back
+together (gather_sequence) for the test to compare with one process. Run with launch.torchrun:
 
     context_worker.py OUT.pt
 """
@@ -16,7 +16,8 @@ import torch.distributed as dist
 # (name, batch, heads, kv_heads, seq, head_dim, document lengths per row or None, window, softcap)
 ATTENTION_CASES = [
     ("gqa", 2, 4, 2, 32, 8, None, None, None),
-    # Documents of odd lengths: their boundaries fall inside chunks and across them; row 1 ends in padding.
+    # Documents of odd lengths: their boundaries fall inside chunks and across them; row 1 ends in
+    # padding.
     ("packed_gqa", 2, 4, 1, 32, 8, [[5, 13, 9, 5], [11, 3, 14]], None, None),
     ("packed_window_softcap", 1, 2, 2, 32, 8, [[7, 19, 6]], 5, 30.0),
     ("window", 1, 4, 2, 32, 8, None, 6, None),
@@ -25,12 +26,19 @@ KERNELS = ("auto", "explicit")  # lmforge.parallel.context_attention.KERNEL
 METHODS = ("allgather", "ring")
 
 
-def packed(lengths: list[list[int]] | None, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """segment_ids and position_ids of rows packed with documents of `lengths` (padding after them); None: one
-    document per row."""
+def packed(
+    lengths: list[list[int]] | None, batch: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_ids and position_ids of rows packed with documents of `lengths` (padding after
+    them); None: one document per row."""
     if lengths is None:
-        return torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq).clone()
-    segments, positions = torch.zeros(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.long)
+        return torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(
+            batch, seq
+        ).clone()
+    segments, positions = (
+        torch.zeros(batch, seq, dtype=torch.long),
+        torch.zeros(batch, seq, dtype=torch.long),
+    )
     for r, row in enumerate(lengths):
         start = 0
         for d, n in enumerate(row, start=1):
@@ -68,7 +76,9 @@ DECODER_SEQ = 32
 
 def decoder_inputs() -> dict[str, torch.Tensor]:
     segments, positions = packed(DECODER_LENGTHS, 2, DECODER_SEQ)
-    ids = torch.randint(1, DECODER["vocab_size"], segments.shape, generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(
+        1, DECODER["vocab_size"], segments.shape, generator=torch.Generator().manual_seed(5)
+    )
     labels = torch.where(segments > 0, torch.roll(ids, -1, 1), -100)
     labels[:, -1] = -100
     return {"input_ids": ids, "labels": labels, "segment_ids": segments, "position_ids": positions}
@@ -103,8 +113,8 @@ def run_attention(shard, case, method, dtype=torch.float32) -> dict[str, torch.T
 
 
 def run_decoder(shard, method) -> dict[str, torch.Tensor]:
-    """Loss summed over every token of the batch over the global count (as one process divides), gradients summed
-    over the ranks (what FSDP's reduce-scatter does)."""
+    """Loss summed over every token of the batch over the global count (as one process divides),
+    gradients summed over the ranks (what FSDP's reduce-scatter does)."""
     from lmforge.models import build
     from lmforge.parallel.context import ContextDocuments, context_parallel_decoder, split_batch
 
@@ -115,9 +125,13 @@ def run_decoder(shard, method) -> dict[str, torch.Tensor]:
     with context_parallel_decoder(model, shard, method):
         seen = []
         model.layers[0].attn.register_forward_pre_hook(lambda m, a: seen.append(type(a[2])))
-        logits = model(local["input_ids"], segment_ids=local["segment_ids"], position_ids=local["position_ids"])
+        logits = model(
+            local["input_ids"], segment_ids=local["segment_ids"], position_ids=local["position_ids"]
+        )
     assert seen == [ContextDocuments], seen
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local["labels"].flatten(), reduction="sum")
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), local["labels"].flatten(), reduction="sum"
+    )
     loss = loss / tokens
     loss.backward()
     total = loss.detach().clone()
@@ -130,8 +144,9 @@ def run_decoder(shard, method) -> dict[str, torch.Tensor]:
 
 
 def count_bytes(shard, method) -> dict[str, int]:
-    """The bytes this rank hands to the collectives over the decoder's forward and backward, as a ring algorithm
-    moves them: a send whole, an all-gather or reduce-scatter C-1 of the rank's parts."""
+    """The bytes this rank hands to the collectives over the decoder's forward and backward, as a
+    ring algorithm moves them: a send whole, an all-gather or reduce-scatter C-1 of the rank's
+    parts."""
     sent = {"n": 0}
     isend, all_gather, reduce_scatter = dist.isend, dist.all_gather, dist.reduce_scatter
 
@@ -147,7 +162,11 @@ def count_bytes(shard, method) -> dict[str, int]:
         sent["n"] += (len(parts) - 1) * out.numel() * out.element_size()
         return reduce_scatter(out, parts, *a, **k)
 
-    dist.isend, dist.all_gather, dist.reduce_scatter = counting_isend, counting_all_gather, counting_reduce_scatter
+    dist.isend, dist.all_gather, dist.reduce_scatter = (
+        counting_isend,
+        counting_all_gather,
+        counting_reduce_scatter,
+    )
     try:
         from lmforge.models import build
         from lmforge.parallel.context import context_parallel_decoder, split_batch
@@ -155,7 +174,11 @@ def count_bytes(shard, method) -> dict[str, int]:
         model = build(DECODER, seed=3)
         local = split_batch(decoder_inputs(), shard)
         with context_parallel_decoder(model, shard, method):
-            logits = model(local["input_ids"], segment_ids=local["segment_ids"], position_ids=local["position_ids"])
+            logits = model(
+                local["input_ids"],
+                segment_ids=local["segment_ids"],
+                position_ids=local["position_ids"],
+            )
         forward = sent["n"]
         logits.square().mean().backward()
     finally:
@@ -172,20 +195,24 @@ def main(out: str) -> None:
     shard = ContextShard.of()
     results = {}
     for method in METHODS:
-        # The ring runs its queries 3 at a time (tiles that do not divide the chunk), the all-gather whole chunks.
+        # The ring runs its queries 3 at a time (tiles that do not divide the chunk), the all-gather
+        # whole chunks.
         context_attention.QUERY_TILE = 3 if method == "ring" else 1024
         for kernel in KERNELS:
             context_attention.KERNEL = kernel
             for case in ATTENTION_CASES:
                 results[(method, kernel, case[0])] = run_attention(shard, case, method)
         context_attention.KERNEL = "auto"
-        results[(method, "packed_gqa_bf16")] = run_attention(shard, ATTENTION_CASES[1], method, torch.bfloat16)
+        results[(method, "packed_gqa_bf16")] = run_attention(
+            shard, ATTENTION_CASES[1], method, torch.bfloat16
+        )
         results[(method, "decoder")] = run_decoder(shard, method)
         counts = [None] * shard.context
         dist.all_gather_object(counts, count_bytes(shard, method))
         results[(method, "bytes")] = counts
     if shard.context == 4:
-        # Two context groups of 2 inside the 4 ranks, as a mesh makes them: peers are named by global rank.
+        # Two context groups of 2 inside the 4 ranks, as a mesh makes them: peers are named by
+        # global rank.
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         sub = ContextShard.of(groups[dist.get_rank() // 2])
         for method in METHODS:

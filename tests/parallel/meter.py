@@ -1,5 +1,5 @@
-"""AllocationMeter: the most tensor storage a piece of code holds at once, as torch ops hand it out (the sharded
-import's workers and the one-process LoRA set-up measure their peaks with it)."""
+"""AllocationMeter: the most tensor storage a piece of code holds at once, as torch ops hand it
+out (the sharded import's workers and the one-process LoRA set-up measure their peaks with it)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from torch.utils._pytree import tree_leaves
 
 
 class AllocationMeter(TorchDispatchMode):
-    """The peak bytes of tensor storage alive at once among the storages torch ops hand out while active
-    (a DTensor counts its local piece). Tensors that safetensors maps from a file count too, whole, from
-    the op that first returns them: an upper bound on what a load holds."""
+    """The peak bytes of tensor storage alive at once among the storages torch ops hand out while
+    active (a DTensor counts its local piece). Tensors that safetensors maps from a file count
+    too, whole, from the op that first returns them: an upper bound on what a load holds."""
 
     def __init__(self):
         super().__init__()

@@ -2,15 +2,15 @@
 
     sharded_import_worker.py SPEC.json OUT.json
 
-For each case: build the model on the meta device, parallelize it, load_sharded from the case's folder
-under an AllocationMeter, then compare every tensor this rank holds (gathered with full_tensor) with the
-whole-model import (load_pretrained), and one training step's loss and gradients with the same layout
-built the old way (the whole model on every rank, then parallelize). A case with "lora" wraps the meta model
-with adapters first (apply_lora) and fills them after the base (init_adapters), against apply_lora on the
-whole model; "fresh" initialises (init_sharded) instead of reading the source. With "trainer", the Trainer
-runs the same training twice on this layout: once as it now does (sharded, load_pretrained forbidden), once
-forced onto the whole-model path, each set up under an AllocationMeter. Rank 0 writes every rank's results
-to OUT.json.
+For each case: build the model on the meta device, parallelize it, load_sharded from the case's
+folder under an AllocationMeter, then compare every tensor this rank holds (gathered with
+full_tensor) with the whole-model import (load_pretrained), and one training step's loss and
+gradients with the same layout built the old way (the whole model on every rank, then parallelize).
+A case with "lora" wraps the meta model with adapters first (apply_lora) and fills them after the
+base (init_adapters), against apply_lora on the whole model; "fresh" initialises (init_sharded)
+instead of reading the source. With "trainer", the Trainer runs the same training twice on this
+layout: once as it now does (sharded, load_pretrained forbidden), once forced onto the whole-model
+path, each set up under an AllocationMeter. Rank 0 writes every rank's results to OUT.json.
 """
 
 from __future__ import annotations
@@ -25,14 +25,22 @@ import torch
 import torch.distributed as dist
 from meter import AllocationMeter  # tests/parallel/meter.py, beside this file
 from torch.distributed.tensor import DTensor
-from worker import ce_sum, finish, make_batch, parallel_step  # tests/parallel/worker.py, beside this file
+
+# tests/parallel/worker.py, beside this file
+from worker import ce_sum, finish, make_batch, parallel_step
 
 from lmforge.models import build, load_pretrained
 from lmforge.models.build import local_piece
 from lmforge.models.hf.weights import HFWeights
 from lmforge.models.lora import LoRAConfig, apply_lora, init_adapters, is_adapter
 from lmforge.parallel import ParallelConfig, build_mesh, init_world, model_state_dict, parallelize
-from lmforge.parallel.load import LoadStats, init_sharded, load_sharded, local_tensors, source_config
+from lmforge.parallel.load import (
+    LoadStats,
+    init_sharded,
+    load_sharded,
+    local_tensors,
+    source_config,
+)
 
 SEED = 1234  # the fresh weights' and the adapters' (a run's trainer.seed)
 
@@ -42,23 +50,25 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def whole_model(case: dict, cfg):
-    """The old path: the whole model imported on this rank (load_pretrained), re-padded like the run's, or built
-    fresh ("fresh"), then wrapped with the case's LoRA adapters (apply_lora) and their base dtype."""
+    """The old path: the whole model imported on this rank (load_pretrained), re-padded like the
+    run's, or built fresh ("fresh"), then wrapped with the case's LoRA adapters (apply_lora) and
+    their base dtype."""
     from lmforge.train.setup import with_vocab_multiple
 
     if case.get("fresh"):
         model = build(cfg, seed=SEED).train()
     else:
-        model = with_vocab_multiple(load_pretrained(case.get("reference", case["source"])),
-                                    cfg.make_vocab_size_divisible_by).train()
+        model = with_vocab_multiple(
+            load_pretrained(case.get("reference", case["source"])), cfg.make_vocab_size_divisible_by
+        ).train()
     if "lora" in case:
         apply_lora(model, LoRAConfig(**case["lora"]), seed=SEED)
     return model
 
 
 def fill(pm, case: dict) -> LoadStats:
-    """The meta path: this rank's shards read from the case's source (or initialised, "fresh"), then its pieces of
-    the LoRA adapters drawn (init_adapters)."""
+    """The meta path: this rank's shards read from the case's source (or initialised, "fresh"),
+    then its pieces of the LoRA adapters drawn (init_adapters)."""
     if case.get("fresh"):
         stats = LoadStats(init_sharded(pm, SEED), None, 0)
     else:
@@ -69,8 +79,8 @@ def fill(pm, case: dict) -> LoadStats:
 
 
 def nudge_lora_b(named_parameters) -> None:
-    """Every adapter's B set to the same non-zero values whatever the layout (at init B = 0, and A gets no
-    gradient): the step then trains A too."""
+    """Every adapter's B set to the same non-zero values whatever the layout (at init B = 0, and
+    A gets no gradient): the step then trains A too."""
     with torch.no_grad():
         for name, p in named_parameters:
             if ".lora_B." in name:
@@ -80,7 +90,9 @@ def nudge_lora_b(named_parameters) -> None:
 
 
 def run_case(case: dict, meshes: dict) -> dict:
-    cfg = dataclasses.replace(source_config(case["source"]), make_vocab_size_divisible_by=case["multiple"])
+    cfg = dataclasses.replace(
+        source_config(case["source"]), make_vocab_size_divisible_by=case["multiple"]
+    )
     pcfg = ParallelConfig(**case["parallel"])
     key = json.dumps(case["parallel"], sort_keys=True)
     mesh = meshes.setdefault(key, build_mesh(pcfg, cfg))
@@ -101,17 +113,23 @@ def run_case(case: dict, meshes: dict) -> dict:
         whole = whole_model(case, cfg)
     expected = {n: t.detach().clone() for n, t in whole.state_dict(keep_vars=True).items()}
     buffers = dict(whole.named_buffers())
-    mismatched = [n for n, t in held.items()
-                  if not torch.equal(t.full_tensor() if isinstance(t, DTensor) else t, expected[n])]
+    mismatched = [
+        n
+        for n, t in held.items()
+        if not torch.equal(t.full_tensor() if isinstance(t, DTensor) else t, expected[n])
+    ]
     for part in pm.parts:  # non-persistent buffers too (rotary inv_freq), recomputed after to_empty
         mismatched += [n for n, b in part.named_buffers() if not torch.equal(b, buffers[n])]
     # The meta model's tensors that no part of this rank holds must never have been allocated.
     held_ids = {id(p) for part in pm.parts for p in part.parameters()}
-    allocated_elsewhere = [n for n, p in model.named_parameters() if id(p) not in held_ids and not p.is_meta]
+    allocated_elsewhere = [
+        n for n, p in model.named_parameters() if id(p) not in held_ids and not p.is_meta
+    ]
     all_names: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_names, sorted(held))
 
-    # One training step: the same layout built the old way (whole model on every rank, then parallelize).
+    # One training step: the same layout built the old way (whole model on every rank, then
+    # parallelize).
     batch = make_batch(cfg, seed=1)
     with torch.no_grad():
         single = whole_model(case, cfg)
@@ -124,24 +142,45 @@ def run_case(case: dict, meshes: dict) -> dict:
     loss, ref_loss = parallel_step(pm, mesh, batch), parallel_step(ref_pm, mesh, batch)
     ref_grads = {n: p.grad for n, p in named(ref_pm)}
     trained = [(n, p) for n, p in named(pm) if p.requires_grad]  # LoRA: the adapters alone
-    grads_differ = [n for n, p in trained if p.grad is None or ref_grads[n] is None
-                    or not torch.equal(_local(p.grad), _local(ref_grads[n]))]
+    grads_differ = [
+        n
+        for n, p in trained
+        if p.grad is None
+        or ref_grads[n] is None
+        or not torch.equal(_local(p.grad), _local(ref_grads[n]))
+    ]
     grads_differ += [n for n, p in named(pm) if not p.requires_grad and p.grad is not None]
     if "save_checkpoint" in case:  # a training checkpoint (DCP) of these weights, for a later case
         save_checkpoint(pm, cfg, Path(case["save_checkpoint"]))
     return {
-        "mismatched": mismatched, "grads_differ": grads_differ, "allocated_elsewhere": allocated_elsewhere,
-        "held": sorted(held), "all_held": sorted({n for names in all_names for n in names}),
+        "mismatched": mismatched,
+        "grads_differ": grads_differ,
+        "allocated_elsewhere": allocated_elsewhere,
+        "held": sorted(held),
+        "all_held": sorted({n for names in all_names for n in names}),
         "expected_names": sorted(expected),
-        "loss": loss, "ref_loss": ref_loss, "single_loss": single_loss, "trained": sorted(n for n, _ in trained),
-        "zero_grads": sorted(n for n, p in trained if _local(p.grad).numel() and not _local(p.grad).abs().max() > 0),
-        "peak_bytes": meter.peak, "whole_load_peak": control.peak, "local_bytes": stats.local_bytes,
-        "read_bytes": stats.read_bytes, "hf_read": hf_read, "source_bytes": stats.source_bytes,
+        "loss": loss,
+        "ref_loss": ref_loss,
+        "single_loss": single_loss,
+        "trained": sorted(n for n, _ in trained),
+        "zero_grads": sorted(
+            n for n, p in trained if _local(p.grad).numel() and not _local(p.grad).abs().max() > 0
+        ),
+        "peak_bytes": meter.peak,
+        "whole_load_peak": control.peak,
+        "local_bytes": stats.local_bytes,
+        "read_bytes": stats.read_bytes,
+        "hf_read": hf_read,
+        "source_bytes": stats.source_bytes,
         "whole_bytes": sum(nbytes(t) for t in expected.values()),
         "largest_bytes": max(nbytes(t) for t in expected.values()),
         # What the parts hold, counted here: parameters and every buffer, once each.
-        "local_bytes_measured": sum(nbytes(_local(t)) for t in {id(t): t for part in pm.parts for t in
-                                                                 [*part.parameters(), *part.buffers()]}.values()),
+        "local_bytes_measured": sum(
+            nbytes(_local(t))
+            for t in {
+                id(t): t for part in pm.parts for t in [*part.parameters(), *part.buffers()]
+            }.values()
+        ),
     }
 
 
@@ -159,8 +198,10 @@ def save_checkpoint(pm, cfg, path: Path) -> None:
     from lmforge.models.io import write_config
 
     # The base alone: a LoRA case's adapters are no part of a checkpoint its meta path reads.
-    dcp.save({"model": {k: v.detach() for k, v in model_state_dict(pm).items() if not is_adapter(k)}},
-             checkpoint_id=str(path))
+    dcp.save(
+        {"model": {k: v.detach() for k, v in model_state_dict(pm).items() if not is_adapter(k)}},
+        checkpoint_id=str(path),
+    )
     dist.barrier()
     if dist.get_rank() == 0:
         (path / "trainer.json").write_text(json.dumps({"step": 0}))
@@ -169,19 +210,24 @@ def save_checkpoint(pm, cfg, path: Path) -> None:
 
 
 def run_trainer(spec: dict) -> dict:
-    """The Trainer on this layout from an HF folder: sharded (load_pretrained must not be called), then
-    forced onto the whole-model path; the test compares their metrics.jsonl. Returns the peak bytes an
-    AllocationMeter saw while each Trainer was set up (model built, laid out and filled; no step yet), and the
-    bytes of the whole model and of its largest tensor."""
+    """The Trainer on this layout from an HF folder: sharded (load_pretrained must not be
+    called), then forced onto the whole-model path; the test compares their metrics.jsonl.
+    Returns the peak bytes an AllocationMeter saw while each Trainer was set up (model built,
+    laid out and filled; no step yet), and the bytes of the whole model and of its largest
+    tensor."""
     from lmforge.train import setup, trainer
     from lmforge.train.config import load_run_config
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("the sharded path called load_pretrained: a rank built the whole model")
+        raise AssertionError(
+            "the sharded path called load_pretrained: a rank built the whole model"
+        )
 
     def fit(run: str) -> int:
         with AllocationMeter() as meter:
-            t = trainer.Trainer(load_run_config(None, [*spec["args"], f"run_dir={spec['dir']}/{run}"]))
+            t = trainer.Trainer(
+                load_run_config(None, [*spec["args"], f"run_dir={spec['dir']}/{run}"])
+            )
         t.fit()
         return meter.peak
 
@@ -192,15 +238,21 @@ def run_trainer(spec: dict) -> dict:
     finally:
         setup.load_pretrained = original
     init_model = trainer.init_model
-    trainer.init_model = lambda cfg, num_labels=0, meta=False, **kw: init_model(cfg, num_labels, meta=False, **kw)
+    trainer.init_model = lambda cfg, num_labels=0, meta=False, **kw: init_model(
+        cfg, num_labels, meta=False, **kw
+    )
     try:
         whole = fit("whole")
     finally:
         trainer.init_model = init_model
     source = next(a.split("=", 1)[1] for a in spec["args"] if a.startswith("model.init_from="))
     tensors = load_pretrained(source).state_dict().values()
-    return {"sharded_peak": sharded, "whole_peak": whole, "whole_bytes": sum(nbytes(t) for t in tensors),
-            "largest_bytes": max(nbytes(t) for t in tensors)}
+    return {
+        "sharded_peak": sharded,
+        "whole_peak": whole,
+        "whole_bytes": sum(nbytes(t) for t in tensors),
+        "largest_bytes": max(nbytes(t) for t in tensors),
+    }
 
 
 def main() -> None:

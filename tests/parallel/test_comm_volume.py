@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from lmforge.models.presets import PRESETS
-from lmforge.parallel.comm_volume import Layout, bytes_sent, expert_bytes, stage_parameters, step_bytes
+from lmforge.parallel.comm_volume import (
+    Layout,
+    bytes_sent,
+    expert_bytes,
+    stage_parameters,
+    step_bytes,
+)
 from lmforge.parallel.mesh import fsdp_shards_experts
 from tests.parallel.launch import torchrun
 
@@ -19,7 +25,9 @@ WORKER = Path(__file__).with_name("comm_worker.py")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
+@pytest.mark.skipif(
+    bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent"
+)
 @pytest.mark.parametrize("strategy,micro_batches", [("ddp", 2), ("fsdp", 2)])
 def test_data_parallel_bytes_match_the_model(strategy, micro_batches, tmp_path):
     out = tmp_path / "sent.json"
@@ -33,16 +41,25 @@ def test_data_parallel_bytes_match_the_model(strategy, micro_batches, tmp_path):
 
 MESH_LAYOUTS = [
     {"tensor": 2, "pipeline": 1, "sequence_parallel": False, "micro_batches": 2},
-    # gloo: all-gather (n-1)/n, reduce-scatter run as an all-reduce 2 (n-1)/n: 1.5x plain TP's bytes.
+    # gloo: all-gather (n-1)/n, reduce-scatter run as an all-reduce 2 (n-1)/n: 1.5x plain TP's
+    # bytes.
     {"tensor": 2, "pipeline": 1, "sequence_parallel": True, "micro_batches": 2},
     # Two ranks, each at an end: one way per micro batch (2v - 1 = 1 send), interleaved 3 (v = 2).
     {"tensor": 1, "pipeline": 2, "sequence_parallel": False, "micro_batches": 4},
-    {"tensor": 1, "pipeline": 2, "sequence_parallel": False, "micro_batches": 4, "virtual_stages": 2},
+    {
+        "tensor": 1,
+        "pipeline": 2,
+        "sequence_parallel": False,
+        "micro_batches": 4,
+        "virtual_stages": 2,
+    },
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
+@pytest.mark.skipif(
+    bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent"
+)
 def test_tensor_and_pipeline_bytes_match_the_model(tmp_path):
     layouts, out = tmp_path / "layouts.json", tmp_path / "sent.json"
     layouts.write_text(json.dumps(MESH_LAYOUTS))
@@ -52,17 +69,21 @@ def test_tensor_and_pipeline_bytes_match_the_model(tmp_path):
     for rank in json.loads(out.read_text()):
         assert [r["layout"] for r in rank] == MESH_LAYOUTS
         for result in rank:
-            # Within 2%: gloo frames each collective and point-to-point message with a few hundred bytes.
+            # Within 2%: gloo frames each collective and point-to-point message with a few hundred
+            # bytes.
             assert result["sent"] == pytest.approx(result["expected"], rel=0.02), result
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
+@pytest.mark.skipif(
+    bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent"
+)
 def test_expert_parallel_bytes_match_the_model(tmp_path):
-    """parallel.expert=2 on 4 ranks, two accumulation micro-batches: the all-to-alls send every row routed across
-    ranks four times (out and back, forward and backward). Under DDP the two ranks holding the same experts
-    all-reduce their gradients once; under FSDP2 they shard them: all-gathers per micro-batch, one reduce-scatter
-    per step. Data parallelism reduces the other weights only."""
+    """parallel.expert=2 on 4 ranks, two accumulation micro-batches: the all-to-alls send every
+    row routed across ranks four times (out and back, forward and backward). Under DDP the two
+    ranks holding the same experts all-reduce their gradients once; under FSDP2 they shard them:
+    all-gathers per micro-batch, one reduce-scatter per step. Data parallelism reduces the other
+    weights only."""
     out = tmp_path / "sent.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
     r = torchrun(4, [str(WORKER), "expert", str(out)], env=env, timeout=300)
@@ -79,12 +100,15 @@ def test_expert_parallel_bytes_match_the_model(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent")
+@pytest.mark.skipif(
+    bytes_sent() is None, reason="needs Linux /proc/self/io to count the bytes sent"
+)
 def test_expert_x_tensor_parallel_bytes_match_the_model(tmp_path):
-    """parallel.expert=2 x tensor=2 on 4 ranks, with sequence parallelism and without: each tensor-parallel rank
-    exchanges the whole micro-batch's routed rows with the rank of its own tensor coordinate; the tensor-parallel
-    exchanges are a dense model's plus the routing weights' gradient; FSDP2 reduces the other weights over the 2
-    data ranks (each expert on one: nothing else to reduce)."""
+    """parallel.expert=2 x tensor=2 on 4 ranks, with sequence parallelism and without: each
+    tensor-parallel rank exchanges the whole micro-batch's routed rows with the rank of its own
+    tensor coordinate; the tensor-parallel exchanges are a dense model's plus the routing
+    weights' gradient; FSDP2 reduces the other weights over the 2 data ranks (each expert on one:
+    nothing else to reduce)."""
     out = tmp_path / "sent.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
     r = torchrun(4, [str(WORKER), "expert_tp", str(out)], env=env, timeout=300)
@@ -92,7 +116,10 @@ def test_expert_x_tensor_parallel_bytes_match_the_model(tmp_path):
     for rank in json.loads(out.read_text()):
         assert [result["sequence_parallel"] for result in rank] == [True, False]
         for result in rank:
-            assert result["all_to_all"] > 0.1 * result["sent"] and result["tensor"] > 0.1 * result["sent"], result
+            assert (
+                result["all_to_all"] > 0.1 * result["sent"]
+                and result["tensor"] > 0.1 * result["sent"]
+            ), result
             assert result["sent"] == pytest.approx(result["expected"], rel=0.02), result
 
 
@@ -102,33 +129,45 @@ def test_balanced_expert_parallel_bytes(monkeypatch):
     monkeypatch.setattr(comm_volume, "fsdp_shards_experts", lambda: True)  # torch 2.12+
     cfg = PRESETS["mixtral-8x7b"]  # 32 MoE layers, 8 experts, 2 per token, hidden 4096
     one = expert_bytes(cfg, expert=8, data=8, tokens=4096)
-    # 4096 tokens x 2 experts, 7/8 of them to other ranks, out and back, forward and backward, bf16 rows.
+    # 4096 tokens x 2 experts, 7/8 of them to other ranks, out and back, forward and backward, bf16
+    # rows.
     assert one["all_to_all"] == 32 * 4 * 4096 * 2 * 7 / 8 * 4096 * 2
     assert one["expert_grads"] == 0  # one rank per expert: nothing to all-reduce
     two = expert_bytes(cfg, expert=8, data=16, tokens=4096)
-    assert two["expert_grads"] == 32 * 1 * 3 * 4096 * 14336 * 4  # 2 (n-1)/n = 1 of one expert per layer, fp32
-    # FSDP2: the expert sharded over the 2 ranks holding it; two micro-batches, each gathering it twice (bf16).
+    # 2 (n-1)/n = 1 of one expert per layer, fp32
+    assert two["expert_grads"] == 32 * 1 * 3 * 4096 * 14336 * 4
+    # FSDP2: the expert sharded over the 2 ranks holding it; two micro-batches, each gathering it
+    # twice (bf16).
     expert = 32 * 3 * 4096 * 14336
     fsdp = expert_bytes(cfg, expert=8, data=16, tokens=4096, micro_batches=2, data_parallel="fsdp")
-    assert fsdp["expert_gathers"] == 2 * 2 * expert / 2 * 2 and fsdp["expert_grads"] == expert / 2 * 4
-    # HSDP 2 x 8: the ep group spans a whole replica, so each expert is replicated over the two: an all-reduce.
+    assert (
+        fsdp["expert_gathers"] == 2 * 2 * expert / 2 * 2 and fsdp["expert_grads"] == expert / 2 * 4
+    )
+    # HSDP 2 x 8: the ep group spans a whole replica, so each expert is replicated over the two: an
+    # all-reduce.
     hsdp = expert_bytes(cfg, expert=8, data=16, tokens=4096, data_parallel="fsdp", data_replicate=2)
     assert hsdp["expert_gathers"] == 0 and hsdp["expert_grads"] == two["expert_grads"]
-    # Beside tensor parallelism 2: each rank still sends its micro-batch's rows, and holds (and reduces) half of
-    # each of its experts' rows.
-    tp = expert_bytes(cfg, expert=8, data=16, tokens=4096, micro_batches=2, data_parallel="fsdp", tensor=2)
+    # Beside tensor parallelism 2: each rank still sends its micro-batch's rows, and holds (and
+    # reduces) half of each of its experts' rows.
+    tp = expert_bytes(
+        cfg, expert=8, data=16, tokens=4096, micro_batches=2, data_parallel="fsdp", tensor=2
+    )
     assert tp["all_to_all"] == fsdp["all_to_all"]
-    assert tp["expert_gathers"] == fsdp["expert_gathers"] / 2 and tp["expert_grads"] == fsdp["expert_grads"] / 2
-    # Before torch 2.12 FSDP2 cannot shard them (lmforge.parallel.mesh.fsdp_shards_experts): whole copies, DDP's bytes.
+    assert (
+        tp["expert_gathers"] == fsdp["expert_gathers"] / 2
+        and tp["expert_grads"] == fsdp["expert_grads"] / 2
+    )
+    # Before torch 2.12 FSDP2 cannot shard them (lmforge.parallel.mesh.fsdp_shards_experts): whole
+    # copies, DDP's bytes.
     monkeypatch.setattr(comm_volume, "fsdp_shards_experts", lambda: False)
     old = expert_bytes(cfg, expert=8, data=16, tokens=4096, micro_batches=2, data_parallel="fsdp")
     assert old["expert_gathers"] == 0 and old["expert_grads"] == two["expert_grads"]
 
 
 def test_moe_blocks_count_their_experts():
-    """The data-parallel bytes of a MoE model: its MLPs are routers plus experts (Mixtral-8x7B: 46.7 B parameters,
-    not a dense model's 7 B), and under expert parallelism the experts leave the data-parallel reduction for
-    expert parallelism's own."""
+    """The data-parallel bytes of a MoE model: its MLPs are routers plus experts (Mixtral-8x7B:
+    46.7 B parameters, not a dense model's 7 B), and under expert parallelism the experts leave
+    the data-parallel reduction for expert parallelism's own."""
     cfg = PRESETS["mixtral-8x7b"]
     blocks, ends = stage_parameters(cfg, Layout(data=8))
     assert 46.6e9 < blocks + ends < 46.8e9
@@ -142,10 +181,14 @@ def test_moe_blocks_count_their_experts():
 
 
 def test_moe_layers_under_tensor_parallelism():
-    """A MoE layer's tensor-parallel bytes: a dense layer's, plus the routing weights' gradient (all-reduced, fp32),
-    and under sequence parallelism its input's gradient all-reduced where a dense layer reduce-scatters."""
+    """A MoE layer's tensor-parallel bytes: a dense layer's, plus the routing weights' gradient
+    (all-reduced, fp32), and under sequence parallelism its input's gradient all-reduced where a
+    dense layer reduce-scatters."""
     cfg = PRESETS["mixtral-8x7b"]
-    sp, plain = (step_bytes(cfg, Layout(tensor=8, data=8, sequence_parallel=s), 4096, 64, 1) for s in (True, False))
+    sp, plain = (
+        step_bytes(cfg, Layout(tensor=8, data=8, sequence_parallel=s), 4096, 64, 1)
+        for s in (True, False)
+    )
     micro_batches, act = 64 // 8, 4096 * 4096 * 2
     weights = micro_batches * 32 * 4096 * 2 * 4
     assert plain["payload_tensor"] == micro_batches * (4 * 32 + 2) * act + weights
@@ -153,7 +196,8 @@ def test_moe_layers_under_tensor_parallelism():
 
 
 def test_published_layouts():
-    # GPT-NeoX-20B as the NeoX-on-Trainium write-up runs it: TP 8, PP 4, seq 2048, global batch 1024.
+    # GPT-NeoX-20B as the NeoX-on-Trainium write-up runs it: TP 8, PP 4, seq 2048, global batch
+    # 1024.
     cfg = PRESETS["gpt-neox-20b"]
     small = step_bytes(cfg, Layout(tensor=8, pipeline=4, data=4), 2048, 1024, 1)
     large = step_bytes(cfg, Layout(tensor=8, pipeline=4, data=64), 2048, 1024, 1)
@@ -164,6 +208,9 @@ def test_published_layouts():
     # TP x PP splits the 20.6 B parameters 32 ways: the busiest rank holds about 1/32 of them.
     blocks, ends = small["block_parameters"], small["end_parameters"]
     assert 20.0e9 / 32 < blocks + ends < 20.6e9 / 32 * 1.1
-    # Sequence parallelism sends the same bytes as plain TP (all-gather + reduce-scatter = all-reduce).
-    no_sp = step_bytes(cfg, Layout(tensor=8, pipeline=4, data=4, sequence_parallel=False), 2048, 1024, 1)
+    # Sequence parallelism sends the same bytes as plain TP (all-gather + reduce-scatter =
+    # all-reduce).
+    no_sp = step_bytes(
+        cfg, Layout(tensor=8, pipeline=4, data=4, sequence_parallel=False), 2048, 1024, 1
+    )
     assert no_sp["tensor"] == small["tensor"] and no_sp["pipeline"] == small["pipeline"] * 8

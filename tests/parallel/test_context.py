@@ -1,7 +1,8 @@
-"""Context parallelism (lmforge.parallel.context) on 2 and 4 gloo ranks against one process: attention outputs and
-q/k/v gradients against lmforge's own attention over the whole sequence under the dense document mask
-(lmforge.models.documents.document_mask), and a tiny grouped-query decoder's loss and every parameter's gradient
-on packed documents against the same decoder in one process; both methods (all-gather, ring)."""
+"""Context parallelism (lmforge.parallel.context) on 2 and 4 gloo ranks against one process:
+attention outputs and q/k/v gradients against lmforge's own attention over the whole sequence
+under the dense document mask (lmforge.models.documents.document_mask), and a tiny grouped-query
+decoder's loss and every parameter's gradient on packed documents against the same decoder in one
+process; both methods (all-gather, ring)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,14 @@ def results(request, tmp_path_factory):
 
 
 def reference_attention(case, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """One process, lmforge's attention on the whole sequence; `dtype`: the inputs rounded to it first, then
-    computed in fp32 and in that dtype (the one-process result at that precision)."""
+    """One process, lmforge's attention on the whole sequence; `dtype`: the inputs rounded to it
+    first, then computed in fp32 and in that dtype (the one-process result at that precision)."""
     name, b, h, g, s, d, lengths, window, softcap = case
     x = cw.attention_inputs(case)
     q, k, v = (x[n].to(dtype).to(torch.float32).requires_grad_() for n in ("q", "k", "v"))
-    mask = document_mask(x["segments"], window) if lengths is not None or window is not None else None
+    mask = (
+        document_mask(x["segments"], window) if lengths is not None or window is not None else None
+    )
     out = attention(q, k, v, mask, mask is None, None, softcap, 0.0)
     (out * x["weight"]).sum().backward()
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -48,7 +51,8 @@ def reference_attention(case, dtype=torch.float32) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", cw.METHODS)
 @pytest.mark.parametrize("case", cw.ATTENTION_CASES, ids=[c[0] for c in cw.ATTENTION_CASES])
 def test_attention_and_gradients_equal_one_process(results, case, method, kernel):
-    """Per block SDPA's CPU kernel ("auto"; a soft cap takes the explicit math) or the explicit fp32 math."""
+    """Per block SDPA's CPU kernel ("auto"; a soft cap takes the explicit math) or the explicit
+    fp32 math."""
     ref = reference_attention(case)
     got = results[(method, kernel, case[0])]
     for name in ("out", "dq", "dk", "dv"):
@@ -58,8 +62,8 @@ def test_attention_and_gradients_equal_one_process(results, case, method, kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("method", cw.METHODS)
 def test_bf16_inputs_are_as_close_as_one_process_in_bf16(results, method):
-    """bf16 q/k/v (fp32 inside the blocks): within bf16's rounding of the fp32 result on the same rounded inputs,
-    and no further from it than one process's bf16 SDPA."""
+    """bf16 q/k/v (fp32 inside the blocks): within bf16's rounding of the fp32 result on the same
+    rounded inputs, and no further from it than one process's bf16 SDPA."""
     case = cw.ATTENTION_CASES[1]
     exact = reference_attention(case, torch.bfloat16)
     x = cw.attention_inputs(case)
@@ -81,7 +85,9 @@ def test_bf16_inputs_are_as_close_as_one_process_in_bf16(results, method):
 def test_decoder_loss_and_gradients_equal_one_process(results, method):
     model = build(cw.DECODER, seed=3)
     batch = cw.decoder_inputs()
-    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+    logits = model(
+        batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"]
+    )
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
     loss.backward()
     got = results[(method, "decoder")]
@@ -93,8 +99,8 @@ def test_decoder_loss_and_gradients_equal_one_process(results, method):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", cw.METHODS)
 def test_bytes_handed_to_the_collectives_match_the_formula(results, method):
-    """Every rank hands the collectives what comm_volume.context_bytes predicts for the decoder's step (fp32 K/V:
-    kv_bytes 4; packed segment ids gathered once per forward)."""
+    """Every rank hands the collectives what comm_volume.context_bytes predicts for the decoder's
+    step (fp32 K/V: kv_bytes 4; packed segment ids gathered once per forward)."""
     from lmforge.models.config import ModelConfig
 
     cfg = ModelConfig(**cw.DECODER)
@@ -118,7 +124,8 @@ def test_context_groups_inside_a_larger_world(results, method):
 
 
 def test_split_holds_chunks_i_and_2c_minus_1_minus_i():
-    """Every slot on exactly one rank; rank i holds chunks i and 2C-1-i; position ids travel with their tokens."""
+    """Every slot on exactly one rank; rank i holds chunks i and 2C-1-i; position ids travel with
+    their tokens."""
     seq, context = 16, 4
     ids = torch.arange(seq)[None] * 10
     held = []

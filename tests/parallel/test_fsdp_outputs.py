@@ -1,10 +1,11 @@
-"""What an FSDP2 unit returns: no view tensor, which torch warns of (an in-place op on it would drop the unit's
-pre-backward hook and the all-gather of its backward).
+"""What an FSDP2 unit returns: no view tensor, which torch warns of (an in-place op on it would drop
+the unit's pre-backward hook and the all-gather of its backward).
 
-The pipelined BERT recipe (configs/experiments/bert-mlm-pipeline.yaml, `data_parallel: ddp`) lays its data-parallel
-replicas out with FSDP2 (HSDP of one shard: whole parameters on every rank, gradients all-reduced, DDP's arithmetic):
-lmforge.parallel.parallelize keeps DDP for layouts of replicas alone. Its last stage returned the MLM logits as a
-view (F.linear with a bias), and two ranks printed torch's warning at the first step.
+The pipelined BERT recipe (configs/experiments/bert-mlm-pipeline.yaml, `data_parallel: ddp`) lays
+its data-parallel replicas out with FSDP2 (HSDP of one shard: whole parameters on every rank,
+gradients all-reduced, DDP's arithmetic): lmforge.parallel.parallelize keeps DDP for layouts of
+replicas alone. Its last stage returned the MLM logits as a view (F.linear with a bias), and two
+ranks printed torch's warning at the first step.
 """
 
 from __future__ import annotations
@@ -21,19 +22,23 @@ from lmforge.parallel.mesh import torch_version
 
 def test_bert_mlm_logits_are_not_a_view_and_unchanged():
     model = build("tiny-bert", seed=0)
-    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)
+    )
     logits = model(ids)
     assert logits._base is None and logits.shape == (2, 8, model.config.vocab_size)
     head, v = model.mlm_head, model.config.vocab_size
     h = head.norm(head.act(head.dense(model.hidden_states(ids))))
     assert torch.equal(logits, F.linear(h, model.embeddings.word.weight[:v], head.bias[:v]))
     logits.logsumexp(-1).sum().backward()
-    assert head.bias.grad is not None and head.bias.grad[v:].abs().sum() == 0  # padding rows get no gradient
+    # padding rows get no gradient
+    assert head.bias.grad is not None and head.bias.grad[v:].abs().sum() == 0
 
 
 @pytest.mark.skipif(torch_version() < (2, 7), reason="FSDP2 on the CPU needs torch 2.7")
 def test_an_fsdp_wrapped_bert_returns_no_view(fake_two_ranks):
-    """The MLM head's logits leave the root unit without torch's view warning (fake process group: shapes only)."""
+    """The MLM head's logits leave the root unit without torch's view warning (fake process
+    group: shapes only)."""
     from lmforge.parallel.compose import apply_fsdp
 
     model = build("tiny-bert", seed=0)

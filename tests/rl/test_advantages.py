@@ -1,6 +1,6 @@
 """Rewards, group advantages and the truncated-completion mask against TRL's GRPOTrainer: its own
-_generate_and_score_completions (with its _calculate_rewards calling our reward functions, as it calls a TRL user's)
-run on a stand-in trainer whose generation returns fixed completions."""
+_generate_and_score_completions (with its _calculate_rewards calling our reward functions, as it
+calls a TRL user's) run on a stand-in trainer whose generation returns fixed completions."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ import torch
 from lmforge.rl.advantages import group_advantages
 from lmforge.rl.rewards import Rewards
 
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL (a test extra) is the reference")
+trl_grpo = pytest.importorskip(
+    "trl.trainer.grpo_trainer", reason="TRL (a test extra) is the reference"
+)
 
 EOS, PAD, G = 2, 0, 4
 PROMPTS = ["What is 6 x 7?", "What is 2 + 2?", "Name a colour."]
-ANSWERS = ["#### 42", "4", None]  # GSM8K's form; a bare number; none: accuracy leaves the record out
+# GSM8K's form; a bare number; none: accuracy leaves the record out
+ANSWERS = ["#### 42", "4", None]
 COMPLETIONS = [
     "<think>6 x 7</think> <answer>\\boxed{42}</answer>",
     "It is 41.",
@@ -33,12 +36,14 @@ COMPLETIONS = [
     "green",
     "<think>x</think><answer>y</answer>",
 ]
-# Completion ids: the last two of each group reach the length limit without eos (truncated), the others end in it.
+# Completion ids: the last two of each group reach the length limit without eos (truncated), the
+# others end in it.
 IDS = [[5, 6, EOS] if i % G < 2 else [5, 6, 7, 8] for i in range(len(COMPLETIONS))]
 
 
 def length_bonus(completions, completion_ids, difficulty, log_metric, **kwargs):
-    """A user's reward reading an extra column; None for the "easy" records (left out of this function's sum)."""
+    """A user's reward reading an extra column; None for the "easy" records (left out of this
+    function's sum)."""
     log_metric("length_bonus/called", 1.0)
     return [None if d == "easy" else -0.1 * len(ids) for ids, d in zip(completion_ids, difficulty)]
 
@@ -46,7 +51,11 @@ def length_bonus(completions, completion_ids, difficulty, log_metric, **kwargs):
 def _trl(funcs, names, weights, scale_rewards, mask_truncated, records):
     trainer = types.SimpleNamespace(
         accelerator=types.SimpleNamespace(
-            device=torch.device("cpu"), gather=lambda x: x, process_index=0, is_main_process=True, num_processes=1
+            device=torch.device("cpu"),
+            gather=lambda x: x,
+            process_index=0,
+            is_main_process=True,
+            num_processes=1,
         ),
         model=types.SimpleNamespace(training=True, is_gradient_checkpointing=False),
         environment_factories=None,
@@ -90,7 +99,16 @@ def _trl(funcs, names, weights, scale_rewards, mask_truncated, records):
     )
     for name in ("_calculate_rewards", "_log_completion_extra", "_log_metric"):
         setattr(trainer, name, types.MethodType(getattr(trl_grpo.GRPOTrainer, name), trainer))
-    trainer._generate = lambda prompts: ([[1, 3]] * len(prompts), IDS, None, COMPLETIONS, None, {}, None, None)
+    trainer._generate = lambda prompts: (
+        [[1, 3]] * len(prompts),
+        IDS,
+        None,
+        COMPLETIONS,
+        None,
+        {},
+        None,
+        None,
+    )
     out = trl_grpo.GRPOTrainer._generate_and_score_completions(trainer, [dict(r) for r in records])
     return out, trainer
 
@@ -108,24 +126,33 @@ def _records():
 def test_rewards_and_advantages_equal_trls(scale_rewards, weights):
     rewards = Rewards(["accuracy", "format", f"{__name__}:length_bonus"], weights)
     records = _records()
-    want, trainer = _trl(rewards.functions, rewards.names, weights or [1.0] * 3, scale_rewards, False, records)
+    want, trainer = _trl(
+        rewards.functions, rewards.names, weights or [1.0] * 3, scale_rewards, False, records
+    )
     columns = {k: [r[k] for r in records] for k in ("answer", "difficulty")}
     scores = rewards([r["prompt"] for r in records], COMPLETIONS, IDS, columns)
     trl_rewards = torch.tensor([trainer._logs["rewards"][n] for n in rewards.names]).T
     torch.testing.assert_close(scores.per_function, trl_rewards, equal_nan=True)
-    assert math.isnan(scores.per_function[8, 0]) and math.isnan(scores.per_function[4, 2])  # None: left out
+    # None: left out
+    assert math.isnan(scores.per_function[8, 0]) and math.isnan(scores.per_function[4, 2])
     got = group_advantages(scores.total, G, scale_rewards)
     torch.testing.assert_close(got.advantages, want["advantages"])
-    assert got.zero_std_fraction == pytest.approx(trainer._metrics["train"]["frac_reward_zero_std"][0])
+    assert got.zero_std_fraction == pytest.approx(
+        trainer._metrics["train"]["frac_reward_zero_std"][0]
+    )
     assert scores.metrics == {"length_bonus/called": [1.0]}
-    assert float(torch.nanmean(scores.total)) == pytest.approx(trainer._metrics["train"]["reward"][0])
+    assert float(torch.nanmean(scores.total)) == pytest.approx(
+        trainer._metrics["train"]["reward"][0]
+    )
 
 
 def test_a_completion_no_function_scores_gets_advantage_zero_as_in_trl():
     rewards = Rewards(["accuracy"])
     records = _records()
     want, _ = _trl(rewards.functions, rewards.names, [1.0], "group", False, records)
-    scores = rewards([r["prompt"] for r in records], COMPLETIONS, IDS, {"answer": [r["answer"] for r in records]})
+    scores = rewards(
+        [r["prompt"] for r in records], COMPLETIONS, IDS, {"answer": [r["answer"] for r in records]}
+    )
     assert scores.total[8:].isnan().all()  # the record without an answer
     got = group_advantages(scores.total, G)
     assert (got.advantages[8:] == 0).all()

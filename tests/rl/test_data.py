@@ -1,5 +1,6 @@
-"""GRPO's prompts file on the real GPT-2 tokenizer: text prompts as transformers tokenizes them, chat prompts as its
-apply_chat_template(add_generation_prompt=True) renders them, the other fields kept for the rewards."""
+"""GRPO's prompts file on the real GPT-2 tokenizer: text prompts as transformers tokenizes them,
+chat prompts as its apply_chat_template(add_generation_prompt=True) renders them, the other
+fields kept for the rewards."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def reference(shared_data):
 
 def _write(tmp_path, records) -> str:
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    path.write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records),
+        encoding="utf-8",
+    )
     return str(path)
 
 
@@ -62,7 +66,11 @@ def test_text_and_chat_prompts_equal_transformers(tmp_path, gpt2, reference):
     assert (
         records[2].ids
         == reference.apply_chat_template(
-            CHAT[1:], chat_template=CHATML, add_generation_prompt=True, tokenize=True, return_dict=True
+            CHAT[1:],
+            chat_template=CHATML,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
         )["input_ids"]
     )
     assert [r.chat for r in records] == [False, True, True]
@@ -78,10 +86,14 @@ def test_text_and_chat_prompts_equal_transformers(tmp_path, gpt2, reference):
 
 def test_completions_reach_the_rewards_as_text_or_one_assistant_message(tmp_path, gpt2):
     records = read_prompts(
-        _write(tmp_path, [{"prompt": "6 x 7 ="}, {"prompt": CHAT}]), gpt2, ChatTemplate(CHATML, gpt2)
+        _write(tmp_path, [{"prompt": "6 x 7 ="}, {"prompt": CHAT}]),
+        gpt2,
+        ChatTemplate(CHATML, gpt2),
     )
     ids = gpt2.encode(" 42")
-    got = reward_completions(gpt2, records, [ids + [50256], ids, ids, ids + [50256]], 2, stop_token_ids=[50256])
+    got = reward_completions(
+        gpt2, records, [ids + [50256], ids, ids, ids + [50256]], 2, stop_token_ids=[50256]
+    )
     assert got[:2] == [" 42", " 42"]
     assert got[2:] == [[{"role": "assistant", "content": " 42"}]] * 2
 
@@ -114,7 +126,12 @@ def test_chat_without_template_context_overflow_and_missing_file(tmp_path, gpt2)
     with pytest.raises(UserError, match="needs a chat template"):
         read_prompts(_write(tmp_path, [{"prompt": CHAT}]), gpt2)
     with pytest.raises(UserError, match="do not fit the model's context of 16"):
-        read_prompts(_write(tmp_path, [{"prompt": "one two three four"}]), gpt2, context=16, max_completion_length=13)
+        read_prompts(
+            _write(tmp_path, [{"prompt": "one two three four"}]),
+            gpt2,
+            context=16,
+            max_completion_length=13,
+        )
     with pytest.raises(UserError, match="not found"):
         read_prompts(tmp_path / "none.jsonl", gpt2)
     with pytest.raises(UserError, match="has no records"):

@@ -1,5 +1,6 @@
-"""The GSM8K recipe's data: lmforge.rl.gsm8k's prompt records read by read_prompts with a chat template, and the
-recipe's rewards (accuracy, format) giving GSM8K's own reference solution, put in the asked format, full marks."""
+"""The GSM8K recipe's data: lmforge.rl.gsm8k's prompt records read by read_prompts with a chat
+template, and the recipe's rewards (accuracy, format) giving GSM8K's own reference solution, put
+in the asked format, full marks."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_gsm8k_records_become_prompts_the_rewards_score(shared_data, tmp_path):
     assert [r.prompt[1]["content"] for r in records] == [o["question"] for o in originals]
     assert all(r.prompt[0] == {"role": "system", "content": SYSTEM} and r.chat for r in records)
     assert "<|im_start|>assistant" in tokenizer.decode(records[0].ids)  # the generation prompt
-    # GSM8K's reference solutions: the number after ####, answered in DeepSeek-R1's format; the first is 18.
+    # GSM8K's reference solutions: the number after ####, answered in DeepSeek-R1's format; the
+    # first is 18.
     finals = [re.search(r"####\s*(.+)$", o["answer"]).group(1).strip() for o in originals]
     assert finals[0] == "18"
     right = [

@@ -1,5 +1,6 @@
-"""GRPO's loss, its gradient and its clip and KL statistics against TRL's GRPOTrainer._compute_loss itself, run on
-the same batch through a stand-in trainer that holds the attributes the method reads."""
+"""GRPO's loss, its gradient and its clip and KL statistics against TRL's
+GRPOTrainer._compute_loss itself, run on the same batch through a stand-in trainer that holds the
+attributes the method reads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 
 from lmforge.rl.loss import policy_loss
 
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL (a test extra) is the loss's reference")
+trl_grpo = pytest.importorskip(
+    "trl.trainer.grpo_trainer", reason="TRL (a test extra) is the loss's reference"
+)
 
 ROWS, LENGTH, MAX_LENGTH = 6, 7, 9
 
@@ -42,9 +45,21 @@ class _Accelerator:
 
 
 def _trl_loss(
-    logps, advantages, mask, *, loss_type, epsilon, epsilon_high, beta, old, ref, accumulation=1, generation_tokens=None
+    logps,
+    advantages,
+    mask,
+    *,
+    loss_type,
+    epsilon,
+    epsilon_high,
+    beta,
+    old,
+    ref,
+    accumulation=1,
+    generation_tokens=None,
 ):
-    """TRL's loss of one micro-batch and what it logs: `logps` stands for its model's per-token log-probabilities."""
+    """TRL's loss of one micro-batch and what it logs: `logps` stands for its model's per-token
+    log-probabilities."""
     trainer = types.SimpleNamespace(
         top_entropy_quantile=1.0,
         aux_loss_enabled=False,
@@ -62,9 +77,15 @@ def _trl_loss(
         accelerator=_Accelerator(),
         _entropy_bonus_enabled=False,
         _metrics=defaultdict(lambda: defaultdict(list)),
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=accumulation),
+        args=types.SimpleNamespace(
+            use_bias_correction_kl=False, delta=None, steps_per_generation=accumulation
+        ),
     )
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
+        logps,
+        torch.zeros_like(logps),
+        None,
+    )
     rows, length = mask.shape
     inputs = {
         "prompt_ids": torch.zeros(rows, 2, dtype=torch.long),
@@ -92,9 +113,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("loss_type, beta, epsilon, epsilon_high, iterations", CASES)
-def test_loss_gradient_and_statistics_equal_trls(loss_type, beta, epsilon, epsilon_high, iterations):
+def test_loss_gradient_and_statistics_equal_trls(
+    loss_type, beta, epsilon, epsilon_high, iterations
+):
     logps, old, ref, advantages, mask = _batch()
-    old = None if iterations == 1 else old  # one step per rollout batch: TRL too takes logps detached
+    # one step per rollout batch: TRL too takes logps detached
+    old = None if iterations == 1 else old
     want, logged = _trl_loss(
         logps,
         advantages,
@@ -143,8 +167,9 @@ def test_loss_gradient_and_statistics_equal_trls(loss_type, beta, epsilon, epsil
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
 def test_micro_batches_add_up_to_trls_accumulated_loss(loss_type):
-    """Two micro-batches of three completions: TRL's losses (each divided for accumulation, dapo by the tokens of
-    the whole generation batch) add up to the step's summed losses over its summed counts."""
+    """Two micro-batches of three completions: TRL's losses (each divided for accumulation, dapo
+    by the tokens of the whole generation batch) add up to the step's summed losses over its
+    summed counts."""
     logps, old, ref, advantages, mask = _batch(seed=1)
     halves = [slice(0, 3), slice(3, 6)]
     want = sum(
@@ -181,16 +206,34 @@ def test_micro_batches_add_up_to_trls_accumulated_loss(loss_type):
     got = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(
-        torch.autograd.grad(got, logps)[0], torch.autograd.grad(want, logps)[0], rtol=1e-12, atol=1e-14
+        torch.autograd.grad(got, logps)[0],
+        torch.autograd.grad(want, logps)[0],
+        rtol=1e-12,
+        atol=1e-14,
     )
 
 
 def test_fp32_batch_equals_trls_within_rounding():
     logps, old, ref, advantages, mask = _batch(seed=2, dtype=torch.float32)
     want, _ = _trl_loss(
-        logps, advantages, mask, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.04, old=old, ref=ref
+        logps,
+        advantages,
+        mask,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.04,
+        old=old,
+        ref=ref,
     )
     loss, count, _ = policy_loss(
-        logps, advantages, mask, epsilon=0.2, epsilon_high=0.28, old_logps=old, beta=0.04, ref_logps=ref
+        logps,
+        advantages,
+        mask,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        old_logps=old,
+        beta=0.04,
+        ref_logps=ref,
     )
     torch.testing.assert_close(loss / count, want)

@@ -1,5 +1,6 @@
-"""The built-in rewards on GSM8K's real records and against TRL's think_format_reward; loading module:function and
-file.py:function specs; the one-line errors of a reward function or a grpo.* setting that cannot run."""
+"""The built-in rewards on GSM8K's real records and against TRL's think_format_reward; loading
+module:function and file.py:function specs; the one-line errors of a reward function or a grpo.*
+setting that cannot run."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def gsm8k(shared_data) -> list[dict]:
 
 
 def test_accuracy_reads_gsm8ks_answers(gsm8k):
-    """GSM8K's solutions end in '#### N' (N may have thousands commas): the whole solution is the record's answer."""
+    """GSM8K's solutions end in '#### N' (N may have thousands commas): the whole solution is the
+    record's answer."""
     answers = [r["answer"] for r in gsm8k]
     finals = [a.rsplit("#### ", 1)[1].strip() for a in answers]
     assert any("," in f for f in finals)  # the commas are exercised
@@ -36,7 +38,9 @@ def test_accuracy_reads_gsm8ks_answers(gsm8k):
 
 def test_accuracy_edge_cases():
     assert reference_answer("\\boxed{\\frac{1}{3}}") == "\\frac{1}{3}"
-    assert accuracy(["so \\boxed{\\frac{1}{3}}", "\\boxed{\\frac{1}{2}}"], answer=["\\frac{1}{3}"] * 2) == [1.0, 0.0]
+    assert accuracy(
+        ["so \\boxed{\\frac{1}{3}}", "\\boxed{\\frac{1}{2}}"], answer=["\\frac{1}{3}"] * 2
+    ) == [1.0, 0.0]
     assert accuracy(["no number here", "it is 7"], answer=[None, "7.0"]) == [None, 1.0]
     assert accuracy(["no number here"], answer=["7"]) == [0.0]
     with pytest.raises(UserError, match="needs an 'answer' field"):
@@ -44,7 +48,9 @@ def test_accuracy_edge_cases():
 
 
 def test_format_equals_trls_think_format_reward():
-    trl_format = pytest.importorskip("trl.rewards.format_rewards", reason="TRL (a test extra) is the reference")
+    trl_format = pytest.importorskip(
+        "trl.rewards.format_rewards", reason="TRL (a test extra) is the reference"
+    )
     completions = [
         "<think>a</think>b",
         "<think>a</think>",
@@ -55,7 +61,9 @@ def test_format_equals_trls_think_format_reward():
         "plain",
     ]
     mine = format_reward(r"<think>(?!.*<think>)(.*?)</think>.*")
-    assert mine(completions) == trl_format.think_format_reward([[{"content": c}] for c in completions])
+    assert mine(completions) == trl_format.think_format_reward(
+        [[{"content": c}] for c in completions]
+    )
     r1 = format_reward()
     assert r1(["<think>x</think> <answer>4</answer>\n", "<answer>4</answer>"]) == [1.0, 0.0]
     with pytest.raises(UserError, match="grpo.format_pattern is not a valid regular expression"):
@@ -67,7 +75,9 @@ def test_reward_specs_load_a_module_from_the_working_directory_and_a_file(tmp_pa
         "def short(completions, **kw):\n    return [-len(c) for c in completions]\n"
     )
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "other.py").write_text("def one(completions, **kw):\n    return [1] * len(completions)\n")
+    (tmp_path / "sub" / "other.py").write_text(
+        "def one(completions, **kw):\n    return [1] * len(completions)\n"
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     name, fn = load_reward("my_rewards:short")
@@ -96,7 +106,10 @@ def _bad_value(completions, **kwargs):
 
 @pytest.mark.parametrize(
     "fn, message",
-    [("_bad_count", "returned 1 rewards for 2 completions"), ("_bad_value", "returned 'yes': return numbers")],
+    [
+        ("_bad_count", "returned 1 rewards for 2 completions"),
+        ("_bad_value", "returned 'yes': return numbers"),
+    ],
 )
 def test_a_reward_function_returning_the_wrong_thing_is_one_line(fn, message):
     rewards = Rewards([f"{__name__}:{fn}"])
@@ -129,7 +142,9 @@ def test_config_errors_are_one_line(change, message):
 
 
 def test_config_defaults_are_trls():
-    trl_config = pytest.importorskip("trl.trainer.grpo_config", reason="TRL (a test extra) is the reference")
+    trl_config = pytest.importorskip(
+        "trl.trainer.grpo_config", reason="TRL (a test extra) is the reference"
+    )
     import dataclasses
 
     theirs = {f.name: f.default for f in dataclasses.fields(trl_config.GRPOConfig)}

@@ -21,7 +21,8 @@ API_KEY = "test-key-123"
 
 
 def word_tokenizer() -> Tokenizer:
-    """One token per word 't<id>' (0 = <|endoftext|>, the NeoX config's eos): text is easy to predict."""
+    """One token per word 't<id>' (0 = <|endoftext|>, the NeoX config's eos): text is easy to
+    predict."""
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(["<|endoftext|>"])
@@ -56,9 +57,18 @@ class LiveServer:
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine = engine
-        self.server = uvicorn.Server(uvicorn_config(app, config.read_timeout, config.keep_alive_timeout,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.server = uvicorn.Server(
+            uvicorn_config(
+                app,
+                config.read_timeout,
+                config.keep_alive_timeout,
+                log_level="warning",
+                access_log=False,
+            )
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -72,8 +82,11 @@ class LiveServer:
 
 
 @contextmanager
-def serve(model_dir: Path, api_key: str | None = None, max_batch: int = 4, template_limits=None, **config):
-    """A live server of `model_dir`; `template_limits`: its chat template's (lmforge.chat_sandbox.RenderLimits)."""
+def serve(
+    model_dir: Path, api_key: str | None = None, max_batch: int = 4, template_limits=None, **config
+):
+    """A live server of `model_dir`; `template_limits`: its chat template's
+    (lmforge.chat_sandbox.RenderLimits)."""
     from lmforge.inference.engine import Engine, EngineConfig
     from lmforge.models import load_pretrained
     from lmforge.serve.app import create_app
@@ -106,7 +119,8 @@ def secured(model_dir):
 
 @contextmanager
 def slowed(engine, seconds: float):
-    """Each engine step sleeps `seconds` first: tokens come at a pace a test can watch (or leave)."""
+    """Each engine step sleeps `seconds` first: tokens come at a pace a test can watch (or
+    leave)."""
     step = engine.step
     engine.step = lambda: (time.sleep(seconds), step())[1]
     try:

@@ -1,8 +1,10 @@
-"""What the fuzz and hostile-body tests share: the OpenAPI document of the server's routes, built from the
-request models the server validates with (lmforge.serve.protocol), and the properties every answer must have.
+"""What the fuzz and hostile-body tests share: the OpenAPI document of the server's routes, built
+from the request models the server validates with (lmforge.serve.protocol), and the properties every
+answer must have.
 
-lmforge serves no /openapi.json (create_app: openapi_url=None), and its POST routes read the raw body, so
-FastAPI's own schema of them would hold no request bodies: the document here is the schema the server admits.
+lmforge serves no /openapi.json (create_app: openapi_url=None), and its POST routes read the raw
+body, so FastAPI's own schema of them would hold no request bodies: the document here is the schema
+the server admits.
 """
 
 from __future__ import annotations
@@ -21,19 +23,24 @@ HEADERS = {"content-type": "application/json", "host": "127.0.0.1:8000"}
 
 
 def _nullable_fields(schema: dict) -> dict:
-    """parse() reads a top-level null as the field's default (OpenAI's schema has it so): the document admits it
-    for every field that has one."""
+    """parse() reads a top-level null as the field's default (OpenAI's schema has it so): the
+    document admits it for every field that has one."""
     required = set(schema.get("required", ()))
-    props = {name: prop if name in required else {"anyOf": [prop, {"type": "null"}]}
-             for name, prop in schema.get("properties", {}).items()}
+    props = {
+        name: prop if name in required else {"anyOf": [prop, {"type": "null"}]}
+        for name, prop in schema.get("properties", {}).items()
+    }
     return {**schema, "properties": props}
 
 
 def openapi_document() -> dict:
-    """OpenAPI 3.1 for every route of lmforge.serve.app: the POST bodies are the protocol models' JSON schemas;
-    /invocations takes any of TGI's, a chat and a completion body (lmforge.serve.sagemaker)."""
+    """OpenAPI 3.1 for every route of lmforge.serve.app: the POST bodies are the protocol models'
+    JSON schemas; /invocations takes any of TGI's, a chat and a completion body
+    (lmforge.serve.sagemaker)."""
     models = [CompletionRequest, ChatRequest, TGIRequest]
-    _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    _, defs = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
     schemas = defs["$defs"]
     for m in models:
         schemas[m.__name__] = _nullable_fields(schemas[m.__name__])
@@ -42,21 +49,41 @@ def openapi_document() -> dict:
     def post(*names: str) -> dict:
         refs = [{"$ref": f"#/components/schemas/{name}"} for name in names]
         schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
-        return {"post": {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-                         **answered}}
+        return {
+            "post": {
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": schema}},
+                },
+                **answered,
+            }
+        }
 
-    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
-    paths = {"/v1/completions": post("CompletionRequest"), "/v1/chat/completions": post("ChatRequest"),
-             "/invocations": post("TGIRequest", "ChatRequest", "CompletionRequest"),
-             "/v1/models/{name}": {"get": {"parameters": [name], **answered}}}
+    name = {
+        "name": "name",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1},
+    }
+    paths = {
+        "/v1/completions": post("CompletionRequest"),
+        "/v1/chat/completions": post("ChatRequest"),
+        "/invocations": post("TGIRequest", "ChatRequest", "CompletionRequest"),
+        "/v1/models/{name}": {"get": {"parameters": [name], **answered}},
+    }
     for path in ("/v1/models", "/health", "/ping", "/metrics", "/"):
         paths[path] = {"get": dict(answered)}
-    return {"openapi": "3.1.0", "info": {"title": "lmforge serve", "version": "1"}, "paths": paths,
-            "components": {"schemas": schemas}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "lmforge serve", "version": "1"},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
 
 
 def request_model(path: str, body: Any) -> type[BaseModel] | None:
-    """The model the server reads `body` with on `path` (sagemaker.invocations' dispatch), or None."""
+    """The model the server reads `body` with on `path` (sagemaker.invocations' dispatch), or
+    None."""
     if path == "/invocations":
         if isinstance(body, dict) and "messages" in body:
             return ChatRequest
@@ -65,7 +92,8 @@ def request_model(path: str, body: Any) -> type[BaseModel] | None:
 
 
 def tgi_shaped(path: str, body: Any) -> bool:
-    """Whether an error on `path` for `body` is answered in TGI's shape ({"error": str, "error_type": str})."""
+    """Whether an error on `path` for `body` is answered in TGI's shape ({"error": str,
+    "error_type": str})."""
     return request_model(path, body) is TGIRequest
 
 
@@ -76,22 +104,27 @@ def described(method: str, path: str, body: Any, r) -> str:
 
 
 def error_message(r, tgi: bool = False) -> str:
-    """The message of an error answer, checked to be OpenAI's error object (TGI's on /invocations' TGI bodies)
-    and one line."""
+    """The message of an error answer, checked to be OpenAI's error object (TGI's on
+    /invocations' TGI bodies) and one line."""
     data = r.json()
     if tgi and isinstance(data.get("error"), str):
         assert set(data) == {"error", "error_type"} and isinstance(data["error_type"], str), r.text
         message = data["error"]
     else:
         err = data["error"]
-        assert set(err) == {"message", "type", "param", "code"} and isinstance(err["type"], str), r.text
+        assert set(err) == {"message", "type", "param", "code"} and isinstance(err["type"], str), (
+            r.text
+        )
         message = err["message"]
-    assert isinstance(message, str) and message.strip() and message.splitlines() == [message], r.text
+    assert isinstance(message, str) and message.strip() and message.splitlines() == [message], (
+        r.text
+    )
     return message
 
 
 def check_stream(r) -> None:
-    """A streamed 200: server-sent events of JSON chunks ending in [DONE], none an error (a 500 in disguise)."""
+    """A streamed 200: server-sent events of JSON chunks ending in [DONE], none an error (a 500
+    in disguise)."""
     assert r.headers["content-type"].startswith("text/event-stream"), r.headers
     events = r.text.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]", r.text[-400:]
@@ -102,7 +135,8 @@ def check_stream(r) -> None:
 
 
 def check_answer(method: str, path: str, body: Any, r) -> None:
-    """The property of every answer: no 5xx; errors are one-line error objects; streams end cleanly."""
+    """The property of every answer: no 5xx; errors are one-line error objects; streams end
+    cleanly."""
     where = described(method, path, body, r)
     assert r.status_code < 500, where
     if r.status_code >= 400:
@@ -122,10 +156,11 @@ def parsed(model: type[BaseModel], body: Any) -> BaseModel | None:
 
 
 def reachable(path: str, body: Any, served: str, vocab: int, stream: bool) -> Any:
-    """`body` still admitted by the schema, edited to get past the checks in front of the engine: the fields the
-    server refuses by name (the model's own unsupported()) left out, `model` the one served, content parts text,
-    token ids inside the vocabulary, whole floats integers (JSON Schema's integers, strictly validated as floats);
-    streamed when `stream` (TGI bodies cannot be)."""
+    """`body` still admitted by the schema, edited to get past the checks in front of the engine:
+    the fields the server refuses by name (the model's own unsupported()) left out, `model` the
+    one served, content parts text, token ids inside the vocabulary, whole floats integers (JSON
+    Schema's integers, strictly validated as floats); streamed when `stream` (TGI bodies cannot
+    be)."""
     model = request_model(path, body)
     if model is None or not isinstance(body, dict):
         return body
@@ -134,7 +169,9 @@ def reachable(path: str, body: Any, served: str, vocab: int, stream: bool) -> An
         params = body.get("parameters")
         checked = parsed(TGIRequest, body)
         if isinstance(params, dict) and checked is not None:
-            body["parameters"] = {k: v for k, v in params.items() if k not in checked.parameters.unsupported()}
+            body["parameters"] = {
+                k: v for k, v in params.items() if k not in checked.parameters.unsupported()
+            }
         body.pop("stream", None)
         return body
     body["model"] = served

@@ -1,5 +1,6 @@
-"""The chat page in a real headless Chromium (Debian's, driven by Playwright): a person types, sends,
-and the reply streams in; the screenshot is kept in the test's tmp dir and in test-artifacts/."""
+"""The chat page in a real headless Chromium (Debian's, driven by Playwright): a person types,
+sends, and the reply streams in; the screenshot is kept in the test's tmp dir and in
+test-artifacts/."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ from tests.serve.conftest import API_KEY, slowed
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 # Records the reply's text at every change while it is still streaming, to tell "streamed in pieces"
 # from "appeared at once".
@@ -43,7 +51,8 @@ def test_type_send_and_see_the_reply_stream_in(browser, secured, reference, tmp_
     model, tok = reference
     page = browser.new_page(viewport={"width": 900, "height": 640})
     page.goto(secured.url + "/")
-    assert page.locator("#settings").is_visible()  # the server needs a key and none is stored: ask for it
+    # the server needs a key and none is stored: ask for it
+    assert page.locator("#settings").is_visible()
     page.fill("#api-key", API_KEY)
     page.dispatch_event("#api-key", "change")
     page.fill("#temperature", "0")
@@ -54,16 +63,21 @@ def test_type_send_and_see_the_reply_stream_in(browser, secured, reference, tmp_
         page.fill("#input", "t5 t6 t7")
         page.keyboard.press("Enter")
         page.wait_for_selector(".assistant:not(.streaming)", timeout=30_000)
-        first = generate_text(model, tok, ["User: t5 t6 t7\nAssistant:"], 24, temperature=0, stop=["\nUser:"])[0]
-        assert page.inner_text(".assistant .text") == first.strip()  # shown without the leading space
+        first = generate_text(
+            model, tok, ["User: t5 t6 t7\nAssistant:"], 24, temperature=0, stop=["\nUser:"]
+        )[0]
+        # shown without the leading space
+        assert page.inner_text(".assistant .text") == first.strip()
         partials = page.evaluate("window.__partials")
-        assert len(set(partials)) > 4 and all(first.strip().startswith(p) for p in partials)  # it grew in pieces
+        # it grew in pieces
+        assert len(set(partials)) > 4 and all(first.strip().startswith(p) for p in partials)
 
         # A second turn: the page sends the whole conversation back.
         page.fill("#input", "t8")
         page.click("#send")
-        page.wait_for_function("document.querySelectorAll('.assistant:not(.streaming)').length == 2",
-                               timeout=30_000)
+        page.wait_for_function(
+            "document.querySelectorAll('.assistant:not(.streaming)').length == 2", timeout=30_000
+        )
         prompt = f"User: t5 t6 t7\nAssistant: {first.strip()}\nUser: t8\nAssistant:"
         second = generate_text(model, tok, [prompt], 24, temperature=0, stop=["\nUser:"])[0]
         assert page.locator(".assistant .text").nth(1).inner_text() == second.strip()
@@ -86,8 +100,9 @@ def test_type_send_and_see_the_reply_stream_in(browser, secured, reference, tmp_
 
 @pytest.mark.slow
 def test_a_long_chat_drops_its_oldest_turns_to_fit_and_says_so(browser, server, reference):
-    # The quickstart path: a 128-token model. The page asks for what fits (64 tokens, not 256), and when
-    # the conversation outgrows the context it leaves out its oldest turns, marks them, and says so.
+    # The quickstart path: a 128-token model. The page asks for what fits (64 tokens, not 256), and
+    # when the conversation outgrows the context it leaves out its oldest turns, marks them, and
+    # says so.
     model, tok = reference
     page = browser.new_page(viewport={"width": 900, "height": 640})
     page.goto(server.url + "/")
@@ -95,20 +110,31 @@ def test_a_long_chat_drops_its_oldest_turns_to_fit_and_says_so(browser, server, 
     page.click("#toggle-settings")
     page.fill("#temperature", "0")
     page.click("#toggle-settings")
-    first_msg, second_msg = " ".join(f"t{i}" for i in range(5, 35)), " ".join(f"t{i}" for i in range(40, 70))
+    first_msg, second_msg = (
+        " ".join(f"t{i}" for i in range(5, 35)),
+        " ".join(f"t{i}" for i in range(40, 70)),
+    )
     page.fill("#input", first_msg)
     page.keyboard.press("Enter")
     page.wait_for_selector(".assistant:not(.streaming)", timeout=60_000)
-    first = generate_text(model, tok, [f"User: {first_msg}\nAssistant:"], 64, temperature=0, stop=["\nUser:"])[0]
+    first = generate_text(
+        model, tok, [f"User: {first_msg}\nAssistant:"], 64, temperature=0, stop=["\nUser:"]
+    )[0]
     assert page.inner_text(".assistant .text") == first.strip()
     assert page.locator(".note").count() == 0
     # 30 + 30 words and the first reply do not leave 64 tokens: the first turn is left out.
     page.fill("#input", second_msg)
     page.keyboard.press("Enter")
-    page.wait_for_function("document.querySelectorAll('.assistant:not(.streaming)').length == 2", timeout=60_000)
-    second = generate_text(model, tok, [f"User: {second_msg}\nAssistant:"], 64, temperature=0, stop=["\nUser:"])[0]
+    page.wait_for_function(
+        "document.querySelectorAll('.assistant:not(.streaming)').length == 2", timeout=60_000
+    )
+    second = generate_text(
+        model, tok, [f"User: {second_msg}\nAssistant:"], 64, temperature=0, stop=["\nUser:"]
+    )[0]
     assert page.locator(".assistant .text").nth(1).inner_text() == second.strip()
     assert page.locator(".error").count() == 0
-    assert "2 earlier messages left out" in page.inner_text(".note") and "128-token" in page.inner_text(".note")
+    assert "2 earlier messages left out" in page.inner_text(
+        ".note"
+    ) and "128-token" in page.inner_text(".note")
     assert page.locator(".msg.left-out").count() == 2  # the first question and answer, shown faded
     page.close()

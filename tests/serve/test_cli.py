@@ -26,28 +26,35 @@ def test_listen_address(monkeypatch):
     monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT", raising=False)
     assert listen_address(None, None) == ("127.0.0.1", 8000)  # loopback unless told otherwise
     monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "8080")
-    assert listen_address(None, None) == ("0.0.0.0", 8080)  # SageMaker's health checks come from outside
+    # SageMaker's health checks come from outside
+    assert listen_address(None, None) == ("0.0.0.0", 8080)
     assert listen_address("127.0.0.1", 9000) == ("127.0.0.1", 9000)  # explicit flags win
 
 
 def test_the_default_model_id_names_the_run_of_a_runs_folders(tmp_path):
-    """Every run exports hf/ and model/ and checkpoints step-N: served under those names alone, two runs collided and
-    a client could not tell which model answered."""
+    """Every run exports hf/ and model/ and checkpoints step-N: served under those names alone,
+    two runs collided and a client could not tell which model answered."""
     from lmforge.cli.serve import served_name
 
     run = tmp_path / "sft-qwen"
-    assert served_name(run / "hf") == "sft-qwen/hf" and served_name(run / "model") == "sft-qwen/model"
+    assert (
+        served_name(run / "hf") == "sft-qwen/hf" and served_name(run / "model") == "sft-qwen/model"
+    )
     assert served_name(run / "checkpoints" / "step-00000400") == "sft-qwen/step-00000400"
     assert served_name(tmp_path / "Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
-    assert served_name(run / "hf-adapter") == "sft-qwen/hf-adapter"  # `serve BASE --lora RUN/hf-adapter`: the adapter's
-    quickstart = tmp_path / "quickstart" / "run"  # `lmforge quickstart`'s run folder: named by the folder around it
+    # `serve BASE --lora RUN/hf-adapter`: the adapter's
+    assert served_name(run / "hf-adapter") == "sft-qwen/hf-adapter"
+    # `lmforge quickstart`'s run folder: named by the folder around it
+    quickstart = tmp_path / "quickstart" / "run"
     assert served_name(quickstart / "checkpoints" / "step-00000095") == "quickstart/step-00000095"
 
 
 def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT", raising=False)
     assert main(["serve", str(tmp_path / "missing")]) == 1
-    assert capsys.readouterr().err == f"error: model folder '{tmp_path / 'missing'}' does not exist\n"
+    assert (
+        capsys.readouterr().err == f"error: model folder '{tmp_path / 'missing'}' does not exist\n"
+    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -56,9 +63,13 @@ def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
     assert main(["serve", str(model_dir), "--lora", str(tmp_path)]) == 1
-    assert capsys.readouterr().err == f"error: no adapter_config.json in '{tmp_path}': point --lora at a PEFT LoRA " \
-                                      "adapter folder\n"
-    assert main(["serve", str(model_dir), "--max-context", "-5"]) == 1  # was a traceback from the KV cache
+    assert (
+        capsys.readouterr().err
+        == f"error: no adapter_config.json in '{tmp_path}': point --lora at a PEFT LoRA "
+        "adapter folder\n"
+    )
+    # was a traceback from the KV cache
+    assert main(["serve", str(model_dir), "--max-context", "-5"]) == 1
     assert "--max-context must be >= 1, got -5" in capsys.readouterr().err
     assert main(["serve", str(model_dir), "--max-batch", "0"]) == 1
     assert "--max-batch must be >= 1" in capsys.readouterr().err
@@ -77,8 +88,23 @@ def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
 def test_console_script_serves_with_key_from_the_environment(model_dir):
     port = _free_port()
     env = {**os.environ, "SAGEMAKER_BIND_TO_PORT": str(port), "LMFORGE_API_KEY": "from-env"}
-    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-                             "--max-batch", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmforge.cli",
+            "serve",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--max-batch",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -89,7 +115,9 @@ def test_console_script_serves_with_key_from_the_environment(model_dir):
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"lmforge serve did not come up: {proc.communicate()[0] if proc.poll() else ''}")
+                pytest.fail(
+                    f"lmforge serve did not come up: {proc.communicate()[0] if proc.poll() else ''}"
+                )
             time.sleep(0.2)
         assert httpx.get(url + "/v1/models").status_code == 401
         models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer from-env"}).json()
@@ -98,4 +126,7 @@ def test_console_script_serves_with_key_from_the_environment(model_dir):
         proc.send_signal(signal.SIGINT)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
-    assert f"serving '{model_dir.name}' at http://127.0.0.1:{port}" in out and "API key required" in out
+    assert (
+        f"serving '{model_dir.name}' at http://127.0.0.1:{port}" in out
+        and "API key required" in out
+    )

@@ -9,14 +9,17 @@ from lmforge.serve.listen import bind
 
 
 def test_accepted_connections_send_without_waiting_for_an_ack():
-    """asyncio sets TCP_NODELAY on an accepted connection only where the listening socket's proto is TCP; without
-    it each keep-alive answer (and SSE chunk) waits ~40 ms for the client's delayed ACK."""
+    """asyncio sets TCP_NODELAY on an accepted connection only where the listening socket's proto
+    is TCP; without it each keep-alive answer (and SSE chunk) waits ~40 ms for the client's
+    delayed ACK."""
     sock = bind("127.0.0.1", 0)
     seen: list[int] = []
 
     async def main():
         async def handle(reader, writer):
-            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            seen.append(
+                writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            )
             writer.close()
 
         server = await asyncio.start_server(handle, sock=sock)

@@ -1,6 +1,7 @@
-"""response_format (json_object, json_schema) on a random-weights model: what it returns parses (json.loads) and
-validates against the schema (jsonschema, the reference validator), so the token mask, not the model, does the work;
-requests without a format beside it get exactly their tokens alone (transformers' greedy generate)."""
+"""response_format (json_object, json_schema) on a random-weights model: what it returns parses
+(json.loads) and validates against the schema (jsonschema, the reference validator), so the token
+mask, not the model, does the work; requests without a format beside it get exactly their tokens
+alone (transformers' greedy generate)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,10 @@ SCHEMAS = {
             }
         },
         "type": "object",
-        "properties": {"at": {"$ref": "#/$defs/point"}, "label": {"anyOf": [{"type": "null"}, {"const": "here"}]}},
+        "properties": {
+            "at": {"$ref": "#/$defs/point"},
+            "label": {"anyOf": [{"type": "null"}, {"const": "here"}]},
+        },
         "required": ["at", "label"],
         "additionalProperties": False,
     },
@@ -63,8 +67,9 @@ MESSAGES = [{"role": "user", "content": "give me json"}]
 
 
 def ascii_tokenizer() -> Tokenizer:
-    """A byte-level BPE of one token per printable ASCII character (0 = <|endoftext|>, the NeoX config's eos): every
-    JSON text has tokens, and few enough that a random model's sampled strings end."""
+    """A byte-level BPE of one token per printable ASCII character (0 = <|endoftext|>, the NeoX
+    config's eos): every JSON text has tokens, and few enough that a random model's sampled
+    strings end."""
     chars = [chr(c) for c in range(33, 127)] + ["Ġ"]  # Ġ: byte-level BPE's space
     tok = Tokenizer(models.BPE({"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(chars)}}, []))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -92,7 +97,10 @@ def client(server):
 
 
 def schema_format(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": schema, "strict": True},
+    }
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
@@ -184,35 +192,49 @@ def test_max_tokens_cutting_the_json_is_length(json_server, json_model_dir):
         ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
     ],
 )
-def test_an_unsupported_schema_keyword_is_a_400_naming_it(json_server, json_model_dir, schema, keyword):
+def test_an_unsupported_schema_keyword_is_a_400_naming_it(
+    json_server, json_model_dir, schema, keyword
+):
     with pytest.raises(openai.BadRequestError) as e:
         client(json_server).chat.completions.create(
-            model=json_model_dir.name, messages=MESSAGES, max_tokens=4, response_format=schema_format(schema)
+            model=json_model_dir.name,
+            messages=MESSAGES,
+            max_tokens=4,
+            response_format=schema_format(schema),
         )
     assert e.value.param == "response_format" and keyword in e.value.message
 
 
-def test_without_llguidance_a_format_is_a_400_naming_the_install(json_server, json_model_dir, monkeypatch):
+def test_without_llguidance_a_format_is_a_400_naming_the_install(
+    json_server, json_model_dir, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance raises ImportError
     with pytest.raises(openai.BadRequestError) as e:
         client(json_server).chat.completions.create(
-            model=json_model_dir.name, messages=MESSAGES, max_tokens=4, response_format={"type": "json_object"}
+            model=json_model_dir.name,
+            messages=MESSAGES,
+            max_tokens=4,
+            response_format={"type": "json_object"},
         )
     assert "pip install 'lmforge[structured]'" in e.value.message
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_a_400_not_a_500(server, model_dir):
-    """The package's word-level tokenizer has no decoder: llguidance cannot map its tokens to bytes."""
+    """The package's word-level tokenizer has no decoder: llguidance cannot map its tokens to
+    bytes."""
     with pytest.raises(openai.BadRequestError) as e:
         client(server).chat.completions.create(
-            model=model_dir.name, messages=MESSAGES, max_tokens=4, response_format={"type": "json_object"}
+            model=model_dir.name,
+            messages=MESSAGES,
+            max_tokens=4,
+            response_format={"type": "json_object"},
         )
     assert e.value.param == "response_format" and "tokenizer" in e.value.message
 
 
 def test_unconstrained_rows_beside_constrained_ones_get_their_tokens_alone(json_model_dir):
-    """Greedy rows without a format, decoded in one batch with rows that have one, equal transformers' greedy
-    generate on each prompt alone; the constrained rows validate."""
+    """Greedy rows without a format, decoded in one batch with rows that have one, equal
+    transformers' greedy generate on each prompt alone; the constrained rows validate."""
     import torch
     import transformers
 
@@ -230,7 +252,9 @@ def test_unconstrained_rows_beside_constrained_ones_get_their_tokens_alone(json_
     reqs = []
     for i, ids in enumerate(prompts):
         sampling = SamplingParams(temperature=0 if i % 2 == 0 else 0.8)
-        params = RequestParams(12, sampling, seed=i, grammar=grammar if i % 2 else None, ignore_eos=i % 2 == 0)
+        params = RequestParams(
+            12, sampling, seed=i, grammar=grammar if i % 2 else None, ignore_eos=i % 2 == 0
+        )
         reqs.append(engine.submit(ids, params, lambda ev: None))
     while any(r.finish_reason is None for r in reqs):
         engine.step()
@@ -239,7 +263,11 @@ def test_unconstrained_rows_beside_constrained_ones_get_their_tokens_alone(json_
     for i in (0, 2):
         with torch.no_grad():
             ref = hf.generate(
-                torch.tensor([prompts[i]]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([prompts[i]]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         assert reqs[i].output_ids == ref[0, len(prompts[i]) :].tolist()
     for i in (1, 3):
@@ -255,22 +283,32 @@ def test_compiled_grammars_are_cached_by_schema(json_server):
     fmt = schema_format(SCHEMAS["flat"])
     same = dict(fmt, json_schema={**fmt["json_schema"], "name": "other"})
     results = []
-    threads = [threading.Thread(target=lambda f=f: results.append(grammars.compile(f))) for f in (fmt, same)]
+    threads = [
+        threading.Thread(target=lambda f=f: results.append(grammars.compile(f)))
+        for f in (fmt, same)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results[0].grammar == results[1].grammar and grammars.compile(fmt) is grammars.compile(same)
+    assert results[0].grammar == results[1].grammar and grammars.compile(fmt) is grammars.compile(
+        same
+    )
 
 
 def test_eos_is_allowed_exactly_where_the_text_is_a_complete_valid_answer(json_model_dir):
-    """Along the tokens of a valid instance, the mask allows end-of-sequence at a prefix iff json.loads parses it and
-    jsonschema accepts it; each next token of the instance is always allowed."""
+    """Along the tokens of a valid instance, the mask allows end-of-sequence at a prefix iff
+    json.loads parses it and jsonschema accepts it; each next token of the instance is always
+    allowed."""
     from lmforge.inference.grammar import Grammars, RowGrammar, allowed_tokens
     from lmforge.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(json_model_dir)
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+        "required": ["n"],
+    }
     row = RowGrammar(Grammars(tokenizer, 300, {0}).compile(schema_format(schema)))
     ids = tokenizer.encode('{"n":12,"s":"ab"}')
     for k in range(len(ids) + 1):

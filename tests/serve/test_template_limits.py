@@ -1,6 +1,7 @@
-"""A chat template or a large body cannot freeze the server: templates render in a child process under a time and
-an output-size limit (lmforge.chat_sandbox), prompts are tokenized on worker threads, and /health answers meanwhile.
-A template's own failures (not only Jinja's) are the request's 400, in OpenAI's error object."""
+"""A chat template or a large body cannot freeze the server: templates render in a child process
+under a time and an output-size limit (lmforge.chat_sandbox), prompts are tokenized on worker
+threads, and /health answers meanwhile. A template's own failures (not only Jinja's) are the
+request's 400, in OpenAI's error object."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ HOSTILE = (
     "{% endif %}"
     "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 )
-HEALTH_WITHIN = 2.0  # seconds /health may take while a hostile request runs (it takes milliseconds alone)
+# seconds /health may take while a hostile request runs (it takes milliseconds alone)
+HEALTH_WITHIN = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,9 @@ def hostile(hostile_dir):
 
 def _chat(server, content: str, **kw) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2, "temperature": 0}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=kw.pop("timeout", 120), **kw)
+    return httpx.post(
+        server.url + "/v1/chat/completions", json=body, timeout=kw.pop("timeout", 120), **kw
+    )
 
 
 def _error(r: httpx.Response) -> dict:
@@ -57,7 +61,8 @@ def _error(r: httpx.Response) -> dict:
 
 
 class HealthWatch:
-    """Asks /health every 0.1 s on its own thread; `slowest` is the longest answer (or wait for one) it saw."""
+    """Asks /health every 0.1 s on its own thread; `slowest` is the longest answer (or wait for
+    one) it saw."""
 
     def __init__(self, server):
         self.url, self.times, self.stop = server.url + "/health", [], threading.Event()
@@ -91,25 +96,43 @@ def test_a_template_loop_is_stopped_at_the_time_limit_and_health_answers_meanwhi
         took = time.monotonic() - start
     assert r.status_code == 400, r.text
     err = _error(r)
-    assert "3 s" in err["message"] and "--template-timeout" in err["message"] and err["param"] == "messages"
+    assert (
+        "3 s" in err["message"]
+        and "--template-timeout" in err["message"]
+        and err["param"] == "messages"
+    )
     assert took < 60  # the loop alone runs for hours
     assert len(watch.times) >= 3 and watch.slowest < HEALTH_WITHIN
     assert _chat(hostile, "t5 t6").status_code == 200  # the next render gets a fresh renderer
 
 
-@pytest.mark.parametrize("trap, name", [("zero", "ZeroDivisionError"), ("overflow", "OverflowError"),
-                                        ("recursion", "RecursionError"), ("memory", "MemoryError")])
+@pytest.mark.parametrize(
+    "trap, name",
+    [
+        ("zero", "ZeroDivisionError"),
+        ("overflow", "OverflowError"),
+        ("recursion", "RecursionError"),
+        ("memory", "MemoryError"),
+    ],
+)
 def test_a_template_that_fails_outside_jinja_is_a_400(hostile, trap, name):
     r = _chat(hostile, trap)
     assert r.status_code == 400, r.text
     err = _error(r)
-    assert name in err["message"] and err["param"] == "messages" and err["type"] == "invalid_request_error"
+    assert (
+        name in err["message"]
+        and err["param"] == "messages"
+        and err["type"] == "invalid_request_error"
+    )
 
 
 def test_a_render_past_the_size_limit_is_a_400(hostile):
     r = _chat(hostile, "huge")
     assert r.status_code == 400
-    assert "1000000 characters" in _error(r)["message"] and "--max-template-chars" in _error(r)["message"]
+    assert (
+        "1000000 characters" in _error(r)["message"]
+        and "--max-template-chars" in _error(r)["message"]
+    )
 
 
 def test_eight_large_chat_bodies_do_not_hold_health(hostile):
@@ -125,13 +148,14 @@ def test_eight_large_chat_bodies_do_not_hold_health(hostile):
             t.start()
         for t in senders:
             t.join(300)
-    assert results == [400] * 8  # the prompt is far past the context: context_length_exceeded, each in full
+    # the prompt is far past the context: context_length_exceeded, each in full
+    assert results == [400] * 8
     assert watch.times and watch.slowest < HEALTH_WITHIN
 
 
 def test_a_client_that_leaves_stops_its_render(hostile_dir):
-    """One renderer and a minute's limit: the render of a client that left must be stopped, or the next chat
-    waits behind it."""
+    """One renderer and a minute's limit: the render of a client that left must be stopped, or
+    the next chat waits behind it."""
     with serve(hostile_dir, template_limits=RenderLimits(timeout=60.0, workers=1)) as s:
         with pytest.raises(httpx.ReadTimeout):
             _chat(s, "loop", timeout=1.0)
@@ -143,8 +167,21 @@ def test_a_client_that_leaves_stops_its_render(hostile_dir):
 def test_generate_chat_stops_a_hostile_template_in_one_line(hostile_dir, capsys):
     from lmforge.cli import main
 
-    rc = main(["generate", str(hostile_dir), "--chat", "--prompt", "loop", "--template-timeout", "1",
-               "--max-new-tokens", "2", "--device", "cpu"])
+    rc = main(
+        [
+            "generate",
+            str(hostile_dir),
+            "--chat",
+            "--prompt",
+            "loop",
+            "--template-timeout",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err
     last = err.strip().splitlines()[-1]

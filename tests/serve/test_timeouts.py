@@ -1,6 +1,7 @@
-"""Slow and idle connections are let go: a request's headers and then its body must each arrive within
---read-timeout, and a kept-alive connection with no next request closes after --keep-alive-timeout.
-Asserted on what the server does (a 408, a closed socket), never on how long it took."""
+"""Slow and idle connections are let go: a request's headers and then its body must each arrive
+within --read-timeout, and a kept-alive connection with no next request closes after
+--keep-alive-timeout. Asserted on what the server does (a 408, a closed socket), never on how
+long it took."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _connect(server) -> socket.socket:
 
 
 def _until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a timeout here fails the test)."""
+    """Everything the server sends until it closes the connection (a timeout here fails the
+    test)."""
     got = b""
     while part := sock.recv(65536):
         got += part
@@ -64,8 +66,10 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(strict):
 def test_a_body_that_stalls_gets_408(strict, model_dir):
     body = json.dumps({"model": model_dir.name, "prompt": "t5", "max_tokens": 2}).encode()
     with _connect(strict) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10]))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10])
+        )
         reply = _until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 408 ")
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
@@ -76,12 +80,22 @@ def test_an_idle_kept_alive_connection_is_closed_and_requests_still_work(strict,
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         reply = _until_closed(sock)  # the answer, then the close once the connection idles
     assert reply.startswith(b"HTTP/1.1 200 ") and reply.count(b"HTTP/1.1") == 1
-    # A client that keeps its connection busy is not cut off, and a stream longer than the timeouts runs on.
+    # A client that keeps its connection busy is not cut off, and a stream longer than the timeouts
+    # runs on.
     with httpx.Client(base_url=strict.url) as c:
         for _ in range(3):
             assert c.get("/health").status_code == 200
-        body = {"model": model_dir.name, "prompt": "t5", "max_tokens": 60, "temperature": 0,
-                "stream": True, "stop": ["never"]}  # greedy from t5: 60 tokens, no eos
+        body = {
+            "model": model_dir.name,
+            "prompt": "t5",
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+            "stop": ["never"],
+        }  # greedy from t5: 60 tokens, no eos
         with slowed(strict.engine, 0.04), c.stream("POST", "/v1/completions", json=body) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert (
+        events[-1] == "data: [DONE]"
+        and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    )

@@ -1,8 +1,9 @@
-"""One rank of a DPO run under torchrun, which then reports how its frozen reference is held (started by
-tests/train/test_dpo.py; not a test module): dpo_worker.py OUT.json key=value ...
+"""One rank of a DPO run under torchrun, which then reports how its frozen reference is held
+(started by tests/train/test_dpo.py; not a test module): dpo_worker.py OUT.json key=value ...
 
-Rank 0 writes {"reference": {name: [placements, local numel, requires_grad, has grad]} (None under LoRA), "policy":
-{name: placements}, "in_optimizer": how many reference tensors the optimizer holds}.
+Rank 0 writes {"reference": {name: [placements, local numel, requires_grad, has grad]} (None under
+LoRA), "policy": {name: placements}, "in_optimizer": how many reference tensors the optimizer
+holds}.
 """
 
 from __future__ import annotations
@@ -30,11 +31,26 @@ def main() -> None:
     reference = trainer.task.reference
     optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
     report = {  # no reference model under LoRA (the policy's base is its reference)
-        "reference": None if reference is None else {
-            n: [placements(p), p.to_local().numel() if hasattr(p, "to_local") else p.numel(), p.requires_grad,
-                p.grad is not None] for part in reference.parts for n, p in part.named_parameters()},
-        "policy": {n: placements(p) for part in trainer.training.pm.parts for n, p in part.named_parameters()},
-        "in_optimizer": 0 if reference is None else sum(id(p) in optimized for p in reference.parameters()),
+        "reference": None
+        if reference is None
+        else {
+            n: [
+                placements(p),
+                p.to_local().numel() if hasattr(p, "to_local") else p.numel(),
+                p.requires_grad,
+                p.grad is not None,
+            ]
+            for part in reference.parts
+            for n, p in part.named_parameters()
+        },
+        "policy": {
+            n: placements(p)
+            for part in trainer.training.pm.parts
+            for n, p in part.named_parameters()
+        },
+        "in_optimizer": 0
+        if reference is None
+        else sum(id(p) in optimized for p in reference.parameters()),
     }
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -1,5 +1,6 @@
-"""A data key the run's task does not read is refused when the config is read, in one line naming the key, the task
-and what the task reads instead; every key is read by some task, and every shipped recipe sets only what it reads."""
+"""A data key the run's task does not read is refused when the config is read, in one line naming
+the key, the task and what the task reads instead; every key is read by some task, and every
+shipped recipe sets only what it reads."""
 
 from __future__ import annotations
 
@@ -61,14 +62,18 @@ def test_fine_tuning_refuses_the_pretraining_keys():
         "DPO compares",
     ):
         _load("data.task=dpo", "data.assistant_only_loss=false")
-    with pytest.raises(UserError, match=r"^data\.split is read by data\.task=pretrain, not data\.task=mlm: "):
+    with pytest.raises(
+        UserError, match=r"^data\.split is read by data\.task=pretrain, not data\.task=mlm: "
+    ):
         _load("data.task=mlm", "data.split=90,10,0")
 
 
 def test_held_out_prefixes_leave_the_split_unread():
-    """Megatron's --train-data-path with --valid-data-path: data.paths trains whole, so a split set beside
-    data.valid_paths would cut nothing."""
-    cfg = _load("data.paths=[a_text_document]", "data.valid_paths=[0.7,b_text_document,0.3,c_text_document]")
+    """Megatron's --train-data-path with --valid-data-path: data.paths trains whole, so a split
+    set beside data.valid_paths would cut nothing."""
+    cfg = _load(
+        "data.paths=[a_text_document]", "data.valid_paths=[0.7,b_text_document,0.3,c_text_document]"
+    )
     assert cfg.data.valid_paths == [0.7, "b_text_document", 0.3, "c_text_document"]
     assert _load("data.valid_paths=b_text_document").data.valid_paths == ["b_text_document"]
     with pytest.raises(
@@ -80,8 +85,8 @@ def test_held_out_prefixes_leave_the_split_unread():
 
 
 def test_a_key_at_its_default_is_no_error_and_every_key_has_a_reader():
-    """Written out at its default (a recipe's `split: "969,30,1"` beside data.task=sft), a key says nothing; and
-    no field of DataConfig is left that no task reads."""
+    """Written out at its default (a recipe's `split: "969,30,1"` beside data.task=sft), a key
+    says nothing; and no field of DataConfig is left that no task reads."""
     from lmforge.train.data_keys import READ_BY_ALL, READS, readers
 
     _load("data.task=sft", "data.split=969,30,1", "data.paths=[]", "data.cache_dir=null")

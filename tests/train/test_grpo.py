@@ -1,6 +1,7 @@
-"""data.task=grpo in the trainer: a tiny model learns the toy task; one step's loss and gradients equal the same
-step computed by hand with lmforge.rl (whose parts are checked against TRL in tests/rl); DDP equals one process;
-a stopped run resumes exactly; LoRA's reference is the base without adapters; the refusals are one line."""
+"""data.task=grpo in the trainer: a tiny model learns the toy task; one step's loss and gradients
+equal the same step computed by hand with lmforge.rl (whose parts are checked against TRL in
+tests/rl); DDP equals one process; a stopped run resumes exactly; LoRA's reference is the base
+without adapters; the refusals are one line."""
 
 from __future__ import annotations
 
@@ -70,29 +71,42 @@ def _rows(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_tiny_model_learns_the_toy_task(toy_task, tmp_path):
-    """The mean reward of the last steps far above the first steps' (a fresh model writes the target ~1 word in 38)."""
+    """The mean reward of the last steps far above the first steps' (a fresh model writes the
+    target ~1 word in 38)."""
     Trainer(_config(toy_task, tmp_path / "run", "grpo.beta=0.04", "trainer.max_steps=16")).fit()
     rows = _rows(tmp_path / "run")
     first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:4], rows[-4:]))
     assert first < 0.15 and last > first + 0.5, (first, last)
     assert all(r["reward"] == r["rewards/target_fraction/mean"] for r in rows)
-    assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])  # the reference: the initial model
-    assert rows[-1]["entropy"] < rows[0]["entropy"] <= 3.7  # below log(38) at the start, then it narrows
+    # the reference: the initial model
+    assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])
+    # below log(38) at the start, then it narrows
+    assert rows[-1]["entropy"] < rows[0]["entropy"] <= 3.7
     assert all(1 <= r["completions/mean_length"] <= 8 for r in rows)
-    # fp32: the trainer's recomputation is within a few units in the last place of the rollout's decode
+    # fp32: the trainer's recomputation is within a few units in the last place of the rollout's
+    # decode
     assert all(0 <= r["logprob_diff"] < 1e-5 for r in rows)
-    assert all(r["clip_ratio/region_mean"] == 0 for r in rows)  # num_iterations=1: the ratio is exactly 1
+    # num_iterations=1: the ratio is exactly 1
+    assert all(r["clip_ratio/region_mean"] == 0 for r in rows)
 
 
 def _first_step(cfg):
-    """The trainer's first step: (loss, gradient norm, {name: gradient}, the model before it, the micro-batches)."""
+    """The trainer's first step: (loss, gradient norm, {name: gradient}, the model before it, the
+    micro-batches)."""
     trainer = Trainer(cfg)
     before = copy.deepcopy(trainer.model)
     from lmforge.train.data import micro_batches
 
     t = cfg.trainer
     batches = micro_batches(
-        trainer.data.train, 0, t.max_steps * t.global_batch_size, t.micro_batch_size, 0, 1, 0, trainer.data.collate
+        trainer.data.train,
+        0,
+        t.max_steps * t.global_batch_size,
+        t.micro_batch_size,
+        0,
+        1,
+        0,
+        trainer.data.collate,
     )
     micro = [next(batches) for _ in range(trainer.grad_accum)]
     rolled = trainer.task.before_step(micro, trainer.training, 0)
@@ -102,12 +116,19 @@ def _first_step(cfg):
     return trainer, loss, norm, grads, before, micro
 
 
-@pytest.mark.parametrize("loss_type, beta", [("dapo", 0.0), ("grpo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.0)])
+@pytest.mark.parametrize(
+    "loss_type, beta", [("dapo", 0.0), ("grpo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.0)]
+)
 def test_one_step_equals_lmforge_rl_by_hand(toy_task, tmp_path, loss_type, beta):
-    """Two accumulated micro-batches: rollout, rewards, group advantages, completion_logps and policy_loss by hand
-    on a copy of the model, (sum of the losses) / (sum of the counts), the same seeds: the same loss and gradient."""
+    """Two accumulated micro-batches: rollout, rewards, group advantages, completion_logps and
+    policy_loss by hand on a copy of the model, (sum of the losses) / (sum of the counts), the
+    same seeds: the same loss and gradient."""
     cfg = _config(
-        toy_task, tmp_path / "run", f"grpo.loss_type={loss_type}", f"grpo.beta={beta}", "grpo.max_completion_length=6"
+        toy_task,
+        tmp_path / "run",
+        f"grpo.loss_type={loss_type}",
+        f"grpo.beta={beta}",
+        "grpo.max_completion_length=6",
     )
     trainer, loss, norm, grads, model, micro = _first_step(cfg)
     g, task = cfg.grpo, trainer.task
@@ -150,14 +171,16 @@ def test_one_step_equals_lmforge_rl_by_hand(toy_task, tmp_path, loss_type, beta)
     assert set(want) == set(grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
-    norm_want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in want.values()]))
+    norm_want = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(v) for v in want.values()])
+    )
     assert norm == pytest.approx(float(norm_want), rel=1e-5)
 
 
 @pytest.mark.slow
 def test_lora_reference_is_the_base_without_adapters(toy_task, tmp_path):
-    """After some steps (the adapters trained), the reference log-probabilities are those of the initial model
-    built again, with no adapters at all; the policy's differ from them."""
+    """After some steps (the adapters trained), the reference log-probabilities are those of the
+    initial model built again, with no adapters at all; the policy's differ from them."""
     from lmforge.models import build
 
     cfg = _config(
@@ -176,7 +199,12 @@ def test_lora_reference_is_the_base_without_adapters(toy_task, tmp_path):
     assert rows[-1]["kl"] > 0  # the adapters moved the policy away from the base
     base = build({**trainer.model.config.__dict__}, seed=cfg.trainer.seed)
     ids = torch.tensor([[12, 13, 14, 15]])
-    parts = (ids[:, :2], torch.ones(1, 2, dtype=torch.long), ids[:, 2:], torch.ones(1, 2, dtype=torch.long))
+    parts = (
+        ids[:, :2],
+        torch.ones(1, 2, dtype=torch.long),
+        ids[:, 2:],
+        torch.ones(1, 2, dtype=torch.long),
+    )
     with torch.no_grad():
         got = trainer.task.reference_logps(trainer.model, parts)
         want = completion_logps(base.eval(), *parts)[0]
@@ -201,8 +229,9 @@ def reward(completions, trainer_state, **kwargs):
 
 @pytest.mark.slow
 def test_a_stopped_run_resumes_exactly(toy_task, tmp_path, monkeypatch):
-    """Stopped by SIGTERM at step 4 of 8 (checkpointed there) and run again: every step's loss, gradient norm and
-    reward equal the uninterrupted run's: the rollouts draw the same tokens after the resume."""
+    """Stopped by SIGTERM at step 4 of 8 (checkpointed there) and run again: every step's loss,
+    gradient norm and reward equal the uninterrupted run's: the rollouts draw the same tokens
+    after the resume."""
     from lmforge.train.stopping import Stopped
 
     (tmp_path / "stopper.py").write_text(STOPPER)
@@ -226,8 +255,9 @@ def test_a_stopped_run_resumes_exactly(toy_task, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("data_parallel, beta", [("ddp", 0.0), ("fsdp", 0.04)])
 def test_two_processes_equal_one(toy_task, tmp_path, data_parallel, beta):
-    """Two steps over 2 gloo ranks (a micro-batch each) equal one process accumulating the same 2 micro-batches:
-    DDP, and FSDP2 (the rollout on the gathered parameters, the reference sharded like the policy)."""
+    """Two steps over 2 gloo ranks (a micro-batch each) equal one process accumulating the same 2
+    micro-batches: DDP, and FSDP2 (the rollout on the gathered parameters, the reference sharded
+    like the policy)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = (
         "trainer.max_steps=2",
@@ -269,7 +299,9 @@ def test_refusals_are_one_line(toy_task, tmp_path):
         batch = ["trainer.global_batch_size=48"] if "12" in override else []
         cfg = _config(toy_task, tmp_path / "run", override, *batch)
         with pytest.raises(UserError, match=message) as e:
-            get_task("grpo").build_data(cfg, None if "iterations" in override else _tokenizer(toy_task))
+            get_task("grpo").build_data(
+                cfg, None if "iterations" in override else _tokenizer(toy_task)
+            )
         assert "\n" not in str(e.value)
     cfg = _config(toy_task, tmp_path / "run")
     for name, what in (
@@ -277,7 +309,9 @@ def test_refusals_are_one_line(toy_task, tmp_path):
         ("pipeline", "pipeline parallel"),
         ("expert", "expert parallelism"),
     ):
-        layout = SimpleNamespace(**{"data_shard": 1, "tensor": 1, "pipeline": 1, "expert": 1, name: 2})
+        layout = SimpleNamespace(
+            **{"data_shard": 1, "tensor": 1, "pipeline": 1, "expert": 1, name: 2}
+        )
         with pytest.raises(
             UserError,
             match=rf"^data\.task=grpo under {what}.* is coming: run it in one process, under DDP or FSDP2",
@@ -294,7 +328,8 @@ def _tokenizer(task_dir):
 
 @pytest.mark.slow
 def test_chat_prompts_train_and_the_export_carries_their_template(toy_task, tmp_path):
-    """Chat-message prompts are rendered by data.chat_template; the Hugging Face export holds that template."""
+    """Chat-message prompts are rendered by data.chat_template; the Hugging Face export holds
+    that template."""
     from lmforge.chat_template import builtin_template
 
     prompts = tmp_path / "chats.jsonl"

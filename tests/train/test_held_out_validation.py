@@ -1,6 +1,6 @@
-"""Pretraining validated on held-out prefixes (data.valid_paths, Megatron's --valid-data-path): the validation loss is
-the model's loss on those documents, a blend of them is drawn by its weights, and their sample indices are cached
-beside the training ones without sharing a file."""
+"""Pretraining validated on held-out prefixes (data.valid_paths, Megatron's --valid-data-path):
+the validation loss is the model's loss on those documents, a blend of them is drawn by its
+weights, and their sample indices are cached beside the training ones without sharing a file."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def _held_out(folder, name, tokens) -> str:
 
 
 def _by_hand(model, tokens: np.ndarray) -> float:
-    """Mean next-token loss of `model` over the held-out document cut into SAMPLES windows of SEQ + 1 tokens, each
-    sharing its last token with the next (Megatron's samples of one document, in any order)."""
+    """Mean next-token loss of `model` over the held-out document cut into SAMPLES windows of SEQ
+    + 1 tokens, each sharing its last token with the next (Megatron's samples of one document, in
+    any order)."""
     ids = torch.from_numpy(tokens.astype(np.int64))
     total = 0.0
     with torch.no_grad():
@@ -53,7 +54,9 @@ def test_the_validation_loss_is_the_loss_on_the_held_out_documents(tiny_corpus, 
     expected = _by_hand(model, tokens)
     assert rows[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
     # The corpus's own validation part scores otherwise: the check tells the two apart.
-    ours = np.concatenate([trainer.data.train.indexed.document(d) for d in range(290, 300)])[: SAMPLES * SEQ + 1]
+    ours = np.concatenate([trainer.data.train.indexed.document(d) for d in range(290, 300)])[
+        : SAMPLES * SEQ + 1
+    ]
     assert abs(_by_hand(model, ours) - expected) > 1e-2
 
 
@@ -61,7 +64,10 @@ def test_a_held_out_blend_is_drawn_by_its_weights_from_whole_prefixes(tiny_corpu
     even = _held_out(tmp_path, "even_text_document", 2 * np.arange(600))
     odd = _held_out(tmp_path, "odd_text_document", 1 + 2 * np.arange(600))
     cfg = run_config(
-        tiny_corpus, tmp_path / "run", f"data.valid_paths=[0.7,{even},0.3,{odd}]", "trainer.val_batches=10"
+        tiny_corpus,
+        tmp_path / "run",
+        f"data.valid_paths=[0.7,{even},0.3,{odd}]",
+        "trainer.val_batches=10",
     )
     from lmforge.train.data import pretrain_datasets
 
@@ -71,13 +77,16 @@ def test_a_held_out_blend_is_drawn_by_its_weights_from_whole_prefixes(tiny_corpu
     assert picked.tolist() == [56, 24]  # 70% and 30% of 80 validation sequences
     for i in range(n):
         item = valid[i]
-        assert set((item["tokens"] % 2).tolist()) == {item["dataset_id"]}  # even ids from the first, odd from the other
-    assert [len(part.documents) for part in valid.datasets] == [1, 1]  # every sequence of each, nothing split off
+        # even ids from the first, odd from the other
+        assert set((item["tokens"] % 2).tolist()) == {item["dataset_id"]}
+    # every sequence of each, nothing split off
+    assert [len(part.documents) for part in valid.datasets] == [1, 1]
 
 
 def test_held_out_sample_indices_are_cached_apart_from_the_training_ones(tiny_corpus, tmp_path):
-    """Beside the data (the default data.cache_dir), in one folder with the training corpus, validating on the
-    training corpus itself too: each dataset its own files, and a second build reads them back."""
+    """Beside the data (the default data.cache_dir), in one folder with the training corpus,
+    validating on the training corpus itself too: each dataset its own files, and a second build
+    reads them back."""
     import shutil
 
     from lmforge.data.indexed import bin_path, idx_path
@@ -92,7 +101,9 @@ def test_held_out_sample_indices_are_cached_apart_from_the_training_ones(tiny_co
     builds = []
     for valid_paths in ([held], [0.5, held, 0.5, str(corpus)]):
         for _ in range(2):
-            cfg = run_config(corpus, tmp_path / "run", f"data.valid_paths={json.dumps(valid_paths)}")
+            cfg = run_config(
+                corpus, tmp_path / "run", f"data.valid_paths={json.dumps(valid_paths)}"
+            )
             builds.append(pretrain_datasets(cfg))
     (train, valid), (train_again, valid_again) = builds[:2]
     parts = [train, *builds[2][1].datasets]

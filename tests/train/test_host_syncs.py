@@ -1,10 +1,12 @@
-"""A training step reads the device once, whatever the gradient accumulation: every read of a device value on the
-host (`.item()`, `.tolist()`, `int(t)`, `bool(t)`, `.cpu()`, `nonzero`) waits for the device to finish its queued
-work, and one per micro-batch leaves an accelerator idle while the host catches up.
+"""A training step reads the device once, whatever the gradient accumulation: every read of a
+device value on the host (`.item()`, `.tolist()`, `int(t)`, `bool(t)`, `.cpu()`, `nonzero`) waits
+for the device to finish its queued work, and one per micro-batch leaves an accelerator idle
+while the host catches up.
 
-The step runs on fake CUDA tensors (lmforge.parallel.fake, as `lmforge plan` traces it: no GPU needed), in a fresh
-process (the stand-in device it registers stays registered; a fork would inherit an autograd engine started without
-it), and a dispatch mode records every op that hands a device value to the host."""
+The step runs on fake CUDA tensors (lmforge.parallel.fake, as `lmforge plan` traces it: no GPU
+needed), in a fresh process (the stand-in device it registers stays registered; a fork would
+inherit an autograd engine started without it), and a dispatch mode records every op that hands a
+device value to the host."""
 
 from __future__ import annotations
 
@@ -29,13 +31,19 @@ from tests.train.conftest import run_config
 
 aten = torch.ops.aten
 # Ops whose result is a device value read on the host (the device must have computed it first).
-READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default,
-         aten.item.default}
+READS = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.nonzero.default,
+    aten.equal.default,
+    aten.item.default,
+}
 
 
 class HostReads(TorchDispatchMode):
-    """Records each sync point: a read of device data on the host (with the lmforge line that asked) after device
-    work was queued. Reads with no device op between them are one wait (`.tolist()` reads element by element)."""
+    """Records each sync point: a read of device data on the host (with the lmforge line that
+    asked) after device work was queued. Reads with no device op between them are one wait
+    (`.tolist()` reads element by element)."""
 
     def __init__(self):
         super().__init__()
@@ -46,14 +54,24 @@ class HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_device = first is not None and first.device.type != "cpu"
-        to_host = func is aten._to_copy.default and kwargs.get("device") is not None and torch.device(
-            kwargs["device"]).type == "cpu"
-        copy_back = (func is aten.copy_.default and first is not None and first.device.type == "cpu"
-                     and args[1].device.type != "cpu")
+        to_host = (
+            func is aten._to_copy.default
+            and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]).type == "cpu"
+        )
+        copy_back = (
+            func is aten.copy_.default
+            and first is not None
+            and first.device.type == "cpu"
+            and args[1].device.type != "cpu"
+        )
         if (on_device and (func in READS or to_host)) or copy_back:
             if self.queued:
-                where = [f"{f.filename.split('lmforge/')[-1]}:{f.lineno}" for f in traceback.extract_stack()
-                         if "/lmforge/" in f.filename and "/tests/" not in f.filename]
+                where = [
+                    f"{f.filename.split('lmforge/')[-1]}:{f.lineno}"
+                    for f in traceback.extract_stack()
+                    if "/lmforge/" in f.filename and "/tests/" not in f.filename
+                ]
                 self.reads.append(f"{func} at {where[-1] if where else '?'}")
             self.queued = False
         elif on_device:
@@ -62,8 +80,8 @@ class HostReads(TorchDispatchMode):
 
 
 def _step_reads(task_name: str, accumulation: int, corpus, tmp_path) -> list[str]:
-    """The host reads of one training step (global counts, forward, backward, clipping) of `accumulation`
-    micro-batches, one process, on fake CUDA."""
+    """The host reads of one training step (global counts, forward, backward, clipping) of
+    `accumulation` micro-batches, one process, on fake CUDA."""
     cfg = run_config(corpus, tmp_path, "trainer.grad_clip=1.0")
     task = get_task(task_name)
     mcfg = cfg.model.resolve()
@@ -79,8 +97,18 @@ def _step_reads(task_name: str, accumulation: int, corpus, tmp_path) -> list[str
         model = build(mcfg, device="meta").train()
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, TraceMode(device, fake):
-            training = ParallelTraining(model, layout, None, task, cfg.optim, cfg.precision, 0, 32, device,
-                                        fill=materialize_empty)
+            training = ParallelTraining(
+                model,
+                layout,
+                None,
+                task,
+                cfg.optim,
+                cfg.precision,
+                0,
+                32,
+                device,
+                fill=materialize_empty,
+            )
             with HostReads() as reads:
                 counts = training.global_counts(micro)
                 training.step(micro, counts, cfg.trainer.grad_clip)
@@ -92,25 +120,35 @@ def _step_reads(task_name: str, accumulation: int, corpus, tmp_path) -> list[str
 def test_one_host_sync_per_step_whatever_the_accumulation(task_name, tiny_corpus, tmp_path):
     for accumulation in (1, 4):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-            reads = child.submit(_step_reads, task_name, accumulation, tiny_corpus, tmp_path).result(timeout=600)
+            reads = child.submit(
+                _step_reads, task_name, accumulation, tiny_corpus, tmp_path
+            ).result(timeout=600)
         assert len(reads) == 1, (accumulation, reads)
-        assert "train/step.py" in reads[0]  # the step's one read: loss, statistics, norm and tokens together
+        # the step's one read: loss, statistics, norm and tokens together
+        assert "train/step.py" in reads[0]
 
 
 def test_a_batch_already_on_the_gpu_is_not_pinned(monkeypatch):
-    """Pinned memory is for the host -> GPU copy alone: a batch that is on the GPU already (benchmarks/train.py
-    hands the Trainer one) goes as it is. On an H200 `pin_memory()` of it raised "cannot pin 'torch.cuda.LongTensor'
-    only dense CPU tensors can be pinned" at the first step. CPU: fake CUDA tensors, pin_memory forbidden."""
+    """Pinned memory is for the host -> GPU copy alone: a batch that is on the GPU already
+    (benchmarks/train.py hands the Trainer one) goes as it is. On an H200 `pin_memory()` of it
+    raised "cannot pin 'torch.cuda.LongTensor' only dense CPU tensors can be pinned" at the first
+    step. CPU: fake CUDA tensors, pin_memory forbidden."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: pytest.fail(f"pinned a {self.device} tensor"))
+    monkeypatch.setattr(
+        torch.Tensor, "pin_memory", lambda self, *a: pytest.fail(f"pinned a {self.device} tensor")
+    )
     cuda = torch.device("cuda", 0)
     fake_self = SimpleNamespace(
-        pm=SimpleNamespace(pipelined=False, device=cuda), seq_length=8,
+        pm=SimpleNamespace(pipelined=False, device=cuda),
+        seq_length=8,
         layout=SimpleNamespace(tensor=1, sequence_parallel=False),
-        task=SimpleNamespace(inputs=lambda batch: (batch["input_ids"], batch["labels"])))
+        task=SimpleNamespace(inputs=lambda batch: (batch["input_ids"], batch["labels"])),
+    )
     with FakeTensorMode(allow_non_fake_inputs=True):
-        batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long, device=cuda),
-                 "labels": torch.zeros(2, 8, dtype=torch.long, device=cuda)}
+        batch = {
+            "input_ids": torch.zeros(2, 8, dtype=torch.long, device=cuda),
+            "labels": torch.zeros(2, 8, dtype=torch.long, device=cuda),
+        }
         out = ParallelTraining._inputs(fake_self, [batch])
     assert {t.device for t in out.values()} == {cuda}

@@ -26,8 +26,11 @@ def _grads(fn, h, w, b, labels, scale=0.37, autocast=False):
             t.grad = None
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         loss = fn(h, w, b, labels)
-    (loss * scale).backward()  # an incoming gradient other than 1, as the trainer's normalisation gives
-    return loss.detach().double(), [t.grad.double() for t in (h, w, b) if t is not None and t.requires_grad]
+    # an incoming gradient other than 1, as the trainer's normalisation gives
+    (loss * scale).backward()
+    return loss.detach().double(), [
+        t.grad.double() for t in (h, w, b) if t is not None and t.requires_grad
+    ]
 
 
 def _plain(h, w, b, labels, vocab=None, softcap=None):
@@ -57,8 +60,11 @@ def test_fp32_loss_and_gradients_equal_plain_cross_entropy(bias, ignore, chunk, 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunk", [8, 1024])
 @pytest.mark.parametrize("softcap", [0.5, 3.0])
-def test_soft_capped_loss_and_gradients_equal_plain_cross_entropy_of_capped_logits(softcap, chunk, bias, monkeypatch):
-    """Gemma's final-logit cap applied chunk by chunk: loss and gradients (through tanh) of the capped logits."""
+def test_soft_capped_loss_and_gradients_equal_plain_cross_entropy_of_capped_logits(
+    softcap, chunk, bias, monkeypatch
+):
+    """Gemma's final-logit cap applied chunk by chunk: loss and gradients (through tanh) of the
+    capped logits."""
     monkeypatch.setattr(loss_mod, "CPU_BLOCK_BYTES", 3 * 4 * 1000)
     h, w, b = _inputs(bias=bias)
     labels = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1))
@@ -66,7 +72,9 @@ def test_soft_capped_loss_and_gradients_equal_plain_cross_entropy_of_capped_logi
     lp, gp = _grads(lambda *a: _plain(*a, softcap=softcap), h, w, b, labels)
     lu, _ = _grads(_plain, h, w, b, labels)
     assert abs(lp - lu) > 0.1 * lu  # the cap bites: these logits reach several units
-    lf, gf = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=chunk, softcap=softcap), h, w, b, labels)
+    lf, gf = _grads(
+        lambda *a: linear_cross_entropy(*a, chunk_tokens=chunk, softcap=softcap), h, w, b, labels
+    )
     assert lf.item() == pytest.approx(lp.item(), rel=1e-6)
     for fused, plain in zip(gf, gp, strict=True):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
@@ -80,11 +88,22 @@ def test_soft_capped_bf16_gradients_are_as_accurate_as_the_plain_path(monkeypatc
         h.copy_(h.bfloat16())
         w.copy_(w.bfloat16())
     labels = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(1))
-    lr, gr = _grads(lambda *a: _plain(*a, softcap=cap), h.detach().double().requires_grad_(),
-                    w.detach().double().requires_grad_(), None, labels)
+    lr, gr = _grads(
+        lambda *a: _plain(*a, softcap=cap),
+        h.detach().double().requires_grad_(),
+        w.detach().double().requires_grad_(),
+        None,
+        labels,
+    )
     lp, gp = _grads(lambda *a: _plain(*a, softcap=cap), h, w, None, labels, autocast=True)
-    lf, gf = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=64, softcap=cap), h, w, None, labels,
-                    autocast=True)
+    lf, gf = _grads(
+        lambda *a: linear_cross_entropy(*a, chunk_tokens=64, softcap=cap),
+        h,
+        w,
+        None,
+        labels,
+        autocast=True,
+    )
     assert abs(lf - lr) <= max(2 * abs(lp - lr), 1e-3 * abs(lr))
     for fused, plain, ref in zip(gf, gp, gr, strict=True):
         err_fused, err_plain = (fused - ref).norm() / ref.norm(), (plain - ref).norm() / ref.norm()
@@ -95,7 +114,9 @@ def test_padding_rows_of_the_head_are_never_scored():
     h, w, b = _inputs(rows=1024, bias=True)  # 1000 real rows + 24 padding rows
     labels = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1))
     lp, gp = _grads(lambda *a: _plain(*a, vocab=1000), h, w, b, labels)
-    lf, gf = _grads(lambda *a: linear_cross_entropy(*a, vocab_size=1000, chunk_tokens=8), h, w, b, labels)
+    lf, gf = _grads(
+        lambda *a: linear_cross_entropy(*a, vocab_size=1000, chunk_tokens=8), h, w, b, labels
+    )
     assert lf.item() == pytest.approx(lp.item(), rel=1e-6)
     for fused, plain in zip(gf, gp, strict=True):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
@@ -114,9 +135,17 @@ def test_bf16_gradients_are_as_accurate_as_the_plain_path(dtype, monkeypatch):
         w.copy_(w.bfloat16())
     labels = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(1))
     autocast = dtype == "bf16-mixed"
-    lr, gr = _grads(_plain, h.detach().double().requires_grad_(), w.detach().double().requires_grad_(), None, labels)
+    lr, gr = _grads(
+        _plain,
+        h.detach().double().requires_grad_(),
+        w.detach().double().requires_grad_(),
+        None,
+        labels,
+    )
     lp, gp = _grads(_plain, h, w, b, labels, autocast=autocast)
-    lf, gf = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=64), h, w, b, labels, autocast=autocast)
+    lf, gf = _grads(
+        lambda *a: linear_cross_entropy(*a, chunk_tokens=64), h, w, b, labels, autocast=autocast
+    )
     assert h.grad.dtype == h.dtype and w.grad.dtype == w.dtype
     assert abs(lf - lr) <= max(2 * abs(lp - lr), 1e-3 * abs(lr))
     for fused, plain, ref in zip(gf, gp, gr, strict=True):
@@ -128,13 +157,18 @@ def test_bf16_gradients_are_as_accurate_as_the_plain_path(dtype, monkeypatch):
 @pytest.mark.parametrize("gap", [30.0, 60.0, 80.0, 200.0])
 def test_a_confident_wrong_answer_costs_its_exact_loss(gap, on_host, monkeypatch):
     """A label `gap` nats below the top logit costs ~gap: exact whether -log p is read off the
-    softmax (p >= 1e-30) or p underflows and the row is recomputed with log-softmax (on the CPU), or
-    every row's logsumexp(z) - z[label] is chosen on the device (on an accelerator: no host sync)."""
+    softmax (p >= 1e-30) or p underflows and the row is recomputed with log-softmax (on the CPU),
+    or every row's logsumexp(z) - z[label] is chosen on the device (on an accelerator: no host
+    sync)."""
     import functools
 
     import lmforge.train.loss as loss_module
 
-    monkeypatch.setattr(loss_module, "_softmax_rows_", functools.partial(loss_module._softmax_rows_, on_host=on_host))
+    monkeypatch.setattr(
+        loss_module,
+        "_softmax_rows_",
+        functools.partial(loss_module._softmax_rows_, on_host=on_host),
+    )
     h = torch.zeros(2, 4, requires_grad=True)
     h.data[:, 0] = 1.0
     w = torch.zeros(10, 4, requires_grad=True)
@@ -150,14 +184,16 @@ def test_a_confident_wrong_answer_costs_its_exact_loss(gap, on_host, monkeypatch
 
 
 def test_scored_rows_given_by_the_caller_give_the_same_loss_and_gradients():
-    """The trainer finds the scored positions on the host (SCORED_ROWS): the loss and gradients are those of
-    the rows found on the device, bit for bit."""
+    """The trainer finds the scored positions on the host (SCORED_ROWS): the loss and gradients
+    are those of the rows found on the device, bit for bit."""
     h, w, b = _inputs(bias=True)
     labels = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1))
     labels[::3] = -100
     rows = (labels != -100).nonzero().squeeze(1)
     found = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=8), h, w, b, labels)
-    given = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=8, scored_rows=rows), h, w, b, labels)
+    given = _grads(
+        lambda *a: linear_cross_entropy(*a, chunk_tokens=8, scored_rows=rows), h, w, b, labels
+    )
     assert found[0] == given[0]
     for a, g in zip(found[1], given[1], strict=True):
         assert torch.equal(a, g)
@@ -169,7 +205,9 @@ def test_without_grad_it_only_scores():
     with torch.no_grad():
         loss = linear_cross_entropy(h, w, None, labels, chunk_tokens=8)
     assert not loss.requires_grad
-    assert loss.item() == pytest.approx(_plain(h.detach(), w.detach(), None, labels).item(), rel=1e-6)
+    assert loss.item() == pytest.approx(
+        _plain(h.detach(), w.detach(), None, labels).item(), rel=1e-6
+    )
 
 
 def test_a_frozen_head_passes_gradients_to_the_hidden_states_only():
@@ -177,7 +215,9 @@ def test_a_frozen_head_passes_gradients_to_the_hidden_states_only():
     w.requires_grad_(False)
     labels = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1))
     _, (grad_plain,) = _grads(_plain, h, w, None, labels)
-    _, (grad_fused,) = _grads(lambda *a: linear_cross_entropy(*a, chunk_tokens=8), h, w, None, labels)
+    _, (grad_fused,) = _grads(
+        lambda *a: linear_cross_entropy(*a, chunk_tokens=8), h, w, None, labels
+    )
     assert w.grad is None
     torch.testing.assert_close(grad_fused, grad_plain, rtol=1e-5, atol=1e-6)
 
@@ -200,7 +240,9 @@ def test_task_loss_through_the_model_equals_the_plain_path(preset, task):
         model.zero_grad(set_to_none=True)
         loss, count, _ = get_task(task).loss(model, batch, fused=fused)
         (loss / count).backward()
-        results.append((loss.item(), count, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(
+            (loss.item(), count, {n: p.grad.clone() for n, p in model.named_parameters()})
+        )
     (lp, cp, gp), (lf, cf, gf) = results
     assert cf == cp and lf == pytest.approx(lp, rel=1e-6)
     assert gf.keys() == gp.keys()
@@ -209,19 +251,27 @@ def test_task_loss_through_the_model_equals_the_plain_path(preset, task):
 
 
 def test_soft_capped_logits_are_what_training_scores():
-    """Gemma 2 caps its logits: the task loss (fused or not) is the cross-entropy of the capped logits."""
+    """Gemma 2 caps its logits: the task loss (fused or not) is the cross-entropy of the capped
+    logits."""
     model = build("tiny-gemma2", seed=0)
     with torch.no_grad():
         model.embed.weight.mul_(30)  # logits of several units, which a cap of 1 squeezes hard
-    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
+    )
     labels = torch.roll(tokens, -1, 1)
     model.config.final_logit_softcapping = model.vocab_projection.softcap = 1.0
     with torch.no_grad():
         logits = model(tokens)
         expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-        uncapped = F.cross_entropy(F.linear(model.hidden_states(tokens), model.embed.weight[:1000]).flatten(0, 1),
-                                   labels.flatten(), reduction="sum")
+        uncapped = F.cross_entropy(
+            F.linear(model.hidden_states(tokens), model.embed.weight[:1000]).flatten(0, 1),
+            labels.flatten(),
+            reduction="sum",
+        )
         assert logits.abs().max() <= 1.0 and abs(expected - uncapped) > 10.0
         for fused in (False, True):
-            loss, _, _ = get_task("pretrain").loss(model, {"tokens": tokens, "labels": labels}, fused=fused)
+            loss, _, _ = get_task("pretrain").loss(
+                model, {"tokens": tokens, "labels": labels}, fused=fused
+            )
             assert loss.item() == pytest.approx(expected.item(), rel=1e-6)

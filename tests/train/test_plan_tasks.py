@@ -1,5 +1,5 @@
-"""lmforge.train.plan_tasks: the plan's side of each task (its example batch is one the task itself reads), and the
-run's code as the trace runs it, put back afterwards."""
+"""lmforge.train.plan_tasks: the plan's side of each task (its example batch is one the task
+itself reads), and the run's code as the trace runs it, put back afterwards."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ ROWS, LENGTH = 3, 8
 
 @pytest.mark.parametrize("name", list(TASKS))
 def test_each_tasks_example_batch_is_a_batch_of_its_own_form(name):
-    """The task reads the plan's batch as it reads a collated one: its inputs, and its count of what it scores
-    (every token of every row, every next token under SFT's shifted labels, every example of a classifier, every
-    pair of DPO)."""
+    """The task reads the plan's batch as it reads a collated one: its inputs, and its count of
+    what it scores (every token of every row, every next token under SFT's shifted labels, every
+    example of a classifier, every pair of DPO)."""
     task, plan = get_task(name), task_plan(name)
     batch = plan.example_batch(ROWS, LENGTH, 50, torch.device("cpu"))
     ids, labels, _ = task.inputs(batch)
     assert ids.shape == (ROWS * plan.rows_per_example, LENGTH)
-    expected = {"classification": ROWS, "dpo": ROWS, "sft": ROWS * (LENGTH - 1)}.get(name, ROWS * LENGTH)
+    expected = {"classification": ROWS, "dpo": ROWS, "sft": ROWS * (LENGTH - 1)}.get(
+        name, ROWS * LENGTH
+    )
     assert task.count(batch) == expected
     assert plan.labels == (2 if name == "classification" else 0)
 
@@ -36,9 +38,9 @@ def test_only_dpo_says_what_it_holds_beside_the_model():
 
 
 def test_the_trace_routes_experts_evenly_and_puts_the_run_code_back():
-    """Inside as_traced a mixture of experts counts its routing as an even split (fake tensors hold no ids to
-    count) and a task builds other models with the plan's builder; outside, torch.bincount's counts and the
-    run's own init_model."""
+    """Inside as_traced a mixture of experts counts its routing as an even split (fake tensors
+    hold no ids to count) and a task builds other models with the plan's builder; outside,
+    torch.bincount's counts and the run's own init_model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lmforge.models import moe

@@ -1,5 +1,5 @@
-"""Ctrl-C and SIGTERM save a checkpoint of the step, then exit 128 + the signal; what a killed export left in a run
-folder is cleaned up at the next start. Real signals to real runs."""
+"""Ctrl-C and SIGTERM save a checkpoint of the step, then exit 128 + the signal; what a killed
+export left in a run folder is cleaned up at the next start. Real signals to real runs."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_a_stop_signal_is_noted_and_the_previous_handlers_come_back(monkeypatch)
     with StopSignals() as stop_signals:
         assert stop_signals.agree(torch.device("cpu")) == (None, False)
         os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)  # within a second: the same request (torchrun passes Ctrl-C on)
+        # within a second: the same request (torchrun passes Ctrl-C on)
+        os.kill(os.getpid(), signal.SIGINT)
         assert stop_signals.agree(torch.device("cpu")) == (signal.SIGTERM, False)
         monkeypatch.setattr(stopping, "REPEAT_SECONDS", -1.0)
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C again, later: stop now
@@ -39,12 +40,15 @@ def test_a_stop_signal_is_noted_and_the_previous_handlers_come_back(monkeypatch)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
-STOPPING = "SIGINT: stopping after this step with a checkpoint (Ctrl-C again to stop at once, unsaved)"
+STOPPING = (
+    "SIGINT: stopping after this step with a checkpoint (Ctrl-C again to stop at once, unsaved)"
+)
 
 
 @pytest.mark.parametrize("rank, level", [(0, logging.WARNING), (1, logging.DEBUG)])
 def test_under_torchrun_rank_0_alone_warns_of_the_stop(rank, level, caplog):
-    """torchrun passes Ctrl-C to every rank, and every rank logs warnings (lmforge.cli): the others say it at debug."""
+    """torchrun passes Ctrl-C to every rank, and every rank logs warnings (lmforge.cli): the
+    others say it at debug."""
     from types import SimpleNamespace
 
     from lmforge.parallel.data_parallel import World
@@ -53,7 +57,8 @@ def test_under_torchrun_rank_0_alone_warns_of_the_stop(rank, level, caplog):
     caplog.set_level(logging.DEBUG, logger=stopping.__name__)
     trainer = SimpleNamespace(world=World(rank=rank, size=2), close=lambda: None)
     trainer._fit = lambda stop: os.kill(os.getpid(), signal.SIGINT) or {"signum": stop.signum}
-    assert Trainer.fit(trainer) == {"signum": signal.SIGINT}  # the trainer's own StopSignals, told its rank
+    # the trainer's own StopSignals, told its rank
+    assert Trainer.fit(trainer) == {"signum": signal.SIGINT}
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(level, STOPPING)]
 
 
@@ -61,13 +66,18 @@ def test_leftovers_of_killed_writes_are_removed_or_put_back(tmp_path):
     dead, live = _dead_pid(), os.getpid()
     (tmp_path / f".model.tmp-{dead}").mkdir()
     (tmp_path / f".model.tmp-{dead}" / "model.safetensors").write_bytes(b"half")
-    (tmp_path / f".hf.old-{dead}").mkdir()  # killed between moving hf/ aside and renaming the new one in
+    # killed between moving hf/ aside and renaming the new one in
+    (tmp_path / f".hf.old-{dead}").mkdir()
     (tmp_path / f".hf.old-{dead}" / "config.json").write_text("{}")
     (tmp_path / f".metrics.jsonl.tmp-{dead}").write_text("torn")
     (tmp_path / f".config.yaml.tmp-{live}").write_text("being written")  # a running process's
     (tmp_path / ".step-00000004.tmp").mkdir()  # not this kind of name
     remove_leftovers(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".config.yaml.tmp-{live}", ".step-00000004.tmp", "hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f".config.yaml.tmp-{live}",
+        ".step-00000004.tmp",
+        "hf",
+    ]
     assert (tmp_path / "hf" / "config.json").read_text() == "{}"
     remove_leftovers(tmp_path, only_dead=False)  # a held run folder: nobody else writes it
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step-00000004.tmp", "hf"]
@@ -82,7 +92,8 @@ def test_an_export_cleans_what_a_killed_export_to_the_same_folder_left(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".other.tmp-{dead}", "out"]
 
 
-# A pretrain whose export is killed (SIGKILL, what kill -9 sends) once the weights are in `.model.tmp-PID`.
+# A pretrain whose export is killed (SIGKILL, what kill -9 sends) once the weights are in
+# `.model.tmp-PID`.
 KILLED_IN_EXPORT = """
 import os, signal, sys
 from pathlib import Path
@@ -105,13 +116,23 @@ sys.exit(main(sys.argv[1:]))
 def test_what_a_kill_during_export_left_is_cleaned_at_the_next_start(tiny_corpus, tmp_path):
     run = tmp_path / "run"
     args = pretrain_args(tiny_corpus, run, "trainer.max_steps=2", "checkpoint.convert_to_hf=true")
-    killed = subprocess.run([sys.executable, "-c", KILLED_IN_EXPORT, *args], env=ENV, capture_output=True, text=True,
-                            timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_EXPORT, *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     leftovers = [p.name for p in run.iterdir() if p.name.startswith(".model.tmp-")]
     assert len(leftovers) == 1 and (run / leftovers[0] / "model.safetensors").exists()
-    rerun = subprocess.run([sys.executable, "-m", "lmforge.cli", *args], env=ENV, capture_output=True, text=True,
-                           timeout=300)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"cleaned up {run / leftovers[0]}" in rerun.stderr
     assert [p.name for p in run.iterdir() if ".tmp-" in p.name or ".old-" in p.name] == []
@@ -128,15 +149,21 @@ STEPS = ("trainer.max_steps=24", "checkpoint.every_n_steps=4", "checkpoint.save_
 @pytest.fixture(scope="module")
 def whole_run(tiny_corpus, tmp_path_factory):
     run = tmp_path_factory.mktemp("whole") / "run"
-    subprocess.run([sys.executable, "-m", "lmforge.cli", *pretrain_args(tiny_corpus, run, *STEPS)], env=ENV,
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", *pretrain_args(tiny_corpus, run, *STEPS)],
+        env=ENV,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_saves_the_step_exits_128_plus_it_and_the_rerun_continues_bit_exactly(sig, whole_run, tiny_corpus,
-                                                                                     tmp_path):
+def test_a_signal_saves_the_step_exits_128_plus_it_and_the_rerun_continues_bit_exactly(
+    sig, whole_run, tiny_corpus, tmp_path
+):
     run = tmp_path / "run"
     proc = lmforge(pretrain_args(tiny_corpus, run, *STEPS))
     try:
@@ -149,19 +176,27 @@ def test_a_signal_saves_the_step_exits_128_plus_it_and_the_rerun_continues_bit_e
     latest = sorted(run.glob("checkpoints/step-*"))[-1]
     step = json.loads((latest / "trainer.json").read_text())["step"]
     assert 5 <= step < 24
-    assert metrics_steps(run) == list(range(1, step + 1))  # the checkpoint is of the step it stopped at
-    assert err.strip().splitlines()[-1] == (f"interrupted: stopped by {sig.name} at step {step}: saved checkpoint "
-                                            f"{latest}; run the same command again to resume")
-    rerun = subprocess.run([sys.executable, "-m", "lmforge.cli", *pretrain_args(tiny_corpus, run, *STEPS)], env=ENV,
-                           capture_output=True, text=True, timeout=300)
+    # the checkpoint is of the step it stopped at
+    assert metrics_steps(run) == list(range(1, step + 1))
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: stopped by {sig.name} at step {step}: saved checkpoint "
+        f"{latest}; run the same command again to resume"
+    )
+    rerun = subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", *pretrain_args(tiny_corpus, run, *STEPS)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert _curve(run) == _curve(whole_run)  # exact float equality, one row per step
 
 
 @pytest.mark.slow
 def test_ctrl_c_to_torchrun_saves_the_step_on_every_rank_and_stops_them(tiny_corpus, tmp_path):
-    """torchrun passes Ctrl-C on to its workers (sessions of their own): they agree on the step, save it, and
-    end; torchrun's own exit and traceback are torchrun's."""
+    """torchrun passes Ctrl-C on to its workers (sessions of their own): they agree on the step,
+    save it, and end; torchrun's own exit and traceback are torchrun's."""
     import psutil
 
     from tests.train.runs import alive, torchrun
@@ -178,7 +213,9 @@ def test_ctrl_c_to_torchrun_saves_the_step_on_every_rank_and_stops_them(tiny_cor
     assert not any(alive(pid) for pid in workers)
     step = metrics_steps(run)[-1]
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{step:08d}"]
-    assert err.count(f"interrupted: stopped by SIGINT at step {step}: saved checkpoint") == 1, err[-3000:]
+    assert err.count(f"interrupted: stopped by SIGINT at step {step}: saved checkpoint") == 1, err[
+        -3000:
+    ]
     assert err.count(STOPPING) == 1, err[-3000:]  # rank 0's; rank 1 says it at debug
     assert metrics_steps(run) == list(range(1, step + 1))
 
@@ -199,8 +236,9 @@ dist.destroy_process_group()
 
 
 def test_every_rank_stops_on_time_when_any_ranks_clock_says_so():
-    """trainer.max_minutes is read off each rank's clock, a few milliseconds apart: were each rank to decide alone, one
-    could stop while the others wait in the next step's collectives. The ranks agree with the signals' all-reduce."""
+    """trainer.max_minutes is read off each rank's clock, a few milliseconds apart: were each
+    rank to decide alone, one could stop while the others wait in the next step's collectives.
+    The ranks agree with the signals' all-reduce."""
     from tests.parallel.launch import torchrun
 
     r = torchrun(2, ["-c", AGREE], timeout=120)

@@ -1,4 +1,5 @@
-"""lmforge.train.transforms: a run's model transforms in their one order, and what each leaves on a tiny model."""
+"""lmforge.train.transforms: a run's model transforms in their one order, and what each leaves on
+a tiny model."""
 
 from __future__ import annotations
 
@@ -32,18 +33,27 @@ def _recorded(monkeypatch, calls: list[str], name: str, through: bool = True) ->
 def _lay_out(cfg, model, fill, task=None, tmp_path=None):
     layout = ParallelConfig().resolved(1)
     return transforms.lay_out_model(
-        model, fill, cfg, layout, None, task or get_task(cfg.data.task), cfg.precision, torch.device("cpu"), tmp_path
+        model,
+        fill,
+        cfg,
+        layout,
+        None,
+        task or get_task(cfg.data.task),
+        cfg.precision,
+        torch.device("cpu"),
+        tmp_path,
     )
 
 
 def _recording(monkeypatch, calls, tmp_path):
-    """Every step of lay_out_model recorded, Float8 and the NF4 read without running (no GPU, no folder), compile as
-    the name of each block it is given (no Inductor)."""
+    """Every step of lay_out_model recorded, Float8 and the NF4 read without running (no GPU, no
+    folder), compile as the name of each block it is given (no Inductor)."""
     for name in ("apply_run_lora", "apply_activation_checkpointing", "ParallelTraining"):
         _recorded(monkeypatch, calls, name)
     _recorded(monkeypatch, calls, "convert_to_float8", through=False)
     _recorded(monkeypatch, calls, "read_nf4_base", through=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # block_compiler points Inductor at the run's cache
+    # block_compiler points Inductor at the run's cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.nn.Module, "compile", lambda block, **kw: calls.append("compile"))
     task = get_task("pretrain")
     monkeypatch.setattr(task, "prepare", lambda *a, **kw: calls.append("task.prepare"))
@@ -51,15 +61,20 @@ def _recording(monkeypatch, calls, tmp_path):
 
 
 def test_a_sharded_run_fills_its_model_after_every_transform_and_the_layout(monkeypatch, tmp_path):
-    """A meta-device model (a layout that shards it): LoRA, the task's preparation, Float8, activation checkpointing,
-    then the parallel plans, each block compiled inside them, and only then the fill of its tensors."""
+    """A meta-device model (a layout that shards it): LoRA, the task's preparation, Float8,
+    activation checkpointing, then the parallel plans, each block compiled inside them, and only
+    then the fill of its tensors."""
     calls: list[str] = []
     task = _recording(monkeypatch, calls, tmp_path)
-    cfg = load_run_config(None, [*PRESET, *LORA, "trainer.float8=true", "trainer.compile=true", f"run_dir={tmp_path}"])
+    cfg = load_run_config(
+        None, [*PRESET, *LORA, "trainer.float8=true", "trainer.compile=true", f"run_dir={tmp_path}"]
+    )
     model = build(cfg.model.resolve(), device="meta")
     filled = []
     fill = functools.partial(init_sharded, seed=0)
-    training = _lay_out(cfg, model, lambda pm: filled.append(list(calls)) or fill(pm), task, tmp_path)
+    training = _lay_out(
+        cfg, model, lambda pm: filled.append(list(calls)) or fill(pm), task, tmp_path
+    )
     layers = len(model.layers)
     assert calls == [
         "apply_run_lora",
@@ -73,9 +88,11 @@ def test_a_sharded_run_fills_its_model_after_every_transform_and_the_layout(monk
     assert not any(p.is_meta for p in training.pm.parameters())
 
 
-def test_qlora_from_a_folder_reads_its_nf4_base_before_the_task_and_a_whole_model_is_filled_then(monkeypatch, tmp_path):
-    """QLoRA's base comes from its folder right after the adapters wrap it; on one process (or DDP) the rest is
-    filled then too, whole, and the layout has nothing left to fill."""
+def test_qlora_from_a_folder_reads_its_nf4_base_before_the_task_and_a_whole_model_is_filled_then(
+    monkeypatch, tmp_path
+):
+    """QLoRA's base comes from its folder right after the adapters wrap it; on one process (or
+    DDP) the rest is filled then too, whole, and the layout has nothing left to fill."""
     calls: list[str] = []
     task = _recording(monkeypatch, calls, tmp_path)
     monkeypatch.setattr(transforms, "nf4_source", lambda cfg: "FOLDER")
@@ -94,23 +111,34 @@ def test_qlora_from_a_folder_reads_its_nf4_base_before_the_task_and_a_whole_mode
 
 
 def test_the_transforms_leave_lora_adapters_in_checkpointed_blocks(tmp_path):
-    """LoRA's adapters wrap every block linear, only they train, and each block's forward runs again in the
-    backward (full checkpointing: torch.utils.checkpoint recomputes it)."""
+    """LoRA's adapters wrap every block linear, only they train, and each block's forward runs
+    again in the backward (full checkpointing: torch.utils.checkpoint recomputes it)."""
     from lmforge.models.lora import LoRALinear
 
-    cfg = load_run_config(None, [*PRESET, *LORA, "trainer.activation_checkpointing=full", f"run_dir={tmp_path}"])
+    cfg = load_run_config(
+        None, [*PRESET, *LORA, "trainer.activation_checkpointing=full", f"run_dir={tmp_path}"]
+    )
     model = build(cfg.model.resolve(), seed=0)
     training = _lay_out(cfg, model, None, tmp_path=tmp_path)
     laid = training.pm.parts[0]
     assert laid is model
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("layers.")]
-    assert linears and all(isinstance(model.get_submodule(n), LoRALinear) for n in linears if ".lora_" not in n)
+    linears = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.startswith("layers.")
+    ]
+    assert linears and all(
+        isinstance(model.get_submodule(n), LoRALinear) for n in linears if ".lora_" not in n
+    )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
     runs = []
-    for block in model.layers:  # (a block's own hooks sit outside the forward that checkpointing reruns)
+    # (a block's own hooks sit outside the forward that checkpointing reruns)
+    for block in model.layers:
         block.attn.register_forward_pre_hook(lambda *_: runs.append(1))
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
     loss, count, _ = get_task("pretrain").loss(model, {"tokens": ids, "labels": ids})
     assert len(runs) == len(model.layers)
     (loss / count).backward()
@@ -118,13 +146,19 @@ def test_the_transforms_leave_lora_adapters_in_checkpointed_blocks(tmp_path):
 
 
 def test_float8_converts_the_block_linears_and_leaves_the_head(tmp_path):
-    """trainer.float8: torchao's Float8Linear in every block, the head a plain Linear (lmforge's loss reads its
-    weight), on a model laid out with activation checkpointing."""
+    """trainer.float8: torchao's Float8Linear in every block, the head a plain Linear (lmforge's
+    loss reads its weight), on a model laid out with activation checkpointing."""
     pytest.importorskip("torchao", reason="torchao is the optional lmforge[fp8] extra")
     from torchao.float8.float8_linear import Float8Linear
 
     cfg = load_run_config(
-        None, [*PRESET, "trainer.float8=true", "trainer.activation_checkpointing=full", f"run_dir={tmp_path}"]
+        None,
+        [
+            *PRESET,
+            "trainer.float8=true",
+            "trainer.activation_checkpointing=full",
+            f"run_dir={tmp_path}",
+        ],
     )
     model = build(cfg.model.resolve(), seed=0)
     _lay_out(cfg, model, None, tmp_path=tmp_path)

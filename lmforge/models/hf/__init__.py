@@ -15,7 +15,13 @@ from lmforge.errors import UserError
 from lmforge.fsutil import atomic_dir, folder_file
 from lmforge.models.build import build
 from lmforge.models.config import ModelConfig
-from lmforge.models.hf.base import QKV_SEPARATE, SIDE_FILES, HFAdapter, export_tensors, import_tensors
+from lmforge.models.hf.base import (
+    QKV_SEPARATE,
+    SIDE_FILES,
+    HFAdapter,
+    export_tensors,
+    import_tensors,
+)
 from lmforge.models.hf.bert import BertAdapter
 from lmforge.models.hf.gemma2 import Gemma2Adapter
 from lmforge.models.hf.gemma3 import Gemma3Adapter, Gemma3TextAdapter
@@ -47,41 +53,62 @@ from lmforge.models.sizes import check_layer_count, check_weight_bytes
 log = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, HFAdapter] = {
-    a.model_type: a for a in (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter(), GPTJAdapter(), BertAdapter(),
-                              Qwen2Adapter(), MistralAdapter(), Qwen3Adapter(), Olmo2Adapter(), Phi3Adapter(),
-                              Gemma2Adapter(), Gemma3TextAdapter(), Gemma3Adapter(), MixtralAdapter(),
-                              Qwen3MoeAdapter())
+    a.model_type: a
+    for a in (
+        GPTNeoXAdapter(),
+        LlamaAdapter(),
+        GPT2Adapter(),
+        GPTJAdapter(),
+        BertAdapter(),
+        Qwen2Adapter(),
+        MistralAdapter(),
+        Qwen3Adapter(),
+        Olmo2Adapter(),
+        Phi3Adapter(),
+        Gemma2Adapter(),
+        Gemma3TextAdapter(),
+        Gemma3Adapter(),
+        MixtralAdapter(),
+        Qwen3MoeAdapter(),
+    )
 }
 
 
 def adapter_for(model_type: str) -> HFAdapter:
     if model_type not in ADAPTERS:
-        raise UserError(f"unsupported model_type '{model_type}'{closest(model_type, ADAPTERS)}: "
-                        f"lmforge converts {', '.join(ADAPTERS)}")
+        raise UserError(
+            f"unsupported model_type '{model_type}'{closest(model_type, ADAPTERS)}: "
+            f"lmforge converts {', '.join(ADAPTERS)}"
+        )
     return ADAPTERS[model_type]
 
 
 def hf_modules(cfg: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], str]]:
-    """lmforge module -> (its Hugging Face module name(s), the mapping kind): what a LoRA adapter's modules are
-    called in PEFT's format (lmforge.models.peft)."""
+    """lmforge module -> (its Hugging Face module name(s), the mapping kind): what a LoRA
+    adapter's modules are called in PEFT's format (lmforge.models.peft)."""
     out = {}
     for ours, theirs, kind in adapter_for(cfg.family).mapping(cfg):
         if ours.endswith(".weight"):
-            names = tuple(t.removesuffix(".weight") for t in theirs) if isinstance(theirs, tuple) \
+            names = (
+                tuple(t.removesuffix(".weight") for t in theirs)
+                if isinstance(theirs, tuple)
                 else theirs.removesuffix(".weight")
+            )
             out[ours.removesuffix(".weight")] = (names, kind)
     return out
 
 
 def hf_module_count(targets: dict[str, list[str]], qkv: tuple[str, ...], cfg: ModelConfig) -> int:
-    """How many Hugging Face modules (PEFT's count) lmforge's LoRA targets {module: parts} adapt: Llama's q, k, v
-    three where lmforge fuses them into one projection (parts named as in `qkv`), Phi-3's gate and up one where
-    Hugging Face fuses them."""
+    """How many Hugging Face modules (PEFT's count) lmforge's LoRA targets {module: parts} adapt:
+    Llama's q, k, v three where lmforge fuses them into one projection (parts named as in `qkv`),
+    Phi-3's gate and up one where Hugging Face fuses them."""
     rows = hf_modules(cfg)
     names = set()
     for module, parts in targets.items():
         theirs, kind = rows[module]
-        names.update([n for n, p in zip(theirs, qkv) if p in parts] if kind == QKV_SEPARATE else [theirs])
+        names.update(
+            [n for n, p in zip(theirs, qkv) if p in parts] if kind == QKV_SEPARATE else [theirs]
+        )
     return len(names)
 
 
@@ -95,8 +122,10 @@ def read_hf_config(folder: Path) -> dict:
         raise missing_model_folder(folder)
     if not path.is_file():
         if (folder / "lmforge.json").is_file():
-            raise UserError(f"'{folder}' is an lmforge model folder already (lmforge.json): use it as it is "
-                            "(model.init_from, generate, serve, eval), or export-hf it to a Hugging Face one")
+            raise UserError(
+                f"'{folder}' is an lmforge model folder already (lmforge.json): use it as it is "
+                "(model.init_from, generate, serve, eval), or export-hf it to a Hugging Face one"
+            )
         raise UserError(f"no config.json in '{folder}': point at a Hugging Face model folder")
     try:
         hf = json.loads(folder_file(folder, path.name).read_text(encoding="utf-8"))
@@ -108,21 +137,45 @@ def read_hf_config(folder: Path) -> dict:
     return hf
 
 
-# config.json's counts and sizes, as every family's transformers config names them (Gemma 3 nests its text model's
-# under text_config), checked before an adapter reads them: those every model has are positive integers, the others
-# integers or null where a family leaves them out; its nested sections are mappings.
-POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
-INTEGER_KEYS = ("num_key_value_heads", "head_dim", "n_inner", "rotary_dim", "type_vocab_size", "sliding_window",
-                "max_window_layers", "sliding_window_pattern", "num_local_experts", "num_experts",
-                "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "num_labels")
+# config.json's counts and sizes, as every family's transformers config names them (Gemma 3 nests
+# its text model's under text_config), checked before an adapter reads them: those every model has
+# are positive integers, the others integers or null where a family leaves them out; its nested
+# sections are mappings.
+POSITIVE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+)
+INTEGER_KEYS = (
+    "num_key_value_heads",
+    "head_dim",
+    "n_inner",
+    "rotary_dim",
+    "type_vocab_size",
+    "sliding_window",
+    "max_window_layers",
+    "sliding_window_pattern",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "num_labels",
+)
 MAPPING_KEYS = ("text_config", "rope_scaling", "rope_parameters")
 LAYER_KEYS = ("num_hidden_layers", "n_layer")
 
 
 def check_integers(hf: dict, path: Path) -> None:
-    """A UserError naming the first of config.json's sizes (at `path`) that is not what it must be (POSITIVE_KEYS,
-    INTEGER_KEYS, MAPPING_KEYS), its value and what it must be."""
+    """A UserError naming the first of config.json's sizes (at `path`) that is not what it must
+    be (POSITIVE_KEYS, INTEGER_KEYS, MAPPING_KEYS), its value and what it must be."""
 
     def check(value, hint, key: str) -> None:
         try:
@@ -144,35 +197,47 @@ def check_integers(hf: dict, path: Path) -> None:
             if key in section:
                 check(section[key], int, f"{where}{key}")
                 if section[key] < 1:
-                    raise UserError(f"{path}: {where}{key}: expected a positive integer, got {section[key]}")
+                    raise UserError(
+                        f"{path}: {where}{key}: expected a positive integer, got {section[key]}"
+                    )
 
 
-def hf_config(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
-              ) -> tuple[ModelConfig, HFAdapter, HFWeights]:
-    """The ModelConfig of an HF folder, its family's adapter and its weights (not read yet), the sizes its
-    config.json declares checked against them (lmforge.models.sizes) before anything is built: no more layers than
-    the weights hold tensors, no more parameters than their files hold bytes; `fits(cfg)` first, where given
-    (load_pretrained: the device's memory)."""
+def hf_config(
+    folder: Path,
+    fits: Callable[[ModelConfig], None] | None = None,
+) -> tuple[ModelConfig, HFAdapter, HFWeights]:
+    """The ModelConfig of an HF folder, its family's adapter and its weights (not read yet), the
+    sizes its config.json declares checked against them (lmforge.models.sizes) before anything is
+    built: no more layers than the weights hold tensors, no more parameters than their files hold
+    bytes; `fits(cfg)` first, where given (load_pretrained: the device's memory)."""
     hf = read_hf_config(folder)
     adapter = adapter_for(hf["model_type"])
     weights = HFWeights(folder)
     text = hf.get("text_config") or {}
-    for key in LAYER_KEYS:  # before the adapter, which lists the layers (their kinds) in some families
-        check_layer_count(text.get(key, hf.get(key)), key, len(weights.keys()), folder / "config.json")
+    # before the adapter, which lists the layers (their kinds) in some families
+    for key in LAYER_KEYS:
+        check_layer_count(
+            text.get(key, hf.get(key)), key, len(weights.keys()), folder / "config.json"
+        )
     try:
         cfg = adapter.config_from_hf(hf, weights.keys())
     except KeyError as e:
         kind = hf["model_type"]
-        raise UserError(f"config.json in '{folder}' lacks the field {e} that a {kind} config needs") from None
+        raise UserError(
+            f"config.json in '{folder}' lacks the field {e} that a {kind} config needs"
+        ) from None
     if fits is not None:
         fits(cfg)
     check_weight_bytes(cfg, weights.nbytes(), folder)
     return cfg, adapter, weights
 
 
-def hf_tensors(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
-               ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The ModelConfig of an HF folder (hf_config, `fits` as there) and a stream of its tensors in lmforge layout.
+def hf_tensors(
+    folder: Path,
+    fits: Callable[[ModelConfig], None] | None = None,
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The ModelConfig of an HF folder (hf_config, `fits` as there) and a stream of its tensors in
+    lmforge layout.
 
     When the stream ends, every checkpoint tensor must have been used or be known-ignorable:
     a leftover weight means the model has a part lmforge would silently drop.
@@ -184,10 +249,16 @@ def hf_tensors(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         yield from import_tensors(adapter.mapping(cfg), cfg, shapes, model.vocab_parameters, source)
-        left = [k for k in weights.keys() if k not in source.used and not any(p in k for p in adapter.ignorable)]
+        left = [
+            k
+            for k in weights.keys()
+            if k not in source.used and not any(p in k for p in adapter.ignorable)
+        ]
         if left:
-            raise UserError(f"checkpoint has {len(left)} tensor(s) a {cfg.family} model has no place for, first "
-                            f"'{left[0]}': this variant is not supported")
+            raise UserError(
+                f"checkpoint has {len(left)} tensor(s) a {cfg.family} model has no place for, first "
+                f"'{left[0]}': this variant is not supported"
+            )
         dropped = [k for k in weights.keys() if k not in source.used]
         if dropped:
             log.info("dropped %d unused checkpoint entries (e.g. %s)", len(dropped), dropped[0])
@@ -195,8 +266,12 @@ def hf_tensors(folder: Path, fits: Callable[[ModelConfig], None] | None = None,
     return cfg, stream()
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
-              overwrite: bool = False) -> ModelConfig:
+def import_hf(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> ModelConfig:
     """Convert a Hugging Face folder into an lmforge model folder (written atomically)."""
     hf_dir = Path(hf_dir)
     cfg, tensors = hf_tensors(hf_dir)
@@ -208,28 +283,43 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None
     return cfg
 
 
-def export_hf(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
-              overwrite: bool = False) -> dict:
-    """Write an lmforge model folder as a Hugging Face folder transformers loads directly (a training checkpoint:
-    lmforge.models.export.export_folder)."""
+def export_hf(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Write an lmforge model folder as a Hugging Face folder transformers loads directly (a
+    training checkpoint: lmforge.models.export.export_folder)."""
     model_dir = Path(model_dir)
     if not is_model_dir(model_dir):
         raise UserError(f"'{model_dir}' is not an lmforge model folder (no lmforge.json)")
-    # The export holds the same tensors: about the folder's weight bytes (another dtype: unknown until written).
-    needed = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) if dtype is None else None
+    # The export holds the same tensors: about the folder's weight bytes (another dtype: unknown
+    # until written).
+    needed = (
+        sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) if dtype is None else None
+    )
     return write_hf(*read_folder(model_dir), model_dir, Path(out_dir), dtype, overwrite, needed)
 
 
-def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.dtype | None, overwrite: bool,
-             needed: int | None) -> dict:
-    """A Hugging Face folder from a model's config and its tensors by lmforge name (`get`), with the tokenizer and
-    generation files found in `side_dir`, written atomically."""
+def write_hf(
+    cfg: ModelConfig,
+    get,
+    side_dir: Path,
+    out_dir: Path,
+    dtype: torch.dtype | None,
+    overwrite: bool,
+    needed: int | None,
+) -> dict:
+    """A Hugging Face folder from a model's config and its tensors by lmforge name (`get`), with
+    the tokenizer and generation files found in `side_dir`, written atomically."""
     from lmforge.tokenizers import folder_tokenizer
 
     adapter = adapter_for(cfg.family)
     tokenizer = folder_tokenizer(side_dir)
-    # bos/eos/pad as the exported tokenizer has them: a preset's are its own tokenizer's (Pythia's eos 0 is "!" to
-    # GPT-2's vocabulary, where transformers' generate then stopped), and a classifier needs a pad id.
+    # bos/eos/pad as the exported tokenizer has them: a preset's are its own tokenizer's (Pythia's
+    # eos 0 is "!" to GPT-2's vocabulary, where transformers' generate then stopped), and a
+    # classifier needs a pad id.
     if tokenizer is not None:
         cfg = with_special_ids(cfg, tokenizer)
     hf = adapter.config_to_hf(cfg)
@@ -243,22 +333,39 @@ def write_hf(cfg: ModelConfig, get, side_dir: Path, out_dir: Path, dtype: torch.
             yield name, t
 
     with atomic_dir(out_dir, overwrite, needed) as tmp:
-        write_safetensors(noted(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get)), tmp, dtype)
-        if len(floats) == 1:  # what save_pretrained writes: transformers 4 and vLLM read an absent one as float32
-            # under both names: transformers 5 writes `dtype`, and releases before 4.56 read only `torch_dtype`
+        write_safetensors(
+            noted(export_tensors(adapter.mapping(cfg), cfg, model.vocab_parameters, get)),
+            tmp,
+            dtype,
+        )
+        # what save_pretrained writes: transformers 4 and vLLM read an absent one as
+        # float32
+        if len(floats) == 1:
+            # under both names: transformers 5 writes `dtype`, and releases before 4.56 read only
+            # `torch_dtype`
             hf["dtype"] = hf["torch_dtype"] = str(floats.pop()).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         copy_side_files(side_dir, tmp, SIDE_FILES)
         copy_licenses(side_dir, tmp)
         own = sorted(side_dir.glob("*tokenizer.json"))
         if not (tmp / "tokenizer.json").exists() and len(own) == 1:
-            # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which transformers never looks
-            # for: without tokenizer.json its AutoTokenizer loads an empty tokenizer and says nothing.
+            # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which
+            # transformers never looks for: without tokenizer.json its AutoTokenizer loads an empty
+            # tokenizer and says nothing.
             shutil.copy2(folder_file(side_dir, own[0].name), tmp / "tokenizer.json")
         if tokenizer is not None:
             write_tokenizer_files(tokenizer, tmp, cfg.max_position_embeddings, cfg.pad_token_id)
     return hf
 
 
-__all__ = ["ADAPTERS", "adapter_for", "export_hf", "hf_config", "hf_tensors", "import_hf", "is_hf_dir",
-           "read_hf_config", "write_hf"]
+__all__ = [
+    "ADAPTERS",
+    "adapter_for",
+    "export_hf",
+    "hf_config",
+    "hf_tensors",
+    "import_hf",
+    "is_hf_dir",
+    "read_hf_config",
+    "write_hf",
+]

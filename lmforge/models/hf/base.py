@@ -18,9 +18,17 @@ from lmforge.models.rope import rotary_permutation
 
 # Files copied along with the weights (tokenizer and generation settings).
 SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "generation_config.json",
-    "chat_template.jinja",  # transformers 5 keeps the chat template here, not in tokenizer_config.json
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    # transformers 5 keeps the chat template here, not in tokenizer_config.json
+    "chat_template.jinja",
 )
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
@@ -31,13 +39,15 @@ QKV_GROUPED = "qkv_grouped"  # one fused tensor already in [heads, 3, head_dim] 
 QKV_STACKED = "qkv_stacked"  # one fused Conv1D tensor in [q; k; v] order (GPT-2)
 QKV_SEPARATE = "qkv_separate"  # three tensors q, k, v (Llama, GPT-J, BERT)
 QKV_ROWS = "qkv_rows"  # one fused Linear tensor in [q; k; v] row order (Phi-3)
-QK_NORM = "qk_norm"  # a q/k norm's per-head weights (Qwen3, OLMo 2): rotary pairing applies to them too
-# Two lmforge tensors stored as one HF tensor, the first's rows then the second's (Phi-3's gate_up_proj):
-# rows FIRST_HALF and SECOND_HALF name the same HF tensor, in that order.
+# a q/k norm's per-head weights (Qwen3, OLMo 2): rotary pairing applies to them too
+QK_NORM = "qk_norm"
+# Two lmforge tensors stored as one HF tensor, the first's rows then the second's (Phi-3's
+# gate_up_proj): rows FIRST_HALF and SECOND_HALF name the same HF tensor, in that order.
 FIRST_HALF, SECOND_HALF = "first_half", "second_half"
-# Stacked experts (Mixtral, Qwen3-MoE) stored one tensor per expert: EXPERTS names each expert's tensor in expert
-# order (stacked as they are); EXPERTS_GATE_UP names every expert's gate, then every expert's up projection
-# (expert e's in lmforge: gate_up[e, 0] its gate, gate_up[e, 1] its up projection).
+# Stacked experts (Mixtral, Qwen3-MoE) stored one tensor per expert: EXPERTS names each expert's
+# tensor in expert order (stacked as they are); EXPERTS_GATE_UP names every expert's gate, then
+# every expert's up projection (expert e's in lmforge: gate_up[e, 0] its gate, gate_up[e, 1] its up
+# projection).
 EXPERTS, EXPERTS_GATE_UP = "experts", "experts_gate_up"
 Mapping = list[tuple[str, "str | tuple[str, str, str]", str]]
 
@@ -52,8 +62,14 @@ class HFAdapter:
 
     model_type: str
     # Checkpoint entries that are not weights (old buffers, unused heads) and may be dropped.
-    ignorable: tuple[str, ...] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias",
-                                  "attention.bias", "attention.masked_bias", "position_ids")
+    ignorable: tuple[str, ...] = (
+        "rotary_emb.inv_freq",
+        ".attn.bias",
+        ".attn.masked_bias",
+        "attention.bias",
+        "attention.masked_bias",
+        "position_ids",
+    )
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
         raise NotImplementedError
@@ -87,10 +103,14 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
     kv, d = cfg.num_kv_heads, cfg.head_dim
     rest = q.shape[1:]
     q = q.reshape(kv, -1, d, *rest)
-    return torch.cat([q, k.reshape(kv, 1, d, *rest), v.reshape(kv, 1, d, *rest)], dim=1).reshape(-1, *rest)
+    return torch.cat([q, k.reshape(kv, 1, d, *rest), v.reshape(kv, 1, d, *rest)], dim=1).reshape(
+        -1, *rest
+    )
 
 
-def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(
+    qkv: torch.Tensor, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kv, d = cfg.num_kv_heads, cfg.head_dim
     rest = qkv.shape[1:]
     g = qkv.reshape(kv, -1, d, *rest)
@@ -114,7 +134,8 @@ def permute_rotary(qkv: torch.Tensor, cfg: ModelConfig, inverse: bool = False) -
 
 
 def permute_head_vector(t: torch.Tensor, cfg: ModelConfig, inverse: bool = False) -> torch.Tensor:
-    """A q/k norm weight (one head's dims, or every head's in a row) in the rotary pairing's dim order."""
+    """A q/k norm weight (one head's dims, or every head's in a row) in the rotary pairing's dim
+    order."""
     perm = rotary_permutation(cfg.head_dim, cfg.rotary_dim, cfg.rotary_interleaved)
     if torch.equal(perm, torch.arange(cfg.head_dim)):
         return t
@@ -126,14 +147,22 @@ def permute_head_vector(t: torch.Tensor, cfg: ModelConfig, inverse: bool = False
 # --- the generic converter: adapters describe, these two functions do -------------------------
 
 
-_ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
-                "swish": "silu", "relu": "relu"}
+_ACT_FROM_HF = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu", "relu": "relu"}
 
 
 def activation_from_hf(name: str) -> str:
     if not isinstance(name, str) or name not in _ACT_FROM_HF:
-        raise UserError(f"activation '{name}' in config.json is not supported: lmforge has {', '.join(_ACT_FROM_HF)}")
+        raise UserError(
+            f"activation '{name}' in config.json is not supported: lmforge has {', '.join(_ACT_FROM_HF)}"
+        )
     return _ACT_FROM_HF[name]
 
 
@@ -145,8 +174,13 @@ def _qkv_rows(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
 
-def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
-                   vocab_params: tuple[str, ...], get: Source) -> Tensors:
+def import_tensors(
+    mapping: Mapping,
+    cfg: ModelConfig,
+    shapes: dict[str, tuple[int, ...]],
+    vocab_params: tuple[str, ...],
+    get: Source,
+) -> Tensors:
     """Yield lmforge (name, tensor) for each mapping row, checking every HF shape on the way."""
     q_rows, kv_rows = _qkv_rows(cfg)
     for ours, theirs, kind in mapping:
@@ -166,8 +200,12 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
             t = torch.stack([get(name, *rest) for name in theirs])
         elif kind == EXPERTS_GATE_UP:
             gates, ups = theirs[: len(theirs) // 2], theirs[len(theirs) // 2 :]
-            t = torch.stack([torch.stack([get(g, *rest[1:]), get(u, *rest[1:])]) for g, u in zip(gates, ups,
-                                                                                                 strict=True)])
+            t = torch.stack(
+                [
+                    torch.stack([get(g, *rest[1:]), get(u, *rest[1:])])
+                    for g, u in zip(gates, ups, strict=True)
+                ]
+            )
         else:
             if kind == QKV_GROUPED:
                 t = get(theirs, *shape)
@@ -178,15 +216,21 @@ def import_tensors(mapping: Mapping, cfg: ModelConfig, shapes: dict[str, tuple[i
                 t = fuse_qkv(*get(theirs, *shape).split([q_rows, kv_rows, kv_rows]), cfg)
             else:
                 qn, kn, vn = theirs
-                t = fuse_qkv(get(qn, q_rows, *rest), get(kn, kv_rows, *rest), get(vn, kv_rows, *rest), cfg)
+                t = fuse_qkv(
+                    get(qn, q_rows, *rest), get(kn, kv_rows, *rest), get(vn, kv_rows, *rest), cfg
+                )
             t = permute_rotary(t, cfg)
         if ours in vocab_params:
             t = pad_vocab(t, cfg)
         yield ours, t.contiguous()
 
 
-def export_tensors(mapping: Mapping, cfg: ModelConfig, vocab_params: tuple[str, ...],
-                   get: Callable[[str], torch.Tensor]) -> Tensors:
+def export_tensors(
+    mapping: Mapping,
+    cfg: ModelConfig,
+    vocab_params: tuple[str, ...],
+    get: Callable[[str], torch.Tensor],
+) -> Tensors:
     """Yield HF (name, tensor) for each mapping row: the exact inverse of import_tensors."""
     first_halves: dict[str, torch.Tensor] = {}
     for ours, theirs, kind in mapping:
@@ -230,25 +274,41 @@ def rope_scaling_check(hf: dict) -> None:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", None):
-        raise UserError(f"rope scaling '{kind}' in config.json is not supported yet: lmforge implements plain RoPE")
+        raise UserError(
+            f"rope scaling '{kind}' in config.json is not supported yet: lmforge implements plain RoPE"
+        )
 
 
-# What the classic families' transformers classes (GPTNeoX, GPT2, GPTJ, Bert) have none of: their adapters start
-# from these, and num_kv_heads = num_heads (no grouped-query attention there).
-CLASSIC_SWITCHES = {"norm": "layernorm", "gated_mlp": False, "qk_norm": "none", "sliding_window": None,
-                    "layer_types": None, "norm_scale_fp32": False, "norm_unit_offset": False, "scale_embeddings": False,
-                    "query_pre_attn_scalar": None, "attn_logit_softcapping": None, "final_logit_softcapping": None,
-                    "rope_scaling": None, "rotary_base_local": None, "mlp_bias": True}
+# What the classic families' transformers classes (GPTNeoX, GPT2, GPTJ, Bert) have none of: their
+# adapters start from these, and num_kv_heads = num_heads (no grouped-query attention there).
+CLASSIC_SWITCHES = {
+    "norm": "layernorm",
+    "gated_mlp": False,
+    "qk_norm": "none",
+    "sliding_window": None,
+    "layer_types": None,
+    "norm_scale_fp32": False,
+    "norm_unit_offset": False,
+    "scale_embeddings": False,
+    "query_pre_attn_scalar": None,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "rope_scaling": None,
+    "rotary_base_local": None,
+    "mlp_bias": True,
+}
 
 
 def require(cfg: ModelConfig, fixed: dict, model_type: str) -> None:
-    """UserError naming the first switch whose value the family's Hugging Face model hard-wires otherwise
-    (a value of ... : free in this family)."""
+    """UserError naming the first switch whose value the family's Hugging Face model hard-wires
+    otherwise (a value of ... : free in this family)."""
     for name, value in fixed.items():
         if value is not ... and getattr(cfg, name) != value:
-            raise UserError(f"a {model_type} checkpoint has {name}={value!r}, this model has {getattr(cfg, name)!r}: "
-                            f"it cannot be written as that family: set {name}={value!r}, or choose a family that "
-                            "has it")
+            raise UserError(
+                f"a {model_type} checkpoint has {name}={value!r}, this model has {getattr(cfg, name)!r}: "
+                f"it cannot be written as that family: set {name}={value!r}, or choose a family that "
+                "has it"
+            )
 
 
 def module_rows(ours: str, theirs: str, bias: bool, kind: str = PLAIN) -> Mapping:

@@ -20,7 +20,12 @@ class BertAdapter(HFAdapter):
     model_type = "bert"
     # Pretraining checkpoints carry a next-sentence head and a pooler that a masked-LM model
     # does not use (BertForMaskedLM reports them as unexpected); we drop them on import.
-    ignorable = (*HFAdapter.ignorable, "cls.seq_relationship.", "cls.predictions.decoder.", "pooler.")
+    ignorable = (
+        *HFAdapter.ignorable,
+        "cls.seq_relationship.",
+        "cls.predictions.decoder.",
+        "pooler.",
+    )
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
         classifier = any(k.endswith("classifier.weight") for k in keys)
@@ -50,11 +55,26 @@ class BertAdapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
-        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "post", "parallel_residual": False, "shared_norm": False,
-                      "position_embedding": "learned", "causal": False, "attention_bias": True, "qkv_bias": True,
-                      "tie_embeddings": True, "num_kv_heads": cfg.num_heads}, self.model_type)
+        require(
+            cfg,
+            {
+                **CLASSIC_SWITCHES,
+                "norm_position": "post",
+                "parallel_residual": False,
+                "shared_norm": False,
+                "position_embedding": "learned",
+                "causal": False,
+                "attention_bias": True,
+                "qkv_bias": True,
+                "tie_embeddings": True,
+                "num_kv_heads": cfg.num_heads,
+            },
+            self.model_type,
+        )
         hf = {
-            "architectures": ["BertForSequenceClassification" if cfg.num_labels else "BertForMaskedLM"],
+            "architectures": [
+                "BertForSequenceClassification" if cfg.num_labels else "BertForMaskedLM"
+            ],
             "model_type": "bert",
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size,
@@ -80,15 +100,23 @@ class BertAdapter(HFAdapter):
 
     def aliases(self, name: str) -> list[str]:
         # Original Google-converted checkpoints: LayerNorm gamma/beta, and no "bert." prefix.
-        old = name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
-        return [n for n in {old, name.removeprefix("bert."), old.removeprefix("bert.")} if n != name]
+        old = name.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+            "LayerNorm.bias", "LayerNorm.beta"
+        )
+        return [
+            n for n in {old, name.removeprefix("bert."), old.removeprefix("bert.")} if n != name
+        ]
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
         e = "bert.embeddings"
-        rows: Mapping = [("embeddings.word.weight", f"{e}.word_embeddings.weight", PLAIN),
-                         ("embeddings.position.weight", f"{e}.position_embeddings.weight", PLAIN)]
+        rows: Mapping = [
+            ("embeddings.word.weight", f"{e}.word_embeddings.weight", PLAIN),
+            ("embeddings.position.weight", f"{e}.position_embeddings.weight", PLAIN),
+        ]
         if cfg.type_vocab_size:
-            rows.append(("embeddings.token_type.weight", f"{e}.token_type_embeddings.weight", PLAIN))
+            rows.append(
+                ("embeddings.token_type.weight", f"{e}.token_type_embeddings.weight", PLAIN)
+            )
         rows += module_rows("embeddings.norm", f"{e}.LayerNorm", True)
         for i in range(cfg.num_layers):
             hf, ours = f"bert.encoder.layer.{i}", f"layers.{i}"

@@ -26,8 +26,10 @@ class GPT2Adapter(HFAdapter):
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
         if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-            raise UserError("GPT-2 attention scaling variants (scale_attn_by_inverse_layer_idx, "
-                            "scale_attn_weights=false) are not supported")
+            raise UserError(
+                "GPT-2 attention scaling variants (scale_attn_by_inverse_layer_idx, "
+                "scale_attn_weights=false) are not supported"
+            )
         return ModelConfig(
             family="gpt2",
             vocab_size=hf["vocab_size"],
@@ -50,9 +52,23 @@ class GPT2Adapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
-        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "pre", "parallel_residual": False, "shared_norm": False,
-                      "position_embedding": "learned", "causal": True, "attention_bias": True, "qkv_bias": True,
-                      "lm_head_bias": False, "type_vocab_size": 0, "num_kv_heads": cfg.num_heads}, self.model_type)
+        require(
+            cfg,
+            {
+                **CLASSIC_SWITCHES,
+                "norm_position": "pre",
+                "parallel_residual": False,
+                "shared_norm": False,
+                "position_embedding": "learned",
+                "causal": True,
+                "attention_bias": True,
+                "qkv_bias": True,
+                "lm_head_bias": False,
+                "type_vocab_size": 0,
+                "num_kv_heads": cfg.num_heads,
+            },
+            self.model_type,
+        )
         return {
             **architecture(cfg, "GPT2", "LMHeadModel"),
             "model_type": "gpt2",
@@ -60,7 +76,9 @@ class GPT2Adapter(HFAdapter):
             "n_embd": cfg.hidden_size,
             "n_layer": cfg.num_layers,
             "n_head": cfg.num_heads,
-            "n_inner": None if cfg.intermediate_size == 4 * cfg.hidden_size else cfg.intermediate_size,
+            "n_inner": None
+            if cfg.intermediate_size == 4 * cfg.hidden_size
+            else cfg.intermediate_size,
             "n_positions": cfg.max_position_embeddings,
             "layer_norm_epsilon": cfg.norm_eps,
             "activation_function": activation_to_hf(cfg.activation),
@@ -80,8 +98,10 @@ class GPT2Adapter(HFAdapter):
         return [name.removeprefix("transformer.")]
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
-        rows: Mapping = [("embed.weight", "transformer.wte.weight", PLAIN),
-                         ("pos_embed.weight", "transformer.wpe.weight", PLAIN)]
+        rows: Mapping = [
+            ("embed.weight", "transformer.wte.weight", PLAIN),
+            ("pos_embed.weight", "transformer.wpe.weight", PLAIN),
+        ]
         for i in range(cfg.num_layers):
             hf, ours = f"transformer.h.{i}", f"layers.{i}"
             rows += module_rows(f"{ours}.norm1", f"{hf}.ln_1", True)

@@ -55,9 +55,22 @@ class GPTNeoXAdapter(HFAdapter):
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         if not cfg.parallel_residual and cfg.shared_norm:
             raise UserError("GPT-NeoX has no shared-norm variant: export this model as gptj")
-        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "pre", "shared_norm": False, "position_embedding": "rotary",
-                      "rotary_interleaved": False, "causal": True, "lm_head_bias": False, "type_vocab_size": 0,
-                      "qkv_bias": cfg.attention_bias, "num_kv_heads": cfg.num_heads}, self.model_type)
+        require(
+            cfg,
+            {
+                **CLASSIC_SWITCHES,
+                "norm_position": "pre",
+                "shared_norm": False,
+                "position_embedding": "rotary",
+                "rotary_interleaved": False,
+                "causal": True,
+                "lm_head_bias": False,
+                "type_vocab_size": 0,
+                "qkv_bias": cfg.attention_bias,
+                "num_kv_heads": cfg.num_heads,
+            },
+            self.model_type,
+        )
         return {
             **architecture(cfg, "GPTNeoX", "ForCausalLM"),
             "model_type": "gpt_neox",
@@ -73,7 +86,9 @@ class GPTNeoXAdapter(HFAdapter):
             "rotary_pct": cfg.rotary_pct,  # read by transformers 4.x
             "rotary_emb_base": cfg.rotary_base,
             "rope_parameters": {  # read by transformers 5.x
-                "rope_type": "default", "rope_theta": cfg.rotary_base, "partial_rotary_factor": cfg.rotary_pct,
+                "rope_type": "default",
+                "rope_theta": cfg.rotary_base,
+                "partial_rotary_factor": cfg.rotary_pct,
             },
             "attention_bias": cfg.attention_bias,
             "tie_word_embeddings": cfg.tie_embeddings,
@@ -92,7 +107,9 @@ class GPTNeoXAdapter(HFAdapter):
         for i in range(cfg.num_layers):
             hf, ours = f"gpt_neox.layers.{i}", f"layers.{i}"
             rows += module_rows(f"{ours}.norm1", f"{hf}.input_layernorm", True)
-            rows += module_rows(f"{ours}.attn.qkv", f"{hf}.attention.query_key_value", bias, QKV_GROUPED)
+            rows += module_rows(
+                f"{ours}.attn.qkv", f"{hf}.attention.query_key_value", bias, QKV_GROUPED
+            )
             rows += module_rows(f"{ours}.attn.proj", f"{hf}.attention.dense", bias)
             rows += module_rows(f"{ours}.norm2", f"{hf}.post_attention_layernorm", True)
             rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.dense_h_to_4h", True)

@@ -53,10 +53,24 @@ class GPTJAdapter(HFAdapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
-        require(cfg, {**CLASSIC_SWITCHES, "norm_position": "pre", "parallel_residual": True, "shared_norm": True,
-                      "position_embedding": "rotary", "rotary_interleaved": True, "causal": True,
-                      "attention_bias": False, "qkv_bias": False, "lm_head_bias": True, "type_vocab_size": 0,
-                      "num_kv_heads": cfg.num_heads}, self.model_type)
+        require(
+            cfg,
+            {
+                **CLASSIC_SWITCHES,
+                "norm_position": "pre",
+                "parallel_residual": True,
+                "shared_norm": True,
+                "position_embedding": "rotary",
+                "rotary_interleaved": True,
+                "causal": True,
+                "attention_bias": False,
+                "qkv_bias": False,
+                "lm_head_bias": True,
+                "type_vocab_size": 0,
+                "num_kv_heads": cfg.num_heads,
+            },
+            self.model_type,
+        )
         return {
             **architecture(cfg, "GPTJ", "ForCausalLM"),
             "model_type": "gptj",
@@ -64,7 +78,9 @@ class GPTJAdapter(HFAdapter):
             "n_embd": cfg.hidden_size,
             "n_layer": cfg.num_layers,
             "n_head": cfg.num_heads,
-            "n_inner": None if cfg.intermediate_size == 4 * cfg.hidden_size else cfg.intermediate_size,
+            "n_inner": None
+            if cfg.intermediate_size == 4 * cfg.hidden_size
+            else cfg.intermediate_size,
             "n_positions": cfg.max_position_embeddings,
             "rotary_dim": cfg.rotary_dim,
             "layer_norm_epsilon": cfg.norm_eps,
@@ -86,7 +102,9 @@ class GPTJAdapter(HFAdapter):
             hf, ours = f"transformer.h.{i}", f"layers.{i}"
             att = f"{hf}.attn"
             rows += module_rows(f"{ours}.norm1", f"{hf}.ln_1", True)
-            rows += qkv_rows(f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj", False)
+            rows += qkv_rows(
+                f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj", False
+            )
             rows += module_rows(f"{ours}.attn.proj", f"{att}.out_proj", False)
             rows += module_rows(f"{ours}.mlp.up", f"{hf}.mlp.fc_in", True)
             rows += module_rows(f"{ours}.mlp.down", f"{hf}.mlp.fc_out", True)

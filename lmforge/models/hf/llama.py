@@ -1,5 +1,5 @@
-"""Llama 2 and 3.x <-> Hugging Face LlamaForCausalLM (grouped-query attention, rope scaling: llama3 for 3.1+,
-linear, dynamic and yarn as transformers has them)."""
+"""Llama 2 and 3.x <-> Hugging Face LlamaForCausalLM (grouped-query attention, rope scaling:
+llama3 for 3.1+, linear, dynamic and yarn as transformers has them)."""
 
 from __future__ import annotations
 
@@ -22,42 +22,77 @@ from lmforge.models.hf.base import (
 )
 from lmforge.models.hf.rope import rope_from_hf, rope_to_hf
 
-# The switches of LlamaForCausalLM's block, which the families sharing its layout (llama_layout) start from:
-# their adapters refuse to export a config that differs where their modeling code hard-wires a value.
-LLAMA_SWITCHES = {"norm": "rmsnorm", "norm_position": "pre", "gated_mlp": True, "parallel_residual": False,
-                  "shared_norm": False, "position_embedding": "rotary", "rotary_interleaved": False, "causal": True,
-                  "lm_head_bias": False, "qk_norm": "none", "sliding_window": None, "norm_scale_fp32": False,
-                  "norm_unit_offset": False, "scale_embeddings": False, "query_pre_attn_scalar": None,
-                  "attn_logit_softcapping": None, "final_logit_softcapping": None, "rotary_base_local": None,
-                  "num_experts": 0}
+# The switches of LlamaForCausalLM's block, which the families sharing its layout (llama_layout)
+# start from: their adapters refuse to export a config that differs where their modeling code
+# hard-wires a value.
+LLAMA_SWITCHES = {
+    "norm": "rmsnorm",
+    "norm_position": "pre",
+    "gated_mlp": True,
+    "parallel_residual": False,
+    "shared_norm": False,
+    "position_embedding": "rotary",
+    "rotary_interleaved": False,
+    "causal": True,
+    "lm_head_bias": False,
+    "qk_norm": "none",
+    "sliding_window": None,
+    "norm_scale_fp32": False,
+    "norm_unit_offset": False,
+    "scale_embeddings": False,
+    "query_pre_attn_scalar": None,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "rotary_base_local": None,
+    "num_experts": 0,
+}
 
 
 class LlamaAdapter(HFAdapter):
     model_type = "llama"
 
     def config_from_hf(self, hf: dict, keys: list[str]) -> ModelConfig:
-        return llama_config(hf, keys, "llama", positions=4096, eps=1e-6, head_dim=hf_head_dim(hf),
-                            attention_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False))
+        return llama_config(
+            hf,
+            keys,
+            "llama",
+            positions=4096,
+            eps=1e-6,
+            head_dim=hf_head_dim(hf),
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+        )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         require(cfg, {**LLAMA_SWITCHES, "qkv_bias": cfg.attention_bias}, self.model_type)
-        return llama_config_json(cfg, "Llama", self.model_type, head_dim=cfg.head_dim,
-                                 attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
+        return llama_config_json(
+            cfg,
+            "Llama",
+            self.model_type,
+            head_dim=cfg.head_dim,
+            attention_bias=cfg.attention_bias,
+            mlp_bias=cfg.mlp_bias,
+            pretraining_tp=1,
+        )
 
     def mapping(self, cfg: ModelConfig) -> Mapping:
         return llama_layout(cfg)
 
 
 def hf_head_dim(hf: dict) -> int:
-    """config.json's head_dim, which transformers leaves out (or null) where it is hidden_size / heads."""
+    """config.json's head_dim, which transformers leaves out (or null) where it is hidden_size /
+    heads."""
     return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
 
 
-def llama_config(hf: dict, keys: list[str], family: str, *, positions: int, eps: float, **fields) -> ModelConfig:
-    """A ModelConfig from the config.json fields that every family with Llama's names reads alike (sizes, RMSNorm,
-    gated MLP, rotary, ids); `positions` and `eps` are the family's defaults for a field its config may leave out,
-    and `fields` its own switches, which win over these (a family giving its own activation or rotary settings
-    has config.json's read by its adapter, not here)."""
+def llama_config(
+    hf: dict, keys: list[str], family: str, *, positions: int, eps: float, **fields
+) -> ModelConfig:
+    """A ModelConfig from the config.json fields that every family with Llama's names reads alike
+    (sizes, RMSNorm, gated MLP, rotary, ids); `positions` and `eps` are the family's defaults for
+    a field its config may leave out, and `fields` its own switches, which win over these (a
+    family giving its own activation or rotary settings has config.json's read by its adapter,
+    not here)."""
     heads = hf["num_attention_heads"]
     if "activation" not in fields:
         fields["activation"] = activation_from_hf(hf.get("hidden_act", "silu"))
@@ -88,8 +123,9 @@ def llama_config(hf: dict, keys: list[str], family: str, *, positions: int, eps:
 
 
 def llama_config_json(cfg: ModelConfig, name: str, model_type: str, **fields) -> dict:
-    """config.json for a family with Llama's names: the fields they all write alike, then the family's own
-    (`fields`, which win); `name` is the transformers class prefix (Mistral -> MistralForCausalLM)."""
+    """config.json for a family with Llama's names: the fields they all write alike, then the
+    family's own (`fields`, which win); `name` is the transformers class prefix (Mistral ->
+    MistralForCausalLM)."""
     return {
         **architecture(cfg, name, "ForCausalLM"),
         "model_type": model_type,
@@ -114,19 +150,31 @@ def llama_config_json(cfg: ModelConfig, name: str, model_type: str, **fields) ->
     }
 
 
-def llama_layout(cfg: ModelConfig, experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj"),
-                 ) -> Mapping:
-    """The tensor names of LlamaForCausalLM, which Mistral, Qwen2/3, OLMo 2 and Gemma 2/3 share: q/k/v/o and
-    gate/up/down projections under model.layers.N, plus whichever norms the config's switches give a block
-    (q_norm/k_norm: Qwen3, OLMo 2, Gemma 3; norms on the branch outputs: OLMo 2, Gemma 2/3).
+def llama_layout(
+    cfg: ModelConfig,
+    experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj"),
+) -> Mapping:
+    """The tensor names of LlamaForCausalLM, which Mistral, Qwen2/3, OLMo 2 and Gemma 2/3 share:
+    q/k/v/o and gate/up/down projections under model.layers.N, plus whichever norms the config's
+    switches give a block (q_norm/k_norm: Qwen3, OLMo 2, Gemma 3; norms on the branch outputs:
+    OLMo 2, Gemma 2/3).
 
-    A MoE layer (Mixtral, Qwen3-MoE) has, in place of the MLP, `<block>.gate` (the router) and one MLP per expert
-    under `<block>.experts.E`, named by `experts`: (block, gate, up, down)."""
+    A MoE layer (Mixtral, Qwen3-MoE) has, in place of the MLP, `<block>.gate` (the router) and
+    one MLP per expert under `<block>.experts.E`, named by `experts`: (block, gate, up, down)."""
     # HF's names for the block's norms by norm_position (lmforge's name -> theirs).
-    norms = {"pre": {"norm1": "input_layernorm", "norm2": "post_attention_layernorm"},
-             "output": {"post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"},
-             "sandwich": {"norm1": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-                          "norm2": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}}
+    norms = {
+        "pre": {"norm1": "input_layernorm", "norm2": "post_attention_layernorm"},
+        "output": {
+            "post_attn_norm": "post_attention_layernorm",
+            "post_mlp_norm": "post_feedforward_layernorm",
+        },
+        "sandwich": {
+            "norm1": "input_layernorm",
+            "post_attn_norm": "post_attention_layernorm",
+            "norm2": "pre_feedforward_layernorm",
+            "post_mlp_norm": "post_feedforward_layernorm",
+        },
+    }
     norms = norms[cfg.norm_position]
     rows: Mapping = [("embed.weight", "model.embed_tokens.weight", PLAIN)]
     for i in range(cfg.num_layers):
@@ -134,10 +182,14 @@ def llama_layout(cfg: ModelConfig, experts: tuple[str, str, str, str] = ("mlp", 
         att = f"{hf}.self_attn"
         if "norm1" in norms:
             rows += module_rows(f"{ours}.norm1", f"{hf}.{norms['norm1']}", False)
-        rows += qkv_rows(f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj", cfg.qkv_bias)
+        rows += qkv_rows(
+            f"{ours}.attn.qkv", f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj", cfg.qkv_bias
+        )
         if cfg.qk_norm != "none":
-            rows += [(f"{ours}.attn.q_norm.weight", f"{att}.q_norm.weight", QK_NORM),
-                     (f"{ours}.attn.k_norm.weight", f"{att}.k_norm.weight", QK_NORM)]
+            rows += [
+                (f"{ours}.attn.q_norm.weight", f"{att}.q_norm.weight", QK_NORM),
+                (f"{ours}.attn.k_norm.weight", f"{att}.k_norm.weight", QK_NORM),
+            ]
         rows += module_rows(f"{ours}.attn.proj", f"{att}.o_proj", cfg.attention_bias)
         for name in ("post_attn_norm", "norm2"):
             if name in norms:
@@ -155,10 +207,15 @@ def llama_layout(cfg: ModelConfig, experts: tuple[str, str, str, str] = ("mlp", 
 
 
 def moe_rows(cfg: ModelConfig, ours: str, block: str, gate: str, up: str, down: str) -> Mapping:
-    """One MoE layer: the router, and the experts' per-expert tensors stacked into lmforge's gate_up and down."""
+    """One MoE layer: the router, and the experts' per-expert tensors stacked into lmforge's
+    gate_up and down."""
     each = [f"{block}.experts.{e}" for e in range(cfg.num_experts)]
-    return [(f"{ours}.router.weight", f"{block}.gate.weight", PLAIN),
-            (f"{ours}.experts.gate_up", tuple(f"{x}.{gate}.weight" for x in each) + tuple(f"{x}.{up}.weight"
-                                                                                         for x in each),
-             EXPERTS_GATE_UP),
-            (f"{ours}.experts.down", tuple(f"{x}.{down}.weight" for x in each), EXPERTS)]
+    return [
+        (f"{ours}.router.weight", f"{block}.gate.weight", PLAIN),
+        (
+            f"{ours}.experts.gate_up",
+            tuple(f"{x}.{gate}.weight" for x in each) + tuple(f"{x}.{up}.weight" for x in each),
+            EXPERTS_GATE_UP,
+        ),
+        (f"{ours}.experts.down", tuple(f"{x}.{down}.weight" for x in each), EXPERTS),
+    ]

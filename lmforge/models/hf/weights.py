@@ -101,10 +101,22 @@ class Source:
                     )
                 self.used.add(candidate)
                 return t
-        stacked = next((k for k in self.weights.keys() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))),
-                       None)
-        if stacked is not None:  # transformers 5's in-memory layout, saved as it is (a state_dict, not save_pretrained)
-            raise UserError(f"'{self.weights.folder}' holds its experts stacked ('{stacked}'), as transformers 5 "
-                            "keeps them in memory; the published layout has one tensor per expert: save the model "
-                            "with save_pretrained, which writes that, and import the folder it writes")
-        raise UserError(f"tensor '{name}' is missing from the checkpoint in '{self.weights.folder}'")
+        stacked = next(
+            (
+                k
+                for k in self.weights.keys()
+                if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            ),
+            None,
+        )
+        # transformers 5's in-memory layout, saved as it is (a state_dict, not
+        # save_pretrained)
+        if stacked is not None:
+            raise UserError(
+                f"'{self.weights.folder}' holds its experts stacked ('{stacked}'), as transformers 5 "
+                "keeps them in memory; the published layout has one tensor per expert: save the model "
+                "with save_pretrained, which writes that, and import the folder it writes"
+            )
+        raise UserError(
+            f"tensor '{name}' is missing from the checkpoint in '{self.weights.folder}'"
+        )

@@ -26,13 +26,18 @@ from lmforge.train.tasks.mlm import MaskedLM
 from lmforge.train.tasks.pretrain import Pretrain
 from lmforge.train.tasks.sft import SFT
 
-TASKS: dict[str, Task] = {task.name: task for task in (Pretrain(), SFT(), Classification(), MaskedLM(), DPO(), GRPO())}
+TASKS: dict[str, Task] = {
+    task.name: task for task in (Pretrain(), SFT(), Classification(), MaskedLM(), DPO(), GRPO())
+}
 
 
 def get_task(name: str) -> Task:
-    """A Task called `name` (data.task), the run's own instance; a UserError naming the choices for anything else."""
+    """A Task called `name` (data.task), the run's own instance; a UserError naming the choices
+    for anything else."""
     if name not in TASKS:
-        raise UserError(f"data.task='{name}' is not valid{closest(str(name), TASKS)}: choose one of {', '.join(TASKS)}")
+        raise UserError(
+            f"data.task='{name}' is not valid{closest(str(name), TASKS)}: choose one of {', '.join(TASKS)}"
+        )
     return copy.copy(TASKS[name])
 
 

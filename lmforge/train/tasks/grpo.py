@@ -1,17 +1,20 @@
-"""GRPO (Shao et al. 2024) in the training loop: rollouts on the live training weights inside each step, rewards,
-group advantages, and the clipped policy loss of lmforge.rl (docs/rl.md).
+"""GRPO (Shao et al. 2024) in the training loop: rollouts on the live training weights inside each
+step, rewards, group advantages, and the clipped policy loss of lmforge.rl (docs/rl.md).
 
-Batch sizes count completions, as TRL's per_device_train_batch_size does: a micro-batch of trainer.micro_batch_size
-completions holds micro_batch_size / grpo.num_generations prompts with all their completions, so a group's
-advantages never span two micro-batches or two ranks. The data stream counts completion slots too (slot g is prompt
-g // num_generations of the shuffled prompts), so consumed_samples, resume and data parallelism stay the trainer's.
+Batch sizes count completions, as TRL's per_device_train_batch_size does: a micro-batch of
+trainer.micro_batch_size completions holds micro_batch_size / grpo.num_generations prompts with all
+their completions, so a group's advantages never span two micro-batches or two ranks. The data
+stream counts completion slots too (slot g is prompt g // num_generations of the shuffled prompts),
+so consumed_samples, resume and data parallelism stay the trainer's.
 
-Before a step's forward (`before_step`) each micro-batch of prompt records becomes a rollout batch: the model itself
-(no copy, DDP's module unwrapped) in eval mode under no_grad samples the completions, then goes back to train mode.
-A micro-batch's sampling seed is drawn from (trainer.seed, its first slot): the same rows draw the same tokens in one
-process or over data-parallel ranks, and a resumed run draws what the uninterrupted one drew, with no generator
-state to keep. With grpo.num_iterations = 1 the old policy's log-probabilities are the training forward's own,
-detached: the trainer's recomputation bit for bit (docs/rl.md), so the ratio is exactly 1 and no extra forward runs.
+Before a step's forward (`before_step`) each micro-batch of prompt records becomes a rollout batch:
+the model itself (no copy, DDP's module unwrapped) in eval mode under no_grad samples the
+completions, then goes back to train mode. A micro-batch's sampling seed is drawn from
+(trainer.seed, its first slot): the same rows draw the same tokens in one process or over
+data-parallel ranks, and a resumed run draws what the uninterrupted one drew, with no generator
+state to keep. With grpo.num_iterations = 1 the old policy's log-probabilities are the training
+forward's own, detached: the trainer's recomputation bit for bit (docs/rl.md), so the ratio is
+exactly 1 and no extra forward runs.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from lmforge.train.tasks.base import (
 
 log = logging.getLogger(__name__)
 
-# The statistics a micro-batch's loss returns, summed over micro-batches and ranks (then one triple per function).
+# The statistics a micro-batch's loss returns, summed over micro-batches and ranks (then one triple
+# per function).
 STATS = (
     "tokens",
     "kl",
@@ -65,7 +69,8 @@ STATS = (
 
 
 class Slots(torch.utils.data.Dataset):
-    """Completion slots over prompts: slot g is prompt g // group, with its slot number (the rollout's seed)."""
+    """Completion slots over prompts: slot g is prompt g // group, with its slot number (the
+    rollout's seed)."""
 
     def __init__(self, prompts: torch.utils.data.Dataset, group: int):
         self.prompts, self.group = prompts, group
@@ -78,7 +83,8 @@ class Slots(torch.utils.data.Dataset):
 
 
 def collate_slots(items: list) -> dict:
-    """A micro-batch of slots: its records (each repeated num_generations times) and its first slot."""
+    """A micro-batch of slots: its records (each repeated num_generations times) and its first
+    slot."""
     return {"first_slot": items[0][0], "records": [record for _, record in items]}
 
 
@@ -116,13 +122,19 @@ class GRPO(Task):
 
         template = run_chat_template(cfg, tokenizer, log)
         train_file, _ = data_files(cfg)
-        records = read_prompts(train_file, tokenizer, template, cfg.data.seq_length, g.max_completion_length)
+        records = read_prompts(
+            train_file, tokenizer, template, cfg.data.seq_length, g.max_completion_length
+        )
         if cfg.data.max_train_examples:
             records = records[: cfg.data.max_train_examples]
         prompts = Epochs(records, total_samples(cfg) // g.num_generations, t.seed)
         # The export and `serve` prompt as the chat prompts were rendered.
-        rendered = template.source if template is not None and any(r.chat for r in records) else None
-        return TaskData(Slots(prompts, g.num_generations), None, collate_slots, chat_template=rendered)
+        rendered = (
+            template.source if template is not None and any(r.chat for r in records) else None
+        )
+        return TaskData(
+            Slots(prompts, g.num_generations), None, collate_slots, chat_template=rendered
+        )
 
     def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
         for size, what in (
@@ -139,10 +151,16 @@ class GRPO(Task):
             return
         if cfg.lora is not None:
             self.lora_reference = True
-            log.info("GRPO reference (grpo.beta=%s): the base model without its adapters", cfg.grpo.beta)
+            log.info(
+                "GRPO reference (grpo.beta=%s): the base model without its adapters", cfg.grpo.beta
+            )
         else:
-            log.info("GRPO reference (grpo.beta=%s): a frozen copy of the initial model", cfg.grpo.beta)
-            if layout.shards_model:  # built on the meta device: each rank fills its own shards, as the policy's
+            log.info(
+                "GRPO reference (grpo.beta=%s): a frozen copy of the initial model", cfg.grpo.beta
+            )
+            # built on the meta device: each rank fills its own shards, as the
+            # policy's
+            if layout.shards_model:
                 from lmforge.train.setup import init_model
 
                 dtype = cfg.precision_for(device).param_dtype
@@ -154,13 +172,15 @@ class GRPO(Task):
             self._unlaid = (reference.eval().requires_grad_(False), fill)
 
     def lay_out(self, lay_out) -> None:
-        if getattr(self, "_unlaid", None) is not None:  # laid out as the policy: a ParallelModel, no gradients
+        # laid out as the policy: a ParallelModel, no gradients
+        if getattr(self, "_unlaid", None) is not None:
             self.reference, self._unlaid = lay_out(*self._unlaid), None
 
     # -- the rollouts, before the step's forward ---------------------------------------------
 
     def before_step(self, micro: list, training, step: int) -> list[Batch]:
-        """The step's micro-batches of prompt records as rollout batches, sampled by the training model itself."""
+        """The step's micro-batches of prompt records as rollout batches, sampled by the training
+        model itself."""
         model = unwrap(training.pm.parts[0])
         was_training = model.training
         model.eval()
@@ -169,7 +189,8 @@ class GRPO(Task):
                 rolled = [self._roll_out(model, m, step) for m in micro]
         finally:
             model.train(was_training)
-        if self.cfg.grpo.reward_scaling == "batch":  # the std of every reward of the step, over the ranks too
+        # the std of every reward of the step, over the ranks too
+        if self.cfg.grpo.reward_scaling == "batch":
             from lmforge.parallel import all_reduce_data_parallel
 
             sums = torch.zeros(3, dtype=torch.float64)
@@ -183,9 +204,15 @@ class GRPO(Task):
         return [batch for batch, _ in rolled]
 
     def _seed(self, first_slot: int) -> int:
-        return int(np.random.SeedSequence([self.cfg.trainer.seed, 0x67727030, first_slot]).generate_state(1)[0])
+        return int(
+            np.random.SeedSequence([self.cfg.trainer.seed, 0x67727030, first_slot]).generate_state(
+                1
+            )[0]
+        )
 
-    def _roll_out(self, model: torch.nn.Module, micro: dict, step: int) -> tuple[Batch, torch.Tensor]:
+    def _roll_out(
+        self, model: torch.nn.Module, micro: dict, step: int
+    ) -> tuple[Batch, torch.Tensor]:
         g, G = self.cfg.grpo, self.group
         records = micro["records"][::G]
         stops = _stop_ids(model)
@@ -203,16 +230,24 @@ class GRPO(Task):
         ids = out.completions()
         prompts, columns = reward_inputs(records, G)
         texts = reward_completions(self.tokenizer, records, ids, G, stops)
-        scores = self.rewards(prompts, texts, ids, columns, RewardState(step, self.cfg.trainer.max_steps))
+        scores = self.rewards(
+            prompts, texts, ids, columns, RewardState(step, self.cfg.trainer.max_steps)
+        )
         scaling = "none" if g.reward_scaling == "batch" else g.reward_scaling
         adv = group_advantages(scores.total, G, scaling)
         rows, width = out.completion_ids.shape[0], out.prompt_ids.shape[1]
         device = out.prompt_ids.device
 
-        def full(t: torch.Tensor) -> torch.Tensor:  # completion-width -> prompt + completion (0 on the prompt)
+        # completion-width -> prompt + completion (0 on the prompt)
+        def full(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t.new_zeros(rows, width), t], 1)
 
-        stats = [rows, float(out.truncated.sum()), float(out.completion_mask.sum()), adv.zero_std_fraction * rows]
+        stats = [
+            rows,
+            float(out.truncated.sum()),
+            float(out.completion_mask.sum()),
+            adv.zero_std_fraction * rows,
+        ]
         for column in [scores.total, *scores.per_function.unbind(1)]:
             ok = column[~column.isnan()].double()
             stats += [float(ok.sum()), float((ok * ok).sum()), float(ok.numel())]
@@ -229,8 +264,9 @@ class GRPO(Task):
 
     # -- the loss ------------------------------------------------------------------------------
 
-    # A batch without rollout fields (lmforge plan's stand-in, which samples nothing) is read as a language-model
-    # batch of the same rows: the step's forward and backward, without the rollout's KV cache.
+    # A batch without rollout fields (lmforge plan's stand-in, which samples nothing) is read as a
+    # language-model batch of the same rows: the step's forward and backward, without the rollout's
+    # KV cache.
 
     def inputs(self, batch: Batch):
         if "loss_mask" not in batch:
@@ -239,7 +275,8 @@ class GRPO(Task):
         return batch["input_ids"], labels, {"attention_mask": batch["attention_mask"]}
 
     def count(self, batch: Batch) -> int:
-        """What the step's summed loss is divided by (lmforge.rl.loss): completions, or tokens for dapo."""
+        """What the step's summed loss is divided by (lmforge.rl.loss): completions, or tokens
+        for dapo."""
         if "loss_mask" not in batch:
             return super().count(batch)
         g, rows = self.cfg.grpo, batch["input_ids"].shape[0]
@@ -255,10 +292,13 @@ class GRPO(Task):
         ids, mask = batch["input_ids"], batch["attention_mask"]
         return ids[:, :p], mask[:, :p], ids[:, p:], mask[:, p:]
 
-    def reference_logps(self, model: torch.nn.Module, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def reference_logps(
+        self, model: torch.nn.Module, parts: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
         temperature = self.cfg.grpo.temperature
-        return reference_forward(self.reference, model,
-                                 lambda m: completion_logps(unwrap(m), *parts, temperature)[0])
+        return reference_forward(
+            self.reference, model, lambda m: completion_logps(unwrap(m), *parts, temperature)[0]
+        )
 
     def loss(self, model: torch.nn.Module, batch: Batch, fused: bool = True):
         if "loss_mask" not in batch:
@@ -320,9 +360,9 @@ class GRPO(Task):
 
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module):
-    """FSDP2: every unit's whole parameters gathered for the rollout and kept through its decode steps (a block
-    would otherwise gather again at each token), sharded again after it, before the step's forward and backward.
-    Anything else: as it is."""
+    """FSDP2: every unit's whole parameters gathered for the rollout and kept through its decode
+    steps (a block would otherwise gather again at each token), sharded again after it, before
+    the step's forward and backward. Anything else: as it is."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -331,8 +371,8 @@ def gathered(model: torch.nn.Module):
         return
     inner = [m for m in units if m is not model]
     if isinstance(model, FSDPModule):
-        # The root's set-up, which its first forward would run: a block's forward before it would take the block
-        # for a root (the rollout calls the blocks, not the root's forward).
+        # The root's set-up, which its first forward would run: a block's forward before it would
+        # take the block for a root (the rollout calls the blocks, not the root's forward).
         model._get_fsdp_state()._lazy_init()
         model.unshard()
     for m in inner:
@@ -343,7 +383,8 @@ def gathered(model: torch.nn.Module):
     finally:
         for m in units:
             m.reshard()
-        for m in inner:  # lmforge.parallel.compose shards each block with reshard_after_forward=True
+        # lmforge.parallel.compose shards each block with reshard_after_forward=True
+        for m in inner:
             m.set_reshard_after_forward(True, recurse=False)
 
 
