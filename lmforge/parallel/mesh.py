@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CONTEXT_METHODS = ("ring", "allgather")  # lmforge.parallel.context_attention.METHODS
 
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -57,6 +58,10 @@ class ParallelConfig:
     # split over the tensor ranks as ever); 1 keeps every expert on every rank. See
     # lmforge/parallel/expert.py.
     expert: int = 1
+    # context parallelism: every sequence split over this many ranks in load-balanced chunks, the
+    # layers attending across them (lmforge/parallel/context.py); 1 holds each sequence whole
+    context: int = 1
+    context_method: str = "ring"  # ring | allgather: how keys/values cross the context ranks
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in SCHEDULES:
@@ -65,9 +70,15 @@ class ParallelConfig:
                 f"unknown parallel.pipeline_schedule '{self.pipeline_schedule}'{hint}: "
                 f"choose one of {', '.join(SCHEDULES)}"
             )
-        for name in ("pipeline", "data_replicate", "tensor", "virtual_stages", "expert"):
+        for name in ("pipeline", "data_replicate", "tensor", "virtual_stages", "expert", "context"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_method not in CONTEXT_METHODS:
+            hint = closest(self.context_method, CONTEXT_METHODS)
+            raise UserError(
+                f"unknown parallel.context_method '{self.context_method}'{hint}: "
+                f"choose one of {', '.join(CONTEXT_METHODS)}"
+            )
         if self.fsdp_reduce_dtype not in REDUCE_DTYPES:
             raise UserError(
                 f"parallel.fsdp_reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, "
@@ -98,6 +109,11 @@ class ParallelConfig:
 
     def resolved(self, world_size: int) -> ParallelConfig:
         """A copy with data_shard filled in; UserError when the layout does not divide the world."""
+        if self.context > 1:
+            raise UserError(
+                f"parallel.context={self.context} is not supported by training yet: "
+                "set parallel.context=1"
+            )
         fixed = self.pipeline * self.data_replicate * self.tensor
         shard = self.data_shard
         if shard == -1:
