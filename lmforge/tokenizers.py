@@ -277,8 +277,8 @@ class HFTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # No post-processor bos (Llama's "<s> $A"): add_bos says. encode_batch_fast skips offsets
-        # for about a quarter less CPU time on GPT-2 BPE; older releases lack it (module docstring).
+        # add_special_tokens=False: bos is add_bos's, never a template's (Llama's "<s> $A").
+        # encode_batch_fast (no offsets): about a quarter less CPU on GPT-2 BPE (module docstring).
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in batch(texts, add_special_tokens=False)]
 

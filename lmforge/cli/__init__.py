@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser().print_help()
         return 2
-    # Under torchrun rank 0 logs INFO and the others only warnings and errors (Lightning/NeMo's
-    # rank-zero logging): not every rank the same lines. LMFORGE_LOG_ALL_RANKS=1 logs them all.
+    # Under torchrun only rank 0 logs INFO (the others would repeat it; Lightning/NeMo's rank-zero
+    # logging), the rest warnings and errors. LMFORGE_LOG_ALL_RANKS=1 logs every rank's.
     quiet = os.environ.get("RANK", "0") != "0" and os.environ.get("LMFORGE_LOG_ALL_RANKS", "0") in (
         "0",
         "",
