@@ -27,6 +27,15 @@ tokenizer that puts one only at the start of an input (Metaspace "first", transf
 gets one from those that put it on every text (Meta's tokenizer.model, legacy tokenizer.json files): as each of them
 tokenizes a whole rendered chat.
 
+The special tokens a template sees (`ChatTemplate.__init__`) are what the tokenizer files declare,
+as transformers renders them: a token they name none of is "" (OLMo 2's bos). A bare tokenizer file
+declares nothing: its bos and eos are then those lmforge's export writes into tokenizer_config.json
+(lmforge.models.hf.tokenizer), as are a built-in template's, which writes eos itself. The tokens
+read as tokens in the rendered text are those that transformers'
+`tokenizer(rendered, add_special_tokens=False)` reads: the tokenizer's own (transformers 5 keeps
+added tokens only in tokenizer.json) and those the config names (transformers 4's
+additional_special_tokens and added_tokens_decoder, 5's extra_special_tokens).
+
 Built-in templates (`BUILTIN`), for models without one of their own; each ends an answer with eos:
 
     lmforge   "<|role|>\\ncontent\\n" per message, the answer followed by eos; the prompt ends with "<|assistant|>\\n"
@@ -187,10 +196,8 @@ class ChatTemplate(TemplateRender):
         files = getattr(tokenizer, "files", None)
         declared = declared_tokens(folder, Path(files[0]).parent if files else None)
         config = declared or {}
-        # What the tokenizer files declare, as transformers renders them: a token they name none of
-        # is "" (OLMo 2's bos). A bare tokenizer file declares nothing: its bos and eos are then
-        # those lmforge's export writes into tokenizer_config.json (lmforge.models.hf.tokenizer), as
-        # are a built-in template's, which writes eos itself.
+        # The declared tokens as transformers renders them ("" for one not named: OLMo 2's bos); a
+        # bare tokenizer file or a built-in template gets the bos/eos lmforge's export writes.
         variables = {
             f"{k}_token": _token_text(config.get(f"{k}_token")) or ""
             for k in ("bos", "eos", "unk", "pad")
@@ -201,10 +208,8 @@ class ChatTemplate(TemplateRender):
         ):
             if (declared is None or builtin) and not variables[f"{key}_token"] and i is not None:
                 variables[f"{key}_token"] = tokenizer.id_to_token(i) or ""
-        # Every special token, as transformers' tokenizer(rendered, add_special_tokens=False) reads
-        # the template's text: the tokenizer's own (transformers 5 keeps added tokens only in
-        # tokenizer.json) and those the config names (transformers 4's additional_special_tokens and
-        # added_tokens_decoder, 5's extra_special_tokens).
+        # Every special token transformers reads in the rendered text: the tokenizer's own and those
+        # the config names, in transformers 4's and 5's keys (see the module docstring).
         extra = config.get("extra_special_tokens") or []
         named = [
             *variables.values(),

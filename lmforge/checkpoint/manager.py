@@ -138,9 +138,8 @@ class CheckpointManager(Retention):
         self._writer = (
             ThreadPoolExecutor(1, thread_name_prefix="lmforge-checkpoint") if async_save else None
         )
-        # The write talks to the other ranks from its thread while training talks on the default
-        # group: on one group the two would interleave (gloo aborts), so it has a gloo group of its
-        # own, which is also the CPU backend async_save needs beside NCCL.
+        # The write's thread talks to the ranks while training uses the default group: one group
+        # would interleave them (gloo aborts). Gloo is also async_save's CPU backend beside NCCL.
         self._group = (
             dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         )
@@ -464,9 +463,8 @@ class CheckpointManager(Retention):
                 load_state(state, path)
         except UserError:  # the checkpoint's contents refused (lmforge.dcp_read)
             raise
-        # Across processes DCP gathers every rank's failure into a CheckpointException, a
-        # BaseException (not an Exception); in one process the planner's own ValueError/RuntimeError
-        # comes through.
+        # Across processes DCP gathers the ranks' failures into a CheckpointException (a
+        # BaseException); in one process the planner's own ValueError/RuntimeError comes through.
         except (Exception, CheckpointException) as e:
             raise UserError(
                 f"checkpoint '{path}' does not fit this model/optimizer ({dcp_error_line(e)}): resume "

@@ -148,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     # the verb's (`lmforge data merge`: merge's): its usage
     verb_parser = vars(args).pop("_verb_parser", p)
-    # key=value overrides after the verb's options (`lmforge plan cfg.yaml --world-size 8
-    # parallel.tensor=8`): argparse takes a positional list only before them, so those that follow
-    # are the overrides' too.
+    # argparse takes a positional list only before the options: key=value overrides after them
+    # (`lmforge plan cfg.yaml --world-size 8 parallel.tensor=8`) are the overrides' too.
     if (
         extra
         and isinstance(getattr(args, "overrides", None), list)
@@ -170,9 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser().print_help()
         return 2
-    # Under torchrun every rank would print the same INFO lines: rank 0 says them, the others only
-    # warnings and errors (as Lightning/NeMo's rank-zero logging); LMFORGE_LOG_ALL_RANKS=1 brings
-    # every rank's back.
+    # Under torchrun only rank 0 logs INFO (the others would repeat it; Lightning/NeMo's rank-zero
+    # logging), the rest warnings and errors. LMFORGE_LOG_ALL_RANKS=1 logs every rank's.
     quiet = os.environ.get("RANK", "0") != "0" and os.environ.get("LMFORGE_LOG_ALL_RANKS", "0") in (
         "0",
         "",

@@ -110,9 +110,8 @@ def run(args: argparse.Namespace) -> None:
     from lmforge.models.source import source_config, source_kind
 
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    # Everything the user gave is checked before the tasks' data and the model are read: a bad
-    # --output-path, --max-length or --lora is one line at once, not a traceback (or a changed
-    # score) after the whole evaluation.
+    # The options are checked before the tasks' data and the model are read: a bad --output-path,
+    # --max-length or --lora is one line at once, not a traceback or changed score at the end.
     output = check_results_path(args.output_path) if args.output_path else None
     # the model's config alone (no weights) says
     if args.max_length is not None or args.lora is not None:

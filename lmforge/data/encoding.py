@@ -7,6 +7,13 @@ batch call, which runs on its own thread pool (Hugging Face `tokenizers` uses ev
 TOKENIZERS_PARALLELISM=false); with N > 1, N worker processes tokenize one chunk each,
 single-threaded. Tokenizing is most of the CPU time (see BENCHMARKS.md); the rest is parsing and
 writing, in Python.
+
+With one worker, `THREADS_IN_FLIGHT` batch calls run at once: each releases the GIL, and two keep
+the tokenizer's pool fed while Python parses and writes, and while one call waits on its longest
+document; one call at a time leaves cores idle then. With N workers, a `ProcessPoolExecutor` fed a
+window of futures, not `Pool.imap` as Megatron's preprocess_data.py uses: imap reads the whole input
+ahead into its task queue, and a Pool whose worker dies respawns it and waits forever. The window
+bounds memory; a dead worker raises.
 """
 
 from __future__ import annotations
@@ -218,10 +225,8 @@ def encoded_chunks(
 ) -> Iterator[Done]:
     """Encoded chunks in input order; memory stays bounded by the window of chunks in flight."""
     if workers == 1:
-        # The batch call releases the GIL and tokenizes on the tokenizer's own thread pool (every
-        # core, unless TOKENIZERS_PARALLELISM=false). Two calls in flight keep that pool fed while
-        # Python parses and writes, and while one call waits on its longest document; one call at a
-        # time leaves cores idle then.
+        # Two batch calls in flight (each releases the GIL) keep the tokenizer's thread pool fed
+        # while Python parses and writes, and while one waits on its longest document.
         pool = ThreadPoolExecutor(THREADS_IN_FLIGHT, thread_name_prefix="preprocess")
         yield from _in_order(pool, encoder.encode_chunk, chunks, window=THREADS_IN_FLIGHT + 1)
         return
@@ -237,9 +242,8 @@ def encoded_chunks(
         encoder.tokenizer.parse_special_tokens,
         encoder.prepend_bos,
     )
-    # Not Pool.imap, as Megatron does: it reads the whole input ahead into its task queue, and a
-    # Pool whose worker dies respawns it and waits forever. A window of futures bounds memory; a
-    # dead worker raises.
+    # Not Megatron's Pool.imap, which reads the whole input ahead and waits forever on a dead worker
+    # (module docstring): a window of futures bounds memory, and a dead worker raises.
     pool = ProcessPoolExecutor(
         workers, mp_context=ctx, initializer=_init_worker, initargs=init_args
     )

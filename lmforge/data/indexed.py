@@ -227,9 +227,8 @@ class IndexedDatasetWriter:
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         final_bin = bin_path(self.prefix)
         final_bin.parent.mkdir(parents=True, exist_ok=True)
-        # Hidden temporary names: a glob for *.bin never picks up a file still being written.
-        # fsutil's leftover names, so a later run knows whose they are; a PID reused (a container's)
-        # reuses a dead run's name.
+        # Hidden names in fsutil's leftover form: a *.bin glob never sees a file being written, a
+        # later run knows whose it is, and a reused PID (a container's) reuses a dead run's name.
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = final_bin.with_name(f".{final_bin.name}{tag}")
         self._tmp_idx = final_bin.with_name(f".{idx_path(self.prefix).name}{tag}")

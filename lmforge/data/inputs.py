@@ -236,9 +236,8 @@ def parquet_file(path: Path, keys: Sequence[str]):
     pq = need("pyarrow.parquet", "reading Parquet files")
     pa = need("pyarrow", "reading Parquet files")
     try:
-        # Streamed reads through a small buffer instead of pyarrow's default of fetching each row
-        # group's column chunks whole first: memory then follows the batch, not the row group (which
-        # some writers make 1 GB).
+        # A small streamed buffer, not pyarrow's default of fetching a row group's column chunks
+        # whole: memory follows the batch, not the row group (some writers make it 1 GB).
         pf = pq.ParquetFile(path, buffer_size=READ_BLOCK, pre_buffer=False)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"cannot read {path} as Parquet ({e}): check the file is intact") from e

@@ -212,9 +212,8 @@ def _arrow_records(
     import pyarrow.ipc
 
     path = piece.source.path
-    # Read through a file handle, not a memory map: mapped pages would count in resident memory up
-    # to the file's size. datasets writes the stream format; the file format (Feather v2) starts
-    # with ARROW1.
+    # A file handle, not a memory map, whose pages would count in resident memory up to the file's
+    # size. datasets writes the stream format; the file format (Feather v2) starts with ARROW1.
     with pa.OSFile(str(path)) as f:
         try:
             if f.read(6) == b"ARROW1":

@@ -148,9 +148,8 @@ class LMForgeLM(TemplateLM):
             and string.startswith(self.tokenizer.decode([self.prefix_token_id]))
         ):
             bos = False
-        # Special-token text in a task ("<unk>" all over WikiText v1) becomes that token, as the hf
-        # backend's tokenizer reads it; lmforge reads it as characters elsewhere (see
-        # lmforge.tokenizers), so only here.
+        # Special-token text in a task ("<unk>" all over WikiText v1) is that token, as the hf
+        # backend reads it, here only: lmforge.tokenizers reads it as characters elsewhere.
         with self.tokenizer.reading_special_tokens():
             return self.tokenizer.encode(string, add_bos=bos)
 

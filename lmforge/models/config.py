@@ -150,9 +150,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # context extension (Llama 3.1: llama3, factor 8)
     # sliding-window layers' own plain rotary base (Gemma 3: 10,000)
     rotary_base_local: float | None = None
-    # Sliding-window attention (Mistral, Gemma 2/3): a token attends to itself and the
-    # sliding_window - 1 before it, on the layers whose layer_types entry is "sliding_attention"
-    # (None: every layer once a window is set).
+    # Sliding-window attention (Mistral, Gemma 2/3): a token sees itself and the window - 1 before
+    # it, on layer_types' "sliding_attention" layers (every layer when layer_types is None).
     sliding_window: int | None = None
     # per layer: full_attention | sliding_attention (transformers' names)
     layer_types: list[str] | None = None
@@ -160,9 +159,8 @@ class ModelConfig:
     attention_bias: bool = True  # biases on the attention projections
     # the q/k/v projections' bias; default attention_bias (Qwen2: True, o_proj none)
     qkv_bias: bool | None = None
-    # Normalise queries and keys before the rotation: "head" over each head's dims, one weight
-    # shared by the heads (Qwen3, Gemma 3); "full" over all of q (and all of k) at once (OLMo 2).
-    # Same norm type and eps as the model's.
+    # Norm of queries and keys before the rotation (the model's norm and eps): "head" over each
+    # head's dims, one weight for all heads (Qwen3, Gemma 3); "full" over all of q and k (OLMo 2).
     qk_norm: str = "none"
     mlp_bias: bool = True  # biases on the MLP's linears
     lm_head_bias: bool = False  # a bias on the output head
@@ -178,9 +176,8 @@ class ModelConfig:
     num_labels: int = 0  # > 0: sequence-classification head instead of the LM/MLM head
     pooler: bool = False  # BERT pooler (dense + tanh over [CLS]); implied by num_labels > 0
 
-    # Mixture of experts (Mixtral, Qwen3-MoE): num_experts > 0 replaces the MLP of the MoE layers by
-    # a router and num_experts SwiGLU experts of moe_intermediate_size, each token going to its
-    # experts_per_token best.
+    # Mixture of experts (Mixtral, Qwen3-MoE): > 0 replaces the MoE layers' MLP by a router and this
+    # many SwiGLU experts of moe_intermediate_size, each token going to its experts_per_token best.
     num_experts: int = 0
     experts_per_token: int = 2  # the top k experts a token is routed to
     # default intermediate_size (which the dense layers keep)
@@ -193,11 +190,11 @@ class ModelConfig:
     moe_every: int = 1
     # ... and it is not listed here (Qwen3-MoE's mlp_only_layers)
     dense_layers: list[int] | None = None
-    # Training: the load-balancing loss (Switch Transformer, as transformers computes it over all
-    # MoE layers) times this is added to the loss; the router z-loss (ST-MoE: mean squared logsumexp
-    # of the router logits) times its own.
+    # the load-balancing loss's weight in the training loss (Switch Transformer's, as transformers
+    # computes it over all MoE layers)
     router_aux_loss_coef: float = 0.001
-    router_z_loss_coef: float = 0.0  # the router z-loss's weight in the loss
+    # the router z-loss's weight in the training loss (ST-MoE: mean squared logsumexp of the logits)
+    router_z_loss_coef: float = 0.0
 
     # embedding rows padded to a multiple (Megatron's); x the TP degree
     make_vocab_size_divisible_by: int = 128

@@ -1,5 +1,12 @@
 """One decoder for every decoder family (GPT-NeoX/Pythia, Llama, Qwen, Mistral, GPT-2, GPT-J
-...): embeddings, blocks, norm, head."""
+...): embeddings, blocks, norm, head.
+
+A pipeline stage (lmforge.parallel.pipeline) is a Decoder without the modules it does not hold: one
+that is not the first (`Decoder.is_first`) takes the previous stage's hidden states in place of
+input_ids, one that is not the last (`is_last`) returns its blocks' output. Flags, not the modules'
+presence, say which: a tied model's last stage holds `embed` for its head but must not embed its
+input. A whole model is both.
+"""
 
 from __future__ import annotations
 
@@ -26,11 +33,8 @@ from lmforge.models.rope import RotaryEmbedding
 class Decoder(nn.Module):
     # Parameters whose first dimension is the padded vocabulary (rows past vocab_size are padding).
     vocab_parameters = ("embed.weight", "lm_head.weight", "lm_head.bias")
-    # A pipeline stage (lmforge.parallel.pipeline) is a Decoder without the modules it does not
-    # hold: one that is not the first takes the previous stage's hidden states in place of
-    # input_ids, one that is not the last returns its blocks' output. Flags, not the modules'
-    # presence, say which: a tied model's last stage holds `embed` for its head but must not embed
-    # its input. A whole model is both.
+    # Which ends of a pipeline this stage holds (see the module docstring): flags, since a tied
+    # model's last stage holds `embed` for its head but must not embed its input.
     is_first = is_last = True
 
     def __init__(self, cfg: ModelConfig):

@@ -1,5 +1,12 @@
 """BERT: a bidirectional, post-norm encoder built from the decoder's blocks, with an MLM head
-and a sequence-classification head."""
+and a sequence-classification head.
+
+The MLM head's logits (`MLMHead.forward`) are F.linear's 2-D product with a bias, viewed as (batch,
+seq, vocab). A view returned by an FSDP2 unit (a pipeline's last stage) draws torch's warning that
+an in-place op on it would drop the unit's pre-backward hook: none is made, but the warning would
+hide one that matters. The head returns `aten._unsafe_view` of it instead, which is what torch's
+matmul returns: the same storage, not tracked as a view (nothing else holds the product).
+"""
 
 from __future__ import annotations
 
@@ -58,11 +65,8 @@ class MLMHead(nn.Module):
         logits = self.vocab_projection(
             self.norm(self.act(self.dense(h))), word_embeddings, self.bias
         )
-        # F.linear with a bias returns its 2-D product viewed as (batch, seq, vocab). A view
-        # returned by an FSDP2 unit (a pipeline's last stage) draws torch's warning that an in-place
-        # op on it would drop the unit's pre-backward hook: none is made, but the warning would hide
-        # one that matters. _unsafe_view is what torch's matmul returns: the same storage, not
-        # tracked as a view (nothing else holds the product).
+        # Not a view of F.linear's product: one returned by an FSDP2 unit draws torch's in-place
+        # hook warning (see the module docstring). _unsafe_view is what torch's matmul returns.
         if type(logits) is torch.Tensor and logits._base is not None:
             logits = torch.ops.aten._unsafe_view(logits, logits.shape)
         return logits

@@ -178,9 +178,8 @@ class Attention(nn.Module):
             y = mask.attend(q, k, v, self.window, self.scale, self.softcap, dropout)
             return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         if cache is not None:
-            # Write this step's keys/values into their slots, then attend over the whole fixed-size
-            # buffer (the mask hides empty and padding slots): shapes never change from one decode
-            # step to the next.
+            # This step's keys/values into their slots, then attention over the whole fixed-size
+            # buffer (the mask hides empty and padding slots): decode steps never change shape.
             k, v = cache.update(k, v)
         y = attention(
             q,

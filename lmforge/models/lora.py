@@ -108,13 +108,9 @@ class LoRAConfig:
     # Short names ("q,v", a list), "all-linear", or "default": PEFT's default for the family, q and
     # v (the fused qkv projection where Hugging Face has one).
     targets: list[str] | str = "default"
-    # Hold the frozen base in bf16 (adapters stay fp32). Under FSDP2 a block then holds two dtypes:
-    # its all-gather carries them as bytes, and only the fp32 adapters have gradients to
-    # reduce-scatter.
-    bf16_base: bool = False
+    bf16_base: bool = False  # hold the frozen base in bf16 (adapters stay fp32), under FSDP2 too
     # The frozen base's dtype: fp32 (the run's), bf16 (as bf16_base=true), or nf4: QLoRA, the
-    # blocks' linear weights in torchao's 4-bit NormalFloat (the rest in bf16; torchao, on a CUDA
-    # GPU or the CPU: lmforge.train.lora).
+    # blocks' linears in torchao's 4-bit NormalFloat, the rest bf16 (torchao; CUDA GPU or CPU).
     base_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -275,9 +271,8 @@ class LoRALinear(nn.Linear):
         # Scale the rank-sized activations, not the output, and add B's product into y in one GEMM
         # (addmm's beta = 1): no extra output-sized temporaries.
         a_all = list(self.lora_A.values())
-        # Under autocast the product runs in its dtype whatever x's: a bf16 base's x cast to the
-        # fp32 adapters' dtype would be cast straight back (two activation-sized copies forward, two
-        # for its gradient, for the same bits).
+        # Autocast runs the product in its own dtype: a bf16 x cast to the fp32 adapters' would be
+        # cast straight back (two activation-sized copies forward, two backward, the same bits).
         dtype = x.dtype if torch.is_autocast_enabled(x.device.type) else a_all[0].dtype
         if len(a_all) == 1 or not (self.training and isinstance(self.lora_dropout, nn.Dropout)):
             h = F.linear(
@@ -471,9 +466,8 @@ def init_adapters(parts: list[nn.Module], lora: LoRAConfig, seed: int = 0) -> No
     }
     generator = torch.Generator().manual_seed(seed)
     targets, experts = target_modules(model, lora)
-    # Meta twins of the modules apply_lora makes, in its order (the linears, then the experts): the
-    # order of a twin's lora_A (nn.ParameterDict's) is the order its constructor draws in, and each
-    # A is drawn as it draws it.
+    # Meta twins of apply_lora's modules in its order (linears, then experts): a twin's lora_A keys
+    # come in its constructor's draw order, and each A is drawn as that constructor draws it.
     twins = [
         (
             name,

@@ -6,7 +6,11 @@ reduce-scatter (n-1)/n x the full (gathered) tensor. With those:
 
 - data parallel, DDP: one all-reduce of the gradients of the rank's model part per step.
   FSDP (ZeRO-3): all-gather of the parameters for the forward and again for the backward, and a
-  reduce-scatter of the gradients: 3 (n-1)/n x the part, vs DDP's 2 (n-1)/n.
+  reduce-scatter of the gradients: 3 (n-1)/n x the part, vs DDP's 2 (n-1)/n. FSDP2 pays it every
+  micro batch: each block's parameters gathered twice (blocks reshard after forward), the root's
+  once (FSDP2 keeps the root unsharded from forward to backward), and the gradients
+  reduce-scattered after every micro batch (holding them unsharded until the last would keep the
+  whole model's gradients on every rank).
 - tensor parallel (Megatron, Shoeybi et al. 2019; with sequence parallelism, Korthikanti et al.
   2022): per layer and micro batch, two all-reduces in the forward and two in the backward of the
   (micro, seq, hidden) activations; sequence parallelism replaces each by an all-gather plus a
@@ -156,11 +160,8 @@ def step_bytes(
     if n == 1:
         payload_data = data = 0.0
     elif layout.data_parallel == "fsdp":
-        # Every micro batch gathers each block's parameters twice (forward, then again for the
-        # backward: blocks reshard after forward) and the root's once (FSDP2 keeps the root
-        # unsharded between forward and backward); gradients are reduce-scattered after every micro
-        # batch (holding them unsharded until the last would keep the whole model's gradients on
-        # every rank).
+        # Per micro batch: blocks gathered twice (they reshard after forward), the root once, the
+        # gradients reduce-scattered (the FSDP bullet of the module docstring says why).
         gathers = micro_batches * (2 * blocks + ends) * param_bytes
         scatter = (
             micro_batches
@@ -174,9 +175,8 @@ def step_bytes(
         payload_data = (blocks + ends) * grad_bytes
         data = 2 * (n - 1) / n * payload_data
     layers = -(-cfg.num_layers // p)
-    # All-reduces of one (b, s, h) activation per micro batch: 2 per layer forward (attention and
-    # MLP outputs) and 2 backward (their inputs' gradients), the embedding's output, the head's
-    # input gradient.
+    # (b, s, h) all-reduces per micro batch: 4 a layer (attention and MLP outputs forward, their
+    # inputs' gradients backward), the embedding's output and the head's input gradient.
     exchanges = 4 * layers + 2
     payload_tensor = micro_batches * exchanges * act if t > 1 else 0.0
     if layout.sequence_parallel:  # each all-reduce is an all-gather plus a reduce-scatter

@@ -164,9 +164,8 @@ def apply_fsdp(
         kwargs["mp_policy"] = mp_policy
     for block in blocks(part):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
-    # The root unit keeps torch's default unless told not to reshard: its parameters stay gathered
-    # from the forward to the backward that needs them at once (an explicit True would all-gather
-    # them again).
+    # The root keeps torch's default (its parameters stay gathered from the forward to the backward
+    # that needs them at once) unless told not to reshard: an explicit True would gather them again.
     fully_shard(
         part, **kwargs, **({} if reshard_after_forward else {"reshard_after_forward": False})
     )
@@ -198,14 +197,12 @@ def apply_ddp(model: nn.Module, dp_mesh, device: torch.device) -> nn.Module:
     from lmforge.models.nf4 import is_nf4
 
     experts = expert_parameters(model)
-    # Experts laid out by expert parallelism reduce their gradients themselves; QLoRA's NF4 weights
-    # are frozen and quantized alike on every rank (DDP's broadcast of them at the start would meet
-    # torchao's tensor class).
+    # Experts under expert parallelism reduce their own gradients; QLoRA's NF4 weights are frozen
+    # and alike on every rank (DDP's first broadcast of them would meet torchao's tensor class).
     ignored = [n for n, p in model.named_parameters() if p in experts or is_nf4(p)]
     if not any(p.requires_grad for p in model.parameters() if p not in experts):
         # Nothing left for DDP to reduce (LoRA on the experts alone, under expert parallelism):
-        # torch refuses to wrap such a model, and the ranks already hold the same frozen weights
-        # (built alike).
+        # torch refuses to wrap it, and the ranks hold the same frozen weights (built alike).
         return model
     if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

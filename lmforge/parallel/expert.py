@@ -377,9 +377,8 @@ def shard_experts(part: nn.Module, reshard_after_forward: bool = True, mp_policy
             **kwargs,
         )
         layer.experts.set_gradient_divide_factor(float(dispatch.data_parallel))
-        # Over one shard rank torch 2.13 divides by the factor when it copies the gradient in place
-        # of the reduce-scatter, and again after the replicas' all-reduce if sums are forced: there
-        # it uses no PREMUL_SUM.
+        # Over one shard rank torch 2.13 divides by the factor at the copy standing in for the
+        # reduce-scatter and, with sums forced, again after the all-reduce (no PREMUL_SUM there).
         layer.experts.set_force_sum_reduction_for_comms(shard > 1)
 
 

@@ -26,7 +26,11 @@ TraceMode is the dispatch mode around the traced code:
   the op and the lmforge line that called it: with NCCL that collective fails at step 1;
 - data-dependent values get plausible stand-ins instead of data: `x.item()` gives 1 (a loss, a
   norm, a count), `bool(t.any())` False and other booleans True (no anomaly, no padding), and
-  `nonzero` every element (an upper bound on what the indexed copy holds).
+  `nonzero` every element (an upper bound on what the indexed copy holds);
+- it keeps the peak of each phase since reset_peak too (`phase_peaks`), a phase being a stretch of
+  forward (or other non-autograd work) or of backward: at a larger depth each phase's peak grows
+  with the blocks, while which phase holds the step's peak can change (lmforge.train.plan
+  extrapolates them one by one).
 """
 
 from __future__ import annotations
@@ -83,9 +87,8 @@ def fake_world(device: torch.device, world_size: int, rank: int = 0) -> Iterator
         raise RuntimeError("fake_world needs a process without a process group")
     backend = "fake" if device.type == "cpu" else f"{device.type}:fake"
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
-    # With a device-qualified backend torch leaves the group's default backend type unset when
-    # another plugin was registered first, and destroying it printed a C++ warning ("No backend of
-    # type 0 found") on every trace.
+    # torch leaves a device-qualified group's default backend type unset when another plugin came
+    # first, and destroying the group then warns "No backend of type 0 found" (C++) on every trace.
     with contextlib.suppress(AttributeError, RuntimeError):
         dist.distributed_c10d._get_default_group()._set_default_backend(
             dist.ProcessGroup.BackendType.CUSTOM
@@ -125,15 +128,12 @@ class TraceMode(TorchDispatchMode):
         self.peak = 0
         # live bytes when the first backward began (saved activations)
         self.at_backward: int | None = None
-        # The peak of each phase since reset_peak, a phase being a stretch of forward (or other
-        # non-autograd work) or of backward: at a larger depth each phase's peak grows with the
-        # blocks, while which phase holds the step's peak can change (lmforge.train.plan
-        # extrapolates them one by one).
+        # The peak of each phase (a forward or backward stretch) since reset_peak, which
+        # lmforge.train.plan extrapolates one by one (see the module docstring).
         self.phase_peaks: list[int] = [0]
         self._in_backward = False
-        # Bytes each kind of collective moved (see collective_kind), counted as its largest tensor:
-        # the gathered output of an all-gather, the unreduced input of a reduce-scatter (nccl-tests'
-        # "size").
+        # Bytes by kind of collective (collective_kind), counted as its largest tensor (nccl-tests'
+        # "size"): an all-gather's gathered output, a reduce-scatter's unreduced input.
         self.collective_bytes: dict[str, int] = {}
         self._any: dict[int, bool] = {}
 
@@ -448,9 +448,8 @@ def _register_standin() -> None:
     aten = torch.library.Library("aten", "IMPL", "AutocastPrivateUse1")
     for op in _LOWER_PRECISION_OPS:
         aten.impl(op, _autocast_kernel(getattr(torch.ops.aten, op).default), "AutocastPrivateUse1")
-    # Attention as CUDA runs it for training: a fused kernel (memory-efficient attention, which
-    # takes masks and fp32 too) saving the output and log-sum-exp, not the math path's (query x key)
-    # probabilities.
+    # Attention as CUDA trains it: a fused kernel (memory-efficient attention: masks and fp32 too)
+    # saving the output and log-sum-exp, not the math path's (query x key) probabilities.
     autograd = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
     autograd.impl("scaled_dot_product_attention", _fused_attention, "AutogradPrivateUse1")
     _registered.extend([anything, aten, autograd])

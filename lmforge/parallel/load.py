@@ -302,9 +302,8 @@ def _from_hf(folder: Path, cfg: ModelConfig, targets: dict[str, torch.Tensor]) -
     for row in mapping:
         if row[0] not in targets:  # another pipeline stage's: not even read
             continue
-        # One row per call, the generator run to its end: a suspended generator would still hold the
-        # previous full tensor while the next one is converted. The target config pads the
-        # vocabulary rows to the run's multiple directly.
+        # One row per call, the generator run out: a suspended one would hold the previous full
+        # tensor while the next converts. The target config pads vocab rows to the run's multiple.
         [(name, full)] = list(import_tensors([row], cfg, shapes, model.vocab_parameters, source))
         target = targets[name]
         _local(target).copy_(full[local_box(target)])

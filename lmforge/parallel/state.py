@@ -135,9 +135,8 @@ def clip_grad_norm_(pm, max_norm: float) -> torch.Tensor:
     align_gradients(pm)
     norm = grad_norm(pm)
     if max_norm > 0:
-        # Decided on the device, as torch.nn.utils.clip_grad_norm_ does: a factor of exactly 1
-        # leaves a gradient bit for bit as it is, so no host sync is needed to choose whether to
-        # scale.
+        # Decided on the device, as clip_grad_norm_ does: a factor of exactly 1 leaves a gradient
+        # bit for bit as it is, so choosing whether to scale needs no host sync.
         scale = torch.where(norm.isfinite() & (norm > max_norm), max_norm / (norm + 1e-6), 1.0)
         for part in pm.parts:
             for p in part.parameters():

@@ -24,6 +24,11 @@ With sequence parallelism (Korthikanti et al. 2022) the residual stream between 
 is split along the sequence: norms and dropout run on 1/TP of the tokens, and each all-reduce
 becomes a reduce-scatter + all-gather pair (the same bytes, 1/TP of the activation memory).
 Between modules every activation stays a plain local tensor; DTensors live inside the plans.
+
+`apply_tensor_parallel` silences one warning: torch 2.6's distribute_tensor asks on every call
+whether the mesh's device keeps DTensor's RNG state, and on a CPU mesh warns "DTensor random
+operators may not have complete support" for each weight it shards, though sharding draws nothing
+(later releases ask only at a random op, where the warning still shows).
 """
 
 from __future__ import annotations
@@ -355,10 +360,8 @@ def apply_tensor_parallel(
     loss, and its backward, under `loss_parallel()` (ParallelModel.loss_context()).
     """
     with warnings.catch_warnings():
-        # torch 2.6's distribute_tensor asks whether the mesh's device keeps DTensor's RNG state on
-        # every call, and on a CPU mesh warns "DTensor random operators may not have complete
-        # support" for each weight it shards; sharding draws nothing (later releases ask only at a
-        # random op, where the warning still shows).
+        # torch 2.6 warns of DTensor's random ops for each weight it shards on a CPU mesh, though
+        # sharding draws nothing (see the module docstring).
         warnings.filterwarnings(
             "ignore", message="DTensor random operators may not have complete support"
         )

@@ -7,6 +7,12 @@ wrote them: one process, DDP, FSDP2, or tensor x pipeline x data parallel (lmfor
 then reshards both on load, so a run saved at (tp=2, pp=2) resumes at (dp=2) or on one process.
 Checkpoints written before the flat form (one "optim.param_groups" list) still load, in their
 layout.
+
+QLoRA's NF4 weights are frozen, read from model.init_from and quantized the same way by every
+layout, so a checkpoint leaves them out (`TrainCheckpoints.state_dicts`): DCP would pickle torchao's
+tensor class, which a safe load refuses, and a resume under another layout could not fill them piece
+by piece. A resume keeps those it read, and export-hf / serve of the checkpoint read them from
+model.init_from again (load_checkpoint_whole).
 """
 
 from __future__ import annotations
@@ -39,11 +45,8 @@ class TrainCheckpoints(CheckpointManager):
         if optimizer is not None and _nested_optimizer_state(path):
             return super().state_dicts(model.pm.parts[0], model.optimizer.optimizers[0], path)
         model_sd, optim_sd = model.state_dicts()
-        # QLoRA's NF4 weights are frozen, read from model.init_from and quantized the same way by
-        # every layout: a checkpoint leaves them out (DCP would pickle torchao's tensor class, which
-        # a safe load refuses, and a resume under another layout could not fill them piece by
-        # piece); a resume keeps those it read, and export-hf / serve of the checkpoint read them
-        # from model.init_from again (load_checkpoint_whole).
+        # QLoRA's frozen NF4 weights stay out (DCP would pickle torchao's class): a resume keeps
+        # them, export-hf and serve read model.init_from again (see the module docstring).
         model_sd = {k: t for k, t in model_sd.items() if not is_nf4(t)}
         return model_sd, optim_sd if optimizer is not None else None
 

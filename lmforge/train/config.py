@@ -78,16 +78,14 @@ class DataConfig:
     train_file: str | None = None
     valid_file: str | None = None  # scored once whole at each validation
     # sft/dpo: train on the first N records of data.train_file only (transformers' examples'
-    # --max_train_samples): a first try or a debugging run that learns its few records visibly in
-    # seconds. None: every record.
+    # --max_train_samples), for a first try that learns them visibly in seconds. None: every record.
     max_train_examples: int | None = None
     cache_dir: str | None = None  # sample-index cache; default beside the data
     packing: bool = False  # sft: pack several examples per sequence (attention kept inside each)
     # sft without a chat template: Alpaca records' prompt (default Stanford's)
     prompt_template: str | None = None
-    # sft/dpo: auto (the model's own chat template, else built-ins per record kind), model (its own,
-    # required), a built-in (lmforge, chatml, alpaca, plain) or a .jinja file. The export carries it
-    # (lmforge.chat_template).
+    # sft/dpo: auto (the model's own chat template, else a built-in per record kind), model (its
+    # own, required), a built-in (lmforge, chatml, alpaca, plain) or a .jinja file (exported too).
     chat_template: str = "auto"
     # sft: loss on the assistant's tokens only; false: on every token
     assistant_only_loss: bool = True
@@ -96,13 +94,11 @@ class DataConfig:
     # classification: the text column (default: `sentence`, else `text`)
     text_key: str | None = None
     label_key: str = "label"  # classification: the label column
-    # Data-loader processes. None: 2 on an accelerator (batches are read while the device computes),
-    # 0 on the CPU (its cores compute the step). Every sample depends on its index only: the data
-    # are the same either way.
+    # Data-loader processes. None: 2 on an accelerator (reading while the device computes), 0 on
+    # the CPU (its cores run the step). A sample depends only on its index, not on this number.
     num_workers: int | None = None
-    # Fine-tuning batches are padded to their longest example rounded up to this multiple (capped at
-    # seq_length). None: 64 with trainer.compile (a few static shapes instead of one graph per
-    # length, or dynamic-shape kernels), else 8.
+    # Fine-tuning batches: padded to the longest example rounded up to this (capped at seq_length).
+    # None: 64 with trainer.compile (a few static shapes, not a graph per length), else 8.
     pad_to_multiple_of: int | None = None
 
     def __post_init__(self) -> None:
@@ -258,9 +254,8 @@ class ModelSection:
     init_from: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # the ModelConfig fields as written
     config: ModelConfig | None = None
-    # A resume whose init_from is gone: the run's newest checkpoint, whose config then defines the
-    # model (the resume fills every weight; lmforge.train.setup.stand_in_source). Not part of the
-    # section as written.
+    # A resume whose init_from is gone: the newest checkpoint, whose config defines the model (the
+    # resume fills every weight; setup.stand_in_source). Not part of the section as written.
     stand_in: str | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -335,9 +330,8 @@ class ModelSection:
                 if f.name not in allowed and getattr(self.config, f.name) != getattr(source, f.name)
             ]
             shown = ", ".join(differ[:6]) + (" ..." if len(differ) > 6 else "")
-            # Fields written out (the recipe's, or typed on the command line) say more than the
-            # preset's: a warning names them (and the preset with them), else one line says the
-            # preset is not used.
+            # Fields written out (recipe or command line) say more than a preset: a warning names
+            # them and the preset; else one line says the preset is not used.
             named = [k for k in self.overrides if k not in allowed and k in differ]
             if named:
                 log.warning(

@@ -384,9 +384,8 @@ class MetricSink:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                # purge_step: readers hide the events earlier writers logged at steps >= it (a
-                # resumed run's start + 1 drops what a killed run logged past its checkpoint; 1, a
-                # restart from scratch, all).
+                # purge_step: readers hide earlier writers' events at steps >= it (a resume's
+                # start + 1 drops what a killed run logged past its checkpoint; 1, a restart, all).
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
             except ImportError:
                 log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")

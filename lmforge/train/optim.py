@@ -5,6 +5,11 @@ Full bf16 (the NeoX/Pythia-on-Trainium recipe): weights and both Adam moments li
 every value written back is rounded *stochastically* to bf16. Round-to-nearest would drop any
 update smaller than half a bf16 ulp of the weight (|w| * 2^-9), so late in training, with small
 learning rates, weights stop moving; stochastic rounding keeps each update in expectation.
+
+Under FSDP2 and tensor parallelism the parameters are DTensors: `AdamWSR.step` updates each rank's
+local shard in place. A tensor-parallel gradient may be laid out unlike its parameter (a
+sequence-parallel norm's is a partial sum, a vocabulary-parallel embedding's replicated): it is laid
+out the same first.
 """
 
 from __future__ import annotations
@@ -218,9 +223,8 @@ class AdamWSR(torch.optim.Optimizer):
         self.seed = seed
         # None: CPU_CHUNK or ACCELERATOR_CHUNK by the parameters' device
         self.chunk_size = chunk_size
-        # lmforge plan's fake trace updates the first chunk of each group only: every chunk goes
-        # through the same work buffers, so the memory is the same, and a 20B model's chunks on fake
-        # tensors take minutes.
+        # lmforge plan's fake trace updates each group's first chunk only: every chunk uses the same
+        # work buffers (the same memory), and a 20B model's chunks on fake tensors take minutes.
         self.first_chunk_only = False
         self._work: dict[str, torch.Tensor] = {}
         # the accelerator's compiled update failed once: eager from then on
@@ -265,10 +269,8 @@ class AdamWSR(torch.optim.Optimizer):
                 t = int(state["step"].item())  # a CPU tensor: no device sync
                 if keys is None:  # the step's noise keys, the same on every rank and device
                     keys = _hash_keys(torch.Generator().manual_seed(self.seed * 1_000_003 + t), 4)
-                # FSDP2 and tensor-parallel parameters are DTensors: update each rank's local shard
-                # in place. A tensor-parallel gradient may be laid out unlike its parameter (a
-                # sequence-parallel norm's is a partial sum, a vocabulary-parallel embedding's
-                # replicated): lay it out the same first.
+                # DTensors (FSDP2, TP): the local shard updated in place, the gradient first laid
+                # out like it (a sequence-parallel norm's is a partial sum; module docstring).
                 grad = p.grad
                 if hasattr(grad, "placements") and grad.placements != p.placements:
                     grad = grad.redistribute(p.device_mesh, p.placements)

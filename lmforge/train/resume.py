@@ -119,9 +119,8 @@ class ConfigDiff:
             self.changes["processes"] = (saved_processes, self.processes)
         moved = self.changes.pop("model.init_from", None)
         if moved is not None and not same_source(checkpoint, *moved):
-            # Another starting model of the same shape: the resume would go on from the checkpoint's
-            # weights and never read it. A source no longer where the run found it (moved, renamed)
-            # is only noted.
+            # Another starting model of the same shape is refused (the resume would never read it);
+            # a source no longer where the run found it (moved, renamed) is only noted.
             old = run_path(checkpoint, moved[0]) if moved[0] else None
             (refused if old is not None and old.exists() else self.changes)["model.init_from"] = (
                 moved

@@ -206,9 +206,8 @@ class ParallelTraining:
         mp_policy = fsdp_mixed_precision(layout, precision.param_dtype, precision.autocast_dtype)
         if pipeline_rows is not None:
             shards = layout.tensor if layout.tensor > 1 and layout.sequence_parallel else 1
-            # FSDP2's mixed precision computes each stage with bf16 weights and casts its inputs:
-            # the stages then exchange bf16 hidden states (fp32 under autocast alone, whose residual
-            # stream stays fp32).
+            # Stages exchange bf16 hidden states under FSDP2's mixed precision (bf16 weights, inputs
+            # cast), fp32 under autocast alone (its residual stream stays fp32).
             hidden = (
                 mp_policy.param_dtype
                 if mp_policy is not None and layout.data_parallel > 1

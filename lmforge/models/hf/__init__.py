@@ -317,9 +317,8 @@ def write_hf(
 
     adapter = adapter_for(cfg.family)
     tokenizer = folder_tokenizer(side_dir)
-    # bos/eos/pad as the exported tokenizer has them: a preset's are its own tokenizer's (Pythia's
-    # eos 0 is "!" to GPT-2's vocabulary, where transformers' generate then stopped), and a
-    # classifier needs a pad id.
+    # bos/eos/pad as the exported tokenizer has them, not a preset's (Pythia's eos 0 is "!" to
+    # GPT-2's vocabulary: transformers' generate stopped there); a classifier needs a pad id.
     if tokenizer is not None:
         cfg = with_special_ids(cfg, tokenizer)
     hf = adapter.config_to_hf(cfg)
@@ -349,9 +348,8 @@ def write_hf(
         copy_licenses(side_dir, tmp)
         own = sorted(side_dir.glob("*tokenizer.json"))
         if not (tmp / "tokenizer.json").exists() and len(own) == 1:
-            # A run's tokenizer keeps its own name (GPT-NeoX's 20B_tokenizer.json), which
-            # transformers never looks for: without tokenizer.json its AutoTokenizer loads an empty
-            # tokenizer and says nothing.
+            # transformers never looks for a run's own name (GPT-NeoX's 20B_tokenizer.json): without
+            # a tokenizer.json its AutoTokenizer loads an empty tokenizer and says nothing.
             shutil.copy2(folder_file(side_dir, own[0].name), tmp / "tokenizer.json")
         if tokenizer is not None:
             write_tokenizer_files(tokenizer, tmp, cfg.max_position_embeddings, cfg.pad_token_id)

@@ -56,9 +56,8 @@ class Task:
     # Fixed-length Megatron samples: no tokenizer needed, validation on a fixed number of samples
     # (the same ones every time), `lmforge pretrain` rather than `lmforge finetune`.
     pretraining: ClassVar[bool] = False
-    # How many statistics `loss` returns after the loss and the count (a tuple when more than one):
-    # summed over micro-batches and data-parallel ranks, then handed to `metrics` (validation) and
-    # `train_metrics` (each step).
+    # How many statistics `loss` returns after the loss and the count (a tuple when > 1), summed
+    # over micro-batches and ranks, then handed to `metrics` (validation) and `train_metrics`.
     num_stats: ClassVar[int] = 1
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:

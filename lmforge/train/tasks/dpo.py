@@ -12,6 +12,12 @@ log-probabilities in the data file (ref_chosen_logps / ref_rejected_logps), the 
 under LoRA (no second model), or a frozen copy of the run's initial model (model.init_from), laid out like the
 policy (FSDP2 and tensor-parallel shards, pipeline stages: each rank holds its own, without gradients or optimizer
 state). It runs in eval mode: no dropout.
+
+Under a pipeline (`DPO.pipeline_target`) the last stage scores each microbatch's logits against its
+rows of pipeline_target: the labels with each row's reference log-probability as one more column
+(the schedule splits one tensor by rows; a float64 column holds the labels exactly). The reference's
+log-probabilities come first, from a forward-only pass of the pipelined reference (or of the policy
+with its adapters off) over the whole local batch.
 """
 
 from __future__ import annotations
@@ -165,10 +171,8 @@ class DPO(Task):
         else:
             from lmforge.train.setup import init_model
 
-            # The run's initial model again, laid out like the policy in lay_out: under FSDP2 or
-            # tensor parallelism each rank builds it on the meta device and fills only its own
-            # shards. Said first: reading it again repeats the policy's "weights from
-            # model.init_from" line.
+            # Laid out like the policy in lay_out (sharded: built on meta, each rank fills its own).
+            # Said first: reading it again repeats the policy's "weights from model.init_from" line.
             log.info(
                 "DPO reference: a frozen copy of %s, read again and laid out like the policy",
                 cfg.model.init_from or "the initial model",
@@ -217,11 +221,8 @@ class DPO(Task):
         policy = sequence_logps(model, ids, labels, inputs, fused, scored)
         return self.pair_loss(policy, ref, labels, batch.get(SCORED_PER_ROW))
 
-    # Under a pipeline the last stage scores each microbatch's logits against its rows of
-    # pipeline_target: the labels with each row's reference log-probability as one more column (the
-    # schedule splits one tensor by rows; a float64 column holds the labels exactly). The
-    # reference's log-probabilities come first, from a forward-only pass of the pipelined reference
-    # (or of the policy with its adapters off) over the whole local batch.
+    # Under a pipeline the labels carry each row's reference log-probability as one more float64
+    # column, split by rows with the batch (see the module docstring).
 
     def pipeline_target(self, pm, batch: Batch) -> torch.Tensor:
         labels = self.inputs(batch)[1]

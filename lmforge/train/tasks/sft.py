@@ -1,5 +1,11 @@
 """Supervised fine-tuning on instruction/chat examples: labels -100 on prompts, optionally
-packed."""
+packed.
+
+Packed examples attend within themselves (lmforge.models.documents), their positions restarting with
+each (`SFT.inputs`). Unpacked, the collator pads on the right, where causal attention alone is exact
+for every real token (SDPA's is_causal, no mask to build or apply); the padding's outputs are never
+scored.
+"""
 
 from __future__ import annotations
 
@@ -104,10 +110,8 @@ class SFT(Task):
         return with_padding(data, cfg)
 
     def inputs(self, batch: Batch):
-        # Packed: attention within each example (lmforge.models.documents), positions restarting
-        # with each. Not packed: the collator pads on the right, where causal attention alone is
-        # exact for every real token (SDPA's is_causal, no mask to build or apply); the padding's
-        # outputs are never scored.
+        # Packed: attention within each example; else right padding, where causal attention alone
+        # is exact for every real token (see the module docstring).
         if "segment_ids" in batch:
             inputs = {"segment_ids": batch["segment_ids"], "position_ids": batch["position_ids"]}
         else:
