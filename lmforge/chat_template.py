@@ -1,31 +1,36 @@
-"""Chat templates: messages -> token ids, for serving (the prompt) and fine-tuning (which ids are the assistant's).
+"""Chat templates: messages -> token ids, for serving (the prompt) and fine-tuning (which ids are
+the assistant's).
 
-A template is Hugging Face's Jinja chat template: a model folder's (chat_template.jinja, else tokenizer_config.json's
-"chat_template"), a file, or one of the built-ins below. It is rendered in Jinja's immutable sandbox, as
-transformers does, with `messages`, `add_generation_prompt`, the special tokens (`bos_token`, `eos_token` ...),
-`tools=None`, `raise_exception`, `strftime_now` and transformers' `tojson`.
+A template is Hugging Face's Jinja chat template: a model folder's (chat_template.jinja, else
+tokenizer_config.json's "chat_template"), a file, or one of the built-ins below. It is rendered in
+Jinja's immutable sandbox, as transformers does, with `messages`, `add_generation_prompt`, the
+special tokens (`bos_token`, `eos_token` ...), `tools=None`, `raise_exception`, `strftime_now` and
+transformers' `tojson`.
 
-The messages' own text is rendered, so the text is apply_chat_template(tokenize=False)'s whatever the template does
-to a content (`| trim`, Qwen3's split at "</think>"). Special tokens that the template writes ("<s>", "<|im_start|>")
-become their ids; the same strings typed in a message stay text: each is marked in the content before rendering, and
-only unmarked ones are read as tokens (transformers reads them anywhere, which lets a user forge turns). A template
-that renders the marked chat otherwise than the chat (it reads the typed token: `content.split('<|eot_id|>')`) gets
+The messages' own text is rendered, so the text is apply_chat_template(tokenize=False)'s whatever
+the template does to a content (`| trim`, Qwen3's split at "</think>"). Special tokens that the
+template writes ("<s>", "<|im_start|>") become their ids; the same strings typed in a message stay
+text: each is marked in the content before rendering, and only unmarked ones are read as tokens
+(transformers reads them anywhere, which lets a user forge turns). A template that renders the
+marked chat otherwise than the chat (it reads the typed token: `content.split('<|eot_id|>')`) gets
 transformers' reading, every such string a token.
 
-Assistant spans (what fine-tuning puts the loss on) come from the template's `{% generation %}` blocks where it has
-them (transformers' `return_assistant_tokens_mask` reads the same blocks); otherwise from rendering the chat turn
-by turn: the span of assistant message i is what rendering messages[:i+1] adds to rendering messages[:i] with the
-generation prompt. Text that the template writes only to close a whole chat (Phi-3's eos where there is no
-generation prompt) is in no span. A template whose renders are not prefixes of each other that way (one that
-rewrites earlier turns, as Qwen3's drops the reasoning of answers before the last question) cannot be split so and
-is refused for training, with that reason.
+Assistant spans (what fine-tuning puts the loss on) come from the template's `{% generation %}`
+blocks where it has them (transformers' `return_assistant_tokens_mask` reads the same blocks);
+otherwise from rendering the chat turn by turn: the span of assistant message i is what rendering
+messages[:i+1] adds to rendering messages[:i] with the generation prompt. Text that the template
+writes only to close a whole chat (Phi-3's eos where there is no generation prompt) is in no span. A
+template whose renders are not prefixes of each other that way (one that rewrites earlier turns, as
+Qwen3's drops the reasoning of answers before the last question) cannot be split so and is refused
+for training, with that reason.
 
-Text is tokenized in runs cut at each special token, each run whole (as transformers tokenizes the rendered text),
-and a token is in an assistant span when any character it covers is: a served prompt is then token for token the
-prompt the model was trained on, earlier answers included. A run after a special token gets no prefix space from a
-tokenizer that puts one only at the start of an input (Metaspace "first", transformers' non-legacy conversion), and
-gets one from those that put it on every text (Meta's tokenizer.model, legacy tokenizer.json files): as each of them
-tokenizes a whole rendered chat.
+Text is tokenized in runs cut at each special token, each run whole (as transformers tokenizes the
+rendered text), and a token is in an assistant span when any character it covers is: a served prompt
+is then token for token the prompt the model was trained on, earlier answers included. A run after a
+special token gets no prefix space from a tokenizer that puts one only at the start of an input
+(Metaspace "first", transformers' non-legacy conversion), and gets one from those that put it on
+every text (Meta's tokenizer.model, legacy tokenizer.json files): as each of them tokenizes a whole
+rendered chat.
 
 The special tokens a template sees (`ChatTemplate.__init__`) are what the tokenizer files declare,
 as transformers renders them: a token they name none of is "" (OLMo 2's bos). A bare tokenizer file

@@ -1,13 +1,14 @@
-"""Write the generated reference pages: docs/reference/config.md (every run-config key) and docs/reference/cli.md
-(every verb's options).
+"""Write the generated reference pages: docs/reference/config.md (every run-config key) and
+docs/reference/cli.md (every verb's options).
 
     python scripts/gen_reference.py           # rewrite both pages
     python scripts/gen_reference.py --check   # exit 1, naming the stale page, if a page differs from what it writes
 
-A key's meaning is the comment its dataclass field carries in the source: the comment at the end of the field's
-line, after the comment lines directly above it (a blank line or code ends those). That is how the config classes
-were already written, so the text a reviewer keeps next to the field is the text the reference shows; a field
-without one fails tests/test_reference.py. An option's meaning is its argparse help.
+A key's meaning is the comment its dataclass field carries in the source: the comment at the end of
+the field's line, after the comment lines directly above it (a blank line or code ends those). That
+is how the config classes were already written, so the text a reviewer keeps next to the field is
+the text the reference shows; a field without one fails tests/test_reference.py. An option's meaning
+is its argparse help.
 """
 
 from __future__ import annotations

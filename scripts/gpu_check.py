@@ -4,12 +4,12 @@
     python scripts/gpu_check.py --only parity,train    # some checks
     python scripts/gpu_check.py --device cpu --quick   # the same checks on the CPU, tiny (how the tests run it)
 
-Needs no network: random weights; transformers models built from tests/conftest.py's hf_tiny_configs (one
-per family) with room for 2048 positions and sharpened attention; the GPT-NeoX tokenizer of ../shared/data
-when present (--shared-data or LMFORGE_SHARED_DATA; without it the `text` check is skipped, saying so).
-Each check is independent: a failure is recorded with its message and traceback in the JSON and the
-others still run; the exit code is 1 if any failed. The table is what BENCHMARKS.md shows under
-"GPU: correctness". The checks live in scripts/gpu_checks/:
+Needs no network: random weights; transformers models built from tests/conftest.py's hf_tiny_configs
+(one per family) with room for 2048 positions and sharpened attention; the GPT-NeoX tokenizer of
+../shared/data when present (--shared-data or LMFORGE_SHARED_DATA; without it the `text` check is
+skipped, saying so). Each check is independent: a failure is recorded with its message and traceback
+in the JSON and the others still run; the exit code is 1 if any failed. The table is what
+BENCHMARKS.md shows under "GPU: correctness". The checks live in scripts/gpu_checks/:
 
   environment  torch/CUDA/transformers versions, the device, which SDPA kernels run on it
   parity       every family's logits vs transformers on the device at positions up to 2047 (2048 tokens;

@@ -10,20 +10,21 @@
                         .../checksums.json size and SHA-256 of every other file
 
 Each checkpoint is written under `.step-N.tmp` and renamed when complete: a crash at any moment
-leaves either the previous set of checkpoints or the new one, never a torn folder. Retention keeps the
-`save_top_k` best by the monitored metric plus the newest (`save_last`; a run stopped before its end keeps its
-stop's checkpoint until a newer one is written, whatever save_last says): lmforge.checkpoint.retention, which
-deletes by renaming to `.step-N.deleting` first. A resume first removes such leftovers and `.step-N.tmp`, then takes
-the newest checkpoint whose files match their checksums: one that does not is renamed `step-N.corrupt` with a
-warning.
-A full disk is found before writing where it can be (the state's bytes against the free bytes) and is
-one UserError either way, with the temporary folder removed.
+leaves either the previous set of checkpoints or the new one, never a torn folder. Retention keeps
+the `save_top_k` best by the monitored metric plus the newest (`save_last`; a run stopped before its
+end keeps its stop's checkpoint until a newer one is written, whatever save_last says):
+lmforge.checkpoint.retention, which deletes by renaming to `.step-N.deleting` first. A resume first
+removes such leftovers and `.step-N.tmp`, then takes the newest checkpoint whose files match their
+checksums: one that does not is renamed `step-N.corrupt` with a warning. A full disk is found before
+writing where it can be (the state's bytes against the free bytes) and is one UserError either way,
+with the temporary folder removed.
 
-With `async_save`, save() returns once DCP has copied the state aside (torch.distributed.checkpoint.async_save),
-and the write goes on in a thread while training continues. The same guarantees hold: the folder is renamed into
-place, its checksums written and retention run only after every rank's write has finished; a kill meanwhile
-leaves `.step-N.tmp` beside the previous checkpoints; one save at a time (the next waits for the one in flight);
-wait() finishes it and raises its failure, the same on every rank.
+With `async_save`, save() returns once DCP has copied the state aside
+(torch.distributed.checkpoint.async_save), and the write goes on in a thread while training
+continues. The same guarantees hold: the folder is renamed into place, its checksums written and
+retention run only after every rank's write has finished; a kill meanwhile leaves `.step-N.tmp`
+beside the previous checkpoints; one save at a time (the next waits for the one in flight); wait()
+finishes it and raises its failure, the same on every rank.
 """
 
 from __future__ import annotations

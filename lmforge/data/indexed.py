@@ -1,4 +1,5 @@
-"""Megatron-LM / NeMo tokenized data: the `MMIDIDX` `.bin` + `.idx` pair, read and written byte for byte.
+"""Megatron-LM / NeMo tokenized data: the `MMIDIDX` `.bin` + `.idx` pair, read and written byte for
+byte.
 
 `PREFIX.bin` holds every token of every sequence back to back, in one integer dtype. `PREFIX.idx` is
 little-endian:

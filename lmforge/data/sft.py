@@ -295,9 +295,10 @@ def tokenize_examples(
 
 
 def _ends_turn(tok: Tokenizer, trained: np.ndarray, stop_strings: tuple[str, ...] = ()) -> bool:
-    """Whether an answer's trained tokens end in an end-of-turn token: eos, eod or another special one, whitespace
-    after it aside (ChatML's "<|im_end|>\\n", Gemma's "<end_of_turn>\\n" are trained to the newline); or in one of
-    the template's `stop_strings`, turn ends that are text in this tokenizer, at which generation stops."""
+    """Whether an answer's trained tokens end in an end-of-turn token: eos, eod or another
+    special one, whitespace after it aside (ChatML's "<|im_end|>\\n", Gemma's "<end_of_turn>\\n"
+    are trained to the newline); or in one of the template's `stop_strings`, turn ends that are
+    text in this tokenizer, at which generation stops."""
     for i in trained[::-1].tolist():
         if i in (tok.eos_id, tok.eod_id) or tok.is_special(i):
             return True

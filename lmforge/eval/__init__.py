@@ -6,6 +6,6 @@
     data.py      task data from local JSONL/JSON/TSV/CSV files (custom_dataset), WikiText helpers
     tasks/       lmforge's task YAMLs over local files: wikitext2_local, sst2_local
 
-lm-eval is an optional dependency (pip install -e ".[eval]"); this package imports it only in lm.py and
-inside functions, so `import lmforge.eval` never needs it.
+lm-eval is an optional dependency (pip install -e ".[eval]"); this package imports it only in lm.py
+and inside functions, so `import lmforge.eval` never needs it.
 """

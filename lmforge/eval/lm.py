@@ -1,4 +1,5 @@
-"""lmforge models as an lm-evaluation-harness backend: `LMForgeLM`, registered with lm-eval as "lmforge".
+"""lmforge models as an lm-evaluation-harness backend: `LMForgeLM`, registered with lm-eval as
+"lmforge".
 
 It answers lm-eval's three request types on an lmforge model and tokenizer (a folder read by
 lmforge.models.source, or a live model handed over by the trainer):
@@ -8,12 +9,13 @@ lmforge.models.source, or a live model handed over by the trainer):
     generate_until          (context, gen_kwargs) -> text, through lmforge.inference.generate (KV cache)
 
 What is scored is what lm-eval's own causal `hf` backend scores, token for token: the continuation's
-tokens are those of encode(context + continuation) after encode(context) (a context's trailing spaces move
-to the continuation), an empty context is the prefix token (the hf backend's: `prefix_token_id` where given,
-else the tokenizer's bos, else its eos; Qwen's declare no bos), text starts with bos exactly
-when the tokenizer's rule says so (Tokenizer.add_bos_token: Llama yes, GPT-2 and NeoX no), inputs are cut
-from the left to the model's context, and a generation is decoded on its own, special tokens skipped, and
-cut at the first stop string. The computing is lmforge.eval.scoring's and lmforge.inference's.
+tokens are those of encode(context + continuation) after encode(context) (a context's trailing
+spaces move to the continuation), an empty context is the prefix token (the hf backend's:
+`prefix_token_id` where given, else the tokenizer's bos, else its eos; Qwen's declare no bos), text
+starts with bos exactly when the tokenizer's rule says so (Tokenizer.add_bos_token: Llama yes, GPT-2
+and NeoX no), inputs are cut from the left to the model's context, and a generation is decoded on
+its own, special tokens skipped, and cut at the first stop string. The computing is
+lmforge.eval.scoring's and lmforge.inference's.
 
     lm = LMForgeLM("runs/x/checkpoints/step-00001000", batch_size=16)
     lm_eval.simple_evaluate(model=lm, tasks=["sst2_local"], metadata={"data_dir": "/data"})

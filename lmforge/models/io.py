@@ -4,8 +4,8 @@
     OUT_DIR/model.safetensors     (or model-00001-of-0000N.safetensors + model.safetensors.index.json)
     OUT_DIR/tokenizer.json ...    copied from the source
 
-Tensors are in lmforge's own layout (fused grouped qkv, rotary pairing, padded vocabulary). Reading a
-model back, whatever folder it is in: lmforge.models.source.
+Tensors are in lmforge's own layout (fused grouped qkv, rotary pairing, padded vocabulary). Reading
+a model back, whatever folder it is in: lmforge.models.source.
 """
 
 from __future__ import annotations

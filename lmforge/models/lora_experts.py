@@ -1,20 +1,23 @@
-"""LoRA on a mixture of experts' stacked expert weights (moe.Experts): one low-rank update per expert and weight.
+"""LoRA on a mixture of experts' stacked expert weights (moe.Experts): one low-rank update per
+expert and weight.
 
 For a stacked weight W (experts, out, in) each expert e gets its own factors, stacked too:
 
     expert e's rows x:  x W_e^T + scaling * (x A_e^T) B_e^T      A: (experts, rank, in), B: (experts, out, rank)
 
-A drawn as PEFT draws it (Kaiming-uniform over each expert's (rank, in) rows), B zeros: at initialisation the
-experts compute what the base computes. The update runs in the experts' grouped pass (lmforge.models.moe), two
-grouped GEMMs through the rank per adapted weight; the merged weight is never formed while training. gate_up's B is
-(experts, 2, moe_intermediate, rank), its rows laid out like gate_up's (gate rows, then up rows), so splitting the
-intermediate dimension (tensor parallelism) cuts B where it cuts the weight, and every factor shards on the expert
-dimension like the weights (expert parallelism).
+A drawn as PEFT draws it (Kaiming-uniform over each expert's (rank, in) rows), B zeros: at
+initialisation the experts compute what the base computes. The update runs in the experts' grouped
+pass (lmforge.models.moe), two grouped GEMMs through the rank per adapted weight; the merged weight
+is never formed while training. gate_up's B is (experts, 2, moe_intermediate, rank), its rows laid
+out like gate_up's (gate rows, then up rows), so splitting the intermediate dimension (tensor
+parallelism) cuts B where it cuts the weight, and every factor shards on the expert dimension like
+the weights (expert parallelism).
 
-This is the layout of PEFT's `LoraConfig(target_parameters=[...])` (its ParamWrapper): for transformers'
-`mlp.experts.gate_up_proj` (experts, 2 * moe_intermediate, hidden) and `down_proj` (experts, hidden,
-moe_intermediate), lora_A is (rank * experts, in) with expert e's rows at e * rank, lora_B (out, rank * experts)
-with expert e's column j at j * experts + e; lmforge.models.peft converts.
+This is the layout of PEFT's `LoraConfig(target_parameters=[...])` (its ParamWrapper): for
+transformers' `mlp.experts.gate_up_proj` (experts, 2 * moe_intermediate, hidden) and `down_proj`
+(experts, hidden, moe_intermediate), lora_A is (rank * experts, in) with expert e's rows at e *
+rank, lora_B (out, rank * experts) with expert e's column j at j * experts + e; lmforge.models.peft
+converts.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ export applies the inverse. Layout inside lmforge, per head of size D with r = r
 
     [ rot_a (r/2) | pass_a ((D-r)/2) | rot_b (r/2) | pass_b ((D-r)/2) ]      rot_a[j] pairs rot_b[j]
 
-Context extension (ModelConfig.rope_scaling: linear, dynamic, yarn, llama3) changes only the frequencies
-of the rotated pairs (and, for yarn, scales their cos/sin); each is the same float32 expression as
-transformers' modeling_rope_utils, so fp32 results agree with it bit for bit.
+Context extension (ModelConfig.rope_scaling: linear, dynamic, yarn, llama3) changes only the
+frequencies of the rotated pairs (and, for yarn, scales their cos/sin); each is the same float32
+expression as transformers' modeling_rope_utils, so fp32 results agree with it bit for bit.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Parallelism applied to a model from outside: data (DDP, FSDP2/HSDP), tensor + sequence, and pipeline.
+"""Parallelism applied to a model from outside: data (DDP, FSDP2/HSDP), tensor + sequence, and
+pipeline.
 
     world = init_world()                                      # the process group, with timeouts
     mesh = build_mesh(parallel_cfg, model.config)             # ("pp", "dp_replicate", "dp_shard", "tp")

@@ -1,4 +1,5 @@
-"""Many ranks on one CPU, on fake tensors: a layout's training step traced before paying for devices.
+"""Many ranks on one CPU, on fake tensors: a layout's training step traced before paying for
+devices.
 
     device, standin = trace_device("cuda")      # the stand-in device for an accelerator (no GPU touched)
     with fake_world(device, world_size=64, rank=0):
@@ -7,8 +8,8 @@
             ...                                 # the real code: parallelize, forward, backward, optimizer
         trace.peak                              # the most bytes of tensor storage alive at once
 
-Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and devices but no data, so a step
-of a 20B-parameter model costs no memory and little time, and an op that mixes devices raises
+Fake tensors (torch._subclasses.FakeTensorMode) carry shapes, dtypes and devices but no data, so a
+step of a 20B-parameter model costs no memory and little time, and an op that mixes devices raises
 FakeTensorDeviceMismatchError as on the device. The process group is torch's fake one (FakeStore):
 collectives return at once, and a group initialised for the device alone has no CPU backend.
 

@@ -4,8 +4,8 @@
     pm = parallelize(model, layout, mesh)       # pipeline split, DTensor plans and FSDP2 work on meta tensors
     stats = load_sharded(pm, folder)            # to_empty on the device, then each rank's own pieces
 
-`load_sharded` allocates only this rank's shards (`to_empty`) and fills every parameter it holds with
-just its local piece, the rows/columns that the DTensor placements give this rank (the same
+`load_sharded` allocates only this rank's shards (`to_empty`) and fills every parameter it holds
+with just its local piece, the rows/columns that the DTensor placements give this rank (the same
 arithmetic DCP uses for its chunks). Sources:
 
 - an lmforge model folder: each local piece is read with safetensors' `get_slice`, so a rank copies
@@ -15,12 +15,12 @@ arithmetic DCP uses for its chunks). Sources:
   rank reads no other stage's layers); each is cut to the local piece and dropped;
 - a training checkpoint (DCP): dcp.load into the local shards reads only the overlapping chunks.
 
-A LoRA-wrapped meta model (lmforge.train.lora.apply_run_lora) gets its base filled here; its adapters,
-in no source, are drawn after (lmforge.models.lora.init_adapters).
+A LoRA-wrapped meta model (lmforge.train.lora.apply_run_lora) gets its base filled here; its
+adapters, in no source, are drawn after (lmforge.models.lora.init_adapters).
 
-Peak memory per rank: its shards plus one source tensor and the copy its conversion makes (safetensors
-maps files: what a rank touches of them is page cache, shared by the ranks of a node). A
-tied embedding's copy on the last pipeline stage is read like the first stage's, so both hold the
+Peak memory per rank: its shards plus one source tensor and the copy its conversion makes
+(safetensors maps files: what a rank touches of them is page cache, shared by the ranks of a node).
+A tied embedding's copy on the last pipeline stage is read like the first stage's, so both hold the
 same values, as when every rank built the same model. Non-persistent buffers (rotary frequencies)
 come from the config and are recomputed after `to_empty`.
 """

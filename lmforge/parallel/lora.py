@@ -1,8 +1,9 @@
-"""LoRA adapters under tensor parallelism: the tensor-parallel styles of a LoRALinear (lmforge.models.lora).
+"""LoRA adapters under tensor parallelism: the tensor-parallel styles of a LoRALinear
+(lmforge.models.lora).
 
-A LoRA module computes y = x W^T + b + s * (x A^T) B^T. Megatron's split of W decides the adapters' (the layout
-NeMo and torchtitan-style LoRA use, which keeps every collective the base layer makes and adds none of size
-out or in):
+A LoRA module computes y = x W^T + b + s * (x A^T) B^T. Megatron's split of W decides the adapters'
+(the layout NeMo and torchtitan-style LoRA use, which keeps every collective the base layer makes
+and adds none of size out or in):
 
     column-parallel W (rows split)   A replicated (rank, in);  B split by rows like W (out / TP, rank)
                                      each rank computes its own rows of the update, as of y
@@ -10,10 +11,11 @@ out or in):
                                      x A^T is a partial sum over the ranks like x W^T; the (tokens, rank)
                                      partial sums are reduced before B, the layer's own reduction after
 
-For q/k/v adapters on a fused qkv, each part's B rows are in lmforge's grouped layout ([kv_heads, per group,
-head_dim]), so a contiguous split of a part's B hands each rank the rows of its own key/value groups: exactly the
-rows of the fused qkv it holds. The module's forward is the same code on DTensors; gradients of a replicated A (or
-B) come out summed over the ranks by DTensor, as a replicated norm weight's do.
+For q/k/v adapters on a fused qkv, each part's B rows are in lmforge's grouped layout ([kv_heads,
+per group, head_dim]), so a contiguous split of a part's B hands each rank the rows of its own
+key/value groups: exactly the rows of the fused qkv it holds. The module's forward is the same code
+on DTensors; gradients of a replicated A (or B) come out summed over the ranks by DTensor, as a
+replicated norm weight's do.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
-"""Downstream evals inside a training run: lm-evaluation-harness tasks (lmforge.eval) on the live model.
+"""Downstream evals inside a training run: lm-evaluation-harness tasks (lmforge.eval) on the live
+model.
 
     eval:
       tasks: [wikitext2_local, sst2_local]   # any `lmforge eval --tasks` name
       every_n_steps: 500                     # and at the last step; 0: the last step only
       data_dir: /data                        # --data-dir of lmforge eval
 
-The tasks and their data are loaded when the run starts, so a missing file fails before any compute. Rank 0
-evaluates: the model itself where one process holds it whole (one process, DDP), else the whole model gathered
-from its shards (FSDP, tensor or pipeline parallel; every rank takes part in the gather) and built on rank 0's
-device for the evaluation. The random states are those of before, so a run with evals trains exactly as one
-without. Each task's metrics come back as "eval/<task>/<metric>" for TensorBoard and metrics.jsonl.
+The tasks and their data are loaded when the run starts, so a missing file fails before any compute.
+Rank 0 evaluates: the model itself where one process holds it whole (one process, DDP), else the
+whole model gathered from its shards (FSDP, tensor or pipeline parallel; every rank takes part in
+the gather) and built on rank 0's device for the evaluation. The random states are those of before,
+so a run with evals trains exactly as one without. Each task's metrics come back as
+"eval/<task>/<metric>" for TensorBoard and metrics.jsonl.
 """
 
 from __future__ import annotations

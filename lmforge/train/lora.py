@@ -1,12 +1,13 @@
 """LoRA in a training run: the `lora:` section applied to the run's model, and its export.
 
-The adapters are wrapped around the built model before it is laid out (lmforge.models.lora), so DDP and FSDP2
-see frozen base weights and trainable adapters, the optimizer holds only the adapters, and checkpoints (DCP)
-save and resume both as any run does. Under a layout that shards the model (FSDP2, tensor or pipeline parallelism)
-the model is wrapped on the meta device: each rank then reads only its shards of the base and draws its pieces of
-the adapters, never holding the whole base (a LoRA checkpoint as model.init_from is built whole). QLoRA's NF4
-weights are read and quantized whole, a block at a time, before the layout (lmforge.parallel.load.read_nf4_base), and
-FSDP2 shards them. With `checkpoint.convert_to_hf=true` the run writes
+The adapters are wrapped around the built model before it is laid out (lmforge.models.lora), so DDP
+and FSDP2 see frozen base weights and trainable adapters, the optimizer holds only the adapters, and
+checkpoints (DCP) save and resume both as any run does. Under a layout that shards the model (FSDP2,
+tensor or pipeline parallelism) the model is wrapped on the meta device: each rank then reads only
+its shards of the base and draws its pieces of the adapters, never holding the whole base (a LoRA
+checkpoint as model.init_from is built whole). QLoRA's NF4 weights are read and quantized whole, a
+block at a time, before the layout (lmforge.parallel.load.read_nf4_base), and FSDP2 shards them.
+With `checkpoint.convert_to_hf=true` the run writes
 
     RUN_DIR/model/        the merged model, an lmforge folder (with the tokenizer and the chat template)
     RUN_DIR/hf/           the merged model as a Hugging Face folder

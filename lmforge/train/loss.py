@@ -16,9 +16,9 @@ gradient. The math is the plain path's: softmax and loss in fp32, GEMMs in the c
 head's gradient summed over chunks in fp32. Tokens labelled `ignore_index` are dropped before
 the head (no GEMM is spent on them, as in SFT prompts).
 
-Soft-capped logits (Gemma 2/3's final_logit_softcapping: c = cap * tanh(z / cap)) are capped block by block
-in fp32 like the softmax: the loss is that of c, and the gradient through the cap is
-(p - onehot) * (1 - tanh(z / cap)^2), one more block-sized fp32 buffer (the tanh) and no full logits.
+Soft-capped logits (Gemma 2/3's final_logit_softcapping: c = cap * tanh(z / cap)) are capped block
+by block in fp32 like the softmax: the loss is that of c, and the gradient through the cap is (p -
+onehot) * (1 - tanh(z / cap)^2), one more block-sized fp32 buffer (the tanh) and no full logits.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """One device call that does a GPU session's work in priority order, inside a time budget.
 
-A session lent a GPU has ~15 minutes of device time in all, the machine's start and every call included, and a
-fresh machine holds none of lmforge's own dependencies. So: `bash scripts/gpu_prepare.sh` here first (wheels and
-the tokenizer into .gpu/), then one call:
+A session lent a GPU has ~15 minutes of device time in all, the machine's start and every call
+included, and a fresh machine holds none of lmforge's own dependencies. So: `bash
+scripts/gpu_prepare.sh` here first (wheels and the tokenizer into .gpu/), then one call:
 
     run(command="python3 scripts/gpu_session.py --budget 480", carry=[".gpu"], timeout_s=540)
 
-It installs .gpu/whl into /tmp/site, then runs the stages below one after another, each in its own process with
-a time limit (its own, or what is left of --budget), and after each copies what it wrote into $OUT, so a stage
-killed at its limit still returns the others' results:
+It installs .gpu/whl into /tmp/site, then runs the stages below one after another, each in its own
+process with a time limit (its own, or what is left of --budget), and after each copies what it
+wrote into $OUT, so a stage killed at its limit still returns the others' results:
 
     check     scripts/gpu_check.py: correctness on the device (every family's parity, generate and CUDA graphs,
               training in each precision, resume, export, serving, two ranks)  ->  gpu_check.json
@@ -26,10 +26,11 @@ killed at its limit still returns the others' results:
     eval      benchmarks/eval.py --device cuda --write: lmforge eval vs lm-eval's hf backend, fp32 (needs
               gpu_prepare.sh --eval: lm-eval's wheels, SST-2 and WikiText-2)
 
-Back in $OUT: session.json (each stage's exit code, seconds, whether it hit its limit), session.log (everything
-the stages printed), gpu_check.json and BENCHMARKS.md (the benchmarks' --write blocks for the device): copy the
-latter over the checkout's after reading the diff. `--stages` picks and orders stages; `--dry-run` prints the
-commands. Nothing here needs a GPU to be tested: `--device cpu --quick` runs the same flow on tiny shapes.
+Back in $OUT: session.json (each stage's exit code, seconds, whether it hit its limit), session.log
+(everything the stages printed), gpu_check.json and BENCHMARKS.md (the benchmarks' --write blocks
+for the device): copy the latter over the checkout's after reading the diff. `--stages` picks and
+orders stages; `--dry-run` prints the commands. Nothing here needs a GPU to be tested: `--device cpu
+--quick` runs the same flow on tiny shapes.
 """
 
 from __future__ import annotations

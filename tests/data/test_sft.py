@@ -474,8 +474,9 @@ def test_formats_that_train_what_serving_cannot_reproduce_are_said(gpt2, tmp_pat
 def test_an_end_of_turn_token_then_a_newline_is_learnt_stopping(
     start, end, eos, shared_data, tmp_path, caplog
 ):
-    """The answer's span ends "<|im_end|>\\n" (the turn as the template writes it): the end-of-turn token is trained,
-    and the warning that the model does not learn to stop, which looked at the newline, is not given."""
+    """The answer's span ends "<|im_end|>\\n" (the turn as the template writes it): the
+    end-of-turn token is trained, and the warning that the model does not learn to stop, which
+    looked at the newline, is not given."""
     import tokenizers as hf
 
     raw = hf.Tokenizer.from_file(str(shared_data / "tokenizers" / "gpt2" / "tokenizer.json"))

@@ -1,16 +1,18 @@
-"""Direct preference optimisation (Rafailov et al. 2023) on preference pairs, against a frozen reference.
+"""Direct preference optimisation (Rafailov et al. 2023) on preference pairs, against a frozen
+reference.
 
-Per pair, with the summed log-probabilities of the chosen and rejected answers under the policy (pc, pr) and
-the reference (rc, rr), as TRL's DPOTrainer computes them (its default "sigmoid" loss):
+Per pair, with the summed log-probabilities of the chosen and rejected answers under the policy (pc,
+pr) and the reference (rc, rr), as TRL's DPOTrainer computes them (its default "sigmoid" loss):
 
     loss = -log sigmoid(beta * ((pc - pr) - (rc - rr)))
     reward_chosen = beta * (pc - rc),  reward_rejected = beta * (pr - rr)
 
-reported as reward_accuracy (the share of pairs where the chosen reward is the larger), reward_margin (chosen
-minus rejected) and the mean rewards, every step and at validation (val_*). The reference is, in this order: the
-log-probabilities in the data file (ref_chosen_logps / ref_rejected_logps), the base model without its adapters
-under LoRA (no second model), or a frozen copy of the run's initial model (model.init_from), laid out like the
-policy (FSDP2 and tensor-parallel shards, pipeline stages: each rank holds its own, without gradients or optimizer
+reported as reward_accuracy (the share of pairs where the chosen reward is the larger),
+reward_margin (chosen minus rejected) and the mean rewards, every step and at validation (val_*).
+The reference is, in this order: the log-probabilities in the data file (ref_chosen_logps /
+ref_rejected_logps), the base model without its adapters under LoRA (no second model), or a frozen
+copy of the run's initial model (model.init_from), laid out like the policy (FSDP2 and
+tensor-parallel shards, pipeline stages: each rank holds its own, without gradients or optimizer
 state). It runs in eval mode: no dropout.
 
 Under a pipeline (`DPO.pipeline_target`) the last stage scores each microbatch's logits against its
