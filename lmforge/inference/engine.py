@@ -55,6 +55,12 @@ from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.grammar import Grammars, RowGrammar, allowed_tokens
 from lmforge.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lmforge.inference.penalties import RowPenalties
+from lmforge.inference.prefix_cache import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    block_hashes,
+    prefill_after_prefix,
+)
 from lmforge.inference.requests import EngineRequest, Event, RequestParams
 from lmforge.inference.sampling import (
     NO_TOKEN,
@@ -84,6 +90,10 @@ class EngineConfig:
     # Most padded tokens (requests x longest prompt) one prefill forward takes (a longer prompt
     # still goes, alone); None: CPU_PREFILL_TOKENS on the CPU, ACCELERATOR_PREFILL_TOKENS elsewhere.
     max_prefill_tokens: int | None = None
+    # keep prompt blocks' keys/values for later prompts that start alike (prefix_cache.py)
+    prefix_cache: bool = True
+    # blocks of BLOCK_TOKENS tokens the prefix cache holds; None: one row's worth (max_context)
+    prefix_cache_blocks: int | None = None
 
 
 # On the CPU a forward of a few hundred tokens already runs its matmuls at full rate: batching more
@@ -144,6 +154,7 @@ class Engine:
         self.cache = KVCache(
             model.config, config.max_batch, self.context, p.dtype, p.device, ring=False
         )
+        self.prefix = self._prefix_cache(config)
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.penalties = RowPenalties(config.max_batch, model.config.vocab_size, self.device)
         # response_format's
@@ -336,9 +347,25 @@ class Engine:
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         """One forward over the prompts of `reqs`, right-padded: each row's prompt sits at slots
         0..n-1 as it would alone; the padding's slots are marked empty (never attended) and the
-        row's decode overwrites them."""
+        row's decode overwrites them. Where the prefix cache holds a prompt's first blocks, the
+        batch copies them in and computes the rest only (prefill_after_prefix)."""
         lengths = [len(r.prompt_ids) for r in reqs]
         k, longest = len(reqs), max(lengths)
+        names, cached = self._match_prefixes(reqs)
+        if any(cached):
+            return self._prefilled(
+                reqs,
+                names,
+                cached,
+                prefill_after_prefix(
+                    self.model,
+                    self.prefix,
+                    self.cache,
+                    [r.slot for r in reqs],
+                    [r.prompt_ids for r in reqs],
+                    cached,
+                ),
+            )
         ids = torch.zeros(k, longest, dtype=torch.long)
         mask = torch.zeros(k, longest, dtype=torch.long)
         for i, r in enumerate(reqs):
@@ -367,6 +394,25 @@ class Engine:
             for full, part in zip((*self.cache.k, *self.cache.v), (*cache.k, *cache.v)):
                 full[:, :, :longest].index_copy_(0, rows, part)
             self.cache.valid[:, :longest].index_copy_(0, rows, cache.valid)
+        self._prefilled(reqs, names, cached, h)
+
+    def _prefilled(
+        self,
+        reqs: list[EngineRequest],
+        names: list[list[bytes]],
+        cached: list[list[int]],
+        h: torch.Tensor,
+    ) -> None:
+        """After the prefill forward (hidden states `h`, row i's from its first token past its
+        `cached` blocks): keep the prompts' blocks, set the rows up, choose each first token."""
+        k = len(reqs)
+        slots = [r.slot for r in reqs]
+        lengths = [len(r.prompt_ids) for r in reqs]
+        longest = max(lengths)
+        if self.prefix is not None:
+            for r, blocks, own, n in zip(reqs, cached, names, lengths):
+                self.prefix.count(len(blocks) * BLOCK_TOKENS, n - len(blocks) * BLOCK_TOKENS)
+                self.prefix.store(r, own, self.cache, r.slot)
         for i, (r, n) in enumerate(zip(reqs, lengths)):
             r.length = n
             self.penalties.admit(r.slot, r.prompt_ids, r.settings)
@@ -390,12 +436,48 @@ class Engine:
             if not keep:
                 return
             reqs, lengths = [reqs[i] for i in keep], [lengths[i] for i in keep]
+            cached = [cached[i] for i in keep]
             h = h[torch.tensor(keep, device=self.device)]
+        rests = [n - len(blocks) * BLOCK_TOKENS for n, blocks in zip(lengths, cached)]
         last = h[
             torch.arange(len(reqs), device=self.device),
-            torch.tensor(lengths, device=self.device) - 1,
+            torch.tensor(rests, device=self.device) - 1,
         ]
         self._accept(reqs, self.model.logits(last))
+
+    def _prefix_cache(self, config: EngineConfig) -> PrefixCache | None:
+        if not config.prefix_cache:
+            return None
+        blocks = config.prefix_cache_blocks
+        if blocks is None:
+            blocks = -(-self.context // BLOCK_TOKENS)
+        if blocks < 1:
+            raise UserError(f"prefix_cache_blocks must be >= 1, got {blocks}")
+        pool = PrefixCache(self.cache, blocks)
+        log.info(
+            "prefix cache: %d blocks of %d tokens (%.0f MiB)",
+            blocks,
+            BLOCK_TOKENS,
+            pool.nbytes / 2**20,
+        )
+        return pool
+
+    def _match_prefixes(
+        self, reqs: list[EngineRequest]
+    ) -> tuple[list[list[bytes]], list[list[int]]]:
+        """Each prompt's block names and the pool blocks of its longest cached prefix (pinned for
+        it); a prompt whose own log-probabilities are asked for is computed whole. Blocks are
+        never shared across adapters: the adapter is in every name."""
+        if self.prefix is None:
+            return [[] for _ in reqs], [[] for _ in reqs]
+        names = [block_hashes(r.prompt_ids, adapter_of(r)) for r in reqs]
+        cached = [
+            self.prefix.match(
+                r, own, -1 if r.params.prompt_logprobs is not None else len(r.prompt_ids) - 1
+            )
+            for r, own in zip(reqs, names)
+        ]
+        return names, cached
 
     def _next_waiting(self) -> EngineRequest:
         """The first group's first request; the group then goes to the back of the line (under
@@ -538,8 +620,15 @@ class Engine:
 
     def _release(self, req: EngineRequest, reason: str | None) -> None:
         req.finish_reason = req.finish_reason or reason
+        if self.prefix is not None:
+            self.prefix.release(req)
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
+
+
+def adapter_of(req: EngineRequest) -> object:
+    """The adapter a request decodes with (0: the base model), part of its prefix blocks' names."""
+    return getattr(req, "adapter", getattr(req.params, "adapter", 0))
 
 
 def constrain(logits: torch.Tensor, reqs: list[EngineRequest]) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Prefix caching through the HTTP API, read by the official openai client: completions sharing a
+long prefix answer what transformers computes for each prompt (greedy tokens and their
+log-probabilities), with /metrics counting the prompt tokens read from the cache and those
+computed."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+import torch
+
+from lmforge.inference.prefix_cache import BLOCK_TOKENS
+from tests.serve.conftest import WORDS
+
+SHARED = torch.randint(2, 300, (3 * BLOCK_TOKENS + 7,), generator=torch.Generator().manual_seed(1))
+
+
+def _counters(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    return {
+        name: float(value)
+        for name, value in re.findall(r"^(lmforge_prefix_cache_\w+) (\S+)$", text, re.M)
+    }
+
+
+def test_completions_sharing_a_prefix_equal_transformers_and_count_hits(server, model_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    hf.generation_config.eos_token_id = None
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        SHARED.tolist() + torch.randint(2, 300, (3 + i,), generator=g).tolist() for i in range(3)
+    ]
+    before = _counters(server)
+    assert before["lmforge_prefix_cache_blocks"] >= 4
+    for prompt in prompts:
+        r = client.completions.create(
+            model=model_dir.name,
+            prompt=" ".join(f"t{i}" for i in prompt),
+            max_tokens=4,
+            temperature=0,
+            logprobs=0,
+        )
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=4,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        want = out.sequences[0, len(prompt) :].tolist()
+        lp = r.choices[0].logprobs
+        shown = want.index(0) if 0 in want else len(want)  # the server stops at eos (id 0)
+        assert lp.tokens[:shown] == [WORDS[i] for i in want[:shown]]
+        for got, score, token in zip(lp.token_logprobs, out.scores, want):
+            assert got == pytest.approx(score[0].log_softmax(-1)[token].item(), abs=1e-4)
+    after = _counters(server)
+    hits = (
+        after["lmforge_prefix_cache_hit_tokens_total"]
+        - before["lmforge_prefix_cache_hit_tokens_total"]
+    )
+    misses = (
+        after["lmforge_prefix_cache_miss_tokens_total"]
+        - before["lmforge_prefix_cache_miss_tokens_total"]
+    )
+    # the first computes everything; each later one reads the 3 whole shared blocks
+    assert hits == 2 * 3 * BLOCK_TOKENS
+    assert misses == sum(len(p) for p in prompts) - hits
