@@ -453,6 +453,18 @@ class Engine:
             blocks = -(-self.context // BLOCK_TOKENS)
         if blocks < 1:
             raise UserError(f"prefix_cache_blocks must be >= 1, got {blocks}")
+        p = next(self.model.parameters())
+        check_cache_memory(  # the rows' cache is allocated: what is free is left for the pool
+            self.model.config,
+            1,
+            blocks * BLOCK_TOKENS,
+            p.dtype,
+            p.device,
+            "the prefix cache's blocks",
+            "lower prefix_cache_blocks or turn the prefix cache off (serve: --prefix-cache-blocks, "
+            "--no-enable-prefix-caching)",
+            ring=False,
+        )
         pool = PrefixCache(self.cache, blocks)
         log.info(
             "prefix cache: %d blocks of %d tokens (%.0f MiB)",
