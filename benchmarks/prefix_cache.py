@@ -36,11 +36,20 @@ SECTION = "## Serving engine: prefix caching"
 SIDES = {"cache off": dict(prefix_cache=False), "cache on (default)": {}}
 
 
-def prompts_for(n: int, system_len: int, user_len: int, vocab: int) -> list[list[int]]:
+def prompts_for(
+    n: int, system_len: int, user_len: int, vocab: int, shared: bool = True
+) -> list[list[int]]:
+    """n + 1 prompts (the first warms the engine): a system prompt, the same for all where
+    `shared`, then a user turn of each one's own."""
     gen = torch.Generator().manual_seed(system_len)
     system = torch.randint(1, vocab, (system_len,), generator=gen).tolist()
     lengths = [user_len - (i * user_len // 2) // max(1, n - 1) for i in range(n + 1)]
-    return [system + torch.randint(1, vocab, (k,), generator=gen).tolist() for k in lengths]
+    out = []
+    for k in lengths:
+        if not shared:
+            system = torch.randint(1, vocab, (system_len,), generator=gen).tolist()
+        out.append(system + torch.randint(1, vocab, (k,), generator=gen).tolist())
+    return out
 
 
 class Timed:
@@ -115,21 +124,24 @@ def run_side(model, prompts: list[list[int]], args, settings: dict, together: bo
     return dict(ttft=statistics.mean(ttft), tokens=tokens, hits=hits)
 
 
-def measure(model, together: bool, args) -> dict:
-    prompts = prompts_for(args.requests, args.system_len, args.user_len, model.config.vocab_size)
+def measure(model, together: bool, args, shared: bool = True) -> dict:
+    vocab = model.config.vocab_size
+    prompts = prompts_for(args.requests, args.system_len, args.user_len, vocab, shared)
     checked = {name: run_side(model, prompts, args, s, together) for name, s in SIDES.items()}
     if checked["cache off"]["tokens"] != checked["cache on (default)"]["tokens"]:
         raise SystemExit("the greedy tokens differ with the cache on and off: not benchmarking")
-    want_hits = args.requests * (args.system_len // 16 * 16)
-    if checked["cache on (default)"]["hits"] < want_hits:
-        raise SystemExit("the cache-on side did not read the system prompt from the cache")
+    want_hits = args.requests * (args.system_len // 16 * 16) if shared else 0
+    hits = checked["cache on (default)"]["hits"]
+    if hits < want_hits or (hits and not shared):
+        raise SystemExit("the cache-on side did not read from the cache what it shares")
     runs: dict[str, list[float]] = {name: [] for name in SIDES}
     names = list(SIDES)
     for r in range(args.repeats):
         for name in names[r % 2 :] + names[: r % 2]:
             runs[name].append(run_side(model, prompts, args, SIDES[name], together)["ttft"])
     row = dict(
-        pattern="together" if together else "one after another",
+        pattern=("together" if together else "one after another")
+        + ("" if shared else ", no prefix shared"),
         load=os.getloadavg()[0],
         **{name: statistics.median(v) for name, v in runs.items()},
     )
@@ -188,6 +200,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         model = make_model(shape, Path(tmp) / "model")
         rows = [measure(model, together, args) for together in (False, True)]
+        rows.append(measure(model, False, args, shared=False))
     body = (
         f"{cpu_run_line('prefix_cache.py')}; {time.perf_counter() - t0:.0f} s in all, load average "
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. A random "
@@ -196,7 +209,9 @@ def main() -> None:
         f"tokens down to half of it), greedy, {args.new_tokens} new tokens. Each side's engine is "
         "started and warmed first by one request with the same system prompt; *one after another*: "
         "each request submitted when the previous one has finished; *together*: all queued at once "
-        "(the CPU's 256-token prefill budget then prefills them one by one). TTFT: submit to the "
+        "(the CPU's 256-token prefill budget then prefills them one by one); *no prefix shared*: one "
+        "after another, each with a system prompt of its own (what the cache costs where it "
+        "finds nothing: hashing, and keeping each prompt's blocks). TTFT: submit to the "
         f"first token, mean over the requests; medians of {args.repeats} runs per side, the sides "
         "taking turns; both sides first checked to give every request the same tokens.\n\n"
         + table(rows, args)
