@@ -102,6 +102,28 @@ def test_shared_prefix_greedy_equals_cache_off_and_transformers(family, together
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "family", ["gemma2", "gemma3", "qwen2", "phi3", "gptj", "olmo2", "mixtral", "qwen3_moe"]
+)
+def test_every_family_reads_its_prefix_and_answers_as_transformers(family, tmp_path):
+    """Soft-capped and alternating sliding-window layers (Gemma 2/3, Qwen2's upper layers), fused
+    projections, parallel blocks, mixtures of experts: the cache holds every layer's keys."""
+    hf = make_hf_model(family)
+    hf.generation_config.eos_token_id = None
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    model.config.eos_token_id = None
+    prompts = _prompts(2 * BLOCK_TOKENS + 3, 3, seed=50)
+    on, engine = _run(model, prompts, False, _greedy)
+    off, _ = _run(model, prompts, False, _greedy, prefix_cache=False)
+    assert engine.prefix.hit_tokens == 2 * 2 * BLOCK_TOKENS
+    for prompt, (tokens, logprobs), (tokens_off, logprobs_off) in zip(prompts, on, off):
+        want_tokens, want_logprobs = _hf_greedy(hf, prompt, 5)
+        assert tokens == tokens_off == want_tokens
+        assert logprobs == pytest.approx(logprobs_off, abs=1e-5)
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
 def test_a_batch_of_rows_with_different_cached_prefixes(models_):
     """Rows prefilled together from prefixes of different lengths, next to rows that read none."""
     model, hf = models_["gpt2"]
