@@ -21,7 +21,9 @@ so each request computes exactly what `generate` does on its prompt alone, and g
 same token for token. Each row keeps its request's own sampling settings; a step chooses every row's
 token in one call (penalties.py over per-row tables, then sampling.choose_rows with a value per
 row), a seeded row drawing from its own generator, so a request gets the same tokens whatever shares
-its batch. A request with a response_format also has a grammar (grammar.py): its row's disallowed
+its batch. A prompt that starts with blocks an earlier prompt left in the prefix cache
+(prefix_cache.py) copies their keys/values into its row and computes only the rest. A request with
+a response_format also has a grammar (grammar.py): its row's disallowed
 tokens go to -inf between the penalties and the sampling call, and the grammar takes each token
 chosen; rows without one compute nothing.
 
@@ -324,14 +326,21 @@ class Engine:
 
     def _take_waiting(self) -> list[EngineRequest]:
         """The next requests to prefill together, each given a free row: up to prefill_batch of
-        them, while the padded batch (requests x longest prompt) stays within max_prefill_tokens."""
+        them, while the padded batch (requests x longest prompt) stays within max_prefill_tokens.
+        A prompt whose first block another one of the batch computes waits for the next batch,
+        which reads it from the prefix cache instead of computing it again."""
         taken: list[EngineRequest] = []
+        firsts: set[bytes] = set()
         with self._cond:
             free = [i for i, r in enumerate(self.slots) if r is None]
             longest = 0
             while free and self.waiting and len(taken) < self.prefill_batch:
-                n = len(self.waiting[next(iter(self.waiting))][0].prompt_ids)
+                head = self.waiting[next(iter(self.waiting))][0]
+                n = len(head.prompt_ids)
                 if taken and (len(taken) + 1) * max(longest, n) > self.prefill_tokens:
+                    break
+                first = self._first_block(head)
+                if first in firsts:
                     break
                 req = self._next_waiting()
                 if req.cancelled:
@@ -342,7 +351,19 @@ class Engine:
                 req.admitted_at_step = self.steps
                 longest = max(longest, n)
                 taken.append(req)
+                if first is not None:
+                    firsts.add(first)
         return taken
+
+    def _first_block(self, req: EngineRequest) -> bytes | None:
+        """The name of the first block `req` could read from the prefix cache, where that block
+        is not there yet (None: nothing to wait for)."""
+        if self.prefix is None or req.params.prompt_logprobs is not None:
+            return None
+        if len(req.prompt_ids) <= BLOCK_TOKENS:
+            return None
+        name = block_hashes(req.prompt_ids[:BLOCK_TOKENS], adapter_of(req))[0]
+        return None if name in self.prefix.ids else name
 
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         """One forward over the prompts of `reqs`, right-padded: each row's prompt sits at slots

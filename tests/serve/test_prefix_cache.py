@@ -92,9 +92,10 @@ def test_shared_prefix_greedy_equals_cache_off_and_transformers(family, together
     prompts = _prompts(2 * BLOCK_TOKENS + 5, 4)
     on, engine = _run(model, prompts, together, _greedy)
     off, _ = _run(model, prompts, together, _greedy, prefix_cache=False)
-    hits = engine.prefix.hit_tokens
-    # one after another, each later prompt reads the two shared blocks
-    assert hits == (0 if together else 3 * 2 * BLOCK_TOKENS)
+    # each later prompt reads the two shared blocks; queued together, the first is prefilled
+    # alone and the others together after it
+    assert engine.prefix.hit_tokens == 3 * 2 * BLOCK_TOKENS
+    assert engine.prefills == (2 if together else 4)
     for prompt, (tokens, logprobs), (tokens_off, logprobs_off) in zip(prompts, on, off):
         want_tokens, want_logprobs = _hf_greedy(hf, prompt, 5)
         assert tokens == tokens_off == want_tokens
