@@ -23,9 +23,9 @@ token in one call (penalties.py over per-row tables, then sampling.choose_rows w
 row), a seeded row drawing from its own generator, so a request gets the same tokens whatever shares
 its batch. A prompt that starts with blocks an earlier prompt left in the prefix cache
 (prefix_cache.py) copies their keys/values into its row and computes only the rest. A request with
-a response_format also has a grammar (grammar.py): its row's disallowed
-tokens go to -inf between the penalties and the sampling call, and the grammar takes each token
-chosen; rows without one compute nothing.
+a response_format also has a grammar (grammar.py): its row's disallowed tokens go to -inf between
+the penalties and the sampling call, and the grammar takes each token chosen; rows without one
+compute nothing.
 
 The engine never waits for a consumer: it hands each request's events to a callback (the server puts
 them on that request's asyncio queue), so a slow reader only lets its own queue grow.
