@@ -57,12 +57,7 @@ from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.grammar import Grammars, RowGrammar, allowed_tokens
 from lmforge.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lmforge.inference.penalties import RowPenalties
-from lmforge.inference.prefix_cache import (
-    BLOCK_TOKENS,
-    PrefixCache,
-    block_hashes,
-    prefill_after_prefix,
-)
+from lmforge.inference.prefix_cache import BLOCK_TOKENS, PrefixCache, prefill_after_prefix
 from lmforge.inference.requests import EngineRequest, Event, RequestParams
 from lmforge.inference.sampling import (
     NO_TOKEN,
@@ -156,7 +151,11 @@ class Engine:
         self.cache = KVCache(
             model.config, config.max_batch, self.context, p.dtype, p.device, ring=False
         )
-        self.prefix = self._prefix_cache(config)
+        self.prefix = (
+            PrefixCache.for_engine(model, self.cache, self.context, config.prefix_cache_blocks)
+            if config.prefix_cache
+            else None
+        )
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.penalties = RowPenalties(config.max_batch, model.config.vocab_size, self.device)
         # response_format's
@@ -339,7 +338,7 @@ class Engine:
                 n = len(head.prompt_ids)
                 if taken and (len(taken) + 1) * max(longest, n) > self.prefill_tokens:
                     break
-                first = self._first_block(head)
+                first = None if self.prefix is None else self.prefix.missing_first_block(head)
                 if first in firsts:
                     break
                 req = self._next_waiting()
@@ -354,16 +353,6 @@ class Engine:
                 if first is not None:
                     firsts.add(first)
         return taken
-
-    def _first_block(self, req: EngineRequest) -> bytes | None:
-        """The name of the first block `req` could read from the prefix cache, where that block
-        is not there yet (None: nothing to wait for)."""
-        if self.prefix is None or req.params.prompt_logprobs is not None:
-            return None
-        if len(req.prompt_ids) <= BLOCK_TOKENS:
-            return None
-        name = block_hashes(req.prompt_ids[:BLOCK_TOKENS], adapter_of(req))[0]
-        return None if name in self.prefix.ids else name
 
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         """One forward over the prompts of `reqs`, right-padded: each row's prompt sits at slots
@@ -466,51 +455,13 @@ class Engine:
         ]
         self._accept(reqs, self.model.logits(last))
 
-    def _prefix_cache(self, config: EngineConfig) -> PrefixCache | None:
-        if not config.prefix_cache:
-            return None
-        blocks = config.prefix_cache_blocks
-        if blocks is None:
-            blocks = -(-self.context // BLOCK_TOKENS)
-        if blocks < 1:
-            raise UserError(f"prefix_cache_blocks must be >= 1, got {blocks}")
-        p = next(self.model.parameters())
-        check_cache_memory(  # the rows' cache is allocated: what is free is left for the pool
-            self.model.config,
-            1,
-            blocks * BLOCK_TOKENS,
-            p.dtype,
-            p.device,
-            "the prefix cache's blocks",
-            "lower prefix_cache_blocks or turn the prefix cache off (serve: --prefix-cache-blocks, "
-            "--no-enable-prefix-caching)",
-            ring=False,
-        )
-        pool = PrefixCache(self.cache, blocks)
-        log.info(
-            "prefix cache: %d blocks of %d tokens (%.0f MiB)",
-            blocks,
-            BLOCK_TOKENS,
-            pool.nbytes / 2**20,
-        )
-        return pool
-
     def _match_prefixes(
         self, reqs: list[EngineRequest]
     ) -> tuple[list[list[bytes]], list[list[int]]]:
-        """Each prompt's block names and the pool blocks of its longest cached prefix (pinned for
-        it); a prompt whose own log-probabilities are asked for is computed whole. Blocks are
-        never shared across adapters: the adapter is in every name."""
+        """Each prompt's block names and the pool blocks of its longest cached prefix."""
         if self.prefix is None:
             return [[] for _ in reqs], [[] for _ in reqs]
-        names = [block_hashes(r.prompt_ids, adapter_of(r)) for r in reqs]
-        cached = [
-            self.prefix.match(
-                r, own, -1 if r.params.prompt_logprobs is not None else len(r.prompt_ids) - 1
-            )
-            for r, own in zip(reqs, names)
-        ]
-        return names, cached
+        return self.prefix.match_requests(reqs)
 
     def _next_waiting(self) -> EngineRequest:
         """The first group's first request; the group then goes to the back of the line (under
@@ -657,11 +608,6 @@ class Engine:
             self.prefix.release(req)
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
-
-
-def adapter_of(req: EngineRequest) -> object:
-    """The adapter a request decodes with (0: the base model), part of its prefix blocks' names."""
-    return getattr(req, "adapter", getattr(req.params, "adapter", 0))
 
 
 def constrain(logits: torch.Tensor, reqs: list[EngineRequest]) -> torch.Tensor:

@@ -18,15 +18,25 @@ its first ones (the first are those other prompts share). Rows keep their own co
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
+from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
+from lmforge.models.sizes import check_cache_memory
+
+log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16  # vLLM's default block size
+
+
+def adapter_of(req) -> object:
+    """The adapter a request decodes with (0: the base model), part of its blocks' names."""
+    return getattr(req, "adapter", getattr(req.params, "adapter", 0))
 
 
 def block_hashes(tokens: Sequence[int], adapter: object = 0) -> list[bytes]:
@@ -57,6 +67,36 @@ class PrefixCache:
         self.miss_tokens = 0  # prompt tokens computed
         self.evicted = 0  # blocks evicted for others
 
+    @classmethod
+    def for_engine(
+        cls, model: torch.nn.Module, cache: KVCache, context: int, blocks: int | None
+    ) -> PrefixCache:
+        """The serving engine's pool of `blocks` (None: one row of `context` slots' worth),
+        checked against free memory first (the rows' `cache` is allocated already)."""
+        if blocks is None:
+            blocks = -(-context // BLOCK_TOKENS)
+        if blocks < 1:
+            raise UserError(f"prefix_cache_blocks must be >= 1, got {blocks}")
+        check_cache_memory(
+            model.config,
+            1,
+            blocks * BLOCK_TOKENS,
+            cache.k[0].dtype,
+            cache.k[0].device,
+            "the prefix cache's blocks",
+            "lower prefix_cache_blocks or turn the prefix cache off (serve: --prefix-cache-blocks, "
+            "--no-enable-prefix-caching)",
+            ring=False,
+        )
+        pool = cls(cache, blocks)
+        log.info(
+            "prefix cache: %d blocks of %d tokens (%.0f MiB)",
+            blocks,
+            BLOCK_TOKENS,
+            pool.nbytes / 2**20,
+        )
+        return pool
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
@@ -79,6 +119,26 @@ class PrefixCache:
             self._pin(block)
         self.held[req] = list(found)
         return found
+
+    def match_requests(self, reqs: list) -> tuple[list[list[bytes]], list[list[int]]]:
+        """Each engine request's block names and the pool blocks of its longest cached prefix,
+        pinned for it; a prompt whose own log-probabilities are asked for is computed whole."""
+        names = [block_hashes(r.prompt_ids, adapter_of(r)) for r in reqs]
+        cached = [
+            self.match(
+                r, own, -1 if r.params.prompt_logprobs is not None else len(r.prompt_ids) - 1
+            )
+            for r, own in zip(reqs, names)
+        ]
+        return names, cached
+
+    def missing_first_block(self, req) -> bytes | None:
+        """The name of the first block an engine request could read from the pool, where it is
+        not there yet (None: nothing to wait for)."""
+        if req.params.prompt_logprobs is not None or len(req.prompt_ids) <= BLOCK_TOKENS:
+            return None
+        name = block_hashes(req.prompt_ids[:BLOCK_TOKENS], adapter_of(req))[0]
+        return None if name in self.ids else name
 
     def count(self, cached: int, computed: int) -> None:
         self.hit_tokens += cached
