@@ -3,9 +3,11 @@ starts with the same tokens (a system prompt, few-shot examples, the earlier tur
 them into its row instead of computing them again.
 
 A block is BLOCK_TOKENS tokens; it is named by a SHA-256 chained over every token up to its end and
-the request's adapter (as vLLM names its blocks), so two prompts share a block only where all
-their tokens up to it are equal, under the same adapter, and a client cannot make a collision to
-read another's keys. Only whole blocks are kept, and a prompt reuses at most its length minus one
+the request's adapter and cache_salt (as vLLM names its blocks), so two prompts share a block only
+where all their tokens up to it are equal, under the same adapter and salt, and a client cannot make
+a collision to read another's keys. Whether a prefix is cached shows in the time to the first token:
+a client can learn whether another sent it recently (vLLM's documented side channel), unless
+their requests carry different salts. Only whole blocks are kept, and a prompt reuses at most its length minus one
 token: its last token is always computed, since its logits are the first token's.
 
 The pool is bounded (a number of blocks, preallocated) and evicted least recently used. A block a
@@ -34,15 +36,17 @@ log = logging.getLogger(__name__)
 BLOCK_TOKENS = 16  # vLLM's default block size
 
 
-def adapter_of(req) -> object:
-    """The adapter a request decodes with (0: the base model), part of its blocks' names."""
-    return getattr(req, "adapter", getattr(req.params, "adapter", 0))
+def sharing_key(req) -> tuple:
+    """What two engine requests must have in common to share blocks: the adapter they decode with
+    (0: the base model) and their cache_salt."""
+    adapter = getattr(req, "adapter", getattr(req.params, "adapter", 0))
+    return adapter, getattr(req.params, "cache_salt", None)
 
 
-def block_hashes(tokens: Sequence[int], adapter: object = 0) -> list[bytes]:
-    """The name of each whole block of `tokens`: a digest of the adapter and every token up to the
-    block's end."""
-    parent = hashlib.sha256(repr(adapter).encode()).digest()
+def block_hashes(tokens: Sequence[int], key: object = (0, None)) -> list[bytes]:
+    """The name of each whole block of `tokens`: a digest of the sharing key (adapter, cache_salt)
+    and every token up to the block's end."""
+    parent = hashlib.sha256(repr(key).encode()).digest()
     names = []
     for end in range(BLOCK_TOKENS, len(tokens) + 1, BLOCK_TOKENS):
         block = array("q", tokens[end - BLOCK_TOKENS : end]).tobytes()
@@ -123,7 +127,7 @@ class PrefixCache:
     def match_requests(self, reqs: list) -> tuple[list[list[bytes]], list[list[int]]]:
         """Each engine request's block names and the pool blocks of its longest cached prefix,
         pinned for it; a prompt whose own log-probabilities are asked for is computed whole."""
-        names = [block_hashes(r.prompt_ids, adapter_of(r)) for r in reqs]
+        names = [block_hashes(r.prompt_ids, sharing_key(r)) for r in reqs]
         cached = [
             self.match(
                 r, own, -1 if r.params.prompt_logprobs is not None else len(r.prompt_ids) - 1
@@ -137,7 +141,7 @@ class PrefixCache:
         not there yet (None: nothing to wait for)."""
         if req.params.prompt_logprobs is not None or len(req.prompt_ids) <= BLOCK_TOKENS:
             return None
-        name = block_hashes(req.prompt_ids[:BLOCK_TOKENS], adapter_of(req))[0]
+        name = block_hashes(req.prompt_ids[:BLOCK_TOKENS], sharing_key(req))[0]
         return None if name in self.ids else name
 
     def count(self, cached: int, computed: int) -> None:

@@ -148,6 +148,8 @@ class _Body(BaseModel):
     skip_special_tokens: bool = True
     # vLLM's: the stop string that ended a choice stays in its text
     include_stop_str_in_output: bool = False
+    # vLLM's: only requests with the same salt share prefix-cache blocks (a tenant's own)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("top_k")
     @classmethod

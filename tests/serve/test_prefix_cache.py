@@ -231,7 +231,9 @@ def test_prompts_under_different_adapters_share_no_block(models_):
             engine.step()
         hits.append(engine.prefix.hit_tokens)
     assert hits == [0, 0, 2 * BLOCK_TOKENS]  # only the second "sql" prompt reads the first's
-    assert block_hashes(prompts[0], "sql")[:2] != block_hashes(prompts[0], "chat")[:2]
+    assert (
+        block_hashes(prompts[0], ("sql", None))[:2] != block_hashes(prompts[0], ("chat", None))[:2]
+    )
 
 
 def test_prompt_logprobs_are_computed_whole(models_):

@@ -72,3 +72,29 @@ def test_completions_sharing_a_prefix_equal_transformers_and_count_hits(server, 
     # the first computes everything; each later one reads the 3 whole shared blocks
     assert hits == 2 * 3 * BLOCK_TOKENS
     assert misses == sum(len(p) for p in prompts) - hits
+
+
+def test_requests_with_different_cache_salts_share_no_block(server, model_dir):
+    """vLLM's cache_salt: a tenant's requests read only the blocks its own salt left."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    ids = torch.randint(2, 300, (2 * BLOCK_TOKENS + 3,), generator=torch.Generator().manual_seed(2))
+    prompt = " ".join(f"t{i}" for i in ids.tolist())
+    hits = []
+    answers = []
+    for salt in ("tenant-a", "tenant-b", "tenant-a", None):
+        before = _counters(server)["lmforge_prefix_cache_hit_tokens_total"]
+        r = client.completions.create(
+            model=model_dir.name,
+            prompt=prompt,
+            max_tokens=3,
+            temperature=0,
+            extra_body={} if salt is None else {"cache_salt": salt},
+        )
+        answers.append(r.choices[0].text)
+        hits.append(_counters(server)["lmforge_prefix_cache_hit_tokens_total"] - before)
+    assert hits == [0, 0, 2 * BLOCK_TOKENS, 0]
+    assert len(set(answers)) == 1
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": prompt, "cache_salt": ""}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
