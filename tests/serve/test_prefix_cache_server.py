@@ -98,3 +98,42 @@ def test_requests_with_different_cache_salts_share_no_block(server, model_dir):
         server.url + "/v1/completions", json={"prompt": prompt, "cache_salt": ""}, timeout=30
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_multi_turn_chat_reads_its_earlier_turns_and_answers_as_transformers(server, model_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    g = torch.Generator().manual_seed(3)
+
+    def words(n: int) -> str:
+        return " ".join(f"t{i}" for i in torch.randint(2, 300, (n,), generator=g).tolist())
+
+    messages = [{"role": "system", "content": words(30)}, {"role": "user", "content": words(9)}]
+    computed_before = 0
+    for _ in range(3):
+        ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+        before = _counters(server)
+        r = client.chat.completions.create(
+            model=model_dir.name, messages=messages, max_tokens=4, temperature=0
+        )
+        after = _counters(server)
+        hits = (
+            after["lmforge_prefix_cache_hit_tokens_total"]
+            - before["lmforge_prefix_cache_hit_tokens_total"]
+        )
+        # every whole block of the previous turn's prompt is read again
+        assert hits == computed_before // BLOCK_TOKENS * BLOCK_TOKENS
+        assert r.usage.prompt_tokens == len(ids)
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=0
+            )
+        want = out[0, len(ids) :].tolist()
+        want = want[: want.index(0)] if 0 in want else want
+        assert r.choices[0].message.content.split() == [WORDS[i] for i in want]
+        computed_before = len(ids)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": words(5)},
+        ]
