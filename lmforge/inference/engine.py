@@ -604,9 +604,12 @@ class Engine:
 
     def _release(self, req: EngineRequest, reason: str | None) -> None:
         req.finish_reason = req.finish_reason or reason
+        holds_row = req.slot is not None and self.slots[req.slot] is req
         if self.prefix is not None:
+            if holds_row and reason != "error":
+                self.prefix.keep_generated(req, self.cache, req.slot)
             self.prefix.release(req)
-        if req.slot is not None and self.slots[req.slot] is req:
+        if holds_row:
             self.slots[req.slot] = None
 
 

@@ -5,10 +5,11 @@ them into its row instead of computing them again.
 A block is BLOCK_TOKENS tokens; it is named by a SHA-256 chained over every token up to its end and
 the request's adapter and cache_salt (as vLLM names its blocks), so two prompts share a block only
 where all their tokens up to it are equal, under the same adapter and salt, and a client cannot make
-a collision to read another's keys. Whether a prefix is cached shows in the time to the first token:
-a client can learn whether another sent it recently (vLLM's documented side channel), unless
-their requests carry different salts. Only whole blocks are kept, and a prompt reuses at most its length minus one
-token: its last token is always computed, since its logits are the first token's.
+a collision to read another's keys. Only whole blocks are kept, and a prompt reuses at most its
+length minus one token: its last token is always computed, since its logits are the first token's.
+A request's generated tokens are kept too when it ends (the next turn of a chat repeats them).
+Whether a prefix is cached shows in the time to the first token: a client can learn whether another
+sent it recently (vLLM's documented side channel), unless their requests carry different salts.
 
 The pool is bounded (a number of blocks, preallocated) and evicted least recently used. A block a
 running request matched or stored is pinned while that request holds its row, never evicted;
@@ -178,6 +179,12 @@ class PrefixCache:
             span = slice(j * BLOCK_TOKENS, (j + 1) * BLOCK_TOKENS)
             for pool, buf in zip((*self.k, *self.v), (*cache.k, *cache.v), strict=True):
                 pool[block] = buf[row, :, span]
+
+    def keep_generated(self, req, cache: KVCache, row: int) -> None:
+        """Keep the whole blocks of an ending engine request's prompt and output that its row holds
+        (its last token never went in): the next turn of a chat starts with them."""
+        tokens = [*req.prompt_ids, *req.output_ids][: req.length]
+        self.store(req, block_hashes(tokens, sharing_key(req)), cache, row)
 
     def release(self, req) -> None:
         """Unpin `req`'s blocks, its last first into the LRU order (evicted before its first)."""

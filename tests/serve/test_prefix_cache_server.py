@@ -101,6 +101,8 @@ def test_requests_with_different_cache_salts_share_no_block(server, model_dir):
 
 
 def test_a_multi_turn_chat_reads_its_earlier_turns_and_answers_as_transformers(server, model_dir):
+    """Each turn reads the blocks of the previous turn's prompt and reply (the row held all but
+    the reply's last token), and answers what transformers' greedy generate gives for its ids."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
@@ -110,30 +112,34 @@ def test_a_multi_turn_chat_reads_its_earlier_turns_and_answers_as_transformers(s
         return " ".join(f"t{i}" for i in torch.randint(2, 300, (n,), generator=g).tolist())
 
     messages = [{"role": "system", "content": words(30)}, {"role": "user", "content": words(9)}]
-    computed_before = 0
+    held: list[int] = []  # the tokens the previous turn's row held
+    prompt_blocks, past_prompts = 0, 0  # the previous prompt's whole blocks; turns reading past
     for _ in range(3):
         ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
         before = _counters(server)
         r = client.chat.completions.create(
-            model=model_dir.name, messages=messages, max_tokens=4, temperature=0
+            model=model_dir.name, messages=messages, max_tokens=12, temperature=0
         )
         after = _counters(server)
         hits = (
             after["lmforge_prefix_cache_hit_tokens_total"]
             - before["lmforge_prefix_cache_hit_tokens_total"]
         )
-        # every whole block of the previous turn's prompt is read again
-        assert hits == computed_before // BLOCK_TOKENS * BLOCK_TOKENS
+        common = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), len(held))
+        assert hits == min(common, len(ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        past_prompts += hits > prompt_blocks * BLOCK_TOKENS  # a reply's blocks read too
+        prompt_blocks = len(ids) // BLOCK_TOKENS
         assert r.usage.prompt_tokens == len(ids)
         with torch.no_grad():
             out = hf.generate(
-                torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=0
+                torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0
             )
-        want = out[0, len(ids) :].tolist()
-        want = want[: want.index(0)] if 0 in want else want
-        assert r.choices[0].message.content.split() == [WORDS[i] for i in want]
-        computed_before = len(ids)
+        reply = out[0, len(ids) :].tolist()
+        reply = reply[: reply.index(0) + 1] if 0 in reply else reply  # the server stops at eos
+        assert r.choices[0].message.content.split() == [WORDS[i] for i in reply if i != 0]
+        held = (ids + reply)[: len(ids) + len(reply) - 1]
         messages += [
             {"role": "assistant", "content": r.choices[0].message.content},
             {"role": "user", "content": words(5)},
         ]
+    assert past_prompts == 2
