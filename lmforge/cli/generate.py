@@ -65,10 +65,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass >= p"
     )
     p.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="sample only tokens at least MIN_P x as likely as the most likely one (0 = off; serve's "
+        "min_p). Default: the folder's generation_config.json where it samples, else off",
+    )
+    p.add_argument(
         "--repetition-penalty",
         type=float,
         default=None,
-        help="> 1 discourages repeats (1.0 = off). Default: the folder's generation_config.json, else off",
+        help="> 1 discourages tokens of the prompt and the output (1.0 = off; transformers' and vLLM's). "
+        "Default: the folder's generation_config.json, else off",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI's, -2 to 2: subtracted from a token's score once per time it was generated "
+        "(default 0)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI's, -2 to 2: subtracted from the score of every token generated so far (default 0)",
     )
     p.add_argument(
         "--stop", action="append", default=[], help="stop at this text (not printed); repeatable"
@@ -136,7 +157,7 @@ def run(args: argparse.Namespace) -> None:
         check_fits(
             longest, args.max_new_tokens, model.config.max_position_embeddings, "--max-new-tokens"
         )
-    temperature, top_k, top_p = sampling_defaults(args, Path(args.model_dir))
+    temperature, top_k, top_p, min_p = sampling_defaults(args, Path(args.model_dir))
     start = time.perf_counter()
     texts = generate_text(
         model,
@@ -147,7 +168,10 @@ def run(args: argparse.Namespace) -> None:
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         repetition_penalty=repetition_penalty(args, Path(args.model_dir)),
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         seed=args.seed,
         compile=args.compile or False,
     )
@@ -206,31 +230,37 @@ def repetition_penalty(args: argparse.Namespace, folder: Path) -> float:
 
 def sampling_defaults(
     args: argparse.Namespace, folder: Path
-) -> tuple[float, int | None, float | None]:
-    """(temperature, top_k, top_p): the flags given; with none of them, what the model's
+) -> tuple[float, int | None, float | None, float]:
+    """(temperature, top_k, top_p, min_p): the flags given; with none of them, what the model's
     generation_config.json asks for (transformers' generate reads it the same way: sampling only
     where it says do_sample), else greedy."""
     from lmforge.models.source import generation_config
 
-    if args.temperature is not None or args.top_k is not None or args.top_p is not None:
-        return (1.0 if args.temperature is None else args.temperature), args.top_k, args.top_p
+    flags = (args.temperature, args.top_k, args.top_p, args.min_p)
+    if any(flag is not None for flag in flags):
+        temperature = 1.0 if args.temperature is None else args.temperature
+        return temperature, args.top_k, args.top_p, args.min_p or 0.0
     config, path = generation_config(folder)
     if not config.get("do_sample"):
-        return 0.0, None, None
-    temperature, top_k, top_p = (
+        return 0.0, None, None, 0.0
+    temperature, top_k, top_p, min_p = (
         config.get("temperature", 1.0),
         config.get("top_k"),
         config.get("top_p"),
+        config.get("min_p"),
     )
     log.info(
-        "sampling as %s asks (temperature %s, top_k %s, top_p %s): --temperature 0 for greedy",
+        "sampling as %s asks (temperature %s, top_k %s, top_p %s, min_p %s): --temperature 0 for "
+        "greedy",
         path,
         temperature,
         top_k,
         top_p,
+        min_p,
     )
     return (
         float(temperature),
         (int(top_k) if top_k else None),
         (float(top_p) if top_p not in (None, 1.0) else None),
+        (float(min_p) if min_p else 0.0),
     )

@@ -107,6 +107,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the KV cache holds max-batch x max-context tokens",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the keys/values of prompt blocks (16 tokens) for later prompts that start with the "
+        "same tokens: a shared system prompt or chat history is computed once (default on, as in "
+        "vLLM; --no-enable-prefix-caching turns it off)",
+    )
+    p.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="blocks of 16 tokens the prefix cache keeps, least recently used evicted first (default: "
+        "one row's worth, max-context / 16: the KV memory of one more batch row)",
+    )
+    p.add_argument(
         "--max-tokens-limit",
         type=int,
         default=4096,
@@ -213,6 +229,7 @@ def run(args: argparse.Namespace) -> None:
         "max_queue",
         "max_body_bytes",
         "max_choices",
+        "prefix_cache_blocks",
     ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -238,7 +255,12 @@ def run(args: argparse.Namespace) -> None:
             model,
             tokenizer,
             EngineConfig(
-                args.max_batch, args.max_context, args.max_queue, prefill_batch=args.prefill_batch
+                args.max_batch,
+                args.max_context,
+                args.max_queue,
+                prefill_batch=args.prefill_batch,
+                prefix_cache=args.enable_prefix_caching,
+                prefix_cache_blocks=args.prefix_cache_blocks,
             ),
         )
         if args.max_context is not None and args.max_context > engine.context:
@@ -279,10 +301,13 @@ def run(args: argparse.Namespace) -> None:
             host,
         )
     kv = sum(t.numel() * t.element_size() for t in engine.cache.k + engine.cache.v)
+    if engine.prefix is not None:
+        kv += engine.prefix.nbytes
     shown = f"[{host}]" if ":" in host else host
     print(
         f"serving '{name}' at http://{shown}:{port} (chat page at /, OpenAI API under /v1); batch "
         f"{args.max_batch} x {engine.context} tokens, KV cache {kv / 2**20:.0f} MiB"
+        f"{_prefix_note(engine)}"
         f"{'; API key required' if api_key else ''}",
         flush=True,
     )
@@ -302,6 +327,13 @@ def run(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     print("server stopped", flush=True)
+
+
+def _prefix_note(engine) -> str:
+    pool = engine.prefix
+    if pool is None:
+        return ""
+    return f" (prefix cache {pool.blocks} x 16 tokens in it)"
 
 
 def served_tokenizer(folder: Path, path: str | None):

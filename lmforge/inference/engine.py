@@ -21,9 +21,11 @@ so each request computes exactly what `generate` does on its prompt alone, and g
 same token for token. Each row keeps its request's own sampling settings; a step chooses every row's
 token in one call (penalties.py over per-row tables, then sampling.choose_rows with a value per
 row), a seeded row drawing from its own generator, so a request gets the same tokens whatever shares
-its batch. A request with a response_format also has a grammar (grammar.py): its row's disallowed
-tokens go to -inf between the penalties and the sampling call, and the grammar takes each token
-chosen; rows without one compute nothing.
+its batch. A prompt that starts with blocks an earlier prompt left in the prefix cache
+(prefix_cache.py) copies their keys/values into its row and computes only the rest. A request with
+a response_format also has a grammar (grammar.py): its row's disallowed tokens go to -inf between
+the penalties and the sampling call, and the grammar takes each token chosen; rows without one
+compute nothing.
 
 The engine never waits for a consumer: it hands each request's events to a callback (the server puts
 them on that request's asyncio queue), so a slow reader only lets its own queue grow.
@@ -55,6 +57,7 @@ from lmforge.inference.generate import check_can_generate, check_fits
 from lmforge.inference.grammar import Grammars, RowGrammar, allowed_tokens
 from lmforge.inference.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lmforge.inference.penalties import RowPenalties
+from lmforge.inference.prefix_cache import BLOCK_TOKENS, PrefixCache, prefill_after_prefix
 from lmforge.inference.requests import EngineRequest, Event, RequestParams
 from lmforge.inference.sampling import (
     NO_TOKEN,
@@ -84,6 +87,10 @@ class EngineConfig:
     # Most padded tokens (requests x longest prompt) one prefill forward takes (a longer prompt
     # still goes, alone); None: CPU_PREFILL_TOKENS on the CPU, ACCELERATOR_PREFILL_TOKENS elsewhere.
     max_prefill_tokens: int | None = None
+    # keep prompt blocks' keys/values for later prompts that start alike (prefix_cache.py)
+    prefix_cache: bool = True
+    # blocks of BLOCK_TOKENS tokens the prefix cache holds; None: one row's worth (max_context)
+    prefix_cache_blocks: int | None = None
 
 
 # On the CPU a forward of a few hundred tokens already runs its matmuls at full rate: batching more
@@ -143,6 +150,11 @@ class Engine:
         # padding's for a shorter prompt.
         self.cache = KVCache(
             model.config, config.max_batch, self.context, p.dtype, p.device, ring=False
+        )
+        self.prefix = (
+            PrefixCache.for_engine(model, self.cache, self.context, config.prefix_cache_blocks)
+            if config.prefix_cache
+            else None
         )
         self.stop_ids = eos_token_ids(model, tokenizer)
         self.penalties = RowPenalties(config.max_batch, model.config.vocab_size, self.device)
@@ -313,14 +325,21 @@ class Engine:
 
     def _take_waiting(self) -> list[EngineRequest]:
         """The next requests to prefill together, each given a free row: up to prefill_batch of
-        them, while the padded batch (requests x longest prompt) stays within max_prefill_tokens."""
+        them, while the padded batch (requests x longest prompt) stays within max_prefill_tokens.
+        A prompt whose first block another one of the batch computes waits for the next batch,
+        which reads it from the prefix cache instead of computing it again."""
         taken: list[EngineRequest] = []
+        firsts: set[bytes] = set()
         with self._cond:
             free = [i for i, r in enumerate(self.slots) if r is None]
             longest = 0
             while free and self.waiting and len(taken) < self.prefill_batch:
-                n = len(self.waiting[next(iter(self.waiting))][0].prompt_ids)
+                head = self.waiting[next(iter(self.waiting))][0]
+                n = len(head.prompt_ids)
                 if taken and (len(taken) + 1) * max(longest, n) > self.prefill_tokens:
+                    break
+                first = None if self.prefix is None else self.prefix.missing_first_block(head)
+                if first in firsts:
                     break
                 req = self._next_waiting()
                 if req.cancelled:
@@ -331,14 +350,32 @@ class Engine:
                 req.admitted_at_step = self.steps
                 longest = max(longest, n)
                 taken.append(req)
+                if first is not None:
+                    firsts.add(first)
         return taken
 
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         """One forward over the prompts of `reqs`, right-padded: each row's prompt sits at slots
         0..n-1 as it would alone; the padding's slots are marked empty (never attended) and the
-        row's decode overwrites them."""
+        row's decode overwrites them. Where the prefix cache holds a prompt's first blocks, the
+        batch copies them in and computes the rest only (prefill_after_prefix)."""
         lengths = [len(r.prompt_ids) for r in reqs]
         k, longest = len(reqs), max(lengths)
+        names, cached = self._match_prefixes(reqs)
+        if any(cached):
+            return self._prefilled(
+                reqs,
+                names,
+                cached,
+                prefill_after_prefix(
+                    self.model,
+                    self.prefix,
+                    self.cache,
+                    [r.slot for r in reqs],
+                    [r.prompt_ids for r in reqs],
+                    cached,
+                ),
+            )
         ids = torch.zeros(k, longest, dtype=torch.long)
         mask = torch.zeros(k, longest, dtype=torch.long)
         for i, r in enumerate(reqs):
@@ -367,6 +404,25 @@ class Engine:
             for full, part in zip((*self.cache.k, *self.cache.v), (*cache.k, *cache.v)):
                 full[:, :, :longest].index_copy_(0, rows, part)
             self.cache.valid[:, :longest].index_copy_(0, rows, cache.valid)
+        self._prefilled(reqs, names, cached, h)
+
+    def _prefilled(
+        self,
+        reqs: list[EngineRequest],
+        names: list[list[bytes]],
+        cached: list[list[int]],
+        h: torch.Tensor,
+    ) -> None:
+        """After the prefill forward (hidden states `h`, row i's from its first token past its
+        `cached` blocks): keep the prompts' blocks, set the rows up, choose each first token."""
+        k = len(reqs)
+        slots = [r.slot for r in reqs]
+        lengths = [len(r.prompt_ids) for r in reqs]
+        longest = max(lengths)
+        if self.prefix is not None:
+            for r, blocks, own, n in zip(reqs, cached, names, lengths):
+                self.prefix.count(len(blocks) * BLOCK_TOKENS, n - len(blocks) * BLOCK_TOKENS)
+                self.prefix.store(r, own, self.cache, r.slot)
         for i, (r, n) in enumerate(zip(reqs, lengths)):
             r.length = n
             self.penalties.admit(r.slot, r.prompt_ids, r.settings)
@@ -390,12 +446,22 @@ class Engine:
             if not keep:
                 return
             reqs, lengths = [reqs[i] for i in keep], [lengths[i] for i in keep]
+            cached = [cached[i] for i in keep]
             h = h[torch.tensor(keep, device=self.device)]
+        rests = [n - len(blocks) * BLOCK_TOKENS for n, blocks in zip(lengths, cached)]
         last = h[
             torch.arange(len(reqs), device=self.device),
-            torch.tensor(lengths, device=self.device) - 1,
+            torch.tensor(rests, device=self.device) - 1,
         ]
         self._accept(reqs, self.model.logits(last))
+
+    def _match_prefixes(
+        self, reqs: list[EngineRequest]
+    ) -> tuple[list[list[bytes]], list[list[int]]]:
+        """Each prompt's block names and the pool blocks of its longest cached prefix."""
+        if self.prefix is None:
+            return [[] for _ in reqs], [[] for _ in reqs]
+        return self.prefix.match_requests(reqs)
 
     def _next_waiting(self) -> EngineRequest:
         """The first group's first request; the group then goes to the back of the line (under
@@ -538,7 +604,12 @@ class Engine:
 
     def _release(self, req: EngineRequest, reason: str | None) -> None:
         req.finish_reason = req.finish_reason or reason
-        if req.slot is not None and self.slots[req.slot] is req:
+        holds_row = req.slot is not None and self.slots[req.slot] is req
+        if self.prefix is not None:
+            if holds_row and reason != "error":
+                self.prefix.keep_generated(req, self.cache, req.slot)
+            self.prefix.release(req)
+        if holds_row:
             self.slots[req.slot] = None
 
 

@@ -12,6 +12,7 @@ keeps as its last token; generation ends when every row has stopped or after max
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -30,10 +31,12 @@ from lmforge.inference.decode_step import (
     length_dynamic,
     static_cache,
 )
+from lmforge.inference.penalties import RowPenalties, RowSettings
 from lmforge.inference.sampling import (
     NO_TOKEN,
+    RowSampling,
     SamplingParams,
-    choose_next,
+    choose_rows,
     no_token_reason,
     seeded_generator,
 )
@@ -156,6 +159,9 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
     stop_token_ids: int | Iterable[int] | None = None,
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -167,7 +173,10 @@ def generate(
 
     prompts: a list of token id lists (left-padded here), or a (batch, seq) / (seq,) tensor, all
     real tokens unless attention_mask (1 = token, 0 = padding, left padding) says otherwise.
-    temperature 0 or do_sample=False is greedy. stop_token_ids: None = the model config's eos; [] =
+    temperature 0 or do_sample=False is greedy. The penalties are the serving engine's
+    (lmforge.inference.penalties: repetition_penalty over prompt and output as transformers applies
+    it, frequency_penalty and presence_penalty OpenAI's over the output), then temperature, top-k,
+    top-p and min-p as a request's (sampling.choose_rows). stop_token_ids: None = the model config's eos; [] =
     never stop early. seed makes sampling reproducible (a torch.Generator of its own; without it the
     global RNG is used). should_stop(row, ids_so_far) is asked after each new token of a running row
     (stop strings in generate_text). compile=True (or "default") runs each decode step through
@@ -182,7 +191,14 @@ def generate(
     static = mode in STATIC_MODES
     if static:
         check_static(model)
-    params = SamplingParams(temperature, top_k, top_p, repetition_penalty, do_sample)
+    params = SamplingParams(temperature, top_k, top_p, repetition_penalty, do_sample, min_p)
+    for name, value in (
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+    ):
+        if not -2.0 <= value <= 2.0:  # OpenAI's range, as the server takes them
+            raise UserError(f"{name} must be in [-2, 2] (0 = off), got {value}")
+    settings = RowSettings(repetition_penalty, frequency_penalty, presence_penalty)
     if max_new_tokens < 0:
         raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     ids, mask, pad_id = _batch(model, prompts, attention_mask, pad_token_id)
@@ -194,14 +210,12 @@ def generate(
     stop_ids = eos_token_ids(model) if stop_token_ids is None else token_ids(stop_token_ids)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     generator = seeded_generator(seed, device)
-    seen = None
-    if params.repetition_penalty != 1.0:  # which tokens each row has seen, padding excluded
-        seen = (
-            torch.zeros(b, cfg.vocab_size, dtype=torch.long, device=device).scatter_add_(
-                1, ids, mask
-            )
-            > 0
-        )
+    rows = torch.arange(b, device=device)
+    penalties = None
+    if settings.penalized:  # each row's prompt tokens (padding excluded) and output counts
+        penalties = RowPenalties(b, cfg.vocab_size, device)
+        for row in range(b):
+            penalties.admit(row, ids[row][mask[row].bool()].tolist(), settings)
 
     # The last generated token is never fed back, so the cache needs one slot less than the total.
     slots = cache_slots(s + max_new_tokens - 1, mode)
@@ -235,7 +249,10 @@ def generate(
     check_every = 1 if device.type == "cpu" or host is not None else SYNC_EVERY
     steps, lost = 0, torch.zeros(b, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        token = choose_next(logits, params, seen, generator)
+        scores = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        if penalties is not None:
+            scores = penalties.apply(scores, rows, [settings] * b, [step] * b)
+        token = choose_rows(scores, RowSampling.of([params] * b, device), generator)
         if watch:
             token = torch.where(finished, pad_id, token)  # a finished row keeps padding
         # A row with no score left (NO_TOKEN) stops, fed padding (never an id past the embedding),
@@ -245,8 +262,8 @@ def generate(
         token = torch.where(lost_now, pad_id, token)
         out[:, step] = token
         steps = step + 1
-        if seen is not None:
-            seen[torch.arange(b, device=device), token] = True
+        if penalties is not None:
+            penalties.record(rows, token)
         if watch:
             running = ~finished
             finished = finished | torch.isin(token, stop) | lost_now

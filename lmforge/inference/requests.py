@@ -37,6 +37,8 @@ class RequestParams:
     prompt_logprobs: int | None = None  # the prompt's tokens' too (echo); then max_tokens may be 0
     # a response_format (Grammars.compile): the tokens are masked to fit it
     grammar: CompiledGrammar | None = None
+    # prefix-cache blocks are shared only with requests of the same salt (vLLM's cache_salt)
+    cache_salt: str | None = None
 
 
 @dataclass

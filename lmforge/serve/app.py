@@ -1,6 +1,6 @@
 """The ASGI app: OpenAI's completions, chat completions and models routes, SageMaker's /ping and
-/invocations, /health, /metrics, and the chat page at /, over one `Server`
-(lmforge.serve.server)."""
+/invocations, vLLM's /tokenize and /detokenize, /health, /metrics, and the chat page at /, over one
+`Server` (lmforge.serve.server)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from lmforge.serve.middleware import (
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from lmforge.serve.sagemaker import invocations
 from lmforge.serve.server import ServeConfig, Server, error_response, read_json
+from lmforge.serve.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,17 @@ ROUTES = {
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
 }
 # POST bodies, read as JSON
-JSON_ROUTES = {"/v1/completions", "/v1/chat/completions", "/invocations"}
+JSON_ROUTES = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/invocations",
+    "/tokenize",
+    "/detokenize",
+}
 
 
 def create_app(
@@ -131,6 +140,14 @@ def create_app(
     @app.post("/invocations")
     async def invocations_route(request: Request):
         return await invocations(server, request, await server.read_json(request))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(server, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(server, request)
 
     @app.get("/health")
     async def health():

@@ -73,23 +73,26 @@ class ChatFormat:
         messages: Sequence[tuple[str, str]],
         cancel=None,
         tokenizing: Callable[[str], AbstractContextManager] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """The prompt's ids; APIError 400 where the template fails, refuses or passes a limit, or
         the tokenizer fails. `cancel` (a threading.Event): stop the render once it is set
         (RenderCancelled); `tokenizing(param)`: the context every tokenizer call runs in (the
-        server's holds its tokenizer lock), else tokenizer_errors."""
+        server's holds its tokenizer lock), else tokenizer_errors; add_generation_prompt: open the
+        assistant's turn after the messages."""
         tokenizing = tokenizing or tokenizer_errors
         if self.chat is None:
-            text = (
-                "".join(f"{ROLE_NAMES[role]}: {content.strip()}\n" for role, content in messages)
-                + "Assistant:"
-            )
+            text = "".join(
+                f"{ROLE_NAMES[role]}: {content.strip()}\n" for role, content in messages
+            ) + ("Assistant:" if add_generation_prompt else "")
             # encode_batch: tokenizers lets other threads run meanwhile, encode does
             # not
             with tokenizing("messages"):
                 return self.tokenizer.encode_batch([text], add_bos=self.tokenizer.add_bos_token)[0]
         try:
-            pieces = self.sandbox.pieces(self.chat, chat_messages(messages), True, cancel)
+            pieces = self.sandbox.pieces(
+                self.chat, chat_messages(messages), add_generation_prompt, cancel
+            )
         except TemplateLimit as e:
             raise APIError(400, str(e), param="messages", code="template_limit") from None
         except TemplateRefused as e:

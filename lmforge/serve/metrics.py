@@ -7,6 +7,8 @@ histograms need no client library.
     lmforge_prompt_tokens_total, lmforge_completion_tokens_total
     lmforge_engine_running, lmforge_engine_waiting   requests decoding now / queued for a row
     lmforge_engine_decode_steps_total, lmforge_engine_decoded_rows_total (mean batch = rows / steps)
+    lmforge_prefix_cache_hit_tokens_total, lmforge_prefix_cache_miss_tokens_total   prompt tokens
+                                                     read from the prefix cache / computed
 """
 
 from __future__ import annotations
@@ -125,7 +127,35 @@ class Metrics:
                 "Requests prefilled over all prefill forwards.",
                 engine.rows_prefilled,
             )
+            if getattr(engine, "prefix", None) is not None:
+                lines += _prefix_cache_lines(engine.prefix)
         return "\n".join(lines) + "\n"
+
+
+def _prefix_cache_lines(pool) -> list[str]:
+    """The prefix cache's counters, in prompt tokens (hit rate = hits / (hits + misses)), as vLLM
+    counts its prefix cache queries and hits."""
+    return [
+        *_counter(
+            "lmforge_prefix_cache_hit_tokens_total",
+            "Prompt tokens whose keys/values were read from the prefix cache.",
+            pool.hit_tokens,
+        ),
+        *_counter(
+            "lmforge_prefix_cache_miss_tokens_total",
+            "Prompt tokens computed (not in the prefix cache).",
+            pool.miss_tokens,
+        ),
+        *_counter(
+            "lmforge_prefix_cache_evicted_blocks_total",
+            "Blocks evicted to keep others.",
+            pool.evicted,
+        ),
+        *_gauge("lmforge_prefix_cache_used_blocks", "Blocks holding a prefix.", pool.used),
+        *_gauge(
+            "lmforge_prefix_cache_blocks", "Blocks the prefix cache holds at most.", pool.blocks
+        ),
+    ]
 
 
 def _counter(name: str, what: str, value: float) -> list[str]:

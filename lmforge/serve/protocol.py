@@ -148,6 +148,8 @@ class _Body(BaseModel):
     skip_special_tokens: bool = True
     # vLLM's: the stop string that ended a choice stays in its text
     include_stop_str_in_output: bool = False
+    # vLLM's: only requests with the same salt share prefix-cache blocks (a tenant's own)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("top_k")
     @classmethod
@@ -332,6 +334,9 @@ class TGIParameters(BaseModel):
     top_k: int | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    # OpenAI's, as on /v1 (penalties.py): over the output tokens' counts
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # not TGI's: /v1's, taken here too
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     return_full_text: bool = False
@@ -344,7 +349,6 @@ class TGIParameters(BaseModel):
     watermark: bool = False
     decoder_input_details: bool = False
     top_n_tokens: int | None = None
-    frequency_penalty: float | None = None
     grammar: Any = None  # {"type": "json" | "regex", "value": ...}
     # a LoRA adapter TGI loaded beside the model; `serve --lora` merges one in
     adapter_id: str | None = None
@@ -368,7 +372,6 @@ class TGIParameters(BaseModel):
                     "watermark",
                     "decoder_input_details",
                     "top_n_tokens",
-                    "frequency_penalty",
                     "adapter_id",
                 )
                 if getattr(self, name)

@@ -5,7 +5,8 @@
 
 * Hugging Face's text-generation container (TGI, which SageMaker's LLM images run): `{"inputs":
   "text" or ["text", ...], "parameters": {"max_new_tokens", "do_sample", "temperature", "top_k",
-  "top_p", "repetition_penalty", "stop", "seed", "return_full_text", "details"}}`, answered as TGI
+  "top_p", "repetition_penalty", "frequency_penalty", "stop", "seed", "return_full_text",
+  "details"}}`, answered as TGI
   does on SageMaker: `[{"generated_text": "..."}]`, one entry per input. As in TGI, it samples when
   `do_sample` is true or temperature, top_k or top_p change the distribution, else decodes greedily;
   the text ends with the stop sequence that ended it (TGI keeps it); `details` adds
@@ -13,9 +14,13 @@
   drawn when sampling without one), without TGI's per-token `prefill` and `tokens`. TGI's errors:
   422 `{"error", "error_type": "validation"}` for a request it cannot take, its other parameters
   that change the answer (typical_p, truncate, best_of, watermark, top_n_tokens,
-  decoder_input_details, frequency_penalty, grammar, adapter_id, `stream`) refused by name; a
-  parameter TGI does not define is ignored, with a warning in the log naming it. Sampling defaults
-  are TGI's (greedy unless asked), not the model folder's.
+  decoder_input_details, grammar, adapter_id, `stream`) refused by name; a parameter TGI does not
+  define is ignored, with a warning in the log naming it. Sampling defaults are TGI's (greedy
+  unless asked), not the model folder's. The penalties are /v1's, row by row in the same batch
+  (lmforge.inference.penalties): repetition_penalty as TGI and transformers apply it (prompt and
+  output); frequency_penalty (and presence_penalty, which TGI lacks) as OpenAI defines it, over
+  the counts of the generated tokens, where TGI subtracts it times each token's share of the prompt
+  and output together.
 * an OpenAI chat body (has "messages"): answered as /v1/chat/completions, `stream` included;
 * an OpenAI completion body (has "prompt"): answered as /v1/completions.
 
@@ -86,6 +91,7 @@ async def _tgi(server: Server, request: Request, data, start: float) -> list[dic
         p.stop,
         seed,
         "max_new_tokens",
+        extra={"frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty},
     )
     out = await server.collect(request, gen, "/invocations", start)
     results = []

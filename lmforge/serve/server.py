@@ -479,6 +479,7 @@ class Server:
             "stop_token_ids": tuple(body.stop_token_ids or ()),
             "ignore_eos": body.ignore_eos,
             "logprobs": logprobs,
+            "cache_salt": body.cache_salt,
         }
 
     async def chat_completions(self, request: Request, body: ChatRequest):

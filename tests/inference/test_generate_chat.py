@@ -66,21 +66,40 @@ def test_cli_is_greedy_by_default_unless_the_folder_asks_to_sample(text_model, t
     sampling = tmp_path / "sampling"
     shutil.copytree(folder, sampling)
     (sampling / "generation_config.json").write_text(
-        json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9})
+        json.dumps(
+            {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05}
+        )
     )
-    assert sampling_defaults(_cli([str(sampling), "--prompt", "x"]), sampling) == (0.7, 20, 0.9)
+    assert sampling_defaults(_cli([str(sampling), "--prompt", "x"]), sampling) == (
+        0.7,
+        20,
+        0.9,
+        0.05,
+    )
     assert sampling_defaults(
         _cli([str(sampling), "--prompt", "x", "--temperature", "0"]), sampling
-    ) == (0, None, None)
+    ) == (0, None, None, 0.0)
     assert sampling_defaults(_cli([str(folder), "--prompt", "x", "--top-k", "5"]), folder) == (
         1.0,
         5,
         None,
+        0.0,
+    )
+    assert sampling_defaults(_cli([str(folder), "--prompt", "x", "--min-p", "0.1"]), folder) == (
+        1.0,
+        None,
+        None,
+        0.1,
     )
     (sampling / "generation_config.json").write_text(
         json.dumps({"do_sample": False, "temperature": 0.7})
     )
-    assert sampling_defaults(_cli([str(sampling), "--prompt", "x"]), sampling) == (0.0, None, None)
+    assert sampling_defaults(_cli([str(sampling), "--prompt", "x"]), sampling) == (
+        0.0,
+        None,
+        None,
+        0.0,
+    )
     with pytest.raises(UserError, match="--max-new-tokens must be >= 1, got 0"):
         run(_cli([str(folder), "--prompt", "t5", "--max-new-tokens", "0"]))
 

@@ -16,8 +16,14 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from lmforge.serve.protocol import ChatRequest, CompletionRequest, TGIRequest
+from lmforge.serve.tokenize import DetokenizeRequest, TokenizeRequest
 
-JSON_ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
+JSON_ROUTES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 # The headers a real client sends: a JSON content type and the server's own address as Host.
 HEADERS = {"content-type": "application/json", "host": "127.0.0.1:8000"}
 
@@ -37,7 +43,7 @@ def openapi_document() -> dict:
     """OpenAPI 3.1 for every route of lmforge.serve.app: the POST bodies are the protocol models'
     JSON schemas; /invocations takes any of TGI's, a chat and a completion body
     (lmforge.serve.sagemaker)."""
-    models = [CompletionRequest, ChatRequest, TGIRequest]
+    models = [CompletionRequest, ChatRequest, TGIRequest, TokenizeRequest, DetokenizeRequest]
     _, defs = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
@@ -69,6 +75,8 @@ def openapi_document() -> dict:
         "/v1/completions": post("CompletionRequest"),
         "/v1/chat/completions": post("ChatRequest"),
         "/invocations": post("TGIRequest", "ChatRequest", "CompletionRequest"),
+        "/tokenize": post("TokenizeRequest"),
+        "/detokenize": post("DetokenizeRequest"),
         "/v1/models/{name}": {"get": {"parameters": [name], **answered}},
     }
     for path in ("/v1/models", "/health", "/ping", "/metrics", "/"):
@@ -179,6 +187,10 @@ def reachable(path: str, body: Any, served: str, vocab: int, stream: bool) -> An
         body["messages"] = [_text_parts(m) for m in body["messages"]]
     if "prompt" in body:
         body["prompt"] = _in_vocab(body["prompt"], vocab)
+    if model in (TokenizeRequest, DetokenizeRequest):  # no engine behind them, nothing refused
+        if isinstance(body.get("tokens"), list):
+            body["tokens"] = _in_vocab(body["tokens"], vocab)
+        return body
     checked = parsed(model, body)
     for name in checked.unsupported() if checked is not None else ():
         body.pop(name, None)

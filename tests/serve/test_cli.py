@@ -79,9 +79,32 @@ def test_startup_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
     assert "--read-timeout must be a positive number of seconds" in capsys.readouterr().err
     assert main(["serve", str(model_dir), "--max-choices", "0"]) == 1
     assert "--max-choices must be >= 1" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--prefix-cache-blocks", "0"]) == 1
+    assert "--prefix-cache-blocks must be >= 1" in capsys.readouterr().err
     monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "eighty")
     assert main(["serve", str(model_dir)]) == 1
     assert "SAGEMAKER_BIND_TO_PORT" in capsys.readouterr().err
+
+
+def test_prefix_caching_flags_reach_the_engine(model_dir, capsys, monkeypatch):
+    """On by default as in vLLM; --no-enable-prefix-caching turns it off; --prefix-cache-blocks
+    sizes it (the default: one row's worth of blocks)."""
+    import lmforge.serve.app
+    from lmforge.errors import UserError
+
+    engines = []
+
+    def stop_before_listening(engine, *args, **kwargs):
+        engines.append(engine)
+        raise UserError("stopped by the test")
+
+    monkeypatch.setattr(lmforge.serve.app, "create_app", stop_before_listening)
+    monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT", raising=False)
+    for flags in ([], ["--no-enable-prefix-caching"], ["--prefix-cache-blocks", "7"]):
+        assert main(["serve", str(model_dir), "--port", "0", "--max-context", "40", *flags]) == 1
+        assert "stopped by the test" in capsys.readouterr().err
+    default, off, seven = (e.prefix for e in engines)
+    assert default.blocks == 3 and off is None and seven.blocks == 7
 
 
 @pytest.mark.slow

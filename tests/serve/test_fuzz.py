@@ -32,7 +32,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = int(os.environ.get("LMFORGE_FUZZ_EXAMPLES", "50"))
 GREEDY = {"prompt": "t5 t17 t33", "max_tokens": 8, "temperature": 0}
-BODY_ROUTES = ["/v1/completions", "/v1/chat/completions", "/invocations"]
+BODY_ROUTES = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/invocations",
+    "/tokenize",
+    "/detokenize",
+]
 GET_ROUTES = ["/v1/models", "/v1/models/{name}", "/health", "/ping", "/metrics", "/"]
 # positive: bodies the schema admits, as written; reachable: the same, past the refusals to the
 # engine (and streamed when it can be); negative: bodies the schema does not admit.

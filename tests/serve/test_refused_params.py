@@ -1,6 +1,6 @@
 """Request fields that change the answer are done or refused by name, never answered 200 while
 ignored: vLLM's extensions to both routes and to chat, OpenAI's deprecated `functions`, and TGI's
-`grammar`, `frequency_penalty` and `adapter_id` on /invocations (its 422 shape). vLLM's
+`grammar` and `adapter_id` on /invocations (its 422 shape). vLLM's
 `include_stop_str_in_output` and `max_completion_tokens` on completions are done (the sampling
 fields and logprobs: test_sampling_fields.py, test_logprobs.py)."""
 
@@ -167,7 +167,6 @@ def test_tgi_parameters_that_change_the_answer_are_refused_and_unknown_ones_logg
     url = server.url + "/invocations"
     for name, value in (
         ("grammar", {"type": "json", "value": {"type": "object"}}),
-        ("frequency_penalty", 1.5),
         ("adapter_id", "my-lora"),
     ):
         r = httpx.post(
@@ -177,7 +176,7 @@ def test_tgi_parameters_that_change_the_answer_are_refused_and_unknown_ones_logg
         )
         assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
         assert f"'parameters.{name}' is not supported" in r.json()["error"]
-    for harmless in ({"frequency_penalty": 0.0}, {"grammar": None}, {"adapter_id": ""}):
+    for harmless in ({"grammar": None}, {"adapter_id": ""}):
         r = httpx.post(
             url,
             json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1, **harmless}},
