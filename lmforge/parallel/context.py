@@ -163,6 +163,25 @@ class ContextDocuments(Documents):
         return context_attention(q, k, v, plan, self.method, dropout)
 
 
+def check_context(cfg, model: ModelConfig) -> None:  # cfg: lmforge.parallel.mesh.ParallelConfig
+    """UserError when context parallelism cannot run this layout or model exactly: a layout it
+    does not compose with, or a model setting (lmforge.parallel.context.refuse_unsupported)."""
+    c = cfg.context
+    if cfg.pipeline > 1:
+        raise UserError(
+            f"parallel.context={c} with parallel.pipeline={cfg.pipeline} is not supported (pipeline "
+            "stages would pass the split sequence and its documents between them): set "
+            "parallel.pipeline=1 and shard the model with parallel.data_shard or parallel.tensor"
+        )
+    if cfg.expert > 1 or model.num_experts:
+        raise UserError(
+            f"parallel.context={c} with a mixture-of-experts model is not supported (the router's "
+            "load-balancing loss counts each rank's chunks, not the whole sequence): set "
+            "parallel.context=1, or train a dense model"
+        )
+    refuse_unsupported(model)
+
+
 def refuse_unsupported(cfg: ModelConfig) -> None:
     """A UserError naming the first of the model's settings that context parallelism cannot run
     exactly."""

@@ -43,7 +43,8 @@ class ParallelConfig:
 
     pipeline: int = 1  # pipeline stages, the model split by layer (torch.distributed.pipelining)
     data_replicate: int = 1  # DDP-like replicas (HSDP's replicate dim when data_shard > 1)
-    data_shard: int = -1  # FSDP2 shards parameters, gradients and optimizer state over this dim
+    # FSDP2 shards parameters, gradients and optimizer state over this dim (x parallel.context)
+    data_shard: int = -1
     # Megatron tensor parallelism: column/row-parallel linears, vocabulary-parallel head
     tensor: int = 1
     # with tensor > 1: norms/dropout on sequence shards (Megatron SP)
@@ -159,6 +160,8 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     any collective)."""
     tp, pp = cfg.tensor, cfg.pipeline
     if cfg.context > 1:
+        from lmforge.parallel.context import check_context
+
         check_context(cfg, model)
     if cfg.expert > 1:
         check_expert(cfg, model)
@@ -206,27 +209,6 @@ def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
                 f"virtual_stages={cfg.virtual_stages} = {chunks}: each pipeline stage holds the same "
                 "number of layers; change the pipeline degree or virtual_stages"
             )
-
-
-def check_context(cfg: ParallelConfig, model: ModelConfig) -> None:
-    """UserError when context parallelism cannot run this layout or model exactly: a layout it
-    does not compose with, or a model setting (lmforge.parallel.context.refuse_unsupported)."""
-    from lmforge.parallel.context import refuse_unsupported
-
-    c = cfg.context
-    if cfg.pipeline > 1:
-        raise UserError(
-            f"parallel.context={c} with parallel.pipeline={cfg.pipeline} is not supported (pipeline "
-            "stages would pass the split sequence and its documents between them): set "
-            "parallel.pipeline=1 and shard the model with parallel.data_shard or parallel.tensor"
-        )
-    if cfg.expert > 1 or model.num_experts:
-        raise UserError(
-            f"parallel.context={c} with a mixture-of-experts model is not supported (the router's "
-            "load-balancing loss counts each rank's chunks, not the whole sequence): set "
-            "parallel.context=1, or train a dense model"
-        )
-    refuse_unsupported(model)
 
 
 def check_expert(cfg: ParallelConfig, model: ModelConfig) -> None:
