@@ -36,6 +36,9 @@ class Decoder(nn.Module):
     # Which ends of a pipeline this stage holds (see the module docstring): flags, since a tied
     # model's last stage holds `embed` for its head but must not embed its input.
     is_first = is_last = True
+    # How a packed batch's segment ids become its layers' Documents (Documents.of); a parallel plan
+    # may set its own: lmforge.parallel.context's attends across the ranks of a context group.
+    documents_fn: Callable | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -137,12 +140,17 @@ class Decoder(nn.Module):
                     cache.layer(i, cache_position),
                 )
             return self.norm(x)
+        if self.documents_fn is not None and segment_ids is None:
+            raise ValueError(
+                "this decoder's attention is laid out over documents (documents_fn): give segment_ids"
+            )
         if segment_ids is not None:
             if attention_mask is not None:
                 raise ValueError(
                     "give attention_mask or segment_ids, not both (segment_ids marks padding as 0)"
                 )
-            docs = Documents.of(segment_ids, [layer.attn.window for layer in self.layers])
+            windows = [layer.attn.window for layer in self.layers]
+            docs = (self.documents_fn or Documents.of)(segment_ids, windows)
             for layer in self.layers:
                 x = layer(x, ropes[self._rope_of(layer)], docs)
             return self.norm(x) if self.is_last else x

@@ -1,8 +1,8 @@
-"""Parallelism applied to a model from outside: data (DDP, FSDP2/HSDP), tensor + sequence, and
-pipeline.
+"""Parallelism applied to a model from outside: data (DDP, FSDP2/HSDP), tensor + sequence, pipeline,
+expert and context.
 
     world = init_world()                                      # the process group, with timeouts
-    mesh = build_mesh(parallel_cfg, model.config)             # ("pp", "dp_replicate", "dp_shard", "tp")
+    mesh = build_mesh(parallel_cfg, model.config)             # ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     pm = parallelize(model, parallel_cfg, mesh)               # plans applied to the model, not rewrites
     loss = pipeline_step(pm, tokens, labels, loss_fn)         # forward + backward (all microbatches)
     norm = clip_grad_norm_(pm, 1.0)

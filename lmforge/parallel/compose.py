@@ -2,9 +2,10 @@
 layout.
 
 Order, as in torchtitan: split into pipeline stages first (each rank keeps its stages' modules),
-then tensor-parallel plans on each stage, then data parallelism: FSDP2 over the data-shard dim (HSDP
-when data_replicate > 1), whose all-gathers then carry tensor-parallel DTensors (2-D sharding); a
-layout that only replicates whole models (no tensor, pipeline or shard dim) is DDP. One process (no
+then tensor-parallel plans on each stage, then data parallelism: FSDP2 over the data-shard dim (the
+context dim folded in under context parallelism; HSDP when data_replicate > 1), whose all-gathers
+then carry tensor-parallel DTensors (2-D sharding); a layout that only replicates whole models (no
+tensor, pipeline, shard or context dim) is DDP. One process (no
 mesh) gets the model as it is. Expert parallelism lays a MoE model's experts out before all of it,
 on the whole model (beside tensor parallelism by expert and on their intermediate rows at once: the
 tensor plans then leave them as they are); under FSDP2 they become units of their own, nested in
@@ -36,6 +37,7 @@ from lmforge.parallel.mesh import (
     ParallelConfig,
     check_model,
     expert_mesh,
+    fsdp_mesh,
     torch_release,
     torch_version,
 )
@@ -83,6 +85,11 @@ class ParallelModel:
     @property
     def data_parallel_size(self) -> int:
         return self.size("dp_replicate") * self.size("dp_shard")
+
+    @property
+    def context_size(self) -> int:
+        """The ranks each sequence is split over (parallel.context)."""
+        return self.size("cp")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         seen: set[int] = set()
@@ -312,7 +319,8 @@ def parallelize(
     cfg = cfg.resolved(mesh.size())
     check_model(cfg, model.config)
     pm = ParallelModel([model], cfg, mesh, device=device)
-    ddp = pp == 1 and tp == 1 and cfg.data_shard == 1 and cfg.data_replicate > 1
+    cp = mesh["cp"].size()
+    ddp = pp == 1 and tp == 1 and cfg.data_shard == 1 and cp == 1 and cfg.data_replicate > 1
     if cfg.expert > 1:
         pm.expert_mesh = expert_mesh(mesh, cfg)
         apply_expert_parallel(model, pm.expert_mesh, pm.data_parallel_size, fsdp=not ddp)
@@ -333,20 +341,21 @@ def parallelize(
         pm.stage_indices = stage_ids(mesh["pp"].get_local_rank(), pp, cfg.virtual_stages)
         pm.num_stages = pp * cfg.virtual_stages
         pm.parts = split_model(model, mesh["pp"].get_local_rank(), pp, cfg.virtual_stages)
+    # The context ranks hold the same parameters and compute gradients from their own chunks: FSDP2
+    # shards over them too, and reduces over data x context.
+    sharded = pm.data_parallel_size * cp > 1
     for part in pm.parts:
         if tp > 1:
             apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
-        compile_blocks(part, fsdp=pm.data_parallel_size > 1)
-        if pm.data_parallel_size > 1:
+        compile_blocks(part, fsdp=sharded)
+        if sharded:
             if mesh.device_type == "cpu" and torch_version() < (2, 7):
                 raise UserError(
                     f"FSDP2 on the CPU needs a newer torch than {torch_release()} (its "
                     "FSDP2 records events on CPU streams, which have none; 2.11 and 2.13 run it): "
                     "upgrade torch, or set trainer.data_parallel=ddp"
                 )
-            dp_mesh = (
-                mesh["dp_replicate", "dp_shard"] if cfg.data_replicate > 1 else mesh["dp_shard"]
-            )
+            dp_mesh = fsdp_mesh(mesh, cfg.data_replicate > 1)
             # Under a pipeline each microbatch would all-gather again: keep parameters gathered
             # through the step instead (the pipeline schedule reshards after the last backward).
             apply_fsdp(part, dp_mesh, reshard_after_forward=pp == 1, mp_policy=mp_policy)
@@ -377,12 +386,13 @@ def parallelize(
             stage_shapes,
         )
     log.info(
-        "parallelized: pp=%d (stages %s of %d) dp=%dx%d tp=%d sp=%s",
+        "parallelized: pp=%d (stages %s of %d) dp=%dx%d cp=%d tp=%d sp=%s",
         pp,
         pm.stage_indices or [0],
         pm.num_stages,
         pm.size("dp_replicate"),
         pm.size("dp_shard"),
+        cp,
         tp,
         cfg.sequence_parallel and tp > 1,
     )

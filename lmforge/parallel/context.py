@@ -9,7 +9,8 @@ dimension) and put back by `gather_sequence`. Rotary positions come from positio
 split carries with the tokens, so each chunk rotates by its global positions (packed documents: the
 positions restart with each document, as in one process). Attention across the ranks is
 lmforge.parallel.context_attention (all-gather of K/V, or a ring); a decoder runs it through
-`ContextDocuments`, which its layers receive where they would receive a packed batch's Documents.
+`ContextDocuments`, which its layers receive where they would receive a packed batch's Documents
+(`apply_context_parallel` sets the decoder's documents_fn hook to make them).
 
 Why lmforge's own, not torch.distributed.tensor.experimental.context_parallel (an experimental API;
 read and run here in torch 2.13, the source under its _context_parallel/ package; 2.6-2.11 not run
@@ -162,6 +163,25 @@ class ContextDocuments(Documents):
         return context_attention(q, k, v, plan, self.method, dropout)
 
 
+def check_context(cfg, model: ModelConfig) -> None:  # cfg: lmforge.parallel.mesh.ParallelConfig
+    """UserError when context parallelism cannot run this layout or model exactly: a layout it
+    does not compose with, or a model setting (lmforge.parallel.context.refuse_unsupported)."""
+    c = cfg.context
+    if cfg.pipeline > 1:
+        raise UserError(
+            f"parallel.context={c} with parallel.pipeline={cfg.pipeline} is not supported (pipeline "
+            "stages would pass the split sequence and its documents between them): set "
+            "parallel.pipeline=1 and shard the model with parallel.data_shard or parallel.tensor"
+        )
+    if cfg.expert > 1 or model.num_experts:
+        raise UserError(
+            f"parallel.context={c} with a mixture-of-experts model is not supported (the router's "
+            "load-balancing loss counts each rank's chunks, not the whole sequence): set "
+            "parallel.context=1, or train a dense model"
+        )
+    refuse_unsupported(model)
+
+
 def refuse_unsupported(cfg: ModelConfig) -> None:
     """A UserError naming the first of the model's settings that context parallelism cannot run
     exactly."""
@@ -183,26 +203,33 @@ def refuse_unsupported(cfg: ModelConfig) -> None:
         )
 
 
+def apply_context_parallel(model: nn.Module, shard: ContextShard, method: str = "ring") -> None:
+    """Lay `model` (a Decoder) out over the context group of `shard`: its layers attend across the
+    group (ContextDocuments, through the decoder's documents_fn hook). Then call it with this
+    rank's split segment_ids (ones for a batch without packed documents) and position_ids
+    (split_batch)."""
+    refuse_unsupported(model.config)
+    if method not in METHODS:
+        raise UserError(f"parallel.context_method={method!r} is not one of {', '.join(METHODS)}")
+
+    def documents(segment_ids: torch.Tensor, windows=(None,)) -> ContextDocuments:
+        return ContextDocuments.of_shard(segment_ids, shard, method)
+
+    model.documents_fn = documents
+
+
 @contextlib.contextmanager
 def context_parallel_decoder(
     model: nn.Module, shard: ContextShard, method: str = "ring"
 ) -> Iterator[None]:
-    """Inside: `model` (a Decoder) called with this rank's split segment_ids attends across the
-    context group (lmforge.models.decoder builds its layers' Documents through `Documents.of`,
-    which this swaps). A batch without packed documents passes segment_ids of ones (one document
-    per row); position_ids must be the split ones (split_batch)."""
-    from lmforge.models import decoder
-
-    refuse_unsupported(model.config)
-
-    class _Factory(Documents):
-        @classmethod
-        def of(cls, segment_ids, windows=(None,), backend=None, min_chunk=None, one_per_row=False):
-            return ContextDocuments.of_shard(segment_ids, shard, method)
-
-    original = decoder.Documents
-    decoder.Documents = _Factory
+    """apply_context_parallel for the duration of the block: inside, `model` attends across the
+    context group; after, over its own tokens again."""
+    before = model.__dict__.get("documents_fn")
+    apply_context_parallel(model, shard, method)
     try:
         yield
     finally:
-        decoder.Documents = original
+        if before is None:
+            del model.documents_fn
+        else:
+            model.documents_fn = before

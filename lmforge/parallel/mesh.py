@@ -1,9 +1,12 @@
-"""The parallel layout: a ParallelConfig and the DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp")
-it makes.
+"""The parallel layout: a ParallelConfig and the DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp",
+"tp") it makes.
 
 Dimension order follows Megatron/torchtitan: tensor parallelism innermost (neighbouring ranks,
-the same node, the fastest links), then the data dims, pipeline outermost (its point-to-point
-traffic is the smallest and tolerates the slowest links).
+the same node, the fastest links), then context parallelism (a ring or all-gather of keys/values
+per layer), then the data dims, pipeline outermost (its point-to-point traffic is the smallest and
+tolerates the slowest links). The ranks of a context group read the same samples and split each
+sequence; FSDP2 shards parameters over data_shard x context folded into one dim ("dp_shard_cp", as
+torchtitan does), so their gradients are reduced over both.
 
 Every check a user can fail runs before any collective, on every rank alike, so a bad layout
 ends all ranks with the same one-line UserError instead of a hang.
@@ -23,7 +26,9 @@ from lmforge.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# data_shard x context as one dim of the mesh: FSDP2 shards over it (build_mesh makes it)
+SHARD_CONTEXT = "dp_shard_cp"
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CONTEXT_METHODS = ("ring", "allgather")  # lmforge.parallel.context_attention.METHODS
 
@@ -38,7 +43,8 @@ class ParallelConfig:
 
     pipeline: int = 1  # pipeline stages, the model split by layer (torch.distributed.pipelining)
     data_replicate: int = 1  # DDP-like replicas (HSDP's replicate dim when data_shard > 1)
-    data_shard: int = -1  # FSDP2 shards parameters, gradients and optimizer state over this dim
+    # FSDP2 shards parameters, gradients and optimizer state over this dim (x parallel.context)
+    data_shard: int = -1
     # Megatron tensor parallelism: column/row-parallel linears, vocabulary-parallel head
     tensor: int = 1
     # with tensor > 1: norms/dropout on sequence shards (Megatron SP)
@@ -109,27 +115,25 @@ class ParallelConfig:
 
     def resolved(self, world_size: int) -> ParallelConfig:
         """A copy with data_shard filled in; UserError when the layout does not divide the world."""
-        if self.context > 1:
-            raise UserError(
-                f"parallel.context={self.context} is not supported by training yet: "
-                "set parallel.context=1"
-            )
-        fixed = self.pipeline * self.data_replicate * self.tensor
+        fixed = self.pipeline * self.data_replicate * self.context * self.tensor
+        dims = (
+            f"parallel.pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
+            f"context={self.context} x tensor={self.tensor}"
+        )
         shard = self.data_shard
         if shard == -1:
             if world_size % fixed:
                 raise UserError(
-                    f"parallel.pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
-                    f"tensor={self.tensor} = {fixed} does not divide the world size {world_size}: "
+                    f"{dims} = {fixed} does not divide the world size {world_size}: "
                     "change the layout or the number of processes"
                 )
             shard = world_size // fixed
         if fixed * shard != world_size:
             raise UserError(
                 f"parallel layout pipeline={self.pipeline} x data_replicate={self.data_replicate} x "
-                f"data_shard={shard} x tensor={self.tensor} = {fixed * shard} processes, but the world "
-                f"has {world_size}: make the product equal the number of processes (data_shard=-1 "
-                "fills in the rest)"
+                f"data_shard={shard} x context={self.context} x tensor={self.tensor} = "
+                f"{fixed * shard} processes, but the world has {world_size}: make the product equal "
+                "the number of processes (data_shard=-1 fills in the rest)"
             )
         return ParallelConfig(**{**self.__dict__, "data_shard": shard})
 
@@ -137,17 +141,28 @@ class ParallelConfig:
     def shards_model(self) -> bool:
         """Whether a rank holds only part of the model (tensor, pipeline or FSDP shards), not a
         whole replica."""
-        return self.tensor > 1 or self.pipeline > 1 or self.data_shard > 1
+        return self.tensor > 1 or self.pipeline > 1 or self.data_shard > 1 or self.context > 1
 
     @property
     def data_parallel(self) -> int:
+        """The data-parallel size: how many slices the global batch is read in (the ranks of a
+        context group read the same samples)."""
         return self.data_replicate * max(self.data_shard, 1)
+
+    @property
+    def fsdp_shards(self) -> int:
+        """How many ranks FSDP2 shards a parameter over: data_shard x context."""
+        return max(self.data_shard, 1) * self.context
 
 
 def check_model(cfg: ParallelConfig, model: ModelConfig) -> None:
     """UserError when the model's shapes cannot be split as `cfg` asks (run on every rank, before
     any collective)."""
     tp, pp = cfg.tensor, cfg.pipeline
+    if cfg.context > 1:
+        from lmforge.parallel.context import check_context
+
+        check_context(cfg, model)
     if cfg.expert > 1:
         check_expert(cfg, model)
     if tp > 1 and model.family == "bert" and torch_version() < (2, 11):
@@ -340,10 +355,13 @@ def build_mesh(
 
         found = accelerator()
         device_type = found.type if found is not None else "cpu"
-    shape = (cfg.pipeline, cfg.data_replicate, cfg.data_shard, cfg.tensor)
+    shape = (cfg.pipeline, cfg.data_replicate, cfg.data_shard, cfg.context, cfg.tensor)
     if world_size == 1 and not dist.is_initialized():
         return None
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    if cfg.context > 1:
+        # private in torch 2.6 ... 2.13 (torchtitan's dp_shard_cp is made the same way)
+        mesh["dp_shard", "cp"]._flatten(SHARD_CONTEXT)
     _inherit_timeout(mesh, device_type)
     log.info("device mesh %s over %d processes", dict(zip(MESH_DIMS, shape)), world_size)
     return mesh
@@ -359,8 +377,11 @@ def _inherit_timeout(mesh, device_type: str) -> None:
         return
     try:  # private torch API (2.6 ... 2.13): guarded, the groups keep torch's default without it
         timeout = c10d._get_default_group()._get_backend(torch.device(device_type)).options._timeout
-        for name in mesh.mesh_dim_names:
-            group = mesh[name].get_group()
+        meshes = [mesh[name] for name in mesh.mesh_dim_names]
+        if "cp" in mesh.mesh_dim_names and dim_size(mesh, "cp") > 1:
+            meshes.append(fsdp_mesh(mesh, False))
+        for sub in meshes:
+            group = sub.get_group()
             if group is not c10d._get_default_group():
                 c10d._set_pg_timeout(timeout, group)
     except (AttributeError, RuntimeError, ValueError) as e:
@@ -373,7 +394,7 @@ def data_parallel_rank(mesh) -> tuple[int, int]:
     """(rank, size) among the data-parallel replicas: which slice of the global batch this rank
     reads.
 
-    Ranks that differ only in their pipeline or tensor coordinate read the same samples.
+    Ranks that differ only in their pipeline, context or tensor coordinate read the same samples.
     """
     if mesh is None:
         return 0, 1
@@ -382,11 +403,30 @@ def data_parallel_rank(mesh) -> tuple[int, int]:
     return r * shard + s, mesh["dp_replicate"].size() * shard
 
 
-def all_reduce_data_parallel(values: torch.Tensor, mesh) -> torch.Tensor:
-    """Sum `values` over the data-parallel ranks in place (both data dims)."""
+def all_reduce_data_parallel(values: torch.Tensor, mesh, context: bool = False) -> torch.Tensor:
+    """Sum `values` over the data-parallel ranks in place (both data dims); with `context` over
+    the context ranks too (what each computed on its own chunks of the sequences)."""
     if mesh is None:
         return values
-    for name in ("dp_replicate", "dp_shard"):
+    for name in ("dp_replicate", "dp_shard", *(("cp",) if context else ())):
         if mesh[name].size() > 1:
             dist.all_reduce(values, group=mesh[name].get_group())
     return values
+
+
+def fsdp_mesh(mesh, replicate: bool):
+    """The mesh FSDP2 shards over: "dp_shard", or "dp_shard_cp" under context parallelism; with
+    `replicate` HSDP's ("dp_replicate", that). torch 2.13 warns that slicing a flattened dim from
+    the root will be deprecated; the warning is silenced here, where the slice is taken."""
+    import warnings
+
+    shard = SHARD_CONTEXT if dim_size(mesh, "cp") > 1 else "dp_shard"
+    names = ("dp_replicate", shard) if replicate else shard
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names]
+
+
+def context_size(mesh) -> int:
+    """How many ranks split each sequence (the mesh's "cp" dim; 1 without a mesh)."""
+    return 1 if mesh is None else dim_size(mesh, "cp")

@@ -459,11 +459,12 @@ def parallel_layout(cfg: RunConfig, world_size: int) -> ParallelConfig:
     """
     p = cfg.parallel
     if p.data_shard == -1 and p.data_replicate == 1:
-        fixed = p.tensor * p.pipeline
+        fixed = p.tensor * p.pipeline * p.context
         if world_size % fixed:
             raise UserError(
-                f"parallel.tensor={p.tensor} x pipeline={p.pipeline} = {fixed} does not divide the "
-                f"world size {world_size}: change the layout or the number of processes"
+                f"parallel.tensor={p.tensor} x pipeline={p.pipeline} x context={p.context} = {fixed} "
+                f"does not divide the world size {world_size}: change the layout or the number of "
+                "processes"
             )
         rest = world_size // fixed
         if cfg.trainer.data_parallel == "ddp":

@@ -177,15 +177,27 @@ class ParallelTraining:
         fill: Callable[[ParallelModel], object] | None = None,
         pipeline_rows: int | None = None,
         compile_block: Callable[[torch.nn.Module], object] | None = None,
+        context=None,
     ):
         """`mesh`: build_mesh's for `layout` (None for one process). `fill`: what gives a
         meta-device `model` its tensors once it is laid out, each rank only its own shards:
         lmforge.parallel.load.load_sharded (weights from a folder or checkpoint) or init_sharded
         (a fresh model). `pipeline_rows`: a pipeline microbatch's rows, if the stages are to be
         built with static shapes (lmforge plan; by default they exchange them at the first step).
-        `compile_block`: applied to each block once laid out (torch.compile)."""
+        `compile_block`: applied to each block once laid out (torch.compile). `context`: the
+        model's lmforge.train.context.ContextSplit under parallel.context > 1 (its attention laid
+        out over the context group), which cuts each micro-batch into this rank's chunks."""
         mcfg: ModelConfig = model.config
         self.mesh = mesh
+        self.context = context
+        sp_shards = layout.tensor if layout.tensor > 1 and layout.sequence_parallel else 1
+        if context is not None and task.pretraining and seq_length % context.multiple(sp_shards):
+            raise UserError(
+                f"data.seq_length {seq_length} is not a multiple of {context.multiple(sp_shards)}: "
+                f"parallel.context={layout.context} cuts each sequence into 2 x {layout.context} "
+                f"chunks{' split again over the tensor ranks' if sp_shards > 1 else ''}; change "
+                "data.seq_length or parallel.context"
+            )
         if (
             layout.tensor > 1
             and layout.sequence_parallel
@@ -252,6 +264,8 @@ class ParallelTraining:
         # the LM loss of lmforge.train.loss; benchmarks/train.py profiles both ways
         self.fused_loss = True
         self.dp_rank, self.dp_size = data_parallel_rank(self.mesh)
+        # FSDP2 averages gradients over data x context ranks: the loss is scaled by both (step)
+        self.reduced_size = self.dp_size * self.pm.context_size
         # AdamWSR draws its rounding noise from (seed, step): a stage offset keeps two stages' noise
         # apart.
         stages = self.pm.stage_indices or [0]
@@ -291,6 +305,8 @@ class ParallelTraining:
                 if self.layout.tensor > 1 and self.layout.sequence_parallel
                 else 1
             )
+            if self.context is not None:
+                multiple = self.context.multiple(multiple)
             length = -(-longest // multiple) * multiple
         batches = [pad_batch(b, length) for b in batches]
         batch = (
@@ -298,7 +314,11 @@ class ParallelTraining:
             if len(batches) > 1
             else batches[0]
         )
-        labels = self.task.inputs(batch)[1]
+        if self.context is not None:  # this rank's chunks of the task's inputs
+            batch = self.context.split(self.task, batch)
+            labels = batch["labels"]
+        else:
+            labels = self.task.inputs(batch)[1]
         host = scored_positions(labels) if labels.dim() == 2 and labels.device.type == "cpu" else {}
         if SCORED_ROWS in host:
             batch = {**batch, SCORED_ROWS: host.pop(SCORED_ROWS)}
@@ -327,6 +347,8 @@ class ParallelTraining:
         """(summed loss, items, correct) of one micro-batch on the device, through the whole
         model (no pipeline)."""
         with self._autocast():
+            if self.context is not None:
+                return self.context.loss(self.pm.parts[0], batch, self.fused_loss)
             return self.task.loss(self.pm.parts[0], batch, self.fused_loss)
 
     def step(
@@ -336,12 +358,14 @@ class ParallelTraining:
         before clipping).
 
         `counts`: global_counts(micro). Each micro-batch's summed loss is divided by the step's
-        global label count, and multiplied by the data-parallel size because DDP and FSDP2 average
-        gradients over the data ranks (not over tensor or pipeline ranks): the gradient is then the
-        global batch's mean-loss gradient. The host reads the device once, at the end: loss,
+        global label count, and multiplied by the data-parallel size (x the context size) because
+        DDP and FSDP2 average gradients over the data (and context) ranks, not over tensor or
+        pipeline ranks: the gradient is then the global batch's mean-loss gradient. Under context
+        parallelism each rank's loss and statistics cover its chunks: they are summed over data x
+        context. The host reads the device once, at the end: loss,
         statistics, norm and tokens together (step_stats, step_tokens).
         """
-        dp, pm = self.dp_size, self.pm
+        dp, pm = self.reduced_size, self.pm
         if not isinstance(counts, torch.Tensor):  # numbers, as an older caller gave them
             counts = torch.tensor(counts, dtype=torch.float64, device=pm.device)
         total = torch.zeros((), dtype=torch.float64, device=pm.device)
@@ -382,7 +406,9 @@ class ParallelTraining:
             if self.model_config.num_experts:
                 # Each rank's mean over its micro-batches, averaged over the data-parallel ranks.
                 router = all_reduce_data_parallel(router / len(micro), self.mesh) / dp
-        reduced = all_reduce_data_parallel(torch.cat([total.reshape(1), stats]), self.mesh)
+        reduced = all_reduce_data_parallel(
+            torch.cat([total.reshape(1), stats]), self.mesh, context=True
+        )
         norm = clip_grad_norm_(pm, max_norm)
         tokens = counts.reshape(-1)[1:2]  # none where a caller gave the count alone
         moe = router if self.model_config.num_experts else total.new_zeros(0)
@@ -460,7 +486,7 @@ class ParallelTraining:
             sums += torch.cat([_local(loss).detach().double().reshape(1), stats])
         self.pm.reshard()
         self.pm.train()
-        return all_reduce_data_parallel(sums, self.mesh)
+        return all_reduce_data_parallel(sums, self.mesh, context=True)
 
     def _pipeline_eval(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, [items, task statistics]) of a validation batch through the pipeline, on

@@ -1,22 +1,23 @@
 """A run's built model made into the one it trains, in one order (as torchtitan's `parallelize`
 reads):
 
-    1. LoRA adapters around the frozen base            (meta adapters where the layout shards the
-       model)
-    2. QLoRA's NF4 base, read and quantized whole      (before FSDP2, which shards the NF4 weights)
-    3. Float8 linears in the blocks                    (before checkpointing, compile and FSDP wrap
-       them)
+    1. LoRA adapters around the frozen base      (meta adapters where the layout shards the model)
+    2. QLoRA's NF4 base, read and quantized whole (before FSDP2, which shards the NF4 weights)
+    3. Float8 linears in the blocks               (before checkpointing, compile and FSDP wrap them)
     4. activation checkpointing of each block
-    5. compile of each block this rank holds           (inside parallelize: after the pipeline split
-       and the
-                                                        tensor plans, before FSDP2, whose hooks stay outside)
-    6. the parallel plans: pipeline, tensor, expert, FSDP2/HSDP or DDP
+    5. context parallelism: the decoder's attention across the ranks of its context group
+       (lmforge.train.context; a hook the decoder calls, not a rewrite of its layers)
+    6. compile of each block this rank holds      (inside parallelize: after the pipeline split and
+                                                   the tensor plans, before FSDP2, whose hooks stay
+                                                   outside)
+    7. the parallel plans: pipeline, tensor, expert, FSDP2/HSDP or DDP
        (lmforge.parallel.compose.parallelize)
-    7. the fill: each rank's own shards of a meta-device model, read or initialised once laid out
+    8. the fill: each rank's own shards of a meta-device model, read or initialised once laid out
 
-Steps 6 and 7 run in lmforge.train.step.ParallelTraining, which then builds the optimizer;
-check_layout refuses what they cannot run before anything is built. The task sees the adapted model
-between steps 2 and 3 (Task.prepare: DPO's frozen reference is built then).
+Steps 7 and 8 run in lmforge.train.step.ParallelTraining, which then builds the optimizer;
+check_layout refuses what they cannot run before anything is built (the runs context parallelism
+does not serve among them). The task sees the adapted model between steps 2 and 3 (Task.prepare:
+DPO's frozen reference is built then).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from lmforge.parallel.load import read_nf4_base
 from lmforge.parallel.mesh import ParallelConfig
 from lmforge.train.config import Precision, RunConfig
 from lmforge.train.config_checks import check_torch_for_layout
+from lmforge.train.context import apply_context, check_context_run
 from lmforge.train.float8 import check_float8, convert_to_float8
 from lmforge.train.lora import apply_run_lora, check_qlora
 from lmforge.train.setup import apply_activation_checkpointing, check_fit, use_compile_cache
 from lmforge.train.step import ParallelTraining, check_pipeline_batch
-from lmforge.train.tasks import Task
+from lmforge.train.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +48,14 @@ Fill = Callable[[ParallelModel], object] | None
 
 def check_layout(cfg: RunConfig, layout, device: torch.device) -> None:
     """The refusals before any compute: FP8 or QLoRA where the device or the layout cannot run
-    them, a torch too old for the layout, a batch that does not divide over its ranks or pipeline
-    microbatches."""
+    them, a torch too old for the layout, a run context parallelism does not serve, a batch that
+    does not divide over its ranks or pipeline microbatches."""
     t = cfg.trainer
     if t.float8:
         check_float8(device, layout.tensor, cfg.lora is not None)
     check_qlora(cfg.lora, device, layout, cfg.model.init_from)
     check_torch_for_layout(cfg, layout.tensor)
+    check_context_run(cfg, layout, get_task(cfg.data.task))
     # Batch and sequence length before the data: building it writes sample indices beside the data.
     check_pipeline_batch(
         layout,
@@ -108,6 +111,7 @@ def lay_out_model(
     if t.float8:
         convert_to_float8(model, t.float8_recipe)
     apply_activation_checkpointing(model, t.activation_checkpointing)
+    context = apply_context(model, layout, mesh)
     compile_block = block_compiler(cfg, run_dir, is_main)
     return ParallelTraining(
         model,
@@ -121,6 +125,7 @@ def lay_out_model(
         device,
         fill=fill,
         compile_block=compile_block,
+        context=context,
     )
 
 
@@ -149,7 +154,7 @@ def read_qlora_base(
 def block_compiler(
     cfg: RunConfig, run_dir: Path, is_main: bool = True
 ) -> Callable[[torch.nn.Module], None] | None:
-    """Step 5 as parallelize applies it to each block (trainer.compile), Inductor's cache pointed
+    """Step 6 as parallelize applies it to each block (trainer.compile), Inductor's cache pointed
     at the run's compile cache on every rank; None without trainer.compile."""
     t = cfg.trainer
     if not t.compile:
