@@ -66,19 +66,36 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+LORA = ("lora.rank=4", "lora.targets=all-linear", "optim.lr=5e-2")
+
+
 @pytest.fixture(scope="module")
 def one_process(toy_task, tmp_path_factory):  # noqa: F811
-    run = tmp_path_factory.mktemp("grpo-one") / "run"
-    (tokens,) = _run(toy_task, run, 1)
-    return run, tokens
+    """One process's run (and its rollout tokens), with or without LoRA, each made once."""
+    runs = {}
+
+    def run(lora: bool):
+        if lora not in runs:
+            path = tmp_path_factory.mktemp("grpo-one") / "run"
+            (tokens,) = _run(toy_task, path, 1, *(LORA if lora else ()))
+            runs[lora] = path, tokens
+        return runs[lora]
+
+    return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.tensor=2", "parallel.pipeline=2"], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [("parallel.tensor=2",), ("parallel.pipeline=2",), ("parallel.pipeline=2", *LORA)],
+    ids=["tp2", "pp2", "pp2-lora"],
+)
 def test_two_ranks_equal_one_process(toy_task, one_process, tmp_path, layout):  # noqa: F811
-    one, tokens = one_process
+    """Under LoRA the reference is the policy's stages with their adapters off, and the rollout
+    copy holds the adapters too."""
+    one, tokens = one_process(LORA[0] in layout)
     two = tmp_path / "run"
-    for rank_tokens in _run(toy_task, two, 2, layout):
+    for rank_tokens in _run(toy_task, two, 2, *layout):
         assert rank_tokens == tokens  # every rank, every step's every micro-batch
     a, b = _rows(one), _rows(two)
     assert len(a) == len(b) == 2

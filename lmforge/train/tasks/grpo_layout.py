@@ -8,9 +8,9 @@ KV cache split as the heads are. Instead each rank materialises the whole model 
 group) into a plain copy of the model built on the meta device at prepare, rolls out exactly what
 one process would (the same weights, prompts and seed on every rank of a data-parallel group: the
 same tokens, without a broadcast) and drops the copy before the step's forward. The cost is one
-whole model per rank for the rollout's duration (docs/rl.md has the measured peak), the memory one
-process holds; generating on one rank and broadcasting the tokens costs that rank the same and
-leaves the others idle.
+whole model's weights per rank for the rollout's duration (a pipeline rank's own stage is not
+copied), what one process holds; generating on one rank and broadcasting the tokens costs that
+rank the same and leaves the others idle.
 
 Scoring through a pipeline. A step's micro-batches go through the schedule as one batch padded to
 data.seq_length, and the last stage gets one target tensor split by rows: each rollout batch is
