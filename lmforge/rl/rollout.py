@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.errors import UserError
 from lmforge.inference.cache import KVCache
@@ -170,7 +171,12 @@ def completion_logps(
     mask = torch.cat([prompt_mask, completion_mask], 1)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     s, c = prompt_ids.shape[1], completion_ids.shape[1]
-    logits = model(ids, attention_mask=mask, position_ids=position_ids)[:, s - 1 : s + c - 1]
+    logits = model(ids, attention_mask=mask, position_ids=position_ids)
+    if isinstance(logits, DTensor):
+        from lmforge.parallel.data_parallel import unwrap
+
+        logits = full_logits(logits, unwrap(model).config.vocab_size)
+    logits = logits[:, s - 1 : s + c - 1]
     logits = logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logps = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask
@@ -180,6 +186,15 @@ def completion_logps(
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1) * completion_mask
     return logps, entropy
+
+
+def full_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Vocabulary-sharded logits (tensor parallelism with loss_parallel) gathered, with their
+    gradient, and cut to the vocabulary (its padding rows are -inf there); others as they are:
+    the scoring then reads what one process reads."""
+    if not isinstance(logits, DTensor):
+        return logits
+    return logits.full_tensor()[..., :vocab_size]
 
 
 def logprob_diff(

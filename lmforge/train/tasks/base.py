@@ -6,6 +6,7 @@ global count of a step: accumulation and data parallelism then give one big batc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -324,3 +325,19 @@ def reference_forward(
             return forward(inner)
     finally:
         inner.train(training)
+
+
+def pipeline_reference(reference, pm, ids: torch.Tensor, labels: torch.Tensor, collect, **inputs):
+    """A forward-only pass of a task's frozen reference through the pipeline (pipeline_eval's
+    `collect(logits, labels)` on the last stage): its own laid-out stages where it holds them,
+    else the policy's stages with their LoRA adapters off, in eval mode."""
+    from lmforge.models.lora import adapters_disabled
+    from lmforge.parallel.pipeline import pipeline_eval
+
+    with contextlib.ExitStack() as stack:
+        if reference is None:
+            for part in pm.parts:
+                stack.enter_context(adapters_disabled(part))
+            stack.callback(pm.train, pm.parts[0].training)
+            pm.eval()
+        pipeline_eval(reference if reference is not None else pm, ids, labels, collect, **inputs)

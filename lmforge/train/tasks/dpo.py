@@ -24,7 +24,6 @@ with its adapters off) over the whole local batch.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -40,6 +39,7 @@ from lmforge.train.tasks.base import (
     TaskData,
     data_files,
     fused_head_loss,
+    pipeline_reference,
     reference_forward,
     total_samples,
     with_padding,
@@ -242,9 +242,6 @@ class DPO(Task):
     def _pipelined_reference_logps(self, pm, batch: Batch) -> torch.Tensor:
         """Each row's reference log-probability on the pipeline's last stage (zeros on the other
         stages)."""
-        from lmforge.models.lora import adapters_disabled
-        from lmforge.parallel.pipeline import pipeline_eval
-
         ids, labels, inputs = self.inputs(batch)
         rows: list[torch.Tensor] = []
 
@@ -252,15 +249,7 @@ class DPO(Task):
             rows.append(row_logps(logits, y))
             return torch.zeros((), device=y.device)
 
-        model = self.reference if self.reference is not None else pm
-        with contextlib.ExitStack() as stack:
-            # LoRA: the policy's stages with their adapters off, in eval mode
-            if self.reference is None:
-                for part in pm.parts:
-                    stack.enter_context(adapters_disabled(part))
-                stack.callback(pm.train, pm.parts[0].training)
-                pm.eval()
-            pipeline_eval(model, ids, labels, collect, **inputs)
+        pipeline_reference(self.reference, pm, ids, labels, collect, **inputs)
         return rows[-1] if rows else torch.zeros(len(ids), device=ids.device)
 
     def pair_loss(

@@ -8,8 +8,10 @@ stream counts completion slots too (slot g is prompt g // num_generations of the
 so consumed_samples, resume and data parallelism stay the trainer's.
 
 Before a step's forward (`before_step`) each micro-batch of prompt records becomes a rollout batch:
-the model itself (no copy, DDP's module unwrapped) in eval mode under no_grad samples the
-completions, then goes back to train mode. A micro-batch's sampling seed is drawn from
+the model itself (no copy, DDP's module unwrapped, FSDP2's units gathered) in eval mode under
+no_grad samples the completions, then goes back to train mode; under tensor or pipeline
+parallelism a whole copy of the live weights on each rank does, freed before the forward
+(grpo_layout, which also scores rollout batches through a pipeline). A micro-batch's sampling seed is drawn from
 (trainer.seed, its first slot): the same rows draw the same tokens in one process or over
 data-parallel ranks, and a resumed run draws what the uninterrupted one drew, with no generator
 state to keep. With grpo.num_iterations = 1 the old policy's log-probabilities are the training
@@ -36,6 +38,7 @@ from lmforge.rl.rewards import Rewards, RewardState
 from lmforge.rl.rollout import completion_logps, rollout
 from lmforge.train.config import RunConfig
 from lmforge.train.loss import IGNORE_INDEX
+from lmforge.train.tasks import grpo_layout
 from lmforge.train.tasks.base import (
     Batch,
     Epochs,
@@ -99,6 +102,7 @@ class GRPO(Task):
 
     reference = None  # beta > 0 without LoRA: a frozen copy of the initial model (a ParallelModel)
     lora_reference = False
+    skeleton = None  # tensor or pipeline parallelism: the model on meta, which a rollout fills
 
     def build_data(self, cfg: RunConfig, tokenizer) -> TaskData:
         g, t = cfg.grpo, cfg.trainer
@@ -137,16 +141,15 @@ class GRPO(Task):
         )
 
     def prepare(self, model: torch.nn.Module, cfg: RunConfig, layout, device: torch.device) -> None:
-        for size, what in (
-            (layout.tensor, "tensor parallelism"),
-            (layout.pipeline, "pipeline parallelism"),
-            (getattr(layout, "expert", 1), "expert parallelism"),
-        ):
-            if size > 1:
-                raise UserError(
-                    f"data.task=grpo under {what} is coming: run it in one process, under DDP or FSDP2 "
-                    "(trainer.data_parallel=ddp|fsdp)"
-                )
+        if getattr(layout, "expert", 1) > 1:
+            raise UserError(
+                f"data.task=grpo under expert parallelism (parallel.expert={layout.expert}) is not "
+                "supported: set parallel.expert=1 (tensor, pipeline and data parallelism roll out)"
+            )
+        self.vocab_size = model.config.vocab_size if model is not None else 0
+        # tensor or pipeline parallelism: the rollout fills a meta copy with the whole weights
+        if layout.tensor > 1 or layout.pipeline > 1:
+            self.skeleton = grpo_layout.meta_copy(model)
         if not cfg.grpo.beta:
             return
         if cfg.lora is not None:
@@ -181,14 +184,8 @@ class GRPO(Task):
     def before_step(self, micro: list, training, step: int) -> list[Batch]:
         """The step's micro-batches of prompt records as rollout batches, sampled by the training
         model itself."""
-        model = unwrap(training.pm.parts[0])
-        was_training = model.training
-        model.eval()
-        try:
-            with training._autocast(), gathered(model):
-                rolled = [self._roll_out(model, m, step) for m in micro]
-        finally:
-            model.train(was_training)
+        with training._autocast(), self._rollout_model(training.pm) as model:
+            rolled = [self._roll_out(model, m, step) for m in micro]
         # the std of every reward of the step, over the ranks too
         if self.cfg.grpo.reward_scaling == "batch":
             from lmforge.parallel import all_reduce_data_parallel
@@ -201,7 +198,29 @@ class GRPO(Task):
             s, sq, n = all_reduce_data_parallel(sums.to(device), training.mesh).tolist()
             for batch, _ in rolled:
                 batch["advantages"] = batch["advantages"] / (_std(s, sq, n) + STD_EPS)
-        return [batch for batch, _ in rolled]
+        batches = [batch for batch, _ in rolled]
+        if training.pm.pipelined:
+            self.rollout_stats = len(batches[0]["rollout_stats"])
+            batches = [grpo_layout.pipeline_batch(b, self.rollout_stats) for b in batches]
+        return batches
+
+    @contextlib.contextmanager
+    def _rollout_model(self, pm):
+        """The model a rollout samples from, in eval mode: a whole copy of the live weights under
+        tensor or pipeline parallelism (grpo_layout), else the model itself (DDP's module
+        unwrapped, FSDP2's units gathered)."""
+        if self.skeleton is not None:
+            with grpo_layout.rollout_copy(self.skeleton, pm) as model:
+                yield model
+            return
+        model = unwrap(pm.parts[0])
+        was_training = model.training
+        model.eval()
+        try:
+            with grpo_layout.gathered(model):
+                yield model
+        finally:
+            model.train(was_training)
 
     def _seed(self, first_slot: int) -> int:
         return int(
@@ -272,7 +291,10 @@ class GRPO(Task):
         if "loss_mask" not in batch:
             return super().inputs(batch)
         labels = batch["input_ids"].masked_fill(batch["loss_mask"] == 0, IGNORE_INDEX)
-        return batch["input_ids"], labels, {"attention_mask": batch["attention_mask"]}
+        inputs = {"attention_mask": batch["attention_mask"]}
+        if "position_ids" in batch:  # a pipeline's (grpo_layout.pipeline_batch)
+            inputs["position_ids"] = batch["position_ids"]
+        return batch["input_ids"], labels, inputs
 
     def count(self, batch: Batch) -> int:
         """What the step's summed loss is divided by (lmforge.rl.loss): completions, or tokens
@@ -330,6 +352,21 @@ class GRPO(Task):
             diff = ((batch["sampling_logps"][:, p:] - logps) * completion_mask).abs().sum()
         return loss, count, (*stats.as_tuple(), spent, diff, *batch["rollout_stats"].unbind())
 
+    # Under a pipeline (grpo_layout): the reference's log-probabilities first, over the local
+    # batch; then the loss per microbatch on the last stage, in sequence positions.
+
+    def pipeline_target(self, pm, batch: Batch) -> torch.Tensor:
+        g = self.cfg.grpo
+        ref = (
+            grpo_layout.pipelined_reference_logps(self.reference, pm, batch, g.temperature)
+            if g.beta
+            else None
+        )
+        return grpo_layout.pipeline_target(batch, ref, self.rollout_stats)
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor):
+        return grpo_layout.pipeline_loss(self.cfg.grpo, self.vocab_size, logits, target)
+
     def train_metrics(self, count: float, *stats: float) -> dict[str, float]:
         if len(stats) < len(STATS):
             return {}
@@ -356,36 +393,6 @@ class GRPO(Task):
             "frac_reward_zero_std": s["zero_std"] / rows,
         }
         return out
-
-
-@contextlib.contextmanager
-def gathered(model: torch.nn.Module):
-    """FSDP2: every unit's whole parameters gathered for the rollout and kept through its decode
-    steps (a block would otherwise gather again at each token), sharded again after it, before
-    the step's forward and backward. Anything else: as it is."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        yield
-        return
-    inner = [m for m in units if m is not model]
-    if isinstance(model, FSDPModule):
-        # The root's set-up, which its first forward would run: a block's forward before it would
-        # take the block for a root (the rollout calls the blocks, not the root's forward).
-        model._get_fsdp_state()._lazy_init()
-        model.unshard()
-    for m in inner:
-        m.set_reshard_after_forward(False, recurse=False)
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in units:
-            m.reshard()
-        # lmforge.parallel.compose shards each block with reshard_after_forward=True
-        for m in inner:
-            m.set_reshard_after_forward(True, recurse=False)
 
 
 def _stop_ids(model: torch.nn.Module) -> list[int]:
