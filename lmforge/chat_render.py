@@ -93,9 +93,13 @@ class TemplateRender:
         names = "|".join(map(re.escape, sorted(specials, key=len, reverse=True)))
         self._special_re = re.compile(f"{_TYPED}?(?:{names})")
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: Sequence[dict], add_generation_prompt: bool, tools: list | None = None
+    ) -> str:
         """The template's text for `messages`, {% generation %} blocks marked as spans
-        (TemplateRefused)."""
+        (TemplateRefused); `tools`: the functions the model may call, as transformers'
+        apply_chat_template(tools=...) passes them (OpenAI's {"type": "function", "function":
+        {...}} objects)."""
         from jinja2 import TemplateError
 
         chunks, size = [], 0
@@ -103,7 +107,7 @@ class TemplateRender:
             for chunk in self.template.generate(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.variables,
             ):
@@ -124,7 +128,9 @@ class TemplateRender:
             ) from None
         return "".join(chunks)
 
-    def _typed(self, messages: Sequence[dict], prompt: bool) -> Sequence[dict]:
+    def _typed(
+        self, messages: Sequence[dict], prompt: bool, tools: list | None = None
+    ) -> Sequence[dict]:
         """`messages` with each special token's text in a content marked as typed, where the
         template renders them as it renders `messages` (marks aside); else `messages`, its tokens
         then read as transformers reads them."""
@@ -135,7 +141,9 @@ class TemplateRender:
             for m in messages
         ]
         try:
-            same = self.render(typed, prompt).replace(_TYPED, "") == self.render(messages, prompt)
+            same = self.render(typed, prompt, tools).replace(_TYPED, "") == self.render(
+                messages, prompt, tools
+            )
         except TemplateTooLong:
             raise
         except TemplateRefused:
@@ -204,13 +212,17 @@ class TemplateRender:
         )
 
     def pieces(
-        self, messages: Sequence[dict], add_generation_prompt: bool, spans: bool = True
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool,
+        spans: bool = True,
+        tools: list | None = None,
     ) -> list[Piece]:
         """The rendered chat as text runs and special-token ids, each flagged in or out of an
         assistant span.
 
         spans=False (serving: the ids are the same, spans only flag them): no spans, the text cut at
-        special tokens only, from one render.
+        special tokens only, from one render; only then are `tools` (render) rendered.
         """
         for i, m in enumerate(messages):
             if found := _INTERNAL.search(m["content"]):
@@ -218,9 +230,9 @@ class TemplateRender:
                     f"message {i} holds the character U+{ord(found.group()):04X}, a Unicode "
                     "noncharacter that lmforge uses to mark the render: remove it from the text"
                 )
-        messages = self._typed(messages, add_generation_prompt)
+        messages = self._typed(messages, add_generation_prompt, tools)
         if self.marks_spans or not spans:
-            rendered = self.render(messages, add_generation_prompt)
+            rendered = self.render(messages, add_generation_prompt, tools)
         else:
             rendered = self._spans_by_prefix(messages, add_generation_prompt)
         if not spans:

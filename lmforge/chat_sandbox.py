@@ -134,10 +134,12 @@ class _Child:
         limits: RenderLimits,
         cancel: threading.Event | None,
         retry: bool = True,
+        tools: list | None = None,
     ) -> list[Piece]:
         job = {
             "key": key,
             "messages": messages,
+            "tools": tools,
             "generation_prompt": generation_prompt,
             "max_chars": limits.max_chars,
             "timeout": limits.timeout,
@@ -159,7 +161,7 @@ class _Child:
                 ) from None
             self.start(limits)
             return self.render(
-                key, template, messages, generation_prompt, limits, cancel, retry=False
+                key, template, messages, generation_prompt, limits, cancel, False, tools
             )
         self.loaded.add(key)
         try:
@@ -214,8 +216,9 @@ class Sandbox:
         messages: Sequence[dict],
         generation_prompt: bool,
         cancel: threading.Event | None = None,
+        tools: list | None = None,
     ) -> list[Piece]:
-        """`template.pieces(messages, generation_prompt, spans=False)`, in a child:
+        """`template.pieces(messages, generation_prompt, spans=False, tools=tools)`, in a child:
         TemplateRefused where the template fails or refuses, TemplateLimit past a limit,
         RenderCancelled once `cancel` is set."""
         if (key := self._keys.get(template)) is None:
@@ -224,7 +227,7 @@ class Sandbox:
         try:
             child.start(self.limits)
             return child.render(
-                key, template, list(messages), generation_prompt, self.limits, cancel
+                key, template, list(messages), generation_prompt, self.limits, cancel, tools=tools
             )
         finally:
             self._free.put(child)
@@ -292,7 +295,10 @@ def _answer(job: dict, templates: dict[str, TemplateRender]) -> dict:
             templates[job["key"]] = TemplateRender(**job["template"])
         template = templates[job["key"]]
         template.max_chars = job["max_chars"]
-        return {"pieces": template.pieces(job["messages"], job["generation_prompt"], spans=False)}
+        pieces = template.pieces(
+            job["messages"], job["generation_prompt"], spans=False, tools=job.get("tools")
+        )
+        return {"pieces": pieces}
     except TemplateTooLong as e:
         return {"limit": str(e)}
     except (TemplateRefused, UserError) as e:

@@ -310,12 +310,14 @@ def encode_pieces(tokenizer, chats: Sequence[list[Piece]]) -> list[tuple[list[in
     return out
 
 
-def chat_messages(messages: Sequence[tuple[str, str]]) -> list[dict]:
-    """(role, text) pairs as a template's `messages`; OpenAI's "developer" is the system."""
-    return [
-        {"role": "system" if role == "developer" else role, "content": content}
-        for role, content in messages
-    ]
+def chat_messages(messages: Sequence[tuple[str, str] | dict]) -> list[dict]:
+    """(role, text) pairs (or message objects) as a template's `messages`; OpenAI's "developer"
+    is the system."""
+    out = []
+    for m in messages:
+        m = m if isinstance(m, dict) else {"role": m[0], "content": m[1]}
+        out.append({**m, "role": "system" if m["role"] == "developer" else m["role"]})
+    return out
 
 
 def check_messages(messages, where: str) -> list[dict]:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from lmforge.errors import UserError
+from lmforge.serve.tool_parsers import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokenizer", default=None, metavar="PATH", help=TOKENIZER_HELP)
     p.add_argument(
+        "--tool-parser",
+        choices=list(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are read from the model's text (vLLM's names): hermes "
+        "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5/3), llama3_json (Llama 3.x JSON), mistral "
+        "([TOOL_CALLS][...]) (default: the format the chat template's own markers name)",
+    )
+    p.add_argument(
         "--device",
         default="auto",
         help="auto (the accelerator torch reports, else cpu; the default), cpu, cuda, cuda:1 ...",
@@ -289,6 +298,7 @@ def run(args: argparse.Namespace) -> None:
             defaults,
             allowed_hosts=tuple(hosts),
             sagemaker=bool(os.environ.get("SAGEMAKER_BIND_TO_PORT")),
+            tool_parser=args.tool_parser,
         )
         app = create_app(engine, tokenizer, chat, config)
     except BaseException:

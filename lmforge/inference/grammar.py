@@ -1,5 +1,5 @@
-"""Constrained decoding: a request's JSON Schema (or "any JSON object") as a token mask, by
-llguidance.
+"""Constrained decoding: a request's JSON Schema (or "any JSON object"), or the format of a forced
+tool call, as a token mask, by llguidance.
 
 llguidance was chosen by measurement (benchmarks/grammar_libs.py, BENCHMARKS.md; docs/serving.md
 says why): it compiles a schema in under a millisecond, fills a row's mask in tens of microseconds
@@ -138,14 +138,31 @@ class Grammars:
             grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except (TypeError, ValueError) as e:
             raise UserError(f"response_format's JSON schema cannot be read: {e}") from None
+        return self._compiled(key, grammar, "response_format's JSON schema")
+
+    def compile_lark(self, lark: str, what: str) -> CompiledGrammar:
+        """An llguidance Lark grammar (tool calls: lmforge.serve.tool_parsers), its JSON Schemas
+        embedded (%json); a UserError naming what is wrong, `what` the request field it came
+        from."""
+        llg = llguidance_module()
+        with self._lock:
+            if lark in self._cache:
+                self._cache.move_to_end(lark)
+                return self._cache[lark]
+        try:
+            grammar = llg.LLMatcher.grammar_from_lark(lark)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{what}' JSON schemas cannot be read: {e}") from None
+        return self._compiled(lark, grammar, f"{what}' JSON schemas")
+
+    def _compiled(self, key: str, grammar: str, what: str) -> CompiledGrammar:
+        llg = llguidance_module()
         problem = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if problem and not problem.startswith("WARNING"):
-            raise UserError(
-                f"response_format's JSON schema is not supported: {' '.join(problem.split())[:300]}"
-            )
+            raise UserError(f"{what} is not supported: {' '.join(problem.split())[:300]}")
         start = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if start.is_error():
-            raise UserError(f"response_format's JSON schema is not supported: {start.get_error()}")
+            raise UserError(f"{what} is not supported: {start.get_error()}")
         compiled = CompiledGrammar(grammar, start, self.vocab_size)
         with self._lock:
             self._cache[key] = compiled

@@ -39,7 +39,13 @@ from lmforge.serve.protocol import APIError
 log = logging.getLogger(__name__)
 
 FALLBACK_STOP = ("\nUser:",)
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+ROLE_NAMES = {
+    "system": "System",
+    "developer": "System",
+    "user": "User",
+    "assistant": "Assistant",
+    "tool": "Tool",
+}
 
 
 class ChatFormat:
@@ -70,20 +76,24 @@ class ChatFormat:
 
     def encode(
         self,
-        messages: Sequence[tuple[str, str]],
+        messages: Sequence[tuple[str, str] | dict],
         cancel=None,
         tokenizing: Callable[[str], AbstractContextManager] | None = None,
         add_generation_prompt: bool = True,
+        tools: list | None = None,
     ) -> list[int]:
         """The prompt's ids; APIError 400 where the template fails, refuses or passes a limit, or
-        the tokenizer fails. `cancel` (a threading.Event): stop the render once it is set
-        (RenderCancelled); `tokenizing(param)`: the context every tokenizer call runs in (the
-        server's holds its tokenizer lock), else tokenizer_errors; add_generation_prompt: open the
-        assistant's turn after the messages."""
+        the tokenizer fails. `messages`: (role, text) pairs, or the template's message objects
+        (lmforge.serve.tools.template_messages: tool calls and results too); `tools`: rendered by
+        the template as transformers passes them. `cancel` (a threading.Event): stop the render
+        once it is set (RenderCancelled); `tokenizing(param)`: the context every tokenizer call
+        runs in (the server's holds its tokenizer lock), else tokenizer_errors;
+        add_generation_prompt: open the assistant's turn after the messages."""
         tokenizing = tokenizing or tokenizer_errors
+        messages = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
         if self.chat is None:
             text = "".join(
-                f"{ROLE_NAMES[role]}: {content.strip()}\n" for role, content in messages
+                f"{ROLE_NAMES[m['role']]}: {m['content'].strip()}\n" for m in messages
             ) + ("Assistant:" if add_generation_prompt else "")
             # encode_batch: tokenizers lets other threads run meanwhile, encode does
             # not
@@ -91,7 +101,7 @@ class ChatFormat:
                 return self.tokenizer.encode_batch([text], add_bos=self.tokenizer.add_bos_token)[0]
         try:
             pieces = self.sandbox.pieces(
-                self.chat, chat_messages(messages), add_generation_prompt, cancel
+                self.chat, chat_messages(messages), add_generation_prompt, cancel, tools
             )
         except TemplateLimit as e:
             raise APIError(400, str(e), param="messages", code="template_limit") from None
@@ -109,16 +119,14 @@ class ChatFormat:
         if self.sandbox is not None:
             self.sandbox.close()
 
-    def _say_if_system_is_dropped(
-        self, messages: Sequence[tuple[str, str]], pieces: list[Piece]
-    ) -> None:
+    def _say_if_system_is_dropped(self, messages: Sequence[dict], pieces: list[Piece]) -> None:
         """A template whose format has no system turn (Alpaca's) leaves system messages out: said
         once, at the first request that has one, since a user's --system or system message would
         otherwise vanish unseen."""
         system = [
-            text.strip()
-            for role, text in messages
-            if role in ("system", "developer") and text.strip()
+            m["content"].strip()
+            for m in messages
+            if m["role"] in ("system", "developer") and m["content"].strip()
         ]
         if not system:
             return

@@ -73,10 +73,13 @@ class PromptWork:
     ) -> list[list[int]]:
         return await self.run(request, lambda _: [self.encode_text(p, param) for p in prompts])
 
-    async def chat_ids(self, request: Request, messages: Sequence[tuple[str, str]]) -> list[int]:
+    async def chat_ids(
+        self, request: Request, messages: Sequence[tuple[str, str] | dict], tools=None
+    ) -> list[int]:
         async with self.renders:
             return await self.run(
-                request, lambda cancel: self.chat.encode(messages, cancel, self.tokenizing)
+                request,
+                lambda cancel: self.chat.encode(messages, cancel, self.tokenizing, tools=tools),
             )
 
     def encode_text(self, prompt: str | list[int], param: str = "prompt") -> list[int]:

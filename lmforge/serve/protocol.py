@@ -3,7 +3,7 @@
 Bodies are validated strictly (a string where a number belongs is a 400, not a silent conversion),
 with OpenAI's ranges (penalties in [-2, 2], a logit_bias in [-100, 100], top_logprobs in [0, 20]);
 fields OpenAI defines that change nothing here (`user` ...) are accepted, and those that would
-change the answer but are not implemented (`tools`, `suffix`, the deprecated `functions`) are
+change the answer but are not implemented (`suffix`, the deprecated `functions`) are
 refused by name rather than ignored, vLLM's extensions of that kind (`bad_words`, `prompt_logprobs`,
 guided decoding, the chat template's `chat_template`, `add_generation_prompt: false`,
 `continue_final_message` ...) too. Other unknown fields are ignored, as OpenAI-compatible servers
@@ -234,10 +234,59 @@ class ContentPart(BaseModel):
         return v
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    # a JSON text, as OpenAI sends it (an object is taken too)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A call an assistant message made (lmforge.serve.tools renders it)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# OpenAI's function names (dots: vLLM's too)
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def check_tool(tool: Any) -> dict:
+    """A `tools` entry, {"type": "function", "function": {"name", "description", "parameters"}},
+    kept as sent (the chat template renders it, key order included); a ValueError naming what
+    is wrong."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ValueError('each tool must be {"type": "function", "function": {...}}')
+    fn = tool.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError('each tool needs "function": {"name": ..., "parameters": {...}}')
+    if not FUNCTION_NAME.match(fn["name"]):
+        raise ValueError(
+            f"the function name '{one_line(fn['name'][:80])}' is not 1-64 letters, digits, _ . -"
+        )
+    if not isinstance(fn.get("description", ""), str):
+        raise ValueError(f"the description of '{fn['name']}' must be a string")
+    if not isinstance(fn.get("parameters", {}), dict):
+        raise ValueError(f"the parameters of '{fn['name']}' must be a JSON Schema object")
+    return tool
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -251,24 +300,27 @@ class ChatRequest(_Body):
     logprobs: bool = False
     # needs logprobs: true, as OpenAI has it
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # lmforge.serve.tools; check_tool
+
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools
-    # "none" and "auto" ask for nothing without tools
-    tool_choice: str | dict[str, Any] | None = None
+    # "auto" where tools are given; "none" and "auto" ask for nothing without tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call
     function_call: str | dict[str, Any] | None = None
     echo: bool = False  # vLLM's: the last message's text before the reply
     # vLLM's: false renders the messages without the assistant's turn opened
     add_generation_prompt: bool = True
 
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        return [check_tool(t) for t in v] if v else None
+
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + [
-            name for name in ("tools", "functions", "echo") if getattr(self, name)
+            name for name in ("functions", "echo") if getattr(self, name)
         ]
-        bad += [
-            name
-            for name in ("tool_choice", "function_call")
-            if getattr(self, name) not in (None, "none", "auto")
-        ]
+        bad += ["function_call"] if self.function_call not in (None, "none", "auto") else []
         return bad + ([] if self.add_generation_prompt else ["add_generation_prompt"])
 
 

@@ -34,6 +34,7 @@ from lmforge.serve.metrics import Metrics
 from lmforge.serve.prompts import PromptWork
 from lmforge.serve.protocol import APIError, ChatRequest, CompletionRequest
 from lmforge.serve.structured import grammar_of
+from lmforge.serve.tools import ToolRequest, call_deltas, template_messages
 
 
 @dataclass
@@ -57,6 +58,9 @@ class ServeConfig:
     # /invocations takes any content type.
     allowed_hosts: tuple[str, ...] = ()
     sagemaker: bool = False
+    # how tool calls are read from the model's text (lmforge.serve.tool_parsers.PARSERS); None:
+    # the format the chat template's markers name
+    tool_parser: str | None = None
 
 
 class Generation:
@@ -362,7 +366,9 @@ class Server:
                     held.setdefault(i, []).extend(ev.logprobs)
                 if ev.text or ev.finish_reason or ev.prompt_logprobs is not None:
                     ev.logprobs = held.pop(i, None)
-                    yield _sse(make_chunk(i, ev))
+                    made = make_chunk(i, ev)  # a chunk, or several (a tool call's)
+                    for chunk in made if isinstance(made, list) else [made]:
+                        yield _sse(chunk)
             if include_usage:
                 yield _sse({**make_chunk(None, None), "choices": [], "usage": usage(gen)})
             yield "data: [DONE]\n\n"
@@ -488,10 +494,19 @@ class Server:
             self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        ids = await self.prompts.chat_ids(request, [(m.role, m.text()) for m in body.messages])
+        tools = ToolRequest.of(body, self.chat, self.config.tool_parser)
+        ids = await self.prompts.chat_ids(
+            request, template_messages(body), tools.tools if tools else None
+        )
         requested, param = body.requested_tokens()
         extra = self.request_extras(body, (body.top_logprobs or 0) if body.logprobs else None)
-        extra["grammar"] = await grammar_of(self.engine, body)
+        extra["grammar"] = (
+            await tools.grammar(self.engine, body)
+            if tools and tools.forced
+            else await grammar_of(self.engine, body)
+        )
+        # a format whose marker is a special token needs it in the text to read the call
+        keep_specials = tools is not None and tools.parser and tools.parser.needs_special_tokens
         gen = self.start(
             [ids],
             requested,
@@ -501,7 +516,7 @@ class Server:
             body.seed,
             param,
             "messages",
-            body.skip_special_tokens,
+            body.skip_special_tokens and not keep_specials,
             extra,
         )
 
@@ -517,51 +532,62 @@ class Server:
         }
         if body.stream:
             head["object"] = "chat.completion.chunk"
+            streams = {}
+            called: set[int] = set()
+
+            def delta_chunk(i, delta, logprobs=None, finish_reason=None):
+                choice = {"index": i, "delta": delta, "logprobs": logprobs}
+                return {**head, "choices": [{**choice, "finish_reason": finish_reason}]}
 
             def chunk(i, ev):
                 if i is None:
                     return dict(head)
                 text = ev.text + kept_stop(body, ev.stop_string)
-                delta = {"content": text} if text else {}
-                return {
-                    **head,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": delta,
-                            "logprobs": logprobs(ev.logprobs),
-                            "finish_reason": ev.finish_reason,
-                        }
-                    ],
-                }
+                reading = streams.setdefault(i, tools.stream()) if tools else None
+                if reading is None:
+                    delta = {"content": text} if text else {}
+                    return delta_chunk(i, delta, logprobs(ev.logprobs), ev.finish_reason)
+                content, calls = reading.feed(text, ev.finish_reason is not None)
+                out = (
+                    [delta_chunk(i, {"content": content}, logprobs(ev.logprobs))] if content else []
+                )
+                out += [
+                    delta_chunk(i, {"tool_calls": d})
+                    for d in call_deltas(reading.calls - len(calls), calls)
+                ]
+                if calls:
+                    called.add(i)
+                if ev.finish_reason is not None:
+                    reason = (
+                        "tool_calls"
+                        if i in called and ev.finish_reason == "stop"
+                        else ev.finish_reason
+                    )
+                    out.append(delta_chunk(i, {}, None, reason))
+                return out
 
             def role(i):
-                return {
-                    **head,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
+                return delta_chunk(i, {"role": "assistant", "content": ""})
 
             return EventStream(self.chunks(gen, body.include_usage, chunk, route, start, role))
         out = await self.collect(request, gen, route, start)
-        choices = [
-            {
-                "index": i,
-                "message": {
-                    "role": "assistant",
-                    "content": c["text"] + kept_stop(body, c.get("stop_string")),
-                },
-                "logprobs": logprobs(c["logprobs"]),
-                "finish_reason": c["finish_reason"],
-            }
-            for i, c in sorted(out.items())
-        ]
+        choices = []
+        for i, c in sorted(out.items()):
+            text = c["text"] + kept_stop(body, c.get("stop_string"))
+            content, calls = tools.read(text) if tools else (text, [])
+            message = {"role": "assistant", "content": content}
+            reason = c["finish_reason"]
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs(c["logprobs"]),
+                    "finish_reason": reason,
+                }
+            )
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(gen)}
 
     def model_card(self) -> dict:

@@ -2,7 +2,7 @@
 ignored: vLLM's extensions to both routes and to chat, OpenAI's deprecated `functions`, and TGI's
 `grammar` and `adapter_id` on /invocations (its 422 shape). vLLM's
 `include_stop_str_in_output` and `max_completion_tokens` on completions are done (the sampling
-fields and logprobs: test_sampling_fields.py, test_logprobs.py)."""
+fields and logprobs: test_sampling_fields.py, test_logprobs.py), as are tools (test_tools.py)."""
 
 from __future__ import annotations
 
@@ -55,8 +55,6 @@ def test_completion_fields_that_change_the_answer_are_refused_by_name(server, fi
         ("echo", True),
         ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
         ("function_call", {"name": "f"}),
-        ("tool_choice", "required"),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("bad_words", ["t9"]),
     ],
 )
