@@ -35,13 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from lmforge.errors import UserError
     from lmforge.train.config import load_run_config
-    from lmforge.train.plan import CATEGORIES, GiB, parse_memory, plan_run
+    from lmforge.train.plan import CATEGORIES, GiB, check_memory, parse_memory, plan_run
+    from lmforge.train.plan_context import fit_line
 
     memory = parse_memory(args.device_memory) if args.device_memory is not None else None
     cfg = load_run_config(args.config, args.overrides)
     par = cfg.parallel
-    world = args.world_size or par.tensor * par.pipeline * max(par.expert, 1)
+    world = args.world_size or par.tensor * par.pipeline * max(par.expert, 1) * par.context
     # The layout's log lines (mesh, parallelized) would come once per traced rank: the plan below
     # says it once.
     quiet = [
@@ -51,7 +53,16 @@ def run(args: argparse.Namespace) -> None:
     for logger in quiet:
         logger.setLevel(logging.WARNING)
     try:
-        plan = plan_run(cfg, world, args.device, memory)
+        plan = plan_run(cfg, world, args.device)
+        if memory is not None:
+            plan.device_memory = memory
+            plan.context_fit = context_fit(cfg, plan, world, args.device, memory)
+            try:
+                check_memory(plan, memory, cfg.trainer)
+            except UserError as e:
+                if plan.context_fit is None or not plan.context_fit["smallest_context"]:
+                    raise
+                raise UserError(f"{e}; or {fit_line(plan.context_fit)}") from None
     finally:
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
@@ -70,6 +81,8 @@ def run(args: argparse.Namespace) -> None:
     schedule = f", {lay['pipeline_schedule']}" if lay["pipeline_schedule"] else ""
     if lay.get("expert", 1) > 1:
         schedule += f", experts over {lay['expert']} data ranks"
+    if lay.get("context", 1) > 1:
+        schedule += f", context {lay['context']} ({lay['context_method']})"
     print(
         f"layout: pipeline {lay['pipeline']} x data {lay['data_replicate']}x{lay['data_shard']} "
         f"(replicate x shard) x tensor {lay['tensor']}{' + sequence parallel' if lay['sequence_parallel'] else ''}"
@@ -95,3 +108,26 @@ def run(args: argparse.Namespace) -> None:
         f"peak per device: {peak / GiB:.2f} GiB{fits} (tensors only: leave room for the CUDA context and "
         f"communication buffers); traced in {plan.seconds:.1f} s"
     )
+    if plan.context_fit is not None:
+        print(fit_line(plan.context_fit))
+
+
+def context_fit(cfg, plan, world: int, device: str, memory: int) -> dict | None:
+    """fit_context's answer where the recipe splits its sequences (parallel.context > 1), or
+    where its peak does not fit and activations are the most of it (what splitting the sequence
+    divides); None elsewhere, or where the model cannot be split by context."""
+    from lmforge.errors import UserError
+    from lmforge.parallel.context import refuse_unsupported
+    from lmforge.train.plan import CATEGORIES
+    from lmforge.train.plan_context import fit_context
+
+    worst = max(plan.ranks, key=lambda r: r.peak)
+    largest = max(CATEGORIES[:-1], key=lambda k: getattr(worst, k))
+    if cfg.parallel.context == 1 and (worst.peak <= memory or largest != "activations"):
+        return None
+    try:
+        refuse_unsupported(cfg.model.resolve())
+    except UserError:
+        return None
+    fit = fit_context(cfg, world, device, memory)
+    return fit if len(fit["micro_batch_by_context"]) > 1 else None

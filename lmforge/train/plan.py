@@ -92,6 +92,8 @@ class Plan:
     # what the trace held: parameters, trainable, LoRA, DPO's reference
     sized: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # the same in words, a line each
+    # parallel.context for device_memory (lmforge.train.plan_context.fit_context), where asked
+    context_fit: dict | None = None
 
     def per_rank_bytes(self) -> dict[str, int]:
         """Each category's most over the ranks (the rank that sizes the job)."""
@@ -121,6 +123,7 @@ class Plan:
             "layers_per_chunk": self.layers,
             "traced_layers_per_chunk": self.traced_layers,
             "device_memory": self.device_memory,
+            "context_fit": self.context_fit,
             "seconds": round(self.seconds, 2),
         }
 
@@ -156,6 +159,7 @@ def plan_run(
     from lmforge.parallel.fake import trace_device
     from lmforge.parallel.mesh import check_model
     from lmforge.train.lora import check_qlora
+    from lmforge.train.plan_context import context_note, context_standin, context_step_bytes
     from lmforge.train.plan_sizing import nf4_as_traced, notes, sized
     from lmforge.train.plan_tasks import task_plan
     from lmforge.train.setup import check_fit
@@ -173,8 +177,10 @@ def plan_run(
     if world_size < 1:
         raise UserError(f"--world-size must be >= 1, got {world_size}")
     task = get_task(cfg.data.task)
-    layout = parallel_layout(cfg, world_size)
     mcfg = dataclasses.replace(cfg.model.resolve(), num_labels=task_plan(task).labels)
+    # context parallelism: the run at seq_length / C whose data ranks fold the context ranks
+    cfg, context = context_standin(cfg, mcfg, world_size)
+    layout = parallel_layout(cfg, world_size)
     # the run's refusals: the trace below changes the depth, and would not see them
     check_model(layout, mcfg)
     t = cfg.trainer
@@ -236,6 +242,7 @@ def plan_run(
             world_size,
             stage * per_stage,
             stage,
+            context,
         )
         for stage in range(layout.pipeline)
         for d in depths
@@ -264,6 +271,16 @@ def plan_run(
         what,
     )
     result.notes = notes(what, task, max(r.reference for r in ranks), nf4_note, cfg.precision, auto)
+    if context is not None:
+        sent = context_step_bytes(cfg, mcfg, context, layout, grad_accum)
+        for r in ranks:
+            r.collectives["context"] = sent
+        result.layout.update(
+            data_shard=context.data_shard,
+            context=context.context,
+            context_method=context.method,
+        )
+        result.notes.append(context_note(context, sent))
     if device_memory is not None:
         check_memory(result, device_memory, cfg.trainer)
     return result
@@ -349,6 +366,8 @@ def _layout_dict(layout) -> dict:
         "pipeline_schedule": layout.pipeline_schedule if layout.pipeline > 1 else None,
         "virtual_stages": layout.virtual_stages,
         "expert": layout.expert,
+        "context": layout.context,
+        "context_method": layout.context_method if layout.context > 1 else None,
     }
 
 
@@ -458,8 +477,10 @@ def _trace_rank(
     world_size: int,
     rank: int,
     stage: int,
+    context=None,
 ) -> RankPlan:
-    """One step of rank `rank` under the fake world (see the module docstring)."""
+    """One step of rank `rank` under the fake world (see the module docstring); `context`: a
+    ContextSpec, whose attention the layers run (lmforge.train.plan_context.traced_attention)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lmforge.models import build
@@ -467,6 +488,7 @@ def _trace_rank(
     from lmforge.parallel.fake import TraceMode, fake_world
     from lmforge.parallel.load import allocated_bytes, materialize_empty
     from lmforge.parallel.mesh import build_mesh
+    from lmforge.train.plan_context import traced_attention
     from lmforge.train.plan_sizing import quantize_as_read, wrap_as_trained
     from lmforge.train.plan_tasks import as_traced, task_plan
     from lmforge.train.setup import apply_activation_checkpointing
@@ -485,7 +507,7 @@ def _trace_rank(
         )
         return model, materialize_empty
 
-    with fake_world(device, world_size, rank), as_traced(init_model):
+    with fake_world(device, world_size, rank), as_traced(init_model), traced_attention(context):
         mesh = build_mesh(layout, mcfg, world_size=world_size, device_type=device.type)
         # The trainer's steps: the model, its adapters, the task's preparation (DPO's reference),
         # checkpointing.
