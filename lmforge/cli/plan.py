@@ -118,7 +118,7 @@ def context_fit(cfg, plan, world: int, device: str, memory: int) -> dict | None:
     divides); None elsewhere, or where the model cannot be split by context."""
     from lmforge.errors import UserError
     from lmforge.parallel.context import refuse_unsupported
-    from lmforge.train.plan import CATEGORIES
+    from lmforge.train.plan import CATEGORIES, plan_run
     from lmforge.train.plan_context import fit_context
 
     worst = max(plan.ranks, key=lambda r: r.peak)
@@ -129,5 +129,5 @@ def context_fit(cfg, plan, world: int, device: str, memory: int) -> dict | None:
         refuse_unsupported(cfg.model.resolve())
     except UserError:
         return None
-    fit = fit_context(cfg, world, device, memory)
+    fit = fit_context(cfg, world, device, memory, plan_run)
     return fit if len(fit["micro_batch_by_context"]) > 1 else None

@@ -170,7 +170,7 @@ def context_step_bytes(cfg: RunConfig, mcfg, spec: ContextSpec, layout, grad_acc
 
 def context_note(spec: ContextSpec, sent: int) -> str:
     """The plan's line on how a context-parallel run was sized."""
-    from lmforge.train.plan_sizing import _size
+    from lmforge.train.plan_sizing import size_text as _size
 
     c, local = spec.context, spec.seq_length // spec.context
     held = (
@@ -187,13 +187,12 @@ def context_note(spec: ContextSpec, sent: int) -> str:
     )
 
 
-def fit_context(cfg: RunConfig, world_size: int, device: str, device_memory: int) -> dict:
+def fit_context(cfg: RunConfig, world_size: int, device: str, device_memory: int, plan_run) -> dict:
     """Which parallel.context fits `device_memory`: for C = 1, 2, 4 ... (what the world, the
     sequence and the global batch allow), the largest micro-batch up to the recipe's
     trainer.micro_batch_size whose plan's peak fits (0: none), and the smallest C that fits one.
     A larger C or a smaller micro-batch never holds more, so each C starts from the last C's
-    micro-batch."""
-    from lmforge.train.plan import plan_run
+    micro-batch. `plan_run`: lmforge.train.plan.plan_run (passed in: plan imports this module)."""
 
     p, t, seq = cfg.parallel, cfg.trainer, cfg.data.seq_length
     contexts = []
@@ -236,9 +235,7 @@ def fit_context(cfg: RunConfig, world_size: int, device: str, device_memory: int
 
 def fit_line(fit: dict) -> str:
     """fit_context's answer in one line."""
-    from lmforge.train.plan import GiB
-
-    memory = fit["device_memory"] / GiB
+    memory = fit["device_memory"] / (1 << 30)
     each = ", ".join(
         f"C={c} {m if m else 'none'}" for c, m in fit["micro_batch_by_context"].items()
     )

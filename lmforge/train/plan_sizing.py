@@ -155,7 +155,7 @@ def notes(
     if nf4_note:
         lines.append(nf4_note)
     task_line = task_plan(task).line(
-        s["reference"], _size(reference_bytes), s["sequences_per_micro_batch"]
+        s["reference"], size_text(reference_bytes), s["sequences_per_micro_batch"]
     )
     return lines + ([task_line] if task_line else [])
 
@@ -181,7 +181,7 @@ def precision_line(precision: Precision, lora: bool, name: str | None = None) ->
     )
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     """Bytes in GiB, or MiB/KiB where a GiB figure would read 0.00."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size / 10:

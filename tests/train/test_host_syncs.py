@@ -143,6 +143,7 @@ def test_a_batch_already_on_the_gpu_is_not_pinned(monkeypatch):
         pm=SimpleNamespace(pipelined=False, device=cuda),
         seq_length=8,
         layout=SimpleNamespace(tensor=1, sequence_parallel=False),
+        context=None,
         task=SimpleNamespace(inputs=lambda batch: (batch["input_ids"], batch["labels"])),
     )
     with FakeTensorMode(allow_non_fake_inputs=True):
